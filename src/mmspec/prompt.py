@@ -1,0 +1,100 @@
+"""Multimodal prompts: text with ``<image>`` slots, the paper's templates, and slot checks.
+
+This module owns the *text* side of a prompt: the IbED Appendix C templates, filling them,
+counting image slots and checking them against the images given. It knows nothing about
+models or tokenizers beyond the literal ``<image>`` marker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from mmspec.errors import MMSpecError
+
+IMAGE_MARKER = "<image>"
+
+# Appendix C of the IbED paper, verbatim. [QUESTION] / [CAPTION] are filled per sample.
+SINGLE_IMAGE_QA = (
+    "USER: <image> For the following question, provide a detailed explanation of your "
+    "reasoning leading to the answer. [QUESTION] ASSISTANT:"
+)
+SPOT_THE_DIFF = (
+    "USER: Explain the disparities between the first and second image. <image> <image> "
+    "Difference: ASSISTANT:"
+)
+IEDIT = (
+    "USER: Please provide instructions for editing the source image to match the target "
+    "image. Source Image: <image> Target Image: <image> Instruction: ASSISTANT:"
+)
+PORORO_SV = (
+    "USER: Given the progression of the story with the first few images, can you write a "
+    "fitting end considering the last image? <image> Caption #1: [CAPTION] <image> "
+    "Caption #2: [CAPTION]. <image> Caption #3: [CAPTION] <image> Caption #4: [CAPTION] "
+    "<image> Caption #5: ASSISTANT:"
+)
+VIST = (
+    "USER: With the narratives paired with the initial images, how would you conclude the "
+    "story using the last picture? <image> Caption #1: [CAPTION] <image> Caption #2: "
+    "[CAPTION]. <image> Caption #3: [CAPTION] <image> Caption #4: [CAPTION] <image> "
+    "Caption #5: ASSISTANT:"
+)
+
+TEMPLATES: dict[str, str] = {
+    "chartqa": SINGLE_IMAGE_QA,
+    "textvqa": SINGLE_IMAGE_QA,
+    "vqav2": SINGLE_IMAGE_QA,
+    "hallusionbench": SINGLE_IMAGE_QA,
+    "spot_the_diff": SPOT_THE_DIFF,
+    "iedit": IEDIT,
+    "pororosv": PORORO_SV,
+    "vist": VIST,
+}
+
+
+class PromptError(MMSpecError):
+    """A prompt that cannot be run as given; the message names the problem and the fix."""
+
+
+def fill_template(template: str, question: str | None = None, captions: Sequence[str] = ()) -> str:
+    """Fill ``[QUESTION]`` once and each ``[CAPTION]`` in order."""
+    text = template
+    if "[QUESTION]" in text:
+        if question is None:
+            raise PromptError("this template has a [QUESTION] slot; pass question=...")
+        text = text.replace("[QUESTION]", question.strip())
+    n_slots = text.count("[CAPTION]")
+    if n_slots != len(captions):
+        raise PromptError(
+            f"this template has {n_slots} [CAPTION] slots but {len(captions)} captions were "
+            "given; pass one caption for each slot"
+        )
+    for cap in captions:
+        text = text.replace("[CAPTION]", cap.strip(), 1)
+    return text
+
+
+def count_image_slots(text: str) -> int:
+    return text.count(IMAGE_MARKER)
+
+
+def check_image_count(text: str, n_images: int) -> None:
+    """Raise a clear error when the images do not match the prompt's ``<image>`` slots."""
+    n_slots = count_image_slots(text)
+    if n_slots != n_images:
+        raise PromptError(
+            f"the prompt has {n_slots} {IMAGE_MARKER} slot(s) but {n_images} image(s) were "
+            f"given; put one {IMAGE_MARKER} in the prompt for each image (in order), or pass "
+            f"{n_slots} image(s)"
+        )
+
+
+@dataclass
+class MultimodalPrompt:
+    """A prompt's text (with ``<image>`` slots) and its images, in slot order."""
+
+    text: str
+    images: list = field(default_factory=list)  # list[PIL.Image.Image]
+
+    def __post_init__(self) -> None:
+        check_image_count(self.text, len(self.images))

@@ -1,0 +1,94 @@
+"""Per-block records of a speculative generation, and the summary numbers derived from them.
+
+Conventions (DESIGN.md): a *block* is one draft-then-verify round. It yields the accepted draft
+tokens plus one token from the target: the *recovered* token after a rejection, or the *bonus*
+token when all gamma drafts are accepted. Block efficiency ``tau`` counts that target token
+(``1 <= tau <= gamma + 1``); ``mean_accepted_length = tau - 1`` does not. When the output is cut
+by EOS or ``max_new_tokens`` inside a block, the block counts only the tokens actually emitted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class BlockRecord:
+    """One draft-then-verify round."""
+
+    n_drafted: int  # draft tokens proposed (gamma, fewer near max_new_tokens)
+    n_accepted: int  # draft tokens accepted by verification
+    n_emitted: int  # tokens appended to the output by this block (after any EOS / limit cut)
+    draft_s: float = 0.0  # wall time of the draft forwards of this block
+    verify_s: float = 0.0  # wall time of the target forward + acceptance maths
+
+
+@dataclass
+class GenerationStats:
+    """Summary of one ``SpecDecoder.generate`` call. Times are wall-clock seconds."""
+
+    gamma: int
+    views: tuple[str, ...]
+    blocks: list[BlockRecord] = field(default_factory=list)
+    vision_s: float = 0.0  # image encoding (vision tower + projectors; shared when reused)
+    caption_s: float = 0.0  # captioner, once per image, at prefill
+    prefill_target_s: float = 0.0
+    prefill_draft_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def tokens_per_block(self) -> list[int]:
+        return [b.n_emitted for b in self.blocks]
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(self.tokens_per_block)
+
+    @property
+    def tau(self) -> float:
+        """Block efficiency: mean tokens produced per block, bonus/recovered token included."""
+        return self.n_tokens / self.n_blocks if self.blocks else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """tau - 1: mean accepted draft tokens per block (EAGLE-family convention)."""
+        return self.tau - 1.0 if self.blocks else 0.0
+
+    @property
+    def draft_s(self) -> float:
+        return sum(b.draft_s for b in self.blocks)
+
+    @property
+    def verify_s(self) -> float:
+        return sum(b.verify_s for b in self.blocks)
+
+    @property
+    def prefill_s(self) -> float:
+        return self.prefill_target_s + self.prefill_draft_s
+
+    def acceptance_by_position(self) -> list[float]:
+        """P(draft position i accepted | it was drafted), i = 0..gamma-1."""
+        hits = [0] * self.gamma
+        tries = [0] * self.gamma
+        for b in self.blocks:
+            for i in range(b.n_drafted):
+                tries[i] += 1
+                hits[i] += int(i < b.n_accepted)
+        return [h / t if t else 0.0 for h, t in zip(hits, tries)]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(
+            n_blocks=self.n_blocks,
+            n_tokens=self.n_tokens,
+            tau=self.tau,
+            mean_accepted_length=self.mean_accepted_length,
+            draft_s=self.draft_s,
+            verify_s=self.verify_s,
+            acceptance_by_position=self.acceptance_by_position(),
+        )
+        return d
