@@ -1,0 +1,86 @@
+"""The embedded model pack: tiny target / draft / pooled draft / captioner shipped in the package.
+
+Owns: :func:`load_embedded`, which loads ``src/mmspec/assets/embedded/{target,draft,
+draft_pooled,captioner}`` (fp16 safetensors on disk, upcast to ``dtype`` on load) into an
+:class:`EmbeddedModels`. The models are plain HF ``LlavaForConditionalGeneration``
+directories trained by ``mmspec train embedded`` on the synthetic world (see
+:mod:`mmspec.train`); this module knows nothing about training.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mmspec.errors import MMSpecError
+
+ROLES = ("target", "draft", "draft_pooled", "captioner")
+DEFAULT_CAPTIONER_PROMPT = "USER: <image> Describe the image briefly. ASSISTANT:"
+
+
+@dataclass
+class EmbeddedModels:
+    """The loaded pack. ``draft_pooled`` is None when the pack has none."""
+
+    target: object  # LlavaForConditionalGeneration
+    draft: object
+    draft_pooled: object | None
+    pooled_tokens: int | None  # image tokens per image the pooled draft was fine-tuned with
+    captioner_model: object
+    captioner_processor: object
+    captioner_prompt: str
+    tokenizer: object
+    processor: object  # the target's (and draft's) LlavaProcessor
+    path: Path
+
+
+def default_path() -> Path:
+    """Where the package keeps the pack."""
+    return Path(__file__).resolve().parent / "assets" / "embedded"
+
+
+def _missing(path: Path, what: str) -> MMSpecError:
+    return MMSpecError(
+        f"embedded models not found: {what} is missing under {path}. Produce them with "
+        f"`mmspec train embedded --out {path}` (CPU, ~40 min; add --minutes-budget to change), "
+        f"or pass path= to a directory that holds target/, draft/, draft_pooled/, captioner/.")
+
+
+def _sidecar(directory: Path) -> dict:
+    p = directory / "mmspec.json"
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def load_embedded(dtype: torch.dtype = torch.float32, path: str | Path | None = None,
+                  device: str | torch.device = "cpu") -> EmbeddedModels:
+    """Load the pack from ``path`` (default: the package assets), weights cast to ``dtype``."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    root = Path(path) if path is not None else default_path()
+    for role in ("target", "draft", "captioner"):
+        if not (root / role / "config.json").exists():
+            raise _missing(root, f"{role}/config.json")
+
+    def model(role: str):
+        m = LlavaForConditionalGeneration.from_pretrained(root / role, dtype=dtype)
+        return m.to(device).eval()
+
+    pooled_dir = root / "draft_pooled"
+    has_pooled = (pooled_dir / "config.json").exists()
+    cap_meta = _sidecar(root / "captioner")
+    processor = AutoProcessor.from_pretrained(root / "target")
+    return EmbeddedModels(
+        target=model("target"),
+        draft=model("draft"),
+        draft_pooled=model("draft_pooled") if has_pooled else None,
+        pooled_tokens=_sidecar(pooled_dir).get("pooled_tokens") if has_pooled else None,
+        captioner_model=model("captioner"),
+        captioner_processor=AutoProcessor.from_pretrained(root / "captioner"),
+        captioner_prompt=cap_meta.get("captioner_prompt", DEFAULT_CAPTIONER_PROMPT),
+        tokenizer=processor.tokenizer,
+        processor=processor,
+        path=root,
+    )

@@ -1,0 +1,191 @@
+"""Typed configuration of the training recipes and the model builder.
+
+Owns: the model size presets (:class:`ModelSize`), the per-stage optimisation settings
+(:class:`StageConfig`), the whole embedded-pack recipe (:class:`RecipeConfig`) and
+:func:`build_llava`, which turns a size preset + tokenizer into a randomly initialised HF
+``LlavaForConditionalGeneration`` (CLIP vision tower, Llama LM, image 96 px, patch 12).
+
+Does not know about data, training loops or files: see ``data.py``, ``recipe.py``, ``cli.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import torch
+from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+from mmspec.errors import MMSpecError
+
+IMAGE_SIZE = 96
+PATCH_SIZE = 12
+IMAGE_TOKEN_ID = 4
+GRID = IMAGE_SIZE // PATCH_SIZE  # 8 -> 64 image tokens per image
+
+Trainable = Literal["all", "projector", "projector+lm"]
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Widths and depths of one LLaVA-architecture model (vision tower + projector + LM)."""
+
+    name: str
+    lm_hidden: int
+    lm_layers: int
+    lm_heads: int
+    lm_intermediate: int
+    lm_kv_heads: int | None = None  # None: same as lm_heads (no GQA)
+    vision_hidden: int = 192
+    vision_layers: int = 4
+    vision_heads: int = 4
+    vision_intermediate: int = 576
+    max_positions: int = 1024
+    tie_embeddings: bool = True
+
+
+# Presets. "target" is ~9M params in all (vision tower included); "draft" keeps LM + projector
+# under 2M and shares the target's vision tower (so the vision fields must match "target").
+_SIZES: dict[str, ModelSize] = {
+    "target": ModelSize("target", lm_hidden=256, lm_layers=8, lm_heads=4, lm_intermediate=768),
+    "draft": ModelSize("draft", lm_hidden=128, lm_layers=4, lm_heads=4, lm_intermediate=384),
+    "captioner": ModelSize("captioner", lm_hidden=128, lm_layers=3, lm_heads=4, lm_intermediate=384),
+    # For tests: everything tiny.
+    "tiny": ModelSize("tiny", lm_hidden=32, lm_layers=2, lm_heads=2, lm_intermediate=64,
+                      vision_hidden=32, vision_layers=2, vision_heads=2, vision_intermediate=64,
+                      max_positions=1024),
+    "tiny-draft": ModelSize("tiny-draft", lm_hidden=16, lm_layers=1, lm_heads=2, lm_intermediate=32,
+                            vision_hidden=32, vision_layers=2, vision_heads=2, vision_intermediate=64,
+                            max_positions=1024),
+}
+
+
+def model_size(name: str) -> ModelSize:
+    """The preset called ``name`` ("target", "draft", "captioner", "tiny", "tiny-draft")."""
+    if name not in _SIZES:
+        raise MMSpecError(f"unknown model size {name!r}; choose one of {sorted(_SIZES)}")
+    return _SIZES[name]
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """One optimisation stage: AdamW, linear warm-up then cosine decay to 0, grad clipping.
+
+    ``steps`` fixes the schedule length. With ``max_seconds`` the schedule runs on
+    ``max(step/steps, elapsed/max_seconds)`` and the stage stops when either reaches 1, so a
+    wall-clock budget is honoured (use ``max_seconds=None`` for bit-reproducible runs).
+    """
+
+    name: str
+    trainable: Trainable
+    lr: float
+    steps: int
+    batch_size: int = 16
+    warmup_ratio: float = 0.03
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    max_seconds: float | None = None
+    pooled_tokens: int | None = None  # None: the full 8x8 grid (64 tokens per image)
+    # Fraction of examples shown through the text view (each image -> "\n") or the caption
+    # view (each image -> its caption). Not in the paper's recipe: our LMs have no text
+    # pretraining, so a little of this keeps the T/C draft views in distribution.
+    text_view_prob: float = 0.0
+    caption_view_prob: float = 0.0
+
+
+@dataclass(frozen=True)
+class RecipeConfig:
+    """The whole embedded pack: tokenizer -> target stage 0/1/2 -> draft 1/2 -> pooled -> captioner."""
+
+    seed: int = 0
+    device: str = "cpu"
+    threads: int | None = None  # torch.set_num_threads; None leaves torch's default
+    autocast_bf16: bool = False
+    n_train_per_family: int = 400
+    n_eval_per_family: int = 4
+    max_answer_tokens: int = 96
+    target_size: str = "target"
+    draft_size: str = "draft"
+    captioner_size: str = "captioner"
+    pooled_tokens: int = 16
+    target_stages: tuple[StageConfig, ...] = field(default_factory=lambda: (
+        StageConfig("target-stage0", "all", lr=1e-3, steps=600, batch_size=16),
+        StageConfig("target-stage1", "projector", lr=1e-3, steps=20, batch_size=16),
+        StageConfig("target-stage2", "projector+lm", lr=2e-4, steps=100, batch_size=16),
+    ))
+    draft_stages: tuple[StageConfig, ...] = field(default_factory=lambda: (
+        StageConfig("draft-stage1", "projector", lr=1e-3, steps=30, batch_size=16),
+        StageConfig("draft-stage2", "projector+lm", lr=1e-3, steps=300, batch_size=16,
+                    text_view_prob=0.2, caption_view_prob=0.1),
+    ))
+    pooled_stage: StageConfig = field(default_factory=lambda: StageConfig(
+        "draft-pooled", "projector+lm", lr=2e-4, steps=80, batch_size=16, pooled_tokens=16))
+    captioner_stages: tuple[StageConfig, ...] = field(default_factory=lambda: (
+        StageConfig("captioner-stage1", "projector", lr=1e-3, steps=20, batch_size=32),
+        StageConfig("captioner-stage2", "projector+lm", lr=1e-3, steps=200, batch_size=32),
+    ))
+
+    def scaled(self, factor: float) -> "RecipeConfig":
+        """The same recipe with every stage's step count multiplied by ``factor`` (>= 1 step)."""
+        def s(st: StageConfig) -> StageConfig:
+            return replace(st, steps=max(1, round(st.steps * factor)))
+        return replace(self, target_stages=tuple(map(s, self.target_stages)),
+                       draft_stages=tuple(map(s, self.draft_stages)),
+                       pooled_stage=s(self.pooled_stage),
+                       captioner_stages=tuple(map(s, self.captioner_stages)))
+
+
+def build_llava(size: ModelSize, tokenizer, vision_tower: torch.nn.Module | None = None,
+                ) -> LlavaForConditionalGeneration:
+    """A randomly initialised LLaVA model of ``size`` for ``tokenizer``'s vocabulary.
+
+    ``vision_tower``: an existing (trained) CLIP vision tower whose weights are copied in, so a
+    draft or captioner shares the target's image encoder exactly. Its config must match
+    ``size``'s vision fields. Uses the global torch RNG for initialisation (seed it first).
+    """
+    vision = CLIPVisionConfig(
+        hidden_size=size.vision_hidden, intermediate_size=size.vision_intermediate,
+        num_hidden_layers=size.vision_layers, num_attention_heads=size.vision_heads,
+        image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, num_channels=3, projection_dim=size.vision_hidden,
+    )
+    text = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=size.lm_hidden, intermediate_size=size.lm_intermediate,
+        num_hidden_layers=size.lm_layers, num_attention_heads=size.lm_heads,
+        num_key_value_heads=size.lm_kv_heads or size.lm_heads, max_position_embeddings=size.max_positions,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=size.tie_embeddings,
+    )
+    config = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN_ID,
+        vision_feature_layer=-2, vision_feature_select_strategy="default",
+        projector_hidden_act="gelu", image_seq_length=GRID * GRID,
+        tie_word_embeddings=size.tie_embeddings,
+    )
+    config.pad_token_id = tokenizer.pad_token_id
+    model = LlavaForConditionalGeneration(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    if vision_tower is not None:
+        try:
+            model.model.vision_tower.load_state_dict(vision_tower.state_dict())
+        except RuntimeError as exc:
+            raise MMSpecError(f"vision tower does not fit size {size.name!r}: {exc}") from exc
+    return model
+
+
+def count_params(module: torch.nn.Module) -> int:
+    """Unique parameters (tied weights counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+
+
+def param_report(model: LlavaForConditionalGeneration) -> dict[str, int]:
+    """Parameter counts per part: vision, projector, lm (embeddings included) and total."""
+    inner = model.model
+    return {
+        "vision": count_params(inner.vision_tower),
+        "projector": count_params(inner.multi_modal_projector),
+        "lm": count_params(inner.language_model) + (0 if model.config.tie_word_embeddings
+                                                   else count_params(model.lm_head)),
+        "total": count_params(model),
+    }

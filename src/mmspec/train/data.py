@@ -1,0 +1,171 @@
+"""Training data: world samples -> token ids + labels -> right-padded batches.
+
+Owns: the training :class:`Example` (prompt with ``<image>`` markers, answer, images,
+captions), its encoding under a *view* (multimodal with 64 or pooled N image tokens per
+image, text with each image -> ``"\\n"``, caption with each image -> its caption), the label
+mask (-100 on prompt, image tokens and padding: loss only on the answer and the closing
+eos), length-grouped shuffled batching and right-pad collation.
+
+A training sequence is ``prompt + " " + answer + eos``, tokenised as the prompt alone (as the
+engine tokenises it at inference) followed by the answer's own tokens, so training sees
+exactly the token boundary that generation continues from.
+
+Does not know about models or optimisers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Literal, Sequence
+
+import torch
+from PIL import Image
+
+from mmspec.errors import MMSpecError
+
+IGNORE = -100
+CAPTIONER_PROMPT = "USER: <image> Describe the image briefly. ASSISTANT:"
+View = Literal["multimodal", "text", "caption"]
+
+
+@dataclass(frozen=True)
+class Example:
+    """One supervised example. ``prompt`` holds one ``<image>`` marker per image."""
+
+    prompt: str
+    answer: str
+    images: tuple[Image.Image, ...]
+    captions: tuple[str, ...] = ()
+    family: str = ""
+
+
+def example_from_sample(sample) -> Example:
+    """A world ``Sample`` as a training example (uses the world's ``training_text``)."""
+    from mmspec.world.processor import training_text
+
+    prompt, answer = training_text(sample)
+    return Example(prompt, answer, tuple(sample.images), tuple(sample.captions), sample.family)
+
+
+def caption_examples(sample) -> list[Example]:
+    """One captioner example per image of a world sample: image -> its ground-truth caption."""
+    return [Example(CAPTIONER_PROMPT, cap, (img,), (cap,), "caption")
+            for img, cap in zip(sample.images, sample.captions)]
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """Token ids of one example under one view; ``images`` are those whose tokens are in ids."""
+
+    input_ids: list[int]
+    labels: list[int]
+    images: tuple[Image.Image, ...]
+
+
+@dataclass
+class Batch:
+    """A right-padded batch. ``pixel_values`` holds the images of all rows in token order."""
+
+    input_ids: torch.Tensor  # [B, T] long
+    attention_mask: torch.Tensor  # [B, T] long
+    labels: torch.Tensor  # [B, T] long, -100 where no loss
+    pixel_values: torch.Tensor | None  # [n_img, 3, 96, 96] or None
+    tokens_per_image: int
+
+    def to(self, device: str | torch.device) -> "Batch":
+        pv = None if self.pixel_values is None else self.pixel_values.to(device)
+        return Batch(self.input_ids.to(device), self.attention_mask.to(device),
+                     self.labels.to(device), pv, self.tokens_per_image)
+
+
+@dataclass
+class Encoder:
+    """Encodes examples with one tokenizer; ``image_token_id`` is the ``<image>`` id (4)."""
+
+    tokenizer: object
+    image_token_id: int = 4
+    max_answer_tokens: int | None = None
+    _newline: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._newline = self.tokenizer("\n", add_special_tokens=False)["input_ids"]
+
+    def encode(self, ex: Example, view: View = "multimodal", tokens_per_image: int = 64) -> Encoded:
+        prompt_ids = self.tokenizer(ex.prompt)["input_ids"]
+        n_markers = prompt_ids.count(self.image_token_id)
+        if n_markers != len(ex.images):
+            raise MMSpecError(f"prompt has {n_markers} <image> tokens but {len(ex.images)} images")
+        if view == "caption" and len(ex.captions) != len(ex.images):
+            raise MMSpecError("caption view needs one caption per image")
+        ids: list[int] = []
+        image_idx = 0
+        for tok in prompt_ids:
+            if tok != self.image_token_id:
+                ids.append(tok)
+                continue
+            if view == "multimodal":
+                ids.extend([self.image_token_id] * tokens_per_image)
+            elif view == "text":
+                ids.extend(self._newline)
+            else:
+                ids.extend(self.tokenizer(ex.captions[image_idx], add_special_tokens=False)["input_ids"])
+            image_idx += 1
+        answer_ids = self.tokenizer(" " + ex.answer, add_special_tokens=False)["input_ids"]
+        if self.max_answer_tokens is not None and len(answer_ids) > self.max_answer_tokens:
+            answer_ids = answer_ids[: self.max_answer_tokens]  # cut: no eos, the answer goes on
+        else:
+            answer_ids = answer_ids + [self.tokenizer.eos_token_id]
+        labels = [IGNORE] * len(ids) + answer_ids
+        images = ex.images if view == "multimodal" else ()
+        return Encoded(ids + answer_ids, labels, images)
+
+
+def collate(items: Sequence[Encoded], pad_id: int, image_processor, tokens_per_image: int) -> Batch:
+    """Right-pad ``items`` into a :class:`Batch`; labels are -100 on the padding."""
+    width = max(len(it.input_ids) for it in items)
+    ids = torch.full((len(items), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(items), width), dtype=torch.long)
+    labels = torch.full((len(items), width), IGNORE, dtype=torch.long)
+    for row, it in enumerate(items):
+        n = len(it.input_ids)
+        ids[row, :n] = torch.tensor(it.input_ids)
+        mask[row, :n] = 1
+        labels[row, :n] = torch.tensor(it.labels)
+    images = [img for it in items for img in it.images]
+    pixel_values = None
+    if images:
+        pixel_values = image_processor(images, return_tensors="pt")["pixel_values"]
+    return Batch(ids, mask, labels, pixel_values, tokens_per_image)
+
+
+def batch_stream(examples: Sequence[Example], encoder: Encoder, image_processor, batch_size: int,
+                 generator: torch.Generator, tokens_per_image: int = 64, text_view_prob: float = 0.0,
+                 caption_view_prob: float = 0.0, group: int = 16) -> Iterator[Batch]:
+    """Endless shuffled batches, epoch after epoch, each drawn by ``generator``.
+
+    Length grouping: each run of ``batch_size * group`` shuffled examples is sorted by length
+    and cut into batches (less padding), and the batch order is shuffled again. Each example's
+    view is drawn per epoch: text with ``text_view_prob``, caption with ``caption_view_prob``,
+    else multimodal.
+    """
+    if not examples:
+        raise MMSpecError("no training examples")
+    has_captions = all(len(ex.captions) == len(ex.images) for ex in examples)
+    while True:
+        perm = torch.randperm(len(examples), generator=generator).tolist()
+        draws = torch.rand(len(examples), generator=generator).tolist()
+        encoded = []
+        for i, u in zip(perm, draws):
+            view: View = "multimodal"
+            if u < text_view_prob:
+                view = "text"
+            elif u < text_view_prob + caption_view_prob and has_captions:
+                view = "caption"
+            encoded.append(encoder.encode(examples[i], view, tokens_per_image))
+        batches: list[list[Encoded]] = []
+        chunk = batch_size * group
+        for start in range(0, len(encoded), chunk):
+            part = sorted(encoded[start:start + chunk], key=lambda e: len(e.input_ids))
+            batches.extend(part[j:j + batch_size] for j in range(0, len(part), batch_size))
+        for b in torch.randperm(len(batches), generator=generator).tolist():
+            yield collate(batches[b], encoder.tokenizer.pad_token_id, image_processor, tokens_per_image)

@@ -1,0 +1,207 @@
+"""The training loop of one stage of the LLaVA recipe, and the quick evaluations.
+
+Owns: which parameters a stage trains (:func:`set_trainable`), the learning-rate schedule
+(:func:`lr_at`: linear warm-up over ``warmup_ratio`` then cosine to 0), the loss of a batch
+(:func:`batch_loss`, images through :mod:`pooling` so pooled and full grids share one code
+path), :func:`train_stage` (AdamW, grad clipping, progress bar) and held-out metrics
+(:func:`eval_loss`, :func:`fact_recall`).
+
+Stages (IbED Appendix A, after LLaVA-1.5): stage 1 = projector only (LM and vision frozen),
+stage 2 = projector + LM (vision frozen). Our deviation: the vision tower is not a pretrained
+CLIP, so the target first runs a "stage 0" training everything end-to-end; drafts and the
+captioner then reuse the trained target's tower, frozen.
+
+Does not know about files or the pack's order of stages: see ``pack.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from mmspec.errors import MMSpecError
+from mmspec.train.config import StageConfig, Trainable
+from mmspec.train.data import Batch, Encoder, Example
+from mmspec.train.pooling import embed_multimodal, pool_patches, vision_patch_features
+
+
+def set_trainable(model, trainable: Trainable) -> list[torch.nn.Parameter]:
+    """Freeze/unfreeze the model's parts for a stage; returns the trainable parameters."""
+    inner = model.model
+    parts = {
+        "all": [model],
+        "projector": [inner.multi_modal_projector],
+        "projector+lm": [inner.multi_modal_projector, inner.language_model, model.lm_head],
+    }
+    if trainable not in parts:
+        raise MMSpecError(f"unknown trainable set {trainable!r}; use one of {sorted(parts)}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for part in parts[trainable]:
+        for p in part.parameters():
+            p.requires_grad_(True)
+    seen: dict[int, torch.nn.Parameter] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            seen[id(p)] = p
+    return list(seen.values())
+
+
+def lr_at(progress: float, base_lr: float, warmup_ratio: float) -> float:
+    """Learning rate at ``progress`` in [0, 1]: linear warm-up then cosine decay to 0."""
+    progress = min(max(progress, 0.0), 1.0)
+    if warmup_ratio > 0 and progress < warmup_ratio:
+        return base_lr * progress / warmup_ratio
+    rest = (progress - warmup_ratio) / max(1e-12, 1.0 - warmup_ratio)
+    return base_lr * 0.5 * (1.0 + math.cos(math.pi * rest))
+
+
+def image_features(model, pixel_values: torch.Tensor, n_tokens: int, train_vision: bool) -> torch.Tensor:
+    """Projected (optionally pooled) features [n_img, n_tokens, H]; no vision grads if frozen."""
+    ctx = contextlib.nullcontext() if train_vision else torch.no_grad()
+    with ctx:
+        feats = vision_patch_features(model, pixel_values)  # [n_img, 64, C]
+    return model.model.multi_modal_projector(pool_patches(feats, n_tokens))
+
+
+def batch_loss(model, batch: Batch, train_vision: bool = True) -> torch.Tensor:
+    """Mean next-token cross-entropy over the labelled (answer + eos) tokens of ``batch``."""
+    feats = None
+    if batch.pixel_values is not None:
+        feats = image_features(model, batch.pixel_values, batch.tokens_per_image, train_vision)
+    embeds = embed_multimodal(model, batch.input_ids, feats)  # [B, T, H]
+    out = model(inputs_embeds=embeds, attention_mask=batch.attention_mask, labels=batch.labels,
+                use_cache=False)
+    return out.loss
+
+
+@dataclass
+class StageResult:
+    """What a stage did: losses per step (train), steps run, seconds, samples seen."""
+
+    name: str
+    losses: list[float] = field(default_factory=list)
+    steps: int = 0
+    seconds: float = 0.0
+    samples: int = 0
+
+    @property
+    def final_loss(self) -> float:
+        tail = self.losses[-max(1, len(self.losses) // 10):]
+        return sum(tail) / len(tail) if tail else float("nan")
+
+    def summary(self) -> dict:
+        return {"name": self.name, "steps": self.steps, "seconds": round(self.seconds, 1),
+                "samples": self.samples, "first_loss": self.losses[0] if self.losses else None,
+                "final_loss": self.final_loss,
+                "samples_per_s": round(self.samples / max(self.seconds, 1e-9), 2)}
+
+
+def _autocast(device: str, enabled: bool):
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
+
+
+def train_stage(model, stage: StageConfig, batches: Iterator[Batch], device: str = "cpu",
+                autocast_bf16: bool = False, progress: bool = True) -> StageResult:
+    """Run one stage on ``model`` (in place). ``batches`` must already match ``stage``'s view."""
+    params = set_trainable(model, stage.trainable)
+    train_vision = stage.trainable == "all"
+    model.to(device).train()
+    opt = torch.optim.AdamW(params, lr=0.0, weight_decay=stage.weight_decay)
+    result = StageResult(stage.name)
+    start = time.perf_counter()
+    bar = tqdm(total=stage.steps, desc=stage.name, disable=not progress, dynamic_ncols=True)
+    step = 0
+    while True:
+        elapsed = time.perf_counter() - start
+        frac = step / stage.steps
+        if stage.max_seconds is not None:
+            frac = max(frac, elapsed / stage.max_seconds)
+        if frac >= 1.0:
+            break
+        for group in opt.param_groups:
+            group["lr"] = lr_at(frac, stage.lr, stage.warmup_ratio)
+        batch = next(batches).to(device)
+        with _autocast(device, autocast_bf16):
+            loss = batch_loss(model, batch, train_vision)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, stage.grad_clip)
+        opt.step()
+        step += 1
+        result.losses.append(float(loss.detach()))
+        result.samples += batch.input_ids.shape[0]
+        bar.update(1)
+        bar.set_postfix(loss=f"{result.losses[-1]:.3f}", lr=f"{opt.param_groups[0]['lr']:.1e}")
+    bar.close()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.eval()
+    result.steps = step
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+@torch.no_grad()
+def eval_loss(model, batches: Sequence[Batch], device: str = "cpu") -> float:
+    """Token-weighted mean loss over fixed held-out ``batches``."""
+    model.eval()
+    total, count = 0.0, 0
+    for batch in batches:
+        batch = batch.to(device)
+        n = int((batch.labels[:, 1:] != -100).sum())
+        total += float(batch_loss(model, batch, train_vision=False)) * n
+        count += n
+    return total / max(count, 1)
+
+
+@torch.no_grad()
+def greedy_answer(model, encoder: Encoder, image_processor, ex: Example, tokens_per_image: int = 64,
+                  max_new_tokens: int = 64, device: str = "cpu") -> list[int]:
+    """Greedy continuation of ``ex``'s prompt (multimodal view); returns the new token ids."""
+    from mmspec.train.data import collate
+
+    enc = encoder.encode(Example(ex.prompt, "", ex.images, ex.captions, ex.family), "multimodal",
+                         tokens_per_image)
+    n_prompt = len(enc.labels) - sum(1 for label in enc.labels if label != -100)
+    batch = collate([type(enc)(enc.input_ids[:n_prompt], enc.labels[:n_prompt], enc.images)],
+                    encoder.tokenizer.pad_token_id, image_processor, tokens_per_image).to(device)
+    feats = None
+    if batch.pixel_values is not None:
+        feats = image_features(model, batch.pixel_values, tokens_per_image, train_vision=False)
+    embeds = embed_multimodal(model, batch.input_ids, feats)
+    out = model.generate(inputs_embeds=embeds, attention_mask=batch.attention_mask,
+                         max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=encoder.tokenizer.pad_token_id,
+                         eos_token_id=encoder.tokenizer.eos_token_id)
+    return out[0].tolist()
+
+
+def fact_recall(model, encoder: Encoder, image_processor, samples: Sequence, max_new_tokens: int = 64,
+                device: str = "cpu", tokens_per_image: int = 64) -> dict:
+    """Share of world facts whose value appears verbatim in the greedy answer (held-out samples)."""
+    from mmspec.train.data import example_from_sample
+
+    hit = total = 0
+    per_family: dict[str, list[int]] = {}
+    for sample in samples:
+        ids = greedy_answer(model, encoder, image_processor, example_from_sample(sample),
+                            tokens_per_image, max_new_tokens, device)
+        text = encoder.tokenizer.decode(ids, skip_special_tokens=True)
+        for value in sample.facts.values():
+            ok = int(str(value) in text)
+            hit += ok
+            total += 1
+            per_family.setdefault(sample.family, [0, 0])
+            per_family[sample.family][0] += ok
+            per_family[sample.family][1] += 1
+    return {"recall": hit / max(total, 1),
+            "per_family": {k: round(h / max(t, 1), 3) for k, (h, t) in per_family.items()}}

@@ -1,0 +1,156 @@
+"""Tests of mmspec.train: masking, stage freezing, loss going down, pooling maths, checkpoints.
+
+Tiny models built from configs and a tiny fake world (coloured squares), so the tests need
+neither the synthetic world package nor trained assets, and run in seconds on CPU.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from PIL import Image
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (AutoProcessor, CLIPImageProcessor, LlavaForConditionalGeneration,
+                          LlavaProcessor, PreTrainedTokenizerFast)
+
+from mmspec.errors import MMSpecError
+from mmspec.train.config import StageConfig, build_llava, model_size
+from mmspec.train.data import IGNORE, Encoder, Example, batch_stream, collate
+from mmspec.train.pooling import pool_patches, pooled_image_features, vision_patch_features
+from mmspec.train.recipe import batch_loss, lr_at, train_stage
+
+COLORS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220), "yellow": (230, 220, 20)}
+WORDS = ["USER:", "ASSISTANT:", "what", "color", "is", "the", "square", "?", ".", "it", "and",
+         "compare", "images", "a"] + list(COLORS)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {w: i for i, w in enumerate(["<pad>", "<s>", "</s>", "<unk>", "<image>", "\n"] + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>", unk_token="<unk>")
+    fast.add_special_tokens({"additional_special_tokens": ["<image>", "\n"]})
+    assert fast.convert_tokens_to_ids("<image>") == 4 and fast("\n", add_special_tokens=False)["input_ids"] == [5]
+    return fast
+
+
+@pytest.fixture(scope="module")
+def processor(tokenizer) -> LlavaProcessor:
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 96}, crop_size={"height": 96, "width": 96})
+    return LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=12,
+                          vision_feature_select_strategy="default", num_additional_image_tokens=1)
+
+
+def fake_examples(n: int, seed: int = 0, n_images: int = 1) -> list[Example]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        names = [rng.choice(list(COLORS)) for _ in range(n_images)]
+        images = tuple(Image.new("RGB", (96, 96), COLORS[c]) for c in names)
+        prompt = "USER: " + " ".join(["<image>"] * n_images) + " what color is the square ? ASSISTANT:"
+        answer = "it is " + " and ".join(names) + " ."
+        out.append(Example(prompt, answer, images, tuple(f"a {c} square" for c in names), "fake"))
+    return out
+
+
+@pytest.fixture()
+def model(tokenizer) -> LlavaForConditionalGeneration:
+    torch.manual_seed(0)
+    return build_llava(model_size("tiny"), tokenizer)
+
+
+def test_encoder_matches_processor_and_masks_labels(tokenizer, processor):
+    ex = fake_examples(1, n_images=2)[0]
+    enc = Encoder(tokenizer).encode(ex)
+    ref = list(processor(text=ex.prompt, images=list(ex.images))["input_ids"][0])
+    assert enc.input_ids[: len(ref)] == ref  # prompt ids exactly as the processor makes them
+    assert enc.input_ids.count(4) == 128
+    answer = tokenizer(" " + ex.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert enc.labels == [IGNORE] * len(ref) + answer
+    batch = collate([enc, Encoder(tokenizer).encode(fake_examples(1, seed=1)[0])], 0,
+                    processor.image_processor, 64)
+    img_or_pad = (batch.input_ids == 4) | (batch.attention_mask == 0)
+    assert (batch.labels[img_or_pad] == IGNORE).all()
+    assert batch.pixel_values.shape == (3, 3, 96, 96)
+    # views: text -> one "\n" per image; pooled -> N tokens per image
+    assert Encoder(tokenizer).encode(ex, "text").input_ids.count(5) == 2
+    assert Encoder(tokenizer).encode(ex, "multimodal", 16).input_ids.count(4) == 32
+    assert Encoder(tokenizer).encode(ex, "text").images == ()
+
+
+def test_pooled_features_exact(model, processor):
+    pv = processor.image_processor([ex.images[0] for ex in fake_examples(3)], return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        ref = torch.stack(model.model.get_image_features(pixel_values=pv).pooler_output)  # [3, 64, H]
+        assert torch.equal(pooled_image_features(model, pv, 64), ref)
+        feats = vision_patch_features(model, pv)  # [3, 64, C]
+        grid = feats.reshape(3, 8, 8, -1)
+        manual = grid.reshape(3, 4, 2, 4, 2, -1).mean(dim=(2, 4)).reshape(3, 16, -1)
+        torch.testing.assert_close(pool_patches(feats, 16), manual)
+        p16 = pooled_image_features(model, pv, 16)
+        assert p16.shape == (3, 16, model.config.text_config.hidden_size)
+        torch.testing.assert_close(p16, model.model.multi_modal_projector(manual))
+    with pytest.raises(MMSpecError):
+        pool_patches(feats, 9)
+
+
+def test_stage1_changes_only_projector(model, tokenizer, processor):
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    stream = batch_stream(fake_examples(8), Encoder(tokenizer), processor.image_processor, 4,
+                          torch.Generator().manual_seed(0))
+    train_stage(model, StageConfig("s1", "projector", lr=1e-2, steps=2, batch_size=4), stream, progress=False)
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed and all(k.startswith("model.multi_modal_projector.") for k in changed)
+
+
+def test_stage2_reduces_loss(model, tokenizer, processor):
+    examples = fake_examples(8)
+    fixed = collate([Encoder(tokenizer).encode(e) for e in examples], 0, processor.image_processor, 64)
+    with torch.no_grad():
+        loss0 = float(batch_loss(model, fixed, train_vision=False))
+    stream = batch_stream(examples, Encoder(tokenizer), processor.image_processor, 8,
+                          torch.Generator().manual_seed(0))
+    res = train_stage(model, StageConfig("s2", "projector+lm", lr=1e-2, steps=12, batch_size=8,
+                                         warmup_ratio=0.1), stream, progress=False)
+    with torch.no_grad():
+        loss1 = float(batch_loss(model, fixed, train_vision=False))
+    assert res.steps == 12 and loss1 < 0.7 * loss0
+
+
+def test_lr_schedule():
+    assert lr_at(0.0, 1.0, 0.03) == 0.0
+    assert lr_at(0.03, 1.0, 0.03) == pytest.approx(1.0)
+    assert lr_at(1.0, 1.0, 0.03) == pytest.approx(0.0)
+    assert 0.4 < lr_at(0.515, 1.0, 0.03) < 0.6
+
+
+def test_save_load_roundtrip_offline(model, tokenizer, processor, tmp_path, monkeypatch):
+    from mmspec.train.checkpoint import read_sidecar, save_checkpoint
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    save_checkpoint(model, tmp_path / "m", processor=processor, half=False, meta={"role": "target"})
+    loaded = LlavaForConditionalGeneration.from_pretrained(tmp_path / "m")
+    proc = AutoProcessor.from_pretrained(tmp_path / "m")
+    ex = fake_examples(1)[0]
+    inputs = proc(text=ex.prompt, images=list(ex.images), return_tensors="pt")
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).logits, loaded(**inputs).logits)
+    assert read_sidecar(tmp_path / "m") == {"role": "target"}
+
+
+def test_load_embedded_missing_assets(tmp_path):
+    from mmspec.embedded import load_embedded
+
+    with pytest.raises(MMSpecError, match="mmspec train embedded"):
+        load_embedded(path=tmp_path / "nothing")
+
+
+def test_shared_vision_tower(model, tokenizer):
+    draft = build_llava(model_size("tiny-draft"), tokenizer, vision_tower=model.model.vision_tower)
+    for (k, a), b in zip(model.model.vision_tower.state_dict().items(),
+                         draft.model.vision_tower.state_dict().values()):
+        assert torch.equal(a, b), k
