@@ -1,0 +1,195 @@
+"""What the runner runs: the target alone (baseline), each drafting method, and latency probes.
+
+Owns model loading for benchmarks (the embedded models by default, or local / hub checkpoints
+through transformers' Auto classes) and the :class:`HFBackend` that turns a
+:class:`~mmspec.bench.datasets.BenchSample` into processor inputs and runs
+``target.generate`` (baseline) or ``SpecDecoder.generate`` (a method). The runner only talks to
+the small :class:`Backend` protocol, so tests can drive it with a fake.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from mmspec.bench.config import BenchConfig, RankInfo, method_views
+from mmspec.bench.datasets import BenchSample
+from mmspec.errors import MMSpecError
+
+
+@dataclass
+class Generation:
+    """One generated continuation. ``stats`` is ``GenerationStats.to_dict()`` for a method."""
+
+    token_ids: list[int]
+    text: str
+    wall_s: float
+    input_len: int = 0
+    stats: dict | None = None
+
+
+class Backend(Protocol):
+    def baseline(self, sample: BenchSample) -> Generation: ...
+    def spec(self, sample: BenchSample, method: str) -> Generation: ...
+    def latency(self, sample: BenchSample) -> dict | None: ...
+    def describe(self) -> dict: ...
+
+
+@dataclass
+class BenchModels:
+    """The models of a run, whatever their source (embedded or checkpoints)."""
+
+    target: Any
+    draft: Any
+    tokenizer: Any
+    processor: Any
+    captioner_model: Any = None
+    captioner_processor: Any = None
+    captioner_prompt: str | None = None
+    source: str = "embedded"
+
+
+def _auto_load(path: str, dtype: torch.dtype) -> Any:
+    import transformers
+
+    errors = []
+    for cls_name in ("AutoModelForImageTextToText", "AutoModelForVision2Seq", "AutoModelForCausalLM"):
+        cls = getattr(transformers, cls_name, None)
+        if cls is None:
+            continue
+        try:
+            return cls.from_pretrained(path, dtype=dtype)
+        except (ValueError, KeyError, OSError) as e:
+            errors.append(f"{cls_name}: {e}")
+    raise MMSpecError(f"could not load a model from {path!r}: " + " | ".join(errors))
+
+
+def load_models(cfg: BenchConfig) -> BenchModels:
+    """Embedded models unless ``cfg.target`` is given; then ``cfg.draft`` is required too."""
+    if cfg.target is None:
+        if cfg.draft is not None:
+            raise MMSpecError("--draft needs --target too (or pass neither for the embedded models)")
+        from mmspec.embedded import load_embedded
+
+        e = load_embedded()
+        return BenchModels(e.target, e.draft, e.tokenizer, e.processor, e.captioner_model,
+                           e.captioner_processor, e.captioner_prompt, "embedded")
+    if cfg.draft is None:
+        raise MMSpecError("--target was given without --draft; pass both checkpoints")
+    from transformers import AutoProcessor
+
+    dtype = getattr(torch, cfg.dtype)
+    processor = AutoProcessor.from_pretrained(cfg.target)
+    models = BenchModels(_auto_load(cfg.target, dtype), _auto_load(cfg.draft, dtype),
+                         getattr(processor, "tokenizer", processor), processor, source="checkpoints")
+    if cfg.captioner is not None:
+        models.captioner_model = _auto_load(cfg.captioner, dtype)
+        models.captioner_processor = AutoProcessor.from_pretrained(cfg.captioner)
+        models.captioner_prompt = cfg.captioner_prompt
+    return models
+
+
+def pick_device(cfg: BenchConfig, rank: RankInfo) -> torch.device:
+    if cfg.device:
+        return torch.device(cfg.device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", rank.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+class HFBackend:
+    """Runs real models. Decoders are built once per method and reused across samples."""
+
+    def __init__(self, models: BenchModels, cfg: BenchConfig, device: torch.device) -> None:
+        self.m = models
+        self.cfg = cfg
+        self.device = device
+        for mod in (models.target, models.draft, models.captioner_model):
+            if mod is not None:
+                mod.to(device).eval()
+        self._decoders: dict[str, Any] = {}
+        self._captioner: Any = None
+
+    def _inputs(self, sample: BenchSample) -> dict[str, torch.Tensor]:
+        images = sample.images or None
+        enc = self.m.processor(text=sample.prompt, images=images, return_tensors="pt")
+        return {k: v.to(self.device) for k, v in enc.items() if isinstance(v, torch.Tensor)}
+
+    def _get_captioner(self) -> Any:
+        if self._captioner is None:
+            if self.m.captioner_model is None:
+                raise MMSpecError("a caption (C) method needs a captioner: pass --captioner PATH")
+            from mmspec.models.captioner import HFCaptioner
+
+            kw = {} if self.m.captioner_prompt is None else {"prompt": self.m.captioner_prompt}
+            self._captioner = HFCaptioner(self.m.captioner_model, self.m.captioner_processor, **kw)
+        return self._captioner
+
+    def _decoder(self, method: str) -> Any:
+        if method not in self._decoders:
+            from mmspec.decoder import SpecDecoder
+
+            views = method_views(method)
+            needs_caption = any(v in ("C", "caption") for v in views)
+            self._decoders[method] = SpecDecoder(
+                self.m.target, self.m.draft, self.m.tokenizer, views=views,
+                captioner=self._get_captioner() if needs_caption else None,
+                gamma=self.cfg.gamma, processor=self.m.processor,
+            )
+        return self._decoders[method]
+
+    @torch.inference_mode()
+    def baseline(self, sample: BenchSample) -> Generation:
+        inputs = self._inputs(sample)
+        n_in = int(inputs["input_ids"].shape[1])
+        greedy = self.cfg.temperature <= 0
+        kw: dict[str, Any] = {"do_sample": not greedy, "max_new_tokens": self.cfg.max_new_tokens}
+        if not greedy:
+            kw["temperature"] = self.cfg.temperature
+            torch.manual_seed(self.cfg.seed)
+        _sync(self.device)
+        t0 = time.perf_counter()
+        out = self.m.target.generate(**inputs, **kw)  # [1, n_in + n_new]
+        _sync(self.device)
+        wall = time.perf_counter() - t0
+        new = out[0, n_in:].tolist()
+        text = self.m.tokenizer.decode(new, skip_special_tokens=True)
+        return Generation(new, text, wall, n_in)
+
+    def spec(self, sample: BenchSample, method: str) -> Generation:
+        inputs = self._inputs(sample)
+        dec = self._decoder(method)
+        _sync(self.device)
+        t0 = time.perf_counter()
+        res = dec.generate(
+            inputs["input_ids"], pixel_values=inputs.get("pixel_values"),
+            attention_mask=inputs.get("attention_mask"), max_new_tokens=self.cfg.max_new_tokens,
+            temperature=self.cfg.temperature, seed=self.cfg.seed, images=sample.images,
+        )
+        _sync(self.device)
+        wall = time.perf_counter() - t0
+        return Generation(list(res.token_ids), res.text, wall, int(inputs["input_ids"].shape[1]),
+                          res.stats.to_dict())
+
+    def latency(self, sample: BenchSample) -> dict | None:
+        from mmspec.bench.latency import measure_latency
+
+        return measure_latency(self.m.target, self.m.draft, self._inputs(sample), self.cfg.gamma,
+                               self.cfg.latency_batch_sizes, self.cfg.latency_repeats)
+
+    def describe(self) -> dict:
+        def size(m: Any) -> int | None:
+            return None if m is None else sum(p.numel() for p in m.parameters())
+
+        return {"source": self.m.source, "device": str(self.device),
+                "target_params": size(self.m.target), "draft_params": size(self.m.draft),
+                "captioner_params": size(self.m.captioner_model),
+                "target_class": type(self.m.target).__name__}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,107 @@
+"""Typer commands ``run`` and ``report`` (mounted by ``mmspec.cli`` as ``mmspec bench`` / ``mmspec report``).
+
+Owns only the mapping of flags onto :class:`~mmspec.bench.config.BenchConfig` and the printing
+of a short summary; the work is in :mod:`mmspec.bench.runner` and :mod:`mmspec.bench.report`.
+Under ``torchrun --nproc_per_node=N`` (or ``accelerate launch``) each process reads RANK /
+WORLD_SIZE, runs its shard and writes ``results.rank{R}.jsonl``; ``report`` merges them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import shlex
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from mmspec.bench.config import DEFAULT_DATASETS, DEFAULT_METHODS, BenchConfig, DatasetSpec
+from mmspec.errors import MMSpecError
+
+bench_app = typer.Typer(help="Benchmark drafting methods against the target alone (IbED Table 3).",
+                        no_args_is_help=True, add_completion=False)
+
+
+def _split_list(values: list[str] | None, default: tuple[str, ...]) -> tuple[str, ...]:
+    if not values:
+        return default
+    return tuple(x.strip() for v in values for x in v.split(",") if x.strip())
+
+
+def _factory(spec: str):
+    mod, _, attr = spec.partition(":")
+    if not attr:
+        raise MMSpecError(f"--backend {spec!r}: use 'module.path:function'")
+    return getattr(importlib.import_module(mod), attr)
+
+
+@bench_app.command("run")
+def run_command(
+    out: Path = typer.Option(Path("bench_results"), "--out", "-o", help="Results directory (resumable)."),
+    method: Optional[list[str]] = typer.Option(None, "--method", "-m", help=f"Drafting method(s), repeat or comma-separate. Default: {','.join(DEFAULT_METHODS)}."),
+    dataset: Optional[list[str]] = typer.Option(None, "--dataset", "-d", help="NAME (embedded world) or NAME=PATH (real benchmark: parquet file/dir or save_to_disk dir). Repeat or comma-separate. Default: the 8 IbED families, embedded."),
+    n_samples: int = typer.Option(100, "--n-samples", "-n", help="Samples per dataset."),
+    gamma: int = typer.Option(5, help="Draft tokens per block."),
+    max_new_tokens: int = typer.Option(128, help="New tokens per sample."),
+    temperature: float = typer.Option(0.0, help="0 = greedy (lossless: outputs must equal the target's)."),
+    seed: int = typer.Option(0),
+    target: Optional[str] = typer.Option(None, help="Target checkpoint dir or hub id (default: embedded)."),
+    draft: Optional[str] = typer.Option(None, help="Draft checkpoint dir or hub id."),
+    captioner: Optional[str] = typer.Option(None, help="Captioner checkpoint (needed by C methods)."),
+    captioner_prompt: Optional[str] = typer.Option(None, help="Prompt for the captioner."),
+    split: str = typer.Option("test", help="Split of the embedded world / of a DatasetDict."),
+    device: Optional[str] = typer.Option(None, help="Default: cuda:LOCAL_RANK if available, else cpu."),
+    dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 (checkpoints only)."),
+    latency: bool = typer.Option(True, "--latency/--no-latency", help="Measure T_p, T_q(b=1..8), T_V(γ) per dataset."),
+    latency_repeats: int = typer.Option(5, help="Repeats per latency probe (median)."),
+    progress: bool = typer.Option(True, "--progress/--no-progress"),
+    backend: Optional[str] = typer.Option(None, hidden=True, help="module:function building a custom backend (tests)."),
+) -> None:
+    """Run (or resume) the benchmark: one JSONL row per (sample, method) plus a baseline per sample."""
+    from mmspec.bench.runner import run_bench
+
+    try:
+        cfg = BenchConfig(
+            out_dir=out, methods=_split_list(method, DEFAULT_METHODS),
+            datasets=tuple(DatasetSpec.parse(d) for d in _split_list(dataset, DEFAULT_DATASETS)),
+            n_samples=n_samples, gamma=gamma, max_new_tokens=max_new_tokens,
+            temperature=temperature, seed=seed, target=target, draft=draft, captioner=captioner,
+            captioner_prompt=captioner_prompt, split=split, device=device, dtype=dtype,
+            latency=latency, latency_repeats=latency_repeats, progress=progress,
+        )
+        summary = run_bench(cfg, backend_factory=_factory(backend) if backend else None,
+                            command=shlex.join(["mmspec", "bench"] + sys.argv[2:])
+                            if "bench" in sys.argv[1:2] else shlex.join(sys.argv))
+    except MMSpecError as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    for w in summary.warnings:
+        typer.secho(f"warning: {w}", fg="yellow", err=True)
+    for name, skips in summary.load_skips.items():
+        typer.secho(f"{name}: skipped rows: {skips}", fg="yellow", err=True)
+    typer.echo(f"rank {summary.rank}: wrote {summary.written} rows, {summary.skipped} already done "
+               f"-> {summary.path}")
+
+
+@bench_app.command("report")
+def report_command(
+    results_dir: Path = typer.Argument(..., help="The --out directory of `mmspec bench run`."),
+) -> None:
+    """Merge all rank files of RESULTS_DIR and write report.md, metrics.json and PNG plots."""
+    from mmspec.bench.report import render_report
+
+    try:
+        path = render_report(results_dir, command=shlex.join(["mmspec", "report", str(results_dir)]))
+    except MMSpecError as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {path}")
+    text = path.read_text()
+    if "LOSSLESSNESS VIOLATED" in text:
+        typer.secho("LOSSLESSNESS VIOLATED: some greedy outputs differ from the target's; see the "
+                    "report.", fg="red", bold=True, err=True)
+
+
+if __name__ == "__main__":  # `python -m mmspec.bench.cli run ...` (used under torchrun)
+    bench_app()

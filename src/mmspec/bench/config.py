@@ -1,0 +1,135 @@
+"""Typed configuration of a benchmark run. The CLI only maps flags onto :class:`BenchConfig`.
+
+Also owns the parsing of method specs (``"MTC"`` -> views ``("M", "T", "C")``) and of dataset
+specs (``"chartqa"`` = embedded synthetic world, ``"chartqa=/data/chartqa.parquet"`` = the real
+benchmark from local files), and the fingerprint that guards a results directory against being
+resumed with settings that would change its numbers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from mmspec.errors import MMSpecError
+
+DEFAULT_METHODS: tuple[str, ...] = ("M", "T", "C", "P", "MT", "MC", "MTC", "MTCP")
+DEFAULT_DATASETS: tuple[str, ...] = (
+    "chartqa",
+    "textvqa",
+    "vqav2",
+    "hallusionbench",
+    "spot_the_diff",
+    "iedit",
+    "pororosv",
+    "vist",
+)
+_LETTERS = set("MTCP")
+
+
+def method_views(method: str) -> tuple[str, ...]:
+    """Views of one method: ``"MTC"`` -> ``("M", "T", "C")``; ``"M+pooled:36"`` -> as split."""
+    method = method.strip()
+    if not method:
+        raise MMSpecError("empty method name; use letters such as M, T, C, P, MT, MTC")
+    if "+" in method or ":" in method or method.lower() in ("multimodal", "text", "caption"):
+        return tuple(v.strip() for v in method.split("+") if v.strip())
+    if set(method) <= _LETTERS:
+        return tuple(method)
+    raise MMSpecError(
+        f"unknown method {method!r}; use letters from M (multimodal), T (text), C (caption), "
+        "P (pooled) such as 'MTC', or view names joined by '+' such as 'multimodal+pooled:36'"
+    )
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """One dataset to run: its family name and, for a real benchmark, the local path."""
+
+    name: str
+    path: Path | None = None  # None: the embedded synthetic world's family of the same name
+
+    @classmethod
+    def parse(cls, text: str) -> "DatasetSpec":
+        name, sep, path = text.partition("=")
+        name = name.strip().lower()
+        if not name:
+            raise MMSpecError(f"bad dataset spec {text!r}; use NAME or NAME=PATH")
+        return cls(name, Path(path).expanduser() if sep else None)
+
+    def label(self) -> str:
+        return self.name if self.path is None else f"{self.name}={self.path}"
+
+
+@dataclass
+class BenchConfig:
+    """Everything a ``mmspec bench run`` needs. Defaults follow IbED Section 4.1."""
+
+    out_dir: Path = Path("bench_results")
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    datasets: tuple[DatasetSpec, ...] = tuple(DatasetSpec(d) for d in DEFAULT_DATASETS)
+    n_samples: int = 100  # per dataset
+    gamma: int = 5
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy (the paper's setting)
+    seed: int = 0
+    target: str | None = None  # local dir / hub id; None = embedded models
+    draft: str | None = None
+    captioner: str | None = None
+    captioner_prompt: str | None = None
+    split: str = "test"  # split of the embedded world / of a save_to_disk DatasetDict
+    device: str | None = None  # None: cuda:LOCAL_RANK when CUDA is available, else cpu
+    dtype: str = "float32"
+    latency: bool = True  # measure T_p, T_q(batch 1..8), T_V(gamma) once per dataset
+    latency_repeats: int = 5
+    latency_batch_sizes: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
+    progress: bool = True
+    extra: dict = field(default_factory=dict)  # free-form notes recorded in run metadata
+
+    def __post_init__(self) -> None:
+        self.out_dir = Path(self.out_dir)
+        if self.gamma < 1:
+            raise MMSpecError(f"gamma must be >= 1, got {self.gamma}")
+        if self.n_samples < 1:
+            raise MMSpecError(f"n_samples must be >= 1, got {self.n_samples}")
+        for m in self.methods:
+            method_views(m)
+
+    def fingerprint(self) -> str:
+        """Hash of the settings that change a row's numbers (not which rows are run)."""
+        keys = ("gamma", "max_new_tokens", "temperature", "seed", "target", "draft", "captioner",
+                "captioner_prompt", "split", "dtype")
+        blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["out_dir"] = str(self.out_dir)
+        d["datasets"] = [s.label() for s in self.datasets]
+        return d
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """This process's place in a ``torchrun`` / ``accelerate launch`` job (env vars only)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "RankInfo":
+        env = dict(os.environ) if env is None else env
+        rank = int(env.get("RANK", env.get("LOCAL_RANK", "0")))
+        world = int(env.get("WORLD_SIZE", "1"))
+        local = int(env.get("LOCAL_RANK", str(rank)))
+        if not 0 <= rank < world:
+            raise MMSpecError(f"RANK={rank} is outside WORLD_SIZE={world}; check the launcher env")
+        return cls(rank, world, local)
+
+    def shard(self, items: list) -> list:
+        """Round-robin shard: rank r takes items r, r+W, r+2W, ..."""
+        return items[self.rank :: self.world_size]

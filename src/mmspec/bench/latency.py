@@ -1,0 +1,149 @@
+"""Latency of the pieces of IbED eq. 1-2: T_p, T_q(batch), T_V(gamma), plus vision / prefill.
+
+Owns the timing protocol: prefill a real KV cache (``transformers.DynamicCache``) once, then time
+single forwards on top of it, cropping the cache back to the prefix after every repeat so each
+repeat sees the same context. Reports medians. On CUDA every timed region is bracketed by
+``torch.cuda.synchronize``. It knows nothing about speculative decoding itself.
+
+- ``target_decode_s`` (T_p): one-token decode of the target.
+- ``target_verify_s`` (T_V(gamma)): one target forward over gamma + 1 tokens.
+- ``draft_decode_s[b]`` (T_q at batch b): one-token decode of the draft for b rows (an ensemble
+  of b views runs as b rows of one batch). The draft is timed on the prompt with its image
+  placeholders replaced by a text token, which keeps the context length.
+- ``target_vision_s`` / ``target_prefill_s``: image encoding, and the whole prefill (vision
+  included), used to split the baseline's wall time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    times = []
+    for _ in range(max(1, repeats)):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _image_token_id(model: torch.nn.Module) -> int | None:
+    cfg = model.config
+    for attr in ("image_token_id", "image_token_index"):
+        v = getattr(cfg, attr, None)
+        if v is not None:
+            return int(v)
+    return None
+
+
+@torch.inference_mode()
+def _prefill(model: torch.nn.Module, **inputs: torch.Tensor):
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    out = model(**inputs, past_key_values=cache, use_cache=True)
+    return out.past_key_values, out.logits[:, -1:].argmax(-1)  # cache, next token [B, 1]
+
+
+@torch.inference_mode()
+def decode_time(model: torch.nn.Module, input_ids: torch.Tensor, n_new: int, repeats: int,
+                **extra: torch.Tensor) -> float:
+    """Median time of one forward over ``n_new`` new tokens on top of a prefilled cache.
+
+    input_ids: [B, L] prompt; extra: e.g. pixel_values for the prefill only.
+    """
+    dev = _device(model)
+    input_ids = input_ids.to(dev)
+    cache, nxt = _prefill(model, input_ids=input_ids, **{k: v.to(dev) for k, v in extra.items()})
+    prefix = cache.get_seq_length()
+    new = nxt.repeat(1, n_new)  # [B, n_new]
+    pos = torch.arange(prefix, prefix + n_new, device=dev).unsqueeze(0).expand(new.shape[0], -1)
+    mask = torch.ones(new.shape[0], prefix + n_new, dtype=torch.long, device=dev)
+
+    def step() -> None:
+        model(input_ids=new, past_key_values=cache, use_cache=True, position_ids=pos,
+              attention_mask=mask, cache_position=pos[0])
+        cache.crop(prefix)
+
+    step()  # warm-up
+    return _median_time(step, dev, repeats)
+
+
+@torch.inference_mode()
+def vision_time(model: torch.nn.Module, pixel_values: torch.Tensor, repeats: int) -> float | None:
+    """Median time of the target's image encoding (vision tower + projector), if exposed."""
+    fn = getattr(model, "get_image_features", None)
+    if fn is None or pixel_values is None:
+        return None
+    dev = _device(model)
+    pv = pixel_values.to(dev, dtype=next(model.parameters()).dtype)
+    try:
+        fn(pixel_values=pv)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return _median_time(lambda: fn(pixel_values=pv), dev, repeats)
+
+
+@torch.inference_mode()
+def prefill_time(model: torch.nn.Module, inputs: dict[str, torch.Tensor], repeats: int) -> float:
+    dev = _device(model)
+    moved = {k: v.to(dev) for k, v in inputs.items()}
+    return _median_time(lambda: _prefill(model, **moved), dev, repeats)
+
+
+def draft_text_ids(input_ids: torch.Tensor, image_token_id: int | None) -> torch.Tensor:
+    """[1, L] prompt ids with image placeholders replaced by the first text token (same L)."""
+    if image_token_id is None:
+        return input_ids
+    is_img = input_ids == image_token_id
+    if not is_img.any() or is_img.all():
+        return input_ids
+    filler = input_ids[~is_img][0]
+    return input_ids.masked_fill(is_img, int(filler))
+
+
+def measure_latency(target: torch.nn.Module, draft: torch.nn.Module, inputs: dict[str, torch.Tensor],
+                    gamma: int, batch_sizes: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8),
+                    repeats: int = 5) -> dict:
+    """All latency numbers of one prompt (the target's processor output, batch 1)."""
+    ids = inputs["input_ids"]  # [1, L]
+    pixel = inputs.get("pixel_values")
+    extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    t_p = decode_time(target, ids, 1, repeats, **extra)
+    t_v = decode_time(target, ids, gamma + 1, repeats, **extra)
+    draft_ids = draft_text_ids(ids, _image_token_id(draft) or _image_token_id(target))
+    t_q = {int(b): decode_time(draft, draft_ids.repeat(b, 1), 1, repeats) for b in batch_sizes}
+    prefill_inputs = {k: v for k, v in inputs.items()}
+    return {
+        "target_decode_s": t_p,
+        "target_verify_s": t_v,
+        "draft_decode_s": {str(b): t for b, t in t_q.items()},
+        "target_vision_s": vision_time(target, pixel, repeats) if pixel is not None else 0.0,
+        "target_prefill_s": prefill_time(target, prefill_inputs, repeats),
+        "context_len": int(ids.shape[1]),
+        "gamma": gamma,
+        "repeats": repeats,
+        "device": str(_device(target)),
+    }
+
+
+def predicted_speedup(tau: float, gamma: int, t_q: float, t_p: float, t_v: float) -> float:
+    """IbED eq. 2: tau / (gamma * T_q / T_p + T_V(gamma) / T_p)."""
+    denom = gamma * t_q / t_p + t_v / t_p
+    return tau / denom if denom > 0 else float("nan")

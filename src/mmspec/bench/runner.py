@@ -1,0 +1,171 @@
+"""The resumable benchmark loop: datasets x (baseline + methods) -> one JSONL row each.
+
+Owns the order of work and the row format. For each dataset (this rank's shard of its samples):
+one ``latency`` row (first sample), then per sample a ``baseline`` row (target alone) followed
+by one ``spec`` row per method. Every row is fsync'ed as soon as it is finished; on a re-run,
+rows already on disk are skipped (never recomputed) and models are not even loaded when nothing
+is left to do. A results directory refuses to be resumed with settings that change the numbers
+(gamma, max_new_tokens, temperature, seed, models): use a new ``--out`` for those.
+
+Row kinds (all carry ``kind``, ``dataset``, ``uid``, ``method``, ``rank``):
+- ``baseline``: ``token_ids``, ``text``, ``wall_s``, ``input_len``, ``n_images``, ``reference``.
+- ``spec``: as baseline plus ``views``, ``gamma``, ``stats`` (``GenerationStats.to_dict()``),
+  ``accepted`` (per output position: 1 = accepted draft token, 0 = token from the target) and
+  ``identical`` (token-for-token equal to this sample's baseline).
+- ``latency``: the :func:`mmspec.bench.latency.measure_latency` dict for the dataset.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from mmspec.bench.backend import Backend, HFBackend, load_models, pick_device
+from mmspec.bench.config import BenchConfig, RankInfo, method_views
+from mmspec.bench.datasets import BenchSample, load_dataset
+from mmspec.bench.metrics import accepted_flags
+from mmspec.bench.store import RowWriter, append_run_meta, read_run_meta, results_path
+from mmspec.errors import MMSpecError
+
+
+def machine_info(device: str | None = None) -> dict:
+    """Platform, CPU count, torch version and the device (GPU name when CUDA is used)."""
+    info = {"platform": platform.platform(), "python": sys.version.split()[0],
+            "cpu_count": os.cpu_count(), "torch": torch.__version__, "device": device or "cpu"}
+    if torch.cuda.is_available():
+        info["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+@dataclass
+class RunSummary:
+    rank: int
+    written: int = 0
+    skipped: int = 0
+    load_skips: dict[str, dict[str, int]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    path: str = ""
+
+
+def _check_fingerprint(cfg: BenchConfig) -> None:
+    for meta in read_run_meta(cfg.out_dir):
+        fp = meta.get("fingerprint")
+        if fp and fp != cfg.fingerprint():
+            old = meta.get("config", {})
+            diff = [k for k in ("gamma", "max_new_tokens", "temperature", "seed", "target", "draft",
+                                "captioner", "captioner_prompt", "split", "dtype")
+                    if str(old.get(k)) != str(getattr(cfg, k))]
+            raise MMSpecError(
+                f"{cfg.out_dir} holds results made with different settings ({', '.join(diff)}); "
+                "resuming would mix them. Use a new --out directory, or the original settings."
+            )
+
+
+def _progress(enabled: bool, total: int, rank: RankInfo):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    prog = Progress(TextColumn(f"[rank {rank.rank}] {{task.description}}"), BarColumn(),
+                    MofNCompleteColumn(), TimeRemainingColumn(), disable=not enabled)
+    return prog
+
+
+def _spec_row(sample: BenchSample, method: str, gen, baseline: dict | None, cfg: BenchConfig,
+              rank: int) -> dict:
+    blocks = (gen.stats or {}).get("blocks", [])
+    return {
+        "kind": "spec", "dataset": sample.dataset, "uid": sample.uid, "method": method,
+        "views": list(method_views(method)), "gamma": cfg.gamma, "temperature": cfg.temperature,
+        "n_images": sample.n_images, "input_len": gen.input_len, "token_ids": gen.token_ids,
+        "text": gen.text, "wall_s": gen.wall_s, "stats": gen.stats,
+        "accepted": accepted_flags(blocks),
+        "identical": None if baseline is None else gen.token_ids == baseline["token_ids"],
+        "rank": rank,
+    }
+
+
+def run_bench(cfg: BenchConfig, backend: Backend | None = None, rank: RankInfo | None = None,
+              backend_factory: Callable[[BenchConfig, RankInfo], Backend] | None = None,
+              command: str | None = None) -> RunSummary:
+    """Run (or resume) the benchmark for this rank. Returns what was written and skipped."""
+    rank = rank or RankInfo.from_env()
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    _check_fingerprint(cfg)
+    summary = RunSummary(rank.rank, path=str(results_path(cfg.out_dir, rank.rank)))
+    writer = RowWriter(results_path(cfg.out_dir, rank.rank))
+    summary.warnings += writer.warnings
+    baselines = {(r["dataset"], r["uid"]): r for r in writer.rows if r["kind"] == "baseline"}
+    lat_done = {r["dataset"] for r in writer.rows if r["kind"] == "latency"}
+
+    def get_backend() -> Backend:
+        nonlocal backend
+        if backend is None:
+            backend = (backend_factory or default_backend)(cfg, rank)
+        return backend
+
+    per_sample = 1 + len(cfg.methods)
+    total = len(cfg.datasets) * -(-cfg.n_samples // rank.world_size) * per_sample
+    meta_written = False
+    with writer, _progress(cfg.progress, total, rank) as prog:
+        task = prog.add_task("bench", total=total)
+        for spec in cfg.datasets:
+            samples, report = load_dataset(spec.name, spec.path, cfg.n_samples, cfg.split)
+            if report.skipped:
+                summary.load_skips[spec.name] = dict(report.skipped)
+            mine = rank.shard(samples)
+            prog.update(task, description=spec.name)
+            for i, sample in enumerate(mine):
+                todo = [("baseline", "")] + [("spec", m) for m in cfg.methods]
+                pending = [(k, m) for k, m in todo if (k, spec.name, sample.uid, m) not in writer]
+                need_lat = cfg.latency and i == 0 and spec.name not in lat_done
+                if (pending or need_lat) and not meta_written:
+                    be = get_backend()
+                    append_run_meta(cfg.out_dir, rank.rank, _meta(cfg, rank, be, command))
+                    meta_written = True
+                if need_lat:
+                    lat = get_backend().latency(sample)
+                    if lat is not None:
+                        writer.append({"kind": "latency", "dataset": spec.name,
+                                       "uid": f"rank{rank.rank}", "method": "",
+                                       "n_images": sample.n_images, "rank": rank.rank, **lat})
+                    lat_done.add(spec.name)
+                for kind, method in todo:
+                    if (kind, spec.name, sample.uid, method) in writer:
+                        summary.skipped += 1
+                    elif kind == "baseline":
+                        g = get_backend().baseline(sample)
+                        row = {"kind": "baseline", "dataset": spec.name, "uid": sample.uid,
+                               "method": "", "n_images": sample.n_images, "input_len": g.input_len,
+                               "token_ids": g.token_ids, "text": g.text, "wall_s": g.wall_s,
+                               "reference": sample.reference, "prompt": sample.prompt,
+                               "rank": rank.rank}
+                        writer.append(row)
+                        baselines[(spec.name, sample.uid)] = row
+                        summary.written += 1
+                    else:
+                        g = get_backend().spec(sample, method)
+                        base = baselines.get((spec.name, sample.uid))
+                        writer.append(_spec_row(sample, method, g, base, cfg, rank.rank))
+                        summary.written += 1
+                    prog.advance(task)
+    return summary
+
+
+def default_backend(cfg: BenchConfig, rank: RankInfo) -> Backend:
+    return HFBackend(load_models(cfg), cfg, pick_device(cfg, rank))
+
+
+def _meta(cfg: BenchConfig, rank: RankInfo, backend: Backend, command: str | None) -> dict:
+    desc = backend.describe()
+    return {
+        "command": command or " ".join(sys.argv),
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "rank": rank.rank, "world_size": rank.world_size,
+        "machine": machine_info(desc.get("device")), "models": desc,
+        "config": cfg.to_dict(), "fingerprint": cfg.fingerprint(),
+    }
