@@ -1,0 +1,79 @@
+"""mmspec.world: a deterministic, seeded synthetic multimodal world with the IbED paper's eight task families.
+
+Families mirror the paper's benchmarks (ChartQA, TextVQA, VQAv2, HallusionBench; Spot-the-Diff,
+IEdit; PororoSV, VIST) at a scale tiny CPU-trained models can learn: 96 px flat renders, eight
+colours, six shapes, a 3x3 grid of positions, counts 1-5, values 0-20, ~40 sign words. Answers
+are verbose and varied in wording; their key facts are closed-vocabulary and recorded in
+``Sample.facts``. A sample is a pure function of ``(family, split, index, seed)``; splits share
+no content (see :mod:`mmspec.world.core`).
+
+This package owns the data, its tokenizer (:mod:`.tokenizer`) and its HF processor
+(:mod:`.processor`). It knows nothing about models, drafting or training loops.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+from mmspec.errors import MMSpecError
+from mmspec.world import pairs, single, stories
+from mmspec.world.core import IMAGE_SIZE, SPLITS, Family, Sample, build_sample
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("chartqa", 1, single.draw_chart, single.render_chart, "bar chart questions: max/min/value/colour/difference"),
+        Family("textvqa", 1, single.draw_sign, single.render_sign, "read the word / number / colour of a sign"),
+        Family("vqav2", 1, single.draw_vqa, single.render_vqa, "colour, count, position and shape of flat shapes"),
+        Family("hallusionbench", 1, single.draw_hallu, single.render_hallu, "yes/no: is a thing there; is a count right"),
+        Family("spot_the_diff", 2, pairs.draw_diff, pairs.render_diff, "one or two changes between two scenes"),
+        Family("iedit", 2, pairs.draw_edit, pairs.render_edit, "an edit instruction from source to target"),
+        Family("pororosv", 5, stories.draw_pororo, stories.render_pororo, "cartoon: a character walks to a landmark"),
+        Family("vist", 5, stories.draw_vist, stories.render_vist, "photo album: a trip ending at a place and time"),
+    )
+}
+N_IMAGES: dict[str, int] = {name: f.n_images for name, f in FAMILIES.items()}
+
+__all__ = [
+    "FAMILIES", "IMAGE_SIZE", "N_IMAGES", "SPLITS", "Family", "Sample",
+    "bundled_examples", "generate_samples", "iter_all", "make_sample",
+]  # fmt: skip
+
+
+def _family(name: str) -> Family:
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise MMSpecError(f"unknown family {name!r}; use one of {', '.join(FAMILIES)}") from None
+
+
+def make_sample(family: str, split: str, index: int, seed: int = 0) -> Sample:
+    """The sample at ``index`` of ``family``'s ``split``; a pure function of its arguments."""
+    return build_sample(_family(family), split, index, seed)
+
+
+def generate_samples(family: str, split: str, n: int, seed: int = 0, start: int = 0) -> list[Sample]:
+    """Samples ``start .. start+n-1`` of one family and split."""
+    return [make_sample(family, split, i, seed) for i in range(start, start + n)]
+
+
+def iter_all(split: str, n_per_family: int, seed: int = 0) -> Iterator[Sample]:
+    """``n_per_family`` samples of every family, interleaved (index-major) so any prefix is balanced."""
+    for i in range(n_per_family):
+        for name in FAMILIES:
+            yield make_sample(name, split, i, seed)
+
+
+def bundled_examples(out_dir: str | Path) -> list[Path]:
+    """Write test-split sample 0 of each family as PNGs (``{family}_{k}.png``); return the paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths: list[Path] = []
+    for name in FAMILIES:
+        sample = make_sample(name, "test", 0)
+        for k, img in enumerate(sample.images):
+            path = out / f"{name}_{k}.png"
+            img.save(path)
+            paths.append(path)
+    return paths
