@@ -162,18 +162,20 @@ def all_metrics(rows: list[dict]) -> list[MethodMetrics]:
     return out
 
 
-def baseline_split(rows: list[dict], dataset: str) -> dict[str, float] | None:
+def baseline_split(rows: list[dict], dataset: str) -> dict[str, float | None] | None:
     """Target-alone time split (mean seconds a sample): vision, prefill (text+images), decode."""
     base = [r for r in rows if r["kind"] == "baseline" and r["dataset"] == dataset]
     if not base:
         return None
     wall = statistics.fmean(r["wall_s"] for r in base)
     lat = latency_of(rows, dataset)
-    vision = lat["target_vision_s"] if lat else 0.0
-    prefill = lat["target_prefill_s"] if lat else 0.0
+    new_tokens = statistics.fmean(len(r["token_ids"]) for r in base)
+    if lat is None:  # no latency probe: only the wall time is known
+        return {"vision_s": None, "prefill_s": None, "decode_s": None, "wall_s": wall,
+                "new_tokens": new_tokens}
+    vision, prefill = lat["target_vision_s"], lat["target_prefill_s"]
     return {"vision_s": vision, "prefill_s": max(prefill - vision, 0.0),
-            "decode_s": max(wall - prefill, 0.0), "wall_s": wall,
-            "new_tokens": statistics.fmean(len(r["token_ids"]) for r in base)}
+            "decode_s": max(wall - prefill, 0.0), "wall_s": wall, "new_tokens": new_tokens}
 
 
 def groups(metrics: list[MethodMetrics]) -> dict[int, list[str]]:

@@ -62,7 +62,7 @@ def upset_plot(sets: dict[str, set], total: int, path: Path, title: str = "") ->
     """UpSet plot: bars of exclusive intersection sizes over a dot matrix of members."""
     names = list(sets)
     inter = upset_counts(sets)
-    fig = plt.figure(figsize=(max(5.0, 0.45 * len(inter) + 2.5), 4.2))
+    fig = plt.figure(figsize=(max(6.0, 0.45 * len(inter) + 3.0), 4.4))
     grid = fig.add_gridspec(2, 2, width_ratios=(1, 4), height_ratios=(3, 1.3), wspace=0.05, hspace=0.05)
     ax_bar = fig.add_subplot(grid[0, 1])
     ax_dots = fig.add_subplot(grid[1, 1], sharex=ax_bar)
@@ -73,9 +73,10 @@ def upset_plot(sets: dict[str, set], total: int, path: Path, title: str = "") ->
     for x, h in zip(xs, heights):
         pct = f"\n{100 * h / total:.1f}%" if total else ""
         ax_bar.text(x, h, f"{h}{pct}", ha="center", va="bottom", fontsize=6)
+    ax_bar.set_ylim(0, 1.25 * max(heights + [1]))
     ax_bar.set_ylabel("accepted target tokens")
     ax_bar.tick_params(labelbottom=False)
-    ax_bar.set_title(title or "Accepted target tokens by drafting method (exclusive intersections)")
+    ax_bar.set_title(title or "Accepted target tokens by drafting method", fontsize=9)
     for x, (members, _) in enumerate(inter):
         ys = [names.index(n) for n in members]
         ax_dots.scatter([x] * len(names), range(len(names)), color="#dddddd", s=30)
@@ -93,7 +94,9 @@ def upset_plot(sets: dict[str, set], total: int, path: Path, title: str = "") ->
     ax_set.tick_params(axis="x", labelsize=6)
     for spine in ("top", "right"):
         ax_bar.spines[spine].set_visible(False)
-    fig.subplots_adjust(left=0.12, right=0.98, top=0.9, bottom=0.1)
+    fig.text(0.99, 0.01, "bars: target tokens accepted by exactly that set of methods (% of all)",
+             ha="right", fontsize=6)
+    fig.subplots_adjust(left=0.1, right=0.98, top=0.9, bottom=0.1)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

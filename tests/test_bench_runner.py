@@ -1,0 +1,115 @@
+"""The resumable runner: rows are durable, a kill or a torn line loses nothing finished, and a
+re-run never recomputes a finished row."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fixtures_bench import FakeBackend, read_jsonl, write_chartqa, write_interleave
+from mmspec.bench.config import BenchConfig, DatasetSpec, RankInfo
+from mmspec.bench.runner import run_bench
+from mmspec.bench.store import RowWriter, merge_rows, row_key
+from mmspec.errors import MMSpecError
+
+METHODS = ("M", "T", "MT")
+
+
+def _cfg(tmp_path, **kw) -> BenchConfig:
+    chart = write_chartqa(tmp_path / "chartqa.parquet", n=4)
+    inter = write_interleave(tmp_path / "interleave.parquet")
+    base = dict(out_dir=tmp_path / "out", methods=METHODS, n_samples=3, progress=False,
+                datasets=(DatasetSpec("chartqa", chart), DatasetSpec("spot_the_diff", inter)))
+    base.update(kw)
+    return BenchConfig(**base)
+
+
+def _keys(path):
+    return [row_key(r) for r in read_jsonl(path)]
+
+
+def test_full_run_rows(tmp_path):
+    cfg = _cfg(tmp_path)
+    be = FakeBackend()
+    s = run_bench(cfg, backend=be, rank=RankInfo())
+    rows = read_jsonl(cfg.out_dir / "results.rank0.jsonl")
+    # chartqa 3 samples, spot_the_diff 1 sample; each: baseline + 3 methods; + 2 latency rows
+    assert s.written == 4 * 4 and len(rows) == 4 * 4 + 2
+    spec = [r for r in rows if r["kind"] == "spec"]
+    assert all(r["identical"] for r in spec)
+    r = next(r for r in spec if r["method"] == "M")
+    assert r["accepted"] == [1, 1, 0] * 4 and r["views"] == ["M"]
+    assert (cfg.out_dir / "run.rank0.json").exists()
+
+
+def test_resume_after_kill_recomputes_nothing_finished(tmp_path):
+    cfg = _cfg(tmp_path)
+    killed = FakeBackend(fail_after=7)
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(cfg, backend=killed, rank=RankInfo())
+    path = cfg.out_dir / "results.rank0.jsonl"
+    done = _keys(path)
+    assert len(done) == 7  # every finished call was written before the kill
+    # a kill mid-write leaves a torn line
+    with open(path, "a") as f:
+        f.write('{"kind": "spec", "dataset": "chartqa", "uid": "1", "meth')
+    again = FakeBackend()
+    s = run_bench(cfg, backend=again, rank=RankInfo())
+    assert any("torn" in w for w in s.warnings)
+    keys = _keys(path)
+    assert len(keys) == len(set(keys)) == 4 * 4 + 2
+    assert keys[:7] == done
+    # the second run only did what was missing
+    assert len(again.calls) == 4 * 4 + 2 - 7
+    redone = {(k, d, u) for k, d, u in again.calls}
+    assert not redone & {(k, d, u) for k, d, u in killed.calls}
+    # a third run does nothing and never builds a backend
+    third = run_bench(cfg, backend_factory=lambda c, r: pytest.fail("backend built"), rank=RankInfo())
+    assert third.written == 0 and third.skipped == 16
+
+
+def test_more_methods_later_only_adds_them(tmp_path):
+    cfg = _cfg(tmp_path, methods=("M",))
+    run_bench(cfg, backend=FakeBackend(), rank=RankInfo())
+    be = FakeBackend()
+    run_bench(_cfg(tmp_path, methods=("M", "C")), backend=be, rank=RankInfo())
+    assert {c[0] for c in be.calls} == {"spec"} and all(c[2].endswith("/C") for c in be.calls)
+
+
+def test_changed_settings_refuse_to_mix(tmp_path):
+    run_bench(_cfg(tmp_path), backend=FakeBackend(), rank=RankInfo())
+    with pytest.raises(MMSpecError, match="gamma"):
+        run_bench(_cfg(tmp_path, gamma=3), backend=FakeBackend(), rank=RankInfo())
+
+
+def test_torn_line_truncated_and_garbage_in_middle_is_an_error(tmp_path):
+    path = tmp_path / "r.jsonl"
+    good = {"kind": "baseline", "dataset": "d", "uid": "1", "method": ""}
+    path.write_text(json.dumps(good) + "\n" + "{not json\n")
+    w = RowWriter(path)
+    w.close()
+    assert path.read_text() == json.dumps(good) + "\n" and w.warnings
+    path.write_text("{bad\n" + json.dumps(good) + "\n")
+    with pytest.raises(MMSpecError, match="not valid JSON"):
+        RowWriter(path)
+
+
+def test_rank_sharding_and_merge(tmp_path):
+    cfg = _cfg(tmp_path)
+    for r in (0, 1):
+        run_bench(cfg, backend=FakeBackend(), rank=RankInfo(r, 2, r))
+    r0 = {(x["dataset"], x["uid"]) for x in read_jsonl(cfg.out_dir / "results.rank0.jsonl") if x["kind"] == "baseline"}
+    r1 = {(x["dataset"], x["uid"]) for x in read_jsonl(cfg.out_dir / "results.rank1.jsonl") if x["kind"] == "baseline"}
+    assert r0 and r1 and not r0 & r1
+    assert r0 | r1 == {("chartqa", "0"), ("chartqa", "1"), ("chartqa", "2"), ("spot_the_diff", "0")}
+    rows, _ = merge_rows(cfg.out_dir)
+    assert len([x for x in rows if x["kind"] == "baseline"]) == 4
+    assert len([x for x in rows if x["kind"] == "latency"]) == 3  # rank 1 has no spot_the_diff
+
+
+def test_rank_from_env():
+    assert RankInfo.from_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}).shard(list(range(5))) == [1, 3]
+    assert RankInfo.from_env({}) == RankInfo(0, 1, 0)
+    with pytest.raises(MMSpecError):
+        RankInfo.from_env({"RANK": "2", "WORLD_SIZE": "2"})
