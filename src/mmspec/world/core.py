@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -106,6 +107,8 @@ def build_sample(fam: Family, split: str, index: int, seed: int) -> Sample:
     else:  # pragma: no cover - a 10% split failing 10k draws is astronomically unlikely
         raise AssertionError(f"no {split} spec found for {fam.name}")
     draft = fam.render(spec, rng)
+    draft.answer, draft.captions = fix_articles(draft.answer), [fix_articles(c) for c in draft.captions]
+    draft.question = None if draft.question is None else fix_articles(draft.question)
     if len(draft.images) != fam.n_images or len(draft.captions) != fam.n_images:
         raise AssertionError(f"{fam.name} rendered {len(draft.images)} images, wants {fam.n_images}")
     story = "[CAPTION]" in fam.template
@@ -135,3 +138,11 @@ def pick(rng: random.Random, options: Sequence[str]) -> str:
 def sentence(text: str) -> str:
     """Capitalise the first letter only (keeps proper nouns and upper-case words as they are)."""
     return text[:1].upper() + text[1:] if text else text
+
+
+_A_BEFORE_VOWEL = re.compile(r"\b([aA]) (?=[aeiou])")
+
+
+def fix_articles(text: str) -> str:
+    """'a orange star' -> 'an orange star' (renderers write 'a {colour} ...' throughout)."""
+    return _A_BEFORE_VOWEL.sub(r"\1n ", text)

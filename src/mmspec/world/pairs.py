@@ -15,7 +15,6 @@ from mmspec.world.render import (
     BACKGROUNDS,
     COLOUR_NAMES,
     COLOURS,
-    POSITIONS,
     SHAPES,
     Obj,
     canvas,
@@ -240,7 +239,8 @@ def _instruction(spec: EditSpec, rng: random.Random) -> tuple[str, dict[str, str
         return text, {"object": m.shape, "size": z}
     if spec.kind == "reshape":
         sh = t.main.shape
-        text = pick(rng, (f"Replace the {m.name} with a {m.colour} {sh}.", f"Turn the {m.shape} into a {sh}, keeping it {m.colour}.",
+        text = pick(rng, (f"Replace the {m.name} with a {m.colour} {sh}.",
+                          f"Turn the {m.shape} into a {sh}, keeping it {m.colour}.",
                           f"Change the shape of the {m.name} to a {sh}."))
         return text, {"shape": sh}
     if spec.kind == "add":

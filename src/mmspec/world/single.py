@@ -14,7 +14,6 @@ from mmspec.world.render import (
     COLOUR_NAMES,
     COLOURS,
     PLURAL,
-    POSITIONS,
     SHAPES,
     Obj,
     canvas,

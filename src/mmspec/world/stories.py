@@ -250,15 +250,20 @@ def render_vist(spec: VistSpec, rng: random.Random) -> Draft:
     place = f"{spec.place_colour} {spec.place}"
     when = {"sunset": "at sunset", "night": "at night", "rain": "in the rain"}[spec.ending]
     last = f"We reached a {place} {when}"
+    became = {"sunset": "sunset", "night": "night", "rain": "starting to rain"}[spec.ending]
     arrive = pick(rng, (f"At last we reached a {place} {when}.",
-                        f"Finally our {v} stopped by a {place}, and it was {spec.ending if spec.ending != 'rain' else 'starting to rain'}.",
+                        f"Finally our {v} stopped by a {place}, and it was {became}.",
                         f"By the end of the trip we came to a {place} {when}."))
     mood = {
-        "sunset": ("The sky turned orange behind us.", "We watched the sunset together.", "The orange light was beautiful."),
-        "night": ("The moon and stars came out.", "It was dark, so we rested there for the night.", "We looked up at the stars."),
-        "rain": ("We waited there until the rain stopped.", "We got a little wet, but we laughed about it.", "Grey clouds covered the sky."),
+        "sunset": ("The sky turned orange behind us.", "We watched the sunset together.",
+                   "The orange light was beautiful."),
+        "night": ("The moon and stars came out.", "It was dark, so we rested there for the night.",
+                  "We looked up at the stars."),
+        "rain": ("We waited there until the rain stopped.", "We got a little wet, but we laughed about it.",
+                 "Grey clouds covered the sky."),
     }[spec.ending]
-    close = pick(rng, ("It was a day we will always remember.", "What a trip it was.", "We could not wait to do it again.", ""))
+    close = pick(rng, ("It was a day we will always remember.", "What a trip it was.",
+                       "We could not wait to do it again.", ""))
     answer = " ".join(t for t in (arrive, pick(rng, mood), close) if t)
     facts = {"place": place, "time": spec.ending}
     images = [_vist_frame(spec, k, rng) for k in range(5)]
