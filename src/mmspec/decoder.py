@@ -1,0 +1,323 @@
+"""The public entry point: :class:`SpecDecoder` checks its inputs, prepares the draft views and
+prefills both models, then hands the loop to :func:`mmspec.engine.run_loop`.
+
+Lossless by construction: at temperature 0 the output equals ``target.generate(do_sample=False)``
+token for token; with sampling the output is distributed exactly as the target's.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from mmspec.drafter import EnsembleDrafter
+from mmspec.engine import _sync, run_loop
+from mmspec.errors import MMSpecError
+from mmspec.models.base import ModelAdapter, adapter_for, same_vision
+from mmspec.models.pooling import pool_patch_grid, valid_pool_sizes
+from mmspec.stats import GenerationStats
+from mmspec.verify import SamplingParams
+from mmspec.views import View, build_row, ensemble_name, parse_views, split_prompt
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # new tokens only
+    text: str
+    stats: GenerationStats
+    seed: int | None = None  # the seed used for sampling (None for greedy)
+
+
+class SpecDecoder:
+    """Lossless speculative decoding of a VLM target with an (ensemble of) draft view(s).
+
+    Args:
+        target, draft: loaded HF models, or local directories / hub ids.
+        tokenizer: the target's tokenizer (or a path); the draft must share its vocabulary.
+        views: names ("multimodal", "text", "caption", "pooled:144") or letters ("M", "MTC").
+        weights: one non-negative weight per view for the ensemble mixture (default equal).
+        captioner: an object with ``caption(images) -> list[str]`` (or a path to an HF
+            image-to-text model); required by the caption view.
+        gamma: draft tokens proposed per block.
+        processor: the target's processor; only used to turn pixel_values back into images
+            for the captioner when ``images=`` is not passed to :meth:`generate`.
+    """
+
+    def __init__(self, target, draft, tokenizer=None, *, views=("multimodal",), weights=None,
+                 captioner=None, gamma: int = 5, processor=None, dtype="auto"):
+        from mmspec.models.loading import load_model, load_processor, load_tokenizer
+
+        if tokenizer is None and isinstance(target, (str, os.PathLike)):
+            tokenizer = str(target)
+        if tokenizer is None:
+            raise MMSpecError("pass the target's tokenizer (tokenizer=...)")
+        if isinstance(processor, (str, os.PathLike)):
+            processor = load_processor(str(processor))
+        if processor is None and isinstance(target, (str, os.PathLike)):
+            try:
+                processor = load_processor(str(target))
+            except MMSpecError:
+                processor = None
+        self.target_model = load_model(str(target), dtype=dtype) if isinstance(target, (str, os.PathLike)) else target.eval()
+        self.draft_model = load_model(str(draft), dtype=dtype) if isinstance(draft, (str, os.PathLike)) else draft.eval()
+        self.tokenizer = load_tokenizer(str(tokenizer)) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
+        self.processor = processor
+        if isinstance(captioner, (str, os.PathLike)):
+            from mmspec.models.captioner import HFCaptioner
+
+            captioner = HFCaptioner.from_pretrained(str(captioner))
+        self.captioner = captioner
+
+        self.target = adapter_for(self.target_model)
+        self.draft = adapter_for(self.draft_model)
+        if not self.target.has_vision:
+            raise MMSpecError(f"the target ({type(self.target_model).__name__}) is not a vision-language model")
+        if not isinstance(gamma, int) or gamma < 1:
+            raise MMSpecError(f"gamma must be a whole number >= 1, got {gamma!r}")
+        self.gamma = gamma
+        self.views = self._resolve_views(parse_views(views))
+        self.weights = self._check_weights(weights)
+        self._check_vocab()
+        self.newline_id = self._newline_id()
+        self.reuse_vision = same_vision(self.target, self.draft)
+        self.eos_ids = self._eos_ids()
+
+    # ------------------------------------------------------------------ construction checks
+    def _resolve_views(self, views: list[View]) -> list[View]:
+        out = []
+        for v in views:
+            if v.needs_vision and not self.draft.has_vision:
+                raise MMSpecError(
+                    f"the {v.name} view needs a vision-language draft, but the draft "
+                    f"({type(self.draft_model).__name__}) has no vision tower; use the text or "
+                    "caption views with a text-only draft"
+                )
+            if v.kind == "caption" and self.captioner is None:
+                raise MMSpecError(
+                    "the caption view needs a captioner: pass captioner=HFCaptioner.from_pretrained(...)"
+                    " (e.g. a BLIP or Florence-2 directory) or --captioner on the command line"
+                )
+            if v.kind == "pooled":
+                grid = self.draft.patch_grid
+                default_n = (grid // 2) ** 2 if grid % 2 == 0 else 1  # paper: 576 -> 144
+                n = v.n_tokens or default_n
+                if n not in valid_pool_sizes(grid):
+                    raise MMSpecError(
+                        f"pooled:{n} is not reachable from the draft's {grid}x{grid} patch grid; "
+                        f"choose one of pooled:{valid_pool_sizes(grid)}"
+                    )
+                v = View("pooled", n)
+            out.append(v)
+        return out
+
+    def _check_weights(self, weights) -> list[float]:
+        if weights is None:
+            return [1.0] * len(self.views)
+        weights = [float(w) for w in weights]
+        if len(weights) != len(self.views):
+            raise MMSpecError(f"{len(weights)} weights for {len(self.views)} views; give one weight per view")
+        if any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise MMSpecError(f"ensemble weights must be >= 0 with a positive sum, got {weights}")
+        return weights
+
+    def _check_vocab(self) -> None:
+        vt, vd = self.target.vocab_size, self.draft.vocab_size
+        if vd > vt:
+            raise MMSpecError(
+                f"draft and target have different vocabularies: the draft scores {vd} tokens, the "
+                f"target {vt}. Speculative decoding needs the draft to use the target's tokenizer; "
+                "pick a draft trained with the same vocabulary"
+            )
+        tok_v = len(self.tokenizer)
+        if tok_v > vt:
+            raise MMSpecError(f"the tokenizer has {tok_v} tokens but the target only scores {vt}; "
+                              "pass the target's own tokenizer")
+        if vd < tok_v:
+            raise MMSpecError(
+                f"draft and target have different vocabularies: the tokenizer has {tok_v} tokens "
+                f"but the draft scores only {vd}; pick a draft trained with the target's tokenizer"
+            )
+
+    def _newline_id(self) -> int | None:
+        for i in self.tokenizer.encode("\n", add_special_tokens=False):
+            if self.tokenizer.decode([i]) == "\n":
+                return int(i)
+        if any(v.kind == "text" for v in self.views):
+            raise MMSpecError("the text view needs a newline token, but this tokenizer has none")
+        return None
+
+    def _eos_ids(self) -> frozenset[int]:
+        eos = getattr(self.target_model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        if eos is None:
+            return frozenset()
+        return frozenset([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+
+    @property
+    def method(self) -> str:
+        return ensemble_name(self.views)
+
+    # ------------------------------------------------------------------ generate
+    @torch.inference_mode()
+    def generate(self, input_ids, pixel_values=None, attention_mask=None, *, max_new_tokens: int = 128,
+                 temperature: float = 0.0, seed: int | None = None, top_k: int | None = None,
+                 top_p: float | None = None, images: Sequence | None = None,
+                 captions: Sequence[str] | None = None, **unused) -> GenerationResult:
+        """Decode one prompt. Inputs are those of ``target.generate`` (processor output)."""
+        if unused.get("do_sample"):
+            raise MMSpecError("pass temperature=... (> 0) for sampling instead of do_sample=True")
+        unknown = set(unused) - {"do_sample", "image_sizes"}
+        if unknown:
+            raise MMSpecError(f"unsupported generate() argument(s): {sorted(unknown)}")
+        t_start = time.perf_counter()
+        dev = self.target.device
+        ids = self._check_ids(input_ids, attention_mask)  # [L] on CPU
+        if max_new_tokens < 1:
+            raise MMSpecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        params = SamplingParams(temperature=float(temperature), top_k=top_k, top_p=top_p)
+        generator = None
+        if not params.greedy:
+            seed = int(seed) if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+            generator = torch.Generator().manual_seed(seed)
+        else:
+            seed = None
+
+        layout = split_prompt(ids, self.target.image_token_id, self.target.tokens_per_image)
+        n_pix = 0 if pixel_values is None else int(pixel_values.shape[0])
+        if layout.n_images != n_pix:
+            raise MMSpecError(
+                f"the prompt has {layout.n_images} image slot(s) but {n_pix} image(s) were given "
+                "in pixel_values; give one image per <image> in the prompt, in order"
+            )
+        if ids[-1] == self.target.image_token_id:
+            raise MMSpecError("the prompt ends with an image; end it with text (e.g. '... ASSISTANT:')")
+        self._check_context(ids.shape[0], max_new_tokens)
+        stats = GenerationStats(gamma=self.gamma, views=tuple(v.name for v in self.views))
+
+        # 1) vision: encode each image once; reuse target patch features for the draft when
+        #    both share the same vision tower.
+        t0 = time.perf_counter()
+        target_feats = draft_patches = None
+        if n_pix:
+            target_patches = self.target.vision_hidden(pixel_values)  # [n_img, P, C]
+            target_feats = self.target.project(target_patches)  # [n_img, P, H_t]
+            if any(v.needs_vision for v in self.views):
+                draft_patches = target_patches if self.reuse_vision else self.draft.vision_hidden(
+                    pixel_values.to(self.draft.device))
+        _sync(dev)
+        stats.vision_s = time.perf_counter() - t0
+
+        # 2) captions, once per image
+        caption_ids = None
+        if any(v.kind == "caption" for v in self.views) and n_pix:
+            t0 = time.perf_counter()
+            caps = list(captions) if captions is not None else self.captioner.caption(
+                self._images_for_captioner(images, pixel_values))
+            if len(caps) != n_pix:
+                raise MMSpecError(f"{len(caps)} captions for {n_pix} images; give one caption per image")
+            caption_ids = [torch.tensor(self.tokenizer.encode(" " + c.strip(), add_special_tokens=False)
+                                        or [self.newline_id], dtype=torch.long) for c in caps]
+            stats.caption_s = time.perf_counter() - t0
+
+        # 3) target prefill on all but the last prompt token (it is the first pending token)
+        t0 = time.perf_counter()
+        target_cache = self.target.new_cache()
+        L = ids.shape[0]
+        if L > 1:
+            prefix = ids[:-1].to(dev)[None]  # [1, L-1]
+            embeds = self.target.embed(prefix)  # [1, L-1, H_t]
+            if target_feats is not None:
+                mask = (prefix == self.target.image_token_id).unsqueeze(-1)  # [1, L-1, 1]
+                embeds = embeds.masked_scatter(mask, target_feats.to(embeds.dtype))
+            self.target.forward(cache=target_cache, attention_mask=torch.ones_like(prefix),
+                                position_ids=torch.arange(L - 1, device=dev)[None], inputs_embeds=embeds)
+        _sync(dev)
+        stats.prefill_target_s = time.perf_counter() - t0
+
+        # 4) draft prefill: every view one row of one batch
+        t0 = time.perf_counter()
+        rows = [self._view_row(layout, v, draft_patches, caption_ids) for v in self.views]
+        for v, r in zip(self.views, rows):
+            self._check_draft_context(v, r.token_ids.shape[0], max_new_tokens)
+            r.token_ids = r.token_ids[:-1]  # the last prompt token is pending
+        drafter = EnsembleDrafter(self.draft, self.weights, target_vocab=self.target.vocab_size)
+        drafter.prefill(rows)
+        _sync(dev)
+        stats.prefill_draft_s = time.perf_counter() - t0
+
+        tokens = run_loop(target=self.target, target_cache=target_cache, target_len=L - 1, drafter=drafter,
+                          first_pending=int(ids[-1]), gamma=self.gamma, max_new_tokens=max_new_tokens,
+                          eos_ids=self.eos_ids, params=params, generator=generator, stats=stats)
+        stats.total_s = time.perf_counter() - t_start
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return GenerationResult(token_ids=tokens, text=text, stats=stats, seed=seed)
+
+    # ------------------------------------------------------------------ helpers
+    def _view_row(self, layout, view: View, draft_patches, caption_ids):
+        feats = None
+        if view.needs_vision and draft_patches is not None:
+            patches = draft_patches if view.kind == "multimodal" else pool_patch_grid(draft_patches, view.n_tokens)
+            feats = self.draft.project(patches.to(self.draft.device))  # [n_img, N, H_d]
+        return build_row(layout, view, image_token_id=self.draft.image_token_id, newline_id=self.newline_id,
+                         image_features=feats, caption_ids=caption_ids)
+
+    def _check_ids(self, input_ids, attention_mask) -> torch.Tensor:
+        ids = torch.as_tensor(input_ids)
+        if ids.dim() == 2:
+            if ids.shape[0] != 1:
+                raise MMSpecError(
+                    f"input_ids has batch size {ids.shape[0]}; SpecDecoder decodes one prompt at a "
+                    "time (the batch dimension is used by the draft views). Loop over prompts."
+                )
+            ids = ids[0]
+        if ids.dim() != 1 or ids.numel() == 0:
+            raise MMSpecError(f"input_ids must be [1, L] or [L] with L >= 1, got shape {tuple(ids.shape)}")
+        if attention_mask is not None:
+            m = torch.as_tensor(attention_mask).reshape(-1).bool().cpu()
+            if m.shape[0] != ids.shape[0]:
+                raise MMSpecError("attention_mask and input_ids have different lengths")
+            first = int(m.nonzero()[0, 0]) if m.any() else ids.shape[0]
+            if not m[first:].all():
+                raise MMSpecError("attention_mask has holes; only left padding is supported")
+            ids = ids[first:]
+        return ids.long().cpu()
+
+    def _check_context(self, prompt_len: int, max_new_tokens: int) -> None:
+        limit = self.target.max_positions
+        if limit is not None and prompt_len + max_new_tokens > limit:
+            raise MMSpecError(
+                f"the prompt ({prompt_len} tokens, images expanded) plus max_new_tokens="
+                f"{max_new_tokens} exceeds the target's context length of {limit} tokens; "
+                "shorten the prompt, use fewer images or lower max_new_tokens"
+            )
+
+    def _check_draft_context(self, view: View, row_len: int, max_new_tokens: int) -> None:
+        limit = self.draft.max_positions
+        if limit is not None and row_len + max_new_tokens + self.gamma > limit:
+            raise MMSpecError(
+                f"the {view.name} view's draft prompt ({row_len} tokens) plus max_new_tokens="
+                f"{max_new_tokens} exceeds the draft's context length of {limit}; use a view "
+                "with fewer image tokens (text, caption or pooled:N) or lower max_new_tokens"
+            )
+
+    def _images_for_captioner(self, images, pixel_values):
+        if images is not None:
+            return list(images)
+        from PIL import Image
+
+        ip = getattr(self.processor, "image_processor", None)
+        mean = torch.tensor(getattr(ip, "image_mean", None) or CLIP_MEAN).view(3, 1, 1)
+        std = torch.tensor(getattr(ip, "image_std", None) or CLIP_STD).view(3, 1, 1)
+        out = []
+        for pv in pixel_values.detach().float().cpu():  # [3, H, W] normalised
+            x = ((pv * std + mean).clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
+            out.append(Image.fromarray(x))
+        return out

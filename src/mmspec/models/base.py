@@ -1,0 +1,138 @@
+"""The adapter interface the engine talks to, and the registry that picks one per model."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from mmspec.errors import MMSpecError
+
+
+class ModelAdapter:
+    """What the engine needs of a model, whatever its family.
+
+    Subclasses for vision-language families also implement the ``vision_*`` methods; a
+    text-only causal LM leaves ``has_vision`` False and can serve the text and caption views.
+    """
+
+    has_vision: bool = False
+    image_token_id: int | None = None
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    # -- text side -------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_input_embeddings().weight.dtype
+
+    @property
+    def max_positions(self) -> int | None:
+        cfg = getattr(self.model.config, "text_config", self.model.config)
+        return getattr(cfg, "max_position_embeddings", None)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids [B, L] -> embeddings [B, L, H]."""
+        return self.model.get_input_embeddings()(token_ids)
+
+    def forward(
+        self,
+        *,
+        cache,
+        attention_mask: torch.Tensor,  # [B, past + L]
+        position_ids: torch.Tensor,  # [B, L]
+        input_ids: torch.Tensor | None = None,  # [B, L]
+        inputs_embeds: torch.Tensor | None = None,  # [B, L, H]
+    ) -> torch.Tensor:
+        """One forward pass that extends ``cache`` in place; returns logits [B, L, V]."""
+        out = self.model(
+            input_ids=input_ids,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return out.logits
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    # -- vision side (VLM families) ----------------------------------------------------
+    def vision_hidden(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """pixel_values [n_img, 3, H, W] -> selected patch features [n_img, n_patches, C]."""
+        raise MMSpecError(f"{type(self.model).__name__} has no vision tower")
+
+    def project(self, patch_features: torch.Tensor) -> torch.Tensor:
+        """[n_img, n, C] patch features -> [n_img, n, hidden] LM-space image tokens."""
+        raise MMSpecError(f"{type(self.model).__name__} has no multimodal projector")
+
+    @property
+    def patch_grid(self) -> int:
+        """Patches per side of the square patch grid fed to the projector."""
+        raise MMSpecError(f"{type(self.model).__name__} has no vision tower")
+
+    def vision_key(self) -> tuple | None:
+        """Feature selection (layer, strategy, grid); None without a vision tower."""
+        return None
+
+    @property
+    def vision_module(self) -> nn.Module | None:
+        return None
+
+
+def same_vision(a: ModelAdapter, b: ModelAdapter) -> bool:
+    """True when both adapters produce identical patch features for the same pixels: same
+    feature selection and exactly equal vision-tower weights (or the very same module)."""
+    if not (a.has_vision and b.has_vision) or a.vision_key() != b.vision_key():
+        return False
+    ma, mb = a.vision_module, b.vision_module
+    if ma is mb:
+        return True
+    sa, sb = ma.state_dict(), mb.state_dict()
+    if sa.keys() != sb.keys():
+        return False
+    return all(
+        sa[k].shape == sb[k].shape and sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k].to(sa[k].device))
+        for k in sa
+    )
+
+
+ADAPTERS: dict[str, Callable[[nn.Module], ModelAdapter]] = {}
+
+
+def register(model_type: str):
+    def deco(cls):
+        ADAPTERS[model_type] = cls
+        return cls
+
+    return deco
+
+
+def adapter_for(model: nn.Module) -> ModelAdapter:
+    """Pick the adapter for a loaded HF model by its ``config.model_type``."""
+    # Import the family modules so they register themselves (no import-time work beyond that).
+    from mmspec.models import causal_lm, llava  # noqa: F401
+
+    model_type = getattr(model.config, "model_type", None)
+    if model_type in ADAPTERS:
+        return ADAPTERS[model_type](model)
+    if hasattr(model, "get_output_embeddings") and not hasattr(model.config, "vision_config"):
+        return ADAPTERS["causal_lm"](model)
+    raise MMSpecError(
+        f"mmspec has no adapter for model_type={model_type!r} ({type(model).__name__}). "
+        f"Supported: {sorted(k for k in ADAPTERS if k != 'causal_lm')} and text-only causal LMs "
+        "(as drafts). Add one module under mmspec/models/ for a new family."
+    )

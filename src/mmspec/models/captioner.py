@@ -1,0 +1,67 @@
+"""Captioners for the caption view: image -> short text, run once per image at prefill.
+
+The interface is one method, ``caption(images) -> list[str]``. :class:`HFCaptioner` wraps any
+Hugging Face image-to-text model with its processor: encoder-decoder captioners such as BLIP
+and Florence-2 (pass ``prompt="<CAPTION>"`` or ``"<MORE_DETAILED_CAPTION>"`` for Florence-2),
+and decoder-only VLMs prompted to describe the image (the embedded tiny captioner).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+from mmspec.errors import MMSpecError
+
+
+class Captioner(Protocol):
+    def caption(self, images: Sequence) -> list[str]: ...
+
+
+class HFCaptioner:
+    """Greedy captions from an HF image-to-text model (deterministic)."""
+
+    def __init__(self, model, processor, *, prompt: str | None = None, max_new_tokens: int = 40):
+        self.model = model.eval()
+        self.processor = processor
+        self.prompt = prompt
+        self.max_new_tokens = max_new_tokens
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, *, prompt: str | None = None, dtype="auto", **kw):
+        from mmspec.models.loading import load_model, load_processor
+
+        return cls(load_model(name_or_path, dtype=dtype), load_processor(name_or_path), prompt=prompt, **kw)
+
+    @torch.inference_mode()
+    def caption(self, images: Sequence) -> list[str]:
+        out = []
+        device = next(self.model.parameters()).device
+        for img in images:
+            kwargs = {"images": img, "return_tensors": "pt"}
+            if self.prompt is not None:
+                kwargs["text"] = self.prompt
+            inputs = self.processor(**kwargs).to(device)
+            if "pixel_values" in inputs:
+                inputs["pixel_values"] = inputs["pixel_values"].to(self.model.dtype)
+            ids = self.model.generate(**inputs, do_sample=False, max_new_tokens=self.max_new_tokens)
+            if not self.model.config.is_encoder_decoder and "input_ids" in inputs:
+                ids = ids[:, inputs["input_ids"].shape[1]:]  # decoder-only: drop the prompt
+            text = self.processor.batch_decode(ids, skip_special_tokens=True)[0]
+            out.append(" ".join(text.split()))
+        return out
+
+
+class FixedCaptioner:
+    """Captions given up front (tests, benchmarks with reference captions)."""
+
+    def __init__(self, captions: Sequence[str]):
+        self._captions = list(captions)
+
+    def caption(self, images: Sequence) -> list[str]:
+        if len(images) != len(self._captions):
+            raise MMSpecError(
+                f"FixedCaptioner holds {len(self._captions)} captions but {len(images)} images were given"
+            )
+        return list(self._captions)

@@ -1,0 +1,75 @@
+"""Loading models and tokenizers from a local directory or a hub id through transformers'
+Auto classes, with errors that say what to do instead of deep transformers stack traces."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from mmspec.errors import MMSpecError
+
+
+def _resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
+    if dtype is None or dtype == "auto":
+        return "auto"
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+             "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float64": torch.float64}
+    if dtype not in table:
+        raise MMSpecError(f"unknown dtype {dtype!r}; use one of {sorted(table)}")
+    return table[dtype]
+
+
+def _check_reachable(name: str) -> None:
+    if Path(name).exists():
+        return
+    looks_local = name.startswith((".", "/", "~")) or os.sep in name.strip("/").split("/", 1)[-1]
+    if looks_local or name.count("/") != 1:
+        raise MMSpecError(
+            f"model path {name!r} does not exist; pass a local directory saved with "
+            "save_pretrained() or a hub id such as 'llava-hf/llava-1.5-7b-hf'"
+        )
+
+
+def load_model(name_or_path: str, *, dtype: str | torch.dtype | None = "auto", device: str | None = None):
+    """Load a VLM (image-text-to-text) or a causal LM; returns the model in eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    _check_reachable(str(name_or_path))
+    try:
+        config = AutoConfig.from_pretrained(name_or_path)
+    except OSError as e:
+        raise MMSpecError(
+            f"could not read a model config from {name_or_path!r} ({e.__class__.__name__}). "
+            "Without network access only local directories work: download the model once "
+            "elsewhere and pass its directory."
+        ) from None
+    auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    model = auto.from_pretrained(name_or_path, dtype=_resolve_dtype(dtype))
+    if device:
+        model = model.to(device)
+    return model.eval()
+
+
+def load_tokenizer(name_or_path: str):
+    from transformers import AutoTokenizer
+
+    _check_reachable(str(name_or_path))
+    try:
+        return AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError) as e:
+        raise MMSpecError(f"could not load a tokenizer from {name_or_path!r}: {e}") from None
+
+
+def load_processor(name_or_path: str):
+    from transformers import AutoProcessor
+
+    _check_reachable(str(name_or_path))
+    try:
+        return AutoProcessor.from_pretrained(name_or_path)
+    except (OSError, ValueError) as e:
+        raise MMSpecError(f"could not load a processor from {name_or_path!r}: {e}") from None
