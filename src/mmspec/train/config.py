@@ -44,10 +44,10 @@ class ModelSize:
     tie_embeddings: bool = True
 
 
-# Presets. "target" is ~9M params in all (vision tower included); "draft" keeps LM + projector
+# Presets. "target" is ~7.3M params in all (vision tower included); "draft" keeps LM + projector
 # under 2M and shares the target's vision tower (so the vision fields must match "target").
 _SIZES: dict[str, ModelSize] = {
-    "target": ModelSize("target", lm_hidden=256, lm_layers=8, lm_heads=4, lm_intermediate=768),
+    "target": ModelSize("target", lm_hidden=256, lm_layers=6, lm_heads=4, lm_intermediate=768),
     "draft": ModelSize("draft", lm_hidden=128, lm_layers=4, lm_heads=4, lm_intermediate=384),
     "captioner": ModelSize("captioner", lm_hidden=128, lm_layers=3, lm_heads=4, lm_intermediate=384),
     # For tests: everything tiny.
@@ -100,7 +100,7 @@ class RecipeConfig:
     seed: int = 0
     device: str = "cpu"
     threads: int | None = None  # torch.set_num_threads; None leaves torch's default
-    autocast_bf16: bool = False
+    autocast_bf16: bool = True  # measured 1.4x faster on an AVX512-BF16 CPU
     n_train_per_family: int = 400
     n_eval_per_family: int = 4
     max_answer_tokens: int = 96
@@ -109,20 +109,20 @@ class RecipeConfig:
     captioner_size: str = "captioner"
     pooled_tokens: int = 16
     target_stages: tuple[StageConfig, ...] = field(default_factory=lambda: (
-        StageConfig("target-stage0", "all", lr=1e-3, steps=600, batch_size=16),
-        StageConfig("target-stage1", "projector", lr=1e-3, steps=20, batch_size=16),
-        StageConfig("target-stage2", "projector+lm", lr=2e-4, steps=100, batch_size=16),
+        StageConfig("target-stage0", "all", lr=1e-3, steps=1200, batch_size=8),
+        StageConfig("target-stage1", "projector", lr=1e-3, steps=20, batch_size=8),
+        StageConfig("target-stage2", "projector+lm", lr=2e-4, steps=100, batch_size=8),
     ))
     draft_stages: tuple[StageConfig, ...] = field(default_factory=lambda: (
-        StageConfig("draft-stage1", "projector", lr=1e-3, steps=30, batch_size=16),
-        StageConfig("draft-stage2", "projector+lm", lr=1e-3, steps=300, batch_size=16,
+        StageConfig("draft-stage1", "projector", lr=1e-3, steps=30, batch_size=8),
+        StageConfig("draft-stage2", "projector+lm", lr=1e-3, steps=500, batch_size=8,
                     text_view_prob=0.2, caption_view_prob=0.1),
     ))
     pooled_stage: StageConfig = field(default_factory=lambda: StageConfig(
-        "draft-pooled", "projector+lm", lr=2e-4, steps=80, batch_size=16, pooled_tokens=16))
+        "draft-pooled", "projector+lm", lr=3e-4, steps=150, batch_size=8, pooled_tokens=16))
     captioner_stages: tuple[StageConfig, ...] = field(default_factory=lambda: (
-        StageConfig("captioner-stage1", "projector", lr=1e-3, steps=20, batch_size=32),
-        StageConfig("captioner-stage2", "projector+lm", lr=1e-3, steps=200, batch_size=32),
+        StageConfig("captioner-stage1", "projector", lr=1e-3, steps=20, batch_size=16),
+        StageConfig("captioner-stage2", "projector+lm", lr=1e-3, steps=300, batch_size=16),
     ))
 
     def scaled(self, factor: float) -> "RecipeConfig":

@@ -1,0 +1,92 @@
+"""``mmspec train``: a typer sub-app that only maps flags onto the typed configs.
+
+Commands: ``embedded`` (the whole pack, see :mod:`mmspec.train.pack`) and ``stage`` (one stage
+of the recipe on one model directory, or on a fresh model of a size preset).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+train_app = typer.Typer(help="Train the embedded target / draft / captioner on the synthetic world.",
+                        no_args_is_help=True)
+
+
+@train_app.command("embedded")
+def embedded(
+    out: Path = typer.Option(None, help="output dir (default: the package assets/embedded)"),
+    minutes_budget: Optional[float] = typer.Option(None, help="wall-clock budget; stages get shares of it"),
+    steps_scale: float = typer.Option(1.0, help="multiply every stage's step count (no budget)"),
+    device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, ..."),
+    seed: int = typer.Option(0),
+    threads: Optional[int] = typer.Option(None, help="torch.set_num_threads"),
+    n_train_per_family: int = typer.Option(400, help="training samples per task family"),
+    bf16: bool = typer.Option(False, help="bf16 autocast"),
+    quiet: bool = typer.Option(False, help="no progress bars"),
+) -> None:
+    """Reproduce the whole pack: tokenizer -> target 0/1/2 -> draft 1/2 -> pooled draft -> captioner."""
+    from mmspec.embedded import default_path
+    from mmspec.train.config import RecipeConfig
+    from mmspec.train.pack import run_pack
+
+    recipe = RecipeConfig(seed=seed, device=device, threads=threads, autocast_bf16=bf16,
+                          n_train_per_family=n_train_per_family).scaled(steps_scale)
+    run_pack(recipe, out or default_path(), minutes_budget=minutes_budget, progress=not quiet)
+
+
+@train_app.command("stage")
+def stage(
+    out: Path = typer.Option(..., help="where to save the trained model (HF dir)"),
+    init: Optional[Path] = typer.Option(None, help="start from this HF LLaVA dir"),
+    size: str = typer.Option("draft", help="size preset for a fresh model when no --init"),
+    vision_from: Optional[Path] = typer.Option(None, help="copy this HF LLaVA dir's vision tower"),
+    trainable: str = typer.Option("projector+lm", help="all | projector | projector+lm"),
+    lr: float = typer.Option(2e-5),
+    steps: int = typer.Option(100),
+    batch_size: int = typer.Option(16),
+    pooled_tokens: Optional[int] = typer.Option(None, help="train with pooling to N tokens/image"),
+    captioner: bool = typer.Option(False, help="train on the caption task instead of the QA task"),
+    n_train_per_family: int = typer.Option(400),
+    device: str = typer.Option("cpu"),
+    seed: int = typer.Option(0),
+    threads: Optional[int] = typer.Option(None),
+) -> None:
+    """One stage of the LLaVA recipe (stage 1: --trainable projector, stage 2: projector+lm)."""
+    import torch
+    from transformers import LlavaForConditionalGeneration
+
+    from mmspec.train.checkpoint import save_checkpoint
+    from mmspec.train.config import StageConfig, build_llava, model_size
+    from mmspec.train.data import CAPTIONER_PROMPT, Encoder, batch_stream, caption_examples, example_from_sample
+    from mmspec.train.pack import _samples, world_tokenizer_and_processor
+    from mmspec.train.recipe import train_stage
+
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    tokenizer, processor = world_tokenizer_and_processor(seed)
+    if init is not None:
+        model = LlavaForConditionalGeneration.from_pretrained(init, dtype=torch.float32)
+    else:
+        tower = None
+        if vision_from is not None:
+            tower = LlavaForConditionalGeneration.from_pretrained(vision_from, dtype=torch.float32).model.vision_tower
+        model = build_llava(model_size(size), tokenizer, vision_tower=tower)
+    samples = _samples("train", n_train_per_family, seed)
+    examples = ([ex for s in samples for ex in caption_examples(s)] if captioner
+                else [example_from_sample(s) for s in samples])
+    cfg = StageConfig("stage", trainable, lr=lr, steps=steps, batch_size=batch_size, pooled_tokens=pooled_tokens)
+    stream = batch_stream(examples, Encoder(tokenizer), processor.image_processor, batch_size,
+                          torch.Generator().manual_seed(seed), tokens_per_image=pooled_tokens or 64)
+    res = train_stage(model, replace(cfg), stream, device)
+    meta = {"role": "captioner" if captioner else "stage", "stages": [res.summary()]}
+    if captioner:
+        meta["captioner_prompt"] = CAPTIONER_PROMPT
+    if pooled_tokens:
+        meta["pooled_tokens"] = pooled_tokens
+    save_checkpoint(model, out, processor=processor, half=False, meta=meta)
+    typer.echo(f"{res.summary()} -> {out}")

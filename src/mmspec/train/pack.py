@@ -1,0 +1,172 @@
+"""The embedded pack, end to end: tokenizer -> target stage 0/1/2 -> draft stage 1/2 -> pooled
+draft -> captioner, each saved as an HF directory under ``out/{target,draft,draft_pooled,captioner}``.
+
+Owns the order of the stages, which data each sees, the seeding (one ``torch.manual_seed`` for
+model initialisation, one ``torch.Generator`` per data stream, all derived from
+``RecipeConfig.seed``), an optional wall-clock budget split across stages, the held-out
+evaluation after each model, and ``out/pack_report.json``.
+
+Deviations from IbED Appendix A, all forced by having no pretrained CLIP / LLaMA here:
+- target "stage 0": the whole target (vision tower included) is trained end to end first;
+- the draft and the captioner copy the trained target's vision tower and keep it frozen (as
+  LLaVA-68M shares CLIP ViT-L with LLaVA-1.5-7B), so the engine encodes each image once;
+- draft stage 2 shows a share of examples through the text / caption views (the paper's draft
+  LM had text pretraining; ours does not).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from mmspec.train.checkpoint import save_checkpoint
+from mmspec.train.config import RecipeConfig, StageConfig, build_llava, model_size, param_report
+from mmspec.train.data import (CAPTIONER_PROMPT, Batch, Encoder, Example, batch_stream,
+                               caption_examples, collate, example_from_sample)
+from mmspec.train.recipe import eval_loss, fact_recall, train_stage
+
+# Share of the wall-clock budget per stage (the rest is data, evaluation and saving).
+BUDGET_SHARES: dict[str, float] = {
+    "target-stage0": 0.50, "target-stage1": 0.01, "target-stage2": 0.05,
+    "draft-stage1": 0.01, "draft-stage2": 0.17, "draft-pooled": 0.06,
+    "captioner-stage1": 0.01, "captioner-stage2": 0.07,
+}
+
+
+def with_budget(recipe: RecipeConfig, minutes: float) -> RecipeConfig:
+    """``recipe`` with every stage capped at its share of ``minutes`` (schedule follows time)."""
+    def cap(st: StageConfig) -> StageConfig:
+        return replace(st, max_seconds=60.0 * minutes * BUDGET_SHARES.get(st.name, 0.02),
+                       steps=max(st.steps, 100_000))
+    return replace(recipe, target_stages=tuple(map(cap, recipe.target_stages)),
+                   draft_stages=tuple(map(cap, recipe.draft_stages)), pooled_stage=cap(recipe.pooled_stage),
+                   captioner_stages=tuple(map(cap, recipe.captioner_stages)))
+
+
+def world_tokenizer_and_processor(seed: int = 0):
+    """The world's tokenizer (trained on the train split) and its LlavaProcessor."""
+    from mmspec.world.processor import build_processor
+    from mmspec.world.tokenizer import train_tokenizer
+
+    tokenizer = train_tokenizer(seed=seed)
+    return tokenizer, build_processor(tokenizer)
+
+
+def _samples(split: str, n_per_family: int, seed: int) -> list:
+    from mmspec.world import iter_all
+
+    return list(iter_all(split, n_per_family, seed=seed))
+
+
+class _Run:
+    """State of one pack run: data, encoder, generators, logging, reports."""
+
+    def __init__(self, recipe: RecipeConfig, out: Path, log: Callable[[str], None], progress: bool):
+        self.recipe, self.out, self.log, self.progress = recipe, out, log, progress
+        self.report: dict = {"recipe": asdict(recipe), "stages": [], "models": {}}
+        self._stream_id = 0
+
+    def generator(self) -> torch.Generator:
+        self._stream_id += 1
+        return torch.Generator().manual_seed(self.recipe.seed * 1000 + self._stream_id)
+
+    def stream(self, examples: Sequence[Example], stage: StageConfig) -> Iterator[Batch]:
+        return batch_stream(examples, self.encoder, self.processor.image_processor, stage.batch_size,
+                            self.generator(), tokens_per_image=stage.pooled_tokens or 64,
+                            text_view_prob=stage.text_view_prob, caption_view_prob=stage.caption_view_prob)
+
+    def train(self, model, stages: Sequence[StageConfig], examples: Sequence[Example]) -> list[dict]:
+        done = []
+        for stage in stages:
+            res = train_stage(model, stage, self.stream(examples, stage), self.recipe.device,
+                              self.recipe.autocast_bf16, self.progress)
+            summary = res.summary()
+            self.log(f"{stage.name}: {json.dumps(summary)}")
+            self.report["stages"].append(summary)
+            done.append(summary)
+        return done
+
+    def held_out(self, examples: Sequence[Example], tokens_per_image: int) -> list[Batch]:
+        encoded = [self.encoder.encode(ex, "multimodal", tokens_per_image) for ex in examples]
+        return [collate(encoded[i:i + 8], self.tokenizer.pad_token_id, self.processor.image_processor,
+                        tokens_per_image) for i in range(0, len(encoded), 8)]
+
+    def evaluate(self, role: str, model, eval_examples, eval_samples, tokens_per_image: int = 64,
+                 facts: bool = True) -> dict:
+        t0 = time.perf_counter()
+        result = {"eval_loss": round(eval_loss(model, self.held_out(eval_examples, tokens_per_image),
+                                               self.recipe.device), 4)}
+        if facts:
+            result.update(fact_recall(model, self.encoder, self.processor.image_processor, eval_samples,
+                                      device=self.recipe.device, tokens_per_image=tokens_per_image))
+        result["eval_seconds"] = round(time.perf_counter() - t0, 1)
+        self.log(f"{role} eval: {json.dumps(result)}")
+        return result
+
+    def save(self, role: str, model, processor, stages: list[dict], evals: dict, extra: dict) -> None:
+        params = param_report(model)
+        meta = {"role": role, "params": params, "stages": stages, "eval": evals, "seed": self.recipe.seed,
+                **extra}
+        save_checkpoint(model, self.out / role, processor=processor, half=True, meta=meta)
+        self.report["models"][role] = {"params": params, "eval": evals, **extra}
+        (self.out / "pack_report.json").write_text(json.dumps(self.report, indent=2) + "\n")
+        self.log(f"saved {role} -> {self.out / role} params={params}")
+
+
+def run_pack(recipe: RecipeConfig, out: str | Path, minutes_budget: float | None = None,
+             progress: bool = True, log: Callable[[str], None] = print) -> dict:
+    """Train and save the whole embedded pack into ``out``; returns the report dict."""
+    if minutes_budget is not None:
+        recipe = with_budget(recipe, minutes_budget)
+    if recipe.threads:
+        torch.set_num_threads(recipe.threads)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    run = _Run(recipe, out, log, progress)
+    t_start = time.perf_counter()
+    torch.manual_seed(recipe.seed)
+
+    run.tokenizer, run.processor = world_tokenizer_and_processor(recipe.seed)
+    run.encoder = Encoder(run.tokenizer, max_answer_tokens=recipe.max_answer_tokens)
+    train_samples = _samples("train", recipe.n_train_per_family, recipe.seed)
+    eval_samples = _samples("val", recipe.n_eval_per_family, recipe.seed)
+    train_ex = [example_from_sample(s) for s in train_samples]
+    eval_ex = [example_from_sample(s) for s in eval_samples]
+    log(f"data: {len(train_ex)} train / {len(eval_ex)} val examples, vocab {len(run.tokenizer)}")
+
+    target = build_llava(model_size(recipe.target_size), run.tokenizer)
+    log(f"target params {param_report(target)}")
+    stages = run.train(target, recipe.target_stages, train_ex)
+    run.save("target", target, run.processor, stages, run.evaluate("target", target, eval_ex, eval_samples), {})
+
+    tower = target.model.vision_tower
+    draft = build_llava(model_size(recipe.draft_size), run.tokenizer, vision_tower=tower)
+    log(f"draft params {param_report(draft)}")
+    stages = run.train(draft, recipe.draft_stages, train_ex)
+    run.save("draft", draft, run.processor, stages, run.evaluate("draft", draft, eval_ex, eval_samples), {})
+
+    pooled = copy.deepcopy(draft)
+    n = recipe.pooled_stage.pooled_tokens or recipe.pooled_tokens
+    stages = run.train(pooled, [replace(recipe.pooled_stage, pooled_tokens=n)], train_ex)
+    run.save("draft_pooled", pooled, run.processor, stages,
+             run.evaluate("draft_pooled", pooled, eval_ex, eval_samples, tokens_per_image=n),
+             {"pooled_tokens": n})
+
+    captioner = build_llava(model_size(recipe.captioner_size), run.tokenizer, vision_tower=tower)
+    cap_train = [ex for s in train_samples for ex in caption_examples(s)]
+    cap_eval = [ex for s in eval_samples for ex in caption_examples(s)][:64]
+    stages = run.train(captioner, recipe.captioner_stages, cap_train)
+    run.save("captioner", captioner, run.processor, stages,
+             run.evaluate("captioner", captioner, cap_eval, [], facts=False),
+             {"captioner_prompt": CAPTIONER_PROMPT})
+
+    run.report["total_seconds"] = round(time.perf_counter() - t_start, 1)
+    (out / "pack_report.json").write_text(json.dumps(run.report, indent=2) + "\n")
+    log(f"pack done in {run.report['total_seconds']} s -> {out}")
+    return run.report
