@@ -49,6 +49,7 @@ class BenchModels:
     captioner_model: Any = None
     captioner_processor: Any = None
     captioner_prompt: str | None = None
+    pooled_tokens: int | None = None  # tokens per image for the P view (None: engine default)
     source: str = "embedded"
 
 
@@ -76,7 +77,8 @@ def load_models(cfg: BenchConfig) -> BenchModels:
 
         e = load_embedded()
         return BenchModels(e.target, e.draft, e.tokenizer, e.processor, e.captioner_model,
-                           e.captioner_processor, e.captioner_prompt, "embedded")
+                           e.captioner_processor, e.captioner_prompt,
+                           cfg.pool_tokens or getattr(e, "pooled_tokens", None), "embedded")
     if cfg.draft is None:
         raise MMSpecError("--target was given without --draft; pass both checkpoints")
     from transformers import AutoProcessor
@@ -84,7 +86,8 @@ def load_models(cfg: BenchConfig) -> BenchModels:
     dtype = getattr(torch, cfg.dtype)
     processor = AutoProcessor.from_pretrained(cfg.target)
     models = BenchModels(_auto_load(cfg.target, dtype), _auto_load(cfg.draft, dtype),
-                         getattr(processor, "tokenizer", processor), processor, source="checkpoints")
+                         getattr(processor, "tokenizer", processor), processor,
+                         pooled_tokens=cfg.pool_tokens, source="checkpoints")
     if cfg.captioner is not None:
         models.captioner_model = _auto_load(cfg.captioner, dtype)
         models.captioner_processor = AutoProcessor.from_pretrained(cfg.captioner)
@@ -132,7 +135,7 @@ class HFBackend:
         if method not in self._decoders:
             from mmspec.decoder import SpecDecoder
 
-            views = method_views(method)
+            views = self.resolve_views(method)
             needs_caption = any(v in ("C", "caption") for v in views)
             self._decoders[method] = SpecDecoder(
                 self.m.target, self.m.draft, self.m.tokenizer, views=views,
@@ -140,6 +143,12 @@ class HFBackend:
                 gamma=self.cfg.gamma, processor=self.m.processor,
             )
         return self._decoders[method]
+
+    def resolve_views(self, method: str) -> tuple[str, ...]:
+        """Method letters -> views; a bare P becomes ``pooled:N`` when N is known."""
+        views = method_views(method)
+        n = self.m.pooled_tokens
+        return tuple(f"pooled:{n}" if v in ("P", "pooled") and n else v for v in views)
 
     @torch.inference_mode()
     def baseline(self, sample: BenchSample) -> Generation:

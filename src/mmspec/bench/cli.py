@@ -50,6 +50,7 @@ def run_command(
     draft: Optional[str] = typer.Option(None, help="Draft checkpoint dir or hub id."),
     captioner: Optional[str] = typer.Option(None, help="Captioner checkpoint (needed by C methods)."),
     captioner_prompt: Optional[str] = typer.Option(None, help="Prompt for the captioner."),
+    pool_tokens: Optional[int] = typer.Option(None, help="Tokens per image of the P (pooled) view, e.g. 144."),
     split: str = typer.Option("test", help="Split of the embedded world / of a DatasetDict."),
     device: Optional[str] = typer.Option(None, help="Default: cuda:LOCAL_RANK if available, else cpu."),
     dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 (checkpoints only)."),
@@ -67,7 +68,7 @@ def run_command(
             datasets=tuple(DatasetSpec.parse(d) for d in _split_list(dataset, DEFAULT_DATASETS)),
             n_samples=n_samples, gamma=gamma, max_new_tokens=max_new_tokens,
             temperature=temperature, seed=seed, target=target, draft=draft, captioner=captioner,
-            captioner_prompt=captioner_prompt, split=split, device=device, dtype=dtype,
+            captioner_prompt=captioner_prompt, pool_tokens=pool_tokens, split=split, device=device, dtype=dtype,
             latency=latency, latency_repeats=latency_repeats, progress=progress,
         )
         summary = run_bench(cfg, backend_factory=_factory(backend) if backend else None,

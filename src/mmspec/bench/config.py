@@ -28,6 +28,9 @@ DEFAULT_DATASETS: tuple[str, ...] = (
     "vist",
 )
 _LETTERS = set("MTCP")
+# settings that change a row's numbers: a results dir is only resumed with the same values
+RESULT_KEYS = ("gamma", "max_new_tokens", "temperature", "seed", "target", "draft", "captioner",
+               "captioner_prompt", "split", "dtype", "pool_tokens")
 
 
 def method_views(method: str) -> tuple[str, ...]:
@@ -80,6 +83,7 @@ class BenchConfig:
     draft: str | None = None
     captioner: str | None = None
     captioner_prompt: str | None = None
+    pool_tokens: int | None = None  # N of the P view; None: the embedded pack's / engine default
     split: str = "test"  # split of the embedded world / of a save_to_disk DatasetDict
     device: str | None = None  # None: cuda:LOCAL_RANK when CUDA is available, else cpu
     dtype: str = "float32"
@@ -100,9 +104,7 @@ class BenchConfig:
 
     def fingerprint(self) -> str:
         """Hash of the settings that change a row's numbers (not which rows are run)."""
-        keys = ("gamma", "max_new_tokens", "temperature", "seed", "target", "draft", "captioner",
-                "captioner_prompt", "split", "dtype")
-        blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True, default=str)
+        blob = json.dumps({k: getattr(self, k) for k in RESULT_KEYS}, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict:

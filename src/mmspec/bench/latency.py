@@ -1,7 +1,7 @@
 """Latency of the pieces of IbED eq. 1-2: T_p, T_q(batch), T_V(gamma), plus vision / prefill.
 
 Owns the timing protocol: prefill a real KV cache (``transformers.DynamicCache``) once, then time
-single forwards on top of it, cropping the cache back to the prefix after every repeat so each
+single forwards on top of it, cropping the new positions off after every repeat so each
 repeat sees the same context. Reports medians. On CUDA every timed region is bracketed by
 ``torch.cuda.synchronize``. It knows nothing about speculative decoding itself.
 
@@ -79,9 +79,11 @@ def decode_time(model: torch.nn.Module, input_ids: torch.Tensor, n_new: int, rep
     def step() -> None:
         model(input_ids=new, past_key_values=cache, use_cache=True, position_ids=pos,
               attention_mask=mask, cache_position=pos[0])
-        cache.crop(prefix)
+        cache.crop(-n_new)  # transformers 5: a negative count removes that many positions
 
     step()  # warm-up
+    if cache.get_seq_length() != prefix:
+        raise RuntimeError(f"KV cache crop left {cache.get_seq_length()} positions, expected {prefix}")
     return _median_time(step, dev, repeats)
 
 

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from mmspec.bench.backend import Backend, HFBackend, load_models, pick_device
-from mmspec.bench.config import BenchConfig, RankInfo, method_views
+from mmspec.bench.config import RESULT_KEYS, BenchConfig, RankInfo, method_views
 from mmspec.bench.datasets import BenchSample, load_dataset
 from mmspec.bench.metrics import accepted_flags
 from mmspec.bench.store import RowWriter, append_run_meta, read_run_meta, results_path
@@ -58,9 +58,7 @@ def _check_fingerprint(cfg: BenchConfig) -> None:
         fp = meta.get("fingerprint")
         if fp and fp != cfg.fingerprint():
             old = meta.get("config", {})
-            diff = [k for k in ("gamma", "max_new_tokens", "temperature", "seed", "target", "draft",
-                                "captioner", "captioner_prompt", "split", "dtype")
-                    if str(old.get(k)) != str(getattr(cfg, k))]
+            diff = [k for k in RESULT_KEYS if str(old.get(k)) != str(getattr(cfg, k))]
             raise MMSpecError(
                 f"{cfg.out_dir} holds results made with different settings ({', '.join(diff)}); "
                 "resuming would mix them. Use a new --out directory, or the original settings."
@@ -80,7 +78,7 @@ def _spec_row(sample: BenchSample, method: str, gen, baseline: dict | None, cfg:
     blocks = (gen.stats or {}).get("blocks", [])
     return {
         "kind": "spec", "dataset": sample.dataset, "uid": sample.uid, "method": method,
-        "views": list(method_views(method)), "gamma": cfg.gamma, "temperature": cfg.temperature,
+        "views": list((gen.stats or {}).get("views") or method_views(method)), "gamma": cfg.gamma, "temperature": cfg.temperature,
         "n_images": sample.n_images, "input_len": gen.input_len, "token_ids": gen.token_ids,
         "text": gen.text, "wall_s": gen.wall_s, "stats": gen.stats,
         "accepted": accepted_flags(blocks),
