@@ -96,3 +96,21 @@ def test_unknown_names():
     assert method_views("MTCP") == ("M", "T", "C", "P")
     assert method_views("multimodal+pooled:36") == ("multimodal", "pooled:36")
     assert DatasetSpec.parse("ChartQA=/x/y.parquet").name == "chartqa"
+
+
+def test_embedded_world_family():
+    pytest.importorskip("mmspec.world")
+    samples, _ = load_dataset("vist", None, 2)
+    assert len(samples) == 2 and samples[0].n_images == 5 == samples[0].prompt.count("<image>")
+    assert samples[0].uid != samples[1].uid and samples[0].reference
+
+
+def test_cli_reports_a_missing_dataset_clearly(tmp_path):
+    from typer.testing import CliRunner
+
+    from mmspec.bench.cli import bench_app
+
+    res = CliRunner().invoke(bench_app, ["run", "--out", str(tmp_path / "o"), "--dataset",
+                                         f"chartqa={tmp_path / 'missing.parquet'}", "--no-progress",
+                                         "--backend", "fixtures_bench:make_fake_backend"])
+    assert res.exit_code == 2 and "missing.parquet does not exist" in res.output
