@@ -154,3 +154,30 @@ def test_shared_vision_tower(model, tokenizer):
     for (k, a), b in zip(model.model.vision_tower.state_dict().items(),
                          draft.model.vision_tower.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+def test_world_encoding_matches_world_processor():
+    world = pytest.importorskip("mmspec.world.processor")
+    from mmspec.world import make_sample
+    from mmspec.world.tokenizer import train_tokenizer
+
+    from mmspec.train.data import example_from_sample
+
+    tok = train_tokenizer(n_per_family=20)
+    proc = world.build_processor(tok)
+    sample = make_sample("spot_the_diff", "train", 0)
+    prompt, answer = world.training_text(sample)
+    enc = Encoder(tok).encode(example_from_sample(sample))
+    full = list(proc(text=prompt + " " + answer, images=sample.images)["input_ids"][0])
+    assert enc.input_ids == full + [tok.eos_token_id]  # prompt + " " + answer + eos, as the contract says
+    assert enc.labels.count(IGNORE) == len(list(proc(text=prompt, images=sample.images)["input_ids"][0]))
+
+
+def test_budget_shares_cap_every_stage():
+    from mmspec.train.config import RecipeConfig
+    from mmspec.train.pack import with_budget
+
+    r = with_budget(RecipeConfig(), minutes=10)
+    stages = [*r.target_stages, *r.draft_stages, r.pooled_stage, *r.captioner_stages]
+    assert all(s.max_seconds and s.max_seconds > 0 for s in stages)
+    assert sum(s.max_seconds for s in stages) <= 600

@@ -118,7 +118,8 @@ def train_stage(model, stage: StageConfig, batches: Iterator[Batch], device: str
     opt = torch.optim.AdamW(params, lr=0.0, weight_decay=stage.weight_decay)
     result = StageResult(stage.name)
     start = time.perf_counter()
-    bar = tqdm(total=stage.steps, desc=stage.name, disable=not progress, dynamic_ncols=True)
+    total = None if stage.max_seconds is not None else stage.steps  # time-budgeted: count only
+    bar = tqdm(total=total, desc=stage.name, disable=not progress, dynamic_ncols=True, mininterval=2.0)
     step = 0
     while True:
         elapsed = time.perf_counter() - start
