@@ -35,7 +35,7 @@ def test_bench_end_to_end_tiny_llava(tmp_path):
     models = tiny_models()
     data = write_chartqa(tmp_path / "chartqa.parquet", n=2)
     cfg = BenchConfig(out_dir=tmp_path / "out", methods=("M", "T", "MT"), n_samples=2,
-                      max_new_tokens=12, datasets=(DatasetSpec("chartqa", data),), progress=False,
+                      max_new_tokens=8, datasets=(DatasetSpec("chartqa", data),), progress=False,
                       latency_repeats=1, latency_batch_sizes=(1, 2))
     summary = run_bench(cfg, backend=HFBackend(models, cfg, torch.device("cpu")), rank=RankInfo())
     assert summary.written == 2 * 4
@@ -47,3 +47,20 @@ def test_bench_end_to_end_tiny_llava(tmp_path):
     assert lat["target_decode_s"] > 0 and set(lat["draft_decode_s"]) == {"1", "2"}
     text = render_report(cfg.out_dir).read_text()
     assert "100%" in text and "VIOLATED" not in text
+
+
+def test_load_models_from_checkpoint_dirs(tmp_path):
+    from mmspec.bench.backend import load_models
+    from mmspec.errors import MMSpecError
+
+    m = tiny_models()
+    m.target.save_pretrained(tmp_path / "t")
+    m.processor.save_pretrained(tmp_path / "t")
+    m.draft.save_pretrained(tmp_path / "d")
+    loaded = load_models(BenchConfig(target=str(tmp_path / "t"), draft=str(tmp_path / "d"), pool_tokens=4))
+    assert type(loaded.target).__name__ == "LlavaForConditionalGeneration"
+    assert loaded.pooled_tokens == 4 and loaded.source == "checkpoints"
+    assert HFBackend(loaded, BenchConfig(), torch.device("cpu")).resolve_views("MTCP") == (
+        "M", "T", "C", "pooled:4")
+    with pytest.raises(MMSpecError, match="without --draft"):
+        load_models(BenchConfig(target=str(tmp_path / "t")))

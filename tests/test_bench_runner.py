@@ -77,6 +77,11 @@ def test_more_methods_later_only_adds_them(tmp_path):
     assert {c[0] for c in be.calls} == {"spec"} and all(c[2].endswith("/C") for c in be.calls)
 
 
+def test_lossy_output_is_reported_at_run_time(tmp_path):
+    s = run_bench(_cfg(tmp_path), backend=FakeBackend(lossy_method="T"), rank=RankInfo())
+    assert len(s.lossless_failures) == 4 and all(f.endswith("/T") for f in s.lossless_failures)
+
+
 def test_changed_settings_refuse_to_mix(tmp_path):
     run_bench(_cfg(tmp_path), backend=FakeBackend(), rank=RankInfo())
     with pytest.raises(MMSpecError, match="gamma"):

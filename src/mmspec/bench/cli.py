@@ -4,6 +4,15 @@ Owns only the mapping of flags onto :class:`~mmspec.bench.config.BenchConfig` an
 of a short summary; the work is in :mod:`mmspec.bench.runner` and :mod:`mmspec.bench.report`.
 Under ``torchrun --nproc_per_node=N`` (or ``accelerate launch``) each process reads RANK /
 WORLD_SIZE, runs its shard and writes ``results.rank{R}.jsonl``; ``report`` merges them.
+
+Usage::
+
+    mmspec bench run --out runs/emb                       # embedded models + world, all 8 methods
+    mmspec bench run --out runs/real -n 100 \
+        --target llava-hf/llava-1.5-7b-hf --draft ./lvlm68m --captioner ./florence \
+        -d chartqa=data/ChartQA -d spot_the_diff=data/interleave/in_domain.parquet
+    torchrun --nproc_per_node=2 $(which mmspec) bench run --out runs/emb   # shard by rank
+    mmspec report runs/emb                                 # -> runs/emb/report.md + PNGs
 """
 
 from __future__ import annotations
@@ -81,6 +90,10 @@ def run_command(
         typer.secho(f"warning: {w}", fg="yellow", err=True)
     for name, skips in summary.load_skips.items():
         typer.secho(f"{name}: skipped rows: {skips}", fg="yellow", err=True)
+    if summary.lossless_failures:
+        typer.secho(f"LOSSLESSNESS VIOLATED: {len(summary.lossless_failures)} greedy output(s) differ "
+                    f"from the target's: {', '.join(summary.lossless_failures[:10])}",
+                    fg="red", bold=True, err=True)
     typer.echo(f"rank {summary.rank}: wrote {summary.written} rows, {summary.skipped} already done "
                f"-> {summary.path}")
 

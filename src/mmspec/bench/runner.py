@@ -50,6 +50,7 @@ class RunSummary:
     skipped: int = 0
     load_skips: dict[str, dict[str, int]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    lossless_failures: list[str] = field(default_factory=list)  # greedy outputs != target's
     path: str = ""
 
 
@@ -148,8 +149,11 @@ def run_bench(cfg: BenchConfig, backend: Backend | None = None, rank: RankInfo |
                     else:
                         g = get_backend().spec(sample, method)
                         base = baselines.get((spec.name, sample.uid))
-                        writer.append(_spec_row(sample, method, g, base, cfg, rank.rank))
+                        row = _spec_row(sample, method, g, base, cfg, rank.rank)
+                        writer.append(row)
                         summary.written += 1
+                        if row["identical"] is False and cfg.temperature <= 0:
+                            summary.lossless_failures.append(f"{spec.name}/{sample.uid}/{method}")
                     prog.advance(task)
     return summary
 
