@@ -114,3 +114,16 @@ def test_cli_reports_a_missing_dataset_clearly(tmp_path):
                                          f"chartqa={tmp_path / 'missing.parquet'}", "--no-progress",
                                          "--backend", "fixtures_bench:make_fake_backend"])
     assert res.exit_code == 2 and "missing.parquet does not exist" in res.output
+
+
+def test_interleave_list_image_column_and_conversations(tmp_path):
+    from fixtures_bench import png_bytes
+
+    img = {"bytes": png_bytes((1, 2, 3)), "path": "a.png"}
+    conv = [{"from": "human", "value": "<image> Caption#1: a. <image> Caption#2: b. <image> "
+             "Caption#3: c. <image> Caption#4: d. <image> Caption#5:"}, {"from": "gpt", "value": "e"}]
+    path = tmp_path / "il.parquet"
+    pq.write_table(pa.table({"sample_id": [7], "sub_task": ["PororoSV"], "conversations": [conv],
+                             "image": [[img] * 5]}), path)
+    (s,), _ = load_real("pororosv", path, n=1)
+    assert s.uid == "7" and s.n_images == 5 and "Caption #4: d <image> Caption #5:" in s.prompt

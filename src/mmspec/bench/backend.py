@@ -119,7 +119,9 @@ class HFBackend:
     def _inputs(self, sample: BenchSample) -> dict[str, torch.Tensor]:
         images = sample.images or None
         enc = self.m.processor(text=sample.prompt, images=images, return_tensors="pt")
-        return {k: v.to(self.device) for k, v in enc.items() if isinstance(v, torch.Tensor)}
+        dtype = next(self.m.target.parameters()).dtype  # pixel_values follow the target (bf16 runs)
+        return {k: v.to(self.device, dtype=dtype) if v.is_floating_point() else v.to(self.device)
+                for k, v in enc.items() if isinstance(v, torch.Tensor)}
 
     def _get_captioner(self) -> Any:
         if self._captioner is None:
