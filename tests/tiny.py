@@ -12,11 +12,12 @@ from transformers import (CLIPVisionConfig, LlamaConfig, LlamaForCausalLM, Llava
 
 VOCAB = 96
 PAD, BOS, EOS, IMG, NL = 0, 1, 2, 3, 4
-WORDS = ["<pad>", "<s>", "</s>", "<image>", "\n"] + [f"w{i}" for i in range(VOCAB - 5)]
+WORDS = ["<pad>", "<s>", "</s>", "<image>", "\n"]
 
 
-def make_tokenizer() -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
+def make_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
+    words = WORDS[:5] + [f"w{i}" for i in range(5, vocab)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="removed")
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",

@@ -59,7 +59,7 @@ def run_loop(
         if k > 0:
             drafts, q = drafter.propose(state.draft_pending, k, params, generator)  # [k], [k, V]
         else:
-            drafts, q = torch.zeros(0, dtype=torch.long), None
+            drafts, q = torch.zeros(0, dtype=torch.long), torch.zeros(0, target.vocab_size)
         _sync(dev)
         t1 = time.perf_counter()
 
