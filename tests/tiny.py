@@ -6,8 +6,8 @@ from __future__ import annotations
 import copy
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-from transformers import (CLIPVisionConfig, LlamaConfig, LlamaForCausalLM, LlavaConfig,
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlavaProcessor, LlamaConfig, LlamaForCausalLM, LlavaConfig,
                           LlavaForConditionalGeneration, PreTrainedTokenizerFast)
 
 VOCAB = 96
@@ -20,6 +20,7 @@ def make_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="removed")
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok.add_special_tokens([AddedToken("<image>", special=True, normalized=False)])  # split "<image><image>"
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                    pad_token="<pad>", unk_token="<pad>")
 
@@ -74,3 +75,11 @@ def make_prompt(n_images: int, tokens_per_image: int, seed: int = 0, text_len: i
     ids += torch.randint(5, VOCAB, (text_len,), generator=g).tolist()
     pixel_values = torch.randn(n_images, 3, 32, 32, generator=g, dtype=torch.float64) if n_images else None
     return torch.tensor([ids]), pixel_values
+
+
+def make_processor(tok, image_size: int = 32, patch: int = 8) -> LlavaProcessor:
+    """The target's processor: expands each <image> to (image_size/patch)^2 image tokens."""
+    ip = CLIPImageProcessorPil(size={"shortest_edge": image_size},
+                               crop_size={"height": image_size, "width": image_size})
+    return LlavaProcessor(image_processor=ip, tokenizer=tok, patch_size=patch, image_token="<image>",
+                          vision_feature_select_strategy="default", num_additional_image_tokens=1)

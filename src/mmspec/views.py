@@ -21,7 +21,7 @@ from mmspec.errors import MMSpecError
 
 VIEW_KINDS = ("multimodal", "text", "caption", "pooled")
 LETTERS = {"M": "multimodal", "T": "text", "C": "caption", "P": "pooled"}
-ALIASES = {"text-only": "text", "textonly": "text", "mm": "multimodal", "pool": "pooled"}
+ALIASES = {"text-only": "text", "textonly": "text", "pool": "pooled"}
 
 
 @dataclass(frozen=True)

@@ -53,21 +53,6 @@ class BenchModels:
     source: str = "embedded"
 
 
-def _auto_load(path: str, dtype: torch.dtype) -> Any:
-    import transformers
-
-    errors = []
-    for cls_name in ("AutoModelForImageTextToText", "AutoModelForVision2Seq", "AutoModelForCausalLM"):
-        cls = getattr(transformers, cls_name, None)
-        if cls is None:
-            continue
-        try:
-            return cls.from_pretrained(path, dtype=dtype)
-        except (ValueError, KeyError, OSError) as e:
-            errors.append(f"{cls_name}: {e}")
-    raise MMSpecError(f"could not load a model from {path!r}: " + " | ".join(errors))
-
-
 def load_models(cfg: BenchConfig) -> BenchModels:
     """Embedded models unless ``cfg.target`` is given; then ``cfg.draft`` is required too."""
     if cfg.target is None:
@@ -81,16 +66,16 @@ def load_models(cfg: BenchConfig) -> BenchModels:
                            cfg.pool_tokens or getattr(e, "pooled_tokens", None), "embedded")
     if cfg.draft is None:
         raise MMSpecError("--target was given without --draft; pass both checkpoints")
-    from transformers import AutoProcessor
+    from mmspec.models.loading import load_model, load_processor
 
     dtype = getattr(torch, cfg.dtype)
-    processor = AutoProcessor.from_pretrained(cfg.target)
-    models = BenchModels(_auto_load(cfg.target, dtype), _auto_load(cfg.draft, dtype),
+    processor = load_processor(cfg.target)
+    models = BenchModels(load_model(cfg.target, dtype=dtype), load_model(cfg.draft, dtype=dtype),
                          getattr(processor, "tokenizer", processor), processor,
                          pooled_tokens=cfg.pool_tokens, source="checkpoints")
     if cfg.captioner is not None:
-        models.captioner_model = _auto_load(cfg.captioner, dtype)
-        models.captioner_processor = AutoProcessor.from_pretrained(cfg.captioner)
+        models.captioner_model = load_model(cfg.captioner, dtype=dtype)
+        models.captioner_processor = load_processor(cfg.captioner)
         models.captioner_prompt = cfg.captioner_prompt
     return models
 

@@ -48,8 +48,17 @@ def load_model(name_or_path: str, *, dtype: str | torch.dtype | None = "auto", d
             "Without network access only local directories work: download the model once "
             "elsewhere and pass its directory."
         ) from None
-    auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
-    model = auto.from_pretrained(name_or_path, dtype=_resolve_dtype(dtype))
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    vlm = config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or hasattr(config, "vision_config")
+    auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
+    try:
+        model = auto.from_pretrained(name_or_path, dtype=_resolve_dtype(dtype))
+    except ValueError as e:  # a config class neither Auto mapping knows
+        raise MMSpecError(
+            f"{name_or_path!r} (model_type={config.model_type!r}) is neither an image-text-to-text "
+            f"model nor a causal LM that transformers can load: {e}"
+        ) from None
     if device:
         model = model.to(device)
     return model.eval()

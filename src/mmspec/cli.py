@@ -1,0 +1,206 @@
+"""The ``mmspec`` command. It only maps flags onto library calls and prints results.
+
+Commands: ``generate`` (one prompt), ``demo`` (the embedded world end to end), ``bench`` /
+``report`` (:mod:`mmspec.bench`), ``train`` (:mod:`mmspec.train`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from mmspec.errors import MMSpecError
+
+app = typer.Typer(help="Lossless speculative decoding for vision-language models (IbED).",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+console = Console()
+err_console = Console(stderr=True)
+
+EMBEDDED_NOTE = ("[dim]Using the embedded tiny models: they only know mmspec's synthetic world "
+                 "(charts, signs, shapes, differences, edits, little stories), not real photos.[/dim]")
+
+
+def _fail(e: Exception) -> None:
+    err_console.print(f"[bold red]error:[/bold red] {e}")
+    raise typer.Exit(code=2)
+
+
+def _load(target, draft, captioner, captioner_prompt, dtype, device):
+    """Models for generate/demo: the given checkpoints, or the embedded pack."""
+    from mmspec.models.captioner import HFCaptioner
+
+    if target is None:
+        if draft is not None:
+            raise MMSpecError("--draft needs --target too (or pass neither to use the embedded models)")
+        from mmspec.embedded import load_embedded
+
+        e = load_embedded(device=device)
+        cap = HFCaptioner(e.captioner_model, e.captioner_processor, prompt=e.captioner_prompt)
+        return e.target, e.draft, e.tokenizer, e.processor, cap, True
+    if draft is None:
+        raise MMSpecError("--target was given without --draft; pass a draft checkpoint too")
+    from mmspec.models.loading import load_model, load_processor
+
+    processor = load_processor(target)
+    t = load_model(target, dtype=dtype, device=device)
+    d = load_model(draft, dtype=dtype, device=device)
+    cap = HFCaptioner.from_pretrained(captioner, prompt=captioner_prompt, dtype=dtype) if captioner else None
+    if cap is not None:
+        cap.model.to(device)
+    return t, d, getattr(processor, "tokenizer", processor), processor, cap, False
+
+
+def _stats_table(title: str, res, baseline_s: float | None = None, identical: bool | None = None) -> Table:
+    st = res.stats
+    tab = Table(title=title, show_header=False, title_justify="left")
+    tab.add_row("tokens", str(st.n_tokens))
+    tab.add_row("blocks", str(st.n_blocks))
+    tab.add_row("tokens per block", " ".join(map(str, st.tokens_per_block)))
+    tab.add_row("block efficiency tau (incl. bonus/recovered)", f"{st.tau:.2f}")
+    tab.add_row("mean accepted length (tau - 1)", f"{st.mean_accepted_length:.2f}")
+    tab.add_row("acceptance by draft position", " ".join(f"{a:.2f}" for a in st.acceptance_by_position()))
+    tab.add_row("time: vision / caption / prefill (target, draft)",
+                f"{st.vision_s*1e3:.1f} / {st.caption_s*1e3:.1f} / {st.prefill_target_s*1e3:.1f}, "
+                f"{st.prefill_draft_s*1e3:.1f} ms")
+    tab.add_row("time: drafting / verification / total",
+                f"{st.draft_s*1e3:.1f} / {st.verify_s*1e3:.1f} / {st.total_s*1e3:.1f} ms")
+    if baseline_s is not None:
+        tab.add_row("target alone (generate)", f"{baseline_s*1e3:.1f} ms -> speed-up {baseline_s/st.total_s:.2f}x")
+    if identical is not None:
+        tab.add_row("identical to target.generate", "[green]yes[/green]" if identical else "[red]NO[/red]")
+    return tab
+
+
+def _baseline(target, inputs, max_new_tokens):
+    import torch
+
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = target.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
+    return out[0, inputs["input_ids"].shape[1]:].tolist(), time.perf_counter() - t0
+
+
+@app.command()
+def generate(
+    prompt: Optional[str] = typer.Option(None, help="Prompt text; <image> marks each image (added in front if missing)."),
+    image: List[Path] = typer.Option([], "--image", "-i", help="Image file; repeat for several images, in slot order."),
+    target: Optional[str] = typer.Option(None, help="Target VLM: local directory or hub id (default: embedded)."),
+    draft: Optional[str] = typer.Option(None, help="Draft model: local directory or hub id."),
+    captioner: Optional[str] = typer.Option(None, help="Captioner (HF image-to-text) for the caption view."),
+    captioner_prompt: Optional[str] = typer.Option(None, help="Task prompt for the captioner, e.g. '<CAPTION>' for Florence-2."),
+    views: str = typer.Option("MTC", help="Drafting views: letters M,T,C,P (e.g. MTC) or names, comma-separated (pooled:36)."),
+    weights: Optional[str] = typer.Option(None, help="Ensemble weights, comma-separated, one per view (default equal)."),
+    gamma: int = typer.Option(5, help="Draft tokens per block."),
+    max_new_tokens: int = typer.Option(128),
+    temperature: float = typer.Option(0.0, help="0 = greedy (exactly the target's greedy output)."),
+    top_k: Optional[int] = typer.Option(None),
+    top_p: Optional[float] = typer.Option(None),
+    seed: Optional[int] = typer.Option(None, help="Seed for sampling (same seed, same output)."),
+    compare: bool = typer.Option(True, help="Also run target.generate and report speed-up and identity (greedy)."),
+    dtype: str = typer.Option("auto", help="auto, float32, bfloat16, float16."),
+    device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, ..."),
+):
+    """Answer one prompt with speculative decoding and print the block statistics."""
+    try:
+        from mmspec.decoder import SpecDecoder
+        from mmspec.inputs import frame_prompt, load_images, processor_inputs
+
+        t, d, tok, proc, cap, embedded = _load(target, draft, captioner, captioner_prompt, dtype, device)
+        if embedded:
+            console.print(EMBEDDED_NOTE)
+        if prompt is None and not image:
+            if not embedded:
+                raise MMSpecError("pass --prompt (and --image for each image)")
+            from mmspec.world import make_sample
+
+            sample = make_sample("chartqa", "test", 0)
+            prompt_text, images = sample.prompt, sample.images
+            console.print(f"[dim]No prompt given: a bundled chart-QA example from the synthetic world.[/dim]")
+        else:
+            if prompt is None:
+                raise MMSpecError("--image was given without --prompt; say what to ask about the image(s)")
+            images = load_images(image)
+            prompt_text = frame_prompt(prompt, len(images))
+        w = [float(x) for x in weights.split(",")] if weights else None
+        view_list = [v for v in views.split(",") if v]
+        dec = SpecDecoder(t, d, tok, views=view_list, weights=w, captioner=cap, gamma=gamma, processor=proc)
+        inputs = {k: v.to(device) for k, v in processor_inputs(proc, prompt_text, images).items()}
+        if "pixel_values" in inputs:
+            inputs["pixel_values"] = inputs["pixel_values"].to(t.dtype)
+        res = dec.generate(inputs["input_ids"], inputs.get("pixel_values"), inputs.get("attention_mask"),
+                           max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                           seed=seed, images=images)
+        base_s = identical = None
+        if compare and temperature == 0:
+            ref, base_s = _baseline(t, inputs, max_new_tokens)
+            identical = ref == res.token_ids
+        console.print(f"[bold]Prompt:[/bold] {prompt_text}")
+        console.print(f"[bold]Answer:[/bold] {res.text}")
+        console.print(_stats_table(f"{dec.method} (gamma={gamma})", res, base_s, identical))
+        if identical is False:
+            raise MMSpecError("the speculative output differs from target.generate; please report this")
+    except MMSpecError as e:
+        _fail(e)
+
+
+@app.command()
+def demo(
+    methods: str = typer.Option("M,T,C,P,MT,MTC,MTCP", help="Drafting methods to compare, comma-separated."),
+    families: str = typer.Option("chartqa,textvqa,spot_the_diff,pororosv", help="World families (1, 2 and 5 images)."),
+    max_new_tokens: int = typer.Option(64),
+    gamma: int = typer.Option(5),
+):
+    """Run the embedded models on a few synthetic-world samples: every method, identity check,
+    block efficiency and speed-up over the target alone."""
+    try:
+        import torch
+
+        from mmspec.decoder import SpecDecoder
+        from mmspec.inputs import processor_inputs
+        from mmspec.world import make_sample
+
+        t, d, tok, proc, cap, _ = _load(None, None, None, None, "auto", "cpu")
+        console.print(EMBEDDED_NOTE)
+        meths = [m for m in methods.split(",") if m]
+        decs = {m: SpecDecoder(t, d, tok, views=m, captioner=cap, gamma=gamma, processor=proc) for m in meths}
+        tab = Table(title=f"mmspec demo (embedded models, CPU, gamma={gamma}, greedy, {max_new_tokens} new tokens)")
+        for col in ["family", "images", "method", "tau", "accepted len", "speed-up", "identical"]:
+            tab.add_column(col)
+        for fam in [f for f in families.split(",") if f]:
+            s = make_sample(fam, "test", 0)
+            inputs = processor_inputs(proc, s.prompt, s.images)
+            ref, base_s = _baseline(t, inputs, max_new_tokens)
+            console.print(f"[bold]{fam}[/bold] — {s.question or s.prompt[:80]}\n  target: {tok.decode(ref, skip_special_tokens=True)}")
+            for m, dec in decs.items():
+                res = dec.generate(inputs["input_ids"], inputs.get("pixel_values"), inputs.get("attention_mask"),
+                                   max_new_tokens=max_new_tokens, images=s.images)
+                st = res.stats
+                same = res.token_ids == ref
+                tab.add_row(fam, str(len(s.images)), m, f"{st.tau:.2f}", f"{st.mean_accepted_length:.2f}",
+                            f"{base_s / st.total_s:.2f}x", "[green]yes[/green]" if same else "[red]NO[/red]")
+        console.print(tab)
+        console.print("[dim]tau = tokens per block incl. the bonus/recovered token; speed-up is one "
+                      "run each on this machine (see `mmspec bench` for medians over 100 samples).[/dim]")
+    except MMSpecError as e:
+        _fail(e)
+
+
+def _mount() -> None:
+    from mmspec.bench.cli import bench_app, report_command
+    from mmspec.train.cli import train_app
+
+    app.add_typer(bench_app, name="bench")
+    app.command("report", help="Render report.md + plots from a bench results directory.")(report_command)
+    app.add_typer(train_app, name="train")
+
+
+_mount()
+
+if __name__ == "__main__":  # pragma: no cover
+    app()

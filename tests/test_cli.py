@@ -1,0 +1,56 @@
+"""The `mmspec generate` command on checkpoints saved to disk (the one-command path)."""
+
+import pytest
+from PIL import Image
+from typer.testing import CliRunner
+
+from mmspec.cli import app
+from tiny import make_processor
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, target, draft_shared, tok):
+    root = tmp_path_factory.mktemp("ckpt")
+    proc = make_processor(tok)
+    for name, model in (("target", target), ("draft", draft_shared)):
+        model.save_pretrained(root / name)
+        proc.save_pretrained(root / name)
+    for i, colour in enumerate([(255, 0, 0), (0, 0, 255)]):
+        Image.new("RGB", (40, 40), colour).save(root / f"img{i}.png")
+    (root / "broken.png").write_bytes(b"\x89PNG not really")
+    return root
+
+
+def invoke(*args):
+    return runner.invoke(app, ["generate", *map(str, args)])
+
+
+def test_generate_two_images_matches_target(checkpoints):
+    r = invoke("--target", checkpoints / "target", "--draft", checkpoints / "draft", "--views", "MT",
+               "--image", checkpoints / "img0.png", "--image", checkpoints / "img1.png",
+               "--prompt", "w5 w6 w7", "--max-new-tokens", "12", "--dtype", "float64")
+    assert r.exit_code == 0, r.output
+    assert "identical to target.generate" in r.output and "yes" in r.output
+    assert "block efficiency tau" in r.output
+
+
+def test_generate_bad_image_is_a_clear_error(checkpoints):
+    r = invoke("--target", checkpoints / "target", "--draft", checkpoints / "draft",
+               "--image", checkpoints / "broken.png", "--prompt", "w5")
+    assert r.exit_code == 2
+    assert "cannot read" in r.output and "Traceback" not in r.output
+
+
+def test_generate_slot_mismatch_is_a_clear_error(checkpoints):
+    r = invoke("--target", checkpoints / "target", "--draft", checkpoints / "draft",
+               "--image", checkpoints / "img0.png", "--prompt", "USER: <image> <image> w5 ASSISTANT:")
+    assert r.exit_code == 2
+    assert "2 <image> slot(s) but 1 image(s)" in r.output
+
+
+def test_generate_caption_view_without_captioner(checkpoints):
+    r = invoke("--target", checkpoints / "target", "--draft", checkpoints / "draft", "--views", "MTC",
+               "--image", checkpoints / "img0.png", "--prompt", "w5")
+    assert r.exit_code == 2 and "needs a captioner" in r.output
