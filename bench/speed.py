@@ -1,0 +1,562 @@
+"""Speed, measured: the target alone vs transformers assisted generation vs mmspec, in ONE run.
+
+Owns the wall-clock comparison of four systems on the same draft/target pair and the same
+prompts, and the engine-efficiency analysis (IbED eq. 2) with a per-piece time breakdown:
+
+- ``target``: ``target.generate(do_sample=False)`` (the reference output).
+- ``assisted``: ``target.generate(..., assistant_model=draft, do_sample=False)`` (transformers'
+  own speculative decoding, one draft, one view). ``--assisted matched`` (default) fixes the
+  draft length to gamma with a constant schedule and no confidence early-exit, like mmspec;
+  ``--assisted default`` keeps transformers' defaults (what a user gets without tuning).
+- ``mmspec_M``: ``SpecDecoder(views="M")``; ``mmspec_<ENS>``: the ensemble (``--ensemble``).
+
+Noise control: every repeat runs every prompt on every system back to back (round-robin), the
+system order rotated each repeat and shifted per prompt, so machine noise hits all systems
+alike. One untimed warm-up pass precedes the timed repeats. Summaries are medians over
+repeats of per-repeat aggregates (tokens over all prompts / wall over all prompts).
+
+Greedy outputs must be identical token for token to the target's; a mismatch is printed
+loudly and the command exits with status 1 (the report is still written).
+
+This script knows nothing about the engine's internals beyond public attributes: the
+breakdown wraps callables from the outside for one extra, untimed pass (see
+:func:`profile_breakdown`); no src/ code is changed.
+
+Run ``python bench/speed.py --help``. Tests call :func:`run` with tiny random models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+SYSTEM_TARGET, SYSTEM_ASSISTED = "target", "assisted"
+
+
+# --------------------------------------------------------------------------- configuration
+@dataclass
+class SpeedConfig:
+    """Everything one run needs; the CLI only maps flags onto these fields."""
+
+    target: str | None = None  # local checkpoint dir; None = the embedded pack
+    draft: str | None = None
+    captioner: str | None = None  # local image-to-text dir (checkpoints only)
+    captioner_prompt: str | None = None
+    families: tuple[str, ...] = ("chartqa", "spot_the_diff", "vist")  # 1, 2 and 5 images
+    n_per_family: int = 2
+    split: str = "test"
+    max_new_tokens: int = 64
+    gamma: int = 5
+    ensemble: str = "MTC"
+    assisted: str = "matched"  # "matched" (gamma, constant, no early exit) or "default"
+    repeats: int = 5
+    warmup: bool = True
+    latency_repeats: int = 7
+    profile: bool = True  # one extra untimed pass with the per-piece timers
+    device: str | None = None  # default: cuda if available, else cpu
+    dtype: str = "float32"  # checkpoints only; the embedded pack always loads float32
+    threads: int | None = None  # torch.set_num_threads
+    out: str = "runs/speed"
+    command: str = ""  # filled by the CLI: the command line that produced the report
+
+
+@dataclass
+class SpeedModels:
+    """The models of a run. ``captioner`` has ``caption(images) -> list[str]`` or is None."""
+
+    target: Any
+    draft: Any
+    tokenizer: Any
+    processor: Any = None
+    captioner: Any = None
+    source: str = "embedded"
+
+
+@dataclass
+class SpeedPrompt:
+    name: str
+    inputs: dict[str, torch.Tensor]  # processor output: input_ids [1, L], pixel_values [n, 3, H, W]
+    images: list | None = None  # PIL images for the captioner (None: rebuilt from pixel_values)
+    captions: list[str] | None = None  # fixed captions (tests); None: the captioner runs
+
+
+@dataclass
+class RunRecord:
+    """One timed generation."""
+
+    repeat: int
+    prompt: str
+    system: str
+    slot: int  # position in this prompt's round-robin order
+    wall_s: float
+    n_tokens: int
+    tokens: list[int]
+    n_blocks: int | None = None  # mmspec only
+    stats: dict | None = None
+
+
+# --------------------------------------------------------------------------- loading
+def pick_device(cfg: SpeedConfig) -> torch.device:
+    if cfg.device:
+        return torch.device(cfg.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_models(cfg: SpeedConfig, device: torch.device) -> SpeedModels:
+    """The embedded pack unless ``--target/--draft`` are given."""
+    from mmspec.models.captioner import HFCaptioner
+
+    if cfg.target is None and cfg.draft is None:
+        from mmspec.embedded import load_embedded
+
+        e = load_embedded(device=device)
+        cap = HFCaptioner(e.captioner_model, e.captioner_processor, prompt=e.captioner_prompt)
+        return SpeedModels(e.target, e.draft, e.tokenizer, e.processor, cap, "embedded")
+    if cfg.target is None or cfg.draft is None:
+        raise SystemExit("pass both --target and --draft (or neither for the embedded pack)")
+    from mmspec.models.loading import load_model, load_processor
+
+    dtype = getattr(torch, cfg.dtype)
+    processor = load_processor(cfg.target)
+    cap = None
+    if cfg.captioner:
+        cap = HFCaptioner(load_model(cfg.captioner, dtype=dtype).to(device), load_processor(cfg.captioner),
+                          prompt=cfg.captioner_prompt)
+    return SpeedModels(load_model(cfg.target, dtype=dtype).to(device), load_model(cfg.draft, dtype=dtype).to(device),
+                       getattr(processor, "tokenizer", processor), processor, cap, "checkpoints")
+
+
+def load_prompts(cfg: SpeedConfig, models: SpeedModels, device: torch.device) -> list[SpeedPrompt]:
+    """World samples ``family/split/i`` through the target's processor."""
+    from mmspec.world import make_sample
+
+    dtype = next(models.target.parameters()).dtype
+    out = []
+    for fam in cfg.families:
+        for i in range(cfg.n_per_family):
+            s = make_sample(fam, cfg.split, i)
+            enc = models.processor(text=s.prompt, images=s.images, return_tensors="pt")
+            inputs = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device))
+                      for k, v in enc.items() if isinstance(v, torch.Tensor)}
+            out.append(SpeedPrompt(s.uid, inputs, list(s.images)))
+    return out
+
+
+def machine_info(device: torch.device) -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "device": str(device)}
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+# --------------------------------------------------------------------------- the systems
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def _assistant_config(draft, mode: str, gamma: int) -> Iterator[None]:
+    """Temporarily give the assistant a matched generation config (restored afterwards)."""
+    if mode == "default":
+        yield
+        return
+    if mode != "matched":
+        raise SystemExit(f"--assisted must be 'matched' or 'default', got {mode!r}")
+    import copy
+
+    saved = draft.generation_config
+    gc = copy.deepcopy(saved)
+    gc.num_assistant_tokens, gc.num_assistant_tokens_schedule, gc.assistant_confidence_threshold = gamma, "constant", 0.0
+    draft.generation_config = gc
+    try:
+        yield
+    finally:
+        draft.generation_config = saved
+
+
+def build_decoders(cfg: SpeedConfig, models: SpeedModels) -> dict[str, Any]:
+    """``mmspec_M`` and ``mmspec_<ensemble>`` SpecDecoders (built once, reused)."""
+    from mmspec.decoder import SpecDecoder
+
+    out = {}
+    for views in dict.fromkeys(["M", cfg.ensemble]):
+        cap = models.captioner if "C" in views.upper() else None
+        out[f"mmspec_{views}"] = SpecDecoder(models.target, models.draft, models.tokenizer, views=views,
+                                             captioner=cap, gamma=cfg.gamma, processor=models.processor)
+    return out
+
+
+def make_systems(cfg: SpeedConfig, models: SpeedModels, decoders: dict[str, Any],
+                 device: torch.device) -> dict[str, Callable[[SpeedPrompt], tuple[list[int], dict | None]]]:
+    """name -> fn(prompt) -> (new token ids, mmspec stats dict or None). Untimed wrappers."""
+
+    def hf(assistant):
+        def go(p: SpeedPrompt):
+            n_in = int(p.inputs["input_ids"].shape[1])
+            kw = {"assistant_model": assistant} if assistant is not None else {}
+            ctx = _assistant_config(assistant, cfg.assisted, cfg.gamma) if assistant is not None else contextlib.nullcontext()
+            with ctx:
+                out = models.target.generate(**p.inputs, do_sample=False, max_new_tokens=cfg.max_new_tokens, **kw)
+            return out[0, n_in:].tolist(), None  # [n_new]
+        return go
+
+    def spec(dec):
+        def go(p: SpeedPrompt):
+            res = dec.generate(p.inputs["input_ids"], pixel_values=p.inputs.get("pixel_values"),
+                               attention_mask=p.inputs.get("attention_mask"), max_new_tokens=cfg.max_new_tokens,
+                               images=p.images, captions=p.captions)
+            stats = {k: v for k, v in res.stats.to_dict().items() if k != "blocks"}  # per-block list dropped
+            return list(res.token_ids), stats
+        return go
+
+    systems = {SYSTEM_TARGET: hf(None), SYSTEM_ASSISTED: hf(models.draft)}
+    systems.update({name: spec(dec) for name, dec in decoders.items()})
+    return systems
+
+
+def round_robin(systems: dict[str, Callable], prompts: Sequence[SpeedPrompt], repeats: int, warmup: bool,
+                device: torch.device, log: Callable[[str], None] = print) -> list[RunRecord]:
+    """Every repeat x prompt runs every system; order rotated by (repeat + prompt index)."""
+    names = list(systems)
+    if warmup:  # untimed: allocator, kernels, lazy imports
+        for name in names:
+            systems[name](prompts[0])
+    records = []
+    for r in range(repeats):
+        for i, p in enumerate(prompts):
+            shift = (r + i) % len(names)
+            for slot, name in enumerate(names[shift:] + names[:shift]):
+                _sync(device)
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    tokens, stats = systems[name](p)
+                _sync(device)
+                wall = time.perf_counter() - t0
+                records.append(RunRecord(r, p.name, name, slot, wall, len(tokens), tokens,
+                                         (stats or {}).get("n_blocks"), stats))
+        log(f"  repeat {r + 1}/{repeats} done")
+    return records
+
+
+# --------------------------------------------------------------------------- summary
+def check_identical(records: Sequence[RunRecord]) -> list[dict]:
+    """Every output vs the target's output on the same prompt and repeat."""
+    ref = {(x.repeat, x.prompt): x.tokens for x in records if x.system == SYSTEM_TARGET}
+    bad = []
+    for x in records:
+        want = ref[(x.repeat, x.prompt)]
+        if x.tokens != want:
+            first = next((j for j, (a, b) in enumerate(zip(x.tokens, want)) if a != b), min(len(x.tokens), len(want)))
+            bad.append({"repeat": x.repeat, "prompt": x.prompt, "system": x.system, "first_diff": first,
+                        "got_len": len(x.tokens), "want_len": len(want)})
+    return bad
+
+
+def summarise(records: Sequence[RunRecord]) -> dict:
+    """Per-system medians over repeats of tokens/s and tau; every pairwise speed ratio."""
+    names = list(dict.fromkeys(x.system for x in records))
+    repeats = sorted({x.repeat for x in records})
+    tps: dict[str, list[float]] = {n: [] for n in names}
+    tau: dict[str, float | None] = {}
+    for n in names:
+        for r in repeats:
+            rs = [x for x in records if x.system == n and x.repeat == r]
+            tps[n].append(sum(x.n_tokens for x in rs) / max(sum(x.wall_s for x in rs), 1e-12))
+        rs = [x for x in records if x.system == n and x.n_blocks]
+        tau[n] = sum(x.n_tokens for x in rs) / sum(x.n_blocks for x in rs) if rs else None
+    ratios = {a: {b: statistics.median(x / y for x, y in zip(tps[a], tps[b])) for b in names} for a in names}
+    loop = {}
+    for n in names:  # mmspec: wall split (medians of per-repeat sums)
+        rs = [x for x in records if x.system == n and x.stats]
+        if rs:
+            keys = ("vision_s", "caption_s", "prefill_target_s", "prefill_draft_s", "draft_s", "verify_s", "total_s")
+            loop[n] = {k: statistics.median(sum(x.stats.get(k, 0.0) for x in rs if x.repeat == r) for r in repeats)
+                       for k in keys}
+    return {"systems": names, "tokens_per_s": {n: statistics.median(v) for n, v in tps.items()},
+            "tokens_per_s_per_repeat": tps, "tau": tau, "ratio_row_over_col": ratios,
+            "mmspec_time_split_s": loop,
+            "n_tokens_per_prompt": {x.prompt: x.n_tokens for x in records if x.system == SYSTEM_TARGET}}
+
+
+# --------------------------------------------------------------------------- engine efficiency
+def n_views(system: str) -> int:
+    """Rows of the draft batch for ``mmspec_<letters>`` (one per view letter)."""
+    return len(system.removeprefix("mmspec_"))
+
+
+def measure_engine(cfg: SpeedConfig, models: SpeedModels, prompts: Sequence[SpeedPrompt], summary: dict) -> dict:
+    """T_p, T_q(batch), T_V(gamma) per prompt (medians), eq.-2 prediction and engine efficiency."""
+    from mmspec.bench.latency import measure_latency, predicted_speedup
+
+    spec = [n for n in summary["systems"] if n.startswith("mmspec_")]
+    batches = tuple(sorted({1, 4} | {n_views(n) for n in spec}))
+    lat = [measure_latency(models.target, models.draft, p.inputs, cfg.gamma, batches, cfg.latency_repeats)
+           for p in prompts]
+    t_p = statistics.median(x["target_decode_s"] for x in lat)
+    t_v = statistics.median(x["target_verify_s"] for x in lat)
+    t_q = {b: statistics.median(x["draft_decode_s"][str(b)] for x in lat) for b in batches}
+    t_pre = statistics.median(x["target_prefill_s"] for x in lat)
+    base_tps = summary["tokens_per_s"][SYSTEM_TARGET]
+    eff = {}
+    for n in spec + [SYSTEM_ASSISTED]:
+        tau = summary["tau"].get(n)
+        measured = summary["ratio_row_over_col"][n][SYSTEM_TARGET]
+        if n == SYSTEM_ASSISTED or tau is None:
+            eff[n] = {"measured_speedup": measured}
+            continue
+        pred = predicted_speedup(tau, cfg.gamma, t_q[n_views(n)], t_p, t_v)
+        eff[n] = {"tau": tau, "n_views": n_views(n), "measured_speedup": measured, "predicted_speedup": pred,
+                  "engine_efficiency": measured / pred}
+        split = summary["mmspec_time_split_s"].get(n)
+        if split:  # decode-only: mmspec's loop vs the baseline minus its measured prefill
+            n_tok = sum(summary["n_tokens_per_prompt"].values())
+            base_decode = n_tok / base_tps - t_pre * len(prompts)
+            loop_s = split["draft_s"] + split["verify_s"]
+            if base_decode > 0 and loop_s > 0:
+                eff[n]["decode_only_speedup"] = base_decode / loop_s
+                eff[n]["decode_only_efficiency"] = base_decode / loop_s / pred
+    return {"T_p_s": t_p, "T_V_s": t_v, "T_q_s": {str(b): t for b, t in t_q.items()}, "T_prefill_s": t_pre,
+            "T_q_over_T_p": {str(b): t / t_p for b, t in t_q.items()}, "T_V_over_T_p": t_v / t_p,
+            "draft_step_4_views_over_1": t_q[4] / t_q[1], "gamma": cfg.gamma, "efficiency": eff, "per_prompt": lat}
+
+
+class _Timers:
+    """Accumulating wall-clock timers around callables (synchronised on CUDA)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.s: dict[str, float] = defaultdict(float)
+        self.n: dict[str, int] = defaultdict(int)
+
+    def wrap(self, key: str, fn: Callable, when: Callable[..., bool] | None = None) -> Callable:
+        def timed(*a, **k):
+            if when is not None and not when(*a, **k):
+                return fn(*a, **k)
+            _sync(self.device)
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            _sync(self.device)
+            self.s[key] += time.perf_counter() - t0
+            self.n[key] += 1
+            return out
+        return timed
+
+
+@contextlib.contextmanager
+def _instrumented(dec, timers: _Timers) -> Iterator[None]:
+    """Wrap the decoder's pieces for one profiling pass; everything is restored on exit.
+
+    Instance-level: the target / draft adapters' ``forward`` (decode calls only: ``input_ids``
+    given; prefill passes ``inputs_embeds``) and the ``crop`` of every cache they create.
+    Module / class level (our own code, restored in ``finally``): ``EnsembleDrafter._feed`` and
+    ``.mixture``, and the verification functions the engine looked up from ``mmspec.verify``.
+    """
+    import mmspec.engine as engine
+    from mmspec.drafter import EnsembleDrafter
+
+    decode = lambda *a, **k: k.get("input_ids") is not None  # noqa: E731
+
+    def cache_factory(adapter, key):
+        orig = adapter.new_cache
+
+        def new_cache():
+            c = orig()
+            c.crop = timers.wrap(key, c.crop)
+            return c
+        return new_cache
+
+    patches = [(dec.target, "forward", timers.wrap("target_forward", dec.target.forward, decode)),
+               (dec.draft, "forward", timers.wrap("draft_forward", dec.draft.forward, decode)),
+               (dec.target, "new_cache", cache_factory(dec.target, "cache_crop")),
+               (dec.draft, "new_cache", cache_factory(dec.draft, "cache_crop")),
+               (EnsembleDrafter, "_feed", timers.wrap("draft_feed", EnsembleDrafter._feed)),
+               (EnsembleDrafter, "mixture", timers.wrap("draft_mixture", EnsembleDrafter.mixture))]
+    for fn in ("verify_greedy", "verify_sampling", "logits_to_probs"):
+        patches.append((engine, fn, timers.wrap("verify_maths", getattr(engine, fn))))
+    saved = [(obj, name, obj.__dict__.get(name, _MISSING)) for obj, name, _ in patches]
+    try:
+        for obj, name, new in patches:
+            setattr(obj, name, new)
+        yield
+    finally:
+        for obj, name, old in reversed(saved):
+            if old is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+
+
+_MISSING = object()
+
+
+def profile_breakdown(dec, prompts: Sequence[SpeedPrompt], max_new_tokens: int, device: torch.device) -> dict:
+    """Where one decoder's wall time goes, summed over ``prompts`` (one untimed extra pass).
+
+    draft_forward: the draft model's decode forwards; draft_glue: ``_feed`` minus the forward
+    (mask concat, position ids); draft_mixture: softmax + weighted mix; target_forward: the
+    verify forwards; verify_maths: acceptance (and probs when sampling); cache_crop: target and
+    draft roll-back; prefill: vision + captions + both prefills; python_overhead: the rest.
+    """
+    timers = _Timers(device)
+    total = prefill = 0.0
+    with _instrumented(dec, timers), torch.inference_mode():
+        for p in prompts:
+            res = dec.generate(p.inputs["input_ids"], pixel_values=p.inputs.get("pixel_values"),
+                               attention_mask=p.inputs.get("attention_mask"), max_new_tokens=max_new_tokens,
+                               images=p.images, captions=p.captions)
+            st = res.stats
+            total += st.total_s
+            prefill += st.vision_s + st.caption_s + st.prefill_target_s + st.prefill_draft_s
+    s = timers.s
+    parts = {"prefill": prefill, "draft_forward": s["draft_forward"],
+             "draft_glue": max(s["draft_feed"] - s["draft_forward"], 0.0), "draft_mixture": s["draft_mixture"],
+             "target_forward": s["target_forward"], "verify_maths": s["verify_maths"], "cache_crop": s["cache_crop"]}
+    parts["python_overhead"] = total - sum(parts.values())
+    return {"total_s": total, "parts_s": parts, "share": {k: v / total for k, v in parts.items()} if total else {},
+            "calls": dict(timers.n)}
+
+
+# --------------------------------------------------------------------------- report
+def _fmt(x: float | None, d: int = 2) -> str:
+    return "-" if x is None else f"{x:.{d}f}"
+
+
+def markdown(result: dict) -> str:
+    sm, m = result["summary"], result["machine"]
+    names = sm["systems"]
+    lines = [f"# Speed, measured ({result['date']})", "",
+             f"- command: `{result['config']['command']}`",
+             f"- machine: {m['platform']}, {m['cpu_count']} CPUs, torch {m['torch']} "
+             f"({m['torch_threads']} threads), device {m['device']}{' ' + m['gpu'] if 'gpu' in m else ''}",
+             f"- models: {result['models']}; prompts: {len(result['prompts'])}; repeats: {result['config']['repeats']}; "
+             f"gamma {result['config']['gamma']}; max_new_tokens {result['config']['max_new_tokens']}; "
+             f"assisted: {result['config']['assisted']}",
+             f"- outputs identical to the target: **{'YES' if result['identical'] else 'NO'}**", "",
+             "| system | tokens/s (median) | tau (incl. bonus) | speed-up vs target |", "|---|---|---|---|"]
+    for n in names:
+        lines.append(f"| {n} | {_fmt(sm['tokens_per_s'][n])} | {_fmt(sm['tau'][n])} | "
+                     f"{_fmt(sm['ratio_row_over_col'][n][SYSTEM_TARGET])}x |")
+    lines += ["", "Speed ratio, row over column (median over repeats):", "",
+              "| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for a in names:
+        lines.append(f"| {a} | " + " | ".join(_fmt(sm["ratio_row_over_col"][a][b]) for b in names) + " |")
+    eng = result.get("engine")
+    if eng:
+        lines += ["", f"Latency (medians over prompts): T_p {eng['T_p_s'] * 1e3:.2f} ms, "
+                      f"T_V({eng['gamma']}) {eng['T_V_s'] * 1e3:.2f} ms (T_V/T_p {eng['T_V_over_T_p']:.2f}), "
+                      f"T_q/T_p by batch {', '.join(f'{b}: {v:.3f}' for b, v in eng['T_q_over_T_p'].items())}; "
+                      f"one draft step, 4 views / 1 view: {eng['draft_step_4_views_over_1']:.2f}x", "",
+                  "| system | measured speed-up | eq.2 predicted | engine efficiency | decode-only efficiency |",
+                  "|---|---|---|---|---|"]
+        for n, e in eng["efficiency"].items():
+            lines.append(f"| {n} | {_fmt(e['measured_speedup'])} | {_fmt(e.get('predicted_speedup'))} | "
+                         f"{_fmt(e.get('engine_efficiency'))} | {_fmt(e.get('decode_only_efficiency'))} |")
+    for n, b in (result.get("breakdown") or {}).items():
+        lines += ["", f"Time breakdown of {n} (one extra untimed pass, all prompts, {b['total_s']:.3f} s):", "",
+                  "| piece | s | share |", "|---|---|---|"]
+        lines += [f"| {k} | {v:.4f} | {b['share'].get(k, 0) * 100:.1f}% |" for k, v in b["parts_s"].items()]
+    if not result["identical"]:
+        lines += ["", "## OUTPUT MISMATCH", "", "```", json.dumps(result["mismatches"][:20], indent=1), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(result: dict, out: str | Path) -> tuple[Path, Path]:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    jp, mp = out / "speed.json", out / "speed.md"
+    jp.write_text(json.dumps(result, indent=1, default=str))
+    mp.write_text(markdown(result))
+    return jp, mp
+
+
+# --------------------------------------------------------------------------- entry points
+def run(cfg: SpeedConfig, models: SpeedModels | None = None, prompts: Sequence[SpeedPrompt] | None = None,
+        log: Callable[[str], None] = print) -> dict:
+    """One full measurement; writes ``speed.json`` and ``speed.md`` under ``cfg.out``."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = pick_device(cfg)
+    models = models or load_models(cfg, device)
+    prompts = list(prompts) if prompts is not None else load_prompts(cfg, models, device)
+    decoders = build_decoders(cfg, models)
+    systems = make_systems(cfg, models, decoders, device)
+    log(f"{len(systems)} systems x {len(prompts)} prompts x {cfg.repeats} repeats on {device}")
+    records = round_robin(systems, prompts, cfg.repeats, cfg.warmup, device, log)
+    mismatches = check_identical(records)
+    summary = summarise(records)
+    result = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+              "machine": machine_info(device), "config": asdict(cfg), "models": models.source,
+              "prompts": [p.name for p in prompts], "identical": not mismatches, "mismatches": mismatches,
+              "summary": summary}
+    log("latency probes (T_p, T_q, T_V) ...")
+    result["engine"] = measure_engine(cfg, models, prompts, summary)
+    if cfg.profile:
+        result["breakdown"] = {n: profile_breakdown(d, prompts, cfg.max_new_tokens, device) for n, d in decoders.items()}
+    result["raw"] = [asdict(x) for x in records]
+    jp, mp = write_report(result, cfg.out)
+    log(markdown(result))
+    log(f"wrote {jp} and {mp}")
+    if mismatches:
+        log("!" * 72 + f"\n!!! OUTPUTS DIFFER FROM THE TARGET in {len(mismatches)} run(s): "
+            f"{mismatches[:3]}\n" + "!" * 72)
+    return result
+
+
+_HELP = {"target": "target checkpoint dir (default: the embedded pack)", "draft": "draft checkpoint dir",
+         "captioner": "captioner dir (checkpoints; needed for C views)", "families": "comma-separated world families",
+         "ensemble": "view letters of the ensemble system", "assisted": "matched | default",
+         "dtype": "float32 | bfloat16 | float16 (checkpoints)", "threads": "torch.set_num_threads"}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> SpeedConfig:
+    """One flag per :class:`SpeedConfig` field (``--no-<flag>`` for the booleans)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in fields(SpeedConfig):
+        if f.name == "command":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, bool):
+            ap.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", help=f"skip {f.name}")
+        elif isinstance(f.default, tuple):
+            ap.add_argument(flag, default=",".join(f.default), help=_HELP.get(f.name))
+        else:
+            kind = int if str(f.type).startswith("int") else str  # annotations are strings here
+            ap.add_argument(flag, type=kind, default=f.default, help=_HELP.get(f.name))
+    a = ap.parse_args(argv)
+    if a.assisted not in ("matched", "default"):
+        ap.error(f"--assisted must be matched or default, got {a.assisted!r}")
+    if a.dtype not in ("float32", "bfloat16", "float16"):
+        ap.error(f"--dtype must be float32, bfloat16 or float16, got {a.dtype!r}")
+    kw = vars(a) | {"families": tuple(x for x in a.families.split(",") if x)}
+    return SpeedConfig(**kw, command=" ".join(["python", "bench/speed.py", *(argv if argv is not None else sys.argv[1:])]))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    result = run(parse_args(argv))
+    return 0 if result["identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""The speed scripts (bench/speed.py, bench/gpu_shapes.py) on tiny random models, on CPU.
+
+These check code paths and report files, not speed: timings of tiny models under a test runner
+mean nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import make_llava, make_prompt, make_tokenizer, noisy_copy
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    """Import a script from bench/ (not a package) under a private module name."""
+    mod_name = f"_mmspec_bench_{name}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    spec = importlib.util.spec_from_file_location(mod_name, ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = mod  # dataclasses resolve their module through sys.modules
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _Captioner:
+    def caption(self, images):
+        return ["w7 w8"] * len(images)
+
+
+@pytest.fixture(scope="module")
+def speed():
+    return _load("speed")
+
+
+def _tiny_prompts(speed, n_images=(1, 2)):
+    out = []
+    for n in n_images:
+        ids, pv = make_prompt(n, 16, seed=n)  # [1, L], [n, 3, 32, 32]
+        out.append(speed.SpeedPrompt(f"tiny-{n}img", {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                                       "pixel_values": pv}))
+    return out
+
+
+def test_speed_run_on_tiny_models(speed, tmp_path):
+    target = make_llava(0)
+    models = speed.SpeedModels(target, noisy_copy(target, 1), make_tokenizer(), None, _Captioner(), "tiny")
+    cfg = speed.SpeedConfig(max_new_tokens=10, repeats=2, latency_repeats=1, device="cpu", out=str(tmp_path),
+                            command="test")
+    res = speed.run(cfg, models=models, prompts=_tiny_prompts(speed), log=lambda s: None)
+
+    assert res["identical"], res["mismatches"]
+    sm = res["summary"]
+    assert sm["systems"] == ["target", "assisted", "mmspec_M", "mmspec_MTC"]
+    assert all(sm["ratio_row_over_col"][n][n] == pytest.approx(1.0) for n in sm["systems"])
+    assert 1.0 <= sm["tau"]["mmspec_M"] <= cfg.gamma + 1 and sm["tau"]["target"] is None
+    # every system ran every prompt in every repeat, in a rotated order
+    raw = res["raw"]
+    assert len(raw) == 4 * 2 * 2
+    first_slots = {(x["repeat"], x["prompt"]): x["system"] for x in raw if x["slot"] == 0}
+    assert len(set(first_slots.values())) > 1
+    eng = res["engine"]
+    assert eng["T_p_s"] > 0 and set(eng["T_q_s"]) >= {"1", "3", "4"}
+    assert "engine_efficiency" in eng["efficiency"]["mmspec_MTC"]
+    parts = res["breakdown"]["mmspec_MTC"]["parts_s"]
+    assert parts["draft_forward"] > 0 and parts["target_forward"] > 0 and parts["verify_maths"] > 0
+    assert res["breakdown"]["mmspec_MTC"]["calls"]["cache_crop"] > 0
+    saved = json.loads((tmp_path / "speed.json").read_text())
+    assert saved["machine"]["torch"] == torch.__version__ and saved["config"]["command"] == "test"
+    assert "tokens/s" in (tmp_path / "speed.md").read_text()
+
+
+def test_profiling_wrappers_are_removed(speed):
+    from mmspec.drafter import EnsembleDrafter
+    import mmspec.engine as engine
+
+    before = (EnsembleDrafter._feed, EnsembleDrafter.mixture, engine.verify_greedy)
+    target = make_llava(0)
+    models = speed.SpeedModels(target, noisy_copy(target, 1), make_tokenizer(), None, None, "tiny")
+    dec = speed.build_decoders(speed.SpeedConfig(ensemble="M"), models)["mmspec_M"]
+    speed.profile_breakdown(dec, _tiny_prompts(speed, (1,)), 4, torch.device("cpu"))
+    assert (EnsembleDrafter._feed, EnsembleDrafter.mixture, engine.verify_greedy) == before
+    assert "forward" not in vars(dec.target) and "new_cache" not in vars(dec.draft)
+
+
+def test_speed_flags_map_onto_config(speed):
+    cfg = speed.parse_args(["--threads", "2", "--gamma", "4", "--families", "vist,iedit", "--no-profile"])
+    assert (cfg.threads, cfg.gamma, cfg.families, cfg.profile, cfg.warmup) == (2, 4, ("vist", "iedit"), False, True)
+    assert cfg.command.startswith("python bench/speed.py --threads 2")
+
+
+def test_mismatch_is_reported(speed):
+    R = speed.RunRecord
+    recs = [R(0, "a", "target", 0, 1.0, 3, [5, 6, 7]), R(0, "a", "mmspec_M", 1, 1.0, 3, [5, 9, 7])]
+    bad = speed.check_identical(recs)
+    assert bad == [{"repeat": 0, "prompt": "a", "system": "mmspec_M", "first_diff": 1, "got_len": 3, "want_len": 3}]
+
+
+def test_gpu_shapes_small_cpu(tmp_path):
+    gs = _load("gpu_shapes")
+    cfg = gs.parse_args(["--small", "--device", "cpu", "--context", "48", "--gammas", "1,5", "--batches", "1,4",
+                         "--repeats", "2", "--warmup", "1", "--copy-mib", "4", "--out", str(tmp_path)])
+    res = gs.run(cfg, log=lambda s: None)
+    assert set(res["modes"]) == {"eager", "static"}
+    for r in res["modes"].values():
+        assert r["T_p"]["s"] > 0 and set(r["T_V_over_T_p"]) == {"1", "5"} and set(r["T_q"]) == {"1", "4"}
+    # the static-cache step (rewound each time, explicit 4-D mask) computes what eager does
+    assert max(res["static_vs_eager_max_abs_logit_diff"].values()) < 1e-4
+    assert res["T_p_floor_weights_s"] > 0
+    assert (tmp_path / "gpu_shapes.json").exists() and "Fig. 9" in (tmp_path / "gpu_shapes.md").read_text()
+
+
+@pytest.mark.parametrize("script", ["speed", "gpu_shapes"])
+def test_help(script):
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py"), "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and "--out" in out.stdout
