@@ -41,6 +41,9 @@ def save_checkpoint(model, directory: str | Path, processor=None, tokenizer=None
     elif tokenizer is not None:
         tokenizer.save_pretrained(directory)
     (directory / SIDECAR).write_text(json.dumps(meta or {}, indent=2, sort_keys=True) + "\n")
+    for path in directory.iterdir():  # safetensors land 0600; package data must be world-readable
+        if path.is_file():
+            path.chmod(0o644)
     return directory
 
 

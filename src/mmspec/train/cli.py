@@ -6,7 +6,6 @@ of the recipe on one model directory, or on a fresh model of a size preset).
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -24,7 +23,7 @@ def embedded(
     device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, ..."),
     seed: int = typer.Option(0),
     threads: Optional[int] = typer.Option(None, help="torch.set_num_threads"),
-    n_train_per_family: int = typer.Option(400, help="training samples per task family"),
+    n_train_per_family: int = typer.Option(1500, help="training samples per task family"),
     bf16: bool = typer.Option(False, help="bf16 autocast"),
     quiet: bool = typer.Option(False, help="no progress bars"),
 ) -> None:
@@ -51,16 +50,23 @@ def stage(
     pooled_tokens: Optional[int] = typer.Option(None, help="train with pooling to N tokens/image"),
     captioner: bool = typer.Option(False, help="train on the caption task instead of the QA task"),
     n_train_per_family: int = typer.Option(400),
+    minutes: Optional[float] = typer.Option(None, help="wall-clock cap; the schedule then follows time"),
+    bf16: bool = typer.Option(True, help="bf16 autocast"),
+    half: bool = typer.Option(False, help="save fp16 safetensors (the embedded pack's format)"),
+    evaluate: bool = typer.Option(False, "--eval", help="held-out loss and fact recall after training"),
     device: str = typer.Option("cpu"),
     seed: int = typer.Option(0),
     threads: Optional[int] = typer.Option(None),
 ) -> None:
-    """One stage of the LLaVA recipe (stage 1: --trainable projector, stage 2: projector+lm)."""
+    """One stage of the LLaVA recipe (stage 1: --trainable projector, stage 2: projector+lm).
+
+    Starting from --init, the new stage is appended to the init dir's mmspec.json history.
+    """
     import torch
     from transformers import LlavaForConditionalGeneration
 
-    from mmspec.train.checkpoint import save_checkpoint
-    from mmspec.train.config import StageConfig, build_llava, model_size
+    from mmspec.train.checkpoint import read_sidecar, save_checkpoint
+    from mmspec.train.config import RecipeConfig, StageConfig, build_llava, model_size
     from mmspec.train.data import CAPTIONER_PROMPT, Encoder, batch_stream, caption_examples, example_from_sample
     from mmspec.train.pack import _samples, world_tokenizer_and_processor
     from mmspec.train.recipe import train_stage
@@ -79,14 +85,26 @@ def stage(
     samples = _samples("train", n_train_per_family, seed)
     examples = ([ex for s in samples for ex in caption_examples(s)] if captioner
                 else [example_from_sample(s) for s in samples])
-    cfg = StageConfig("stage", trainable, lr=lr, steps=steps, batch_size=batch_size, pooled_tokens=pooled_tokens)
-    stream = batch_stream(examples, Encoder(tokenizer), processor.image_processor, batch_size,
+    cfg = StageConfig(f"stage-{trainable}", trainable, lr=lr, steps=steps, batch_size=batch_size,
+                      pooled_tokens=pooled_tokens, max_seconds=None if minutes is None else 60.0 * minutes)
+    encoder = Encoder(tokenizer, max_answer_tokens=96)
+    stream = batch_stream(examples, encoder, processor.image_processor, batch_size,
                           torch.Generator().manual_seed(seed), tokens_per_image=pooled_tokens or 64)
-    res = train_stage(model, replace(cfg), stream, device)
-    meta = {"role": "captioner" if captioner else "stage", "stages": [res.summary()]}
+    res = train_stage(model, cfg, stream, device, autocast_bf16=bf16)
+    meta = read_sidecar(init) if init is not None else {"role": "captioner" if captioner else "stage"}
+    meta["stages"] = [*meta.get("stages", []), res.summary()]
     if captioner:
         meta["captioner_prompt"] = CAPTIONER_PROMPT
     if pooled_tokens:
         meta["pooled_tokens"] = pooled_tokens
-    save_checkpoint(model, out, processor=processor, half=False, meta=meta)
+    if evaluate:
+        from mmspec.train.pack import _Run
+
+        run = _Run(RecipeConfig(device=device), out, typer.echo, progress=False)
+        run.tokenizer, run.processor, run.encoder = tokenizer, processor, encoder
+        val = _samples("val", 4, seed)
+        val_ex = [ex for s in val for ex in caption_examples(s)][:64] if captioner else [example_from_sample(s) for s in val]
+        meta["eval"] = run.evaluate(meta.get("role", "stage"), model, val_ex, [] if captioner else val,
+                                    tokens_per_image=pooled_tokens or 64, facts=not captioner)
+    save_checkpoint(model, out, processor=processor, half=half, meta=meta)
     typer.echo(f"{res.summary()} -> {out}")
