@@ -33,7 +33,11 @@ def _fail(e: Exception) -> None:
 
 def _load(target, draft, captioner, captioner_prompt, dtype, device):
     """Models for generate/demo: the given checkpoints, or the embedded pack."""
+    from transformers.utils import logging as hf_logging
+
     from mmspec.models.captioner import HFCaptioner
+
+    hf_logging.disable_progress_bar()  # weight-loading bars would bury the answer
 
     if target is None:
         if draft is not None:

@@ -80,23 +80,29 @@ class EnsembleDrafter:
 
     def propose(
         self, pending: torch.Tensor, k: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed the pending committed tokens, then draft k tokens.
 
         pending: [n>=1] tokens committed but not yet in the draft cache.
-        Returns draft tokens [k] and the mixture q [k, V] each was chosen from. The last
-        draft token is not fed (it enters the cache in the next block if accepted).
+        Returns draft tokens [k] and, when sampling, the mixture q [k, V] each was drawn from
+        (greedy verification never reads q, so it is not built). The last draft token is not
+        fed (it enters the cache in the next block if accepted).
         """
         logits = self._feed(pending)
         tokens, qs = [], []
         for i in range(k):
-            q = self.mixture(logits, params)  # [V]
-            tok = int(q.argmax()) if params.greedy else sample(q, generator)
+            if params.greedy and self.n_rows == 1:
+                tok = int(logits[0].argmax())  # argmax of softmax == argmax of logits
+            elif params.greedy:
+                tok = int(self.mixture(logits, params).argmax())
+            else:
+                q = self.mixture(logits, params)  # [V]
+                tok = sample(q, generator)
+                qs.append(q)
             tokens.append(tok)
-            qs.append(q)
             if i < k - 1:
                 logits = self._feed(torch.tensor([tok]))
-        return torch.tensor(tokens, dtype=torch.long), torch.stack(qs)
+        return torch.tensor(tokens, dtype=torch.long), (torch.stack(qs) if qs else None)
 
     def rollback(self, n_remove: int) -> None:
         """Drop the newest n_remove positions from every row (rejected drafts)."""

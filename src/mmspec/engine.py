@@ -57,9 +57,9 @@ def run_loop(
 
         t0 = time.perf_counter()
         if k > 0:
-            drafts, q = drafter.propose(state.draft_pending, k, params, generator)  # [k], [k, V]
+            drafts, q = drafter.propose(state.draft_pending, k, params, generator)  # [k], [k, V] or None
         else:
-            drafts, q = torch.zeros(0, dtype=torch.long), torch.zeros(0, target.vocab_size)
+            drafts, q = torch.zeros(0, dtype=torch.long), torch.zeros(0, target.vocab_size)  # [0], [0, V]
         _sync(dev)
         t1 = time.perf_counter()
 
