@@ -11,7 +11,7 @@ Usage::
     mmspec bench run --out runs/real -n 100 \
         --target llava-hf/llava-1.5-7b-hf --draft ./lvlm68m --captioner ./florence \
         -d chartqa=data/ChartQA -d spot_the_diff=data/interleave/in_domain.parquet
-    torchrun --nproc_per_node=2 $(which mmspec) bench run --out runs/emb   # shard by rank
+    torchrun --nproc_per_node=2 -m mmspec bench run --out runs/emb   # shard by rank
     mmspec report runs/emb                                 # -> runs/emb/report.md + PNGs
 """
 

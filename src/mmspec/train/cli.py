@@ -108,3 +108,33 @@ def stage(
                                     tokens_per_image=pooled_tokens or 64, facts=not captioner)
     save_checkpoint(model, out, processor=processor, half=half, meta=meta)
     typer.echo(f"{res.summary()} -> {out}")
+
+
+@train_app.command("evaluate")
+def evaluate_cmd(
+    results: Path = typer.Option(..., help="a `mmspec bench run` results dir on the embedded world"),
+    captions_per_family: int = typer.Option(50, help="test samples per family for the caption check (0: skip)"),
+    out: Optional[Path] = typer.Option(None, help="write the figures as JSON here"),
+) -> None:
+    """Quality of the embedded pack on the test split: fact recall of the target's answers,
+    the captioner's fact rate, and multimodal vs text-only block efficiency."""
+    import json
+
+    from mmspec.train.evaluate import answer_fact_recall, caption_fact_rate, view_block_efficiency
+
+    report: dict = {"answer_fact_recall": answer_fact_recall(results),
+                    "block_efficiency_M_vs_T": view_block_efficiency(results)}
+    if captions_per_family > 0:
+        from mmspec.embedded import load_embedded
+        from mmspec.models.captioner import HFCaptioner
+
+        pack = load_embedded()
+        cap = HFCaptioner(pack.captioner_model, pack.captioner_processor, prompt=pack.captioner_prompt)
+        report["caption_fact_rate"] = caption_fact_rate(cap, captions_per_family)
+    for family, r in report["answer_fact_recall"].items():
+        tau = report["block_efficiency_M_vs_T"].get(family, {})
+        cap_rate = report.get("caption_fact_rate", {}).get(family, {}).get("rate")
+        typer.echo(f"{family:15s} facts {r['recall']:.1%} of {r['facts']}  tau M {tau.get('M', float('nan')):.2f}"
+                   f"  T {tau.get('T', float('nan')):.2f}" + (f"  captions {cap_rate:.1%}" if cap_rate is not None else ""))
+    if out is not None:
+        out.write_text(json.dumps(report, indent=2))

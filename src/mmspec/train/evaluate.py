@@ -1,0 +1,82 @@
+"""Quality of the embedded models on the world's test split (the embedded-world issue's goals).
+
+* answer fact recall: share of a sample's image-dependent facts whose value appears verbatim
+  in the target's greedy answer, per family. Read from a ``mmspec bench run`` results dir
+  (its baseline rows are the target's own greedy answers on test samples), so the numbers
+  and the block-efficiency table come from one run;
+* caption fact rate: share of the facts a ground-truth caption states (per image) that the
+  captioner's caption also states;
+* multimodal vs text-only block efficiency per family, from the same results.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from mmspec.errors import MMSpecError
+
+
+def _sample_index(uid: str) -> tuple[str, str, int]:
+    m = re.fullmatch(r"(.+)-(train|val|test)-(\d+)", uid)
+    if not m:
+        raise MMSpecError(f"row uid {uid!r} is not a world sample id (family-split-index)")
+    return m.group(1), m.group(2), int(m.group(3))
+
+
+def answer_fact_recall(results_dir: str | Path) -> dict[str, dict]:
+    """Per family: facts stated correctly in the target's greedy answers (baseline rows)."""
+    from mmspec.bench.store import iter_kind, merge_rows
+    from mmspec.world import FAMILIES, make_sample
+
+    rows, _ = merge_rows(Path(results_dir))
+    hits: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # facts hit, facts, samples
+    for row in iter_kind(rows, "baseline"):
+        if row["dataset"] not in FAMILIES:
+            continue
+        family, split, index = _sample_index(row["uid"])
+        sample = make_sample(family, split, index)
+        h = hits[family]
+        for value in sample.facts.values():
+            h[0] += int(str(value).lower() in row["text"].lower())
+            h[1] += 1
+        h[2] += 1
+    if not hits:
+        raise MMSpecError(f"no world baseline rows in {results_dir}; run `mmspec bench run --out {results_dir}` first")
+    return {f: {"recall": h[0] / max(h[1], 1), "facts": h[1], "samples": h[2]} for f, h in hits.items()}
+
+
+def caption_fact_rate(captioner, n_per_family: int = 50, split: str = "test") -> dict[str, dict]:
+    """Per family: of the fact values a ground-truth caption contains, the share the
+    captioner's caption of the same image contains too."""
+    from tqdm import tqdm
+
+    from mmspec.world import FAMILIES, generate_samples
+
+    out = {}
+    for family in tqdm(list(FAMILIES), desc="captions"):
+        hit = total = 0
+        for sample in generate_samples(family, split, n_per_family):
+            produced = captioner.caption(sample.images)
+            for truth, cap in zip(sample.captions, produced):
+                for value in sample.facts.values():
+                    v = str(value).lower()
+                    if v in truth.lower():
+                        total += 1
+                        hit += int(v in cap.lower())
+        out[family] = {"rate": hit / max(total, 1), "facts": total, "samples": n_per_family}
+    return out
+
+
+def view_block_efficiency(results_dir: str | Path, methods: tuple[str, ...] = ("M", "T")) -> dict[str, dict]:
+    """tau (bonus/recovered token included) per family for the given methods."""
+    from mmspec.bench.metrics import all_metrics
+    from mmspec.bench.store import merge_rows
+
+    rows, _ = merge_rows(Path(results_dir))
+    table: dict[str, dict] = defaultdict(dict)
+    for m in all_metrics(rows):
+        if m.method in methods:
+            table[m.dataset][m.method] = m.tau
+    return dict(table)

@@ -1,0 +1,52 @@
+"""The embedded-quality metrics: each can report success and failure."""
+
+from mmspec.bench.store import RowWriter, results_path
+from mmspec.train.evaluate import answer_fact_recall, caption_fact_rate
+from mmspec.world import make_sample
+
+
+def _write(tmp_path, texts):
+    w = RowWriter(results_path(tmp_path, 0))
+    for i, text in enumerate(texts):
+        w.append({"kind": "baseline", "dataset": "chartqa", "uid": f"chartqa-test-{i}", "method": "",
+                 "text": text, "token_ids": [], "wall_s": 0.1})
+    w.close()
+
+
+def test_answer_fact_recall_right_and_wrong(tmp_path):
+    good = tmp_path / "good"
+    good.mkdir()
+    _write(good, [make_sample("chartqa", "test", i).answer for i in range(3)])
+    assert answer_fact_recall(good)["chartqa"]["recall"] == 1.0
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    _write(bad, ["I cannot tell."] * 3)
+    r = answer_fact_recall(bad)["chartqa"]
+    assert r["recall"] == 0.0 and r["samples"] == 3
+
+
+class Blank:
+    def caption(self, images):
+        return ["a picture"] * len(images)
+
+
+def test_caption_fact_rate_oracle_and_blank():
+    ok = caption_fact_rate(_PerSample(), n_per_family=3)
+    assert sum(v["facts"] for v in ok.values()) > 0
+    assert all(v["rate"] == 1.0 for v in ok.values() if v["facts"])
+    blank = caption_fact_rate(Blank(), n_per_family=3)
+    assert all(v["rate"] == 0.0 for v in blank.values() if v["facts"])
+
+
+class _PerSample:
+    """Returns the ground-truth captions of whichever sample's images it is shown."""
+
+    def caption(self, images):
+        from mmspec.world import FAMILIES, make_sample
+
+        for family in FAMILIES:
+            for i in range(3):
+                s = make_sample(family, "test", i)
+                if [im.tobytes() for im in s.images] == [im.tobytes() for im in images]:
+                    return list(s.captions)
+        raise AssertionError("unknown images")
