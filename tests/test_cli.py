@@ -54,3 +54,29 @@ def test_generate_caption_view_without_captioner(checkpoints):
     r = invoke("--target", checkpoints / "target", "--draft", checkpoints / "draft", "--views", "MTC",
                "--image", checkpoints / "img0.png", "--prompt", "w5")
     assert r.exit_code == 2 and "needs a captioner" in r.output
+
+
+def test_specdecoder_from_local_directories(checkpoints, target, monkeypatch):
+    """target/draft given as paths: loaded offline through the Auto classes, tokenizer and
+    processor from the target's directory."""
+    import torch
+
+    from mmspec import SpecDecoder
+    from tiny import make_prompt
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    dec = SpecDecoder(str(checkpoints / "target"), str(checkpoints / "draft"), views="MT", dtype="float64")
+    assert dec.processor is not None and type(dec.target_model).__name__ == "LlavaForConditionalGeneration"
+    ids, pv = make_prompt(1, 16, seed=2)
+    ref = target.generate(input_ids=ids, pixel_values=pv, do_sample=False, max_new_tokens=10)[0, ids.shape[1]:]
+    assert dec.generate(ids, pv, max_new_tokens=10).token_ids == ref.tolist()
+
+
+def test_demo_on_embedded_pack():
+    from mmspec.embedded import default_path
+
+    if not (default_path() / "target" / "config.json").exists():
+        pytest.skip("embedded pack not built")
+    r = runner.invoke(app, ["demo", "--families", "textvqa", "--methods", "M,TC", "--max-new-tokens", "8"])
+    assert r.exit_code == 0, r.output
+    assert "only know mmspec's synthetic world" in r.output and "yes" in r.output and "NO" not in r.output

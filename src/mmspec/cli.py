@@ -176,6 +176,7 @@ def demo(
         tab = Table(title=f"mmspec demo (embedded models, CPU, gamma={gamma}, greedy, {max_new_tokens} new tokens)")
         for col in ["family", "images", "method", "tau", "accepted len", "speed-up", "identical"]:
             tab.add_column(col)
+        mismatches = []
         for fam in [f for f in families.split(",") if f]:
             s = make_sample(fam, "test", 0)
             inputs = processor_inputs(proc, s.prompt, s.images)
@@ -186,11 +187,16 @@ def demo(
                                    max_new_tokens=max_new_tokens, images=s.images)
                 st = res.stats
                 same = res.token_ids == ref
+                if not same:
+                    mismatches.append(f"{fam}/{m}")
                 tab.add_row(fam, str(len(s.images)), m, f"{st.tau:.2f}", f"{st.mean_accepted_length:.2f}",
                             f"{base_s / st.total_s:.2f}x", "[green]yes[/green]" if same else "[red]NO[/red]")
         console.print(tab)
         console.print("[dim]tau = tokens per block incl. the bonus/recovered token; speed-up is one "
                       "run each on this machine (see `mmspec bench` for medians over 100 samples).[/dim]")
+        if mismatches:
+            raise MMSpecError(f"output differs from target.generate for {', '.join(mismatches)}; "
+                              "greedy speculative decoding must be exact, please report this")
     except MMSpecError as e:
         _fail(e)
 
