@@ -110,3 +110,12 @@ def test_weighted_ensemble_still_exact(target, draft_shared, tok):
     dec = SpecDecoder(target, draft_shared, tok, views="MTC", weights=[3, 1, 0.5],
                       captioner=FixedCaptioner(["w9 w8"]))
     assert dec.generate(ids, pv, max_new_tokens=15).token_ids == ref.tolist()
+
+
+def test_logits_processors_in_generation_config_are_refused(tok):
+    t = make_llava(0)
+    t.generation_config.repetition_penalty = 1.3
+    with pytest.raises(MMSpecError, match="repetition_penalty"):
+        SpecDecoder(t, t, tok)
+    t.generation_config.repetition_penalty = 1.0
+    SpecDecoder(t, t, tok)  # neutral value is fine

@@ -88,6 +88,7 @@ class SpecDecoder:
         self.newline_id = self._newline_id()
         self.reuse_vision = same_vision(self.target, self.draft)
         self.eos_ids = self._eos_ids()
+        self._check_generation_config()
 
     # ------------------------------------------------------------------ construction checks
     def _resolve_views(self, views: list[View]) -> list[View]:
@@ -160,6 +161,24 @@ class SpecDecoder:
         if eos is None:
             return frozenset()
         return frozenset([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+
+    # settings of the target's generation_config that change which token generate() picks;
+    # mmspec reproduces plain greedy / temperature sampling, so it refuses rather than diverge
+    _PROCESSORS = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+                   "min_length": 0, "min_new_tokens": 0, "bad_words_ids": None, "suppress_tokens": None,
+                   "begin_suppress_tokens": None, "sequence_bias": None, "forced_bos_token_id": None,
+                   "forced_eos_token_id": None}
+
+    def _check_generation_config(self) -> None:
+        gc = self.target_model.generation_config
+        active = [k for k, neutral in self._PROCESSORS.items()
+                  if getattr(gc, k, None) not in (None, neutral, [])]
+        if active:
+            raise MMSpecError(
+                f"the target's generation_config sets {active}, which changes the tokens "
+                "target.generate() picks; mmspec reproduces plain greedy decoding and sampling, so "
+                "its output would differ. Reset them (e.g. target.generation_config.repetition_penalty = 1.0)"
+            )
 
     @property
     def method(self) -> str:
