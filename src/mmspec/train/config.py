@@ -48,7 +48,9 @@ class ModelSize:
 # under 2M and shares the target's vision tower (so the vision fields must match "target").
 _SIZES: dict[str, ModelSize] = {
     "target": ModelSize("target", lm_hidden=256, lm_layers=6, lm_heads=4, lm_intermediate=768),
-    "draft": ModelSize("draft", lm_hidden=128, lm_layers=4, lm_heads=4, lm_intermediate=384),
+    # One layer: at this scale a forward costs per layer, not per parameter (docs/perf.md §4);
+    # the first pack's 4 x 128 draft cost a third of a target step, 1 x 192 costs a tenth.
+    "draft": ModelSize("draft", lm_hidden=192, lm_layers=1, lm_heads=4, lm_intermediate=576),
     "captioner": ModelSize("captioner", lm_hidden=128, lm_layers=3, lm_heads=4, lm_intermediate=384),
     # For tests: everything tiny.
     "tiny": ModelSize("tiny", lm_hidden=32, lm_layers=2, lm_heads=2, lm_intermediate=64,
