@@ -1,62 +1,24 @@
-"""Image features of a LLaVA model, optionally 2-D average-pooled before the projector.
+"""Image features of a LLaVA model for training, optionally 2-D average-pooled before the
+projector (the pooled fine-tune of IbED Sec. 5.1).
 
-Owns the pooled drafting view's maths (IbED "pooled multimodal drafting"): the vision tower's
-patch grid (from ``vision_feature_layer``, CLS dropped for the "default" strategy) is
-average-pooled in 2-D down to N tokens per image, *then* projected. Pure functions: no state,
-no hooks, no patching of transformers code. With N = the full grid the result equals the
-model's own ``get_image_features`` output exactly (same ops in the same order).
-
-Used by training (pooled fine-tune, frozen-tower stages) and by the engine (the P view).
+The maths is the engine's own — :meth:`mmspec.models.llava.LlavaAdapter.vision_hidden` and
+:func:`mmspec.models.pooling.pool_patch_grid` — so a draft is trained on exactly the features
+the pooled drafting view gives it. With N = the full grid the result equals the model's own
+``get_image_features`` output exactly. Pure functions: no state, no patching of transformers.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 
 from mmspec.errors import MMSpecError
+from mmspec.models.llava import LlavaAdapter
+from mmspec.models.pooling import pool_patch_grid as pool_patches
 
 
 def vision_patch_features(model, pixel_values: torch.Tensor) -> torch.Tensor:
     """Selected vision hidden states, before the projector: [n_img, grid*grid, C_vision]."""
-    config = model.config
-    layer = config.vision_feature_layer
-    if not isinstance(layer, int):
-        raise MMSpecError("pooled image features need a single int vision_feature_layer; "
-                          f"this model has {layer!r}")
-    tower = model.model.vision_tower
-    pixel_values = pixel_values.to(device=tower.device, dtype=tower.dtype)
-    out = tower(pixel_values, output_hidden_states=True, return_dict=True)
-    feats = out.hidden_states[layer]  # [n_img, 1 + grid*grid, C]
-    if config.vision_feature_select_strategy == "default":
-        feats = feats[:, 1:]
-    elif config.vision_feature_select_strategy != "full":
-        raise MMSpecError(f"unknown vision_feature_select_strategy "
-                          f"{config.vision_feature_select_strategy!r}")
-    return feats
-
-
-def pool_patches(feats: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    """2-D average pooling of a square patch grid: [n_img, g*g, C] -> [n_img, n_tokens, C].
-
-    ``n_tokens`` must be a square whose side divides the grid side g. n_tokens == g*g is the
-    identity (returns ``feats`` itself).
-    """
-    n_img, n_patch, channels = feats.shape
-    grid = math.isqrt(n_patch)
-    side = math.isqrt(n_tokens)
-    if grid * grid != n_patch:
-        raise MMSpecError(f"patch count {n_patch} is not a square grid (CLS not dropped?)")
-    if side * side != n_tokens or side == 0 or grid % side != 0:
-        raise MMSpecError(f"pooled:{n_tokens} needs a square whose side divides the {grid}x{grid} "
-                          f"grid; valid: {[k * k for k in range(1, grid + 1) if grid % k == 0]}")
-    if side == grid:
-        return feats
-    x = feats.reshape(n_img, grid, grid, channels).permute(0, 3, 1, 2)  # [n_img, C, g, g]
-    x = F.avg_pool2d(x, kernel_size=grid // side)  # [n_img, C, side, side]
-    return x.flatten(2).transpose(1, 2)  # [n_img, side*side, C], row-major like the grid
+    return LlavaAdapter(model).vision_hidden(pixel_values)
 
 
 def pooled_image_features(model, pixel_values: torch.Tensor, n_tokens: int) -> torch.Tensor:
