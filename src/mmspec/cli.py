@@ -98,7 +98,9 @@ def generate(
     draft: Optional[str] = typer.Option(None, help="Draft model: local directory or hub id."),
     captioner: Optional[str] = typer.Option(None, help="Captioner (HF image-to-text) for the caption view."),
     captioner_prompt: Optional[str] = typer.Option(None, help="Task prompt for the captioner, e.g. '<CAPTION>' for Florence-2."),
-    views: str = typer.Option("MTC", help="Drafting views: letters M,T,C,P (e.g. MTC) or names, comma-separated (pooled:36)."),
+    views: str = typer.Option("M", help="Drafting views: letters M,T,C,P or names, comma-separated (pooled:36); "
+                              "several = the in-batch ensemble (e.g. MT, MTC). M is the fastest measured "
+                              "with the embedded pair (docs/perf.md)."),
     weights: Optional[str] = typer.Option(None, help="Ensemble weights, comma-separated, one per view (default equal)."),
     gamma: int = typer.Option(5, help="Draft tokens per block."),
     max_new_tokens: int = typer.Option(128),
