@@ -30,14 +30,14 @@ import datetime as _dt
 import json
 import os
 import platform
-import statistics
 import sys
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+
+from mmspec.timing import median_time
 
 IMAGE_TOKEN = 32000  # llava-hf/llava-1.5-7b-hf
 
@@ -109,30 +109,12 @@ def kv_bytes(cfg, context: int, batch: int, dtype: torch.dtype) -> int:
 
 
 # --------------------------------------------------------------------------- timing
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_time(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def copy_bandwidth(device: torch.device, mib: int, repeats: int) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
     n = mib * 2**20
     src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
     dst = torch.empty_like(src)
-    t = _median_time(lambda: dst.copy_(src), device, repeats, 2)
+    t = median_time(lambda: dst.copy_(src), device, repeats, 2)
     return 2 * n / t
 
 
@@ -212,10 +194,10 @@ def step_time(model: torch.nn.Module, batch: int, context: int, n_new: int, mode
         def step() -> None:
             model(input_ids=new, past_key_values=cache, use_cache=True, position_ids=pos, attention_mask=mask)
             cache.crop(-n_new)  # transformers 5: a negative count removes that many positions
-        return {"s": _median_time(step, dev, repeats, warmup), "graph": False}
+        return {"s": median_time(step, dev, repeats, warmup), "graph": False}
     step = _static_step(model, prompt, new, pos)
     if dev.type != "cuda":
-        return {"s": _median_time(step, dev, repeats, warmup), "graph": False}
+        return {"s": median_time(step, dev, repeats, warmup), "graph": False}
     try:
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -226,9 +208,9 @@ def step_time(model: torch.nn.Module, batch: int, context: int, n_new: int, mode
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             step()
-        return {"s": _median_time(graph.replay, dev, repeats, warmup), "graph": True}
+        return {"s": median_time(graph.replay, dev, repeats, warmup), "graph": True}
     except Exception as e:  # noqa: BLE001 - report and fall back to the un-captured static step
-        return {"s": _median_time(step, dev, repeats, warmup), "graph": False, "graph_error": repr(e)[:300]}
+        return {"s": median_time(step, dev, repeats, warmup), "graph": False, "graph_error": repr(e)[:300]}
 
 
 # --------------------------------------------------------------------------- the run

@@ -43,6 +43,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from mmspec.timing import sync
+
 SYSTEM_TARGET, SYSTEM_ASSISTED = "target", "assisted"
 
 
@@ -170,11 +172,6 @@ def machine_info(device: torch.device) -> dict:
 
 
 # --------------------------------------------------------------------------- the systems
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @contextlib.contextmanager
 def _assistant_config(draft, mode: str, gamma: int) -> Iterator[None]:
     """Temporarily give the assistant a matched generation config (restored afterwards)."""
@@ -247,11 +244,11 @@ def round_robin(systems: dict[str, Callable], prompts: Sequence[SpeedPrompt], re
         for i, p in enumerate(prompts):
             shift = (r + i) % len(names)
             for slot, name in enumerate(names[shift:] + names[:shift]):
-                _sync(device)
+                sync(device)
                 t0 = time.perf_counter()
                 with torch.inference_mode():
                     tokens, stats = systems[name](p)
-                _sync(device)
+                sync(device)
                 wall = time.perf_counter() - t0
                 records.append(RunRecord(r, p.name, name, slot, wall, len(tokens), tokens,
                                          (stats or {}).get("n_blocks"), stats))
@@ -353,10 +350,10 @@ class _Timers:
         def timed(*a, **k):
             if when is not None and not when(*a, **k):
                 return fn(*a, **k)
-            _sync(self.device)
+            sync(self.device)
             t0 = time.perf_counter()
             out = fn(*a, **k)
-            _sync(self.device)
+            sync(self.device)
             self.s[key] += time.perf_counter() - t0
             self.n[key] += 1
             return out

@@ -59,8 +59,6 @@ def test_generate_caption_view_without_captioner(checkpoints):
 def test_specdecoder_from_local_directories(checkpoints, target, monkeypatch):
     """target/draft given as paths: loaded offline through the Auto classes, tokenizer and
     processor from the target's directory."""
-    import torch
-
     from mmspec import SpecDecoder
     from tiny import make_prompt
 

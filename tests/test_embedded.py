@@ -4,7 +4,6 @@ losslessly with SpecDecoder for every view and ensemble on 1-, 2- and 5-image wo
 import os
 
 import pytest
-import torch
 
 from mmspec.embedded import default_path
 

@@ -1,7 +1,6 @@
 """Each bad input gets a clear MMSpecError that names the problem and the fix."""
 
 import pytest
-import torch
 from PIL import Image
 
 from mmspec import MMSpecError, SpecDecoder

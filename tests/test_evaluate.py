@@ -50,3 +50,22 @@ class _PerSample:
                 if [im.tobytes() for im in s.images] == [im.tobytes() for im in images]:
                     return list(s.captions)
         raise AssertionError("unknown images")
+
+
+def test_evaluate_command_writes_json(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from mmspec.cli import app
+
+    res_dir = tmp_path / "res"
+    res_dir.mkdir()
+    _write(res_dir, [make_sample("chartqa", "test", 0).answer, "no idea"])
+    out = tmp_path / "eval.json"
+    r = CliRunner().invoke(app, ["train", "evaluate", "--results", str(res_dir),
+                                 "--captions-per-family", "0", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    report = json.loads(out.read_text())
+    assert report["answer_fact_recall"]["chartqa"]["samples"] == 2
+    assert 0.4 <= report["answer_fact_recall"]["chartqa"]["recall"] <= 0.6

@@ -3,7 +3,6 @@ bonus, filtering, and a seeded statistical test that speculative sampling reprod
 
 import math
 
-import pytest
 import torch
 
 from mmspec import verify

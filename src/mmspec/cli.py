@@ -6,7 +6,6 @@ Commands: ``generate`` (one prompt), ``demo`` (the embedded world end to end), `
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -127,7 +126,7 @@ def generate(
 
             sample = make_sample("chartqa", "test", 0)
             prompt_text, images = sample.prompt, sample.images
-            console.print(f"[dim]No prompt given: a bundled chart-QA example from the synthetic world.[/dim]")
+            console.print("[dim]No prompt given: a bundled chart-QA example from the synthetic world.[/dim]")
         else:
             if prompt is None:
                 raise MMSpecError("--image was given without --prompt; say what to ask about the image(s)")
@@ -165,8 +164,6 @@ def demo(
     """Run the embedded models on a few synthetic-world samples: every method, identity check,
     block efficiency and speed-up over the target alone."""
     try:
-        import torch
-
         from mmspec.decoder import SpecDecoder
         from mmspec.inputs import processor_inputs
         from mmspec.world import make_sample

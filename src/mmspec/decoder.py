@@ -15,11 +15,12 @@ from typing import Sequence
 import torch
 
 from mmspec.drafter import EnsembleDrafter
-from mmspec.engine import _sync, run_loop
+from mmspec.engine import run_loop
 from mmspec.errors import MMSpecError
-from mmspec.models.base import ModelAdapter, adapter_for, same_vision
+from mmspec.models.base import adapter_for, same_vision
 from mmspec.models.pooling import pool_patch_grid, valid_pool_sizes
 from mmspec.stats import GenerationStats
+from mmspec.timing import sync
 from mmspec.verify import SamplingParams
 from mmspec.views import View, build_row, ensemble_name, parse_views, split_prompt
 
@@ -231,7 +232,7 @@ class SpecDecoder:
             if any(v.needs_vision for v in self.views):
                 draft_patches = target_patches if self.reuse_vision else self.draft.vision_hidden(
                     pixel_values.to(self.draft.device))
-        _sync(dev)
+        sync(dev)
         stats.vision_s = time.perf_counter() - t0
 
         # 2) captions, once per image
@@ -258,7 +259,7 @@ class SpecDecoder:
                 embeds = embeds.masked_scatter(mask, target_feats.to(embeds.dtype))
             self.target.forward(cache=target_cache, attention_mask=torch.ones_like(prefix),
                                 position_ids=torch.arange(L - 1, device=dev)[None], inputs_embeds=embeds)
-        _sync(dev)
+        sync(dev)
         stats.prefill_target_s = time.perf_counter() - t0
 
         # 4) draft prefill: every view one row of one batch
@@ -269,7 +270,7 @@ class SpecDecoder:
             r.token_ids = r.token_ids[:-1]  # the last prompt token is pending
         drafter = EnsembleDrafter(self.draft, self.weights, target_vocab=self.target.vocab_size)
         drafter.prefill(rows)
-        _sync(dev)
+        sync(dev)
         stats.prefill_draft_s = time.perf_counter() - t0
 
         tokens = run_loop(target=self.target, target_cache=target_cache, target_len=L - 1, drafter=drafter,

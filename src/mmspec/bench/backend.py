@@ -18,6 +18,7 @@ import torch
 from mmspec.bench.config import BenchConfig, RankInfo, method_views
 from mmspec.bench.datasets import BenchSample
 from mmspec.errors import MMSpecError
+from mmspec.timing import sync
 
 
 @dataclass
@@ -49,7 +50,7 @@ class BenchModels:
     captioner_model: Any = None
     captioner_processor: Any = None
     captioner_prompt: str | None = None
-    pooled_tokens: int | None = None  # tokens per image for the P view (None: engine default)
+    pooled_tokens: int | None = None  # --pool-tokens for the P view (None: SpecDecoder's default)
     source: str = "embedded"
 
 
@@ -63,7 +64,7 @@ def load_models(cfg: BenchConfig) -> BenchModels:
         e = load_embedded()
         return BenchModels(e.target, e.draft, e.tokenizer, e.processor, e.captioner_model,
                            e.captioner_processor, e.captioner_prompt,
-                           cfg.pool_tokens or getattr(e, "pooled_tokens", None), "embedded")
+                           cfg.pool_tokens, "embedded")
     if cfg.draft is None:
         raise MMSpecError("--target was given without --draft; pass both checkpoints")
     from mmspec.models.loading import load_model, load_processor
@@ -146,10 +147,10 @@ class HFBackend:
         if not greedy:
             kw["temperature"] = self.cfg.temperature
             torch.manual_seed(self.cfg.seed)
-        _sync(self.device)
+        sync(self.device)
         t0 = time.perf_counter()
         out = self.m.target.generate(**inputs, **kw)  # [1, n_in + n_new]
-        _sync(self.device)
+        sync(self.device)
         wall = time.perf_counter() - t0
         new = out[0, n_in:].tolist()
         text = self.m.tokenizer.decode(new, skip_special_tokens=True)
@@ -158,14 +159,14 @@ class HFBackend:
     def spec(self, sample: BenchSample, method: str) -> Generation:
         inputs = self._inputs(sample)
         dec = self._decoder(method)
-        _sync(self.device)
+        sync(self.device)
         t0 = time.perf_counter()
         res = dec.generate(
             inputs["input_ids"], pixel_values=inputs.get("pixel_values"),
             attention_mask=inputs.get("attention_mask"), max_new_tokens=self.cfg.max_new_tokens,
             temperature=self.cfg.temperature, seed=self.cfg.seed, images=sample.images,
         )
-        _sync(self.device)
+        sync(self.device)
         wall = time.perf_counter() - t0
         return Generation(list(res.token_ids), res.text, wall, int(inputs["input_ids"].shape[1]),
                           res.stats.to_dict())
@@ -184,8 +185,3 @@ class HFBackend:
                 "target_params": size(self.m.target), "draft_params": size(self.m.draft),
                 "captioner_params": size(self.m.captioner_model),
                 "target_class": type(self.m.target).__name__}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

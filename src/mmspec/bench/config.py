@@ -83,7 +83,7 @@ class BenchConfig:
     draft: str | None = None
     captioner: str | None = None
     captioner_prompt: str | None = None
-    pool_tokens: int | None = None  # N of the P view; None: the embedded pack's / engine default
+    pool_tokens: int | None = None  # N of the P view; None: SpecDecoder's default (a quarter of the patch grid)
     split: str = "test"  # split of the embedded world / of a save_to_disk DatasetDict
     device: str | None = None  # None: cuda:LOCAL_RANK when CUDA is available, else cpu
     dtype: str = "float32"

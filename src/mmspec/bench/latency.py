@@ -16,27 +16,10 @@ repeat sees the same context. Reports medians. On CUDA every timed region is bra
 
 from __future__ import annotations
 
-import statistics
-import time
-from typing import Callable
 
 import torch
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_time(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    times = []
-    for _ in range(max(1, repeats)):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from mmspec.timing import median_time
 
 
 def _device(model: torch.nn.Module) -> torch.device:
@@ -84,7 +67,7 @@ def decode_time(model: torch.nn.Module, input_ids: torch.Tensor, n_new: int, rep
     step()  # warm-up
     if cache.get_seq_length() != prefix:
         raise RuntimeError(f"KV cache crop left {cache.get_seq_length()} positions, expected {prefix}")
-    return _median_time(step, dev, repeats)
+    return median_time(step, dev, repeats)
 
 
 @torch.inference_mode()
@@ -99,14 +82,14 @@ def vision_time(model: torch.nn.Module, pixel_values: torch.Tensor, repeats: int
         fn(pixel_values=pv)
     except (TypeError, ValueError, RuntimeError):
         return None
-    return _median_time(lambda: fn(pixel_values=pv), dev, repeats)
+    return median_time(lambda: fn(pixel_values=pv), dev, repeats)
 
 
 @torch.inference_mode()
 def prefill_time(model: torch.nn.Module, inputs: dict[str, torch.Tensor], repeats: int) -> float:
     dev = _device(model)
     moved = {k: v.to(dev) for k, v in inputs.items()}
-    return _median_time(lambda: _prefill(model, **moved), dev, repeats)
+    return median_time(lambda: _prefill(model, **moved), dev, repeats)
 
 
 def draft_text_ids(input_ids: torch.Tensor, image_token_id: int | None) -> torch.Tensor:

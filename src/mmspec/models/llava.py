@@ -8,8 +8,6 @@ grid before projecting (pooled view) and share one vision pass between target an
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from mmspec.models.base import ModelAdapter, register

@@ -64,21 +64,19 @@ def load_model(name_or_path: str, *, dtype: str | torch.dtype | None = "auto", d
     return model.eval()
 
 
-def load_tokenizer(name_or_path: str):
-    from transformers import AutoTokenizer
+def _load_auto(cls_name: str, what: str, name_or_path: str):
+    import transformers
 
     _check_reachable(str(name_or_path))
     try:
-        return AutoTokenizer.from_pretrained(name_or_path)
+        return getattr(transformers, cls_name).from_pretrained(name_or_path)
     except (OSError, ValueError) as e:
-        raise MMSpecError(f"could not load a tokenizer from {name_or_path!r}: {e}") from None
+        raise MMSpecError(f"could not load a {what} from {name_or_path!r}: {e}") from None
+
+
+def load_tokenizer(name_or_path: str):
+    return _load_auto("AutoTokenizer", "tokenizer", name_or_path)
 
 
 def load_processor(name_or_path: str):
-    from transformers import AutoProcessor
-
-    _check_reachable(str(name_or_path))
-    try:
-        return AutoProcessor.from_pretrained(name_or_path)
-    except (OSError, ValueError) as e:
-        raise MMSpecError(f"could not load a processor from {name_or_path!r}: {e}") from None
+    return _load_auto("AutoProcessor", "processor", name_or_path)

@@ -3,7 +3,7 @@
 Modules (each docstring says what it owns):
 - ``config``     size presets, stage / recipe dataclasses, ``build_llava``
 - ``data``       examples, views (multimodal / text / caption), label masking, batching
-- ``pooling``    ``pooled_image_features`` (pre-projector 2-D pooling; also the engine's P view)
+- ``pooling``    ``pooled_image_features`` (pre-projector 2-D pooling, with the engine's own pooling function)
 - ``recipe``     one stage's training loop, LR schedule, held-out metrics
 - ``checkpoint`` fp16 HF directories (``save_half``, ``save_checkpoint``)
 - ``pack``       the whole embedded pack in order; ``cli`` the ``mmspec train`` sub-app

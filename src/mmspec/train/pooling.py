@@ -9,6 +9,8 @@ the pooled drafting view gives it. With N = the full grid the result equals the 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from mmspec.errors import MMSpecError
@@ -21,10 +23,13 @@ def vision_patch_features(model, pixel_values: torch.Tensor) -> torch.Tensor:
     return LlavaAdapter(model).vision_hidden(pixel_values)
 
 
-def pooled_image_features(model, pixel_values: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    """Projected image features with ``n_tokens`` per image: [n_img, n_tokens, hidden_lm]."""
-    feats = pool_patches(vision_patch_features(model, pixel_values), n_tokens)
-    return model.model.multi_modal_projector(feats)
+def pooled_image_features(model, pixel_values: torch.Tensor, n_tokens: int,
+                          train_vision: bool = True) -> torch.Tensor:
+    """Projected image features with ``n_tokens`` per image: [n_img, n_tokens, hidden_lm].
+    With ``train_vision=False`` the vision tower runs without gradients (frozen stages)."""
+    with contextlib.nullcontext() if train_vision else torch.no_grad():
+        feats = vision_patch_features(model, pixel_values)  # [n_img, grid*grid, C]
+    return model.model.multi_modal_projector(pool_patches(feats, n_tokens))
 
 
 def embed_multimodal(model, input_ids: torch.Tensor, image_features: torch.Tensor | None,

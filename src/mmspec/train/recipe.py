@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from mmspec.errors import MMSpecError
 from mmspec.train.config import StageConfig, Trainable
 from mmspec.train.data import Batch, Encoder, Example
-from mmspec.train.pooling import embed_multimodal, pool_patches, vision_patch_features
+from mmspec.train.pooling import embed_multimodal, pooled_image_features
 
 
 def set_trainable(model, trainable: Trainable) -> list[torch.nn.Parameter]:
@@ -62,19 +62,11 @@ def lr_at(progress: float, base_lr: float, warmup_ratio: float) -> float:
     return base_lr * 0.5 * (1.0 + math.cos(math.pi * rest))
 
 
-def image_features(model, pixel_values: torch.Tensor, n_tokens: int, train_vision: bool) -> torch.Tensor:
-    """Projected (optionally pooled) features [n_img, n_tokens, H]; no vision grads if frozen."""
-    ctx = contextlib.nullcontext() if train_vision else torch.no_grad()
-    with ctx:
-        feats = vision_patch_features(model, pixel_values)  # [n_img, 64, C]
-    return model.model.multi_modal_projector(pool_patches(feats, n_tokens))
-
-
 def batch_loss(model, batch: Batch, train_vision: bool = True) -> torch.Tensor:
     """Mean next-token cross-entropy over the labelled (answer + eos) tokens of ``batch``."""
     feats = None
     if batch.pixel_values is not None:
-        feats = image_features(model, batch.pixel_values, batch.tokens_per_image, train_vision)
+        feats = pooled_image_features(model, batch.pixel_values, batch.tokens_per_image, train_vision)
     embeds = embed_multimodal(model, batch.input_ids, feats)  # [B, T, H]
     out = model(inputs_embeds=embeds, attention_mask=batch.attention_mask, labels=batch.labels,
                 use_cache=False)
@@ -177,7 +169,7 @@ def greedy_answer(model, encoder: Encoder, image_processor, ex: Example, tokens_
                     encoder.tokenizer.pad_token_id, image_processor, tokens_per_image).to(device)
     feats = None
     if batch.pixel_values is not None:
-        feats = image_features(model, batch.pixel_values, tokens_per_image, train_vision=False)
+        feats = pooled_image_features(model, batch.pixel_values, tokens_per_image, train_vision=False)
     embeds = embed_multimodal(model, batch.input_ids, feats)
     out = model.generate(inputs_embeds=embeds, attention_mask=batch.attention_mask,
                          max_new_tokens=max_new_tokens, do_sample=False,
