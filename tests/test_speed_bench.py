@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -54,7 +55,7 @@ def test_speed_run_on_tiny_models(speed, tmp_path):
     target = make_llava(0)
     models = speed.SpeedModels(target, noisy_copy(target, 1), make_tokenizer(), None, _Captioner(), "tiny")
     cfg = speed.SpeedConfig(max_new_tokens=10, repeats=2, latency_repeats=1, device="cpu", out=str(tmp_path),
-                            command="test")
+                            command="test", step_rounds=2)
     res = speed.run(cfg, models=models, prompts=_tiny_prompts(speed), log=lambda s: None)
 
     assert res["identical"], res["mismatches"]
@@ -70,6 +71,12 @@ def test_speed_run_on_tiny_models(speed, tmp_path):
     eng = res["engine"]
     assert eng["T_p_s"] > 0 and set(eng["T_q_s"]) >= {"1", "3", "4"}
     assert "engine_efficiency" in eng["efficiency"]["mmspec_MTC"]
+    step = eng["draft_step"]  # the engine's own step, 4 views vs M, on every prompt
+    assert step["views"] == "MTCP" and len(step["per_prompt"]) == 2
+    for x in step["per_prompt"]:
+        assert set(x["step_s"]) == {"M", "MTCP"} and all(t > 0 for t in x["step_s"].values())
+        assert x["ratio"] == pytest.approx(x["step_s"]["MTCP"] / x["step_s"]["M"])
+    assert eng["draft_step_views_over_1"] == pytest.approx(statistics.median(x["ratio"] for x in step["per_prompt"]))
     parts = res["breakdown"]["mmspec_MTC"]["parts_s"]
     assert parts["draft_forward"] > 0 and parts["target_forward"] > 0 and parts["verify_maths"] > 0
     assert res["breakdown"]["mmspec_MTC"]["calls"]["cache_crop"] > 0

@@ -210,47 +210,19 @@ class SpecDecoder:
         else:
             seed = None
 
-        layout = split_prompt(ids, self.target.image_token_id, self.target.tokens_per_image)
-        n_pix = 0 if pixel_values is None else int(pixel_values.shape[0])
-        if layout.n_images != n_pix:
-            raise MMSpecError(
-                f"the prompt has {layout.n_images} image slot(s) but {n_pix} image(s) were given "
-                "in pixel_values; give one image per <image> in the prompt, in order"
-            )
-        if ids[-1] == self.target.image_token_id:
-            raise MMSpecError("the prompt ends with an image; end it with text (e.g. '... ASSISTANT:')")
+        layout = self._layout(ids, pixel_values)
         self._check_context(ids.shape[0], max_new_tokens)
         stats = GenerationStats(gamma=self.gamma, views=tuple(v.name for v in self.views))
 
-        # 1) vision: encode each image once; reuse target patch features for the draft when
-        #    both share the same vision tower.
-        t0 = time.perf_counter()
-        target_feats = draft_patches = None
-        if n_pix:
-            target_patches = self.target.vision_hidden(pixel_values)  # [n_img, P, C]
-            target_feats = self.target.project(target_patches)  # [n_img, P, H_t]
-            if any(v.needs_vision for v in self.views):
-                draft_patches = target_patches if self.reuse_vision else self.draft.vision_hidden(
-                    pixel_values.to(self.draft.device))
-        sync(dev)
-        stats.vision_s = time.perf_counter() - t0
-
+        # 1) vision: each image encoded once (patches shared with the draft when towers match)
+        target_feats, draft_patches = self._encode_images(layout, pixel_values, stats)
         # 2) captions, once per image
-        caption_ids = None
-        if any(v.kind == "caption" for v in self.views) and n_pix:
-            t0 = time.perf_counter()
-            caps = list(captions) if captions is not None else self.captioner.caption(
-                self._images_for_captioner(images, pixel_values))
-            if len(caps) != n_pix:
-                raise MMSpecError(f"{len(caps)} captions for {n_pix} images; give one caption per image")
-            caption_ids = [torch.tensor(self.tokenizer.encode(" " + c.strip(), add_special_tokens=False)
-                                        or [self.newline_id], dtype=torch.long) for c in caps]
-            stats.caption_s = time.perf_counter() - t0
+        caption_ids = self._caption_ids(layout, pixel_values, images, captions, stats)
 
         # 3) target prefill on all but the last prompt token (it is the first pending token)
         t0 = time.perf_counter()
-        target_cache = self.target.new_cache()
         L = ids.shape[0]
+        target_cache = self.target.new_cache(L + max_new_tokens + self.gamma + 1)  # preallocated, O(1) roll-back
         if L > 1:
             prefix = ids[:-1].to(dev)[None]  # [1, L-1]
             embeds = self.target.embed(prefix)  # [1, L-1, H_t]
@@ -263,15 +235,7 @@ class SpecDecoder:
         stats.prefill_target_s = time.perf_counter() - t0
 
         # 4) draft prefill: every view one row of one batch
-        t0 = time.perf_counter()
-        rows = [self._view_row(layout, v, draft_patches, caption_ids) for v in self.views]
-        for v, r in zip(self.views, rows):
-            self._check_draft_context(v, r.token_ids.shape[0], max_new_tokens)
-            r.token_ids = r.token_ids[:-1]  # the last prompt token is pending
-        drafter = EnsembleDrafter(self.draft, self.weights, target_vocab=self.target.vocab_size)
-        drafter.prefill(rows)
-        sync(dev)
-        stats.prefill_draft_s = time.perf_counter() - t0
+        drafter = self._prefill_draft(layout, draft_patches, caption_ids, max_new_tokens, stats)
 
         tokens = run_loop(target=self.target, target_cache=target_cache, target_len=L - 1, drafter=drafter,
                           first_pending=int(ids[-1]), gamma=self.gamma, max_new_tokens=max_new_tokens,
@@ -279,6 +243,73 @@ class SpecDecoder:
         stats.total_s = time.perf_counter() - t_start
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         return GenerationResult(token_ids=tokens, text=text, stats=stats, seed=seed)
+
+    # ------------------------------------------------------------------ pieces of generate
+    @torch.inference_mode()
+    def new_drafter(self, input_ids, pixel_values=None, *, max_new_tokens: int = 128,
+                    images: Sequence | None = None, captions: Sequence[str] | None = None) -> EnsembleDrafter:
+        """The draft side of :meth:`generate` alone: vision, captions and the prefilled ensemble
+        drafter for this prompt (its last token not fed). Used to time draft steps in isolation."""
+        ids = self._check_ids(input_ids, None)
+        layout = self._layout(ids, pixel_values)
+        stats = GenerationStats(gamma=self.gamma, views=tuple(v.name for v in self.views))
+        _, draft_patches = self._encode_images(layout, pixel_values, stats)
+        caption_ids = self._caption_ids(layout, pixel_values, images, captions, stats)
+        return self._prefill_draft(layout, draft_patches, caption_ids, max_new_tokens, stats)
+
+    def _layout(self, ids: torch.Tensor, pixel_values):
+        layout = split_prompt(ids, self.target.image_token_id, self.target.tokens_per_image)
+        n_pix = 0 if pixel_values is None else int(pixel_values.shape[0])
+        if layout.n_images != n_pix:
+            raise MMSpecError(
+                f"the prompt has {layout.n_images} image slot(s) but {n_pix} image(s) were given "
+                "in pixel_values; give one image per <image> in the prompt, in order"
+            )
+        if ids[-1] == self.target.image_token_id:
+            raise MMSpecError("the prompt ends with an image; end it with text (e.g. '... ASSISTANT:')")
+        return layout
+
+    def _encode_images(self, layout, pixel_values, stats: GenerationStats):
+        """-> (target image tokens [n_img, P, H_t] | None, draft patch features [n_img, P, C] | None)."""
+        t0 = time.perf_counter()
+        target_feats = draft_patches = None
+        if layout.n_images:
+            target_patches = self.target.vision_hidden(pixel_values)  # [n_img, P, C]
+            target_feats = self.target.project(target_patches)  # [n_img, P, H_t]
+            if any(v.needs_vision for v in self.views):
+                draft_patches = target_patches if self.reuse_vision else self.draft.vision_hidden(
+                    pixel_values.to(self.draft.device))
+        sync(self.target.device)
+        stats.vision_s = time.perf_counter() - t0
+        return target_feats, draft_patches
+
+    def _caption_ids(self, layout, pixel_values, images, captions, stats: GenerationStats):
+        """One token-id tensor per image for the caption view (None when no view needs them)."""
+        if not (any(v.kind == "caption" for v in self.views) and layout.n_images):
+            return None
+        t0 = time.perf_counter()
+        caps = list(captions) if captions is not None else self.captioner.caption(
+            self._images_for_captioner(images, pixel_values))
+        if len(caps) != layout.n_images:
+            raise MMSpecError(f"{len(caps)} captions for {layout.n_images} images; give one caption per image")
+        caption_ids = [torch.tensor(self.tokenizer.encode(" " + c.strip(), add_special_tokens=False)
+                                    or [self.newline_id], dtype=torch.long) for c in caps]
+        stats.caption_s = time.perf_counter() - t0
+        return caption_ids
+
+    def _prefill_draft(self, layout, draft_patches, caption_ids, max_new_tokens: int,
+                       stats: GenerationStats) -> EnsembleDrafter:
+        t0 = time.perf_counter()
+        rows = [self._view_row(layout, v, draft_patches, caption_ids) for v in self.views]
+        for v, r in zip(self.views, rows):
+            self._check_draft_context(v, r.token_ids.shape[0], max_new_tokens)
+            r.token_ids = r.token_ids[:-1]  # the last prompt token is pending
+        drafter = EnsembleDrafter(self.draft, self.weights, target_vocab=self.target.vocab_size,
+                                  room=max_new_tokens + self.gamma + 1)  # committed + in-flight drafts
+        drafter.prefill(rows)
+        sync(self.draft.device)
+        stats.prefill_draft_s = time.perf_counter() - t0
+        return drafter
 
     # ------------------------------------------------------------------ helpers
     def _view_row(self, layout, view: View, draft_patches, caption_ids):

@@ -65,10 +65,12 @@ class ModelAdapter:
         )
         return out.logits
 
-    def new_cache(self):
-        from transformers import DynamicCache
+    def new_cache(self, max_len: int | None = None):
+        """A KV cache supporting ``crop(-n)``: preallocated for ``max_len`` positions when given
+        (O(1) roll-back, no per-step copy; :mod:`mmspec.models.cache`), else a ``DynamicCache``."""
+        from mmspec.models.cache import new_decode_cache
 
-        return DynamicCache(config=self.model.config)
+        return new_decode_cache(self.model.config, max_len)
 
     # -- vision side (VLM families) ----------------------------------------------------
     def vision_hidden(self, pixel_values: torch.Tensor) -> torch.Tensor:
