@@ -181,3 +181,27 @@ def test_budget_shares_cap_every_stage():
     stages = [*r.target_stages, *r.draft_stages, r.pooled_stage, *r.captioner_stages]
     assert all(s.max_seconds and s.max_seconds > 0 for s in stages)
     assert sum(s.max_seconds for s in stages) <= 600
+
+
+def test_caption_mix_adds_caption_examples():
+    from types import SimpleNamespace
+
+    from mmspec.train.data import CAPTIONER_PROMPT, mix_in_captions
+
+    samples = [SimpleNamespace(images=ex.images, captions=ex.captions) for ex in fake_examples(10, n_images=2)]
+    mixed = mix_in_captions(samples, 0.5, seed=0)
+    assert len(mixed) == 5 and all(ex.prompt == CAPTIONER_PROMPT and ex.family == "caption" for ex in mixed)
+    pool = {(id(img), cap) for s in samples for img, cap in zip(s.images, s.captions)}
+    assert all((id(ex.images[0]), ex.answer) in pool for ex in mixed)  # each is one real (image, caption) pair
+    assert len({id(ex.images[0]) for ex in mixed}) == 5  # drawn without replacement
+    assert [ex.answer for ex in mix_in_captions(samples, 0.5, seed=0)] == [ex.answer for ex in mixed]
+    assert len(mix_in_captions(samples, 9.0, seed=0)) == 20  # capped at every image once
+
+
+def test_stream_mixes_views(tokenizer, processor):
+    enc = Encoder(tokenizer)
+    stream = batch_stream(fake_examples(64), enc, processor.image_processor, 64, torch.Generator().manual_seed(0),
+                          text_view_prob=0.5)
+    batch = next(stream)
+    n_img_rows = int((batch.input_ids == 4).any(-1).sum())
+    assert batch.pixel_values.shape[0] == n_img_rows and 16 <= n_img_rows <= 48  # about half went text-only

@@ -5,8 +5,10 @@ single forwards on top of it, cropping the new positions off after every repeat 
 repeat sees the same context. Reports medians. On CUDA every timed region is bracketed by
 ``torch.cuda.synchronize``. It knows nothing about speculative decoding itself.
 
-- ``target_decode_s`` (T_p): one-token decode of the target.
-- ``target_verify_s`` (T_V(gamma)): one target forward over gamma + 1 tokens.
+- ``target_decode_s`` (T_p): one-token decode of the target, on the ``DynamicCache`` that
+  ``target.generate`` (the baseline) uses.
+- ``target_verify_s`` (T_V(gamma)): one target forward over gamma + 1 tokens, on the engine's
+  preallocated cache (:mod:`mmspec.models.cache`), as are the draft's T_q.
 - ``draft_decode_s[b]`` (T_q at batch b): one-token decode of the draft for b rows (an ensemble
   of b views runs as b rows of one batch). The draft is timed on the prompt with its image
   placeholders replaced by a text token, which keeps the context length.
@@ -36,24 +38,30 @@ def _image_token_id(model: torch.nn.Module) -> int | None:
 
 
 @torch.inference_mode()
-def _prefill(model: torch.nn.Module, **inputs: torch.Tensor):
-    from transformers import DynamicCache
+def _prefill(model: torch.nn.Module, room: int | None = None, **inputs: torch.Tensor):
+    """room: None -> a DynamicCache (what ``generate`` uses); an int -> the engine's
+    preallocated cache with that many free positions after the prompt."""
+    from mmspec.models.cache import new_decode_cache
 
-    cache = DynamicCache()
+    max_len = None if room is None else inputs["input_ids"].shape[1] + room
+    cache = new_decode_cache(model.config, max_len)
     out = model(**inputs, past_key_values=cache, use_cache=True)
     return out.past_key_values, out.logits[:, -1:].argmax(-1)  # cache, next token [B, 1]
 
 
 @torch.inference_mode()
 def decode_time(model: torch.nn.Module, input_ids: torch.Tensor, n_new: int, repeats: int,
-                **extra: torch.Tensor) -> float:
+                engine_cache: bool = False, **extra: torch.Tensor) -> float:
     """Median time of one forward over ``n_new`` new tokens on top of a prefilled cache.
 
     input_ids: [B, L] prompt; extra: e.g. pixel_values for the prefill only.
+    engine_cache: time on the cache mmspec's engine decodes with (preallocated) instead of the
+    ``DynamicCache`` that ``generate`` uses.
     """
     dev = _device(model)
     input_ids = input_ids.to(dev)
-    cache, nxt = _prefill(model, input_ids=input_ids, **{k: v.to(dev) for k, v in extra.items()})
+    cache, nxt = _prefill(model, room=n_new if engine_cache else None, input_ids=input_ids,
+                          **{k: v.to(dev) for k, v in extra.items()})
     prefix = cache.get_seq_length()
     new = nxt.repeat(1, n_new)  # [B, n_new]
     pos = torch.arange(prefix, prefix + n_new, device=dev).unsqueeze(0).expand(new.shape[0], -1)
@@ -110,10 +118,10 @@ def measure_latency(target: torch.nn.Module, draft: torch.nn.Module, inputs: dic
     ids = inputs["input_ids"]  # [1, L]
     pixel = inputs.get("pixel_values")
     extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
-    t_p = decode_time(target, ids, 1, repeats, **extra)
-    t_v = decode_time(target, ids, gamma + 1, repeats, **extra)
+    t_p = decode_time(target, ids, 1, repeats, **extra)  # the baseline's step: generate's DynamicCache
+    t_v = decode_time(target, ids, gamma + 1, repeats, engine_cache=True, **extra)  # what the engine runs
     draft_ids = draft_text_ids(ids, _image_token_id(draft) or _image_token_id(target))
-    t_q = {int(b): decode_time(draft, draft_ids.repeat(b, 1), 1, repeats) for b in batch_sizes}
+    t_q = {int(b): decode_time(draft, draft_ids.repeat(b, 1), 1, repeats, engine_cache=True) for b in batch_sizes}
     prefill_inputs = {k: v for k, v in inputs.items()}
     return {
         "target_decode_s": t_p,

@@ -49,6 +49,10 @@ def stage(
     batch_size: int = typer.Option(16),
     pooled_tokens: Optional[int] = typer.Option(None, help="train with pooling to N tokens/image"),
     captioner: bool = typer.Option(False, help="train on the caption task instead of the QA task"),
+    caption_mix: float = typer.Option(0.0, help="QA training: add this many image->caption examples per QA "
+                                      "example (fact-dense supervision for the vision tower)"),
+    text_view_prob: float = typer.Option(0.0, help="show an example through the text view (images -> newline)"),
+    caption_view_prob: float = typer.Option(0.0, help="show an example through the caption view"),
     n_train_per_family: int = typer.Option(400),
     minutes: Optional[float] = typer.Option(None, help="wall-clock cap; the schedule then follows time"),
     bf16: bool = typer.Option(True, help="bf16 autocast"),
@@ -67,7 +71,8 @@ def stage(
 
     from mmspec.train.checkpoint import read_sidecar, save_checkpoint
     from mmspec.train.config import RecipeConfig, StageConfig, build_llava, model_size
-    from mmspec.train.data import CAPTIONER_PROMPT, Encoder, batch_stream, caption_examples, example_from_sample
+    from mmspec.train.data import (CAPTIONER_PROMPT, Encoder, batch_stream, caption_examples, example_from_sample,
+                                   mix_in_captions)
     from mmspec.train.pack import _samples, world_tokenizer_and_processor
     from mmspec.train.recipe import train_stage
 
@@ -85,14 +90,20 @@ def stage(
     samples = _samples("train", n_train_per_family, seed)
     examples = ([ex for s in samples for ex in caption_examples(s)] if captioner
                 else [example_from_sample(s) for s in samples])
+    if caption_mix > 0 and not captioner:
+        examples += mix_in_captions(samples, caption_mix, seed)
     cfg = StageConfig(f"stage-{trainable}", trainable, lr=lr, steps=steps, batch_size=batch_size,
                       pooled_tokens=pooled_tokens, max_seconds=None if minutes is None else 60.0 * minutes)
     encoder = Encoder(tokenizer, max_answer_tokens=96)
     stream = batch_stream(examples, encoder, processor.image_processor, batch_size,
-                          torch.Generator().manual_seed(seed), tokens_per_image=pooled_tokens or 64)
+                          torch.Generator().manual_seed(seed), tokens_per_image=pooled_tokens or 64,
+                          text_view_prob=text_view_prob, caption_view_prob=caption_view_prob)
     res = train_stage(model, cfg, stream, device, autocast_bf16=bf16)
     meta = read_sidecar(init) if init is not None else {"role": "captioner" if captioner else "stage"}
-    meta["stages"] = [*meta.get("stages", []), res.summary()]
+    meta["stages"] = [*meta.get("stages", []), {**res.summary(), "lr": lr, "trainable": trainable,
+                                                 "caption_mix": caption_mix, "text_view_prob": text_view_prob,
+                                                 "caption_view_prob": caption_view_prob,
+                                                 "n_train_per_family": n_train_per_family}]
     if captioner:
         meta["captioner_prompt"] = CAPTIONER_PROMPT
     if pooled_tokens:

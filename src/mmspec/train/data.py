@@ -53,6 +53,17 @@ def caption_examples(sample) -> list[Example]:
             for img, cap in zip(sample.images, sample.captions)]
 
 
+def mix_in_captions(samples: Sequence, ratio: float, seed: int) -> list[Example]:
+    """``round(ratio * len(samples))`` captioner examples (image -> caption) drawn without
+    replacement from all images of ``samples``, to add to a QA training set. A caption states
+    every fact of its image in a few tokens, so it supervises the vision tower far more densely
+    than a verbose answer does (LLaVA's stage-1 data is captions for the same reason)."""
+    pool = [ex for s in samples for ex in caption_examples(s)]
+    k = min(len(pool), round(ratio * len(samples)))
+    idx = torch.randperm(len(pool), generator=torch.Generator().manual_seed(seed + 1))[:k].tolist()
+    return [pool[i] for i in idx]
+
+
 @dataclass(frozen=True)
 class Encoded:
     """Token ids of one example under one view; ``images`` are those whose tokens are in ids."""
