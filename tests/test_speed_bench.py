@@ -76,6 +76,7 @@ def test_speed_run_on_tiny_models(speed, tmp_path):
     for x in step["per_prompt"]:
         assert set(x["step_s"]) == {"M", "MTCP"} and all(t > 0 for t in x["step_s"].values())
         assert x["ratio"] == pytest.approx(x["step_s"]["MTCP"] / x["step_s"]["M"])
+        assert set(x["dynamic_cache_step_s"]) == {"M", "MTCP"}
     assert eng["draft_step_views_over_1"] == pytest.approx(statistics.median(x["ratio"] for x in step["per_prompt"]))
     parts = res["breakdown"]["mmspec_MTC"]["parts_s"]
     assert parts["draft_forward"] > 0 and parts["target_forward"] > 0 and parts["verify_maths"] > 0

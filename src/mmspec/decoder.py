@@ -247,15 +247,17 @@ class SpecDecoder:
     # ------------------------------------------------------------------ pieces of generate
     @torch.inference_mode()
     def new_drafter(self, input_ids, pixel_values=None, *, max_new_tokens: int = 128,
-                    images: Sequence | None = None, captions: Sequence[str] | None = None) -> EnsembleDrafter:
+                    images: Sequence | None = None, captions: Sequence[str] | None = None,
+                    preallocate: bool = True) -> EnsembleDrafter:
         """The draft side of :meth:`generate` alone: vision, captions and the prefilled ensemble
-        drafter for this prompt (its last token not fed). Used to time draft steps in isolation."""
+        drafter for this prompt (its last token not fed). Used to time draft steps in isolation;
+        ``preallocate=False`` gives the growing ``DynamicCache`` drafter for comparison."""
         ids = self._check_ids(input_ids, None)
         layout = self._layout(ids, pixel_values)
         stats = GenerationStats(gamma=self.gamma, views=tuple(v.name for v in self.views))
         _, draft_patches = self._encode_images(layout, pixel_values, stats)
         caption_ids = self._caption_ids(layout, pixel_values, images, captions, stats)
-        return self._prefill_draft(layout, draft_patches, caption_ids, max_new_tokens, stats)
+        return self._prefill_draft(layout, draft_patches, caption_ids, max_new_tokens, stats, preallocate)
 
     def _layout(self, ids: torch.Tensor, pixel_values):
         layout = split_prompt(ids, self.target.image_token_id, self.target.tokens_per_image)
@@ -298,14 +300,14 @@ class SpecDecoder:
         return caption_ids
 
     def _prefill_draft(self, layout, draft_patches, caption_ids, max_new_tokens: int,
-                       stats: GenerationStats) -> EnsembleDrafter:
+                       stats: GenerationStats, preallocate: bool = True) -> EnsembleDrafter:
         t0 = time.perf_counter()
         rows = [self._view_row(layout, v, draft_patches, caption_ids) for v in self.views]
         for v, r in zip(self.views, rows):
             self._check_draft_context(v, r.token_ids.shape[0], max_new_tokens)
             r.token_ids = r.token_ids[:-1]  # the last prompt token is pending
         drafter = EnsembleDrafter(self.draft, self.weights, target_vocab=self.target.vocab_size,
-                                  room=max_new_tokens + self.gamma + 1)  # committed + in-flight drafts
+                                  room=max_new_tokens + self.gamma + 1 if preallocate else None)
         drafter.prefill(rows)
         sync(self.draft.device)
         stats.prefill_draft_s = time.perf_counter() - t0
