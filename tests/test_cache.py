@@ -9,7 +9,7 @@ from transformers import DynamicCache, LlamaConfig
 
 from mmspec.drafter import EnsembleDrafter
 from mmspec.models.base import adapter_for
-from mmspec.models.cache import PreallocatedLayer, RollbackStaticLayer, new_decode_cache
+from mmspec.models.cache import PreallocatedLayer, new_decode_cache
 from mmspec.verify import SamplingParams
 from mmspec.views import ViewRow
 
@@ -38,8 +38,7 @@ def _run(model, cache, ids, mask, pos, script):
     return outs
 
 
-@pytest.mark.parametrize("static", [False, True])
-def test_preallocated_rollback_matches_dynamic_cache(static):
+def test_preallocated_rollback_matches_dynamic_cache():
     model = make_llama(0)
     B, L = 3, 9
     ids = torch.randint(5, 90, (B, L), generator=torch.Generator().manual_seed(0))
@@ -49,9 +48,8 @@ def test_preallocated_rollback_matches_dynamic_cache(static):
     pos = (mask.cumsum(-1) - 1).clamp_min(0)
     script = [("feed", 3), ("crop", 2), ("feed", 1), ("feed", 4), ("crop", 4), ("feed", 2), ("crop", 1), ("feed", 1)]
     dyn = _run(model, DynamicCache(config=model.config), ids, mask, pos, script)
-    static_cache = new_decode_cache(model.config, max_len=L + 12, static=static)
-    kind = RollbackStaticLayer if static else PreallocatedLayer
-    assert all(type(layer) is kind for layer in static_cache.layers)
+    static_cache = new_decode_cache(model.config, max_len=L + 12)
+    assert all(type(layer) is PreallocatedLayer for layer in static_cache.layers)
     sta = _run(model, static_cache, ids, mask, pos, script)
     assert len(dyn) == len(sta) == 5
     for a, b in zip(dyn, sta):
@@ -67,9 +65,8 @@ def test_cache_falls_back_to_dynamic():
 
 
 def test_crop_refuses_positive_count_and_overflow():
-    for layer in (RollbackStaticLayer(max_cache_len=8), PreallocatedLayer(max_len=8)):
-        with pytest.raises(ValueError, match="negative"):
-            layer.crop(3)
+    with pytest.raises(ValueError, match="negative"):
+        PreallocatedLayer(max_len=8).crop(3)
     layer = PreallocatedLayer(max_len=4)
     kv = torch.zeros(1, 2, 3, 8)
     layer.update(kv, kv)

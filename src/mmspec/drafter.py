@@ -54,7 +54,7 @@ class EnsembleDrafter:
         B = len(rows)
         capacity = L + (self.room if self.room is not None else 0)
         ids = torch.zeros(B, L, dtype=torch.long)  # pad id 0: masked out, any id works
-        full = torch.ones(B, max(capacity, L), dtype=torch.long)  # positions past L are all real tokens
+        full = torch.ones(B, capacity, dtype=torch.long)  # [B, capacity]; positions past L are all real tokens
         for b, r in enumerate(rows):
             ids[b, L - lengths[b]:] = r.token_ids
             full[b, : L - lengths[b]] = 0

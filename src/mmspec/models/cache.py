@@ -7,10 +7,10 @@ step on the 5-image prompts, docs/perf.md). The layers here allocate ``max_len``
 row once and write each new key/value in place; rolling back rejected drafts only moves the
 write position back (the next forward overwrites what was dropped).
 
-- :class:`PreallocatedLayer` (the default): attention sees exactly the filled prefix (a view of
-  the buffer), as with a ``DynamicCache``, so masks and SDPA fast paths are unchanged.
-- :class:`RollbackStaticLayer`: ``transformers.StaticLayer`` (attention always spans
-  ``max_len``; stale entries are hidden by the causal mask), for ``torch.compile`` / CUDA graphs.
+:class:`PreallocatedLayer` is a ``DynamicLayer`` whose attention sees exactly the filled prefix
+(a view of the buffer), so masks and SDPA fast paths are those of a ``DynamicCache``. (A
+``transformers.StaticLayer`` with roll-back was measured too: on CPU it was slower for one view,
+because attention then spans the whole buffer and always needs a mask; docs/perf.md §2.)
 
 Only full-attention layers are supported; :func:`new_decode_cache` falls back to a
 ``DynamicCache`` for anything else (sliding windows, linear attention, KV sharing).
@@ -20,19 +20,7 @@ from __future__ import annotations
 
 from transformers import Cache, DynamicCache
 import torch
-from transformers.cache_utils import DynamicLayer, StaticLayer, get_layer_types_and_kwargs
-
-
-class RollbackStaticLayer(StaticLayer):
-    """A ``StaticLayer`` that can drop its newest positions (``crop(-n)``, transformers 5 style)."""
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes a negative count of positions to remove, got {tokens_to_remove}")
-        if tokens_to_remove == 0 or not self.is_initialized:
-            return
-        n = min(-tokens_to_remove, int(self.cumulative_length))
-        self.cumulative_length.sub_(n)  # in place: the tensor's address is part of the layer's contract
+from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -85,19 +73,13 @@ class PreallocatedLayer(DynamicLayer):
     batch_select_indices = batch_repeat_interleave
 
 
-def new_decode_cache(config, max_len: int | None = None, *, static: bool = False) -> Cache:
+def new_decode_cache(config, max_len: int | None = None) -> Cache:
     """A cache for one decode, preallocated for ``max_len`` positions when every layer is full
-    attention and ``max_len`` is known, else a ``DynamicCache``. All support ``crop(-n)``.
-
-    static: use :class:`RollbackStaticLayer` (attention over all ``max_len`` positions) instead
-    of :class:`PreallocatedLayer` (attention over the filled prefix only).
-    """
+    attention and ``max_len`` is known, else a ``DynamicCache``. Both support ``crop(-n)``."""
     text_cfg = config.get_text_config(decoder=True)
     if max_len is None:
         return DynamicCache(config=config)
     layer_types, _ = get_layer_types_and_kwargs(text_cfg)
     if any(t != "full_attention" for t in layer_types):
         return DynamicCache(config=config)
-    if static:
-        return Cache(layers=[RollbackStaticLayer(max_cache_len=int(max_len)) for _ in layer_types])
     return Cache(layers=[PreallocatedLayer(max_len=int(max_len)) for _ in layer_types])
