@@ -133,3 +133,11 @@ def test_help(script):
     out = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py"), "--help"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and "--out" in out.stdout
+
+
+def test_profile_draft_step_runs_on_embedded_pack():
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_draft_step.py"), "--family", "chartqa",
+                          "--steps", "2", "--top", "3"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "preallocated cache:" in out.stdout and "DynamicCache:" in out.stdout
+    assert out.stdout.count("aten::") >= 4  # a profile table for each cache

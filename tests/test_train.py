@@ -205,3 +205,39 @@ def test_stream_mixes_views(tokenizer, processor):
     batch = next(stream)
     n_img_rows = int((batch.input_ids == 4).any(-1).sum())
     assert batch.pixel_values.shape[0] == n_img_rows and 16 <= n_img_rows <= 48  # about half went text-only
+
+
+def test_stage_cli_mixes_captions_and_views(tmp_path, monkeypatch):
+    """`mmspec train stage` with the new mixing flags trains, saves and records them; bad values
+    are refused before any work."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from mmspec.cli import app
+
+    out = tmp_path / "m"
+    args = ["train", "stage", "--size", "tiny", "--trainable", "projector+lm", "--steps", "2", "--batch-size", "4",
+            "--n-train-per-family", "1", "--caption-mix", "0.5", "--text-view-prob", "0.3",
+            "--caption-view-prob", "0.2", "--no-bf16", "--out", str(out)]
+    import mmspec.train.data as data
+
+    seen = {}
+    real_stream = data.batch_stream
+
+    def spy(examples, *a, **k):
+        seen.update(k, n_captions=sum(ex.family == "caption" for ex in examples), n=len(examples))
+        return real_stream(examples, *a, **k)
+
+    monkeypatch.setattr(data, "batch_stream", spy)
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert (seen["text_view_prob"], seen["caption_view_prob"]) == (0.3, 0.2)  # the flags reach the data
+    assert seen["n_captions"] == 4 and seen["n"] == 12  # 8 QA examples (1 per family) + round(0.5 * 8)
+    stage = json.loads((out / "mmspec.json").read_text())["stages"][-1]
+    assert stage["steps"] == 2 and stage["caption_mix"] == 0.5
+    assert (stage["text_view_prob"], stage["caption_view_prob"]) == (0.3, 0.2)
+    assert LlavaForConditionalGeneration.from_pretrained(out) is not None
+    bad_args = [a if a != "0.3" else "0.9" for a in args[:-1]] + [str(tmp_path / "x")]  # 0.9 + 0.2 > 1
+    bad = CliRunner().invoke(app, bad_args)
+    assert bad.exit_code != 0 and "sum <= 1" in bad.output and not (tmp_path / "x").exists()

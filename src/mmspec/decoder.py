@@ -222,7 +222,7 @@ class SpecDecoder:
         # 3) target prefill on all but the last prompt token (it is the first pending token)
         t0 = time.perf_counter()
         L = ids.shape[0]
-        target_cache = self.target.new_cache(L + max_new_tokens + self.gamma + 1)  # preallocated, O(1) roll-back
+        target_cache = self.target.new_cache(L + self._room(max_new_tokens))  # preallocated, O(1) roll-back
         if L > 1:
             prefix = ids[:-1].to(dev)[None]  # [1, L-1]
             embeds = self.target.embed(prefix)  # [1, L-1, H_t]
@@ -258,6 +258,10 @@ class SpecDecoder:
         _, draft_patches = self._encode_images(layout, pixel_values, stats)
         caption_ids = self._caption_ids(layout, pixel_values, images, captions, stats)
         return self._prefill_draft(layout, draft_patches, caption_ids, max_new_tokens, stats, preallocate)
+
+    def _room(self, max_new_tokens: int) -> int:
+        """Positions a decode can append after the prompt: committed tokens + in-flight drafts."""
+        return max_new_tokens + self.gamma + 1
 
     def _layout(self, ids: torch.Tensor, pixel_values):
         layout = split_prompt(ids, self.target.image_token_id, self.target.tokens_per_image)
@@ -307,7 +311,7 @@ class SpecDecoder:
             self._check_draft_context(v, r.token_ids.shape[0], max_new_tokens)
             r.token_ids = r.token_ids[:-1]  # the last prompt token is pending
         drafter = EnsembleDrafter(self.draft, self.weights, target_vocab=self.target.vocab_size,
-                                  room=max_new_tokens + self.gamma + 1 if preallocate else None)
+                                  room=self._room(max_new_tokens) if preallocate else None)
         drafter.prefill(rows)
         sync(self.draft.device)
         stats.prefill_draft_s = time.perf_counter() - t0

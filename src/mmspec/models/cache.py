@@ -1,9 +1,9 @@
 """KV caches for the decode loop: preallocated caches whose roll-back is O(1).
 
 ``transformers.DynamicCache`` grows by ``torch.cat`` on every forward, which copies the whole
-cache each step; with an ensemble of views (several rows) that copy is what makes a batched
-draft step cost more than a single-view one (measured: ``torch.cat`` was 39% of a 4-view draft
-step on the 5-image prompts, docs/perf.md). The layers here allocate ``max_len`` positions per
+cache each step, a cost that grows with rows x context: with an ensemble of views it was 14.5%
+of a 4-view draft step's CPU time on a 5-image prompt (``bench/profile_draft_step.py``,
+docs/perf.md §2). The layers here allocate ``max_len`` positions per
 row once and write each new key/value in place; rolling back rejected drafts only moves the
 write position back (the next forward overwrites what was dropped).
 

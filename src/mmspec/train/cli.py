@@ -76,6 +76,11 @@ def stage(
     from mmspec.train.pack import _samples, world_tokenizer_and_processor
     from mmspec.train.recipe import train_stage
 
+    if caption_mix < 0 or not (0 <= text_view_prob <= 1 and 0 <= caption_view_prob <= 1) \
+            or text_view_prob + caption_view_prob > 1:
+        raise typer.BadParameter(
+            f"--caption-mix must be >= 0 and the view probabilities in [0, 1] with a sum <= 1; got "
+            f"caption_mix={caption_mix}, text_view_prob={text_view_prob}, caption_view_prob={caption_view_prob}")
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
