@@ -241,3 +241,57 @@ def test_stage_cli_mixes_captions_and_views(tmp_path, monkeypatch):
     bad_args = [a if a != "0.3" else "0.9" for a in args[:-1]] + [str(tmp_path / "x")]  # 0.9 + 0.2 > 1
     bad = CliRunner().invoke(app, bad_args)
     assert bad.exit_code != 0 and "sum <= 1" in bad.output and not (tmp_path / "x").exists()
+
+
+def test_insertion_plan_spreads_copies():
+    from mmspec.train.grow import insertion_plan
+
+    assert insertion_plan(6, 10) == [(0, False), (0, True), (1, False), (2, False), (2, True), (3, False),
+                                     (3, True), (4, False), (5, False), (5, True)]
+    assert insertion_plan(3, 3) == [(0, False), (1, False), (2, False)]
+    assert [src for src, _ in insertion_plan(2, 6)] == [0, 0, 0, 1, 1, 1]
+    with pytest.raises(ValueError, match="--layers >= 4"):
+        insertion_plan(4, 3)
+
+
+def test_grow_lm_depth_is_exact_and_trainable(model, tokenizer, processor):
+    """The grown model computes the same logits and the same greedy tokens (through the KV cache,
+    so every new layer has its own cache slot), and its zeroed projections learn from step one."""
+    from mmspec.train.grow import grow_lm_depth
+
+    old = model.config.text_config.num_hidden_layers
+    grown = grow_lm_depth(model.eval(), old + 3)
+    layers = grown.model.language_model.layers
+    assert len(layers) == old + 3 and [l.self_attn.layer_idx for l in layers] == list(range(old + 3))
+    ex = fake_examples(1, seed=3)[0]
+    inputs = processor(text=ex.prompt, images=list(ex.images), return_tensors="pt")
+    with torch.no_grad():
+        torch.testing.assert_close(grown(**inputs).logits, model(**inputs).logits, rtol=0, atol=1e-5)
+    gen = dict(max_new_tokens=12, do_sample=False, min_new_tokens=12, pad_token_id=0)
+    assert torch.equal(grown.generate(**inputs, **gen), model.generate(**inputs, **gen))
+    new = next(l for i, l in enumerate(layers) if not torch.any(l.mlp.down_proj.weight))
+    stream = batch_stream(fake_examples(8), Encoder(tokenizer), processor.image_processor, 4,
+                          torch.Generator().manual_seed(0))
+    train_stage(grown, StageConfig("s2", "projector+lm", lr=1e-2, steps=2, batch_size=4), stream, progress=False)
+    assert torch.any(new.mlp.down_proj.weight) and torch.any(new.self_attn.o_proj.weight)
+
+
+def test_grow_cli_records_and_refuses_shrinking(model, processor, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from mmspec.cli import app
+    from mmspec.train.checkpoint import save_checkpoint
+
+    save_checkpoint(model, tmp_path / "m", processor=processor, half=False, meta={"role": "target"})
+    old = model.config.text_config.num_hidden_layers
+    r = CliRunner().invoke(app, ["train", "grow", "--init", str(tmp_path / "m"), "--layers", str(old + 1),
+                                 "--out", str(tmp_path / "g")])
+    assert r.exit_code == 0, r.output
+    meta = json.loads((tmp_path / "g" / "mmspec.json").read_text())
+    assert meta["stages"][-1] == {"name": "grow-lm-depth", "from_layers": old, "to_layers": old + 1}
+    assert LlavaForConditionalGeneration.from_pretrained(tmp_path / "g").config.text_config.num_hidden_layers == old + 1
+    bad = CliRunner().invoke(app, ["train", "grow", "--init", str(tmp_path / "m"), "--layers", "0",
+                                   "--out", str(tmp_path / "b")])
+    assert bad.exit_code != 0 and f"--layers >= {old}" in bad.output and not (tmp_path / "b").exists()

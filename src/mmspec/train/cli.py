@@ -1,7 +1,8 @@
 """``mmspec train``: a typer sub-app that only maps flags onto the typed configs.
 
-Commands: ``embedded`` (the whole pack, see :mod:`mmspec.train.pack`) and ``stage`` (one stage
-of the recipe on one model directory, or on a fresh model of a size preset).
+Commands: ``embedded`` (the whole pack, see :mod:`mmspec.train.pack`), ``stage`` (one stage
+of the recipe on one model directory, or on a fresh model of a size preset), ``grow`` (more LM
+layers, same function; :mod:`mmspec.train.grow`) and ``evaluate``.
 """
 
 from __future__ import annotations
@@ -124,6 +125,36 @@ def stage(
                                     tokens_per_image=pooled_tokens or 64, facts=not captioner)
     save_checkpoint(model, out, processor=processor, half=half, meta=meta)
     typer.echo(f"{res.summary()} -> {out}")
+
+
+@train_app.command("grow")
+def grow(
+    init: Path = typer.Option(..., help="the HF LLaVA dir to grow"),
+    layers: int = typer.Option(..., help="number of LM decoder layers after growing"),
+    out: Path = typer.Option(..., help="where to save the grown model (HF dir)"),
+    half: bool = typer.Option(False, help="save fp16 safetensors"),
+) -> None:
+    """Grow the LM to --layers decoder layers (depth up-scaling); the grown model computes exactly
+    what --init computes until it is trained further with `mmspec train stage --init OUT`."""
+    import torch
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from mmspec.train.checkpoint import read_sidecar, save_checkpoint
+    from mmspec.train.config import param_report
+    from mmspec.train.grow import grow_lm_depth
+
+    model = LlavaForConditionalGeneration.from_pretrained(init, dtype=torch.float32)
+    before = model.config.text_config.num_hidden_layers
+    try:
+        grown = grow_lm_depth(model, layers)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--layers") from exc
+    meta = read_sidecar(init)
+    meta["params"] = param_report(grown)
+    meta["stages"] = [*meta.get("stages", []), {"name": "grow-lm-depth", "from_layers": before, "to_layers": layers}]
+    meta.pop("eval", None)  # the grown model's figures are measured after its next stage
+    save_checkpoint(grown, out, processor=AutoProcessor.from_pretrained(init), half=half, meta=meta)
+    typer.echo(f"LM {before} -> {layers} layers, {meta['params']['total'] / 1e6:.2f}M parameters -> {out}")
 
 
 @train_app.command("evaluate")
