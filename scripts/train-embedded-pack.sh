@@ -4,7 +4,7 @@
 #
 #   bash scripts/train-embedded-pack.sh OUT_DIR [THREADS]
 #
-# About 2 h 15 min on a 2-core CPU. Then copy OUT_DIR/{target,draft,draft_pooled,captioner}
+# About 3 h 40 min on a 2-core CPU. Then copy OUT_DIR/{target,draft,draft_pooled,captioner}
 # and OUT_DIR/pack_report.json over src/mmspec/assets/embedded/ (or point load_embedded(path=...)).
 # Time-budgeted stages follow the clock, so a faster machine trains more steps in the same minutes.
 set -euo pipefail
@@ -22,6 +22,13 @@ $M stage --init "$OUT/target" --trainable projector+lm --lr 5e-4 --steps 1000000
 $M stage --init "$OUT/work/target_s2b" --trainable all --lr 5e-4 --steps 1000000 --minutes 65 \
     --n-train-per-family 2500 --caption-mix 0.5 --batch-size 8 --threads "$T" --bf16 --half --eval \
     --out "$OUT/work/target_v2"
+
+# 2b. target grown from 6 to 10 LM layers (exact at init) and trained on with the vision tower frozen,
+#     so the draft, pooled draft and captioner below (trained on target_v2's tower) share its tower
+$M grow --init "$OUT/work/target_v2" --layers 10 --out "$OUT/work/target_grown" --half
+$M stage --init "$OUT/work/target_grown" --trainable projector+lm --lr 5e-4 --steps 1000000 --minutes 75 \
+    --n-train-per-family 4000 --caption-mix 0.5 --batch-size 8 --threads "$T" --bf16 --half --eval \
+    --out "$OUT/work/target_v3"
 
 # 3. draft (1 layer x 192) on the final target's frozen vision tower; 20% text view, 10% caption view
 $M stage --size draft --vision-from "$OUT/work/target_v2" --trainable projector --lr 1e-3 --steps 1000000 \
@@ -43,7 +50,7 @@ $M stage --init "$OUT/work/captioner_s1" --captioner --trainable projector+lm --
     --minutes 4 --n-train-per-family 1500 --batch-size 16 --threads "$T" --half --eval --out "$OUT/work/captioner"
 
 for role in target draft draft_pooled captioner; do
-    src="$OUT/work/$role"; [ "$role" = target ] && src="$OUT/work/target_v2"
+    src="$OUT/work/$role"; [ "$role" = target ] && src="$OUT/work/target_v3"
     rm -rf "${OUT:?}/$role" && cp -r "$src" "$OUT/$role"
 done
 echo "pack in $OUT"

@@ -26,7 +26,8 @@ def test_pack_size_budget():
 
 def test_draft_is_10x_smaller_in_its_lm(pack):
     lm = lambda m: sum(p.numel() for n, p in m.named_parameters() if "vision_tower" not in n)
-    assert lm(pack.target) >= 4 * lm(pack.draft)  # LM+projector; the vision tower is shared
+    assert lm(pack.target) >= 10 * lm(pack.draft)  # LM+projector; the vision tower is shared
+    assert lm(pack.draft) <= 2_000_000
     assert sum(p.numel() for p in pack.draft.parameters()) < sum(p.numel() for p in pack.target.parameters())
 
 
