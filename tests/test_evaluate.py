@@ -18,11 +18,26 @@ def test_answer_fact_recall_right_and_wrong(tmp_path):
     good.mkdir()
     _write(good, [make_sample("chartqa", "test", i).answer for i in range(3)])
     assert answer_fact_recall(good)["chartqa"]["recall"] == 1.0
+    assert set(answer_fact_recall(good)["chartqa"]["by_fact"]) == {"label", "value", "colour"}
     bad = tmp_path / "bad"
     bad.mkdir()
     _write(bad, ["I cannot tell."] * 3)
     r = answer_fact_recall(bad)["chartqa"]
     assert r["recall"] == 0.0 and r["samples"] == 3
+    assert all(k["recall"] == 0.0 for k in r["by_fact"].values())
+    assert sum(k["facts"] for k in r["by_fact"].values()) == r["facts"]
+    half = tmp_path / "half"
+    half.mkdir()
+    s = [make_sample("chartqa", "test", i) for i in range(2)]  # both state a label, a value and a colour
+    _write(half, [f"It is {x.facts['value']} and {x.facts['label']}." for x in s])  # the colour left out
+    by = answer_fact_recall(half)["chartqa"]["by_fact"]
+    assert by["colour"]["recall"] == 0.0 and by["value"]["recall"] == 1.0 and by["label"]["recall"] == 1.0
+
+
+def test_fact_kind_drops_index():
+    from mmspec.train.evaluate import fact_kind
+
+    assert (fact_kind("object_2"), fact_kind("detail_1"), fact_kind("value")) == ("object", "detail", "value")
 
 
 class Blank:

@@ -183,5 +183,6 @@ def evaluate_cmd(
         cap_rate = report.get("caption_fact_rate", {}).get(family, {}).get("rate")
         typer.echo(f"{family:15s} facts {r['recall']:.1%} of {r['facts']}  tau M {tau.get('M', float('nan')):.2f}"
                    f"  T {tau.get('T', float('nan')):.2f}" + (f"  captions {cap_rate:.1%}" if cap_rate is not None else ""))
+        typer.echo("                " + ", ".join(f"{k} {v['recall']:.0%}" for k, v in r["by_fact"].items()))
     if out is not None:
         out.write_text(json.dumps(report, indent=2))

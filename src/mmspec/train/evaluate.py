@@ -25,26 +25,39 @@ def _sample_index(uid: str) -> tuple[str, str, int]:
     return m.group(1), m.group(2), int(m.group(3))
 
 
+def fact_kind(key: str) -> str:
+    """A fact's kind: its key without a trailing index (``object_2`` -> ``object``)."""
+    return re.sub(r"_\d+$", "", key)
+
+
 def answer_fact_recall(results_dir: str | Path) -> dict[str, dict]:
-    """Per family: facts stated correctly in the target's greedy answers (baseline rows)."""
+    """Per family: facts stated correctly in the target's greedy answers (baseline rows), also
+    broken down by fact kind (``by_fact``: chart value vs label vs colour, sign word vs colour...)."""
     from mmspec.bench.store import iter_kind, merge_rows
     from mmspec.world import FAMILIES, make_sample
 
     rows, _ = merge_rows(Path(results_dir))
     hits: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # facts hit, facts, samples
+    kinds: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))  # hit, total
     for row in iter_kind(rows, "baseline"):
         if row["dataset"] not in FAMILIES:
             continue
         family, split, index = _sample_index(row["uid"])
         sample = make_sample(family, split, index)
         h = hits[family]
-        for value in sample.facts.values():
-            h[0] += int(str(value).lower() in row["text"].lower())
+        for key, value in sample.facts.items():
+            hit = int(str(value).lower() in row["text"].lower())
+            h[0] += hit
             h[1] += 1
+            k = kinds[family][fact_kind(key)]
+            k[0] += hit
+            k[1] += 1
         h[2] += 1
     if not hits:
         raise MMSpecError(f"no world baseline rows in {results_dir}; run `mmspec bench run --out {results_dir}` first")
-    return {f: {"recall": h[0] / max(h[1], 1), "facts": h[1], "samples": h[2]} for f, h in hits.items()}
+    return {f: {"recall": h[0] / max(h[1], 1), "facts": h[1], "samples": h[2],
+                "by_fact": {k: {"recall": v[0] / v[1], "facts": v[1]} for k, v in sorted(kinds[f].items())}}
+            for f, h in hits.items()}
 
 
 def caption_fact_rate(captioner, n_per_family: int = 50, split: str = "test") -> dict[str, dict]:
