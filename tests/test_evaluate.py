@@ -34,6 +34,13 @@ def test_answer_fact_recall_right_and_wrong(tmp_path):
     assert by["colour"]["recall"] == 0.0 and by["value"]["recall"] == 1.0 and by["label"]["recall"] == 1.0
 
 
+def test_states_matches_whole_words_only():
+    from mmspec.train.evaluate import states
+
+    assert states("I count 1 star.", 1) and states("The word is SALE", "sale") and states("a red star", "red star")
+    assert not states("I count 10 stars.", 1) and not states("Nothing here", "no") and not states("wholesale", "sale")
+
+
 def test_fact_kind_drops_index():
     from mmspec.train.evaluate import fact_kind
 

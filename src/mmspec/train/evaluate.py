@@ -1,7 +1,7 @@
 """Quality of the embedded models on the world's test split (the embedded-world issue's goals).
 
-* answer fact recall: share of a sample's image-dependent facts whose value appears verbatim
-  in the target's greedy answer, per family. Read from a ``mmspec bench run`` results dir
+* answer fact recall: share of a sample's image-dependent facts whose value appears verbatim,
+  as whole words (``1`` does not match ``10``; case ignored), in the target's greedy answer, per family. Read from a ``mmspec bench run`` results dir
   (its baseline rows are the target's own greedy answers on test samples), so the numbers
   and the block-efficiency table come from one run;
 * caption fact rate: share of the facts a ground-truth caption states (per image) that the
@@ -25,6 +25,11 @@ def _sample_index(uid: str) -> tuple[str, str, int]:
     return m.group(1), m.group(2), int(m.group(3))
 
 
+def states(text: str, value) -> bool:
+    """Whether ``text`` states the fact ``value`` as whole words, case ignored."""
+    return re.search(r"(?<!\w)" + re.escape(str(value).lower()) + r"(?!\w)", text.lower()) is not None
+
+
 def fact_kind(key: str) -> str:
     """A fact's kind: its key without a trailing index (``object_2`` -> ``object``)."""
     return re.sub(r"_\d+$", "", key)
@@ -46,7 +51,7 @@ def answer_fact_recall(results_dir: str | Path) -> dict[str, dict]:
         sample = make_sample(family, split, index)
         h = hits[family]
         for key, value in sample.facts.items():
-            hit = int(str(value).lower() in row["text"].lower())
+            hit = int(states(row["text"], value))
             h[0] += hit
             h[1] += 1
             k = kinds[family][fact_kind(key)]
@@ -74,10 +79,9 @@ def caption_fact_rate(captioner, n_per_family: int = 50, split: str = "test") ->
             produced = captioner.caption(sample.images)
             for truth, cap in zip(sample.captions, produced):
                 for value in sample.facts.values():
-                    v = str(value).lower()
-                    if v in truth.lower():
+                    if states(truth, value):
                         total += 1
-                        hit += int(v in cap.lower())
+                        hit += int(states(cap, value))
         out[family] = {"rate": hit / max(total, 1), "facts": total, "samples": n_per_family}
     return out
 
