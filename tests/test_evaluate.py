@@ -91,3 +91,17 @@ def test_evaluate_command_writes_json(tmp_path):
     report = json.loads(out.read_text())
     assert report["answer_fact_recall"]["chartqa"]["samples"] == 2
     assert 0.4 <= report["answer_fact_recall"]["chartqa"]["recall"] <= 0.6
+
+
+def test_training_time_fact_recall_uses_the_whole_word_rule(monkeypatch):
+    """The held-out check recorded in each checkpoint's mmspec.json scores like the test-split one."""
+    import types
+
+    import mmspec.train.recipe as recipe
+
+    sample = make_sample("vqav2", "test", 0)  # facts: count '0', colour 'green'
+    answers = iter([f"I count 10 shapes; the one is {sample.facts['colour']}."])
+    monkeypatch.setattr(recipe, "greedy_answer", lambda *a, **k: [])
+    encoder = types.SimpleNamespace(tokenizer=types.SimpleNamespace(decode=lambda ids, **k: next(answers)))
+    r = recipe.fact_recall(None, encoder, None, [sample])
+    assert sample.facts["count"] == "0" and r["recall"] == 0.5  # the colour is stated; "0" inside "10" is not

@@ -1,11 +1,13 @@
 """Quality of the embedded models on the world's test split (the embedded-world issue's goals).
 
 * answer fact recall: share of a sample's image-dependent facts whose value appears verbatim,
-  as whole words (``1`` does not match ``10``; case ignored), in the target's greedy answer, per family. Read from a ``mmspec bench run`` results dir
+  as whole words (``1`` does not match ``10``; case ignored), in the target's greedy answer,
+  per family and per kind of fact. Read from a ``mmspec bench run`` results dir
   (its baseline rows are the target's own greedy answers on test samples), so the numbers
   and the block-efficiency table come from one run;
 * caption fact rate: share of the facts a ground-truth caption states (per image) that the
-  captioner's caption also states;
+  captioner's caption also states (the same whole-word rule, :func:`states`, which the
+  training-time check in :func:`mmspec.train.recipe.fact_recall` uses too);
 * multimodal vs text-only block efficiency per family, from the same results.
 """
 

@@ -50,20 +50,18 @@ def grow_lm_depth(model: LlavaForConditionalGeneration, num_layers: int) -> Llav
         config.text_config.layer_types = [text_cfg.layer_types[src] for src, _ in plan]
     grown = LlavaForConditionalGeneration(config).to(next(model.parameters()).dtype)
 
-    state = model.state_dict()
     new_state: dict[str, torch.Tensor] = {}
-    for key, value in state.items():
-        if not _LAYER.match(key):
+    layer_weights: dict[int, list[tuple[str, str, torch.Tensor]]] = {}  # old index -> (prefix, suffix, w)
+    for key, value in model.state_dict().items():
+        m = _LAYER.match(key)
+        if m is None:
             new_state[key] = value
+        else:
+            layer_weights.setdefault(int(m.group(2)), []).append((m.group(1), m.group(3), value))
     for new_idx, (src, is_copy) in enumerate(plan):
-        for key, value in state.items():
-            m = _LAYER.match(key)
-            if m is None or int(m.group(2)) != src:
-                continue
-            value = value.clone()
-            if is_copy and m.group(3)[1:] in _ZEROED:
-                value.zero_()
-            new_state[f"{m.group(1)}{new_idx}{m.group(3)}"] = value
+        for prefix, suffix, value in layer_weights[src]:
+            zero = is_copy and suffix[1:] in _ZEROED
+            new_state[f"{prefix}{new_idx}{suffix}"] = torch.zeros_like(value) if zero else value.clone()
     missing, unexpected = grown.load_state_dict(new_state, strict=False)
     # tied embeddings: lm_head.weight may be absent from one side and is re-tied below
     if [k for k in missing if k != "lm_head.weight"] or unexpected:

@@ -180,8 +180,10 @@ def greedy_answer(model, encoder: Encoder, image_processor, ex: Example, tokens_
 
 def fact_recall(model, encoder: Encoder, image_processor, samples: Sequence, max_new_tokens: int = 64,
                 device: str = "cpu", tokens_per_image: int = 64) -> dict:
-    """Share of world facts whose value appears verbatim in the greedy answer (held-out samples)."""
+    """Share of world facts the greedy answer states (held-out samples), with the same whole-word
+    rule as the test-split figures (:func:`mmspec.train.evaluate.states`)."""
     from mmspec.train.data import example_from_sample
+    from mmspec.train.evaluate import states
 
     hit = total = 0
     per_family: dict[str, list[int]] = {}
@@ -190,7 +192,7 @@ def fact_recall(model, encoder: Encoder, image_processor, samples: Sequence, max
                             tokens_per_image, max_new_tokens, device)
         text = encoder.tokenizer.decode(ids, skip_special_tokens=True)
         for value in sample.facts.values():
-            ok = int(str(value) in text)
+            ok = int(states(text, value))
             hit += ok
             total += 1
             per_family.setdefault(sample.family, [0, 0])
