@@ -295,3 +295,37 @@ def test_grow_cli_records_and_refuses_shrinking(model, processor, tmp_path):
     bad = CliRunner().invoke(app, ["train", "grow", "--init", str(tmp_path / "m"), "--layers", "0",
                                    "--out", str(tmp_path / "b")])
     assert bad.exit_code != 0 and f"--layers >= {old}" in bad.output and not (tmp_path / "b").exists()
+
+
+def test_stage_cli_family_samples(tmp_path, monkeypatch):
+    """--family-samples FAMILY=N sets that family's training samples (0 drops it), is recorded in the
+    stage history, and a misspelt family or count is refused before any work."""
+    import json
+    from collections import Counter
+
+    from typer.testing import CliRunner
+
+    from mmspec.cli import app
+    import mmspec.train.data as data
+
+    seen: dict = {}
+    real_stream = data.batch_stream
+
+    def spy(examples, *a, **k):
+        seen["families"] = Counter(ex.family for ex in examples)
+        return real_stream(examples, *a, **k)
+
+    monkeypatch.setattr(data, "batch_stream", spy)
+    out = tmp_path / "m"
+    base = ["train", "stage", "--size", "tiny", "--steps", "1", "--batch-size", "2", "--n-train-per-family", "1",
+            "--no-bf16"]
+    r = CliRunner().invoke(app, base + ["--family-samples", "chartqa=3", "--family-samples", "vist=0",
+                                        "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    fams = seen["families"]
+    assert fams["chartqa"] == 3 and "vist" not in fams and fams["textvqa"] == 1 and sum(fams.values()) == 9
+    stage = json.loads((out / "mmspec.json").read_text())["stages"][-1]
+    assert stage["family_samples"]["chartqa"] == 3 and stage["family_samples"]["vist"] == 0
+    for bad_spec in ("chart=3", "chartqa=three", "chartqa"):
+        bad = CliRunner().invoke(app, base + ["--family-samples", bad_spec, "--out", str(tmp_path / "x")])
+        assert bad.exit_code != 0 and "FAMILY=N" in bad.output and not (tmp_path / "x").exists()

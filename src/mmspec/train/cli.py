@@ -55,6 +55,8 @@ def stage(
     text_view_prob: float = typer.Option(0.0, help="show an example through the text view (images -> newline)"),
     caption_view_prob: float = typer.Option(0.0, help="show an example through the caption view"),
     n_train_per_family: int = typer.Option(400),
+    family_samples: list[str] = typer.Option([], help="FAMILY=N: train on N samples of this family instead of "
+                                             "--n-train-per-family (repeatable; 0 drops the family)"),
     minutes: Optional[float] = typer.Option(None, help="wall-clock cap; the schedule then follows time"),
     bf16: bool = typer.Option(True, help="bf16 autocast"),
     half: bool = typer.Option(False, help="save fp16 safetensors (the embedded pack's format)"),
@@ -82,6 +84,7 @@ def stage(
         raise typer.BadParameter(
             f"--caption-mix must be >= 0 and the view probabilities in [0, 1] with a sum <= 1; got "
             f"caption_mix={caption_mix}, text_view_prob={text_view_prob}, caption_view_prob={caption_view_prob}")
+    per_family = _parse_family_samples(family_samples, n_train_per_family)
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -93,7 +96,7 @@ def stage(
         if vision_from is not None:
             tower = LlavaForConditionalGeneration.from_pretrained(vision_from, dtype=torch.float32).model.vision_tower
         model = build_llava(model_size(size), tokenizer, vision_tower=tower)
-    samples = _samples("train", n_train_per_family, seed)
+    samples = _train_samples(per_family, seed)
     examples = ([ex for s in samples for ex in caption_examples(s)] if captioner
                 else [example_from_sample(s) for s in samples])
     if caption_mix > 0 and not captioner:
@@ -109,7 +112,8 @@ def stage(
     meta["stages"] = [*meta.get("stages", []), {**res.summary(), "lr": lr, "trainable": trainable,
                                                  "caption_mix": caption_mix, "text_view_prob": text_view_prob,
                                                  "caption_view_prob": caption_view_prob,
-                                                 "n_train_per_family": n_train_per_family}]
+                                                 "n_train_per_family": n_train_per_family,
+                                                 **({"family_samples": per_family} if family_samples else {})}]
     if captioner:
         meta["captioner_prompt"] = CAPTIONER_PROMPT
     if pooled_tokens:
@@ -125,6 +129,30 @@ def stage(
                                     tokens_per_image=pooled_tokens or 64, facts=not captioner)
     save_checkpoint(model, out, processor=processor, half=half, meta=meta)
     typer.echo(f"{res.summary()} -> {out}")
+
+
+def _parse_family_samples(specs: list[str], default: int) -> dict[str, int]:
+    """``["chartqa=4000", ...]`` -> training samples per family (every family; ``default`` unless named)."""
+    from mmspec.world import FAMILIES
+
+    counts = {name: default for name in FAMILIES}
+    for spec in specs:
+        name, sep, n = spec.partition("=")
+        if not sep or name not in FAMILIES or not n.isdigit():
+            raise typer.BadParameter(f"{spec!r} is not FAMILY=N with FAMILY one of {', '.join(FAMILIES)} and N >= 0",
+                                     param_hint="--family-samples")
+        counts[name] = int(n)
+    if not any(counts.values()):
+        raise typer.BadParameter("every family has 0 samples; nothing to train on", param_hint="--family-samples")
+    return counts
+
+
+def _train_samples(per_family: dict[str, int], seed: int) -> list:
+    """Train-split samples, ``per_family[name]`` of each family, interleaved index-major as ``iter_all`` does."""
+    from mmspec.world import make_sample
+
+    return [make_sample(name, "train", i, seed) for i in range(max(per_family.values()))
+            for name, n in per_family.items() if i < n]
 
 
 @train_app.command("grow")
