@@ -329,3 +329,38 @@ def test_stage_cli_family_samples(tmp_path, monkeypatch):
     for bad_spec in ("chart=3", "chartqa=three", "chartqa"):
         bad = CliRunner().invoke(app, base + ["--family-samples", bad_spec, "--out", str(tmp_path / "x")])
         assert bad.exit_code != 0 and "FAMILY=N" in bad.output and not (tmp_path / "x").exists()
+
+
+def test_linear_probe_reads_separable_features_and_not_noise():
+    """The probe finds a linearly coded class and stays at chance on labels unrelated to the features."""
+    from mmspec.train.probe import linear_probe
+
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 5, (400,), generator=g)
+    codes = torch.randn(5, 4, 8, generator=g)
+    x = codes[y] + 0.3 * torch.randn(400, 4, 8, generator=g)  # [N, patches, C]
+    _, acc = linear_probe(x[:300], y[:300], x[300:], y[300:], 5)
+    assert acc > 0.95
+    noise = torch.randn(400, 4, 8, generator=g)
+    _, acc_noise = linear_probe(noise[:300], y[:300], noise[300:], y[300:], 5)
+    assert acc_noise < 0.45
+
+
+def test_probe_cli_on_a_tiny_model(model, processor, tmp_path):
+    """`mmspec train probe --model DIR` runs all three probes on world images and writes JSON."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from mmspec.cli import app
+    from mmspec.train.checkpoint import save_checkpoint
+
+    save_checkpoint(model, tmp_path / "m", processor=processor, meta={"role": "test"})
+    r = CliRunner().invoke(app, ["train", "probe", "--model", str(tmp_path / "m"), "--n-train", "20",
+                                 "--n-test", "5", "--out", str(tmp_path / "p.json")])
+    assert r.exit_code == 0, r.output
+    res = json.loads((tmp_path / "p.json").read_text())
+    assert set(res) == {"sign_word", "chart_label", "chart_value"}
+    assert all(0 <= v["test_acc"] <= 1 and v["n_train"] == 20 for v in res.values())
+    bad = CliRunner().invoke(app, ["train", "probe", "--model", str(tmp_path)])
+    assert bad.exit_code != 0 and "config.json" in str(bad.exception or bad.output)

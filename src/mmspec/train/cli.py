@@ -2,7 +2,8 @@
 
 Commands: ``embedded`` (the whole pack, see :mod:`mmspec.train.pack`), ``stage`` (one stage
 of the recipe on one model directory, or on a fresh model of a size preset), ``grow`` (more LM
-layers, same function; :mod:`mmspec.train.grow`) and ``evaluate``.
+layers, same function; :mod:`mmspec.train.grow`), ``evaluate`` and ``probe`` (can the vision
+tower's features be read linearly; :mod:`mmspec.train.probe`).
 """
 
 from __future__ import annotations
@@ -214,3 +215,40 @@ def evaluate_cmd(
         typer.echo("                " + ", ".join(f"{k} {v['recall']:.0%}" for k, v in r["by_fact"].items()))
     if out is not None:
         out.write_text(json.dumps(report, indent=2))
+
+
+@train_app.command("probe")
+def probe_cmd(
+    model: Optional[Path] = typer.Option(None, help="HF LLaVA dir (default: the shipped target)"),
+    n_train: int = typer.Option(3000, help="train-split images per probe"),
+    n_test: int = typer.Option(500, help="test-split images per probe"),
+    threads: Optional[int] = typer.Option(None),
+    out: Optional[Path] = typer.Option(None, help="write the accuracies as JSON here"),
+) -> None:
+    """Linear probes on the vision tower's patch features (sign word, chart label, chart value):
+    a fact the probe reads but the target's answers miss is lost in the LM, not in the tower."""
+    import json
+
+    import torch
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from mmspec.embedded import default_path
+    from mmspec.errors import MMSpecError
+    from mmspec.train.probe import vision_probes
+
+    if n_train < 2 or n_test < 1:
+        raise typer.BadParameter("need --n-train >= 2 and --n-test >= 1")
+    if threads:
+        torch.set_num_threads(threads)
+    path = model or default_path() / "target"
+    if not (path / "config.json").exists():
+        raise MMSpecError(f"{path} is not an HF model directory (no config.json); pass --model DIR")
+    llava = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    results = vision_probes(llava, AutoProcessor.from_pretrained(path).image_processor, n_train, n_test)
+    typer.echo(f"{path}: linear probes on vision features, {n_train} train / {n_test} test images")
+    for r in results:
+        typer.echo(f"  {r.name:12s} test {r.test_acc:6.1%}  (train {r.train_acc:.1%}, chance {r.chance:.1%})")
+    if out is not None:
+        out.write_text(json.dumps({r.name: {"test_acc": r.test_acc, "train_acc": r.train_acc,
+                                            "n_classes": r.n_classes, "n_train": n_train, "n_test": n_test}
+                                   for r in results}, indent=2))
