@@ -4,7 +4,7 @@
 #
 #   bash scripts/train-embedded-pack.sh OUT_DIR [THREADS]
 #
-# About 3 h 40 min on a 2-core CPU. Then copy OUT_DIR/{target,draft,draft_pooled,captioner}
+# About 4 h 40 min on a 2-core CPU. Then copy OUT_DIR/{target,draft,draft_pooled,captioner}
 # and OUT_DIR/pack_report.json over src/mmspec/assets/embedded/ (or point load_embedded(path=...)).
 # Time-budgeted stages follow the clock, so a faster machine trains more steps in the same minutes.
 set -euo pipefail
@@ -23,15 +23,22 @@ $M stage --init "$OUT/work/target_s2b" --trainable all --lr 5e-4 --steps 1000000
     --n-train-per-family 2500 --caption-mix 0.5 --batch-size 8 --threads "$T" --bf16 --half --eval \
     --out "$OUT/work/target_v2"
 
-# 2b. target grown from 6 to 10 LM layers (exact at init) and trained on with the vision tower frozen,
-#     so the draft, pooled draft and captioner below (trained on target_v2's tower) share its tower
+# 2b. target grown from 6 to 10 LM layers (exact at init) and trained on with the vision tower frozen
 $M grow --init "$OUT/work/target_v2" --layers 10 --out "$OUT/work/target_grown" --half
 $M stage --init "$OUT/work/target_grown" --trainable projector+lm --lr 5e-4 --steps 1000000 --minutes 75 \
     --n-train-per-family 4000 --caption-mix 0.5 --batch-size 8 --threads "$T" --bf16 --half --eval \
     --out "$OUT/work/target_v3"
 
+# 2c. everything again (vision tower included), the task mix weighted toward the families whose facts
+#     the target missed (chart labels, sign words, yes/no probes), with more caption examples
+$M stage --init "$OUT/work/target_v3" --trainable all --lr 5e-4 --steps 1000000 --minutes 55 \
+    --n-train-per-family 1500 --family-samples chartqa=6000 --family-samples textvqa=6000 \
+    --family-samples hallusionbench=4000 --family-samples vqav2=3000 --family-samples pororosv=1000 \
+    --family-samples vist=1000 --caption-mix 0.75 --batch-size 8 --threads "$T" --bf16 --half --eval \
+    --out "$OUT/work/target_v4"
+
 # 3. draft (1 layer x 192) on the final target's frozen vision tower; 20% text view, 10% caption view
-$M stage --size draft --vision-from "$OUT/work/target_v2" --trainable projector --lr 1e-3 --steps 1000000 \
+$M stage --size draft --vision-from "$OUT/work/target_v4" --trainable projector --lr 1e-3 --steps 1000000 \
     --minutes 1 --n-train-per-family 1500 --batch-size 8 --threads "$T" --out "$OUT/work/draft_s1"
 $M stage --init "$OUT/work/draft_s1" --trainable projector+lm --lr 1e-3 --steps 1000000 --minutes 9 \
     --n-train-per-family 1500 --batch-size 8 --text-view-prob 0.2 --caption-view-prob 0.1 \
@@ -43,14 +50,14 @@ $M stage --init "$OUT/work/draft" --trainable projector+lm --lr 3e-4 --steps 100
     --out "$OUT/work/draft_pooled"
 
 # 5. captioner (LM 3 x 128) on the same tower
-$M stage --size captioner --vision-from "$OUT/work/target_v2" --captioner --trainable projector --lr 1e-3 \
+$M stage --size captioner --vision-from "$OUT/work/target_v4" --captioner --trainable projector --lr 1e-3 \
     --steps 1000000 --minutes 0.5 --n-train-per-family 1500 --batch-size 16 --threads "$T" \
     --out "$OUT/work/captioner_s1"
 $M stage --init "$OUT/work/captioner_s1" --captioner --trainable projector+lm --lr 1e-3 --steps 1000000 \
     --minutes 4 --n-train-per-family 1500 --batch-size 16 --threads "$T" --half --eval --out "$OUT/work/captioner"
 
 for role in target draft draft_pooled captioner; do
-    src="$OUT/work/$role"; [ "$role" = target ] && src="$OUT/work/target_v3"
+    src="$OUT/work/$role"; [ "$role" = target ] && src="$OUT/work/target_v4"
     rm -rf "${OUT:?}/$role" && cp -r "$src" "$OUT/$role"
 done
 echo "pack in $OUT"
