@@ -363,4 +363,4 @@ def test_probe_cli_on_a_tiny_model(model, processor, tmp_path):
     assert set(res) == {"sign_word", "chart_label", "chart_value"}
     assert all(0 <= v["test_acc"] <= 1 and v["n_train"] == 20 for v in res.values())
     bad = CliRunner().invoke(app, ["train", "probe", "--model", str(tmp_path)])
-    assert bad.exit_code != 0 and "config.json" in str(bad.exception or bad.output)
+    assert bad.exit_code == 2 and "no config.json" in bad.output and "Traceback" not in bad.output

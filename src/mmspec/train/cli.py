@@ -233,7 +233,6 @@ def probe_cmd(
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     from mmspec.embedded import default_path
-    from mmspec.errors import MMSpecError
     from mmspec.train.probe import vision_probes
 
     if n_train < 2 or n_test < 1:
@@ -242,7 +241,7 @@ def probe_cmd(
         torch.set_num_threads(threads)
     path = model or default_path() / "target"
     if not (path / "config.json").exists():
-        raise MMSpecError(f"{path} is not an HF model directory (no config.json); pass --model DIR")
+        raise typer.BadParameter(f"{path} is not an HF LLaVA model directory (no config.json)", param_hint="--model")
     llava = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     results = vision_probes(llava, AutoProcessor.from_pretrained(path).image_processor, n_train, n_test)
     typer.echo(f"{path}: linear probes on vision features, {n_train} train / {n_test} test images")
