@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mmspec.errors import MMSpecError
+
 from mmspec.prompt import IMAGE_MARKER
 from mmspec.world import (
     FAMILIES,
@@ -69,6 +71,11 @@ def test_generate_and_iter_agree_with_make_sample():
     first = list(iter_all("train", 2))
     assert [s.family for s in first[:8]] == list(FAMILIES)
     assert len(first) == 16
+    # per-family counts: unnamed families get none, short ones drop out of the interleaving
+    mixed = [s.uid for s in iter_all("train", {"vist": 1, "chartqa": 3})]
+    assert mixed == ["vist-train-0", "chartqa-train-0", "chartqa-train-1", "chartqa-train-2"]
+    with pytest.raises(MMSpecError, match="unknown family 'chart'"):
+        list(iter_all("train", {"chart": 1}))
 
 
 @pytest.mark.parametrize("family", ["chartqa", "textvqa", "iedit", "vist"])

@@ -97,7 +97,7 @@ def stage(
         if vision_from is not None:
             tower = LlavaForConditionalGeneration.from_pretrained(vision_from, dtype=torch.float32).model.vision_tower
         model = build_llava(model_size(size), tokenizer, vision_tower=tower)
-    samples = _train_samples(per_family, seed)
+    samples = _samples("train", per_family, seed)
     examples = ([ex for s in samples for ex in caption_examples(s)] if captioner
                 else [example_from_sample(s) for s in samples])
     if caption_mix > 0 and not captioner:
@@ -146,14 +146,6 @@ def _parse_family_samples(specs: list[str], default: int) -> dict[str, int]:
     if not any(counts.values()):
         raise typer.BadParameter("every family has 0 samples; nothing to train on", param_hint="--family-samples")
     return counts
-
-
-def _train_samples(per_family: dict[str, int], seed: int) -> list:
-    """Train-split samples, ``per_family[name]`` of each family, interleaved index-major as ``iter_all`` does."""
-    from mmspec.world import make_sample
-
-    return [make_sample(name, "train", i, seed) for i in range(max(per_family.values()))
-            for name, n in per_family.items() if i < n]
 
 
 @train_app.command("grow")

@@ -21,7 +21,7 @@ import json
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -60,7 +60,7 @@ def world_tokenizer_and_processor(seed: int = 0):
     return tokenizer, build_processor(tokenizer)
 
 
-def _samples(split: str, n_per_family: int, seed: int) -> list:
+def _samples(split: str, n_per_family: int | Mapping[str, int], seed: int) -> list:
     from mmspec.world import iter_all
 
     return list(iter_all(split, n_per_family, seed=seed))

@@ -14,7 +14,7 @@ This package owns the data, its tokenizer (:mod:`.tokenizer`) and its HF process
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 from mmspec.errors import MMSpecError
 from mmspec.world import pairs, single, stories
@@ -58,11 +58,19 @@ def generate_samples(family: str, split: str, n: int, seed: int = 0, start: int 
     return [make_sample(family, split, i, seed) for i in range(start, start + n)]
 
 
-def iter_all(split: str, n_per_family: int, seed: int = 0) -> Iterator[Sample]:
-    """``n_per_family`` samples of every family, interleaved (index-major) so any prefix is balanced."""
-    for i in range(n_per_family):
-        for name in FAMILIES:
-            yield make_sample(name, split, i, seed)
+def iter_all(split: str, n_per_family: int | Mapping[str, int], seed: int = 0) -> Iterator[Sample]:
+    """Samples of every family, interleaved (index-major) so any prefix is balanced.
+
+    ``n_per_family``: one count for all families, or a count per family name (families not
+    named get none); a family drops out of the interleaving once its count is reached.
+    """
+    counts = {name: n_per_family for name in FAMILIES} if isinstance(n_per_family, int) else dict(n_per_family)
+    for name in counts:
+        _family(name)  # a clear error for an unknown name
+    for i in range(max(counts.values(), default=0)):
+        for name, n in counts.items():
+            if i < n:
+                yield make_sample(name, split, i, seed)
 
 
 def bundled_examples(out_dir: str | Path) -> list[Path]:
