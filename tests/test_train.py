@@ -367,3 +367,89 @@ def test_probe_cli_on_a_tiny_model(model, processor, tmp_path):
     assert all(0 <= v["test_acc"] <= 1 and v["n_train"] == 20 for v in res.values())
     bad = CliRunner().invoke(app, ["train", "probe", "--model", str(tmp_path)])
     assert bad.exit_code == 2 and "no config.json" in bad.output and "Traceback" not in bad.output
+
+
+def test_fact_weight_marks_exactly_the_fact_tokens(tokenizer, processor):
+    """--fact-weight: the answer tokens that state a fact (whole words, case ignored) get the weight,
+    every other answer token and the eos weigh 1, the prompt 0; weight 1 or no facts: no weights."""
+    ex = fake_examples(1, seed=3)[0]
+    colour = ex.answer.split()[2]
+    ex = Example(ex.prompt, ex.answer, ex.images, ex.captions, "fake", facts=(colour.upper(), "colo"))
+    enc = Encoder(tokenizer, fact_weight=5.0).encode(ex)
+    n_prompt = enc.labels.count(IGNORE)
+    assert enc.weights[:n_prompt] == [0.0] * n_prompt
+    answer = enc.input_ids[n_prompt:]
+    heavy = [tokenizer.decode([t]) for t, w in zip(answer, enc.weights[n_prompt:]) if w == 5.0]
+    assert heavy == [colour]  # "colo" is not a whole word of the answer: it weighs nothing extra
+    assert all(w == 1.0 for t, w in zip(answer, enc.weights[n_prompt:]) if tokenizer.decode([t]) != colour)
+    assert Encoder(tokenizer).encode(ex).weights is None
+    assert Encoder(tokenizer, fact_weight=5.0).encode(fake_examples(1)[0]).weights is None  # no facts
+    # the world's tokenizer (byte-level BPE, sub-word pieces) marks each fact's pieces too
+    from mmspec.train.data import example_from_sample
+    from mmspec.train.pack import world_tokenizer_and_processor
+    from mmspec.world import generate_samples
+
+    world_tok, _ = world_tokenizer_and_processor(0)
+    sample = next(iter(generate_samples("textvqa", "train", 1)))
+    wenc = Encoder(world_tok, fact_weight=3.0).encode(example_from_sample(sample))
+    heavy_text = "".join(world_tok.decode([t]) for t, w in zip(wenc.input_ids, wenc.weights) if w == 3.0)
+    for value in sample.facts.values():
+        assert str(value).replace(" ", "") in heavy_text.replace(" ", "")
+
+
+def test_weighted_loss_is_the_weighted_mean(model, tokenizer, processor):
+    """batch_loss with loss weights is sum(w * ce) / sum(w); uniform weights give the plain HF loss,
+    and eval-style weighted=False ignores the weights."""
+    base = fake_examples(3, seed=5)
+    examples = [Example(e.prompt, e.answer, e.images, e.captions, "fake", facts=(e.answer.split()[2],))
+                for e in base]
+    batch = collate([Encoder(tokenizer, fact_weight=4.0).encode(e) for e in examples], 0,
+                    processor.image_processor, 64)
+    assert batch.loss_weights is not None and batch.loss_weights.shape == batch.labels.shape
+    with torch.no_grad():
+        plain = float(batch_loss(model, batch, train_vision=False, weighted=False))
+        weighted = float(batch_loss(model, batch, train_vision=False))
+        feats = pooled_image_features(model, batch.pixel_values, 64, False)
+        from mmspec.train.pooling import embed_multimodal
+
+        logits = model(inputs_embeds=embed_multimodal(model, batch.input_ids, feats),
+                       attention_mask=batch.attention_mask).logits
+        ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                               batch.labels[:, 1:].reshape(-1), reduction="none",
+                                               ignore_index=IGNORE).view(3, -1)
+        w = batch.loss_weights[:, 1:]
+        assert weighted == pytest.approx(float((ce * w).sum() / w.sum()), rel=1e-5)
+        assert plain == pytest.approx(float(ce.sum() / (batch.labels[:, 1:] != IGNORE).sum()), rel=1e-5)
+        assert weighted != pytest.approx(plain, rel=1e-3)
+        batch.loss_weights = (batch.labels != IGNORE).float()
+        assert float(batch_loss(model, batch, train_vision=False)) == pytest.approx(plain, rel=1e-5)
+
+
+def test_stage_cli_fact_weight(tmp_path, monkeypatch):
+    """--fact-weight reaches the encoder, is recorded in the stage history, and a value <= 0 is
+    refused before any work."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from mmspec.cli import app
+    import mmspec.train.data as data
+
+    seen: dict = {}
+    real_stream = data.batch_stream
+
+    def spy(examples, encoder, *a, **k):
+        seen["fact_weight"] = encoder.fact_weight
+        seen["weighted"] = sum(encoder.encode(ex).weights is not None for ex in examples)
+        return real_stream(examples, encoder, *a, **k)
+
+    monkeypatch.setattr(data, "batch_stream", spy)
+    out = tmp_path / "m"
+    base = ["train", "stage", "--size", "tiny", "--steps", "1", "--batch-size", "2", "--n-train-per-family", "1",
+            "--no-bf16"]
+    r = CliRunner().invoke(app, base + ["--fact-weight", "3", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert seen["fact_weight"] == 3.0 and seen["weighted"] == 8  # every world answer states its facts
+    assert json.loads((out / "mmspec.json").read_text())["stages"][-1]["fact_weight"] == 3.0
+    bad = CliRunner().invoke(app, base + ["--fact-weight", "0", "--out", str(tmp_path / "x")])
+    assert bad.exit_code != 0 and "--fact-weight must be > 0" in bad.output and not (tmp_path / "x").exists()

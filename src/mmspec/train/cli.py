@@ -53,6 +53,8 @@ def stage(
     captioner: bool = typer.Option(False, help="train on the caption task instead of the QA task"),
     caption_mix: float = typer.Option(0.0, help="QA training: add this many image->caption examples per QA "
                                       "example (fact-dense supervision for the vision tower)"),
+    fact_weight: float = typer.Option(1.0, help="QA training: weigh the loss on answer tokens that state the "
+                                      "image's facts this many times more than the other answer tokens"),
     text_view_prob: float = typer.Option(0.0, help="show an example through the text view (images -> newline)"),
     caption_view_prob: float = typer.Option(0.0, help="show an example through the caption view"),
     n_train_per_family: int = typer.Option(400),
@@ -85,6 +87,8 @@ def stage(
         raise typer.BadParameter(
             f"--caption-mix must be >= 0 and the view probabilities in [0, 1] with a sum <= 1; got "
             f"caption_mix={caption_mix}, text_view_prob={text_view_prob}, caption_view_prob={caption_view_prob}")
+    if not fact_weight > 0:
+        raise typer.BadParameter(f"--fact-weight must be > 0 (1 weighs every answer token alike); got {fact_weight}")
     per_family = _parse_family_samples(family_samples, n_train_per_family)
     if threads:
         torch.set_num_threads(threads)
@@ -104,14 +108,15 @@ def stage(
         examples += mix_in_captions(samples, caption_mix, seed)
     cfg = StageConfig(f"stage-{trainable}", trainable, lr=lr, steps=steps, batch_size=batch_size,
                       pooled_tokens=pooled_tokens, max_seconds=None if minutes is None else 60.0 * minutes)
-    encoder = Encoder(tokenizer, max_answer_tokens=96)
+    encoder = Encoder(tokenizer, max_answer_tokens=96, fact_weight=fact_weight)
     stream = batch_stream(examples, encoder, processor.image_processor, batch_size,
                           torch.Generator().manual_seed(seed), tokens_per_image=pooled_tokens or 64,
                           text_view_prob=text_view_prob, caption_view_prob=caption_view_prob)
     res = train_stage(model, cfg, stream, device, autocast_bf16=bf16)
     meta = read_sidecar(init) if init is not None else {"role": "captioner" if captioner else "stage"}
     meta["stages"] = [*meta.get("stages", []), {**res.summary(), "lr": lr, "trainable": trainable,
-                                                 "caption_mix": caption_mix, "text_view_prob": text_view_prob,
+                                                 "caption_mix": caption_mix, "fact_weight": fact_weight,
+                                                 "text_view_prob": text_view_prob,
                                                  "caption_view_prob": caption_view_prob,
                                                  "n_train_per_family": n_train_per_family,
                                                  **({"family_samples": per_family} if family_samples else {})}]

@@ -4,7 +4,8 @@ Owns: the training :class:`Example` (prompt with ``<image>`` markers, answer, im
 captions), its encoding under a *view* (multimodal with 64 or pooled N image tokens per
 image, text with each image -> ``"\\n"``, caption with each image -> its caption), the label
 mask (-100 on prompt, image tokens and padding: loss only on the answer and the closing
-eos), length-grouped shuffled batching and right-pad collation.
+eos), optional per-token loss weights (more weight on the tokens that state the image's
+facts, ``Encoder.fact_weight``), length-grouped shuffled batching and right-pad collation.
 
 A training sequence is ``prompt + " " + answer + eos``, tokenised as the prompt alone (as the
 engine tokenises it at inference) followed by the answer's own tokens, so training sees
@@ -15,6 +16,7 @@ Does not know about models or optimisers.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Iterator, Literal, Sequence
 
@@ -37,6 +39,7 @@ class Example:
     images: tuple[Image.Image, ...]
     captions: tuple[str, ...] = ()
     family: str = ""
+    facts: tuple[str, ...] = ()  # image-dependent values the answer states (loss weighting)
 
 
 def example_from_sample(sample) -> Example:
@@ -44,7 +47,8 @@ def example_from_sample(sample) -> Example:
     from mmspec.world.processor import training_text
 
     prompt, answer = training_text(sample)
-    return Example(prompt, answer, tuple(sample.images), tuple(sample.captions), sample.family)
+    return Example(prompt, answer, tuple(sample.images), tuple(sample.captions), sample.family,
+                   tuple(str(v) for v in sample.facts.values()))
 
 
 def caption_examples(sample) -> list[Example]:
@@ -71,6 +75,7 @@ class Encoded:
     input_ids: list[int]
     labels: list[int]
     images: tuple[Image.Image, ...]
+    weights: list[float] | None = None  # loss weight per position (None: every label weighs 1)
 
 
 @dataclass
@@ -82,20 +87,29 @@ class Batch:
     labels: torch.Tensor  # [B, T] long, -100 where no loss
     pixel_values: torch.Tensor | None  # [n_img, 3, 96, 96] or None
     tokens_per_image: int
+    loss_weights: torch.Tensor | None = None  # [B, T] float, 0 where no loss; None: uniform
 
     def to(self, device: str | torch.device) -> "Batch":
         pv = None if self.pixel_values is None else self.pixel_values.to(device)
+        w = None if self.loss_weights is None else self.loss_weights.to(device)
         return Batch(self.input_ids.to(device), self.attention_mask.to(device),
-                     self.labels.to(device), pv, self.tokens_per_image)
+                     self.labels.to(device), pv, self.tokens_per_image, w)
 
 
 @dataclass
 class Encoder:
-    """Encodes examples with one tokenizer; ``image_token_id`` is the ``<image>`` id (4)."""
+    """Encodes examples with one tokenizer; ``image_token_id`` is the ``<image>`` id (4).
+
+    ``fact_weight`` > 1 weighs the loss on the answer tokens that state one of the example's
+    facts (whole-word matches, as the fact-recall check counts them) that many times more than
+    the other answer tokens: a verbose answer spends most of its tokens on phrasing the LM
+    learns quickly, and the few tokens that carry the image's facts are what it must get right.
+    """
 
     tokenizer: object
     image_token_id: int = 4
     max_answer_tokens: int | None = None
+    fact_weight: float = 1.0
     _newline: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -122,13 +136,31 @@ class Encoder:
                 ids.extend(self.tokenizer(ex.captions[image_idx], add_special_tokens=False)["input_ids"])
             image_idx += 1
         answer_ids = self.tokenizer(" " + ex.answer, add_special_tokens=False)["input_ids"]
+        answer_w = self._fact_weights(" " + ex.answer, ex.facts, len(answer_ids))
         if self.max_answer_tokens is not None and len(answer_ids) > self.max_answer_tokens:
             answer_ids = answer_ids[: self.max_answer_tokens]  # cut: no eos, the answer goes on
+            answer_w = None if answer_w is None else answer_w[: self.max_answer_tokens]
         else:
             answer_ids = answer_ids + [self.tokenizer.eos_token_id]
+            answer_w = None if answer_w is None else answer_w + [1.0]
         labels = [IGNORE] * len(ids) + answer_ids
+        weights = None if answer_w is None else [0.0] * len(ids) + answer_w
         images = ex.images if view == "multimodal" else ()
-        return Encoded(ids + answer_ids, labels, images)
+        return Encoded(ids + answer_ids, labels, images, weights)
+
+    def _fact_weights(self, text: str, facts: Sequence[str], n_tokens: int) -> list[float] | None:
+        """Per token of ``text``: ``fact_weight`` where the token overlaps a whole-word, case-blind
+        occurrence of a fact value, else 1. None when there is nothing to weigh."""
+        if self.fact_weight == 1.0 or not facts:
+            return None
+        spans = [m.span() for value in facts
+                 for m in re.finditer(r"(?<!\w)" + re.escape(value.lower()) + r"(?!\w)", text.lower())]
+        if not spans:
+            return None
+        offsets = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        if len(offsets) != n_tokens:
+            raise MMSpecError("tokenizer offsets do not align with its ids; fact weighting needs a fast tokenizer")
+        return [self.fact_weight if any(s < e2 and s2 < e for s2, e2 in spans) else 1.0 for s, e in offsets]
 
 
 def collate(items: Sequence[Encoded], pad_id: int, image_processor, tokens_per_image: int) -> Batch:
@@ -142,11 +174,17 @@ def collate(items: Sequence[Encoded], pad_id: int, image_processor, tokens_per_i
         ids[row, :n] = torch.tensor(it.input_ids)
         mask[row, :n] = 1
         labels[row, :n] = torch.tensor(it.labels)
+    weights = None
+    if any(it.weights is not None for it in items):
+        weights = torch.zeros((len(items), width))
+        for row, it in enumerate(items):
+            w = it.weights if it.weights is not None else [float(x != IGNORE) for x in it.labels]
+            weights[row, :len(w)] = torch.tensor(w)
     images = [img for it in items for img in it.images]
     pixel_values = None
     if images:
         pixel_values = image_processor(images, return_tensors="pt")["pixel_values"]
-    return Batch(ids, mask, labels, pixel_values, tokens_per_image)
+    return Batch(ids, mask, labels, pixel_values, tokens_per_image, weights)
 
 
 def batch_stream(examples: Sequence[Example], encoder: Encoder, image_processor, batch_size: int,

@@ -62,15 +62,23 @@ def lr_at(progress: float, base_lr: float, warmup_ratio: float) -> float:
     return base_lr * 0.5 * (1.0 + math.cos(math.pi * rest))
 
 
-def batch_loss(model, batch: Batch, train_vision: bool = True) -> torch.Tensor:
-    """Mean next-token cross-entropy over the labelled (answer + eos) tokens of ``batch``."""
+def batch_loss(model, batch: Batch, train_vision: bool = True, weighted: bool = True) -> torch.Tensor:
+    """Mean next-token cross-entropy over the labelled (answer + eos) tokens of ``batch``;
+    with ``batch.loss_weights`` (and ``weighted``), the weighted mean sum(w * ce) / sum(w)."""
     feats = None
     if batch.pixel_values is not None:
         feats = pooled_image_features(model, batch.pixel_values, batch.tokens_per_image, train_vision)
     embeds = embed_multimodal(model, batch.input_ids, feats)  # [B, T, H]
-    out = model(inputs_embeds=embeds, attention_mask=batch.attention_mask, labels=batch.labels,
-                use_cache=False)
-    return out.loss
+    if batch.loss_weights is None or not weighted:
+        out = model(inputs_embeds=embeds, attention_mask=batch.attention_mask, labels=batch.labels,
+                    use_cache=False)
+        return out.loss
+    logits = model(inputs_embeds=embeds, attention_mask=batch.attention_mask, use_cache=False).logits
+    targets = batch.labels[:, 1:]  # [B, T-1]: position t predicts token t+1
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), targets,
+                                           ignore_index=-100, reduction="none")  # [B, T-1]
+    w = batch.loss_weights[:, 1:] * (targets != -100)  # [B, T-1]
+    return (ce * w).sum() / w.sum().clamp_min(1e-12)
 
 
 @dataclass
@@ -145,13 +153,14 @@ def train_stage(model, stage: StageConfig, batches: Iterator[Batch], device: str
 
 @torch.no_grad()
 def eval_loss(model, batches: Sequence[Batch], device: str = "cpu") -> float:
-    """Token-weighted mean loss over fixed held-out ``batches``."""
+    """Mean loss per labelled token over fixed held-out ``batches`` (loss weights ignored, so
+    runs with and without ``--fact-weight`` compare)."""
     model.eval()
     total, count = 0.0, 0
     for batch in batches:
         batch = batch.to(device)
         n = int((batch.labels[:, 1:] != -100).sum())
-        total += float(batch_loss(model, batch, train_vision=False)) * n
+        total += float(batch_loss(model, batch, train_vision=False, weighted=False)) * n
         count += n
     return total / max(count, 1)
 
