@@ -453,3 +453,26 @@ def test_stage_cli_fact_weight(tmp_path, monkeypatch):
     assert json.loads((out / "mmspec.json").read_text())["stages"][-1]["fact_weight"] == 3.0
     bad = CliRunner().invoke(app, base + ["--fact-weight", "0", "--out", str(tmp_path / "x")])
     assert bad.exit_code != 0 and "--fact-weight must be > 0" in bad.output and not (tmp_path / "x").exists()
+
+
+def test_reproduction_script_uses_only_real_flags():
+    """scripts/train-embedded-pack.sh (the one command that reproduces the pack) names only
+    subcommands and flags that `mmspec train` has, so a renamed flag cannot silently break it."""
+    import shlex
+    from pathlib import Path
+
+    import typer
+
+    from mmspec.cli import app
+
+    script = (Path(__file__).parents[1] / "scripts" / "train-embedded-pack.sh").read_text()
+    train = typer.main.get_command(app).commands["train"]
+    lines = script.replace("\\\n", " ").splitlines()
+    commands = [shlex.split(line.split("#")[0])[1:] for line in lines if line.lstrip().startswith("$M ")]
+    assert len(commands) >= 8
+    for words in commands:
+        sub = train.commands.get(words[0])
+        assert sub is not None, f"`mmspec train {words[0]}` does not exist"
+        known = {o for p in sub.params for o in (*p.opts, *p.secondary_opts)}
+        unknown = [w for w in words[1:] if w.startswith("--") and w not in known]
+        assert not unknown, f"`mmspec train {words[0]}` has no {unknown}"
