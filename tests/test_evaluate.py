@@ -105,3 +105,36 @@ def test_training_time_fact_recall_uses_the_whole_word_rule(monkeypatch):
     encoder = types.SimpleNamespace(tokenizer=types.SimpleNamespace(decode=lambda ids, **k: next(answers)))
     r = recipe.fact_recall(None, encoder, None, [sample])
     assert sample.facts["count"] == "0" and r["recall"] == 0.5  # the colour is stated; "0" inside "10" is not
+
+
+def test_verdicts_count_the_last_yes_or_no(tmp_path):
+    """The yes/no verdict is the answer's last yes/no word, tallied against the true answer; the
+    "no" inside "there is no X" does not count as a No when the answer ends on Yes."""
+    from mmspec.train.evaluate import verdict
+
+    assert verdict("There is no red star. The closest thing is... So the answer is Yes.") == "Yes"
+    assert verdict("I count 2 stars. Therefore: No.") == "No" and verdict("I cannot tell.") == "none"
+    assert verdict("Nothing is known") == "none"  # "no" only as a whole word
+    samples = [make_sample("hallusionbench", "test", i) for i in range(12)]
+    truths = [s.facts["answer"] for s in samples]
+    assert {"Yes", "No"} <= set(truths)
+    w = RowWriter(results_path(tmp_path, 0))
+    for i, s in enumerate(samples):  # the true answer for even rows, always "No" for odd rows
+        text = s.answer if i % 2 == 0 else "There is no such thing. So the answer is No."
+        w.append({"kind": "baseline", "dataset": "hallusionbench", "uid": f"hallusionbench-test-{i}",
+                  "method": "", "text": text, "token_ids": [], "wall_s": 0.1})
+    w.close()
+    got = answer_fact_recall(tmp_path)["hallusionbench"]["verdicts"]
+    want: dict = {}
+    for i, t in enumerate(truths):
+        said = t if i % 2 == 0 else "No"
+        want.setdefault(t, {"Yes": 0, "No": 0, "none": 0})[said] += 1
+    assert got == want
+    assert "verdicts" not in answer_fact_recall(_chart_dir(tmp_path))["chartqa"]
+
+
+def _chart_dir(tmp_path):
+    d = tmp_path / "charts"
+    d.mkdir()
+    _write(d, [make_sample("chartqa", "test", 0).answer])
+    return d

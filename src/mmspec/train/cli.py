@@ -210,6 +210,9 @@ def evaluate_cmd(
         typer.echo(f"{family:15s} facts {r['recall']:.1%} of {r['facts']}  tau M {tau.get('M', float('nan')):.2f}"
                    f"  T {tau.get('T', float('nan')):.2f}" + (f"  captions {cap_rate:.1%}" if cap_rate is not None else ""))
         typer.echo("                " + ", ".join(f"{k} {v['recall']:.0%}" for k, v in r["by_fact"].items()))
+        for truth, said in r.get("verdicts", {}).items():
+            typer.echo(f"                {sum(said.values())} {truth}-questions end on: "
+                       + ", ".join(f"{k} {n}" for k, n in said.items()))
     if out is not None:
         out.write_text(json.dumps(report, indent=2))
 

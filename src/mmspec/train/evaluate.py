@@ -2,7 +2,8 @@
 
 * answer fact recall: share of a sample's image-dependent facts whose value appears verbatim,
   as whole words (``1`` does not match ``10``; case ignored), in the target's greedy answer,
-  per family and per kind of fact. Read from a ``mmspec bench run`` results dir
+  per family and per kind of fact, and for yes/no questions the verdict the answer ends on
+  (:func:`verdict`) against the true one. Read from a ``mmspec bench run`` results dir
   (its baseline rows are the target's own greedy answers on test samples), so the numbers
   and the block-efficiency table come from one run;
 * caption fact rate: share of the facts a ground-truth caption states (per image) that the
@@ -32,6 +33,14 @@ def states(text: str, value) -> bool:
     return re.search(r"(?<!\w)" + re.escape(str(value).lower()) + r"(?!\w)", text.lower()) is not None
 
 
+def verdict(text: str) -> str:
+    """The yes/no verdict an answer ends on: its last whole-word "yes" or "no" (``"Yes"``,
+    ``"No"``), or ``"none"``. Stricter than :func:`states`, which also counts the "no" of
+    "there is no X" as stating the answer No."""
+    words = re.findall(r"(?<!\w)(yes|no)(?!\w)", text.lower())
+    return words[-1].capitalize() if words else "none"
+
+
 def fact_kind(key: str) -> str:
     """A fact's kind: its key without a trailing index (``object_2`` -> ``object``)."""
     return re.sub(r"_\d+$", "", key)
@@ -39,13 +48,15 @@ def fact_kind(key: str) -> str:
 
 def answer_fact_recall(results_dir: str | Path) -> dict[str, dict]:
     """Per family: facts stated correctly in the target's greedy answers (baseline rows), also
-    broken down by fact kind (``by_fact``: chart value vs label vs colour, sign word vs colour...)."""
+    broken down by fact kind (``by_fact``: chart value vs label vs colour, sign word vs colour...);
+    families with yes/no questions also get ``verdicts``: true answer -> {verdict: count}."""
     from mmspec.bench.store import iter_kind, merge_rows
     from mmspec.world import FAMILIES, make_sample
 
     rows, _ = merge_rows(Path(results_dir))
     hits: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # facts hit, facts, samples
     kinds: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))  # hit, total
+    verdicts: dict[str, dict[str, dict[str, int]]] = defaultdict(dict)  # family -> truth -> verdict -> n
     for row in iter_kind(rows, "baseline"):
         if row["dataset"] not in FAMILIES:
             continue
@@ -60,10 +71,15 @@ def answer_fact_recall(results_dir: str | Path) -> dict[str, dict]:
             k[0] += hit
             k[1] += 1
         h[2] += 1
+        truth = sample.facts.get("answer")
+        if truth in ("Yes", "No"):
+            said = verdicts[family].setdefault(truth, {"Yes": 0, "No": 0, "none": 0})
+            said[verdict(row["text"])] += 1
     if not hits:
         raise MMSpecError(f"no world baseline rows in {results_dir}; run `mmspec bench run --out {results_dir}` first")
     return {f: {"recall": h[0] / max(h[1], 1), "facts": h[1], "samples": h[2],
-                "by_fact": {k: {"recall": v[0] / v[1], "facts": v[1]} for k, v in sorted(kinds[f].items())}}
+                "by_fact": {k: {"recall": v[0] / v[1], "facts": v[1]} for k, v in sorted(kinds[f].items())},
+                **({"verdicts": verdicts[f]} if f in verdicts else {})}
             for f, h in hits.items()}
 
 
