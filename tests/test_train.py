@@ -453,6 +453,8 @@ def test_stage_cli_fact_weight(tmp_path, monkeypatch):
     assert json.loads((out / "mmspec.json").read_text())["stages"][-1]["fact_weight"] == 3.0
     bad = CliRunner().invoke(app, base + ["--fact-weight", "0", "--out", str(tmp_path / "x")])
     assert bad.exit_code != 0 and "--fact-weight must be > 0" in bad.output and not (tmp_path / "x").exists()
+    bad = CliRunner().invoke(app, base + ["--fact-weight", "2", "--captioner", "--out", str(tmp_path / "x")])
+    assert bad.exit_code != 0 and "--captioner" in bad.output and not (tmp_path / "x").exists()
 
 
 def test_reproduction_script_uses_only_real_flags():

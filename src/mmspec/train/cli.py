@@ -89,6 +89,8 @@ def stage(
             f"caption_mix={caption_mix}, text_view_prob={text_view_prob}, caption_view_prob={caption_view_prob}")
     if not fact_weight > 0:
         raise typer.BadParameter(f"--fact-weight must be > 0 (1 weighs every answer token alike); got {fact_weight}")
+    if captioner and fact_weight != 1.0:
+        raise typer.BadParameter("--fact-weight weighs QA answers and would do nothing with --captioner; drop one")
     per_family = _parse_family_samples(family_samples, n_train_per_family)
     if threads:
         torch.set_num_threads(threads)
