@@ -38,7 +38,8 @@ $M stage --init "$OUT/work/target_v3" --trainable all --lr 5e-4 --steps 1000000 
     --out "$OUT/work/target_v4"
 
 # 2d. projector + LM only (the vision tower stays target_v4's, which steps 3-5 train on), the loss on
-#     the answer tokens that state the image's facts weighted 4x, mix weighted toward charts and yes/no
+#     the answer tokens that state the image's facts weighted 4x; mix weighted toward charts and yes/no
+#     probes (6,000 each), then signs (4,000) and object scenes (3,000)
 $M stage --init "$OUT/work/target_v4" --trainable projector+lm --lr 3e-4 --steps 1000000 --minutes 70 \
     --n-train-per-family 1500 --family-samples chartqa=6000 --family-samples hallusionbench=6000 \
     --family-samples textvqa=4000 --family-samples vqav2=3000 --family-samples pororosv=1000 \

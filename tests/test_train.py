@@ -369,7 +369,7 @@ def test_probe_cli_on_a_tiny_model(model, processor, tmp_path):
     assert bad.exit_code == 2 and "no config.json" in bad.output and "Traceback" not in bad.output
 
 
-def test_fact_weight_marks_exactly_the_fact_tokens(tokenizer, processor):
+def test_fact_weight_marks_the_fact_tokens(tokenizer, processor):
     """--fact-weight: the answer tokens that state a fact (whole words, case ignored) get the weight,
     every other answer token and the eos weigh 1, the prompt 0; weight 1 or no facts: no weights."""
     ex = fake_examples(1, seed=3)[0]
@@ -395,6 +395,23 @@ def test_fact_weight_marks_exactly_the_fact_tokens(tokenizer, processor):
     heavy_text = "".join(world_tok.decode([t]) for t, w in zip(wenc.input_ids, wenc.weights) if w == 3.0)
     for value in sample.facts.values():
         assert str(value).replace(" ", "") in heavy_text.replace(" ", "")
+    n_prompt = wenc.labels.count(IGNORE)
+    light = [world_tok.decode([t]) for t, w in zip(wenc.input_ids[n_prompt:], wenc.weights[n_prompt:]) if w == 1.0]
+    assert len(light) > len(wenc.input_ids[n_prompt:]) / 2 and wenc.weights[-1] == 1.0  # phrasing and eos weigh 1
+    assert not any(str(v).lower() in "".join(light).lower().split() for v in sample.facts.values())
+    # a cut answer (no eos) keeps one weight per label; a slow tokenizer is refused up front
+    cut = Encoder(world_tok, max_answer_tokens=5, fact_weight=3.0).encode(example_from_sample(sample))
+    assert len(cut.weights) == len(cut.labels) == len(cut.input_ids) and cut.input_ids[-1] != world_tok.eos_token_id
+    assert cut.weights[-5:] == wenc.weights[n_prompt:n_prompt + 5]
+
+    class Slow:
+        is_fast = False
+
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [5]}
+
+    with pytest.raises(MMSpecError, match="fast tokenizer"):
+        Encoder(Slow(), fact_weight=2.0)
 
 
 def test_weighted_loss_is_the_weighted_mean(model, tokenizer, processor):
@@ -423,6 +440,12 @@ def test_weighted_loss_is_the_weighted_mean(model, tokenizer, processor):
         assert weighted != pytest.approx(plain, rel=1e-3)
         batch.loss_weights = (batch.labels != IGNORE).float()
         assert float(batch_loss(model, batch, train_vision=False)) == pytest.approx(plain, rel=1e-5)
+    # a batch mixing weighted rows with unweighted ones (caption examples): those weigh 1 on
+    # their labels and 0 on the prompt and padding
+    mixed = collate([Encoder(tokenizer, fact_weight=4.0).encode(examples[0]), Encoder(tokenizer).encode(base[1])],
+                    0, processor.image_processor, 64)
+    assert torch.equal(mixed.loss_weights[1], (mixed.labels[1] != IGNORE).float())
+    assert mixed.loss_weights[0].max() == 4.0 and (mixed.loss_weights[0][mixed.labels[0] == IGNORE] == 0).all()
 
 
 def test_stage_cli_fact_weight(tmp_path, monkeypatch):
@@ -451,8 +474,9 @@ def test_stage_cli_fact_weight(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     assert seen["fact_weight"] == 3.0 and seen["weighted"] == 8  # every world answer states its facts
     assert json.loads((out / "mmspec.json").read_text())["stages"][-1]["fact_weight"] == 3.0
-    bad = CliRunner().invoke(app, base + ["--fact-weight", "0", "--out", str(tmp_path / "x")])
-    assert bad.exit_code != 0 and "--fact-weight must be > 0" in bad.output and not (tmp_path / "x").exists()
+    for value in ("0", "inf"):
+        bad = CliRunner().invoke(app, base + ["--fact-weight", value, "--out", str(tmp_path / "x")])
+        assert bad.exit_code != 0 and "--fact-weight must be" in bad.output and not (tmp_path / "x").exists()
     bad = CliRunner().invoke(app, base + ["--fact-weight", "2", "--captioner", "--out", str(tmp_path / "x")])
     assert bad.exit_code != 0 and "--captioner" in bad.output and not (tmp_path / "x").exists()
 
@@ -469,7 +493,7 @@ def test_reproduction_script_uses_only_real_flags():
 
     script = (Path(__file__).parents[1] / "scripts" / "train-embedded-pack.sh").read_text()
     train = typer.main.get_command(app).commands["train"]
-    lines = script.replace("\\\n", " ").splitlines()
+    lines = script.replace('"$T"', "2").replace("$OUT", "/tmp/pack").replace("\\\n", " ").splitlines()
     commands = [shlex.split(line.split("#")[0])[1:] for line in lines if line.lstrip().startswith("$M ")]
     assert len(commands) >= 8
     for words in commands:
@@ -478,3 +502,4 @@ def test_reproduction_script_uses_only_real_flags():
         known = {o for p in sub.params for o in (*p.opts, *p.secondary_opts)}
         unknown = [w for w in words[1:] if w.startswith("--") and w not in known]
         assert not unknown, f"`mmspec train {words[0]}` has no {unknown}"
+        sub.make_context(words[0], list(words[1:]))  # values parse, required options are there

@@ -72,6 +72,8 @@ def stage(
 
     Starting from --init, the new stage is appended to the init dir's mmspec.json history.
     """
+    import math
+
     import torch
     from transformers import LlavaForConditionalGeneration
 
@@ -87,8 +89,8 @@ def stage(
         raise typer.BadParameter(
             f"--caption-mix must be >= 0 and the view probabilities in [0, 1] with a sum <= 1; got "
             f"caption_mix={caption_mix}, text_view_prob={text_view_prob}, caption_view_prob={caption_view_prob}")
-    if not fact_weight > 0:
-        raise typer.BadParameter(f"--fact-weight must be > 0 (1 weighs every answer token alike); got {fact_weight}")
+    if not (math.isfinite(fact_weight) and fact_weight > 0):
+        raise typer.BadParameter(f"--fact-weight must be a finite number > 0 (1 weighs every answer token alike); got {fact_weight}")
     if captioner and fact_weight != 1.0:
         raise typer.BadParameter("--fact-weight weighs QA answers and would do nothing with --captioner; drop one")
     per_family = _parse_family_samples(family_samples, n_train_per_family)

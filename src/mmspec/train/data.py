@@ -104,6 +104,9 @@ class Encoder:
     facts (whole-word matches, as the fact-recall check counts them) that many times more than
     the other answer tokens: a verbose answer spends most of its tokens on phrasing the LM
     learns quickly, and the few tokens that carry the image's facts are what it must get right.
+    Every occurrence is weighed, incidental ones included (the "no" of "there is no X" when a
+    fact is ``No``, another object's "right" when a position is ``right``). Needs a fast
+    tokenizer (character offsets).
     """
 
     tokenizer: object
@@ -114,6 +117,9 @@ class Encoder:
 
     def __post_init__(self) -> None:
         self._newline = self.tokenizer("\n", add_special_tokens=False)["input_ids"]
+        if self.fact_weight != 1.0 and not getattr(self.tokenizer, "is_fast", False):
+            raise MMSpecError("fact weighting needs a fast tokenizer (character offsets); load it with use_fast=True "
+                              "or leave fact_weight at 1")
 
     def encode(self, ex: Example, view: View = "multimodal", tokens_per_image: int = 64) -> Encoded:
         prompt_ids = self.tokenizer(ex.prompt)["input_ids"]
@@ -135,8 +141,7 @@ class Encoder:
             else:
                 ids.extend(self.tokenizer(ex.captions[image_idx], add_special_tokens=False)["input_ids"])
             image_idx += 1
-        answer_ids = self.tokenizer(" " + ex.answer, add_special_tokens=False)["input_ids"]
-        answer_w = self._fact_weights(" " + ex.answer, ex.facts, len(answer_ids))
+        answer_ids, answer_w = self._answer(" " + ex.answer, ex.facts)
         if self.max_answer_tokens is not None and len(answer_ids) > self.max_answer_tokens:
             answer_ids = answer_ids[: self.max_answer_tokens]  # cut: no eos, the answer goes on
             answer_w = None if answer_w is None else answer_w[: self.max_answer_tokens]
@@ -148,19 +153,17 @@ class Encoder:
         images = ex.images if view == "multimodal" else ()
         return Encoded(ids + answer_ids, labels, images, weights)
 
-    def _fact_weights(self, text: str, facts: Sequence[str], n_tokens: int) -> list[float] | None:
-        """Per token of ``text``: ``fact_weight`` where the token overlaps a whole-word, case-blind
-        occurrence of a fact value, else 1. None when there is nothing to weigh."""
-        if self.fact_weight == 1.0 or not facts:
-            return None
-        spans = [m.span() for value in facts
+    def _answer(self, text: str, facts: Sequence[str]) -> tuple[list[int], list[float] | None]:
+        """Token ids of ``text`` and, when weighing, per token ``fact_weight`` where the token
+        overlaps a whole-word, case-blind occurrence of a fact value, else 1 (None: no weights)."""
+        spans = [m.span() for value in (facts if self.fact_weight != 1.0 else ())
                  for m in re.finditer(r"(?<!\w)" + re.escape(value.lower()) + r"(?!\w)", text.lower())]
         if not spans:
-            return None
-        offsets = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-        if len(offsets) != n_tokens:
-            raise MMSpecError("tokenizer offsets do not align with its ids; fact weighting needs a fast tokenizer")
-        return [self.fact_weight if any(s < e2 and s2 < e for s2, e2 in spans) else 1.0 for s, e in offsets]
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"], None
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        weights = [self.fact_weight if any(s < e2 and s2 < e for s2, e2 in spans) else 1.0
+                   for s, e in enc["offset_mapping"]]
+        return enc["input_ids"], weights
 
 
 def collate(items: Sequence[Encoded], pad_id: int, image_processor, tokens_per_image: int) -> Batch:
