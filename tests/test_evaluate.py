@@ -84,11 +84,20 @@ def test_evaluate_command_writes_json(tmp_path):
     res_dir = tmp_path / "res"
     res_dir.mkdir()
     _write(res_dir, [make_sample("chartqa", "test", 0).answer, "no idea"])
+    w = RowWriter(results_path(res_dir, 1))
+    hallu = make_sample("hallusionbench", "test", 0)
+    w.append({"kind": "baseline", "dataset": "hallusionbench", "uid": "hallusionbench-test-0", "method": "",
+              "text": hallu.answer, "token_ids": [], "wall_s": 0.1})
+    w.close()
     out = tmp_path / "eval.json"
     r = CliRunner().invoke(app, ["train", "evaluate", "--results", str(res_dir),
                                  "--captions-per-family", "0", "--out", str(out)])
     assert r.exit_code == 0, r.output
+    truth = hallu.facts["answer"]
+    assert f"1 {truth}-questions end on: Yes {int(truth == 'Yes')}, No {int(truth == 'No')}, none 0" in r.output
     report = json.loads(out.read_text())
+    assert report["answer_fact_recall"]["hallusionbench"]["verdicts"] == {
+        truth: {"Yes": int(truth == "Yes"), "No": int(truth == "No"), "none": 0}}
     assert report["answer_fact_recall"]["chartqa"]["samples"] == 2
     assert 0.4 <= report["answer_fact_recall"]["chartqa"]["recall"] <= 0.6
 

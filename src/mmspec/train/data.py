@@ -156,7 +156,8 @@ class Encoder:
     def _answer(self, text: str, facts: Sequence[str]) -> tuple[list[int], list[float] | None]:
         """Token ids of ``text`` and, when weighing, per token ``fact_weight`` where the token
         overlaps a whole-word, case-blind occurrence of a fact value, else 1 (None: no weights)."""
-        spans = [m.span() for value in (facts if self.fact_weight != 1.0 else ())
+        weighing = self.fact_weight != 1.0
+        spans = [m.span() for value in facts if weighing
                  for m in re.finditer(r"(?<!\w)" + re.escape(value.lower()) + r"(?!\w)", text.lower())]
         if not spans:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"], None
