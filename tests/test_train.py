@@ -503,3 +503,158 @@ def test_reproduction_script_uses_only_real_flags():
         unknown = [w for w in words[1:] if w.startswith("--") and w not in known]
         assert not unknown, f"`mmspec train {words[0]}` has no {unknown}"
         sub.make_context(words[0], list(words[1:]))  # values parse, required options are there
+
+
+def test_reading_head_pools_over_patches():
+    """A token one patch votes for scores high after pooling; a token no patch votes for stays low;
+    the pooled logit of a token every patch votes for equally is that vote (log-mean-exp)."""
+    import math
+
+    from mmspec.train.reading import ReadingHead
+
+    head = ReadingHead(4, 3)
+    with torch.no_grad():
+        head.proj.weight.copy_(torch.tensor([[10.0, 0, 0, 0], [0, 10.0, 0, 0], [0, 0, 0, 0]]))
+        head.proj.bias.copy_(torch.tensor([-5.0, -5.0, 2.0]))
+    feats = torch.zeros(1, 8, 4)  # [B, P, C]
+    feats[0, 3, 0] = 1.0  # one patch "says" token 0
+    logits = head(feats)[0].tolist()
+    assert logits[0] == pytest.approx(5 - math.log(8), abs=1e-3)  # one patch at +5, seven at -5
+    assert logits[1] == pytest.approx(-5.0)
+    assert logits[2] == pytest.approx(2.0)
+
+
+def test_caption_bags_are_the_caption_tokens(tokenizer):
+    from mmspec.train.reading import caption_bags
+
+    bags = caption_bags(tokenizer, ["a red square", "a blue"], len(tokenizer))
+    ids = tokenizer("a red square", add_special_tokens=False)["input_ids"]
+    assert bags.shape == (2, len(tokenizer)) and bags[0].sum() == 3 and all(bags[0, i] == 1 for i in ids)
+    assert bags[1].nonzero().flatten().tolist() == sorted(tokenizer("a blue", add_special_tokens=False)["input_ids"])
+    with pytest.raises(MMSpecError, match="no tokens"):
+        caption_bags(tokenizer, [""], len(tokenizer))
+
+
+def test_reading_trains_only_the_tower_and_learns_to_read(model, tokenizer, processor):
+    """On images whose caption names their colour, the reading loss falls and the held-out recall
+    of caption words rises; the projector and LM are byte-identical afterwards."""
+    import itertools
+
+    from mmspec.train.reading import ReadingConfig, ReadingHead, reading_loss, train_reading, word_recall
+    from mmspec.train.pooling import vision_patch_features
+
+    torch.manual_seed(0)
+    train = fake_examples(64, seed=1)
+    stream = itertools.cycle([([ex.images[0] for ex in train[i:i + 16]], [ex.captions[0] for ex in train[i:i + 16]])
+                              for i in range(0, 64, 16)])
+    test = fake_examples(32, seed=2)
+    images, captions = [ex.images[0] for ex in test], [ex.captions[0] for ex in test]
+    head = ReadingHead(model.config.vision_config.hidden_size, len(tokenizer))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    r0 = word_recall(model, head, tokenizer, processor.image_processor, images, captions)
+    res = train_reading(model, head, tokenizer, processor.image_processor, stream,
+                        ReadingConfig(lr=3e-3, steps=60, batch_size=16), progress=False)
+    r1 = word_recall(model, head, tokenizer, processor.image_processor, images, captions)
+    assert res.steps == 60 and res.images == 60 * 16
+    assert sum(res.losses[-5:]) / 5 < 0.5 * sum(res.losses[:5]) / 5
+    assert r1["recall"] == 1.0 and r0["recall"] < 0.5 and r1["images"] == 32
+    for k, v in model.state_dict().items():
+        if not k.startswith("model.vision_tower."):
+            assert torch.equal(v, before[k]), k
+    assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items() if "vision_tower" in k)
+    # colours are told apart: a red image's bag scores "red" above "blue"
+    red = processor.image_processor([Image.new("RGB", (96, 96), COLORS["red"])], return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        logits = head(vision_patch_features(model, red))[0]
+    assert logits[tokenizer.convert_tokens_to_ids("red")] > logits[tokenizer.convert_tokens_to_ids("blue")]
+
+
+def test_reading_config_refuses_bad_values():
+    from mmspec.train.reading import ReadingConfig
+
+    for bad in ({"lr": 0.0}, {"lr": float("nan")}, {"steps": 0}, {"batch_size": 0}, {"steps": None}):
+        with pytest.raises(MMSpecError):
+            ReadingConfig(**bad)
+    assert ReadingConfig(steps=None, max_seconds=60.0).steps is None  # the clock alone decides
+
+
+def test_reading_with_a_time_budget_only_stops_on_the_clock(model, tokenizer, processor):
+    import itertools
+
+    from mmspec.train.reading import ReadingConfig, ReadingHead, train_reading
+
+    ex = fake_examples(4)
+    stream = itertools.cycle([([e.images[0] for e in ex], [e.captions[0] for e in ex])])
+    head = ReadingHead(model.config.vision_config.hidden_size, len(tokenizer))
+    res = train_reading(model, head, tokenizer, processor.image_processor, stream,
+                        ReadingConfig(steps=None, max_seconds=1.0, batch_size=4), progress=False)
+    assert res.steps > 1 and 0.9 < res.seconds < 3.0
+
+
+def test_read_cli_changes_only_the_tower_and_records_the_stage(model, processor, tmp_path):
+    """`mmspec train read` on a saved tiny model: the result loads, only vision-tower tensors
+    differ, the stage (with the held-out word recall) is appended to mmspec.json, the LM's stale
+    eval is dropped, and bad input is refused with a message before any work."""
+    import json
+
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from mmspec.cli import app
+    from mmspec.train.checkpoint import save_checkpoint
+    from mmspec.train.pack import world_tokenizer_and_processor
+
+    world_tok, world_proc = world_tokenizer_and_processor(0)
+    torch.manual_seed(0)
+    tiny = build_llava(model_size("tiny"), world_tok)
+    save_checkpoint(tiny, tmp_path / "m", processor=world_proc, half=False,
+                    meta={"role": "target", "stages": [{"name": "s0"}], "eval": {"loss": 1.0}})
+    base = ["train", "read", "--init", str(tmp_path / "m"), "--steps", "3", "--batch-size", "4",
+            "--n-train-per-family", "1", "--eval-images", "8", "--no-bf16"]
+    r = CliRunner().invoke(app, base + ["--out", str(tmp_path / "r")])
+    assert r.exit_code == 0, r.output
+    assert "held-out caption words read" in r.output and "train a stage" in r.output
+    meta = json.loads((tmp_path / "r" / "mmspec.json").read_text())
+    assert [s["name"] for s in meta["stages"]] == ["s0", "reading"] and "eval" not in meta
+    rec = meta["stages"][-1]["val_word_recall"]
+    assert meta["stages"][-1]["steps"] == 3 and 0 <= rec["recall"] <= 1 and rec["images"] == 8
+    assert set(rec["by_group"]) <= {"chartqa", "textvqa", "vqav2", "hallusionbench", "spot_the_diff", "iedit", "pororosv", "vist"}
+    old, new = load_file(tmp_path / "m" / "model.safetensors"), load_file(tmp_path / "r" / "model.safetensors")
+    changed = {k for k in old if not torch.equal(old[k], new[k])}
+    assert changed and all("vision_tower" in k for k in changed)
+    LlavaForConditionalGeneration.from_pretrained(tmp_path / "r")
+    timed = [a for a in base if a not in ("--steps", "3")] + ["--minutes", "0.01", "--eval-images", "0"]
+    r = CliRunner().invoke(app, timed + ["--out", str(tmp_path / "t")])  # --minutes alone: the clock decides
+    assert r.exit_code == 0, r.output
+    stage = json.loads((tmp_path / "t" / "mmspec.json").read_text())["stages"][-1]
+    assert stage["steps"] >= 1 and stage["seconds"] < 5 and "val_word_recall" not in stage
+    for args, phrase in (([], "no config.json"), (["--lr", "0"], "learning rate"),
+                         (["--steps", "0"], "steps >= 1"), (["--eval-images", "-1"], "--eval-images")):
+        init = str(tmp_path) if not args else str(tmp_path / "m")
+        bad_args = ["train", "read", "--init", init, "--out", str(tmp_path / "x"), *args]
+        bad = CliRunner().invoke(app, bad_args)
+        assert bad.exit_code == 2 and phrase in bad.output and "Traceback" not in bad.output, bad.output
+        assert not (tmp_path / "x").exists()
+
+
+def test_image_caption_stream_mixes_families_in_proportion():
+    """Families come in proportion to their counts from the first batch on, each walks its own
+    samples in order and wraps at its count, and the stream is a function of the seed."""
+    from itertools import islice
+
+    from mmspec.train.reading import image_caption_stream
+    from mmspec.world import make_sample
+
+    counts = {"textvqa": 3, "chartqa": 1}
+    batches = list(islice(image_caption_stream("train", counts, 10, seed=0), 40))
+    captions = [c for _, caps in batches for c in caps]
+    signs = [c for c in captions if "sign" in c]
+    assert 0.65 < len(signs) / len(captions) < 0.85
+    first = [c for c in batches[0][1]]
+    assert any("sign" in c for c in first) and any("bar chart" in c for c in first)
+    expected = [make_sample("textvqa", "train", i % 3).captions[0] for i in range(len(signs))]
+    assert signs == expected
+    again = list(islice(image_caption_stream("train", counts, 10, seed=0), 40))
+    assert [caps for _, caps in again] == [caps for _, caps in batches]
+    with pytest.raises(MMSpecError, match="every family has 0"):
+        next(image_caption_stream("train", {"textvqa": 0}, 4))

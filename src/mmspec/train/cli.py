@@ -2,8 +2,9 @@
 
 Commands: ``embedded`` (the whole pack, see :mod:`mmspec.train.pack`), ``stage`` (one stage
 of the recipe on one model directory, or on a fresh model of a size preset), ``grow`` (more LM
-layers, same function; :mod:`mmspec.train.grow`), ``evaluate`` and ``probe`` (can the vision
-tower's features be read linearly; :mod:`mmspec.train.probe`).
+layers, same function; :mod:`mmspec.train.grow`), ``read`` (reading pre-training of the vision
+tower; :mod:`mmspec.train.reading`), ``evaluate`` and ``probe`` (can the vision tower's features
+be read linearly; :mod:`mmspec.train.probe`).
 """
 
 from __future__ import annotations
@@ -155,6 +156,78 @@ def _parse_family_samples(specs: list[str], default: int) -> dict[str, int]:
     if not any(counts.values()):
         raise typer.BadParameter("every family has 0 samples; nothing to train on", param_hint="--family-samples")
     return counts
+
+
+@train_app.command("read")
+def read_cmd(
+    init: Path = typer.Option(..., help="the HF LLaVA dir whose vision tower learns to read"),
+    out: Path = typer.Option(..., help="where to save the model with the new tower (HF dir)"),
+    lr: float = typer.Option(3e-4),
+    steps: Optional[int] = typer.Option(None, help="optimiser steps (default: 1000, or as many as "
+                                        "--minutes allow when it is given)"),
+    batch_size: int = typer.Option(64, help="images per step"),
+    n_train_per_family: int = typer.Option(1500),
+    family_samples: list[str] = typer.Option([], help="FAMILY=N: read the images of N samples of this family "
+                                             "(repeatable; 0 drops the family)"),
+    minutes: Optional[float] = typer.Option(None, help="wall-clock cap; the schedule then follows time"),
+    eval_images: int = typer.Option(512, help="val-split images for the held-out word recall (0: skip)"),
+    bf16: bool = typer.Option(True, help="bf16 autocast"),
+    half: bool = typer.Option(False, help="save fp16 safetensors"),
+    device: str = typer.Option("cpu"),
+    seed: int = typer.Option(0),
+    threads: Optional[int] = typer.Option(None),
+) -> None:
+    """Reading pre-training of the vision tower: learn to predict the words of each image's caption
+    from single patch features (`mmspec.train.reading`). Only the tower changes; the projector and
+    LM of the result were trained on the old tower, so train a stage on it before using it."""
+    import torch
+    from transformers import LlavaForConditionalGeneration
+
+    from mmspec.errors import MMSpecError
+    from mmspec.train.checkpoint import read_sidecar, save_checkpoint
+    from mmspec.train.pack import world_tokenizer_and_processor
+    from mmspec.train.reading import (ReadingConfig, ReadingHead, image_caption_stream, train_reading,
+                                      word_recall)
+    from mmspec.world import iter_all
+
+    try:
+        cfg = ReadingConfig(lr=lr, steps=steps if steps is not None or minutes is not None else 1000,
+                            batch_size=batch_size,
+                            max_seconds=None if minutes is None else 60.0 * minutes)
+    except MMSpecError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    if eval_images < 0:
+        raise typer.BadParameter(f"--eval-images must be >= 0; got {eval_images}")
+    per_family = _parse_family_samples(family_samples, n_train_per_family)
+    if not (init / "config.json").exists():
+        raise typer.BadParameter(f"{init} is not an HF LLaVA model directory (no config.json)", param_hint="--init")
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    tokenizer, processor = world_tokenizer_and_processor(seed)
+    model = LlavaForConditionalGeneration.from_pretrained(init, dtype=torch.float32)
+    feature_dim = model.config.vision_config.hidden_size
+    if isinstance(model.config.vision_feature_layer, (list, tuple)):
+        feature_dim *= len(model.config.vision_feature_layer)
+    head = ReadingHead(feature_dim, len(tokenizer))
+    stream = image_caption_stream("train", per_family, cfg.batch_size, seed)
+    res = train_reading(model, head, tokenizer, processor.image_processor, stream, cfg, device, autocast_bf16=bf16)
+    record = {**res.summary(), "lr": lr, "trainable": "vision", "objective": "caption bag of words",
+              "n_train_per_family": n_train_per_family, **({"family_samples": per_family} if family_samples else {})}
+    if eval_images:
+        triples = [(im, c, s.family) for s in iter_all("val", max(1, eval_images // len(per_family)), seed)
+                   for im, c in zip(s.images, s.captions)][:eval_images]
+        images, captions, families = (list(x) for x in zip(*triples))
+        rec = word_recall(model, head, tokenizer, processor.image_processor, images, captions, families, device)
+        record["val_word_recall"] = rec
+        typer.echo(f"held-out caption words read (recall at k, {rec['images']} val images): {rec['recall']:.1%}; "
+                   + ", ".join(f"{f} {r:.0%}" for f, r in rec["by_group"].items()))
+    meta = read_sidecar(init)
+    meta["stages"] = [*meta.get("stages", []), record]
+    meta.pop("eval", None)  # the LM's figures were measured on the old tower
+    save_checkpoint(model, out, processor=processor, half=half, meta=meta)
+    typer.echo(f"{res.summary()} -> {out}\nThe projector and LM were trained on the old tower: train a stage "
+               f"on {out} (`mmspec train stage --init {out}`) before using it.")
 
 
 @train_app.command("grow")

@@ -1,0 +1,231 @@
+"""Reading pre-training of a LLaVA vision tower: predict which words an image's caption holds.
+
+Our vision tower starts from scratch (there is no pretrained CLIP offline), and training it
+through the LM's answer loss alone leaves it unable to read glyphs: a linear probe reads the
+word on a sign in 19% of test images (``mmspec.train.probe``). CLIP pre-training is what gives
+LLaVA's tower that skill; this module is our small stand-in for it, a caption bag-of-words
+objective (predict the set of caption tokens from the image, as tagging pre-training does):
+
+- :class:`ReadingHead`: a linear map from each patch feature (the layer the projector reads,
+  ``vision_patch_features``) to vocabulary logits, pooled over the patches by log-mean-exp, so
+  a word scores high when some patch says it. The head sees one patch at a time, so what a word
+  looks like has to be in that patch's feature, which is what the projector passes to the LM.
+- :func:`caption_bags`: the multi-hot targets, [B, V].
+- :func:`reading_loss`: softmax cross-entropy of the pooled logits against the bag normalised to
+  a distribution (the multi-label softmax loss of Mahajan et al., 2018, "Exploring the limits of
+  weakly supervised pretraining"). A per-token binary loss averaged over the 1,347-token
+  vocabulary was tried first and learnt nothing of sign words in 48k sign images.
+  What this objective does and does not teach the shipped tower is measured in
+  docs/embedded-models.md: chart glyphs yes, sign words not (yet).
+- :func:`image_caption_stream`: endless (images, captions) batches from the world's train split.
+- :func:`train_reading`: the loop (AdamW on the tower and the head, warm-up + cosine, progress
+  bar); only the vision tower of the model changes. :func:`word_recall` scores the head on
+  held-out images.
+
+The head is thrown away after training: the LM later learns to use the features itself.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from mmspec.errors import MMSpecError
+from mmspec.train.pooling import vision_patch_features
+from mmspec.train.recipe import _autocast, lr_at
+
+
+@dataclass(frozen=True)
+class ReadingConfig:
+    """One reading pre-training run. ``max_seconds`` as in :class:`~mmspec.train.config.StageConfig`:
+    the schedule follows ``max(step / steps, elapsed / max_seconds)``; with ``steps=None`` the
+    clock alone decides (``max_seconds`` is then required)."""
+
+    lr: float = 3e-4
+    steps: int | None = 1000
+    batch_size: int = 64
+    warmup_ratio: float = 0.03
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    max_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise MMSpecError(f"reading pre-training needs a learning rate > 0; got {self.lr}")
+        if self.steps is None and self.max_seconds is None:
+            raise MMSpecError("reading pre-training needs a step count or a time budget (minutes)")
+        if (self.steps is not None and self.steps < 1) or self.batch_size < 1:
+            raise MMSpecError(f"reading pre-training needs steps >= 1 and batch size >= 1; got "
+                              f"steps={self.steps}, batch_size={self.batch_size}")
+
+
+class ReadingHead(torch.nn.Module):
+    """Per-patch vocabulary logits pooled over the patches (log-mean-exp)."""
+
+    def __init__(self, feature_dim: int, vocab_size: int):
+        super().__init__()
+        self.proj = torch.nn.Linear(feature_dim, vocab_size)
+
+    def forward(self, feats: torch.Tensor) -> torch.Tensor:
+        """feats: [B, P, C] patch features -> [B, V] logits of "the caption holds token v"."""
+        per_patch = self.proj(feats).float()  # [B, P, V]
+        return torch.logsumexp(per_patch, dim=1) - math.log(feats.shape[1])
+
+
+def caption_bags(tokenizer, captions: Sequence[str], vocab_size: int) -> torch.Tensor:
+    """[B, V] multi-hot: 1 where the caption's tokens (no special tokens) include v."""
+    bags = torch.zeros(len(captions), vocab_size)
+    for row, caption in enumerate(captions):
+        ids = tokenizer(caption, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise MMSpecError(f"caption {caption!r} has no tokens; every image needs a caption to read")
+        bags[row, ids] = 1.0
+    return bags
+
+
+def reading_loss(head: ReadingHead, feats: torch.Tensor, bags: torch.Tensor) -> torch.Tensor:
+    """Mean over the batch of the cross-entropy between softmax(pooled logits) and the bag
+    normalised to sum 1. feats: [B, P, C]; bags: [B, V] multi-hot."""
+    bags = bags.to(feats.device)
+    logp = torch.log_softmax(head(feats), dim=-1)  # [B, V]
+    return -((bags / bags.sum(-1, keepdim=True)) * logp).sum(-1).mean()
+
+
+def image_caption_stream(split: str, n_per_family: int | Mapping[str, int], batch_size: int,
+                         seed: int = 0) -> Iterator[tuple[list, list[str]]]:
+    """Endless batches of (images, captions) from the split's first ``n_per_family`` samples of
+    each family. Each next sample's family is drawn with probability proportional to its count
+    (``random.Random(seed)``), so the mix is the same all through training; a family walks
+    through its samples in order and starts again when it reaches its count. All images of a
+    sample are used. Samples are rendered as they are needed, so memory stays flat."""
+    from mmspec.world import FAMILIES, make_sample
+
+    counts = {name: n_per_family for name in FAMILIES} if isinstance(n_per_family, int) else dict(n_per_family)
+    for name in counts:
+        if name not in FAMILIES:
+            raise MMSpecError(f"unknown family {name!r}; use one of {', '.join(FAMILIES)}")
+    names = [name for name, n in counts.items() if n > 0]
+    if not names:
+        raise MMSpecError("no samples to read: every family has 0 samples")
+    weights = [counts[name] for name in names]
+    rng = random.Random(seed)
+    next_index = dict.fromkeys(names, 0)
+    images: list = []
+    captions: list[str] = []
+    while True:
+        name = rng.choices(names, weights)[0]
+        sample = make_sample(name, split, next_index[name], seed)
+        next_index[name] = (next_index[name] + 1) % counts[name]
+        for image, caption in zip(sample.images, sample.captions, strict=True):
+            images.append(image)
+            captions.append(caption)
+            if len(images) == batch_size:
+                yield images, captions
+                images, captions = [], []
+
+
+@dataclass
+class ReadingResult:
+    """What a reading run did: the loss per step, steps, seconds, images seen."""
+
+    losses: list[float] = field(default_factory=list)
+    steps: int = 0
+    seconds: float = 0.0
+    images: int = 0
+
+    def summary(self) -> dict:
+        tail = self.losses[-max(1, len(self.losses) // 10):]
+        return {"name": "reading", "steps": self.steps, "seconds": round(self.seconds, 1), "samples": self.images,
+                "first_loss": self.losses[0] if self.losses else None,
+                "final_loss": sum(tail) / len(tail) if tail else None,
+                "samples_per_s": round(self.images / max(self.seconds, 1e-9), 2)}
+
+
+def _pixels(image_processor, images: Sequence, device: str) -> torch.Tensor:
+    pv = image_processor(list(images), return_tensors="pt")["pixel_values"]  # [B, 3, H, W]
+    return pv.to(device)
+
+
+def train_reading(model, head: ReadingHead, tokenizer, image_processor, batches: Iterator[tuple[list, list[str]]],
+                  cfg: ReadingConfig, device: str = "cpu", autocast_bf16: bool = False,
+                  progress: bool = True) -> ReadingResult:
+    """Train ``model``'s vision tower (in place) and ``head`` on the reading objective."""
+    tower = model.model.vision_tower
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in tower.parameters():
+        p.requires_grad_(True)
+    params = [*tower.parameters(), *head.parameters()]
+    model.to(device).train()
+    head.to(device).train()
+    vocab = head.proj.out_features
+    opt = torch.optim.AdamW(params, lr=0.0, weight_decay=cfg.weight_decay)
+    result = ReadingResult()
+    start = time.perf_counter()
+    bar = tqdm(total=cfg.steps if cfg.max_seconds is None else None, desc="reading", disable=not progress,
+               dynamic_ncols=True, mininterval=2.0)
+    step = 0
+    while True:
+        frac = 0.0 if cfg.steps is None else step / cfg.steps
+        if cfg.max_seconds is not None:
+            frac = max(frac, (time.perf_counter() - start) / cfg.max_seconds)
+        if frac >= 1.0:
+            break
+        for group in opt.param_groups:
+            group["lr"] = lr_at(frac, cfg.lr, cfg.warmup_ratio)
+        images, captions = next(batches)
+        pv = _pixels(image_processor, images, device)
+        bags = caption_bags(tokenizer, captions, vocab)  # [B, V]
+        with _autocast(device, autocast_bf16):
+            loss = reading_loss(head, vision_patch_features(model, pv), bags)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        step += 1
+        result.losses.append(float(loss.detach()))
+        result.images += len(images)
+        bar.update(1)
+        bar.set_postfix(loss=f"{result.losses[-1]:.4f}", lr=f"{opt.param_groups[0]['lr']:.1e}")
+    bar.close()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.eval()
+    head.eval()
+    result.steps = step
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+@torch.no_grad()
+def word_recall(model, head: ReadingHead, tokenizer, image_processor, images: Sequence, captions: Sequence[str],
+                groups: Sequence[str] | None = None, device: str = "cpu", batch: int = 64) -> dict:
+    """How well the head reads held-out images: of each caption's k distinct tokens, the share
+    among the head's k highest-scoring tokens (recall at k), over all images -> ``recall`` and,
+    with ``groups`` (one label per image, e.g. its family), per group -> ``by_group``."""
+    vocab = head.proj.out_features
+    hits: list[float] = []
+    sizes: list[float] = []
+    for i in range(0, len(images), batch):
+        pv = _pixels(image_processor, images[i:i + batch], device)
+        logits = head(vision_patch_features(model, pv).float()).cpu()  # [b, V]
+        bags = caption_bags(tokenizer, captions[i:i + batch], vocab)  # [b, V]
+        ranks = logits.argsort(dim=-1, descending=True).argsort(dim=-1)  # [b, V]: 0 = best
+        k = bags.sum(-1, keepdim=True)  # [b, 1]
+        hits += ((ranks < k).float() * bags).sum(-1).tolist()
+        sizes += k.squeeze(-1).tolist()
+    out: dict = {"recall": sum(hits) / max(sum(sizes), 1.0), "images": len(hits)}
+    if groups is not None:
+        by: dict[str, list[float]] = {}
+        for g, h, n in zip(groups, hits, sizes, strict=True):
+            by.setdefault(g, [0.0, 0.0])
+            by[g][0] += h
+            by[g][1] += n
+        out["by_group"] = {g: h / n for g, (h, n) in by.items()}
+    return out
