@@ -572,7 +572,8 @@ def test_reading_trains_only_the_tower_and_learns_to_read(model, tokenizer, proc
 def test_reading_config_refuses_bad_values():
     from mmspec.train.reading import ReadingConfig
 
-    for bad in ({"lr": 0.0}, {"lr": float("nan")}, {"steps": 0}, {"batch_size": 0}, {"steps": None}):
+    for bad in ({"lr": 0.0}, {"lr": float("nan")}, {"steps": 0}, {"batch_size": 0}, {"steps": None},
+                {"steps": None, "max_seconds": -60.0}, {"max_seconds": 0.0}):
         with pytest.raises(MMSpecError):
             ReadingConfig(**bad)
     assert ReadingConfig(steps=None, max_seconds=60.0).steps is None  # the clock alone decides
@@ -629,7 +630,8 @@ def test_read_cli_changes_only_the_tower_and_records_the_stage(model, processor,
     stage = json.loads((tmp_path / "t" / "mmspec.json").read_text())["stages"][-1]
     assert stage["steps"] >= 1 and stage["seconds"] < 5 and "val_word_recall" not in stage
     for args, phrase in (([], "no config.json"), (["--lr", "0"], "learning rate"),
-                         (["--steps", "0"], "steps >= 1"), (["--eval-images", "-1"], "--eval-images")):
+                         (["--steps", "0"], "steps >= 1"), (["--minutes", "-1"], "time budget"),
+                         (["--eval-images", "-1"], "--eval-images")):
         init = str(tmp_path) if not args else str(tmp_path / "m")
         bad_args = ["train", "read", "--init", init, "--out", str(tmp_path / "x"), *args]
         bad = CliRunner().invoke(app, bad_args)

@@ -58,6 +58,8 @@ class ReadingConfig:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise MMSpecError(f"reading pre-training needs a learning rate > 0; got {self.lr}")
+        if self.max_seconds is not None and not (math.isfinite(self.max_seconds) and self.max_seconds > 0):
+            raise MMSpecError(f"reading pre-training needs a time budget > 0; got {self.max_seconds} s")
         if self.steps is None and self.max_seconds is None:
             raise MMSpecError("reading pre-training needs a step count or a time budget (minutes)")
         if (self.steps is not None and self.steps < 1) or self.batch_size < 1:
