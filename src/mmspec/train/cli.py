@@ -94,6 +94,8 @@ def stage(
         raise typer.BadParameter(f"--fact-weight must be a finite number > 0 (1 weighs every answer token alike); got {fact_weight}")
     if captioner and fact_weight != 1.0:
         raise typer.BadParameter("--fact-weight weighs QA answers and would do nothing with --captioner; drop one")
+    if minutes is not None and not minutes > 0:
+        raise typer.BadParameter(f"--minutes must be > 0 (a time budget); got {minutes}")
     per_family = _parse_family_samples(family_samples, n_train_per_family)
     if threads:
         torch.set_num_threads(threads)
@@ -166,30 +168,31 @@ def read_cmd(
     steps: Optional[int] = typer.Option(None, help="optimiser steps (default: 1000, or as many as "
                                         "--minutes allow when it is given)"),
     batch_size: int = typer.Option(64, help="images per step"),
-    n_train_per_family: int = typer.Option(1500),
+    n_train_per_family: int = typer.Option(1500, help="training samples per family, all their images read"),
     family_samples: list[str] = typer.Option([], help="FAMILY=N: read the images of N samples of this family "
                                              "(repeatable; 0 drops the family)"),
     minutes: Optional[float] = typer.Option(None, help="wall-clock cap; the schedule then follows time"),
-    eval_images: int = typer.Option(512, help="val-split images for the held-out word recall (0: skip)"),
+    eval_images: int = typer.Option(512, help="val-split images for the held-out recall, split evenly over the "
+                                    "8 families (0: skip)"),
     bf16: bool = typer.Option(True, help="bf16 autocast"),
     half: bool = typer.Option(False, help="save fp16 safetensors"),
     device: str = typer.Option("cpu"),
     seed: int = typer.Option(0),
     threads: Optional[int] = typer.Option(None),
 ) -> None:
-    """Reading pre-training of the vision tower: learn to predict the words of each image's caption
+    """Reading pre-training of the vision tower: learn to predict the tokens of each image's caption
     from single patch features (`mmspec.train.reading`). Only the tower changes; the projector and
     LM of the result were trained on the old tower, so train a stage on it before using it."""
     import torch
-    from transformers import LlavaForConditionalGeneration
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     from mmspec.errors import MMSpecError
     from mmspec.train.checkpoint import read_sidecar, save_checkpoint
-    from mmspec.train.pack import world_tokenizer_and_processor
-    from mmspec.train.reading import (ReadingConfig, ReadingHead, image_caption_stream, train_reading,
+    from mmspec.train.reading import (ReadingConfig, ReadingHead, image_caption_stream, train_reading, val_images,
                                       word_recall)
-    from mmspec.world import iter_all
 
+    if minutes is not None and not minutes > 0:
+        raise typer.BadParameter(f"--minutes must be > 0 (a time budget); got {minutes}")
     try:
         cfg = ReadingConfig(lr=lr, steps=steps if steps is not None or minutes is not None else 1000,
                             batch_size=batch_size,
@@ -198,29 +201,28 @@ def read_cmd(
         raise typer.BadParameter(str(exc)) from exc
     if eval_images < 0:
         raise typer.BadParameter(f"--eval-images must be >= 0; got {eval_images}")
+    if n_train_per_family < 0:
+        raise typer.BadParameter(f"--n-train-per-family must be >= 0; got {n_train_per_family}")
     per_family = _parse_family_samples(family_samples, n_train_per_family)
     if not (init / "config.json").exists():
         raise typer.BadParameter(f"{init} is not an HF LLaVA model directory (no config.json)", param_hint="--init")
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    tokenizer, processor = world_tokenizer_and_processor(seed)
+    processor = AutoProcessor.from_pretrained(init)  # the init's own tokenizer: only the tower changes
+    tokenizer = processor.tokenizer
     model = LlavaForConditionalGeneration.from_pretrained(init, dtype=torch.float32)
-    feature_dim = model.config.vision_config.hidden_size
-    if isinstance(model.config.vision_feature_layer, (list, tuple)):
-        feature_dim *= len(model.config.vision_feature_layer)
-    head = ReadingHead(feature_dim, len(tokenizer))
+    head = ReadingHead.for_model(model, len(tokenizer))
     stream = image_caption_stream("train", per_family, cfg.batch_size, seed)
     res = train_reading(model, head, tokenizer, processor.image_processor, stream, cfg, device, autocast_bf16=bf16)
     record = {**res.summary(), "lr": lr, "trainable": "vision", "objective": "caption bag of words",
               "n_train_per_family": n_train_per_family, **({"family_samples": per_family} if family_samples else {})}
     if eval_images:
-        triples = [(im, c, s.family) for s in iter_all("val", max(1, eval_images // len(per_family)), seed)
-                   for im, c in zip(s.images, s.captions)][:eval_images]
-        images, captions, families = (list(x) for x in zip(*triples))
+        images, captions, families = val_images(eval_images, seed)
         rec = word_recall(model, head, tokenizer, processor.image_processor, images, captions, families, device)
         record["val_word_recall"] = rec
-        typer.echo(f"held-out caption words read (recall at k, {rec['images']} val images): {rec['recall']:.1%}; "
+        typer.echo(f"held-out caption tokens read (recall at k; {rec['images']} val images, "
+                   f"{rec['images'] // len(rec['by_group'])} per family): {rec['recall']:.1%}; "
                    + ", ".join(f"{f} {r:.0%}" for f, r in rec["by_group"].items()))
     meta = read_sidecar(init)
     meta["stages"] = [*meta.get("stages", []), record]

@@ -73,10 +73,21 @@ class ReadingHead(torch.nn.Module):
     def __init__(self, feature_dim: int, vocab_size: int):
         super().__init__()
         self.proj = torch.nn.Linear(feature_dim, vocab_size)
+        torch.nn.init.zeros_(self.proj.weight)  # uniform scores at the start: no random push into the tower,
+        torch.nn.init.zeros_(self.proj.bias)    # and no dependence on the global RNG
+
+    @classmethod
+    def for_model(cls, model, vocab_size: int) -> "ReadingHead":
+        """A head sized for ``model``'s projector input (the selected vision layers, concatenated)."""
+        layers = model.config.vision_feature_layer
+        n_layers = len(layers) if isinstance(layers, (list, tuple)) else 1
+        return cls(model.config.vision_config.hidden_size * n_layers, vocab_size)
 
     def forward(self, feats: torch.Tensor) -> torch.Tensor:
-        """feats: [B, P, C] patch features -> [B, V] logits of "the caption holds token v"."""
-        per_patch = self.proj(feats).float()  # [B, P, V]
+        """feats: [B, P, C] patch features -> [B, V] logits of "the caption holds token v".
+        Runs in float32 even under bf16 autocast (bf16 logits of ~20 step by 0.125)."""
+        with torch.autocast(device_type=feats.device.type, enabled=False):
+            per_patch = self.proj(feats.float())  # [B, P, V]
         return torch.logsumexp(per_patch, dim=1) - math.log(feats.shape[1])
 
 
@@ -87,6 +98,9 @@ def caption_bags(tokenizer, captions: Sequence[str], vocab_size: int) -> torch.T
         ids = tokenizer(caption, add_special_tokens=False)["input_ids"]
         if not ids:
             raise MMSpecError(f"caption {caption!r} has no tokens; every image needs a caption to read")
+        if max(ids) >= vocab_size:
+            raise MMSpecError(f"caption {caption!r} has token id {max(ids)} >= the head's vocabulary of {vocab_size}; "
+                              "the tokenizer does not match the model")
         bags[row, ids] = 1.0
     return bags
 
@@ -105,17 +119,27 @@ def image_caption_stream(split: str, n_per_family: int | Mapping[str, int], batc
     each family. Each next sample's family is drawn with probability proportional to its count
     (``random.Random(seed)``), so the mix is the same all through training; a family walks
     through its samples in order and starts again when it reaches its count. All images of a
-    sample are used. Samples are rendered as they are needed, so memory stays flat."""
-    from mmspec.world import FAMILIES, make_sample
+    sample are used. Samples are rendered as they are needed, so memory stays flat. Bad counts
+    are refused here, before the first batch is asked for."""
+    from mmspec.world import FAMILIES
 
     counts = {name: n_per_family for name in FAMILIES} if isinstance(n_per_family, int) else dict(n_per_family)
-    for name in counts:
+    for name, n in counts.items():
         if name not in FAMILIES:
             raise MMSpecError(f"unknown family {name!r}; use one of {', '.join(FAMILIES)}")
-    names = [name for name, n in counts.items() if n > 0]
-    if not names:
+        if n < 0:
+            raise MMSpecError(f"family {name!r} has {n} samples; counts must be >= 0")
+    if not any(counts.values()):
         raise MMSpecError("no samples to read: every family has 0 samples")
-    weights = [counts[name] for name in names]
+    if batch_size < 1:
+        raise MMSpecError(f"batch size must be >= 1; got {batch_size}")
+    return _batches(split, {name: n for name, n in counts.items() if n > 0}, batch_size, seed)
+
+
+def _batches(split: str, counts: dict[str, int], batch_size: int, seed: int) -> Iterator[tuple[list, list[str]]]:
+    from mmspec.world import make_sample
+
+    names, weights = list(counts), list(counts.values())
     rng = random.Random(seed)
     next_index = dict.fromkeys(names, 0)
     images: list = []
@@ -130,6 +154,26 @@ def image_caption_stream(split: str, n_per_family: int | Mapping[str, int], batc
             if len(images) == batch_size:
                 yield images, captions
                 images, captions = [], []
+
+
+def val_images(n: int, seed: int = 0, split: str = "val") -> tuple[list, list[str], list[str]]:
+    """(images, captions, families): ``n // 8`` images of each of the 8 families (at least one),
+    from the split's first samples, so every family weighs alike in :func:`word_recall`."""
+    from mmspec.world import FAMILIES, N_IMAGES, make_sample
+
+    if n < 1:
+        raise MMSpecError(f"need at least one evaluation image; got {n}")
+    per = max(1, n // len(FAMILIES))
+    images: list = []
+    captions: list[str] = []
+    families: list[str] = []
+    for name in FAMILIES:
+        samples = [make_sample(name, split, i, seed) for i in range(math.ceil(per / N_IMAGES[name]))]
+        pairs = [pair for smp in samples for pair in zip(smp.images, smp.captions, strict=True)][:per]
+        images += [p[0] for p in pairs]
+        captions += [p[1] for p in pairs]
+        families += [name] * len(pairs)
+    return images, captions, families
 
 
 @dataclass
@@ -210,7 +254,11 @@ def word_recall(model, head: ReadingHead, tokenizer, image_processor, images: Se
                 groups: Sequence[str] | None = None, device: str = "cpu", batch: int = 64) -> dict:
     """How well the head reads held-out images: of each caption's k distinct tokens, the share
     among the head's k highest-scoring tokens (recall at k), over all images -> ``recall`` and,
-    with ``groups`` (one label per image, e.g. its family), per group -> ``by_group``."""
+    with ``groups`` (one label per image, e.g. its family), per group -> ``by_group`` and the
+    images per group -> ``images_by_group``. The caller puts ``model`` and ``head`` in eval mode
+    on ``device``."""
+    if not images:
+        raise MMSpecError("no images to score the reading head on")
     vocab = head.proj.out_features
     hits: list[float] = []
     sizes: list[float] = []
@@ -230,4 +278,5 @@ def word_recall(model, head: ReadingHead, tokenizer, image_processor, images: Se
             by[g][0] += h
             by[g][1] += n
         out["by_group"] = {g: h / n for g, (h, n) in by.items()}
+        out["images_by_group"] = {g: list(groups).count(g) for g in by}
     return out
