@@ -331,6 +331,8 @@ def test_stage_cli_family_samples(tmp_path, monkeypatch):
     for bad_spec in ("chart=3", "chartqa=three", "chartqa"):
         bad = CliRunner().invoke(app, base + ["--family-samples", bad_spec, "--out", str(tmp_path / "x")])
         assert bad.exit_code != 0 and "FAMILY=N" in bad.output and not (tmp_path / "x").exists()
+    bad = CliRunner().invoke(app, base + ["--minutes", "0", "--out", str(tmp_path / "x")])
+    assert bad.exit_code == 2 and "time budget" in bad.output and not (tmp_path / "x").exists()
     none = [a if a != "1" or base[i - 1] != "--n-train-per-family" else "0" for i, a in enumerate(base)]
     bad = CliRunner().invoke(app, none + ["--out", str(tmp_path / "x")])  # every family at 0
     assert bad.exit_code != 0 and "every family has 0 samples" in bad.output and not (tmp_path / "x").exists()
