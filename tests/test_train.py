@@ -561,7 +561,7 @@ def test_reading_trains_only_the_tower_and_learns_to_read(model, tokenizer, proc
     res = train_reading(model, head, tokenizer, processor.image_processor, stream,
                         ReadingConfig(lr=3e-3, steps=60, batch_size=16), progress=False)
     r1 = word_recall(model, head, tokenizer, processor.image_processor, images, captions)
-    assert res.steps == 60 and res.images == 60 * 16
+    assert res.steps == 60 and res.samples == 60 * 16
     assert sum(res.losses[-5:]) / 5 < 0.5 * sum(res.losses[:5]) / 5
     assert r1["recall"] == 1.0 and r0["recall"] < 0.5 and r1["images"] == 32
     for k, v in model.state_dict().items():

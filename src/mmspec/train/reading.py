@@ -18,7 +18,7 @@ objective (predict the set of caption tokens from the image, as tagging pre-trai
   What this objective does and does not teach the shipped tower is measured in
   docs/embedded-models.md: chart glyphs yes, sign words not (yet).
 - :func:`image_caption_stream`: endless (images, captions) batches from the world's train split.
-- :func:`train_reading`: the loop (AdamW on the tower and the head, warm-up + cosine, progress
+- :func:`train_reading`: the loop (a :class:`~mmspec.train.recipe.StageResult` out; AdamW on the tower and the head, warm-up + cosine, progress
   bar); only the vision tower of the model changes. :func:`word_recall` scores the head on
   held-out images.
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
 import torch
@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from mmspec.errors import MMSpecError
 from mmspec.train.pooling import vision_patch_features
-from mmspec.train.recipe import _autocast, lr_at
+from mmspec.train.recipe import StageResult, _autocast, lr_at
 
 
 @dataclass(frozen=True)
@@ -176,23 +176,6 @@ def val_images(n: int, seed: int = 0, split: str = "val") -> tuple[list, list[st
     return images, captions, families
 
 
-@dataclass
-class ReadingResult:
-    """What a reading run did: the loss per step, steps, seconds, images seen."""
-
-    losses: list[float] = field(default_factory=list)
-    steps: int = 0
-    seconds: float = 0.0
-    images: int = 0
-
-    def summary(self) -> dict:
-        tail = self.losses[-max(1, len(self.losses) // 10):]
-        return {"name": "reading", "steps": self.steps, "seconds": round(self.seconds, 1), "samples": self.images,
-                "first_loss": self.losses[0] if self.losses else None,
-                "final_loss": sum(tail) / len(tail) if tail else None,
-                "samples_per_s": round(self.images / max(self.seconds, 1e-9), 2)}
-
-
 def _pixels(image_processor, images: Sequence, device: str) -> torch.Tensor:
     pv = image_processor(list(images), return_tensors="pt")["pixel_values"]  # [B, 3, H, W]
     return pv.to(device)
@@ -200,8 +183,9 @@ def _pixels(image_processor, images: Sequence, device: str) -> torch.Tensor:
 
 def train_reading(model, head: ReadingHead, tokenizer, image_processor, batches: Iterator[tuple[list, list[str]]],
                   cfg: ReadingConfig, device: str = "cpu", autocast_bf16: bool = False,
-                  progress: bool = True) -> ReadingResult:
-    """Train ``model``'s vision tower (in place) and ``head`` on the reading objective."""
+                  progress: bool = True) -> StageResult:
+    """Train ``model``'s vision tower (in place) and ``head`` on the reading objective; the
+    result's ``samples`` counts images."""
     tower = model.model.vision_tower
     for p in model.parameters():
         p.requires_grad_(False)
@@ -212,7 +196,7 @@ def train_reading(model, head: ReadingHead, tokenizer, image_processor, batches:
     head.to(device).train()
     vocab = head.proj.out_features
     opt = torch.optim.AdamW(params, lr=0.0, weight_decay=cfg.weight_decay)
-    result = ReadingResult()
+    result = StageResult("reading")
     start = time.perf_counter()
     bar = tqdm(total=cfg.steps if cfg.max_seconds is None else None, desc="reading", disable=not progress,
                dynamic_ncols=True, mininterval=2.0)
@@ -236,7 +220,7 @@ def train_reading(model, head: ReadingHead, tokenizer, image_processor, batches:
         opt.step()
         step += 1
         result.losses.append(float(loss.detach()))
-        result.images += len(images)
+        result.samples += len(images)
         bar.update(1)
         bar.set_postfix(loss=f"{result.losses[-1]:.4f}", lr=f"{opt.param_groups[0]['lr']:.1e}")
     bar.close()
