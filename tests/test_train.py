@@ -708,3 +708,15 @@ def test_val_images_weigh_every_family_alike():
     assert val_images(24)[1] == captions  # deterministic
     with pytest.raises(MMSpecError, match="at least one"):
         val_images(0)
+
+
+def test_optimise_needs_steps_or_a_clock_and_follows_the_schedule():
+    """The shared loop refuses to run unbounded; with steps it runs exactly that many, and the
+    learning rate it last used is the end of the cosine (near 0)."""
+    from mmspec.train.recipe import optimise
+
+    w = torch.nn.Parameter(torch.tensor([3.0]))
+    with pytest.raises(MMSpecError, match="step count or a time budget"):
+        optimise("x", [w], lambda: ((w ** 2).sum(), 1), 0.1, None, None, 0.0, 0.0, 1.0, progress=False)
+    res = optimise("x", [w], lambda: ((w ** 2).sum(), 2), 0.5, 40, None, 0.1, 0.0, 10.0, progress=False)
+    assert res.steps == 40 and res.samples == 80 and res.losses[-1] < res.losses[0] / 4

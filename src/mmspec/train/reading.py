@@ -29,16 +29,14 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 from mmspec.errors import MMSpecError
 from mmspec.train.pooling import vision_patch_features
-from mmspec.train.recipe import StageResult, _autocast, lr_at
+from mmspec.train.recipe import StageResult, _autocast, optimise
 
 
 @dataclass(frozen=True)
@@ -195,41 +193,20 @@ def train_reading(model, head: ReadingHead, tokenizer, image_processor, batches:
     model.to(device).train()
     head.to(device).train()
     vocab = head.proj.out_features
-    opt = torch.optim.AdamW(params, lr=0.0, weight_decay=cfg.weight_decay)
-    result = StageResult("reading")
-    start = time.perf_counter()
-    bar = tqdm(total=cfg.steps if cfg.max_seconds is None else None, desc="reading", disable=not progress,
-               dynamic_ncols=True, mininterval=2.0)
-    step = 0
-    while True:
-        frac = 0.0 if cfg.steps is None else step / cfg.steps
-        if cfg.max_seconds is not None:
-            frac = max(frac, (time.perf_counter() - start) / cfg.max_seconds)
-        if frac >= 1.0:
-            break
-        for group in opt.param_groups:
-            group["lr"] = lr_at(frac, cfg.lr, cfg.warmup_ratio)
+
+    def step_loss() -> tuple[torch.Tensor, int]:
         images, captions = next(batches)
         pv = _pixels(image_processor, images, device)
         bags = caption_bags(tokenizer, captions, vocab)  # [B, V]
         with _autocast(device, autocast_bf16):
-            loss = reading_loss(head, vision_patch_features(model, pv), bags)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
-        step += 1
-        result.losses.append(float(loss.detach()))
-        result.samples += len(images)
-        bar.update(1)
-        bar.set_postfix(loss=f"{result.losses[-1]:.4f}", lr=f"{opt.param_groups[0]['lr']:.1e}")
-    bar.close()
+            return reading_loss(head, vision_patch_features(model, pv), bags), len(images)
+
+    result = optimise("reading", params, step_loss, cfg.lr, cfg.steps, cfg.max_seconds, cfg.warmup_ratio,
+                      cfg.weight_decay, cfg.grad_clip, progress)
     for p in model.parameters():
         p.requires_grad_(False)
     model.eval()
     head.eval()
-    result.steps = step
-    result.seconds = time.perf_counter() - start
     return result
 
 

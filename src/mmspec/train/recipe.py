@@ -3,7 +3,8 @@
 Owns: which parameters a stage trains (:func:`set_trainable`), the learning-rate schedule
 (:func:`lr_at`: linear warm-up over ``warmup_ratio`` then cosine to 0), the loss of a batch
 (:func:`batch_loss`, images through :mod:`pooling` so pooled and full grids share one code
-path), :func:`train_stage` (AdamW, grad clipping, progress bar) and held-out metrics
+path), :func:`optimise` (the loop every stage shares: AdamW, the schedule on steps or the
+clock, grad clipping, progress bar), :func:`train_stage` and held-out metrics
 (:func:`eval_loss`, :func:`fact_recall`).
 
 Stages (IbED Appendix A, after LLaVA-1.5): stage 1 = projector only (LM and vision frozen),
@@ -20,7 +21,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -109,45 +110,62 @@ def _autocast(device: str, enabled: bool):
     return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
 
 
+def optimise(name: str, params: list[torch.nn.Parameter], step_loss: Callable[[], tuple[torch.Tensor, int]],
+             lr: float, steps: int | None, max_seconds: float | None, warmup_ratio: float,
+             weight_decay: float, grad_clip: float, progress: bool = True) -> StageResult:
+    """The loop every stage shares: AdamW on ``params``, the learning rate from :func:`lr_at` at
+    ``max(step / steps, elapsed / max_seconds)`` (either may be None, not both), gradient
+    clipping, a progress bar. ``step_loss()`` computes one batch's loss and returns it with the
+    number of samples in the batch. Fills ``steps``, ``seconds``, ``samples`` and ``losses``."""
+    if steps is None and max_seconds is None:
+        raise MMSpecError(f"{name}: needs a step count or a time budget")
+    opt = torch.optim.AdamW(params, lr=0.0, weight_decay=weight_decay)
+    result = StageResult(name)
+    start = time.perf_counter()
+    total = steps if max_seconds is None else None  # time-budgeted: count only
+    bar = tqdm(total=total, desc=name, disable=not progress, dynamic_ncols=True, mininterval=2.0)
+    step = 0
+    while True:
+        frac = 0.0 if steps is None else step / steps
+        if max_seconds is not None:
+            frac = max(frac, (time.perf_counter() - start) / max_seconds)
+        if frac >= 1.0:
+            break
+        for group in opt.param_groups:
+            group["lr"] = lr_at(frac, lr, warmup_ratio)
+        loss, n = step_loss()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        opt.step()
+        step += 1
+        result.losses.append(float(loss.detach()))
+        result.samples += n
+        bar.update(1)
+        bar.set_postfix(loss=f"{result.losses[-1]:.4f}", lr=f"{opt.param_groups[0]['lr']:.1e}")
+    bar.close()
+    result.steps = step
+    result.seconds = time.perf_counter() - start
+    return result
+
+
 def train_stage(model, stage: StageConfig, batches: Iterator[Batch], device: str = "cpu",
                 autocast_bf16: bool = False, progress: bool = True) -> StageResult:
     """Run one stage on ``model`` (in place). ``batches`` must already match ``stage``'s view."""
     params = set_trainable(model, stage.trainable)
     train_vision = stage.trainable == "all"
     model.to(device).train()
-    opt = torch.optim.AdamW(params, lr=0.0, weight_decay=stage.weight_decay)
-    result = StageResult(stage.name)
-    start = time.perf_counter()
-    total = None if stage.max_seconds is not None else stage.steps  # time-budgeted: count only
-    bar = tqdm(total=total, desc=stage.name, disable=not progress, dynamic_ncols=True, mininterval=2.0)
-    step = 0
-    while True:
-        elapsed = time.perf_counter() - start
-        frac = step / stage.steps
-        if stage.max_seconds is not None:
-            frac = max(frac, elapsed / stage.max_seconds)
-        if frac >= 1.0:
-            break
-        for group in opt.param_groups:
-            group["lr"] = lr_at(frac, stage.lr, stage.warmup_ratio)
+
+    def step_loss() -> tuple[torch.Tensor, int]:
         batch = next(batches).to(device)
         with _autocast(device, autocast_bf16):
-            loss = batch_loss(model, batch, train_vision)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, stage.grad_clip)
-        opt.step()
-        step += 1
-        result.losses.append(float(loss.detach()))
-        result.samples += batch.input_ids.shape[0]
-        bar.update(1)
-        bar.set_postfix(loss=f"{result.losses[-1]:.3f}", lr=f"{opt.param_groups[0]['lr']:.1e}")
-    bar.close()
+            return batch_loss(model, batch, train_vision), batch.input_ids.shape[0]
+
+    result = optimise(stage.name, params, step_loss, stage.lr, stage.steps, stage.max_seconds,
+                      stage.warmup_ratio, stage.weight_decay, stage.grad_clip, progress)
     for p in model.parameters():
         p.requires_grad_(False)
     model.eval()
-    result.steps = step
-    result.seconds = time.perf_counter() - start
     return result
 
 
