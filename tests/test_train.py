@@ -546,7 +546,7 @@ def test_reading_trains_only_the_tower_and_learns_to_read(model, tokenizer, proc
     of caption words rises; the projector and LM are byte-identical afterwards."""
     import itertools
 
-    from mmspec.train.reading import ReadingConfig, ReadingHead, reading_loss, train_reading, word_recall
+    from mmspec.train.reading import ReadingConfig, ReadingHead, train_reading, word_recall
     from mmspec.train.pooling import vision_patch_features
 
     torch.manual_seed(0)
@@ -718,5 +718,11 @@ def test_optimise_needs_steps_or_a_clock_and_follows_the_schedule():
     w = torch.nn.Parameter(torch.tensor([3.0]))
     with pytest.raises(MMSpecError, match="step count or a time budget"):
         optimise("x", [w], lambda: ((w ** 2).sum(), 1), 0.1, None, None, 0.0, 0.0, 1.0, progress=False)
+    for steps, seconds in ((0, None), (None, 0.0), (None, float("inf")), (5, -1.0)):
+        with pytest.raises(MMSpecError):
+            optimise("x", [w], lambda: ((w ** 2).sum(), 1), 0.1, steps, seconds, 0.0, 0.0, 1.0, progress=False)
+    for bad in ({"steps": 0}, {"max_seconds": 0.0}, {"max_seconds": -60.0}, {"max_seconds": float("nan")}):
+        with pytest.raises(MMSpecError):  # the configs refuse it when built, before any work
+            StageConfig("x", "projector", lr=0.1, **{"steps": 5, **bad})
     res = optimise("x", [w], lambda: ((w ** 2).sum(), 2), 0.5, 40, None, 0.1, 0.0, 10.0, progress=False)
     assert res.steps == 40 and res.samples == 80 and res.losses[-1] < res.losses[0] / 4

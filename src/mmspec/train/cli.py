@@ -78,6 +78,7 @@ def stage(
     import torch
     from transformers import LlavaForConditionalGeneration
 
+    from mmspec.errors import MMSpecError
     from mmspec.train.checkpoint import read_sidecar, save_checkpoint
     from mmspec.train.config import RecipeConfig, StageConfig, build_llava, model_size
     from mmspec.train.data import (CAPTIONER_PROMPT, Encoder, batch_stream, caption_examples, example_from_sample,
@@ -94,8 +95,11 @@ def stage(
         raise typer.BadParameter(f"--fact-weight must be a finite number > 0 (1 weighs every answer token alike); got {fact_weight}")
     if captioner and fact_weight != 1.0:
         raise typer.BadParameter("--fact-weight weighs QA answers and would do nothing with --captioner; drop one")
-    if minutes is not None and not minutes > 0:
-        raise typer.BadParameter(f"--minutes must be > 0 (a time budget); got {minutes}")
+    try:
+        cfg = StageConfig(f"stage-{trainable}", trainable, lr=lr, steps=steps, batch_size=batch_size,
+                          pooled_tokens=pooled_tokens, max_seconds=None if minutes is None else 60.0 * minutes)
+    except MMSpecError as exc:
+        raise typer.BadParameter(str(exc)) from exc
     per_family = _parse_family_samples(family_samples, n_train_per_family)
     if threads:
         torch.set_num_threads(threads)
@@ -113,8 +117,6 @@ def stage(
                 else [example_from_sample(s) for s in samples])
     if caption_mix > 0 and not captioner:
         examples += mix_in_captions(samples, caption_mix, seed)
-    cfg = StageConfig(f"stage-{trainable}", trainable, lr=lr, steps=steps, batch_size=batch_size,
-                      pooled_tokens=pooled_tokens, max_seconds=None if minutes is None else 60.0 * minutes)
     encoder = Encoder(tokenizer, max_answer_tokens=96, fact_weight=fact_weight)
     stream = batch_stream(examples, encoder, processor.image_processor, batch_size,
                           torch.Generator().manual_seed(seed), tokens_per_image=pooled_tokens or 64,
@@ -191,8 +193,6 @@ def read_cmd(
     from mmspec.train.reading import (ReadingConfig, ReadingHead, image_caption_stream, train_reading, val_images,
                                       word_recall)
 
-    if minutes is not None and not minutes > 0:
-        raise typer.BadParameter(f"--minutes must be > 0 (a time budget); got {minutes}")
     try:
         cfg = ReadingConfig(lr=lr, steps=steps if steps is not None or minutes is not None else 1000,
                             batch_size=batch_size,

@@ -10,6 +10,8 @@ Does not know about data, training loops or files: see ``data.py``, ``recipe.py`
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -69,6 +71,18 @@ def model_size(name: str) -> ModelSize:
     return _SIZES[name]
 
 
+def check_schedule(steps: int | None, max_seconds: float | None, name: str = "stage") -> None:
+    """Refuse a schedule that could not end or would divide by zero: the one rule every training
+    loop (:func:`mmspec.train.recipe.optimise`) and its configs share. ``steps`` (>= 1) and/or
+    ``max_seconds`` (> 0, finite) must be given."""
+    if steps is None and max_seconds is None:
+        raise MMSpecError(f"{name}: needs a step count or a time budget (minutes)")
+    if steps is not None and steps < 1:
+        raise MMSpecError(f"{name}: needs steps >= 1; got {steps}")
+    if max_seconds is not None and not (math.isfinite(max_seconds) and max_seconds > 0):
+        raise MMSpecError(f"{name}: needs a time budget > 0; got {max_seconds} s")
+
+
 @dataclass(frozen=True)
 class StageConfig:
     """One optimisation stage: AdamW, linear warm-up then cosine decay to 0, grad clipping.
@@ -93,6 +107,9 @@ class StageConfig:
     # pretraining, so a little of this keeps the T/C draft views in distribution.
     text_view_prob: float = 0.0
     caption_view_prob: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_schedule(self.steps, self.max_seconds, self.name)
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,9 @@ from typing import Iterator, Mapping, Sequence
 import torch
 
 from mmspec.errors import MMSpecError
+from mmspec.train.config import check_schedule
 from mmspec.train.pooling import vision_patch_features
-from mmspec.train.recipe import StageResult, _autocast, optimise
+from mmspec.train.recipe import StageResult, bf16_autocast, optimise
 
 
 @dataclass(frozen=True)
@@ -56,13 +57,9 @@ class ReadingConfig:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise MMSpecError(f"reading pre-training needs a learning rate > 0; got {self.lr}")
-        if self.max_seconds is not None and not (math.isfinite(self.max_seconds) and self.max_seconds > 0):
-            raise MMSpecError(f"reading pre-training needs a time budget > 0; got {self.max_seconds} s")
-        if self.steps is None and self.max_seconds is None:
-            raise MMSpecError("reading pre-training needs a step count or a time budget (minutes)")
-        if (self.steps is not None and self.steps < 1) or self.batch_size < 1:
-            raise MMSpecError(f"reading pre-training needs steps >= 1 and batch size >= 1; got "
-                              f"steps={self.steps}, batch_size={self.batch_size}")
+        check_schedule(self.steps, self.max_seconds, "reading pre-training")
+        if self.batch_size < 1:
+            raise MMSpecError(f"reading pre-training needs batch size >= 1; got {self.batch_size}")
 
 
 class ReadingHead(torch.nn.Module):
@@ -198,7 +195,7 @@ def train_reading(model, head: ReadingHead, tokenizer, image_processor, batches:
         images, captions = next(batches)
         pv = _pixels(image_processor, images, device)
         bags = caption_bags(tokenizer, captions, vocab)  # [B, V]
-        with _autocast(device, autocast_bf16):
+        with bf16_autocast(device, autocast_bf16):
             return reading_loss(head, vision_patch_features(model, pv), bags), len(images)
 
     result = optimise("reading", params, step_loss, cfg.lr, cfg.steps, cfg.max_seconds, cfg.warmup_ratio,

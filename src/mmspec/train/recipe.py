@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mmspec.errors import MMSpecError
-from mmspec.train.config import StageConfig, Trainable
+from mmspec.train.config import StageConfig, Trainable, check_schedule
 from mmspec.train.data import Batch, Encoder, Example
 from mmspec.train.pooling import embed_multimodal, pooled_image_features
 
@@ -104,7 +104,8 @@ class StageResult:
                 "samples_per_s": round(self.samples / max(self.seconds, 1e-9), 2)}
 
 
-def _autocast(device: str, enabled: bool):
+def bf16_autocast(device: str, enabled: bool):
+    """bf16 autocast on ``device``'s type when ``enabled``, else a no-op context."""
     if not enabled:
         return contextlib.nullcontext()
     return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
@@ -117,8 +118,7 @@ def optimise(name: str, params: list[torch.nn.Parameter], step_loss: Callable[[]
     ``max(step / steps, elapsed / max_seconds)`` (either may be None, not both), gradient
     clipping, a progress bar. ``step_loss()`` computes one batch's loss and returns it with the
     number of samples in the batch. Fills ``steps``, ``seconds``, ``samples`` and ``losses``."""
-    if steps is None and max_seconds is None:
-        raise MMSpecError(f"{name}: needs a step count or a time budget")
+    check_schedule(steps, max_seconds, name)
     opt = torch.optim.AdamW(params, lr=0.0, weight_decay=weight_decay)
     result = StageResult(name)
     start = time.perf_counter()
@@ -158,7 +158,7 @@ def train_stage(model, stage: StageConfig, batches: Iterator[Batch], device: str
 
     def step_loss() -> tuple[torch.Tensor, int]:
         batch = next(batches).to(device)
-        with _autocast(device, autocast_bf16):
+        with bf16_autocast(device, autocast_bf16):
             return batch_loss(model, batch, train_vision), batch.input_ids.shape[0]
 
     result = optimise(stage.name, params, step_loss, stage.lr, stage.steps, stage.max_seconds,
