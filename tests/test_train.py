@@ -726,3 +726,15 @@ def test_optimise_needs_steps_or_a_clock_and_follows_the_schedule():
             StageConfig("x", "projector", lr=0.1, **{"steps": 5, **bad})
     res = optimise("x", [w], lambda: ((w ** 2).sum(), 2), 0.5, 40, None, 0.1, 0.0, 10.0, progress=False)
     assert res.steps == 40 and res.samples == 80 and res.losses[-1] < res.losses[0] / 4
+
+
+def test_embedded_cli_refuses_a_budget_of_zero(tmp_path):
+    """`mmspec train embedded --minutes-budget 0` is refused with a message before any work
+    (it used to divide by zero in the first stage)."""
+    from typer.testing import CliRunner
+
+    from mmspec.cli import app
+
+    r = CliRunner().invoke(app, ["train", "embedded", "--minutes-budget", "0", "--out", str(tmp_path / "p")])
+    assert r.exit_code == 2 and "time budget" in r.output and "Traceback" not in r.output, r.output
+    assert not (tmp_path / "p").exists()

@@ -32,11 +32,17 @@ def embedded(
 ) -> None:
     """Reproduce the whole pack: tokenizer -> target 0/1/2 -> draft 1/2 -> pooled draft -> captioner."""
     from mmspec.embedded import default_path
+    from mmspec.errors import MMSpecError
     from mmspec.train.config import RecipeConfig
-    from mmspec.train.pack import run_pack
+    from mmspec.train.pack import run_pack, with_budget
 
     recipe = RecipeConfig(seed=seed, device=device, threads=threads, autocast_bf16=bf16,
                           n_train_per_family=n_train_per_family).scaled(steps_scale)
+    if minutes_budget is not None:
+        try:
+            with_budget(recipe, minutes_budget)  # the stages' schedules refuse a budget <= 0 here, before any work
+        except MMSpecError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--minutes-budget") from exc
     run_pack(recipe, out or default_path(), minutes_budget=minutes_budget, progress=not quiet)
 
 
