@@ -110,6 +110,8 @@ class StageConfig:
 
     def __post_init__(self) -> None:
         check_schedule(self.steps, self.max_seconds, self.name)
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise MMSpecError(f"{self.name} needs a learning rate > 0; got {self.lr}")
 
 
 @dataclass(frozen=True)
