@@ -147,3 +147,41 @@ def _chart_dir(tmp_path):
     d.mkdir()
     _write(d, [make_sample("chartqa", "test", 0).answer])
     return d
+
+
+def test_model_fact_recall_tallies_the_answers_of_the_view_it_asks_for(monkeypatch):
+    """`model_fact_recall` asks for each sample's answer through the given view and tallies it like
+    the benchmark figures: right answers score 1, empty ones 0, verdicts counted per true answer."""
+    import mmspec.train.recipe as recipe
+    from mmspec.train.evaluate import model_fact_recall
+    from mmspec.world import generate_samples
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return ids  # the fake greedy answer below already returns text
+
+    class Enc:
+        tokenizer = Tok()
+
+    from mmspec.train.data import example_from_sample
+
+    truth = {example_from_sample(s).prompt: s.answer
+             for f in ("chartqa", "hallusionbench") for s in generate_samples(f, "test", 3)}
+    seen = []
+
+    def right(model, encoder, image_processor, ex, max_new_tokens, device, view):
+        seen.append(view)
+        return truth[ex.prompt]
+
+    monkeypatch.setattr(recipe, "greedy_answer", right)
+    r = model_fact_recall(None, Enc(), None, ["chartqa", "hallusionbench"], 3, view="caption", progress=False)
+    assert seen == ["caption"] * 6
+    assert r["chartqa"]["recall"] == 1.0 and r["hallusionbench"]["recall"] == 1.0
+    assert r["chartqa"]["samples"] == 3 and "verdicts" in r["hallusionbench"]
+    said = r["hallusionbench"]["verdicts"]
+    assert sum(v["none"] for v in said.values()) == 0
+    assert all(v[t] == sum(v.values()) for t, v in said.items())  # every verdict right
+
+    monkeypatch.setattr(recipe, "greedy_answer", lambda *a, **k: "I cannot tell.")
+    r = model_fact_recall(None, Enc(), None, ["chartqa"], 2, progress=False)
+    assert r["chartqa"]["recall"] == 0.0 and r["chartqa"]["facts"] > 0

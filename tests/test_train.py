@@ -724,6 +724,9 @@ def test_optimise_needs_steps_or_a_clock_and_follows_the_schedule():
     for bad in ({"steps": 0}, {"max_seconds": 0.0}, {"max_seconds": -60.0}, {"max_seconds": float("nan")}):
         with pytest.raises(MMSpecError):  # the configs refuse it when built, before any work
             StageConfig("x", "projector", lr=0.1, **{"steps": 5, **bad})
+    for lr in (0.0, -1e-3, float("nan")):
+        with pytest.raises(MMSpecError, match="learning rate"):
+            StageConfig("x", "projector", lr=lr, steps=5)
     res = optimise("x", [w], lambda: ((w ** 2).sum(), 2), 0.5, 40, None, 0.1, 0.0, 10.0, progress=False)
     assert res.steps == 40 and res.samples == 80 and res.losses[-1] < res.losses[0] / 4
 
@@ -738,3 +741,160 @@ def test_embedded_cli_refuses_a_budget_of_zero(tmp_path):
     r = CliRunner().invoke(app, ["train", "embedded", "--minutes-budget", "0", "--out", str(tmp_path / "p")])
     assert r.exit_code == 2 and "time budget" in r.output and "Traceback" not in r.output, r.output
     assert not (tmp_path / "p").exists()
+
+
+def test_greedy_answer_in_the_caption_view_is_generate_on_the_caption_prompt(model, tokenizer, processor):
+    """In the caption view the image is replaced by its caption's tokens and no pixels are read:
+    the answer equals the LM's own greedy generation from that text prompt."""
+    from mmspec.train.recipe import greedy_answer
+
+    ex = fake_examples(1, seed=3)[0]
+    enc = Encoder(tokenizer)
+    got = greedy_answer(model, enc, processor.image_processor, ex, max_new_tokens=6, view="caption")
+    prompt = tokenizer(ex.prompt.replace("<image>", ex.captions[0]))["input_ids"]
+    assert 4 not in prompt  # no image token left
+    ids = torch.tensor([prompt])
+    want = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    assert got == want[0, ids.shape[1]:].tolist() and len(got) == 6
+    multimodal = greedy_answer(model, enc, processor.image_processor, ex, max_new_tokens=6)
+    assert len(multimodal) == 6
+
+
+def test_facts_cli_on_a_tiny_world_model(tmp_path):
+    """`mmspec train facts` answers the test split through either view and writes per-family JSON;
+    bad flags are refused with the fix, not a traceback."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from mmspec.cli import app
+    from mmspec.train.checkpoint import save_checkpoint
+    from mmspec.train.pack import world_tokenizer_and_processor
+
+    tok, proc = world_tokenizer_and_processor(0)
+    torch.manual_seed(0)
+    save_checkpoint(build_llava(model_size("tiny"), tok), tmp_path / "m", processor=proc, meta={"role": "test"})
+    for view in ("caption", "multimodal"):
+        out = tmp_path / f"{view}.json"
+        r = CliRunner().invoke(app, ["train", "facts", "--model", str(tmp_path / "m"), "--n", "2",
+                                     "--family", "chartqa", "--family", "hallusionbench", "--view", view,
+                                     "--max-new-tokens", "3", "--out", str(out)])
+        assert r.exit_code == 0, r.output
+        rep = json.loads(out.read_text())
+        assert rep["view"] == view and set(rep["families"]) == {"chartqa", "hallusionbench"}
+        assert all(f["samples"] == 2 and 0 <= f["recall"] <= 1 for f in rep["families"].values())
+        assert sum(sum(v.values()) for v in rep["families"]["hallusionbench"]["verdicts"].values()) == 2
+    for args, phrase in ((["--view", "pixels"], "unknown view"), (["--family", "charts"], "unknown world"),
+                         (["--n", "0"], "at least 1"), (["--model", str(tmp_path)], "no config.json")):
+        bad = CliRunner().invoke(app, ["train", "facts", *args])
+        assert bad.exit_code == 2 and phrase in bad.output and "Traceback" not in bad.output, bad.output
+
+
+def test_copy_examples_can_only_be_answered_from_the_prompt():
+    """Copy practice: every word is one token, the copy answer repeats the prompt's words, the
+    lookup answer is the value paired with the asked key; seeded, and bad arguments refused."""
+    import re
+
+    from mmspec.train.data import copy_examples, word_pool
+    from mmspec.train.pack import world_tokenizer_and_processor
+
+    tok, _ = world_tokenizer_and_processor(0)
+    pool = set(word_pool(tok))
+    assert len(pool) > 100 and all(len(tok(" " + w, add_special_tokens=False)["input_ids"]) == 1 for w in pool)
+    exs = copy_examples(tok, 40, seed=5)
+    assert [e.prompt for e in exs] == [e.prompt for e in copy_examples(tok, 40, seed=5)]
+    assert [e.prompt for e in exs] != [e.prompt for e in copy_examples(tok, 40, seed=6)]
+    assert {e.family for e in exs} == {"copy", "lookup"} and all(e.images == () for e in exs)
+    enc = Encoder(tok)
+    for e in exs:
+        if e.family == "copy":
+            shown = re.fullmatch(r"USER: Repeat: (.+) ASSISTANT:", e.prompt).group(1)
+            assert e.answer == shown and set(shown.split()) <= pool
+        else:
+            pairs = dict(p.split(" ") for p in re.search(r"Pairs: (.+)\. What", e.prompt).group(1).split(", "))
+            key = re.search(r"What goes with (\S+)\?", e.prompt).group(1)
+            assert e.answer == f"{key} goes with {pairs[key]}." and e.facts == (pairs[key],)
+        ids = enc.encode(e)
+        answer = [i for i, lab in zip(ids.input_ids, ids.labels) if lab != -100]
+        assert tok.decode(answer, skip_special_tokens=True).strip() == e.answer
+    with pytest.raises(MMSpecError, match="min_items"):
+        copy_examples(tok, 4, 0, min_items=5, max_items=2)
+
+
+def test_token_accuracy_counts_the_argmax_hits(model, tokenizer, processor):
+    """token_accuracy is the share of labelled positions whose argmax is the label, by hand."""
+    from mmspec.train.recipe import token_accuracy
+
+    enc = Encoder(tokenizer)
+    batch = collate([enc.encode(ex) for ex in fake_examples(3, seed=1)], tokenizer.pad_token_id,
+                    processor.image_processor, 64)
+    feats = pooled_image_features(model, batch.pixel_values, 64, train_vision=False)
+    from mmspec.train.pooling import embed_multimodal
+
+    with torch.no_grad():
+        pred = model(inputs_embeds=embed_multimodal(model, batch.input_ids, feats),
+                     attention_mask=batch.attention_mask).logits[:, :-1].argmax(-1)
+    targets = batch.labels[:, 1:]
+    want = float(((pred == targets) & (targets != -100)).sum() / (targets != -100).sum())
+    assert token_accuracy(model, [batch]) == pytest.approx(want)
+    right = collate([enc.encode(ex) for ex in fake_examples(3, seed=1)], tokenizer.pad_token_id,
+                    processor.image_processor, 64)
+    right.labels[:, 1:] = torch.where(targets != -100, pred, targets)  # labels = the model's own argmax
+    assert token_accuracy(model, [right]) == 1.0
+
+
+def test_copy_cli_trains_only_the_lm_and_stage_mixes_copy_practice(tmp_path, monkeypatch):
+    """`mmspec train copy` changes LM tensors only and records the held-out copy accuracy;
+    `stage --copy-mix` adds the practice examples; bad values are refused before any work."""
+    import json
+
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from mmspec.cli import app
+    from mmspec.train.checkpoint import save_checkpoint
+    from mmspec.train.pack import world_tokenizer_and_processor
+
+    tok, proc = world_tokenizer_and_processor(0)
+    torch.manual_seed(0)
+    save_checkpoint(build_llava(model_size("tiny"), tok), tmp_path / "m", processor=proc,
+                    meta={"role": "target", "stages": [{"name": "s0"}], "eval": {"loss": 1.0}})
+    r = CliRunner().invoke(app, ["train", "copy", "--init", str(tmp_path / "m"), "--out", str(tmp_path / "c"),
+                                 "--steps", "3", "--batch-size", "4", "--n-examples", "40", "--no-bf16"])
+    assert r.exit_code == 0, r.output
+    assert "held-out copy accuracy" in r.output
+    meta = json.loads((tmp_path / "c" / "mmspec.json").read_text())
+    stage = meta["stages"][-1]
+    assert stage["objective"] == "copy practice" and stage["steps"] == 3 and "eval" not in meta
+    assert all(0 <= v <= 1 for v in stage["held_out_copy_accuracy"].values())
+    old, new = load_file(tmp_path / "m" / "model.safetensors"), load_file(tmp_path / "c" / "model.safetensors")
+    changed = {k for k in old if not torch.equal(old[k], new[k])}
+    assert changed and all("language_model" in k or "lm_head" in k for k in changed)
+    for args, phrase in ((["--n-examples", "0"], "--n-examples"), (["--lr", "0"], "learning rate"),
+                         (["--init", str(tmp_path)], "no config.json")):
+        base = ["train", "copy", "--init", str(tmp_path / "m"), "--out", str(tmp_path / "x")]
+        bad = CliRunner().invoke(app, base + args)
+        assert bad.exit_code == 2 and phrase in bad.output and "Traceback" not in bad.output, bad.output
+        assert not (tmp_path / "x").exists()
+
+    import mmspec.train.data as data
+
+    seen = {}
+    real_stream = data.batch_stream
+
+    def spy(examples, *a, **k):
+        seen["families"] = [ex.family for ex in examples]
+        return real_stream(examples, *a, **k)
+
+    monkeypatch.setattr(data, "batch_stream", spy)
+    args = ["train", "stage", "--size", "tiny", "--steps", "2", "--batch-size", "4", "--n-train-per-family", "1",
+            "--copy-mix", "0.5", "--no-bf16", "--out", str(tmp_path / "s")]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    fams = seen["families"]
+    assert sum(f in ("copy", "lookup") for f in fams) == 4 and len(fams) == 12  # round(0.5 * 8) added
+    assert json.loads((tmp_path / "s" / "mmspec.json").read_text())["stages"][-1]["copy_mix"] == 0.5
+    for bad_mix, phrase in ((["--copy-mix", "-1"], "--copy-mix"), (["--copy-mix", "1", "--captioner"], "captioner")):
+        bad = CliRunner().invoke(app, args[:-1] + [str(tmp_path / "y")] + bad_mix)
+        assert bad.exit_code == 2 and phrase in bad.output and not (tmp_path / "y").exists(), bad.output

@@ -16,6 +16,7 @@ Does not know about models or optimisers.
 
 from __future__ import annotations
 
+import random
 import re
 from dataclasses import dataclass, field
 from typing import Iterator, Literal, Sequence
@@ -66,6 +67,53 @@ def mix_in_captions(samples: Sequence, ratio: float, seed: int) -> list[Example]
     k = min(len(pool), round(ratio * len(samples)))
     idx = torch.randperm(len(pool), generator=torch.Generator().manual_seed(seed + 1))[:k].tolist()
     return [pool[i] for i in idx]
+
+
+def word_pool(tokenizer) -> list[str]:
+    """The vocabulary's whole words: alphanumeric tokens that, preceded by a space, encode as
+    exactly themselves (so a text of them tokenises back to the same ids)."""
+    words = []
+    for piece in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))):
+        if piece is None or not piece.startswith("\u0120") or not piece[1:].isalnum():
+            continue
+        w = piece[1:]
+        if len(tokenizer(" " + w, add_special_tokens=False)["input_ids"]) == 1:
+            words.append(w)
+    return words
+
+
+def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: int = 12) -> list[Example]:
+    """``n`` text-only practice examples for copying from the context, half of each kind:
+
+    * copy: ``USER: Repeat: w1 w2 ... wk ASSISTANT: w1 w2 ... wk`` (k = 2..4 x the item count);
+    * lookup: ``USER: Pairs: k1 v1, k2 v2, ... What goes with k3? ASSISTANT: k3 goes with v3.``
+
+    Words are drawn uniformly from :func:`word_pool`, so no prior predicts them: only copying
+    or looking up in the prompt lowers the loss. The world's answers need exactly this (a
+    chart's labels and values, a sign's word, the asked-about object), and a small LM trained
+    on world data alone did not learn it: it states 6% of sign words even when the caption
+    that says them is in its prompt (docs/embedded-models.md)."""
+    if n < 0 or not 1 <= min_items <= max_items:
+        raise MMSpecError(f"copy_examples needs n >= 0 and 1 <= min_items <= max_items; got {n}, {min_items}, {max_items}")
+    pool = word_pool(tokenizer)
+    if len(pool) < 2 * max_items:
+        raise MMSpecError(f"the tokenizer has only {len(pool)} whole-word tokens; copy practice needs {2 * max_items}")
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        m = rng.randint(min_items, max_items)
+        if i % 2 == 0:
+            words = [rng.choice(pool) for _ in range(rng.randint(2, 4) * m)]
+            text = " ".join(words)
+            out.append(Example(f"USER: Repeat: {text} ASSISTANT:", text, (), (), "copy", tuple(words)))
+        else:
+            keys = rng.sample(pool, m)
+            values = [rng.choice(pool) for _ in keys]
+            q = rng.randrange(m)
+            pairs = ", ".join(f"{k} {v}" for k, v in zip(keys, values))
+            out.append(Example(f"USER: Pairs: {pairs}. What goes with {keys[q]}? ASSISTANT:",
+                               f"{keys[q]} goes with {values[q]}.", (), (), "lookup", (values[q],)))
+    return out
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from pathlib import Path
+from typing import Sequence
 
 from mmspec.errors import MMSpecError
 
@@ -46,25 +47,19 @@ def fact_kind(key: str) -> str:
     return re.sub(r"_\d+$", "", key)
 
 
-def answer_fact_recall(results_dir: str | Path) -> dict[str, dict]:
-    """Per family: facts stated correctly in the target's greedy answers (baseline rows), also
-    broken down by fact kind (``by_fact``: chart value vs label vs colour, sign word vs colour...);
-    families with yes/no questions also get ``verdicts``: true answer -> {verdict: count}."""
-    from mmspec.bench.store import iter_kind, merge_rows
-    from mmspec.world import FAMILIES, make_sample
-
-    rows, _ = merge_rows(Path(results_dir))
+def tally_facts(answers) -> dict[str, dict]:
+    """Per family, from ``(sample, answer text)`` pairs: the share of the samples' facts the
+    answers state (:func:`states`), also by fact kind (``by_fact``: chart value vs label vs
+    colour, sign word vs colour...); families with yes/no questions also get ``verdicts``:
+    true answer -> {verdict the answer ends on (:func:`verdict`): count}."""
     hits: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # facts hit, facts, samples
     kinds: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))  # hit, total
     verdicts: dict[str, dict[str, dict[str, int]]] = defaultdict(dict)  # family -> truth -> verdict -> n
-    for row in iter_kind(rows, "baseline"):
-        if row["dataset"] not in FAMILIES:
-            continue
-        family, split, index = _sample_index(row["uid"])
-        sample = make_sample(family, split, index)
+    for sample, text in answers:
+        family = sample.family
         h = hits[family]
         for key, value in sample.facts.items():
-            hit = int(states(row["text"], value))
+            hit = int(states(text, value))
             h[0] += hit
             h[1] += 1
             k = kinds[family][fact_kind(key)]
@@ -74,13 +69,52 @@ def answer_fact_recall(results_dir: str | Path) -> dict[str, dict]:
         truth = sample.facts.get("answer")
         if truth in ("Yes", "No"):
             said = verdicts[family].setdefault(truth, {"Yes": 0, "No": 0, "none": 0})
-            said[verdict(row["text"])] += 1
-    if not hits:
-        raise MMSpecError(f"no world baseline rows in {results_dir}; run `mmspec bench run --out {results_dir}` first")
-    return {f: {"recall": h[0] / max(h[1], 1), "facts": h[1], "samples": h[2],
+            said[verdict(text)] += 1
+    return {f: {"recall": h[0] / max(h[1], 1), "hits": h[0], "facts": h[1], "samples": h[2],
                 "by_fact": {k: {"recall": v[0] / v[1], "facts": v[1]} for k, v in sorted(kinds[f].items())},
                 **({"verdicts": verdicts[f]} if f in verdicts else {})}
             for f, h in hits.items()}
+
+
+def answer_fact_recall(results_dir: str | Path) -> dict[str, dict]:
+    """:func:`tally_facts` of the target's greedy answers in a benchmark run (its baseline rows)."""
+    from mmspec.bench.store import iter_kind, merge_rows
+    from mmspec.world import FAMILIES, make_sample
+
+    rows, _ = merge_rows(Path(results_dir))
+    answers = []
+    for row in iter_kind(rows, "baseline"):
+        if row["dataset"] not in FAMILIES:
+            continue
+        family, split, index = _sample_index(row["uid"])
+        answers.append((make_sample(family, split, index), row["text"]))
+    if not answers:
+        raise MMSpecError(f"no world baseline rows in {results_dir}; run `mmspec bench run --out {results_dir}` first")
+    return tally_facts(answers)
+
+
+def model_fact_recall(model, encoder, image_processor, families: Sequence[str], n_per_family: int,
+                      view: str = "multimodal", split: str = "test", max_new_tokens: int = 128,
+                      device: str = "cpu", progress: bool = True) -> dict[str, dict]:
+    """:func:`tally_facts` of ``model``'s greedy answers on the first ``n_per_family`` samples of
+    each family's ``split``, without a benchmark run. ``view="caption"`` replaces each image by
+    its ground-truth caption, so the facts are in the prompt as text: what the LM states then
+    measures whether it copies and binds facts from its context, with the vision tower out of
+    the question."""
+    from tqdm import tqdm
+
+    from mmspec.train.data import example_from_sample
+    from mmspec.train.recipe import greedy_answer
+    from mmspec.world import generate_samples
+
+    answers = []
+    for family in families:
+        for sample in tqdm(list(generate_samples(family, split, n_per_family)), desc=f"facts {family}",
+                           disable=not progress):
+            ids = greedy_answer(model, encoder, image_processor, example_from_sample(sample),
+                                max_new_tokens=max_new_tokens, device=device, view=view)
+            answers.append((sample, encoder.tokenizer.decode(ids, skip_special_tokens=True)))
+    return tally_facts(answers)
 
 
 def caption_fact_rate(captioner, n_per_family: int = 50, split: str = "test") -> dict[str, dict]:
