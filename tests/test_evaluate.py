@@ -150,8 +150,9 @@ def _chart_dir(tmp_path):
 
 
 def test_model_fact_recall_tallies_the_answers_of_the_view_it_asks_for(monkeypatch):
-    """`model_fact_recall` asks for each sample's answer through the given view and tallies it like
-    the benchmark figures: right answers score 1, empty ones 0, verdicts counted per true answer."""
+    """`model_fact_recall` asks for each sample's answer through the given view (multimodal by
+    default) and tallies it like the benchmark figures: right answers score 1, answers without
+    the facts 0, verdicts counted per true answer; a family named twice is answered once."""
     import mmspec.train.recipe as recipe
     from mmspec.train.evaluate import model_fact_recall
     from mmspec.world import generate_samples
@@ -169,12 +170,13 @@ def test_model_fact_recall_tallies_the_answers_of_the_view_it_asks_for(monkeypat
              for f in ("chartqa", "hallusionbench") for s in generate_samples(f, "test", 3)}
     seen = []
 
-    def right(model, encoder, image_processor, ex, max_new_tokens, device, view):
+    def right(model, encoder, image_processor, ex, *args, view, **kwargs):
         seen.append(view)
         return truth[ex.prompt]
 
     monkeypatch.setattr(recipe, "greedy_answer", right)
-    r = model_fact_recall(None, Enc(), None, ["chartqa", "hallusionbench"], 3, view="caption", progress=False)
+    r = model_fact_recall(None, Enc(), None, ["chartqa", "hallusionbench", "chartqa"], 3, view="caption",
+                          progress=False)
     assert seen == ["caption"] * 6
     assert r["chartqa"]["recall"] == 1.0 and r["hallusionbench"]["recall"] == 1.0
     assert r["chartqa"]["samples"] == 3 and "verdicts" in r["hallusionbench"]
@@ -182,6 +184,13 @@ def test_model_fact_recall_tallies_the_answers_of_the_view_it_asks_for(monkeypat
     assert sum(v["none"] for v in said.values()) == 0
     assert all(v[t] == sum(v.values()) for t, v in said.items())  # every verdict right
 
-    monkeypatch.setattr(recipe, "greedy_answer", lambda *a, **k: "I cannot tell.")
+    views = []
+    monkeypatch.setattr(recipe, "greedy_answer", lambda *a, **k: views.append(k["view"]) or "I cannot tell.")
     r = model_fact_recall(None, Enc(), None, ["chartqa"], 2, progress=False)
-    assert r["chartqa"]["recall"] == 0.0 and r["chartqa"]["facts"] > 0
+    assert r["chartqa"]["recall"] == 0.0 and r["chartqa"]["facts"] > 0 and views == ["multimodal"] * 2
+    import pytest
+
+    from mmspec.errors import MMSpecError
+
+    with pytest.raises(MMSpecError, match="unknown view"):
+        model_fact_recall(None, Enc(), None, ["chartqa"], 1, view="text", progress=False)

@@ -727,6 +727,9 @@ def test_optimise_needs_steps_or_a_clock_and_follows_the_schedule():
     for lr in (0.0, -1e-3, float("nan")):
         with pytest.raises(MMSpecError, match="learning rate"):
             StageConfig("x", "projector", lr=lr, steps=5)
+    for bs in (0, -4):
+        with pytest.raises(MMSpecError, match="batch size"):
+            StageConfig("x", "projector", lr=0.1, steps=5, batch_size=bs)
     res = optimise("x", [w], lambda: ((w ** 2).sum(), 2), 0.5, 40, None, 0.1, 0.0, 10.0, progress=False)
     assert res.steps == 40 and res.samples == 80 and res.losses[-1] < res.losses[0] / 4
 
@@ -744,8 +747,9 @@ def test_embedded_cli_refuses_a_budget_of_zero(tmp_path):
 
 
 def test_greedy_answer_in_the_caption_view_is_generate_on_the_caption_prompt(model, tokenizer, processor):
-    """In the caption view the image is replaced by its caption's tokens and no pixels are read:
-    the answer equals the LM's own greedy generation from that text prompt."""
+    """In the caption view the image is replaced by its caption's tokens and no pixels are read
+    (a leaked image token would make embed_multimodal refuse: slots without features): the
+    answer equals the LM's own greedy generation from that text prompt."""
     from mmspec.train.recipe import greedy_answer
 
     ex = fake_examples(1, seed=3)[0]
@@ -757,8 +761,20 @@ def test_greedy_answer_in_the_caption_view_is_generate_on_the_caption_prompt(mod
     want = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     assert got == want[0, ids.shape[1]:].tolist() and len(got) == 6
-    multimodal = greedy_answer(model, enc, processor.image_processor, ex, max_new_tokens=6)
-    assert len(multimodal) == 6
+    with pytest.raises(MMSpecError, match="unknown view"):
+        greedy_answer(model, enc, processor.image_processor, ex, max_new_tokens=6, view="pixels")
+
+
+def test_greedy_answer_in_the_multimodal_view_is_hf_generate(model, tokenizer, processor):
+    """The multimodal greedy answer equals HF LLaVA's own generate on the processor's inputs."""
+    from mmspec.train.recipe import greedy_answer
+
+    ex = fake_examples(1, seed=4)[0]
+    got = greedy_answer(model, Encoder(tokenizer), processor.image_processor, ex, max_new_tokens=6)
+    inputs = processor(images=list(ex.images), text=ex.prompt, return_tensors="pt")
+    want = model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                          eos_token_id=tokenizer.eos_token_id)
+    assert got == want[0, inputs["input_ids"].shape[1]:].tolist()
 
 
 def test_facts_cli_on_a_tiny_world_model(tmp_path):
@@ -786,7 +802,9 @@ def test_facts_cli_on_a_tiny_world_model(tmp_path):
         assert all(f["samples"] == 2 and 0 <= f["recall"] <= 1 for f in rep["families"].values())
         assert sum(sum(v.values()) for v in rep["families"]["hallusionbench"]["verdicts"].values()) == 2
     for args, phrase in ((["--view", "pixels"], "unknown view"), (["--family", "charts"], "unknown world"),
-                         (["--n", "0"], "at least 1"), (["--model", str(tmp_path)], "no config.json")):
+                         (["--n", "0"], "at least 1"), (["--model", str(tmp_path)], "no config.json"),
+                         (["--max-new-tokens", "0"], "new token"),
+                         (["--out", str(tmp_path / "nodir" / "f.json")], "write elsewhere")):
         bad = CliRunner().invoke(app, ["train", "facts", *args])
         assert bad.exit_code == 2 and phrase in bad.output and "Traceback" not in bad.output, bad.output
 
@@ -818,30 +836,52 @@ def test_copy_examples_can_only_be_answered_from_the_prompt():
         ids = enc.encode(e)
         answer = [i for i, lab in zip(ids.input_ids, ids.labels) if lab != -100]
         assert tok.decode(answer, skip_special_tokens=True).strip() == e.answer
+    assert {e.family for e in copy_examples(tok, 6, 0, lookup_share=0.0)} == {"copy"}
+    assert {e.family for e in copy_examples(tok, 6, 0, lookup_share=1.0)} == {"lookup"}
+    assert sum(e.family == "lookup" for e in copy_examples(tok, 20, 0, lookup_share=0.25)) == 5
+    assert sum(e.family == "lookup" for e in copy_examples(tok, 100, 0, lookup_share=0.07)) == 7  # floor, no float creep
+    assert copy_examples(tok, 2, 0, lookup_share=0.5)[0].family == "copy"
     with pytest.raises(MMSpecError, match="min_items"):
         copy_examples(tok, 4, 0, min_items=5, max_items=2)
+    with pytest.raises(MMSpecError, match="lookup share"):
+        copy_examples(tok, 4, 0, lookup_share=1.5)
 
 
 def test_token_accuracy_counts_the_argmax_hits(model, tokenizer, processor):
-    """token_accuracy is the share of labelled positions whose argmax is the label, by hand."""
+    """token_accuracy on labels built to be right at every other labelled position is 1/2 (1 when
+    all are right); facts_only counts only the positions the batch weighs above 1."""
+    from mmspec.train.pooling import embed_multimodal
     from mmspec.train.recipe import token_accuracy
 
     enc = Encoder(tokenizer)
-    batch = collate([enc.encode(ex) for ex in fake_examples(3, seed=1)], tokenizer.pad_token_id,
-                    processor.image_processor, 64)
-    feats = pooled_image_features(model, batch.pixel_values, 64, train_vision=False)
-    from mmspec.train.pooling import embed_multimodal
+    exs = fake_examples(3, seed=1)
 
+    def batch():
+        return collate([enc.encode(ex) for ex in exs], tokenizer.pad_token_id, processor.image_processor, 64)
+
+    b = batch()
+    feats = pooled_image_features(model, b.pixel_values, 64, train_vision=False)
     with torch.no_grad():
-        pred = model(inputs_embeds=embed_multimodal(model, batch.input_ids, feats),
-                     attention_mask=batch.attention_mask).logits[:, :-1].argmax(-1)
-    targets = batch.labels[:, 1:]
-    want = float(((pred == targets) & (targets != -100)).sum() / (targets != -100).sum())
-    assert token_accuracy(model, [batch]) == pytest.approx(want)
-    right = collate([enc.encode(ex) for ex in fake_examples(3, seed=1)], tokenizer.pad_token_id,
-                    processor.image_processor, 64)
-    right.labels[:, 1:] = torch.where(targets != -100, pred, targets)  # labels = the model's own argmax
+        pred = model(inputs_embeds=embed_multimodal(model, b.input_ids, feats),
+                     attention_mask=b.attention_mask).logits[:, :-1].argmax(-1)  # [B, T-1]
+    labelled = b.labels[:, 1:] != -100
+    order = labelled.flatten().nonzero().flatten()  # labelled positions, row-major
+    wrong = (pred + 1) % len(tokenizer)
+    flat = torch.where(labelled, pred, b.labels[:, 1:]).flatten()
+    flat[order[1::2]] = wrong.flatten()[order[1::2]]  # every other labelled position wrong
+    half = batch()
+    half.labels[:, 1:] = flat.view_as(pred)
+    assert token_accuracy(model, [half]) == pytest.approx(len(order[::2]) / len(order))
+    right = batch()
+    right.labels[:, 1:] = torch.where(labelled, pred, b.labels[:, 1:])
     assert token_accuracy(model, [right]) == 1.0
+    half.loss_weights = torch.ones_like(half.labels, dtype=torch.float)
+    w = torch.ones(labelled.numel())
+    w[order[::2]] = 2.0  # mark only the right ones as facts
+    half.loss_weights[:, 1:] = w.view_as(pred)
+    assert token_accuracy(model, [half], facts_only=True) == 1.0
+    with pytest.raises(MMSpecError, match="fact_weight"):
+        token_accuracy(model, [right], facts_only=True)
 
 
 def test_copy_cli_trains_only_the_lm_and_stage_mixes_copy_practice(tmp_path, monkeypatch):
@@ -867,11 +907,13 @@ def test_copy_cli_trains_only_the_lm_and_stage_mixes_copy_practice(tmp_path, mon
     meta = json.loads((tmp_path / "c" / "mmspec.json").read_text())
     stage = meta["stages"][-1]
     assert stage["objective"] == "copy practice" and stage["steps"] == 3 and "eval" not in meta
+    assert stage["lookup_share"] == 0.5 and stage["trainable"] == "projector+lm"
     assert all(0 <= v <= 1 for v in stage["held_out_copy_accuracy"].values())
     old, new = load_file(tmp_path / "m" / "model.safetensors"), load_file(tmp_path / "c" / "model.safetensors")
     changed = {k for k in old if not torch.equal(old[k], new[k])}
     assert changed and all("language_model" in k or "lm_head" in k for k in changed)
     for args, phrase in ((["--n-examples", "0"], "--n-examples"), (["--lr", "0"], "learning rate"),
+                         (["--lookup-share", "2"], "--lookup-share"),
                          (["--init", str(tmp_path)], "no config.json")):
         base = ["train", "copy", "--init", str(tmp_path / "m"), "--out", str(tmp_path / "x")]
         bad = CliRunner().invoke(app, base + args)

@@ -16,8 +16,7 @@ from typing import Optional
 
 import typer
 
-# the issue's fact-recall goal is stated for these (one image each); `facts` defaults to them
-SINGLE_IMAGE_FAMILIES = ("chartqa", "textvqa", "vqav2", "hallusionbench")
+from mmspec.bench.datasets import SINGLE_IMAGE  # the fact-recall goal's families; `facts` defaults to them
 
 train_app = typer.Typer(help="Train the embedded target / draft / captioner on the synthetic world.",
                         no_args_is_help=True)
@@ -261,6 +260,7 @@ def copy_cmd(
                                         "--minutes allow when it is given)"),
     batch_size: int = typer.Option(32),
     n_examples: int = typer.Option(50000, help="distinct practice examples (the stream cycles through them)"),
+    lookup_share: float = typer.Option(0.5, help="share of lookup examples (the rest repeat their words)"),
     minutes: Optional[float] = typer.Option(None, help="wall-clock cap; the schedule then follows time"),
     bf16: bool = typer.Option(True, help="bf16 autocast"),
     half: bool = typer.Option(False, help="save fp16 safetensors"),
@@ -269,16 +269,16 @@ def copy_cmd(
     threads: Optional[int] = typer.Option(None),
 ) -> None:
     """Copy practice for the LM: text-only examples that repeat, or look up, random vocabulary words
-    from the prompt (`mmspec.train.data.copy_examples`). Only the LM changes (no image is seen).
-    Prints the held-out copy accuracy; follow with a world stage, which can keep mixing the
-    practice in (`stage --copy-mix`)."""
+    from the prompt (`mmspec.train.data.copy_examples`). Only the LM changes (no image is seen, so
+    the projector gets no gradient). Prints the held-out share of copied words predicted right;
+    follow with a world stage, which can keep mixing the practice in (`stage --copy-mix`)."""
     import torch
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     from mmspec.errors import MMSpecError
     from mmspec.train.checkpoint import read_sidecar, save_checkpoint
     from mmspec.train.config import StageConfig
-    from mmspec.train.data import Encoder, batch_stream, collate, copy_examples
+    from mmspec.train.data import Encoder, batch_stream, collate, copy_examples, word_pool
     from mmspec.train.recipe import token_accuracy, train_stage
 
     try:
@@ -289,6 +289,8 @@ def copy_cmd(
         raise typer.BadParameter(str(exc)) from exc
     if n_examples < 1:
         raise typer.BadParameter(f"--n-examples must be >= 1; got {n_examples}")
+    if not 0 <= lookup_share <= 1:
+        raise typer.BadParameter(f"--lookup-share must be in [0, 1]; got {lookup_share}")
     if not (init / "config.json").exists():
         raise typer.BadParameter(f"{init} is not an HF LLaVA model directory (no config.json)", param_hint="--init")
     if threads:
@@ -296,26 +298,30 @@ def copy_cmd(
     torch.manual_seed(seed)
     processor = AutoProcessor.from_pretrained(init)
     tokenizer = processor.tokenizer
-    model = LlavaForConditionalGeneration.from_pretrained(init, dtype=torch.float32)
-    encoder = Encoder(tokenizer)
     try:
-        train_ex = copy_examples(tokenizer, n_examples, seed)
-        held_out = copy_examples(tokenizer, 128, seed + 1)
+        pool = word_pool(tokenizer)
+        train_ex = copy_examples(tokenizer, n_examples, seed, lookup_share=lookup_share, pool=pool)
+        held_out = copy_examples(tokenizer, 128, seed + 1, lookup_share=lookup_share, pool=pool)
     except MMSpecError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--init") from exc
-    stream = batch_stream(train_ex, encoder, processor.image_processor, batch_size, torch.Generator().manual_seed(seed))
-    val = [collate([encoder.encode(ex) for ex in held_out[i:i + 32]], tokenizer.pad_token_id,
+        raise typer.BadParameter(str(exc)) from exc
+    model = LlavaForConditionalGeneration.from_pretrained(init, dtype=torch.float32).to(device)
+    stream = batch_stream(train_ex, Encoder(tokenizer), processor.image_processor, batch_size,
+                          torch.Generator().manual_seed(seed))
+    scorer = Encoder(tokenizer, fact_weight=2.0)  # weights mark the copied words (each example's facts)
+    val = [collate([scorer.encode(ex) for ex in held_out[i:i + 32]], tokenizer.pad_token_id,
                    processor.image_processor, 64) for i in range(0, len(held_out), 32)]
-    before = token_accuracy(model, val, device)
+    before = token_accuracy(model, val, device, facts_only=True)
     res = train_stage(model, cfg, stream, device, autocast_bf16=bf16)
-    after = token_accuracy(model, val, device)
+    after = token_accuracy(model, val, device, facts_only=True)
     meta = read_sidecar(init)
-    meta["stages"] = [*meta.get("stages", []), {**res.summary(), "lr": lr, "trainable": "lm",
+    meta["stages"] = [*meta.get("stages", []), {**res.summary(), "lr": lr, "trainable": cfg.trainable,
                                                  "objective": "copy practice", "n_examples": n_examples,
+                                                 "lookup_share": lookup_share,
                                                  "held_out_copy_accuracy": {"before": before, "after": after}}]
     meta.pop("eval", None)  # world figures are measured after the next world stage
     save_checkpoint(model, out, processor=processor, half=half, meta=meta)
-    typer.echo(f"held-out copy accuracy (teacher-forced, {len(held_out)} examples): {before:.1%} -> {after:.1%}")
+    typer.echo(f"held-out copy accuracy (copied words right, teacher-forced, {len(held_out)} examples): "
+               f"{before:.1%} -> {after:.1%}")
     typer.echo(f"{res.summary()} -> {out}")
 
 
@@ -370,15 +376,13 @@ def evaluate_cmd(
         pack = load_embedded()
         cap = HFCaptioner(pack.captioner_model, pack.captioner_processor, prompt=pack.captioner_prompt)
         report["caption_fact_rate"] = caption_fact_rate(cap, captions_per_family)
-    for family, r in report["answer_fact_recall"].items():
+    def tau_and_captions(family: str) -> str:
         tau = report["block_efficiency_M_vs_T"].get(family, {})
         cap_rate = report.get("caption_fact_rate", {}).get(family, {}).get("rate")
-        typer.echo(f"{family:15s} facts {r['recall']:.1%} of {r['facts']}  tau M {tau.get('M', float('nan')):.2f}"
-                   f"  T {tau.get('T', float('nan')):.2f}" + (f"  captions {cap_rate:.1%}" if cap_rate is not None else ""))
-        typer.echo("                " + ", ".join(f"{k} {v['recall']:.0%}" for k, v in r["by_fact"].items()))
-        for truth, said in r.get("verdicts", {}).items():
-            typer.echo(f"                {sum(said.values())} {truth}-questions end on: "
-                       + ", ".join(f"{k} {n}" for k, n in said.items()))
+        return (f"  tau M {tau.get('M', float('nan')):.2f}  T {tau.get('T', float('nan')):.2f}"
+                + (f"  captions {cap_rate:.1%}" if cap_rate is not None else ""))
+
+    _echo_fact_table(report["answer_fact_recall"], tau_and_captions)
     if out is not None:
         out.write_text(json.dumps(report, indent=2))
 
@@ -387,10 +391,11 @@ def evaluate_cmd(
 def facts_cmd(
     model: Optional[Path] = typer.Option(None, help="HF LLaVA dir (default: the shipped target)"),
     n: int = typer.Option(100, help="test samples per family (the split's first N, as the benchmark takes them)"),
-    family: list[str] = typer.Option(list(SINGLE_IMAGE_FAMILIES), help="world family (repeatable)"),
+    family: list[str] = typer.Option(list(SINGLE_IMAGE), help="world family (repeatable)"),
     view: str = typer.Option("multimodal", help="multimodal | caption (each image replaced by its "
                              "ground-truth caption: can the LM copy the facts from text?)"),
     max_new_tokens: int = typer.Option(128),
+    device: str = typer.Option("cpu"),
     threads: Optional[int] = typer.Option(None),
     out: Optional[Path] = typer.Option(None, help="write the figures as JSON here"),
 ) -> None:
@@ -399,40 +404,53 @@ def facts_cmd(
     import json
 
     import torch
-    from transformers import AutoProcessor, AutoTokenizer, LlavaForConditionalGeneration
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     from mmspec.embedded import default_path
+    from mmspec.train.checkpoint import read_sidecar
     from mmspec.train.data import Encoder
     from mmspec.train.evaluate import model_fact_recall
     from mmspec.world import FAMILIES
 
     if n < 1:
         raise typer.BadParameter("need at least 1 sample per family", param_hint="--n")
+    if max_new_tokens < 1:
+        raise typer.BadParameter(f"need at least 1 new token; got {max_new_tokens}", param_hint="--max-new-tokens")
     if view not in ("multimodal", "caption"):
         raise typer.BadParameter(f"unknown view {view!r}; use multimodal or caption", param_hint="--view")
     unknown = [f for f in family if f not in FAMILIES]
     if unknown:
         raise typer.BadParameter(f"unknown world famil{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
                                  f"choose from {', '.join(FAMILIES)}", param_hint="--family")
-    if threads:
-        torch.set_num_threads(threads)
+    if out is not None and not out.parent.is_dir():
+        raise typer.BadParameter(f"{out.parent} does not exist; create it or write elsewhere", param_hint="--out")
     path = model or default_path() / "target"
     if not (path / "config.json").exists():
         raise typer.BadParameter(f"{path} is not an HF LLaVA model directory (no config.json)", param_hint="--model")
-    llava = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    encoder = Encoder(AutoTokenizer.from_pretrained(path))
-    report = model_fact_recall(llava, encoder, AutoProcessor.from_pretrained(path).image_processor,
-                               family, n, view=view, max_new_tokens=max_new_tokens)
+    if threads:
+        torch.set_num_threads(threads)
+    families = list(dict.fromkeys(family))
+    tokens_per_image = read_sidecar(path).get("pooled_tokens") or 64  # a pooled draft reads N tokens per image
+    llava = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval().to(device)
+    processor = AutoProcessor.from_pretrained(path)
+    report = model_fact_recall(llava, Encoder(processor.tokenizer), processor.image_processor, families, n,
+                               view=view, max_new_tokens=max_new_tokens, device=device,
+                               tokens_per_image=tokens_per_image)
     typer.echo(f"{path}: fact recall, {view} view, first {n} test samples per family, greedy")
+    _echo_fact_table(report)
+    if out is not None:
+        out.write_text(json.dumps({"model": str(path), "view": view, "n_per_family": n,
+                                   "tokens_per_image": tokens_per_image, "families": report}, indent=2))
+
+
+def _echo_fact_table(report: dict, extra=None) -> None:
+    """One line per family (recall, facts, ``extra(family)``), then by kind of fact and verdicts."""
     for fam, r in report.items():
-        typer.echo(f"{fam:15s} facts {r['recall']:.1%} of {r['facts']}  "
-                   + ", ".join(f"{k} {v['recall']:.0%}" for k, v in r["by_fact"].items()))
+        typer.echo(f"{fam:15s} facts {r['recall']:.1%} of {r['facts']}" + (extra(fam) if extra else ""))
+        typer.echo("                " + ", ".join(f"{k} {v['recall']:.0%}" for k, v in r["by_fact"].items()))
         for truth, said in r.get("verdicts", {}).items():
             typer.echo(f"                {sum(said.values())} {truth}-questions end on: "
                        + ", ".join(f"{k} {c}" for k, c in said.items()))
-    if out is not None:
-        out.write_text(json.dumps({"model": str(path), "view": view, "n_per_family": n, "families": report},
-                                  indent=2))
 
 
 @train_app.command("probe")

@@ -112,6 +112,8 @@ class StageConfig:
         check_schedule(self.steps, self.max_seconds, self.name)
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise MMSpecError(f"{self.name} needs a learning rate > 0; got {self.lr}")
+        if self.batch_size < 1:
+            raise MMSpecError(f"{self.name} needs a batch size >= 1; got {self.batch_size}")
 
 
 @dataclass(frozen=True)

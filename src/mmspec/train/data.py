@@ -1,11 +1,13 @@
 """Training data: world samples -> token ids + labels -> right-padded batches.
 
 Owns: the training :class:`Example` (prompt with ``<image>`` markers, answer, images,
-captions), its encoding under a *view* (multimodal with 64 or pooled N image tokens per
-image, text with each image -> ``"\\n"``, caption with each image -> its caption), the label
-mask (-100 on prompt, image tokens and padding: loss only on the answer and the closing
-eos), optional per-token loss weights (more weight on the tokens that state the image's
-facts, ``Encoder.fact_weight``), length-grouped shuffled batching and right-pad collation.
+captions), caption examples mixed into QA training, text-only copy / lookup practice of
+random vocabulary words (:func:`copy_examples`), an example's encoding under a *view*
+(multimodal with 64 or pooled N image tokens per image, text with each image -> ``"\\n"``,
+caption with each image -> its caption), the label mask (-100 on prompt, image tokens and
+padding: loss only on the answer and the closing eos), optional per-token loss weights (more
+weight on the tokens that state the image's facts, ``Encoder.fact_weight``), length-grouped
+shuffled batching and right-pad collation.
 
 A training sequence is ``prompt + " " + answer + eos``, tokenised as the prompt alone (as the
 engine tokenises it at inference) followed by the answer's own tokens, so training sees
@@ -16,6 +18,7 @@ Does not know about models or optimisers.
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from dataclasses import dataclass, field
@@ -82,31 +85,36 @@ def word_pool(tokenizer) -> list[str]:
     return words
 
 
-def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: int = 12) -> list[Example]:
-    """``n`` text-only practice examples for copying from the context, half of each kind:
+def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: int = 12,
+                  lookup_share: float = 0.5, pool: Sequence[str] | None = None) -> list[Example]:
+    """``n`` text-only practice examples for copying from the context, of two kinds:
 
-    * copy: ``USER: Repeat: w1 w2 ... wk ASSISTANT: w1 w2 ... wk`` (k = 2..4 x the item count);
-    * lookup: ``USER: Pairs: k1 v1, k2 v2, ... What goes with k3? ASSISTANT: k3 goes with v3.``
+    * copy: ``USER: Repeat: w1 w2 ... wk ASSISTANT: w1 w2 ... wk`` (k = min_items..2 x max_items);
+    * lookup (``floor(lookup_share * n)`` of them, spread evenly):
+      ``USER: Pairs: k1 v1, k2 v2, ... What goes with k3? ASSISTANT: k3 goes with v3.``
 
-    Words are drawn uniformly from :func:`word_pool`, so no prior predicts them: only copying
+    Words are drawn uniformly from ``pool`` (default :func:`word_pool`), so no prior predicts them: only copying
     or looking up in the prompt lowers the loss. The world's answers need exactly this (a
     chart's labels and values, a sign's word, the asked-about object), and a small LM trained
     on world data alone did not learn it: it states 6% of sign words even when the caption
     that says them is in its prompt (docs/embedded-models.md)."""
-    if n < 0 or not 1 <= min_items <= max_items:
-        raise MMSpecError(f"copy_examples needs n >= 0 and 1 <= min_items <= max_items; got {n}, {min_items}, {max_items}")
-    pool = word_pool(tokenizer)
+    if n < 0 or not 1 <= min_items <= max_items or not 0 <= lookup_share <= 1:
+        raise MMSpecError(f"copy_examples needs n >= 0, 1 <= min_items <= max_items and a lookup share in [0, 1]; "
+                          f"got {n}, {min_items}, {max_items}, {lookup_share}")
+    pool = list(word_pool(tokenizer) if pool is None else pool)
     if len(pool) < 2 * max_items:
         raise MMSpecError(f"the tokenizer has only {len(pool)} whole-word tokens; copy practice needs {2 * max_items}")
     rng = random.Random(seed)
     out = []
+    n_lookup = 0
     for i in range(n):
         m = rng.randint(min_items, max_items)
-        if i % 2 == 0:
-            words = [rng.choice(pool) for _ in range(rng.randint(2, 4) * m)]
+        if n_lookup >= math.floor(lookup_share * (i + 1) + 1e-9):  # spread evenly, floor(share * n) in all
+            words = [rng.choice(pool) for _ in range(rng.randint(min_items, 2 * max_items))]
             text = " ".join(words)
             out.append(Example(f"USER: Repeat: {text} ASSISTANT:", text, (), (), "copy", tuple(words)))
         else:
+            n_lookup += 1
             keys = rng.sample(pool, m)
             values = [rng.choice(pool) for _ in keys]
             q = rng.randrange(m)
@@ -170,6 +178,8 @@ class Encoder:
                               "or leave fact_weight at 1")
 
     def encode(self, ex: Example, view: View = "multimodal", tokens_per_image: int = 64) -> Encoded:
+        if view not in ("multimodal", "text", "caption"):
+            raise MMSpecError(f"unknown view {view!r}; use multimodal, text or caption")
         prompt_ids = self.tokenizer(ex.prompt)["input_ids"]
         n_markers = prompt_ids.count(self.image_token_id)
         if n_markers != len(ex.images):

@@ -3,9 +3,11 @@
 * answer fact recall: share of a sample's image-dependent facts whose value appears verbatim,
   as whole words (``1`` does not match ``10``; case ignored), in the target's greedy answer,
   per family and per kind of fact, and for yes/no questions the verdict the answer ends on
-  (:func:`verdict`) against the true one. Read from a ``mmspec bench run`` results dir
-  (its baseline rows are the target's own greedy answers on test samples), so the numbers
-  and the block-efficiency table come from one run;
+  (:func:`verdict`) against the true one (:func:`tally_facts`). Read from a ``mmspec bench
+  run`` results dir (its baseline rows are the target's own greedy answers on test samples),
+  so the numbers and the block-efficiency table come from one run; or generated directly by a
+  model (:func:`model_fact_recall`, ``mmspec train facts``), also in the caption view, where
+  the facts are in the prompt as text and only the LM's copying is tested;
 * caption fact rate: share of the facts a ground-truth caption states (per image) that the
   captioner's caption also states (the same whole-word rule, :func:`states`, which the
   training-time check in :func:`mmspec.train.recipe.fact_recall` uses too);
@@ -93,27 +95,39 @@ def answer_fact_recall(results_dir: str | Path) -> dict[str, dict]:
     return tally_facts(answers)
 
 
+def model_answers(model, encoder, image_processor, samples: Sequence, view: str = "multimodal",
+                  max_new_tokens: int = 128, device: str = "cpu", tokens_per_image: int = 64,
+                  progress: bool = False, desc: str = "answers") -> list[tuple]:
+    """``(sample, greedy answer text)`` for each world sample, the images seen through ``view``."""
+    from tqdm import tqdm
+
+    from mmspec.train.data import example_from_sample
+    from mmspec.train.recipe import greedy_answer
+
+    out = []
+    for sample in tqdm(samples, desc=desc, disable=not progress):
+        ids = greedy_answer(model, encoder, image_processor, example_from_sample(sample), tokens_per_image,
+                            max_new_tokens, device, view=view)
+        out.append((sample, encoder.tokenizer.decode(ids, skip_special_tokens=True)))
+    return out
+
+
 def model_fact_recall(model, encoder, image_processor, families: Sequence[str], n_per_family: int,
                       view: str = "multimodal", split: str = "test", max_new_tokens: int = 128,
-                      device: str = "cpu", progress: bool = True) -> dict[str, dict]:
+                      device: str = "cpu", tokens_per_image: int = 64, progress: bool = True) -> dict[str, dict]:
     """:func:`tally_facts` of ``model``'s greedy answers on the first ``n_per_family`` samples of
     each family's ``split``, without a benchmark run. ``view="caption"`` replaces each image by
     its ground-truth caption, so the facts are in the prompt as text: what the LM states then
     measures whether it copies and binds facts from its context, with the vision tower out of
     the question."""
-    from tqdm import tqdm
-
-    from mmspec.train.data import example_from_sample
-    from mmspec.train.recipe import greedy_answer
     from mmspec.world import generate_samples
 
+    if view not in ("multimodal", "caption"):
+        raise MMSpecError(f"unknown view {view!r}; use multimodal or caption")
     answers = []
-    for family in families:
-        for sample in tqdm(list(generate_samples(family, split, n_per_family)), desc=f"facts {family}",
-                           disable=not progress):
-            ids = greedy_answer(model, encoder, image_processor, example_from_sample(sample),
-                                max_new_tokens=max_new_tokens, device=device, view=view)
-            answers.append((sample, encoder.tokenizer.decode(ids, skip_special_tokens=True)))
+    for family in dict.fromkeys(families):  # each family once, in the given order
+        answers += model_answers(model, encoder, image_processor, list(generate_samples(family, split, n_per_family)),
+                                 view, max_new_tokens, device, tokens_per_image, progress, f"facts {family}")
     return tally_facts(answers)
 
 

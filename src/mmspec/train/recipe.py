@@ -5,7 +5,7 @@ Owns: which parameters a stage trains (:func:`set_trainable`), the learning-rate
 (:func:`batch_loss`, images through :mod:`pooling` so pooled and full grids share one code
 path), :func:`optimise` (the loop every stage shares: AdamW, the schedule on steps or the
 clock, grad clipping, progress bar), :func:`train_stage` and held-out metrics
-(:func:`eval_loss`, :func:`fact_recall`).
+(:func:`eval_loss`, :func:`fact_recall`, :func:`token_accuracy`) and :func:`greedy_answer`.
 
 Stages (IbED Appendix A, after LLaVA-1.5): stage 1 = projector only (LM and vision frozen),
 stage 2 = projector + LM (vision frozen). Our deviation: the vision tower is not a pretrained
@@ -184,9 +184,10 @@ def eval_loss(model, batches: Sequence[Batch], device: str = "cpu") -> float:
 
 
 @torch.no_grad()
-def token_accuracy(model, batches: Sequence[Batch], device: str = "cpu") -> float:
-    """Share of labelled tokens whose teacher-forced argmax prediction is right (held-out copy
-    practice: 1.0 means the LM copies every word it was shown)."""
+def token_accuracy(model, batches: Sequence[Batch], device: str = "cpu", facts_only: bool = False) -> float:
+    """Share of labelled tokens whose teacher-forced argmax prediction is right. ``facts_only``:
+    only the tokens the batch weighs above 1 (the fact tokens of an ``Encoder(fact_weight>1)``;
+    for copy practice the copied words, not the answer's fixed template)."""
     model.eval()
     hit = total = 0
     for batch in batches:
@@ -198,6 +199,10 @@ def token_accuracy(model, batches: Sequence[Batch], device: str = "cpu") -> floa
                        attention_mask=batch.attention_mask, use_cache=False).logits  # [B, T, V]
         targets = batch.labels[:, 1:]  # [B, T-1]
         mask = targets != -100
+        if facts_only:
+            if batch.loss_weights is None:
+                raise MMSpecError("facts_only needs batches encoded with fact_weight > 1 (no loss weights here)")
+            mask = mask & (batch.loss_weights[:, 1:] > 1)
         hit += int(((logits[:, :-1].argmax(-1) == targets) & mask).sum())
         total += int(mask.sum())
     return hit / max(total, 1)
@@ -228,13 +233,10 @@ def fact_recall(model, encoder: Encoder, image_processor, samples: Sequence, max
                 device: str = "cpu", tokens_per_image: int = 64) -> dict:
     """Share of world facts the greedy answer states (held-out samples), with the same whole-word
     rule as the test-split figures (:func:`mmspec.train.evaluate.tally_facts`)."""
-    from mmspec.train.data import example_from_sample
-    from mmspec.train.evaluate import tally_facts
+    from mmspec.train.evaluate import model_answers, tally_facts
 
-    answers = [(sample, encoder.tokenizer.decode(
-        greedy_answer(model, encoder, image_processor, example_from_sample(sample), tokens_per_image,
-                      max_new_tokens, device), skip_special_tokens=True)) for sample in samples]
-    table = tally_facts(answers)
+    table = tally_facts(model_answers(model, encoder, image_processor, samples, "multimodal", max_new_tokens,
+                                      device, tokens_per_image))
     hit = sum(r["hits"] for r in table.values())
     total = sum(r["facts"] for r in table.values())
     return {"recall": hit / max(total, 1), "per_family": {f: round(r["recall"], 3) for f, r in table.items()}}
