@@ -841,10 +841,20 @@ def test_copy_examples_can_only_be_answered_from_the_prompt():
     assert sum(e.family == "lookup" for e in copy_examples(tok, 20, 0, lookup_share=0.25)) == 5
     assert sum(e.family == "lookup" for e in copy_examples(tok, 100, 0, lookup_share=0.07)) == 7  # floor, no float creep
     assert copy_examples(tok, 2, 0, lookup_share=0.5)[0].family == "copy"
+    lists = [e for e in copy_examples(tok, 20, 3, lookup_share=0.25, list_share=0.5) if e.family == "list"]
+    assert len(lists) in (9, 10)  # floor(0.5 * 20), or one fewer when a lookup was due at the same example
+    for e in lists:  # "f k v, ..." listed as "k is v, ... and k is v." in the prompt's order
+        triples = [t.split(" ") for t in re.search(r"Items: (.+)\. List the pairs", e.prompt).group(1).split(", ")]
+        said = [f"{k} is {v}" for _, k, v in triples]
+        assert e.answer == (", ".join(said[:-1]) + " and " + said[-1] if len(said) > 1 else said[0]) + "."
+        assert set(e.facts) == {w for _, k, v in triples for w in (k, v)}
+    assert [e.prompt for e in copy_examples(tok, 9, 1, lookup_share=0.0)] == \
+        [e.prompt for e in copy_examples(tok, 9, 1, lookup_share=0.0, list_share=0.0)]
     with pytest.raises(MMSpecError, match="min_items"):
         copy_examples(tok, 4, 0, min_items=5, max_items=2)
-    with pytest.raises(MMSpecError, match="lookup share"):
-        copy_examples(tok, 4, 0, lookup_share=1.5)
+    for shares in ({"lookup_share": 1.5}, {"lookup_share": 0.6, "list_share": 0.6}, {"list_share": -0.1}):
+        with pytest.raises(MMSpecError, match="sum <= 1"):
+            copy_examples(tok, 4, 0, **shares)
 
 
 def test_token_accuracy_counts_the_argmax_hits(model, tokenizer, processor):
@@ -907,13 +917,14 @@ def test_copy_cli_trains_only_the_lm_and_stage_mixes_copy_practice(tmp_path, mon
     meta = json.loads((tmp_path / "c" / "mmspec.json").read_text())
     stage = meta["stages"][-1]
     assert stage["objective"] == "copy practice" and stage["steps"] == 3 and "eval" not in meta
-    assert stage["lookup_share"] == 0.5 and stage["trainable"] == "projector+lm"
+    assert stage["lookup_share"] == 0.5 and stage["list_share"] == 0.0 and stage["trainable"] == "projector+lm"
     assert all(0 <= v <= 1 for v in stage["held_out_copy_accuracy"].values())
     old, new = load_file(tmp_path / "m" / "model.safetensors"), load_file(tmp_path / "c" / "model.safetensors")
     changed = {k for k in old if not torch.equal(old[k], new[k])}
     assert changed and all("language_model" in k or "lm_head" in k for k in changed)
     for args, phrase in ((["--n-examples", "0"], "--n-examples"), (["--lr", "0"], "learning rate"),
                          (["--lookup-share", "2"], "--lookup-share"),
+                         (["--lookup-share", "0.6", "--list-share", "0.6"], "--list-share"),
                          (["--init", str(tmp_path)], "no config.json")):
         base = ["train", "copy", "--init", str(tmp_path / "m"), "--out", str(tmp_path / "x")]
         bad = CliRunner().invoke(app, base + args)

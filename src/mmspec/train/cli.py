@@ -261,6 +261,8 @@ def copy_cmd(
     batch_size: int = typer.Option(32),
     n_examples: int = typer.Option(50000, help="distinct practice examples (the stream cycles through them)"),
     lookup_share: float = typer.Option(0.5, help="share of lookup examples (the rest repeat their words)"),
+    list_share: float = typer.Option(0.0, help="share of list examples (key-value pairs with a filler word "
+                                     "between, listed in order: a chart caption's layout)"),
     minutes: Optional[float] = typer.Option(None, help="wall-clock cap; the schedule then follows time"),
     bf16: bool = typer.Option(True, help="bf16 autocast"),
     half: bool = typer.Option(False, help="save fp16 safetensors"),
@@ -289,8 +291,9 @@ def copy_cmd(
         raise typer.BadParameter(str(exc)) from exc
     if n_examples < 1:
         raise typer.BadParameter(f"--n-examples must be >= 1; got {n_examples}")
-    if not 0 <= lookup_share <= 1:
-        raise typer.BadParameter(f"--lookup-share must be in [0, 1]; got {lookup_share}")
+    if not (0 <= lookup_share and 0 <= list_share and lookup_share + list_share <= 1):
+        raise typer.BadParameter(f"--lookup-share and --list-share must be >= 0 with a sum <= 1; got "
+                                 f"{lookup_share} and {list_share}")
     if not (init / "config.json").exists():
         raise typer.BadParameter(f"{init} is not an HF LLaVA model directory (no config.json)", param_hint="--init")
     if threads:
@@ -300,8 +303,10 @@ def copy_cmd(
     tokenizer = processor.tokenizer
     try:
         pool = word_pool(tokenizer)
-        train_ex = copy_examples(tokenizer, n_examples, seed, lookup_share=lookup_share, pool=pool)
-        held_out = copy_examples(tokenizer, 128, seed + 1, lookup_share=lookup_share, pool=pool)
+        train_ex = copy_examples(tokenizer, n_examples, seed, lookup_share=lookup_share, pool=pool,
+                                 list_share=list_share)
+        held_out = copy_examples(tokenizer, 128, seed + 1, lookup_share=lookup_share, pool=pool,
+                                 list_share=list_share)
     except MMSpecError as exc:
         raise typer.BadParameter(str(exc)) from exc
     model = LlavaForConditionalGeneration.from_pretrained(init, dtype=torch.float32).to(device)
@@ -316,7 +321,7 @@ def copy_cmd(
     meta = read_sidecar(init)
     meta["stages"] = [*meta.get("stages", []), {**res.summary(), "lr": lr, "trainable": cfg.trainable,
                                                  "objective": "copy practice", "n_examples": n_examples,
-                                                 "lookup_share": lookup_share,
+                                                 "lookup_share": lookup_share, "list_share": list_share,
                                                  "held_out_copy_accuracy": {"before": before, "after": after}}]
     meta.pop("eval", None)  # world figures are measured after the next world stage
     save_checkpoint(model, out, processor=processor, half=half, meta=meta)

@@ -86,33 +86,56 @@ def word_pool(tokenizer) -> list[str]:
 
 
 def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: int = 12,
-                  lookup_share: float = 0.5, pool: Sequence[str] | None = None) -> list[Example]:
-    """``n`` text-only practice examples for copying from the context, of two kinds:
+                  lookup_share: float = 0.5, pool: Sequence[str] | None = None,
+                  list_share: float = 0.0) -> list[Example]:
+    """``n`` text-only practice examples for copying from the context, of three kinds:
 
     * copy: ``USER: Repeat: w1 w2 ... wk ASSISTANT: w1 w2 ... wk`` (k = min_items..2 x max_items);
     * lookup (``floor(lookup_share * n)`` of them, spread evenly):
       ``USER: Pairs: k1 v1, k2 v2, ... What goes with k3? ASSISTANT: k3 goes with v3.``
+    * list (``floor(list_share * n)``, spread evenly, or one fewer where a lookup was due at the
+      same example): ``USER: Items: f1 k1 v1, f2 k2 v2, ...
+      List the pairs. ASSISTANT: k1 is v1, k2 is v2 and k3 is v3.`` The filler word before
+      each key is the layout of a chart caption ("brown tea 1, purple egg 5"), where
+      previous-token copying lands on the colour instead of the next label.
 
     Words are drawn uniformly from ``pool`` (default :func:`word_pool`), so no prior predicts them: only copying
     or looking up in the prompt lowers the loss. The world's answers need exactly this (a
     chart's labels and values, a sign's word, the asked-about object), and a small LM trained
     on world data alone did not learn it: it states 6% of sign words even when the caption
     that says them is in its prompt (docs/embedded-models.md)."""
-    if n < 0 or not 1 <= min_items <= max_items or not 0 <= lookup_share <= 1:
-        raise MMSpecError(f"copy_examples needs n >= 0, 1 <= min_items <= max_items and a lookup share in [0, 1]; "
-                          f"got {n}, {min_items}, {max_items}, {lookup_share}")
+    if n < 0 or not 1 <= min_items <= max_items or not (0 <= lookup_share and 0 <= list_share
+                                                          and lookup_share + list_share <= 1):
+        raise MMSpecError(f"copy_examples needs n >= 0, 1 <= min_items <= max_items and lookup and list shares "
+                          f">= 0 with a sum <= 1; got {n}, {min_items}, {max_items}, {lookup_share}, {list_share}")
     pool = list(word_pool(tokenizer) if pool is None else pool)
     if len(pool) < 2 * max_items:
         raise MMSpecError(f"the tokenizer has only {len(pool)} whole-word tokens; copy practice needs {2 * max_items}")
     rng = random.Random(seed)
     out = []
-    n_lookup = 0
+    n_lookup = n_list = 0
     for i in range(n):
         m = rng.randint(min_items, max_items)
-        if n_lookup >= math.floor(lookup_share * (i + 1) + 1e-9):  # spread evenly, floor(share * n) in all
+        if n_lookup < math.floor(lookup_share * (i + 1) + 1e-9):  # each kind spread evenly, floor(share * n)
+            kind = "lookup"
+        elif n_list < math.floor(list_share * (i + 1) + 1e-9):
+            kind = "list"
+        else:
+            kind = "copy"
+        if kind == "copy":
             words = [rng.choice(pool) for _ in range(rng.randint(min_items, 2 * max_items))]
             text = " ".join(words)
             out.append(Example(f"USER: Repeat: {text} ASSISTANT:", text, (), (), "copy", tuple(words)))
+        elif kind == "list":
+            n_list += 1
+            keys = rng.sample(pool, m)
+            values = [rng.choice(pool) for _ in keys]
+            fillers = [rng.choice(pool) for _ in keys]
+            items = ", ".join(f"{f} {k} {v}" for f, k, v in zip(fillers, keys, values))
+            said = [f"{k} is {v}" for k, v in zip(keys, values)]
+            answer = (", ".join(said[:-1]) + " and " + said[-1]) if len(said) > 1 else said[0]
+            out.append(Example(f"USER: Items: {items}. List the pairs. ASSISTANT:", answer + ".", (), (), "list",
+                               tuple(keys + values)))
         else:
             n_lookup += 1
             keys = rng.sample(pool, m)
