@@ -21,6 +21,22 @@ from mmspec.bench.datasets import SINGLE_IMAGE  # the fact-recall goal's familie
 train_app = typer.Typer(help="Train the embedded target / draft / captioner on the synthetic world.",
                         no_args_is_help=True)
 
+# options that several commands share, declared once
+_STEPS = typer.Option(None, help="optimiser steps (default: 1000, or as many as --minutes allow when it is given)")
+_MINUTES = typer.Option(None, help="wall-clock cap; the schedule then follows time")
+_BF16 = typer.Option(True, help="bf16 autocast")
+_HALF = typer.Option(False, help="save fp16 safetensors")
+
+
+def _default_steps(steps: Optional[int], minutes: Optional[float]) -> Optional[int]:
+    """--steps as given; unset, 1000 without --minutes and None (the clock decides) with it."""
+    return steps if steps is not None or minutes is not None else 1000
+
+
+def _require_model_dir(path: Path, option: str) -> None:
+    if not (path / "config.json").exists():
+        raise typer.BadParameter(f"{path} is not an HF LLaVA model directory (no config.json)", param_hint=option)
+
 
 @train_app.command("embedded")
 def embedded(
@@ -186,17 +202,16 @@ def read_cmd(
     init: Path = typer.Option(..., help="the HF LLaVA dir whose vision tower learns to read"),
     out: Path = typer.Option(..., help="where to save the model with the new tower (HF dir)"),
     lr: float = typer.Option(3e-4),
-    steps: Optional[int] = typer.Option(None, help="optimiser steps (default: 1000, or as many as "
-                                        "--minutes allow when it is given)"),
+    steps: Optional[int] = _STEPS,
     batch_size: int = typer.Option(64, help="images per step"),
     n_train_per_family: int = typer.Option(1500, help="training samples per family, all their images read"),
     family_samples: list[str] = typer.Option([], help="FAMILY=N: read the images of N samples of this family "
                                              "(repeatable; 0 drops the family)"),
-    minutes: Optional[float] = typer.Option(None, help="wall-clock cap; the schedule then follows time"),
+    minutes: Optional[float] = _MINUTES,
     eval_images: int = typer.Option(512, help="val-split images for the held-out recall, split evenly over the "
                                     "8 families (0: skip)"),
-    bf16: bool = typer.Option(True, help="bf16 autocast"),
-    half: bool = typer.Option(False, help="save fp16 safetensors"),
+    bf16: bool = _BF16,
+    half: bool = _HALF,
     device: str = typer.Option("cpu"),
     seed: int = typer.Option(0),
     threads: Optional[int] = typer.Option(None),
@@ -213,7 +228,7 @@ def read_cmd(
                                       word_recall)
 
     try:
-        cfg = ReadingConfig(lr=lr, steps=steps if steps is not None or minutes is not None else 1000,
+        cfg = ReadingConfig(lr=lr, steps=_default_steps(steps, minutes),
                             batch_size=batch_size,
                             max_seconds=None if minutes is None else 60.0 * minutes)
     except MMSpecError as exc:
@@ -223,8 +238,7 @@ def read_cmd(
     if n_train_per_family < 0:
         raise typer.BadParameter(f"--n-train-per-family must be >= 0; got {n_train_per_family}")
     per_family = _parse_family_samples(family_samples, n_train_per_family)
-    if not (init / "config.json").exists():
-        raise typer.BadParameter(f"{init} is not an HF LLaVA model directory (no config.json)", param_hint="--init")
+    _require_model_dir(init, "--init")
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -256,16 +270,15 @@ def copy_cmd(
     init: Path = typer.Option(..., help="the HF LLaVA dir whose LM practises copying"),
     out: Path = typer.Option(..., help="where to save the result (HF dir)"),
     lr: float = typer.Option(5e-4),
-    steps: Optional[int] = typer.Option(None, help="optimiser steps (default: 1000, or as many as "
-                                        "--minutes allow when it is given)"),
+    steps: Optional[int] = _STEPS,
     batch_size: int = typer.Option(32),
     n_examples: int = typer.Option(50000, help="distinct practice examples (the stream cycles through them)"),
     lookup_share: float = typer.Option(0.5, help="share of lookup examples (the rest repeat their words)"),
     list_share: float = typer.Option(0.0, help="share of list examples (key-value pairs with a filler word "
                                      "between, listed in order: a chart caption's layout)"),
-    minutes: Optional[float] = typer.Option(None, help="wall-clock cap; the schedule then follows time"),
-    bf16: bool = typer.Option(True, help="bf16 autocast"),
-    half: bool = typer.Option(False, help="save fp16 safetensors"),
+    minutes: Optional[float] = _MINUTES,
+    bf16: bool = _BF16,
+    half: bool = _HALF,
     device: str = typer.Option("cpu"),
     seed: int = typer.Option(0),
     threads: Optional[int] = typer.Option(None),
@@ -284,8 +297,7 @@ def copy_cmd(
     from mmspec.train.recipe import token_accuracy, train_stage
 
     try:
-        cfg = StageConfig("copy-practice", "projector+lm", lr=lr,
-                          steps=steps if steps is not None else (1_000_000 if minutes is not None else 1000),
+        cfg = StageConfig("copy-practice", "projector+lm", lr=lr, steps=_default_steps(steps, minutes),
                           batch_size=batch_size, max_seconds=None if minutes is None else 60.0 * minutes)
     except MMSpecError as exc:
         raise typer.BadParameter(str(exc)) from exc
@@ -294,8 +306,7 @@ def copy_cmd(
     if not (0 <= lookup_share and 0 <= list_share and lookup_share + list_share <= 1):
         raise typer.BadParameter(f"--lookup-share and --list-share must be >= 0 with a sum <= 1; got "
                                  f"{lookup_share} and {list_share}")
-    if not (init / "config.json").exists():
-        raise typer.BadParameter(f"{init} is not an HF LLaVA model directory (no config.json)", param_hint="--init")
+    _require_model_dir(init, "--init")
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -430,8 +441,7 @@ def facts_cmd(
     if out is not None and not out.parent.is_dir():
         raise typer.BadParameter(f"{out.parent} does not exist; create it or write elsewhere", param_hint="--out")
     path = model or default_path() / "target"
-    if not (path / "config.json").exists():
-        raise typer.BadParameter(f"{path} is not an HF LLaVA model directory (no config.json)", param_hint="--model")
+    _require_model_dir(path, "--model")
     if threads:
         torch.set_num_threads(threads)
     families = list(dict.fromkeys(family))
@@ -481,8 +491,7 @@ def probe_cmd(
     if threads:
         torch.set_num_threads(threads)
     path = model or default_path() / "target"
-    if not (path / "config.json").exists():
-        raise typer.BadParameter(f"{path} is not an HF LLaVA model directory (no config.json)", param_hint="--model")
+    _require_model_dir(path, "--model")
     llava = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     results = vision_probes(llava, AutoProcessor.from_pretrained(path).image_processor, n_train, n_test)
     typer.echo(f"{path}: linear probes on vision features, {n_train} train / {n_test} test images")

@@ -95,7 +95,7 @@ class StageConfig:
     name: str
     trainable: Trainable
     lr: float
-    steps: int
+    steps: int | None  # None: max_seconds alone sets the schedule (the recipe presets always give steps)
     batch_size: int = 16
     warmup_ratio: float = 0.03
     weight_decay: float = 0.0
