@@ -911,13 +911,14 @@ def test_copy_cli_trains_only_the_lm_and_stage_mixes_copy_practice(tmp_path, mon
     save_checkpoint(build_llava(model_size("tiny"), tok), tmp_path / "m", processor=proc,
                     meta={"role": "target", "stages": [{"name": "s0"}], "eval": {"loss": 1.0}})
     r = CliRunner().invoke(app, ["train", "copy", "--init", str(tmp_path / "m"), "--out", str(tmp_path / "c"),
-                                 "--steps", "3", "--batch-size", "4", "--n-examples", "40", "--no-bf16"])
+                                 "--steps", "3", "--batch-size", "4", "--n-examples", "40", "--list-share", "0.25",
+                                 "--no-bf16"])
     assert r.exit_code == 0, r.output
     assert "held-out copy accuracy" in r.output
     meta = json.loads((tmp_path / "c" / "mmspec.json").read_text())
     stage = meta["stages"][-1]
     assert stage["objective"] == "copy practice" and stage["steps"] == 3 and "eval" not in meta
-    assert stage["lookup_share"] == 0.5 and stage["list_share"] == 0.0 and stage["trainable"] == "projector+lm"
+    assert stage["lookup_share"] == 0.5 and stage["list_share"] == 0.25 and stage["trainable"] == "projector+lm"
     assert all(0 <= v <= 1 for v in stage["held_out_copy_accuracy"].values())
     old, new = load_file(tmp_path / "m" / "model.safetensors"), load_file(tmp_path / "c" / "model.safetensors")
     changed = {k for k in old if not torch.equal(old[k], new[k])}
