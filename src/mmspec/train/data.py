@@ -1,8 +1,8 @@
 """Training data: world samples -> token ids + labels -> right-padded batches.
 
 Owns: the training :class:`Example` (prompt with ``<image>`` markers, answer, images,
-captions), caption examples mixed into QA training, text-only copy / lookup practice of
-random vocabulary words (:func:`copy_examples`), an example's encoding under a *view*
+captions), caption examples mixed into QA training, text-only copy / lookup / list practice
+of random vocabulary words (:func:`copy_examples`), an example's encoding under a *view*
 (multimodal with 64 or pooled N image tokens per image, text with each image -> ``"\\n"``,
 caption with each image -> its caption), the label mask (-100 on prompt, image tokens and
 padding: loss only on the answer and the closing eos), optional per-token loss weights (more
@@ -73,8 +73,9 @@ def mix_in_captions(samples: Sequence, ratio: float, seed: int) -> list[Example]
 
 
 def word_pool(tokenizer) -> list[str]:
-    """The vocabulary's whole words: alphanumeric tokens that, preceded by a space, encode as
-    exactly themselves (so a text of them tokenises back to the same ids)."""
+    """The vocabulary's whole words: alphanumeric tokens of a byte-level BPE that carry the
+    leading-space marker and that, written after a space, encode as exactly themselves (so a
+    text of them tokenises back to the same ids). Empty for tokenizers without the marker."""
     words = []
     for piece in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))):
         if piece is None or not piece.startswith("\u0120") or not piece[1:].isalnum():
@@ -99,8 +100,8 @@ def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: i
       each key is the layout of a chart caption ("brown tea 1, purple egg 5"), where
       previous-token copying lands on the colour instead of the next label.
 
-    Words are drawn uniformly from ``pool`` (default :func:`word_pool`), so no prior predicts them: only copying
-    or looking up in the prompt lowers the loss. The world's answers need exactly this (a
+    Words are drawn uniformly from ``pool`` (default :func:`word_pool`), so no prior predicts
+    them: only copying or looking up in the prompt lowers the loss. The world's answers need exactly this (a
     chart's labels and values, a sign's word, the asked-about object), and a small LM trained
     on world data alone did not learn it: it states 6% of sign words even when the caption
     that says them is in its prompt (docs/embedded-models.md)."""
