@@ -83,6 +83,16 @@ def check_schedule(steps: int | None, max_seconds: float | None, name: str = "st
         raise MMSpecError(f"{name}: needs a time budget > 0; got {max_seconds} s")
 
 
+def check_optimiser(name: str, lr: float, steps: int | None, max_seconds: float | None, batch_size: int) -> None:
+    """What every optimisation config refuses when built, before any work: the schedule
+    (:func:`check_schedule`), a learning rate that is not > 0, a batch size below 1."""
+    check_schedule(steps, max_seconds, name)
+    if not (math.isfinite(lr) and lr > 0):
+        raise MMSpecError(f"{name} needs a learning rate > 0; got {lr}")
+    if batch_size < 1:
+        raise MMSpecError(f"{name} needs a batch size >= 1; got {batch_size}")
+
+
 @dataclass(frozen=True)
 class StageConfig:
     """One optimisation stage: AdamW, linear warm-up then cosine decay to 0, grad clipping.
@@ -109,11 +119,7 @@ class StageConfig:
     caption_view_prob: float = 0.0
 
     def __post_init__(self) -> None:
-        check_schedule(self.steps, self.max_seconds, self.name)
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise MMSpecError(f"{self.name} needs a learning rate > 0; got {self.lr}")
-        if self.batch_size < 1:
-            raise MMSpecError(f"{self.name} needs a batch size >= 1; got {self.batch_size}")
+        check_optimiser(self.name, self.lr, self.steps, self.max_seconds, self.batch_size)
 
 
 @dataclass(frozen=True)

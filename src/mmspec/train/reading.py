@@ -35,7 +35,7 @@ from typing import Iterator, Mapping, Sequence
 import torch
 
 from mmspec.errors import MMSpecError
-from mmspec.train.config import check_schedule
+from mmspec.train.config import check_optimiser
 from mmspec.train.pooling import vision_patch_features
 from mmspec.train.recipe import StageResult, bf16_autocast, optimise
 
@@ -55,11 +55,7 @@ class ReadingConfig:
     max_seconds: float | None = None
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise MMSpecError(f"reading pre-training needs a learning rate > 0; got {self.lr}")
-        check_schedule(self.steps, self.max_seconds, "reading pre-training")
-        if self.batch_size < 1:
-            raise MMSpecError(f"reading pre-training needs batch size >= 1; got {self.batch_size}")
+        check_optimiser("reading pre-training", self.lr, self.steps, self.max_seconds, self.batch_size)
 
 
 class ReadingHead(torch.nn.Module):
