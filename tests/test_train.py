@@ -943,12 +943,27 @@ def test_copy_cli_trains_only_the_lm_and_stage_mixes_copy_practice(tmp_path, mon
 
     monkeypatch.setattr(data, "batch_stream", spy)
     args = ["train", "stage", "--size", "tiny", "--steps", "2", "--batch-size", "4", "--n-train-per-family", "1",
-            "--copy-mix", "0.5", "--no-bf16", "--out", str(tmp_path / "s")]
+            "--copy-mix", "0.5", "--no-bf16", "--eval", "--out", str(tmp_path / "s")]
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     fams = seen["families"]
     assert sum(f in ("copy", "lookup") for f in fams) == 4 and len(fams) == 12  # round(0.5 * 8) added
-    assert json.loads((tmp_path / "s" / "mmspec.json").read_text())["stages"][-1]["copy_mix"] == 0.5
+    meta = json.loads((tmp_path / "s" / "mmspec.json").read_text())
+    assert meta["stages"][-1]["copy_mix"] == 0.5
+    assert meta["eval"]["eval_loss"] > 0 and 0 <= meta["eval"]["recall"] <= 1  # held-out batches and facts ran
     for bad_mix, phrase in ((["--copy-mix", "-1"], "--copy-mix"), (["--copy-mix", "1", "--captioner"], "captioner")):
         bad = CliRunner().invoke(app, args[:-1] + [str(tmp_path / "y")] + bad_mix)
         assert bad.exit_code == 2 and phrase in bad.output and not (tmp_path / "y").exists(), bad.output
+
+
+def test_fixed_batches_keep_order_and_match_collate(tokenizer, processor):
+    """Held-out batches: in order, the last one short, each equal to collating the encodings."""
+    from mmspec.train.data import fixed_batches
+
+    enc = Encoder(tokenizer)
+    exs = fake_examples(5, seed=2)
+    got = fixed_batches(exs, enc, processor.image_processor, batch_size=2)
+    assert [b.input_ids.shape[0] for b in got] == [2, 2, 1]
+    want = collate([enc.encode(ex) for ex in exs[2:4]], tokenizer.pad_token_id, processor.image_processor, 64)
+    assert torch.equal(got[1].input_ids, want.input_ids) and torch.equal(got[1].labels, want.labels)
+    assert torch.equal(got[1].pixel_values, want.pixel_values)

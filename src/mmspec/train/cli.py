@@ -293,7 +293,7 @@ def copy_cmd(
     from mmspec.errors import MMSpecError
     from mmspec.train.checkpoint import read_sidecar, save_checkpoint
     from mmspec.train.config import StageConfig
-    from mmspec.train.data import Encoder, batch_stream, collate, copy_examples, word_pool
+    from mmspec.train.data import Encoder, batch_stream, copy_examples, fixed_batches, word_pool
     from mmspec.train.recipe import token_accuracy, train_stage
 
     try:
@@ -324,8 +324,7 @@ def copy_cmd(
     stream = batch_stream(train_ex, Encoder(tokenizer), processor.image_processor, batch_size,
                           torch.Generator().manual_seed(seed))
     scorer = Encoder(tokenizer, fact_weight=2.0)  # weights mark the copied words (each example's facts)
-    val = [collate([scorer.encode(ex) for ex in held_out[i:i + 32]], tokenizer.pad_token_id,
-                   processor.image_processor, 64) for i in range(0, len(held_out), 32)]
+    val = fixed_batches(held_out, scorer, processor.image_processor, batch_size=32)
     before = token_accuracy(model, val, device, facts_only=True)
     res = train_stage(model, cfg, stream, device, autocast_bf16=bf16)
     after = token_accuracy(model, val, device, facts_only=True)

@@ -273,6 +273,14 @@ def collate(items: Sequence[Encoded], pad_id: int, image_processor, tokens_per_i
     return Batch(ids, mask, labels, pixel_values, tokens_per_image, weights)
 
 
+def fixed_batches(examples: Sequence[Example], encoder: "Encoder", image_processor, batch_size: int = 8,
+                  tokens_per_image: int = 64) -> list[Batch]:
+    """Held-out ``examples`` (multimodal view) as fixed right-padded batches, in order."""
+    encoded = [encoder.encode(ex, "multimodal", tokens_per_image) for ex in examples]
+    return [collate(encoded[i:i + batch_size], encoder.tokenizer.pad_token_id, image_processor, tokens_per_image)
+            for i in range(0, len(encoded), batch_size)]
+
+
 def batch_stream(examples: Sequence[Example], encoder: Encoder, image_processor, batch_size: int,
                  generator: torch.Generator, tokens_per_image: int = 64, text_view_prob: float = 0.0,
                  caption_view_prob: float = 0.0, group: int = 16) -> Iterator[Batch]:

@@ -28,7 +28,7 @@ import torch
 from mmspec.train.checkpoint import save_checkpoint
 from mmspec.train.config import RecipeConfig, StageConfig, build_llava, model_size, param_report
 from mmspec.train.data import (CAPTIONER_PROMPT, Batch, Encoder, Example, batch_stream,
-                               caption_examples, collate, example_from_sample)
+                               caption_examples, example_from_sample, fixed_batches)
 from mmspec.train.recipe import eval_loss, fact_recall, train_stage
 
 # Share of the wall-clock budget per stage (the rest is data, evaluation and saving).
@@ -95,9 +95,7 @@ class _Run:
         return done
 
     def held_out(self, examples: Sequence[Example], tokens_per_image: int) -> list[Batch]:
-        encoded = [self.encoder.encode(ex, "multimodal", tokens_per_image) for ex in examples]
-        return [collate(encoded[i:i + 8], self.tokenizer.pad_token_id, self.processor.image_processor,
-                        tokens_per_image) for i in range(0, len(encoded), 8)]
+        return fixed_batches(examples, self.encoder, self.processor.image_processor, 8, tokens_per_image)
 
     def evaluate(self, role: str, model, eval_examples, eval_samples, tokens_per_image: int = 64,
                  facts: bool = True) -> dict:
