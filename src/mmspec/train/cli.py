@@ -96,6 +96,8 @@ def stage(
     device: str = typer.Option("cpu"),
     seed: int = typer.Option(0),
     threads: Optional[int] = typer.Option(None),
+    workers: int = typer.Option(0, help="build training batches in this many worker processes (0: in this one); "
+                                "a GPU step outruns one core's tokenising and image preprocessing"),
 ) -> None:
     """One stage of the LLaVA recipe (stage 1: --trainable projector, stage 2: projector+lm).
 
@@ -104,7 +106,7 @@ def stage(
     import math
 
     import torch
-    from transformers import LlavaForConditionalGeneration
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     from mmspec.errors import MMSpecError
     from mmspec.train.checkpoint import read_sidecar, save_checkpoint
@@ -116,6 +118,8 @@ def stage(
 
     if not (math.isfinite(copy_mix) and copy_mix >= 0):
         raise typer.BadParameter(f"--copy-mix must be a finite number >= 0; got {copy_mix}")
+    if workers < 0:
+        raise typer.BadParameter(f"--workers must be >= 0 (0 builds batches in this process); got {workers}")
     if captioner and copy_mix > 0:
         raise typer.BadParameter("--copy-mix adds QA-style practice and would change the captioner's task; drop one")
     if caption_mix < 0 or not (0 <= text_view_prob <= 1 and 0 <= caption_view_prob <= 1) \
@@ -136,10 +140,13 @@ def stage(
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    tokenizer, processor = world_tokenizer_and_processor(seed)
     if init is not None:
+        _require_model_dir(init, "--init")
+        processor = AutoProcessor.from_pretrained(init)  # the ids the model was trained on, whatever --seed
+        tokenizer = processor.tokenizer
         model = LlavaForConditionalGeneration.from_pretrained(init, dtype=torch.float32)
     else:
+        tokenizer, processor = world_tokenizer_and_processor(seed)
         tower = None
         if vision_from is not None:
             tower = LlavaForConditionalGeneration.from_pretrained(vision_from, dtype=torch.float32).model.vision_tower
@@ -154,12 +161,12 @@ def stage(
     encoder = Encoder(tokenizer, max_answer_tokens=96, fact_weight=fact_weight)
     stream = batch_stream(examples, encoder, processor.image_processor, batch_size,
                           torch.Generator().manual_seed(seed), tokens_per_image=pooled_tokens or 64,
-                          text_view_prob=text_view_prob, caption_view_prob=caption_view_prob)
+                          text_view_prob=text_view_prob, caption_view_prob=caption_view_prob, workers=workers)
     res = train_stage(model, cfg, stream, device, autocast_bf16=bf16)
     meta = read_sidecar(init) if init is not None else {"role": "captioner" if captioner else "stage"}
     meta["stages"] = [*meta.get("stages", []), {**res.summary(), "lr": lr, "trainable": trainable,
                                                  "caption_mix": caption_mix, "copy_mix": copy_mix,
-                                                 "fact_weight": fact_weight,
+                                                 "fact_weight": fact_weight, "workers": workers,
                                                  "text_view_prob": text_view_prob,
                                                  "caption_view_prob": caption_view_prob,
                                                  "n_train_per_family": n_train_per_family,

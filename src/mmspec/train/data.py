@@ -283,16 +283,62 @@ def fixed_batches(examples: Sequence[Example], encoder: "Encoder", image_process
 
 def batch_stream(examples: Sequence[Example], encoder: Encoder, image_processor, batch_size: int,
                  generator: torch.Generator, tokens_per_image: int = 64, text_view_prob: float = 0.0,
-                 caption_view_prob: float = 0.0, group: int = 16) -> Iterator[Batch]:
+                 caption_view_prob: float = 0.0, group: int = 16, workers: int = 0) -> Iterator[Batch]:
     """Endless shuffled batches, epoch after epoch, each drawn by ``generator``.
 
     Length grouping: each run of ``batch_size * group`` shuffled examples is sorted by length
     and cut into batches (less padding), and the batch order is shuffled again. Each example's
     view is drawn per epoch: text with ``text_view_prob``, caption with ``caption_view_prob``,
     else multimodal.
+
+    ``workers`` > 0 builds the batches in that many worker processes (a GPU step is faster than
+    one CPU core can tokenise and preprocess a batch): worker ``w`` streams the shard
+    ``examples[w::workers]`` with its own generator, seeded from ``generator``, and the batches
+    come round-robin from the workers. Still deterministic for a seed and worker count, but a
+    different order from ``workers=0``.
     """
     if not examples:
         raise MMSpecError("no training examples")
+    if workers < 0 or workers > len(examples):
+        raise MMSpecError(f"workers must be between 0 and the number of examples ({len(examples)}); got {workers}")
+    if workers:
+        base = int(torch.randint(2**62, (1,), generator=generator))
+        shards = _Shards(examples, encoder, image_processor, batch_size, base, tokens_per_image,
+                         text_view_prob, caption_view_prob, group, workers)
+        loader = torch.utils.data.DataLoader(shards, batch_size=None, num_workers=workers, collate_fn=_as_is,
+                                             prefetch_factor=4, persistent_workers=True)
+        return iter(loader)
+    return _stream(examples, encoder, image_processor, batch_size, generator, tokens_per_image, text_view_prob,
+                   caption_view_prob, group)
+
+
+def _as_is(batch: Batch) -> Batch:
+    return batch
+
+
+class _Shards(torch.utils.data.IterableDataset):
+    """The worker side of ``batch_stream(workers=N)``: in worker ``w``, the stream of shard ``w``."""
+
+    def __init__(self, examples, encoder, image_processor, batch_size, base_seed, tokens_per_image,
+                 text_view_prob, caption_view_prob, group, workers):
+        super().__init__()
+        self.args = (encoder, image_processor, batch_size)
+        self.examples, self.base_seed, self.workers = examples, base_seed, workers
+        self.kw = dict(tokens_per_image=tokens_per_image, text_view_prob=text_view_prob,
+                       caption_view_prob=caption_view_prob, group=group)
+
+    def __iter__(self) -> Iterator[Batch]:
+        info = torch.utils.data.get_worker_info()
+        w = 0 if info is None else info.id
+        shard = self.examples[w::self.workers]
+        gen = torch.Generator().manual_seed(self.base_seed + w)
+        return _stream(shard, *self.args, gen, **self.kw)
+
+
+def _stream(examples: Sequence[Example], encoder: Encoder, image_processor, batch_size: int,
+            generator: torch.Generator, tokens_per_image: int, text_view_prob: float, caption_view_prob: float,
+            group: int) -> Iterator[Batch]:
+    """The in-process stream of :func:`batch_stream`."""
     has_captions = all(len(ex.captions) == len(ex.images) for ex in examples)
     while True:
         perm = torch.randperm(len(examples), generator=generator).tolist()
