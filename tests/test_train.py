@@ -275,7 +275,7 @@ def test_stage_cli_mixes_captions_and_views(tmp_path, monkeypatch):
     assert bad.exit_code != 0 and "sum <= 1" in bad.output and not (tmp_path / "x").exists()
 
 
-def test_stage_init_keeps_the_init_tokenizer_whatever_the_seed(tmp_path, monkeypatch):
+def test_stage_keeps_the_init_or_vision_from_tokenizer_whatever_the_seed(tmp_path, monkeypatch):
     """--seed seeds the data; the token ids must stay the ones the --init model was trained on
     (a tokenizer retrained from another seed gave the shipped target a first loss of 12.8)."""
     from typer.testing import CliRunner
@@ -303,6 +303,10 @@ def test_stage_init_keeps_the_init_tokenizer_whatever_the_seed(tmp_path, monkeyp
     assert seen["vocab"] == init_vocab
     assert world_tokenizer_and_processor(3)[0].get_vocab() != init_vocab  # so the check above can fail
     assert AutoProcessor.from_pretrained(tmp_path / "b").tokenizer.get_vocab() == init_vocab
+    seen.clear()  # a model built on another's tower shares its tokenizer (a draft on its target's)
+    r = CliRunner().invoke(app, base + ["--seed", "3", "--vision-from", str(tmp_path / "a"), "--out", str(tmp_path / "c")])
+    assert r.exit_code == 0, r.output
+    assert seen["vocab"] == init_vocab
 
 
 def test_insertion_plan_spreads_copies():

@@ -140,13 +140,18 @@ def stage(
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    if init is not None:
-        _require_model_dir(init, "--init")
-        processor = AutoProcessor.from_pretrained(init)  # the ids the model was trained on, whatever --seed
+    # The token ids come from the model this one continues or borrows its tower from (a draft must
+    # share its target's vocabulary), whatever --seed; only a model from nothing gets a fresh tokenizer.
+    source = init if init is not None else vision_from
+    if source is not None:
+        _require_model_dir(source, "--init" if init is not None else "--vision-from")
+        processor = AutoProcessor.from_pretrained(source)
         tokenizer = processor.tokenizer
-        model = LlavaForConditionalGeneration.from_pretrained(init, dtype=torch.float32)
     else:
         tokenizer, processor = world_tokenizer_and_processor(seed)
+    if init is not None:
+        model = LlavaForConditionalGeneration.from_pretrained(init, dtype=torch.float32)
+    else:
         tower = None
         if vision_from is not None:
             tower = LlavaForConditionalGeneration.from_pretrained(vision_from, dtype=torch.float32).model.vision_tower
