@@ -639,6 +639,52 @@ def test_reading_trains_only_the_tower_and_learns_to_read(model, tokenizer, proc
     assert logits[tokenizer.convert_tokens_to_ids("red")] > logits[tokenizer.convert_tokens_to_ids("blue")]
 
 
+def test_contrastive_loss_spreads_over_identical_captions():
+    """Two images with one caption are each right for either caption column: which of the two
+    an image prefers changes nothing, and the loss falls as each image picks its own caption."""
+    from mmspec.train.reading import contrastive_loss
+
+    caps = ["x", "x", "y"]
+    a = torch.tensor([[6.0, 4.0, 0.0], [4.0, 6.0, 0.0], [0.0, 0.0, 5.0]])
+    b = torch.tensor([[4.0, 6.0, 0.0], [6.0, 4.0, 0.0], [0.0, 0.0, 5.0]])
+    torch.testing.assert_close(contrastive_loss(a, caps), contrastive_loss(b, caps))
+    distinct = ["x", "y", "z"]
+    assert contrastive_loss(torch.zeros(3, 3), distinct) == pytest.approx(math.log(3))
+    assert contrastive_loss(10 * torch.eye(3), distinct) < 0.01 < contrastive_loss(10 * (1 - torch.eye(3)), distinct)
+
+
+def test_contrastive_reading_learns_to_match_images_and_captions(model, tokenizer, processor):
+    """The contrastive head: loss falls, held-out images pick their own caption among their
+    group's, and only the vision tower changes."""
+    import itertools
+
+    from mmspec.train.reading import ContrastiveHead, ReadingConfig, caption_retrieval, train_reading
+
+    torch.manual_seed(0)
+    train = fake_examples(64, seed=1)
+    stream = itertools.cycle([([ex.images[0] for ex in train[i:i + 16]], [ex.captions[0] for ex in train[i:i + 16]])
+                              for i in range(0, 64, 16)])
+    test = fake_examples(24, seed=2)
+    images, captions = [ex.images[0] for ex in test], [ex.captions[0] for ex in test]
+    head = ContrastiveHead.for_model(model, len(tokenizer))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    r0 = caption_retrieval(model, head, tokenizer, processor.image_processor, images, captions, ["fake"] * 24)
+    res = train_reading(model, head, tokenizer, processor.image_processor, stream,
+                        ReadingConfig(lr=3e-3, steps=60, batch_size=16), progress=False)
+    r1 = caption_retrieval(model, head, tokenizer, processor.image_processor, images, captions, ["fake"] * 24)
+    # 4 colours in batches of 16: the loss cannot go below the soft targets' entropy, log(same-caption count)
+    floor = sum(math.log(caps.count(c)) for i in range(0, 64, 16) for caps in [[e.captions[0] for e in train[i:i + 16]]]
+                for c in caps) / 64
+    first, last = sum(res.losses[:4]) / 4, sum(res.losses[-4:]) / 4
+    assert res.steps == 60 and first > floor + 0.8 and last < floor + 0.15, (floor, first, last)
+    assert r1["recall"] == 1.0 and r0["recall"] < 0.6 and r1["images_by_group"] == {"fake": 24}
+    for k, v in model.state_dict().items():
+        if not k.startswith("model.vision_tower."):
+            assert torch.equal(v, before[k]), k
+    with pytest.raises(MMSpecError, match="does not match"):
+        ContrastiveHead(8, 5).embed_captions(tokenizer, ["a red square"], "cpu")
+
+
 def test_reading_config_refuses_bad_values():
     from mmspec.train.reading import ReadingConfig
 
@@ -703,7 +749,14 @@ def test_read_cli_changes_only_the_tower_and_records_the_stage(tmp_path):
     assert r.exit_code == 0, r.output
     stage = json.loads((tmp_path / "t" / "mmspec.json").read_text())["stages"][-1]
     assert stage["steps"] >= 1 and stage["seconds"] < 5 and "val_word_recall" not in stage
+    r = CliRunner().invoke(app, base + ["--objective", "contrastive", "--workers", "2", "--out", str(tmp_path / "c")])
+    assert r.exit_code == 0, r.output
+    assert "matched to their own caption" in r.output
+    stage = json.loads((tmp_path / "c" / "mmspec.json").read_text())["stages"][-1]
+    assert stage["objective"] == "image-caption contrastive" and stage["workers"] == 2 and stage["steps"] == 3
+    assert stage["val_caption_retrieval"]["images"] == 8 and "val_word_recall" not in stage
     for args, phrase in (([], "no config.json"), (["--lr", "0"], "learning rate"),
+                         (["--objective", "clip"], "unknown objective"), (["--workers", "-1"], "--workers"),
                          (["--steps", "0"], "steps >= 1"), (["--minutes", "-1"], "time budget"),
                          (["--minutes", "0"], "time budget"), (["--eval-images", "-1"], "--eval-images"),
                          (["--n-train-per-family", "-1"], "--n-train-per-family"),
@@ -738,6 +791,26 @@ def test_image_caption_stream_mixes_families_in_proportion():
         image_caption_stream("train", {"textvqa": 0}, 4)  # refused when built, not at the first batch
     with pytest.raises(MMSpecError, match=">= 0"):
         image_caption_stream("train", {"textvqa": -1, "chartqa": 2}, 4)
+
+
+def test_image_caption_stream_workers_split_the_samples():
+    """With workers, batches come as pixel values; worker w walks samples w, w + N, ... so the
+    two workers' first sign captions are samples 0, 2, 4 and 1, 3, 5."""
+    from itertools import islice
+
+    from mmspec.train.pack import world_tokenizer_and_processor
+    from mmspec.train.reading import image_caption_stream
+    from mmspec.world import make_sample
+
+    ip = world_tokenizer_and_processor(0)[1].image_processor
+    batches = list(islice(image_caption_stream("train", {"textvqa": 6}, 3, seed=0, workers=2, image_processor=ip), 2))
+    assert all(pv.shape == (3, 3, 96, 96) for pv, _ in batches)
+    assert [caps for _, caps in batches] == [[make_sample("textvqa", "train", i).captions[0] for i in (0, 2, 4)],
+                                             [make_sample("textvqa", "train", i).captions[0] for i in (1, 3, 5)]]
+    torch.testing.assert_close(batches[0][0][0], ip([make_sample("textvqa", "train", 0).images[0]],
+                                                    return_tensors="pt")["pixel_values"][0])
+    with pytest.raises(MMSpecError, match="image processor"):
+        image_caption_stream("train", {"textvqa": 6}, 3, workers=2)
 
 
 def test_reading_is_reproducible_and_runs_under_bf16(model, tokenizer, processor):

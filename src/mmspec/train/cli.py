@@ -227,17 +227,22 @@ def read_cmd(
     device: str = typer.Option("cpu"),
     seed: int = typer.Option(0),
     threads: Optional[int] = typer.Option(None),
+    objective: str = typer.Option("bag", help="bag: predict the caption's tokens from single patches; contrastive: "
+                                  "pick each image's caption out of the batch (CLIP's objective)"),
+    workers: int = typer.Option(0, help="render and preprocess images in this many worker processes (0: in this one)"),
 ) -> None:
-    """Reading pre-training of the vision tower: learn to predict the tokens of each image's caption
-    from single patch features (`mmspec.train.reading`). Only the tower changes; the projector and
-    LM of the result were trained on the old tower, so train a stage on it before using it."""
+    """Reading pre-training of the vision tower (`mmspec.train.reading`): learn to predict the tokens
+    of each image's caption from single patch features (--objective bag), or to match each image
+    with its caption against the rest of the batch (--objective contrastive). Only the tower
+    changes; the projector and LM of the result were trained on the old tower, so train a stage
+    on it before using it."""
     import torch
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     from mmspec.errors import MMSpecError
     from mmspec.train.checkpoint import read_sidecar, save_checkpoint
-    from mmspec.train.reading import (ReadingConfig, ReadingHead, image_caption_stream, train_reading, val_images,
-                                      word_recall)
+    from mmspec.train.reading import (ContrastiveHead, ReadingConfig, ReadingHead, caption_retrieval,
+                                      image_caption_stream, train_reading, val_images, word_recall)
 
     try:
         cfg = ReadingConfig(lr=lr, steps=_default_steps(steps, minutes),
@@ -249,6 +254,11 @@ def read_cmd(
         raise typer.BadParameter(f"--eval-images must be >= 0; got {eval_images}")
     if n_train_per_family < 0:
         raise typer.BadParameter(f"--n-train-per-family must be >= 0; got {n_train_per_family}")
+    heads = {"bag": ReadingHead, "contrastive": ContrastiveHead}
+    if objective not in heads:
+        raise typer.BadParameter(f"unknown objective {objective!r}; use bag or contrastive", param_hint="--objective")
+    if workers < 0:
+        raise typer.BadParameter(f"--workers must be >= 0 (0 renders in this process); got {workers}")
     per_family = _parse_family_samples(family_samples, n_train_per_family)
     _require_model_dir(init, "--init")
     if threads:
@@ -257,18 +267,27 @@ def read_cmd(
     processor = AutoProcessor.from_pretrained(init)  # the init's own tokenizer: only the tower changes
     tokenizer = processor.tokenizer
     model = LlavaForConditionalGeneration.from_pretrained(init, dtype=torch.float32)
-    head = ReadingHead.for_model(model, len(tokenizer))
-    stream = image_caption_stream("train", per_family, cfg.batch_size, seed)
+    head = heads[objective].for_model(model, len(tokenizer))
+    stream = image_caption_stream("train", per_family, cfg.batch_size, seed, workers=workers,
+                                  image_processor=processor.image_processor)
     res = train_reading(model, head, tokenizer, processor.image_processor, stream, cfg, device, autocast_bf16=bf16)
-    record = {**res.summary(), "lr": lr, "trainable": "vision", "objective": "caption bag of words",
-              "n_train_per_family": n_train_per_family, **({"family_samples": per_family} if family_samples else {})}
+    record = {**res.summary(), "lr": lr, "trainable": "vision",
+              "objective": {"bag": "caption bag of words", "contrastive": "image-caption contrastive"}[objective],
+              "workers": workers, "n_train_per_family": n_train_per_family,
+              **({"family_samples": per_family} if family_samples else {})}
     if eval_images:
         images, captions, families = val_images(eval_images, seed)
-        rec = word_recall(model, head, tokenizer, processor.image_processor, images, captions, families, device)
-        record["val_word_recall"] = rec
-        typer.echo(f"held-out caption tokens read (recall at k; {rec['images']} val images, "
-                   f"{rec['images'] // len(rec['by_group'])} per family): {rec['recall']:.1%}; "
-                   + ", ".join(f"{f} {r:.0%}" for f, r in rec["by_group"].items()))
+        if objective == "bag":
+            rec = word_recall(model, head, tokenizer, processor.image_processor, images, captions, families, device)
+            record["val_word_recall"] = rec
+            what = "held-out caption tokens read (recall at k"
+        else:
+            rec = caption_retrieval(model, head, tokenizer, processor.image_processor, images, captions, families,
+                                    device)
+            record["val_caption_retrieval"] = rec
+            what = "held-out images matched to their own caption among their family's (top 1"
+        typer.echo(f"{what}; {rec['images']} val images, {rec['images'] // len(rec['by_group'])} per family): "
+                   f"{rec['recall']:.1%}; " + ", ".join(f"{f} {r:.0%}" for f, r in rec["by_group"].items()))
     meta = read_sidecar(init)
     meta["stages"] = [*meta.get("stages", []), record]
     meta.pop("eval", None)  # the LM's figures were measured on the old tower

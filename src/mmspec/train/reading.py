@@ -81,6 +81,82 @@ class ReadingHead(torch.nn.Module):
             per_patch = self.proj(feats.float())  # [B, P, V]
         return torch.logsumexp(per_patch, dim=1) - math.log(feats.shape[1])
 
+    def loss(self, feats: torch.Tensor, tokenizer, captions: Sequence[str]) -> torch.Tensor:
+        return reading_loss(self, feats, caption_bags(tokenizer, captions, self.proj.out_features))
+
+
+class ContrastiveHead(torch.nn.Module):
+    """CLIP's objective, small: an image embedding from the patch features and a caption
+    embedding from the caption's tokens, trained so that each image picks its own caption out of
+    the batch (symmetric InfoNCE with a learnt temperature, :func:`contrastive_loss`).
+
+    Image side: ``heads`` learnt queries attend over the patches (softmax over patches per
+    query), the pooled features are concatenated and projected to ``dim``. Text side: the mean
+    of the caption's token embeddings, projected. Both unit-normalised. The tokens every sign
+    caption shares ("a", "sign", "that", "says") are the same on both sides of every pair in a
+    batch of signs, so they cancel: only what tells one image from another (the word, the number,
+    the colour) carries a gradient, the signal the bag-of-words softmax diluted over the vocabulary.
+    """
+
+    def __init__(self, feature_dim: int, vocab_size: int, dim: int = 256, heads: int = 4):
+        super().__init__()
+        self.queries = torch.nn.Parameter(torch.zeros(feature_dim, heads))  # uniform attention at the start
+        self.image_proj = torch.nn.Linear(feature_dim * heads, dim)
+        self.token_embed = torch.nn.EmbeddingBag(vocab_size, dim, mode="mean")
+        self.text_proj = torch.nn.Linear(dim, dim)
+        self.logit_scale = torch.nn.Parameter(torch.tensor(math.log(1 / 0.07)))  # CLIP's initial temperature
+        self.vocab_size = vocab_size
+
+    @classmethod
+    def for_model(cls, model, vocab_size: int) -> "ContrastiveHead":
+        layers = model.config.vision_feature_layer
+        n_layers = len(layers) if isinstance(layers, (list, tuple)) else 1
+        return cls(model.config.vision_config.hidden_size * n_layers, vocab_size)
+
+    def embed_images(self, feats: torch.Tensor) -> torch.Tensor:
+        """feats: [B, P, C] -> [B, dim], unit norm (float32 even under autocast)."""
+        with torch.autocast(device_type=feats.device.type, enabled=False):
+            feats = feats.float()
+            attn = torch.softmax(feats @ self.queries, dim=1)  # [B, P, H]
+            pooled = torch.einsum("bph,bpc->bhc", attn, feats).flatten(1)  # [B, H*C]
+            return torch.nn.functional.normalize(self.image_proj(pooled), dim=-1)
+
+    def embed_captions(self, tokenizer, captions: Sequence[str], device) -> torch.Tensor:
+        """Captions -> [B, dim], unit norm."""
+        ids = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in captions]
+        for caption, row in zip(captions, ids):
+            if not row:
+                raise MMSpecError(f"caption {caption!r} has no tokens; every image needs a caption to read")
+            if max(row) >= self.vocab_size:
+                raise MMSpecError(f"caption {caption!r} has token id {max(row)} >= the head's vocabulary of "
+                                  f"{self.vocab_size}; the tokenizer does not match the model")
+        flat = torch.tensor([t for row in ids for t in row], device=device)
+        offsets = torch.tensor([0] + [len(row) for row in ids[:-1]], device=device).cumsum(0)
+        with torch.autocast(device_type=torch.device(device).type, enabled=False):
+            return torch.nn.functional.normalize(self.text_proj(self.token_embed(flat, offsets)), dim=-1)
+
+    def similarities(self, feats: torch.Tensor, tokenizer, captions: Sequence[str]) -> torch.Tensor:
+        """[B_images, B_captions] scaled cosine similarities."""
+        img = self.embed_images(feats)
+        txt = self.embed_captions(tokenizer, captions, feats.device)
+        return self.logit_scale.clamp(max=math.log(100.0)).exp() * img @ txt.T
+
+    def loss(self, feats: torch.Tensor, tokenizer, captions: Sequence[str]) -> torch.Tensor:
+        return contrastive_loss(self.similarities(feats, tokenizer, captions), captions)
+
+
+def contrastive_loss(logits: torch.Tensor, captions: Sequence[str]) -> torch.Tensor:
+    """Symmetric InfoNCE over a batch's [B, B] image-caption ``logits``. Images with the same
+    caption text are all right answers for each other (soft targets spread over them), so two
+    renderings of one caption are not pushed apart."""
+    index = {c: i for i, c in enumerate(dict.fromkeys(captions))}
+    keys = torch.tensor([index[c] for c in captions], device=logits.device)
+    same = (keys[:, None] == keys[None, :]).float()  # [B, B]
+    target = same / same.sum(-1, keepdim=True)
+    image_to_text = -(target * torch.log_softmax(logits, dim=1)).sum(-1).mean()
+    text_to_image = -(target * torch.log_softmax(logits.T, dim=1)).sum(-1).mean()
+    return (image_to_text + text_to_image) / 2
+
 
 def caption_bags(tokenizer, captions: Sequence[str], vocab_size: int) -> torch.Tensor:
     """[B, V] multi-hot: 1 where the caption's tokens (no special tokens) include v."""
@@ -105,13 +181,19 @@ def reading_loss(head: ReadingHead, feats: torch.Tensor, bags: torch.Tensor) -> 
 
 
 def image_caption_stream(split: str, n_per_family: int | Mapping[str, int], batch_size: int,
-                         seed: int = 0) -> Iterator[tuple[list, list[str]]]:
+                         seed: int = 0, workers: int = 0,
+                         image_processor=None) -> Iterator[tuple[list | torch.Tensor, list[str]]]:
     """Endless batches of (images, captions) from the split's first ``n_per_family`` samples of
     each family. Each next sample's family is drawn with probability proportional to its count
     (``random.Random(seed)``), so the mix is the same all through training; a family walks
     through its samples in order and starts again when it reaches its count. All images of a
     sample are used. Samples are rendered as they are needed, so memory stays flat. Bad counts
-    are refused here, before the first batch is asked for."""
+    are refused here, before the first batch is asked for.
+
+    ``workers`` > 0 renders and preprocesses in that many processes (a GPU step outruns one
+    core): worker ``w`` walks each family's samples ``w, w + workers, ...`` with its own family
+    draws, turns its images into pixel values with ``image_processor``, and the batches come
+    round-robin as ``(pixel_values [B, 3, H, W], captions)``."""
     from mmspec.world import FAMILIES
 
     counts = {name: n_per_family for name in FAMILIES} if isinstance(n_per_family, int) else dict(n_per_family)
@@ -124,21 +206,52 @@ def image_caption_stream(split: str, n_per_family: int | Mapping[str, int], batc
         raise MMSpecError("no samples to read: every family has 0 samples")
     if batch_size < 1:
         raise MMSpecError(f"batch size must be >= 1; got {batch_size}")
-    return _batches(split, {name: n for name, n in counts.items() if n > 0}, batch_size, seed)
+    if workers < 0 or (workers and image_processor is None):
+        raise MMSpecError(f"workers must be >= 0, and > 0 needs the image processor; got {workers}")
+    counts = {name: n for name, n in counts.items() if n > 0}
+    if workers:
+        loader = torch.utils.data.DataLoader(_CaptionShards(split, counts, batch_size, seed, workers, image_processor),
+                                             batch_size=None, num_workers=workers, collate_fn=_as_is,
+                                             prefetch_factor=4, persistent_workers=True)
+        return iter(loader)
+    return _batches(split, counts, batch_size, seed)
 
 
-def _batches(split: str, counts: dict[str, int], batch_size: int, seed: int) -> Iterator[tuple[list, list[str]]]:
+def _as_is(batch):
+    return batch
+
+
+class _CaptionShards(torch.utils.data.IterableDataset):
+    """The worker side of ``image_caption_stream(workers=N)``."""
+
+    def __init__(self, split, counts, batch_size, seed, workers, image_processor):
+        super().__init__()
+        self.split, self.counts, self.batch_size, self.seed = split, counts, batch_size, seed
+        self.workers, self.image_processor = workers, image_processor
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        w = 0 if info is None else info.id
+        for images, captions in _batches(self.split, self.counts, self.batch_size, self.seed, start=w,
+                                         stride=self.workers, draw_seed=self.seed * 1000 + w):
+            yield self.image_processor(images, return_tensors="pt")["pixel_values"], captions
+
+
+def _batches(split: str, counts: dict[str, int], batch_size: int, seed: int, start: int = 0, stride: int = 1,
+             draw_seed: int | None = None) -> Iterator[tuple[list, list[str]]]:
+    """Samples ``start, start + stride, ...`` of each family (wrapping at its count), families
+    drawn by ``random.Random(draw_seed)`` (default ``seed``)."""
     from mmspec.world import make_sample
 
     names, weights = list(counts), list(counts.values())
-    rng = random.Random(seed)
-    next_index = dict.fromkeys(names, 0)
+    rng = random.Random(seed if draw_seed is None else draw_seed)
+    next_index = {name: start % counts[name] for name in names}
     images: list = []
     captions: list[str] = []
     while True:
         name = rng.choices(names, weights)[0]
         sample = make_sample(name, split, next_index[name], seed)
-        next_index[name] = (next_index[name] + 1) % counts[name]
+        next_index[name] = (next_index[name] + stride) % counts[name]
         for image, caption in zip(sample.images, sample.captions, strict=True):
             images.append(image)
             captions.append(caption)
@@ -172,11 +285,12 @@ def _pixels(image_processor, images: Sequence, device: str) -> torch.Tensor:
     return pv.to(device)
 
 
-def train_reading(model, head: ReadingHead, tokenizer, image_processor, batches: Iterator[tuple[list, list[str]]],
-                  cfg: ReadingConfig, device: str = "cpu", autocast_bf16: bool = False,
-                  progress: bool = True) -> StageResult:
-    """Train ``model``'s vision tower (in place) and ``head`` on the reading objective; the
-    result's ``samples`` counts images."""
+def train_reading(model, head: ReadingHead | ContrastiveHead, tokenizer, image_processor,
+                  batches: Iterator[tuple[list | torch.Tensor, list[str]]], cfg: ReadingConfig, device: str = "cpu",
+                  autocast_bf16: bool = False, progress: bool = True) -> StageResult:
+    """Train ``model``'s vision tower (in place) and ``head`` on the head's objective (the
+    caption bag or the contrastive one); the result's ``samples`` counts images. A batch's
+    images may come as PIL images or already as pixel values ([B, 3, H, W], from workers)."""
     tower = model.model.vision_tower
     for p in model.parameters():
         p.requires_grad_(False)
@@ -185,14 +299,12 @@ def train_reading(model, head: ReadingHead, tokenizer, image_processor, batches:
     params = [*tower.parameters(), *head.parameters()]
     model.to(device).train()
     head.to(device).train()
-    vocab = head.proj.out_features
 
     def step_loss() -> tuple[torch.Tensor, int]:
         images, captions = next(batches)
-        pv = _pixels(image_processor, images, device)
-        bags = caption_bags(tokenizer, captions, vocab)  # [B, V]
+        pv = images.to(device) if isinstance(images, torch.Tensor) else _pixels(image_processor, images, device)
         with bf16_autocast(device, autocast_bf16):
-            return reading_loss(head, vision_patch_features(model, pv), bags), len(images)
+            return head.loss(vision_patch_features(model, pv), tokenizer, captions), len(captions)
 
     result = optimise("reading", params, step_loss, cfg.lr, cfg.steps, cfg.max_seconds, cfg.warmup_ratio,
                       cfg.weight_decay, cfg.grad_clip, progress)
@@ -234,3 +346,27 @@ def word_recall(model, head: ReadingHead, tokenizer, image_processor, images: Se
         out["by_group"] = {g: h / n for g, (h, n) in by.items()}
         out["images_by_group"] = {g: list(groups).count(g) for g in by}
     return out
+
+
+@torch.no_grad()
+def caption_retrieval(model, head: ContrastiveHead, tokenizer, image_processor, images: Sequence,
+                      captions: Sequence[str], groups: Sequence[str], device: str = "cpu", batch: int = 64) -> dict:
+    """How well the contrastive head reads held-out images: the share of images whose own caption
+    scores highest among the distinct captions of their group (their family: a sign against the
+    other signs' captions, so the word, number and colour decide) -> ``recall``, per group ->
+    ``by_group`` (chance: 1 / distinct captions of the group), images per group ->
+    ``images_by_group``. The caller puts ``model`` and ``head`` in eval mode on ``device``."""
+    if not images:
+        raise MMSpecError("no images to score the contrastive head on")
+    emb = torch.cat([head.embed_images(vision_patch_features(model, _pixels(image_processor, images[i:i + batch],
+                                                                            device)))
+                     for i in range(0, len(images), batch)])  # [N, dim]
+    by: dict[str, list[int]] = {}
+    for g in dict.fromkeys(groups):
+        rows = [i for i, gi in enumerate(groups) if gi == g]
+        options = list(dict.fromkeys(captions[i] for i in rows))
+        best = (emb[rows] @ head.embed_captions(tokenizer, options, emb.device).T).argmax(-1).tolist()
+        by[g] = [sum(options[b] == captions[i] for b, i in zip(best, rows)), len(rows)]
+    hits = sum(h for h, _ in by.values())
+    return {"recall": hits / len(images), "images": len(images), "by_group": {g: h / n for g, (h, n) in by.items()},
+            "images_by_group": {g: n for g, (_, n) in by.items()}}
