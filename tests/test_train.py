@@ -550,8 +550,10 @@ def test_stage_cli_fact_weight(tmp_path, monkeypatch):
 
 
 def test_reproduction_script_uses_only_real_flags():
-    """scripts/train-embedded-pack.sh (the one command that reproduces the pack) names only
-    subcommands and flags that `mmspec train` has, so a renamed flag cannot silently break it."""
+    """scripts/train-embedded-pack.sh (the one command that reproduces the pack) and the GPU scripts
+    it runs name only subcommands and flags that `mmspec train` has, so a renamed flag cannot
+    silently break them."""
+    import re
     import shlex
     from pathlib import Path
 
@@ -559,18 +561,27 @@ def test_reproduction_script_uses_only_real_flags():
 
     from mmspec.cli import app
 
-    script = (Path(__file__).parents[1] / "scripts" / "train-embedded-pack.sh").read_text()
+    scripts = Path(__file__).parents[1] / "scripts"
+    main = (scripts / "train-embedded-pack.sh").read_text()
+    called = re.findall(r"^bash scripts/(\S+\.sh)", main, flags=re.M)
+    assert called == ["gpu-target-v8.sh", "gpu-pack-v9.sh", "gpu-pack-v9.sh"]
     train = typer.main.get_command(app).commands["train"]
-    lines = script.replace('"$T"', "2").replace("$OUT", "/tmp/pack").replace("\\\n", " ").splitlines()
-    commands = [shlex.split(line.split("#")[0])[1:] for line in lines if line.lstrip().startswith("$M ")]
-    assert len(commands) >= 8
-    for words in commands:
-        sub = train.commands.get(words[0])
-        assert sub is not None, f"`mmspec train {words[0]}` does not exist"
-        known = {o for p in sub.params for o in (*p.opts, *p.secondary_opts)}
-        unknown = [w for w in words[1:] if w.startswith("--") and w not in known]
-        assert not unknown, f"`mmspec train {words[0]}` has no {unknown}"
-        sub.make_context(words[0], list(words[1:]))  # values parse, required options are there
+    for name in ["train-embedded-pack.sh", *sorted(set(called))]:
+        text = (scripts / name).read_text().replace("\\\n", " ")
+        for array, words in re.findall(r"^\s*(\w+)=\(([^)]*)\)", text, flags=re.M):  # shell arrays, spelled out
+            text = text.replace(f'"${{{array}[@]}}"', words.replace("\n", " "))
+        for var, value in (('"$T"', "2"), ("$OUT", "/tmp/pack"), ('"$DEV"', "cuda"), ('"$TM"', "4"), ('"$2"', "all")):
+            text = text.replace(var, value)
+        commands = [shlex.split(line.split("#")[0].split(" > ")[0])[1:]  # no comment, no output redirection
+                    for line in text.splitlines() if line.lstrip().startswith("$M ")]
+        assert len(commands) >= 3, name
+        for words in commands:
+            sub = train.commands.get(words[0])
+            assert sub is not None, f"{name}: `mmspec train {words[0]}` does not exist"
+            known = {o for p in sub.params for o in (*p.opts, *p.secondary_opts)}
+            unknown = [w for w in words[1:] if w.startswith("--") and w not in known]
+            assert not unknown, f"{name}: `mmspec train {words[0]}` has no {unknown}"
+            sub.make_context(words[0], list(words[1:]))  # values parse, required options are there
 
 
 def test_reading_head_pools_over_patches():
