@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# The v9 pack on one CUDA GPU (run on the lent H100 of 2026-11-22). First the vision tower learns to
+# One round of the v9 / v10 pack on one CUDA GPU (run twice on the lent H100 of 2026-11-22). First
+# the vision tower learns to
 # read with CLIP's objective (`mmspec train read --objective contrastive`, 2.5 min); then three jobs
 # run side by side on that tower, frozen in all three: the target's projector + LM trained on; the
-# draft (stage 1, 2, then pooled); the captioner (stage 1, 2). Stages and flags follow
-# scripts/train-embedded-pack.sh steps 2d and 3-5, with GPU batch sizes and minutes.
+# draft (stage 1, 2, then pooled); the captioner (stage 1, 2). The target's flags are the v5 stage's
+# (fact weight, family mix) plus copy practice; the draft's and captioner's are the CPU recipe's, with
+# GPU batch sizes and minutes.
 #
-#   bash scripts/gpu-pack-v9.sh INIT WORK_DIR [TARGET_MINUTES]
+#   bash scripts/gpu-pack-v9.sh WORK_DIR INIT [TARGET_MINUTES]
 #
 # INIT: the target to start from (its projector and LM are kept and trained on). About 9 minutes on
 # an H100 with 16 CPU cores; every stage is time-budgeted (--minutes).
 set -euo pipefail
-INIT=${1:?usage: gpu-pack-v9.sh INIT WORK_DIR [TARGET_MINUTES]}
-W=${2:?usage: gpu-pack-v9.sh INIT WORK_DIR [TARGET_MINUTES]}
+W=${1:?usage: gpu-pack-v9.sh WORK_DIR INIT [TARGET_MINUTES]}
+INIT=${2:?usage: gpu-pack-v9.sh WORK_DIR INIT [TARGET_MINUTES]}
 TM=${3:-4}
 DEV=${DEVICE:-cuda}
 M="python -m mmspec train"
@@ -46,8 +48,8 @@ captioner() {
     $M stage --init "$W/captioner_s1" --captioner --trainable projector+lm --lr 1e-3 --minutes 3.5 \
         --n-train-per-family 6000 --batch-size 64 --workers 2 --half --eval "${COMMON[@]}" --out "$W/captioner"
 }
-target > "$W/target.log" 2>&1 &
-draft > "$W/draft.log" 2>&1 &
-captioner > "$W/captioner.log" 2>&1 &
-wait
+target > "$W/target.log" 2>&1 & t=$!
+draft > "$W/draft.log" 2>&1 & d=$!
+captioner > "$W/captioner.log" 2>&1 & c=$!
+wait "$t" && wait "$d" && wait "$c" || { echo "a job failed: see $W/*.log" >&2; exit 1; }
 echo "done: $W/{target,draft,draft_pooled,captioner}"

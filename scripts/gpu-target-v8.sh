@@ -30,7 +30,7 @@ run_world() {  # NAME TRAINABLE
     $M stage --init "$W/copy2" --trainable "$2" --lr 5e-4 --steps 100000000 --minutes 4.5 "${MIX[@]}" \
         --batch-size 64 --workers 6 --device "$DEV" --bf16 --half --eval --seed 2 --out "$W/$1"
 }
-run_world target_v8_all all > "$W/all.log" 2>&1 &
-run_world target_v8_lm projector+lm > "$W/lm.log" 2>&1 &
-wait
+run_world target_v8_all all > "$W/all.log" 2>&1 & a=$!
+run_world target_v8_lm projector+lm > "$W/lm.log" 2>&1 & l=$!
+wait "$a" && wait "$l" || { echo "a job failed: see $W/*.log" >&2; exit 1; }
 echo "done: $W/target_v8_all $W/target_v8_lm"

@@ -56,10 +56,10 @@ bash scripts/gpu-target-v8.sh "$OUT/work/v8" "$OUT/work/target_v5"
 
 # 4. v9: the vision tower learns to read with CLIP's objective (contrastive, 2.5 min); then, side by
 #    side on the new tower: the target's projector + LM (4 min), a new draft + pooled draft, a new captioner
-bash scripts/gpu-pack-v9.sh "$OUT/work/v8/target_v8_lm" "$OUT/work/v9" 4
+bash scripts/gpu-pack-v9.sh "$OUT/work/v9" "$OUT/work/v8/target_v8_lm" 4
 
 # 5. v10: step 4 again from the v9 target (target 3.5 min); this is the shipped pack
-bash scripts/gpu-pack-v9.sh "$OUT/work/v9/target" "$OUT/work/v10" 3.5
+bash scripts/gpu-pack-v9.sh "$OUT/work/v10" "$OUT/work/v9/target" 3.5
 
 for role in target draft draft_pooled captioner; do
     rm -rf "${OUT:?}/$role" && cp -r "$OUT/work/v10/$role" "$OUT/$role"

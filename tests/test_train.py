@@ -270,6 +270,10 @@ def test_stage_cli_mixes_captions_and_views(tmp_path, monkeypatch):
     k = args.index("--workers") + 1
     no = CliRunner().invoke(app, args[:k] + ["-1"] + args[k + 1:-1] + [str(tmp_path / "w")])
     assert no.exit_code != 0 and "--workers" in no.output and not (tmp_path / "w").exists()
+    many = CliRunner().invoke(app, args[:k] + ["99"] + args[k + 1:-1] + [str(tmp_path / "w")])  # 12 examples
+    assert many.exit_code == 2 and "workers must be between" in many.output and "Traceback" not in many.output
+    both = CliRunner().invoke(app, args[:-2] + ["--init", str(out), "--vision-from", str(out), "--out", str(tmp_path / "w")])
+    assert both.exit_code == 2 and "give one of them" in both.output and not (tmp_path / "w").exists()
     bad_args = [a if a != "0.3" else "0.9" for a in args[:-1]] + [str(tmp_path / "x")]  # 0.9 + 0.2 > 1
     bad = CliRunner().invoke(app, bad_args)
     assert bad.exit_code != 0 and "sum <= 1" in bad.output and not (tmp_path / "x").exists()
@@ -616,6 +620,19 @@ def test_caption_bags_are_the_caption_tokens(tokenizer):
         caption_bags(tokenizer, ["a red square"], 5)
 
 
+def _image_caption_batches(examples: list[Example], size: int) -> list[tuple[list, list[str]]]:
+    """(images, captions) reading batches of the examples' first images, in order."""
+    return [([ex.images[0] for ex in examples[i:i + size]], [ex.captions[0] for ex in examples[i:i + size]])
+            for i in range(0, len(examples), size)]
+
+
+def _assert_only_the_tower_changed(model, before: dict) -> None:
+    after = model.state_dict()
+    assert all(torch.equal(v, before[k]) for k, v in after.items() if not k.startswith("model.vision_tower.")), \
+        "a reading objective changed more than the vision tower"
+    assert any(not torch.equal(v, before[k]) for k, v in after.items() if k.startswith("model.vision_tower."))
+
+
 def test_reading_trains_only_the_tower_and_learns_to_read(model, tokenizer, processor):
     """On images whose caption names their colour, the reading loss falls and the held-out recall
     of caption words rises; the projector and LM are byte-identical afterwards."""
@@ -626,8 +643,7 @@ def test_reading_trains_only_the_tower_and_learns_to_read(model, tokenizer, proc
 
     torch.manual_seed(0)
     train = fake_examples(64, seed=1)
-    stream = itertools.cycle([([ex.images[0] for ex in train[i:i + 16]], [ex.captions[0] for ex in train[i:i + 16]])
-                              for i in range(0, 64, 16)])
+    stream = itertools.cycle(_image_caption_batches(train, 16))
     test = fake_examples(32, seed=2)
     images, captions = [ex.images[0] for ex in test], [ex.captions[0] for ex in test]
     head = ReadingHead(model.config.vision_config.hidden_size, len(tokenizer))
@@ -639,10 +655,7 @@ def test_reading_trains_only_the_tower_and_learns_to_read(model, tokenizer, proc
     assert res.steps == 60 and res.samples == 60 * 16
     assert sum(res.losses[-5:]) / 5 < 0.5 * sum(res.losses[:5]) / 5
     assert r1["recall"] == 1.0 and r0["recall"] < 0.5 and r1["images"] == 32
-    for k, v in model.state_dict().items():
-        if not k.startswith("model.vision_tower."):
-            assert torch.equal(v, before[k]), k
-    assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items() if "vision_tower" in k)
+    _assert_only_the_tower_changed(model, before)
     # colours are told apart: a red image's bag scores "red" above "blue"
     red = processor.image_processor([Image.new("RGB", (96, 96), COLORS["red"])], return_tensors="pt")["pixel_values"]
     with torch.no_grad():
@@ -673,8 +686,7 @@ def test_contrastive_reading_learns_to_match_images_and_captions(model, tokenize
 
     torch.manual_seed(0)
     train = fake_examples(64, seed=1)
-    stream = itertools.cycle([([ex.images[0] for ex in train[i:i + 16]], [ex.captions[0] for ex in train[i:i + 16]])
-                              for i in range(0, 64, 16)])
+    stream = itertools.cycle(_image_caption_batches(train, 16))
     test = fake_examples(24, seed=2)
     images, captions = [ex.images[0] for ex in test], [ex.captions[0] for ex in test]
     head = ContrastiveHead.for_model(model, len(tokenizer))
@@ -689,9 +701,7 @@ def test_contrastive_reading_learns_to_match_images_and_captions(model, tokenize
     first, last = sum(res.losses[:4]) / 4, sum(res.losses[-4:]) / 4
     assert res.steps == 60 and first > floor + 0.8 and last < floor + 0.15, (floor, first, last)
     assert r1["recall"] == 1.0 and r0["recall"] < 0.6 and r1["images_by_group"] == {"fake": 24}
-    for k, v in model.state_dict().items():
-        if not k.startswith("model.vision_tower."):
-            assert torch.equal(v, before[k]), k
+    _assert_only_the_tower_changed(model, before)
     with pytest.raises(MMSpecError, match="does not match"):
         ContrastiveHead(8, 5).embed_captions(tokenizer, ["a red square"], "cpu")
 
@@ -768,6 +778,7 @@ def test_read_cli_changes_only_the_tower_and_records_the_stage(tmp_path):
     assert stage["val_caption_retrieval"]["images"] == 8 and "val_word_recall" not in stage
     for args, phrase in (([], "no config.json"), (["--lr", "0"], "learning rate"),
                          (["--objective", "clip"], "unknown objective"), (["--workers", "-1"], "--workers"),
+                         (["--objective", "contrastive", "--batch-size", "1"], "--batch-size >= 2"),
                          (["--steps", "0"], "steps >= 1"), (["--minutes", "-1"], "time budget"),
                          (["--minutes", "0"], "time budget"), (["--eval-images", "-1"], "--eval-images"),
                          (["--n-train-per-family", "-1"], "--n-train-per-family"),
@@ -824,6 +835,29 @@ def test_image_caption_stream_workers_split_the_samples():
         image_caption_stream("train", {"textvqa": 6}, 3, workers=2)
 
 
+def test_reading_shards_partition_each_family_and_wrap_inside_their_share():
+    """Shard w of n walks samples w, w + n, ... of each family and wraps back to w, so the shards
+    never overlap, also after a lap; a shard beyond a small family's count reads all of it."""
+    from itertools import islice
+
+    from mmspec.train.reading import _batches
+    from mmspec.world import make_sample
+
+    index = {make_sample(fam, "train", i).captions[0]: (fam, i) for fam, n in (("textvqa", 5), ("vqav2", 2))
+             for i in range(n)}
+    seen = []
+    for w in range(3):
+        caps = [c for _, batch in islice(_batches("train", {"textvqa": 5, "vqav2": 2}, 4, 0, shard=(w, 3)), 6)
+                for c in batch]
+        seen.append([index[c] for c in caps])
+    for w, walk in enumerate(seen):
+        signs = [i for fam, i in walk if fam == "textvqa"]
+        assert set(signs) == set(range(w, 5, 3)) and signs[:len(set(signs))] == list(range(w, 5, 3))
+        objects = {i for fam, i in walk if fam == "vqav2"}
+        assert objects <= ({w} if w < 2 else {0, 1})
+    assert seen[1] != seen[0]  # each shard draws its own family order
+
+
 def test_reading_is_reproducible_and_runs_under_bf16(model, tokenizer, processor):
     """The same seed and stream give the same tower (the head starts at zero, no global RNG);
     under bf16 autocast the loss is a finite float32 and the tower still learns."""
@@ -845,6 +879,30 @@ def test_reading_is_reproducible_and_runs_under_bf16(model, tokenizer, processor
         towers.append(m.model.vision_tower.state_dict())
     assert all(torch.equal(towers[0][k], towers[1][k]) for k in towers[0])
     assert any(not torch.equal(towers[0][k], towers[2][k]) for k in towers[0])  # bf16 really ran
+
+
+def test_contrastive_head_keeps_float32_logits_under_bf16(model, tokenizer, processor):
+    """Under bf16 autocast the similarity logits are float32 (bf16 would move in steps of about
+    0.5 at CLIP's logit scale), and a bf16 run still learns."""
+    import copy
+    import itertools
+
+    from mmspec.train.pooling import vision_patch_features
+    from mmspec.train.reading import ContrastiveHead, ReadingConfig, train_reading
+
+    ex = fake_examples(16, seed=3)
+    caps = [e.captions[0] for e in ex]
+    pv = processor.image_processor([e.images[0] for e in ex], return_tensors="pt")["pixel_values"]
+    torch.manual_seed(0)
+    head = ContrastiveHead.for_model(model, len(tokenizer))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = head.similarities(vision_patch_features(model, pv), tokenizer, caps)
+    assert logits.dtype == torch.float32 and logits.shape == (16, 16)
+    m = copy.deepcopy(model)
+    batches = itertools.cycle([([e.images[0] for e in ex[i:i + 8]], caps[i:i + 8]) for i in (0, 8)])
+    res = train_reading(m, head, tokenizer, processor.image_processor, batches,
+                        ReadingConfig(lr=3e-3, steps=8, batch_size=8), autocast_bf16=True, progress=False)
+    assert all(math.isfinite(x) for x in res.losses) and res.losses[-1] < res.losses[0]
 
 
 def test_val_images_weigh_every_family_alike():

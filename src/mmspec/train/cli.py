@@ -120,6 +120,9 @@ def stage(
         raise typer.BadParameter(f"--copy-mix must be a finite number >= 0; got {copy_mix}")
     if workers < 0:
         raise typer.BadParameter(f"--workers must be >= 0 (0 builds batches in this process); got {workers}")
+    if init is not None and vision_from is not None:
+        raise typer.BadParameter("--vision-from builds a new model on another's tower; --init continues a model "
+                                 "with its own tower: give one of them")
     if captioner and copy_mix > 0:
         raise typer.BadParameter("--copy-mix adds QA-style practice and would change the captioner's task; drop one")
     if caption_mix < 0 or not (0 <= text_view_prob <= 1 and 0 <= caption_view_prob <= 1) \
@@ -164,9 +167,12 @@ def stage(
     if copy_mix > 0:
         examples += copy_examples(tokenizer, round(copy_mix * len(samples)), seed)
     encoder = Encoder(tokenizer, max_answer_tokens=96, fact_weight=fact_weight)
-    stream = batch_stream(examples, encoder, processor.image_processor, batch_size,
-                          torch.Generator().manual_seed(seed), tokens_per_image=pooled_tokens or 64,
-                          text_view_prob=text_view_prob, caption_view_prob=caption_view_prob, workers=workers)
+    try:
+        stream = batch_stream(examples, encoder, processor.image_processor, batch_size,
+                              torch.Generator().manual_seed(seed), tokens_per_image=pooled_tokens or 64,
+                              text_view_prob=text_view_prob, caption_view_prob=caption_view_prob, workers=workers)
+    except MMSpecError as exc:  # e.g. more workers than examples
+        raise typer.BadParameter(str(exc)) from exc
     res = train_stage(model, cfg, stream, device, autocast_bf16=bf16)
     meta = read_sidecar(init) if init is not None else {"role": "captioner" if captioner else "stage"}
     meta["stages"] = [*meta.get("stages", []), {**res.summary(), "lr": lr, "trainable": trainable,
@@ -259,6 +265,9 @@ def read_cmd(
         raise typer.BadParameter(f"unknown objective {objective!r}; use bag or contrastive", param_hint="--objective")
     if workers < 0:
         raise typer.BadParameter(f"--workers must be >= 0 (0 renders in this process); got {workers}")
+    if objective == "contrastive" and batch_size < 2:
+        raise typer.BadParameter("--objective contrastive picks each image's caption out of the batch: it needs "
+                                 f"--batch-size >= 2 (got {batch_size}); CLIP-style training wants hundreds")
     per_family = _parse_family_samples(family_samples, n_train_per_family)
     _require_model_dir(init, "--init")
     if threads:

@@ -18,11 +18,12 @@ Does not know about models or optimisers.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Iterator, Literal, Sequence
+from typing import Callable, Iterator, Literal, Sequence
 
 import torch
 from PIL import Image
@@ -301,45 +302,52 @@ def batch_stream(examples: Sequence[Example], encoder: Encoder, image_processor,
         raise MMSpecError("no training examples")
     if workers < 0 or workers > len(examples):
         raise MMSpecError(f"workers must be between 0 and the number of examples ({len(examples)}); got {workers}")
+    has_captions = all(len(ex.captions) == len(ex.images) for ex in examples)  # of the whole set, not a shard
+    args = (encoder, image_processor, batch_size)
+    kw = dict(tokens_per_image=tokens_per_image, text_view_prob=text_view_prob, caption_view_prob=caption_view_prob,
+              group=group, has_captions=has_captions)
     if workers:
         base = int(torch.randint(2**62, (1,), generator=generator))
-        shards = _Shards(examples, encoder, image_processor, batch_size, base, tokens_per_image,
-                         text_view_prob, caption_view_prob, group, workers)
-        loader = torch.utils.data.DataLoader(shards, batch_size=None, num_workers=workers, collate_fn=_as_is,
-                                             prefetch_factor=4, persistent_workers=True)
-        return iter(loader)
-    return _stream(examples, encoder, image_processor, batch_size, generator, tokens_per_image, text_view_prob,
-                   caption_view_prob, group)
+        return worker_stream(functools.partial(_shard_stream, examples, args, kw, base, workers), workers)
+    return _stream(examples, *args, generator, **kw)
 
 
-def _as_is(batch: Batch) -> Batch:
-    return batch
+def _shard_stream(examples, args, kw, base_seed: int, workers: int, w: int) -> Iterator[Batch]:
+    """Worker ``w`` of ``batch_stream(workers=N)``: the stream of ``examples[w::N]``."""
+    return _stream(examples[w::workers], *args, torch.Generator().manual_seed(base_seed + w), **kw)
 
 
-class _Shards(torch.utils.data.IterableDataset):
-    """The worker side of ``batch_stream(workers=N)``: in worker ``w``, the stream of shard ``w``."""
+def worker_stream(make: Callable[[int], Iterator], workers: int) -> Iterator:
+    """The items of ``make(0)``, ..., ``make(workers - 1)``, each iterator run in its own worker
+    process (torch DataLoader), taken round-robin. ``make`` should be a picklable callable (a
+    module-level function or a ``functools.partial`` of one). Used where a GPU step outruns one
+    core's data preparation: the training batches here and the reading pre-training's images."""
+    if workers < 1:
+        raise MMSpecError(f"worker_stream needs workers >= 1; got {workers}")
+    return iter(torch.utils.data.DataLoader(_WorkerStreams(make), batch_size=None, num_workers=workers,
+                                            collate_fn=_as_is))
 
-    def __init__(self, examples, encoder, image_processor, batch_size, base_seed, tokens_per_image,
-                 text_view_prob, caption_view_prob, group, workers):
+
+def _as_is(item):
+    return item
+
+
+class _WorkerStreams(torch.utils.data.IterableDataset):
+    """In DataLoader worker ``w``: ``make(w)``."""
+
+    def __init__(self, make: Callable[[int], Iterator]):
         super().__init__()
-        self.args = (encoder, image_processor, batch_size)
-        self.examples, self.base_seed, self.workers = examples, base_seed, workers
-        self.kw = dict(tokens_per_image=tokens_per_image, text_view_prob=text_view_prob,
-                       caption_view_prob=caption_view_prob, group=group)
+        self.make = make
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator:
         info = torch.utils.data.get_worker_info()
-        w = 0 if info is None else info.id
-        shard = self.examples[w::self.workers]
-        gen = torch.Generator().manual_seed(self.base_seed + w)
-        return _stream(shard, *self.args, gen, **self.kw)
+        return self.make(0 if info is None else info.id)
 
 
 def _stream(examples: Sequence[Example], encoder: Encoder, image_processor, batch_size: int,
             generator: torch.Generator, tokens_per_image: int, text_view_prob: float, caption_view_prob: float,
-            group: int) -> Iterator[Batch]:
-    """The in-process stream of :func:`batch_stream`."""
-    has_captions = all(len(ex.captions) == len(ex.images) for ex in examples)
+            group: int, has_captions: bool) -> Iterator[Batch]:
+    """The in-process stream of :func:`batch_stream` (``has_captions``: of the whole example set)."""
     while True:
         perm = torch.randperm(len(examples), generator=generator).tolist()
         draws = torch.rand(len(examples), generator=generator).tolist()

@@ -1,32 +1,33 @@
-"""Reading pre-training of a LLaVA vision tower: predict which words an image's caption holds.
+"""Reading pre-training of a LLaVA vision tower: the tower learns what an image's caption says.
 
 Our vision tower starts from scratch (there is no pretrained CLIP offline), and training it
-through the LM's answer loss alone leaves it unable to read glyphs: a linear probe reads the
+through the LM's answer loss alone leaves it unable to read glyphs: a linear probe read the
 word on a sign in 19% of test images (``mmspec.train.probe``). CLIP pre-training is what gives
-LLaVA's tower that skill; this module is our small stand-in for it, a caption bag-of-words
-objective (predict the set of caption tokens from the image, as tagging pre-training does):
+LLaVA's tower that skill; this module is our small stand-in for it, with two objectives:
 
-- :class:`ReadingHead`: a linear map from each patch feature (the layer the projector reads,
-  ``vision_patch_features``) to vocabulary logits, pooled over the patches by log-mean-exp, so
-  a word scores high when some patch says it. The head sees one patch at a time, so what a word
-  looks like has to be in that patch's feature, which is what the projector passes to the LM.
-- :func:`caption_bags`: the multi-hot targets, [B, V].
-- :func:`reading_loss`: softmax cross-entropy of the pooled logits against the bag normalised to
-  a distribution (the multi-label softmax loss of Mahajan et al., 2018, "Exploring the limits of
-  weakly supervised pretraining"). A per-token binary loss averaged over the 1,347-token
-  vocabulary was tried first and learnt nothing of sign words in 48k sign images.
-  What this objective does and does not teach the shipped tower is measured in
-  docs/embedded-models.md: chart glyphs yes, sign words not (yet).
-- :func:`image_caption_stream`: endless (images, captions) batches from the world's train split.
-- :func:`train_reading`: the loop (a :class:`~mmspec.train.recipe.StageResult` out; AdamW on the tower and the head, warm-up + cosine, progress
-  bar); only the vision tower of the model changes. :func:`word_recall` scores the head on
-  held-out images.
+- contrastive (shipped since v10): :class:`ContrastiveHead` embeds the image (attention-pooled
+  patch features) and the caption (mean of its token embeddings), and :func:`contrastive_loss`
+  makes each image pick its own caption out of the batch (CLIP's symmetric InfoNCE).
+  :func:`caption_retrieval` scores it on held-out images. Two rounds of 2.5 GPU minutes took
+  the sign-word probe from 19% to 85% (docs/embedded-models.md);
+- bag of words: :class:`ReadingHead`, a linear map from each patch feature (the layer the
+  projector reads, ``vision_patch_features``) to vocabulary logits, pooled over the patches by
+  log-mean-exp; :func:`caption_bags` the multi-hot targets, [B, V]; :func:`reading_loss` the
+  softmax cross-entropy against the bag normalised to a distribution (the multi-label softmax
+  loss of Mahajan et al., 2018). It made chart glyphs readable but not sign words (probe 38%):
+  the tokens every sign caption shares dominate a softmax over the 1,347-token vocabulary.
+  :func:`word_recall` scores it.
+- :func:`image_caption_stream`: endless (images, captions) batches from the world's train
+  split, optionally prepared in worker processes.
+- :func:`train_reading`: the loop (a :class:`~mmspec.train.recipe.StageResult` out; AdamW on the
+  tower and the head, warm-up + cosine, progress bar); only the vision tower of the model changes.
 
 The head is thrown away after training: the LM later learns to use the features itself.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ import torch
 
 from mmspec.errors import MMSpecError
 from mmspec.train.config import check_optimiser
+from mmspec.train.data import worker_stream
 from mmspec.train.pooling import vision_patch_features
 from mmspec.train.recipe import StageResult, bf16_autocast, optimise
 
@@ -58,6 +60,14 @@ class ReadingConfig:
         check_optimiser("reading pre-training", self.lr, self.steps, self.max_seconds, self.batch_size)
 
 
+def patch_feature_dim(model) -> int:
+    """Width of the patch features :func:`vision_patch_features` gives for ``model`` (the
+    projector's input: the selected vision layers, concatenated)."""
+    layers = model.config.vision_feature_layer
+    n_layers = len(layers) if isinstance(layers, (list, tuple)) else 1
+    return model.config.vision_config.hidden_size * n_layers
+
+
 class ReadingHead(torch.nn.Module):
     """Per-patch vocabulary logits pooled over the patches (log-mean-exp)."""
 
@@ -69,10 +79,8 @@ class ReadingHead(torch.nn.Module):
 
     @classmethod
     def for_model(cls, model, vocab_size: int) -> "ReadingHead":
-        """A head sized for ``model``'s projector input (the selected vision layers, concatenated)."""
-        layers = model.config.vision_feature_layer
-        n_layers = len(layers) if isinstance(layers, (list, tuple)) else 1
-        return cls(model.config.vision_config.hidden_size * n_layers, vocab_size)
+        """A head sized for ``model``'s projector input."""
+        return cls(patch_feature_dim(model), vocab_size)
 
     def forward(self, feats: torch.Tensor) -> torch.Tensor:
         """feats: [B, P, C] patch features -> [B, V] logits of "the caption holds token v".
@@ -93,9 +101,10 @@ class ContrastiveHead(torch.nn.Module):
     Image side: ``heads`` learnt queries attend over the patches (softmax over patches per
     query), the pooled features are concatenated and projected to ``dim``. Text side: the mean
     of the caption's token embeddings, projected. Both unit-normalised. The tokens every sign
-    caption shares ("a", "sign", "that", "says") are the same on both sides of every pair in a
-    batch of signs, so they cancel: only what tells one image from another (the word, the number,
-    the colour) carries a gradient, the signal the bag-of-words softmax diluted over the vocabulary.
+    caption shares ("a", "sign", "that", "says") add the same vector to every caption's mean, so
+    they cannot tell one caption of the batch from another: the loss can only fall through what
+    differs (the word, the number, the colour), the signal the bag-of-words softmax diluted over
+    the vocabulary.
     """
 
     def __init__(self, feature_dim: int, vocab_size: int, dim: int = 256, heads: int = 4):
@@ -109,9 +118,8 @@ class ContrastiveHead(torch.nn.Module):
 
     @classmethod
     def for_model(cls, model, vocab_size: int) -> "ContrastiveHead":
-        layers = model.config.vision_feature_layer
-        n_layers = len(layers) if isinstance(layers, (list, tuple)) else 1
-        return cls(model.config.vision_config.hidden_size * n_layers, vocab_size)
+        """A head sized for ``model``'s projector input."""
+        return cls(patch_feature_dim(model), vocab_size)
 
     def embed_images(self, feats: torch.Tensor) -> torch.Tensor:
         """feats: [B, P, C] -> [B, dim], unit norm (float32 even under autocast)."""
@@ -136,10 +144,12 @@ class ContrastiveHead(torch.nn.Module):
             return torch.nn.functional.normalize(self.text_proj(self.token_embed(flat, offsets)), dim=-1)
 
     def similarities(self, feats: torch.Tensor, tokenizer, captions: Sequence[str]) -> torch.Tensor:
-        """[B_images, B_captions] scaled cosine similarities."""
+        """[B_images, B_captions] scaled cosine similarities, float32 even under bf16 autocast
+        (at a scale near 100, bf16 logits would move in steps of about 0.5)."""
         img = self.embed_images(feats)
         txt = self.embed_captions(tokenizer, captions, feats.device)
-        return self.logit_scale.clamp(max=math.log(100.0)).exp() * img @ txt.T
+        with torch.autocast(device_type=feats.device.type, enabled=False):
+            return self.logit_scale.clamp(max=math.log(100.0)).exp() * img @ txt.T
 
     def loss(self, feats: torch.Tensor, tokenizer, captions: Sequence[str]) -> torch.Tensor:
         return contrastive_loss(self.similarities(feats, tokenizer, captions), captions)
@@ -210,48 +220,36 @@ def image_caption_stream(split: str, n_per_family: int | Mapping[str, int], batc
         raise MMSpecError(f"workers must be >= 0, and > 0 needs the image processor; got {workers}")
     counts = {name: n for name, n in counts.items() if n > 0}
     if workers:
-        loader = torch.utils.data.DataLoader(_CaptionShards(split, counts, batch_size, seed, workers, image_processor),
-                                             batch_size=None, num_workers=workers, collate_fn=_as_is,
-                                             prefetch_factor=4, persistent_workers=True)
-        return iter(loader)
+        return worker_stream(functools.partial(_pixel_batches, split, counts, batch_size, seed, workers,
+                                               image_processor), workers)
     return _batches(split, counts, batch_size, seed)
 
 
-def _as_is(batch):
-    return batch
+def _pixel_batches(split: str, counts: dict[str, int], batch_size: int, seed: int, workers: int, image_processor,
+                   w: int) -> Iterator[tuple[torch.Tensor, list[str]]]:
+    """Worker ``w`` of ``image_caption_stream(workers=N)``: its share of the samples, as pixel values."""
+    for images, captions in _batches(split, counts, batch_size, seed, shard=(w, workers)):
+        yield image_processor(images, return_tensors="pt")["pixel_values"], captions
 
 
-class _CaptionShards(torch.utils.data.IterableDataset):
-    """The worker side of ``image_caption_stream(workers=N)``."""
-
-    def __init__(self, split, counts, batch_size, seed, workers, image_processor):
-        super().__init__()
-        self.split, self.counts, self.batch_size, self.seed = split, counts, batch_size, seed
-        self.workers, self.image_processor = workers, image_processor
-
-    def __iter__(self):
-        info = torch.utils.data.get_worker_info()
-        w = 0 if info is None else info.id
-        for images, captions in _batches(self.split, self.counts, self.batch_size, self.seed, start=w,
-                                         stride=self.workers, draw_seed=self.seed * 1000 + w):
-            yield self.image_processor(images, return_tensors="pt")["pixel_values"], captions
-
-
-def _batches(split: str, counts: dict[str, int], batch_size: int, seed: int, start: int = 0, stride: int = 1,
-             draw_seed: int | None = None) -> Iterator[tuple[list, list[str]]]:
-    """Samples ``start, start + stride, ...`` of each family (wrapping at its count), families
-    drawn by ``random.Random(draw_seed)`` (default ``seed``)."""
+def _batches(split: str, counts: dict[str, int], batch_size: int, seed: int,
+             shard: tuple[int, int] = (0, 1)) -> Iterator[tuple[list, list[str]]]:
+    """Shard ``(w, n)`` walks samples ``w, w + n, ...`` of each family and starts again at ``w``
+    (a family with ``w`` or fewer samples: all of them), so the n shards partition each family;
+    families drawn by ``random.Random(seed)`` for shard 0, ``seed * 1000 + w`` for shard w."""
     from mmspec.world import make_sample
 
+    w, n = shard
     names, weights = list(counts), list(counts.values())
-    rng = random.Random(seed if draw_seed is None else draw_seed)
-    next_index = {name: start % counts[name] for name in names}
+    rng = random.Random(seed if w == 0 else seed * 1000 + w)
+    own = {name: list(range(w, count, n)) or list(range(count)) for name, count in counts.items()}
+    position = dict.fromkeys(names, 0)
     images: list = []
     captions: list[str] = []
     while True:
         name = rng.choices(names, weights)[0]
-        sample = make_sample(name, split, next_index[name], seed)
-        next_index[name] = (next_index[name] + stride) % counts[name]
+        sample = make_sample(name, split, own[name][position[name]], seed)
+        position[name] = (position[name] + 1) % len(own[name])
         for image, caption in zip(sample.images, sample.captions, strict=True):
             images.append(image)
             captions.append(caption)
@@ -262,7 +260,8 @@ def _batches(split: str, counts: dict[str, int], batch_size: int, seed: int, sta
 
 def val_images(n: int, seed: int = 0, split: str = "val") -> tuple[list, list[str], list[str]]:
     """(images, captions, families): ``n // 8`` images of each of the 8 families (at least one),
-    from the split's first samples, so every family weighs alike in :func:`word_recall`."""
+    from the split's first samples, so every family weighs alike in :func:`word_recall` and
+    :func:`caption_retrieval`."""
     from mmspec.world import FAMILIES, N_IMAGES, make_sample
 
     if n < 1:
