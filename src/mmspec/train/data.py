@@ -7,7 +7,8 @@ of random vocabulary words (:func:`copy_examples`), an example's encoding under 
 caption with each image -> its caption), the label mask (-100 on prompt, image tokens and
 padding: loss only on the answer and the closing eos), optional per-token loss weights (more
 weight on the tokens that state the image's facts, ``Encoder.fact_weight``), length-grouped
-shuffled batching and right-pad collation.
+shuffled batching and right-pad collation, in this process or in worker processes
+(:func:`worker_stream`, for a GPU that outruns one core).
 
 A training sequence is ``prompt + " " + answer + eos``, tokenised as the prompt alone (as the
 engine tokenises it at inference) followed by the answer's own tokens, so training sees
