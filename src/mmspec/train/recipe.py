@@ -2,8 +2,8 @@
 
 Owns: which parameters a stage trains (:func:`set_trainable`), the learning-rate schedule
 (:func:`lr_at`: linear warm-up over ``warmup_ratio`` then cosine to 0), the loss of a batch
-(:func:`batch_loss`, images through :mod:`pooling` so pooled and full grids share one code
-path), :func:`optimise` (the loop every stage shares: AdamW, the schedule on steps or the
+(:func:`batch_loss` on :func:`batch_forward`, images through :mod:`pooling` so pooled and full
+grids share one code path), :func:`optimise` (the loop every stage shares: AdamW, the schedule on steps or the
 clock, grad clipping, progress bar), :func:`train_stage` and held-out metrics
 (:func:`eval_loss`, :func:`fact_recall`, :func:`token_accuracy`) and :func:`greedy_answer`.
 
@@ -63,18 +63,22 @@ def lr_at(progress: float, base_lr: float, warmup_ratio: float) -> float:
     return base_lr * 0.5 * (1.0 + math.cos(math.pi * rest))
 
 
-def batch_loss(model, batch: Batch, train_vision: bool = True, weighted: bool = True) -> torch.Tensor:
-    """Mean next-token cross-entropy over the labelled (answer + eos) tokens of ``batch``;
-    with ``batch.loss_weights`` (and ``weighted``), the weighted mean sum(w * ce) / sum(w)."""
+def batch_forward(model, batch: Batch, train_vision: bool = False, labels: torch.Tensor | None = None):
+    """``model``'s output on ``batch``: the images' (pooled) features spliced into the token
+    embeddings at the image tokens, one forward, no cache; with ``labels``, HF's mean loss too."""
     feats = None
     if batch.pixel_values is not None:
         feats = pooled_image_features(model, batch.pixel_values, batch.tokens_per_image, train_vision)
     embeds = embed_multimodal(model, batch.input_ids, feats)  # [B, T, H]
+    return model(inputs_embeds=embeds, attention_mask=batch.attention_mask, labels=labels, use_cache=False)
+
+
+def batch_loss(model, batch: Batch, train_vision: bool = True, weighted: bool = True) -> torch.Tensor:
+    """Mean next-token cross-entropy over the labelled (answer + eos) tokens of ``batch``;
+    with ``batch.loss_weights`` (and ``weighted``), the weighted mean sum(w * ce) / sum(w)."""
     if batch.loss_weights is None or not weighted:
-        out = model(inputs_embeds=embeds, attention_mask=batch.attention_mask, labels=batch.labels,
-                    use_cache=False)
-        return out.loss
-    logits = model(inputs_embeds=embeds, attention_mask=batch.attention_mask, use_cache=False).logits
+        return batch_forward(model, batch, train_vision, labels=batch.labels).loss
+    logits = batch_forward(model, batch, train_vision).logits  # [B, T, V]
     targets = batch.labels[:, 1:]  # [B, T-1]: position t predicts token t+1
     ce = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), targets,
                                            ignore_index=-100, reduction="none")  # [B, T-1]
@@ -192,11 +196,7 @@ def token_accuracy(model, batches: Sequence[Batch], device: str = "cpu", facts_o
     hit = total = 0
     for batch in batches:
         batch = batch.to(device)
-        feats = None
-        if batch.pixel_values is not None:
-            feats = pooled_image_features(model, batch.pixel_values, batch.tokens_per_image, train_vision=False)
-        logits = model(inputs_embeds=embed_multimodal(model, batch.input_ids, feats),
-                       attention_mask=batch.attention_mask, use_cache=False).logits  # [B, T, V]
+        logits = batch_forward(model, batch).logits  # [B, T, V]
         targets = batch.labels[:, 1:]  # [B, T-1]
         mask = targets != -100
         if facts_only:
