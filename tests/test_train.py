@@ -7,6 +7,8 @@ use the world (no trained assets). All run in seconds on CPU.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import math
 import random
 
@@ -475,6 +477,14 @@ def test_fact_weight_marks_the_fact_tokens(tokenizer, processor):
     cut = Encoder(world_tok, max_answer_tokens=5, fact_weight=3.0).encode(example_from_sample(sample))
     assert len(cut.weights) == len(cut.labels) == len(cut.input_ids) and cut.input_ids[-1] != world_tok.eos_token_id
     assert cut.weights[-5:] == wenc.weights[n_prompt:n_prompt + 5]
+
+    # a yes/no answer's cue (its deciding sentence) weighs like a fact: its first word too
+    yes = next(s for s in generate_samples("hallusionbench", "train", 40) if s.facts["answer"] == "Yes" and s.cues)
+    yenc = Encoder(world_tok, fact_weight=3.0).encode(example_from_sample(yes))
+    heavy = "".join(world_tok.decode([t]) for t, w in zip(yenc.input_ids, yenc.weights) if w == 3.0)
+    assert yes.cues[0].replace(" ", "") in heavy.replace(" ", "")
+    plain = Encoder(world_tok, fact_weight=3.0).encode(replace(example_from_sample(yes), cues=()))
+    assert sum(plain.weights) < sum(yenc.weights)
 
     class Slow:
         is_fast = False

@@ -118,6 +118,21 @@ def test_images_match_slots_and_facts_are_stated(samples):
                     assert f": {cap}" in s.prompt
 
 
+def test_hallucination_cues_are_the_deciding_sentence():
+    """An exists answer's cue is the sentence that commits its verdict (training weighs it)."""
+    seen = set()
+    for s in generate_samples("hallusionbench", "train", 60):
+        if "count" in s.facts:
+            assert s.cues == ()
+            continue
+        (cue,) = s.cues
+        assert cue in s.answer and cue.endswith(".")
+        assert cue.startswith("There is no ") == (s.facts["answer"] == "No"), (cue, s.facts)
+        seen.add(s.facts["answer"])
+    assert seen == {"Yes", "No"}
+    assert all(s.cues == () for s in generate_samples("vqav2", "train", 10))
+
+
 def test_answers_vary_in_phrasing(samples):
     for family, ss in samples.items():
         # strip the facts so only the wording is compared

@@ -46,6 +46,7 @@ class Example:
     captions: tuple[str, ...] = ()
     family: str = ""
     facts: tuple[str, ...] = ()  # image-dependent values the answer states (loss weighting)
+    cues: tuple[str, ...] = ()  # answer phrases that commit its verdict (weighed like facts)
 
 
 def example_from_sample(sample) -> Example:
@@ -54,7 +55,7 @@ def example_from_sample(sample) -> Example:
 
     prompt, answer = training_text(sample)
     return Example(prompt, answer, tuple(sample.images), tuple(sample.captions), sample.family,
-                   tuple(str(v) for v in sample.facts.values()))
+                   tuple(str(v) for v in sample.facts.values()), tuple(sample.cues))
 
 
 def caption_examples(sample) -> list[Example]:
@@ -187,8 +188,10 @@ class Encoder:
     the other answer tokens: a verbose answer spends most of its tokens on phrasing the LM
     learns quickly, and the few tokens that carry the image's facts are what it must get right.
     Every occurrence is weighed, incidental ones included (the "no" of "there is no X" when a
-    fact is ``No``, another object's "right" when a position is ``right``). Needs a fast
-    tokenizer (character offsets).
+    fact is ``No``, another object's "right" when a position is ``right``). The example's
+    ``cues`` weigh the same: a yes/no answer is decided at its body's first word ("The red
+    star is ..." vs "There is no red star."), which no fact covers. Needs a fast tokenizer
+    (character offsets).
     """
 
     tokenizer: object
@@ -225,7 +228,7 @@ class Encoder:
             else:
                 ids.extend(self.tokenizer(ex.captions[image_idx], add_special_tokens=False)["input_ids"])
             image_idx += 1
-        answer_ids, answer_w = self._answer(" " + ex.answer, ex.facts)
+        answer_ids, answer_w = self._answer(" " + ex.answer, ex.facts + ex.cues)
         if self.max_answer_tokens is not None and len(answer_ids) > self.max_answer_tokens:
             answer_ids = answer_ids[: self.max_answer_tokens]  # cut: no eos, the answer goes on
             answer_w = None if answer_w is None else answer_w[: self.max_answer_tokens]
@@ -239,7 +242,7 @@ class Encoder:
 
     def _answer(self, text: str, facts: Sequence[str]) -> tuple[list[int], list[float] | None]:
         """Token ids of ``text`` and, when weighing, per token ``fact_weight`` where the token
-        overlaps a whole-word, case-blind occurrence of a fact value, else 1 (None: no weights)."""
+        overlaps a whole-word, case-blind occurrence of a fact value or cue, else 1 (None: no weights)."""
         weighing = self.fact_weight != 1.0
         spans = [m.span() for value in facts if weighing
                  for m in re.finditer(r"(?<!\w)" + re.escape(value.lower()) + r"(?!\w)", text.lower())]

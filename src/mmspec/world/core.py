@@ -45,6 +45,7 @@ class Sample:
     answer: str  # verbose, varied phrasing; states every value of `facts` verbatim
     facts: dict[str, str]  # image-dependent key facts the answer states
     captions: list[str]  # one short ground-truth caption per image
+    cues: tuple[str, ...] = ()  # answer phrases that commit it to its verdict (training weighs them; not scored)
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Draft:
     facts: dict[str, str]
     captions: list[str]
     question: str | None = None
+    cues: tuple[str, ...] = ()  # phrases of ``answer`` that decide its verdict (see Sample.cues)
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,7 @@ def build_sample(fam: Family, split: str, index: int, seed: int) -> Sample:
         answer=draft.answer,
         facts=draft.facts,
         captions=draft.captions,
+        cues=tuple(fix_articles(c) for c in draft.cues),
     )
 
 

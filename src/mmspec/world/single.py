@@ -344,4 +344,7 @@ def render_hallu(spec: HalluSpec, rng: random.Random) -> Draft:
     end = pick(rng, (f"So the answer is {ans}.", f"{ans}, that is my answer.", f"Therefore: {ans}."))
     if ans == "No":
         end = pick(rng, (f"So the answer is {ans}.", f"Therefore: {ans}.", f"The claim is wrong, so {ans}."))
-    return Draft([img], f"{seen} {body} {end}", facts, [describe_scene(objs)], question)
+    # the exists verdict is decided at the body's first word ("The"/"One" vs "There"), long before
+    # the "Yes"/"No" the facts weigh: the whole sentence is a cue
+    cues = (body.split(". ")[0].rstrip(".") + ".",) if spec.kind == "exists" else ()
+    return Draft([img], f"{seen} {body} {end}", facts, [describe_scene(objs)], question, cues)
