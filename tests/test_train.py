@@ -1068,9 +1068,41 @@ def test_copy_examples_can_only_be_answered_from_the_prompt():
         [e.prompt for e in copy_examples(tok, 9, 1, lookup_share=0.0, list_share=0.0)]
     with pytest.raises(MMSpecError, match="min_items"):
         copy_examples(tok, 4, 0, min_items=5, max_items=2)
-    for shares in ({"lookup_share": 1.5}, {"lookup_share": 0.6, "list_share": 0.6}, {"list_share": -0.1}):
+    for shares in ({"lookup_share": 1.5}, {"lookup_share": 0.6, "list_share": 0.6}, {"list_share": -0.1},
+                   {"member_share": 0.5, "list_share": 0.6}, {"member_share": -0.2}):
         with pytest.raises(MMSpecError, match="sum <= 1"):
             copy_examples(tok, 4, 0, **shares)
+
+
+def test_member_examples_ask_for_a_listed_pair_or_a_near_miss():
+    """Membership practice: "Yes" exactly when the asked pair is listed; a "No" asks for a near
+    miss that keeps one word of a listed pair; 1-4 pairs; only the verdict is the fact; half and
+    half; and the share is floor(member_share * n), after the other kinds."""
+    import re
+
+    from mmspec.train.data import MEMBER_ITEMS, copy_examples
+    from mmspec.train.pack import world_tokenizer_and_processor
+
+    tok, _ = world_tokenizer_and_processor(0)
+    exs = copy_examples(tok, 400, 7, lookup_share=0.0, member_share=1.0)
+    assert {e.family for e in exs} == {"member"}
+    verdicts = []
+    enc = Encoder(tok, fact_weight=3.0)
+    for e in exs:
+        listed, asked = re.fullmatch(r"USER: Items: (.+)\. Is there (\S+ \S+)\? ASSISTANT:", e.prompt).groups()
+        pairs = [tuple(p.split(" ")) for p in listed.split(", ")]
+        a = tuple(asked.split(" "))
+        assert MEMBER_ITEMS[0] <= len(pairs) <= MEMBER_ITEMS[1] and len(set(pairs)) == len(pairs)
+        verdict = "Yes" if a in pairs else "No"
+        assert e.facts == (verdict,) and e.answer.startswith(verdict + ",")
+        if verdict == "No":
+            assert any((a[0] == p[0]) != (a[1] == p[1]) for p in pairs), (pairs, a)  # one word kept
+        w = enc.encode(e).weights
+        assert w[next(i for i, lab in enumerate(enc.encode(e).labels) if lab != -100)] == 3.0  # the verdict weighs
+        verdicts.append(verdict)
+    assert 0.4 < verdicts.count("Yes") / len(verdicts) < 0.6
+    mixed = copy_examples(tok, 40, 1, lookup_share=0.25, list_share=0.25, member_share=0.25)
+    assert 8 <= sum(e.family == "member" for e in mixed) <= 10 and sum(e.family == "copy" for e in mixed) >= 10
 
 
 def test_token_accuracy_counts_the_argmax_hits(model, tokenizer, processor):
@@ -1128,13 +1160,14 @@ def test_copy_cli_trains_only_the_lm_and_stage_mixes_copy_practice(tmp_path, mon
                     meta={"role": "target", "stages": [{"name": "s0"}], "eval": {"loss": 1.0}})
     r = CliRunner().invoke(app, ["train", "copy", "--init", str(tmp_path / "m"), "--out", str(tmp_path / "c"),
                                  "--steps", "3", "--batch-size", "4", "--n-examples", "40", "--list-share", "0.25",
-                                 "--no-bf16"])
+                                 "--member-share", "0.25", "--no-bf16"])
     assert r.exit_code == 0, r.output
     assert "held-out copy accuracy" in r.output
     meta = json.loads((tmp_path / "c" / "mmspec.json").read_text())
     stage = meta["stages"][-1]
     assert stage["objective"] == "copy practice" and stage["steps"] == 3 and "eval" not in meta
     assert stage["lookup_share"] == 0.5 and stage["list_share"] == 0.25 and stage["trainable"] == "projector+lm"
+    assert stage["member_share"] == 0.25
     assert all(0 <= v <= 1 for v in stage["held_out_copy_accuracy"].values())
     old, new = load_file(tmp_path / "m" / "model.safetensors"), load_file(tmp_path / "c" / "model.safetensors")
     changed = {k for k in old if not torch.equal(old[k], new[k])}
@@ -1142,6 +1175,7 @@ def test_copy_cli_trains_only_the_lm_and_stage_mixes_copy_practice(tmp_path, mon
     for args, phrase in ((["--n-examples", "0"], "--n-examples"), (["--lr", "0"], "learning rate"),
                          (["--lookup-share", "2"], "--lookup-share"),
                          (["--lookup-share", "0.6", "--list-share", "0.6"], "--list-share"),
+                         (["--member-share", "0.6"], "--member-share"),
                          (["--init", str(tmp_path)], "no config.json")):
         base = ["train", "copy", "--init", str(tmp_path / "m"), "--out", str(tmp_path / "x")]
         bad = CliRunner().invoke(app, base + args)
@@ -1167,7 +1201,13 @@ def test_copy_cli_trains_only_the_lm_and_stage_mixes_copy_practice(tmp_path, mon
     meta = json.loads((tmp_path / "s" / "mmspec.json").read_text())
     assert meta["stages"][-1]["copy_mix"] == 0.5
     assert meta["eval"]["eval_loss"] > 0 and 0 <= meta["eval"]["recall"] <= 1  # held-out batches and facts ran
-    for bad_mix, phrase in ((["--copy-mix", "-1"], "--copy-mix"), (["--copy-mix", "1", "--captioner"], "captioner")):
+    quick = [a for a in args[:-1] if a != "--eval"]
+    r = CliRunner().invoke(app, quick + [str(tmp_path / "m"), "--copy-member-share", "1"])
+    assert r.exit_code == 0, r.output
+    assert seen["families"].count("member") == 4 and not {"copy", "lookup"} & set(seen["families"])
+    assert json.loads((tmp_path / "m" / "mmspec.json").read_text())["stages"][-1]["copy_member_share"] == 1.0
+    for bad_mix, phrase in ((["--copy-mix", "-1"], "--copy-mix"), (["--copy-mix", "1", "--captioner"], "captioner"),
+                            (["--copy-member-share", "1.5"], "--copy-member-share")):
         bad = CliRunner().invoke(app, args[:-1] + [str(tmp_path / "y")] + bad_mix)
         assert bad.exit_code == 2 and phrase in bad.output and not (tmp_path / "y").exists(), bad.output
 

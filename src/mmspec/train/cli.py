@@ -82,6 +82,9 @@ def stage(
                                       "example (fact-dense supervision for the vision tower)"),
     copy_mix: float = typer.Option(0.0, help="QA training: add this many text-only copy / lookup practice "
                                    "examples per QA example (random words: teaches the LM to copy from its context)"),
+    copy_member_share: float = typer.Option(0.0, help="share of the --copy-mix practice that are membership "
+                                            "questions (`train copy --member-share`); the rest stay half lookups, "
+                                            "half repeats"),
     fact_weight: float = typer.Option(1.0, help="QA training: weigh the loss on answer tokens that state the "
                                       "image's facts this many times more than the other answer tokens"),
     text_view_prob: float = typer.Option(0.0, help="show an example through the text view (images -> newline)"),
@@ -118,6 +121,8 @@ def stage(
 
     if not (math.isfinite(copy_mix) and copy_mix >= 0):
         raise typer.BadParameter(f"--copy-mix must be a finite number >= 0; got {copy_mix}")
+    if not 0 <= copy_member_share <= 1:
+        raise typer.BadParameter(f"--copy-member-share must be in [0, 1]; got {copy_member_share}")
     if workers < 0:
         raise typer.BadParameter(f"--workers must be >= 0 (0 builds batches in this process); got {workers}")
     if init is not None and vision_from is not None:
@@ -165,7 +170,8 @@ def stage(
     if caption_mix > 0 and not captioner:
         examples += mix_in_captions(samples, caption_mix, seed)
     if copy_mix > 0:
-        examples += copy_examples(tokenizer, round(copy_mix * len(samples)), seed)
+        examples += copy_examples(tokenizer, round(copy_mix * len(samples)), seed,
+                                  lookup_share=0.5 * (1 - copy_member_share), member_share=copy_member_share)
     encoder = Encoder(tokenizer, max_answer_tokens=96, fact_weight=fact_weight)
     try:
         stream = batch_stream(examples, encoder, processor.image_processor, batch_size,
@@ -177,6 +183,7 @@ def stage(
     meta = read_sidecar(init) if init is not None else {"role": "captioner" if captioner else "stage"}
     meta["stages"] = [*meta.get("stages", []), {**res.summary(), "lr": lr, "trainable": trainable,
                                                  "caption_mix": caption_mix, "copy_mix": copy_mix,
+                                                 "copy_member_share": copy_member_share,
                                                  "fact_weight": fact_weight, "workers": workers,
                                                  "text_view_prob": text_view_prob,
                                                  "caption_view_prob": caption_view_prob,
@@ -316,6 +323,8 @@ def copy_cmd(
     lookup_share: float = typer.Option(0.5, help="share of lookup examples (the rest repeat their words)"),
     list_share: float = typer.Option(0.0, help="share of list examples (key-value pairs with a filler word "
                                      "between, listed in order: a chart caption's layout)"),
+    member_share: float = typer.Option(0.0, help="share of membership questions (is this pair of words in the "
+                                       "list? half are near misses: a hallucination question's decision)"),
     minutes: Optional[float] = _MINUTES,
     bf16: bool = _BF16,
     half: bool = _HALF,
@@ -323,8 +332,8 @@ def copy_cmd(
     seed: int = typer.Option(0),
     threads: Optional[int] = typer.Option(None),
 ) -> None:
-    """Copy practice for the LM: text-only examples that repeat, or look up, random vocabulary words
-    from the prompt (`mmspec.train.data.copy_examples`). Only the LM changes (no image is seen, so
+    """Copy practice for the LM: text-only examples that repeat, look up, list, or check the presence
+    of, random vocabulary words from the prompt (`mmspec.train.data.copy_examples`). Only the LM changes (no image is seen, so
     the projector gets no gradient). Prints the held-out share of copied words predicted right;
     follow with a world stage, which can keep mixing the practice in (`stage --copy-mix`)."""
     import torch
@@ -343,9 +352,10 @@ def copy_cmd(
         raise typer.BadParameter(str(exc)) from exc
     if n_examples < 1:
         raise typer.BadParameter(f"--n-examples must be >= 1; got {n_examples}")
-    if not (0 <= lookup_share and 0 <= list_share and lookup_share + list_share <= 1):
-        raise typer.BadParameter(f"--lookup-share and --list-share must be >= 0 with a sum <= 1; got "
-                                 f"{lookup_share} and {list_share}")
+    shares = (lookup_share, list_share, member_share)
+    if not (min(shares) >= 0 and sum(shares) <= 1):
+        raise typer.BadParameter(f"--lookup-share, --list-share and --member-share must be >= 0 with a sum <= 1; "
+                                 f"got {lookup_share}, {list_share} and {member_share}")
     _require_model_dir(init, "--init")
     if threads:
         torch.set_num_threads(threads)
@@ -355,9 +365,9 @@ def copy_cmd(
     try:
         pool = word_pool(tokenizer)
         train_ex = copy_examples(tokenizer, n_examples, seed, lookup_share=lookup_share, pool=pool,
-                                 list_share=list_share)
+                                 list_share=list_share, member_share=member_share)
         held_out = copy_examples(tokenizer, 128, seed + 1, lookup_share=lookup_share, pool=pool,
-                                 list_share=list_share)
+                                 list_share=list_share, member_share=member_share)
     except MMSpecError as exc:
         raise typer.BadParameter(str(exc)) from exc
     model = LlavaForConditionalGeneration.from_pretrained(init, dtype=torch.float32).to(device)
@@ -372,6 +382,7 @@ def copy_cmd(
     meta["stages"] = [*meta.get("stages", []), {**res.summary(), "lr": lr, "trainable": cfg.trainable,
                                                  "objective": "copy practice", "n_examples": n_examples,
                                                  "lookup_share": lookup_share, "list_share": list_share,
+                                                 "member_share": member_share,
                                                  "held_out_copy_accuracy": {"before": before, "after": after}}]
     meta.pop("eval", None)  # world figures are measured after the next world stage
     save_checkpoint(model, out, processor=processor, half=half, meta=meta)

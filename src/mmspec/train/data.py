@@ -89,10 +89,13 @@ def word_pool(tokenizer) -> list[str]:
     return words
 
 
+MEMBER_ITEMS = (1, 4)  # a membership list has as many pairs as a hallucination scene has objects
+
+
 def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: int = 12,
                   lookup_share: float = 0.5, pool: Sequence[str] | None = None,
-                  list_share: float = 0.0) -> list[Example]:
-    """``n`` text-only practice examples for copying from the context, of three kinds:
+                  list_share: float = 0.0, member_share: float = 0.0) -> list[Example]:
+    """``n`` text-only practice examples for copying from the context, of four kinds:
 
     * copy: ``USER: Repeat: w1 w2 ... wk ASSISTANT: w1 w2 ... wk`` (k = min_items..2 x max_items);
     * lookup (``floor(lookup_share * n)`` of them, spread evenly):
@@ -102,28 +105,38 @@ def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: i
       List the pairs. ASSISTANT: k1 is v1, k2 is v2 and k3 is v3.`` The filler word before
       each key is the layout of a chart caption ("brown tea 1, purple egg 5"), where
       previous-token copying lands on the colour instead of the next label.
+    * member (``floor(member_share * n)``, spread evenly, after lookups and lists): ``USER:
+      Items: a1 b1, a2 b2. Is there a3 b3? ASSISTANT: Yes, a3 b3 is there.`` or ``No, there is
+      no a3 b3.`` with 1-4 pairs (``MEMBER_ITEMS``); half the questions ask for a listed pair,
+      half for a near miss that shares one of its two words with a listed pair. Only the
+      verdict is weighed (the example's fact). This is a hallucination question's decision
+      ("Is there a red star?" against "a red cross, a blue star"), which the world's data alone
+      never taught the target: it answered 0 of 35 "yes" existence questions right
+      (docs/embedded-models.md).
 
     Words are drawn uniformly from ``pool`` (default :func:`word_pool`), so no prior predicts
     them: only copying or looking up in the prompt lowers the loss. The world's answers need exactly this (a
     chart's labels and values, a sign's word, the asked-about object), and a small LM trained
     on world data alone did not learn it: it states 6% of sign words even when the caption
     that says them is in its prompt (docs/embedded-models.md)."""
-    if n < 0 or not 1 <= min_items <= max_items or not (0 <= lookup_share and 0 <= list_share
-                                                          and lookup_share + list_share <= 1):
-        raise MMSpecError(f"copy_examples needs n >= 0, 1 <= min_items <= max_items and lookup and list shares "
-                          f">= 0 with a sum <= 1; got {n}, {min_items}, {max_items}, {lookup_share}, {list_share}")
+    shares = (lookup_share, list_share, member_share)
+    if n < 0 or not 1 <= min_items <= max_items or not (min(shares) >= 0 and sum(shares) <= 1):
+        raise MMSpecError(f"copy_examples needs n >= 0, 1 <= min_items <= max_items and lookup, list and member "
+                          f"shares >= 0 with a sum <= 1; got {n}, {min_items}, {max_items}, {shares}")
     pool = list(word_pool(tokenizer) if pool is None else pool)
     if len(pool) < 2 * max_items:
         raise MMSpecError(f"the tokenizer has only {len(pool)} whole-word tokens; copy practice needs {2 * max_items}")
     rng = random.Random(seed)
     out = []
-    n_lookup = n_list = 0
+    n_lookup = n_list = n_member = 0
     for i in range(n):
         m = rng.randint(min_items, max_items)
         if n_lookup < math.floor(lookup_share * (i + 1) + 1e-9):  # each kind spread evenly, floor(share * n)
             kind = "lookup"
         elif n_list < math.floor(list_share * (i + 1) + 1e-9):
             kind = "list"
+        elif n_member < math.floor(member_share * (i + 1) + 1e-9):
+            kind = "member"
         else:
             kind = "copy"
         if kind == "copy":
@@ -140,6 +153,9 @@ def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: i
             answer = (", ".join(said[:-1]) + " and " + said[-1]) if len(said) > 1 else said[0]
             out.append(Example(f"USER: Items: {items}. List the pairs. ASSISTANT:", answer + ".", (), (), "list",
                                tuple(keys + values)))
+        elif kind == "member":
+            n_member += 1
+            out.append(_member_example(rng, pool))
         else:
             n_lookup += 1
             keys = rng.sample(pool, m)
@@ -149,6 +165,27 @@ def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: i
             out.append(Example(f"USER: Pairs: {pairs}. What goes with {keys[q]}? ASSISTANT:",
                                f"{keys[q]} goes with {values[q]}.", (), (), "lookup", (values[q],)))
     return out
+
+
+def _member_example(rng: random.Random, pool: Sequence[str]) -> Example:
+    """One membership question (see :func:`copy_examples`): listed pair or near miss, 50/50."""
+    k = rng.randint(*MEMBER_ITEMS)
+    pairs: list[tuple[str, str]] = []
+    while len(pairs) < k:
+        pair = (rng.choice(pool), rng.choice(pool))
+        if pair not in pairs:
+            pairs.append(pair)
+    if rng.random() < 0.5:
+        asked, verdict = rng.choice(pairs), "Yes"
+    else:
+        base, verdict = rng.choice(pairs), "No"
+        asked = base
+        while asked in pairs:  # keep one word of a listed pair, change the other
+            asked = (base[0], rng.choice(pool)) if rng.random() < 0.5 else (rng.choice(pool), base[1])
+    listed = ", ".join(f"{a} {b}" for a, b in pairs)
+    said = f"{asked[0]} {asked[1]}"
+    answer = f"Yes, {said} is there." if verdict == "Yes" else f"No, there is no {said}."
+    return Example(f"USER: Items: {listed}. Is there {said}? ASSISTANT:", answer, (), (), "member", (verdict,))
 
 
 @dataclass(frozen=True)
