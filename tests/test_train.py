@@ -1089,7 +1089,7 @@ def test_member_examples_ask_for_a_listed_pair_or_a_near_miss():
     verdicts = []
     enc = Encoder(tok, fact_weight=3.0)
     for e in exs:
-        listed, asked = re.fullmatch(r"USER: Items: (.+)\. Is there (\S+ \S+)\? ASSISTANT:", e.prompt).groups()
+        asked, listed = re.fullmatch(r"USER: Is there (\S+ \S+)\? Items: (.+)\. ASSISTANT:", e.prompt).groups()
         pairs = [tuple(p.split(" ")) for p in listed.split(", ")]
         a = tuple(asked.split(" "))
         assert MEMBER_ITEMS[0] <= len(pairs) <= MEMBER_ITEMS[1] and len(set(pairs)) == len(pairs)

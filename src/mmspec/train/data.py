@@ -106,13 +106,14 @@ def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: i
       each key is the layout of a chart caption ("brown tea 1, purple egg 5"), where
       previous-token copying lands on the colour instead of the next label.
     * member (``floor(member_share * n)``, spread evenly, after lookups and lists): ``USER:
-      Items: a1 b1, a2 b2. Is there a3 b3? ASSISTANT: Yes, a3 b3 is there.`` or ``No, there is
+      Is there a3 b3? Items: a1 b1, a2 b2. ASSISTANT: Yes, a3 b3 is there.`` or ``No, there is
       no a3 b3.`` with 1-4 pairs (``MEMBER_ITEMS``); half the questions ask for a listed pair,
       half for a near miss that shares one of its two words with a listed pair. Only the
       verdict is weighed (the example's fact). This is a hallucination question's decision
       ("Is there a red star?" against "a red cross, a blue star"), which the world's data alone
       never taught the target: it answered 0 of 35 "yes" existence questions right
-      (docs/embedded-models.md).
+      (docs/embedded-models.md). The question comes first, as there: the answer lists the
+      scene after the question, so the comparison must be made while the list is read.
 
     Words are drawn uniformly from ``pool`` (default :func:`word_pool`), so no prior predicts
     them: only copying or looking up in the prompt lowers the loss. The world's answers need exactly this (a
@@ -185,7 +186,7 @@ def _member_example(rng: random.Random, pool: Sequence[str]) -> Example:
     listed = ", ".join(f"{a} {b}" for a, b in pairs)
     said = f"{asked[0]} {asked[1]}"
     answer = f"Yes, {said} is there." if verdict == "Yes" else f"No, there is no {said}."
-    return Example(f"USER: Items: {listed}. Is there {said}? ASSISTANT:", answer, (), (), "member", (verdict,))
+    return Example(f"USER: Is there {said}? Items: {listed}. ASSISTANT:", answer, (), (), "member", (verdict,))
 
 
 @dataclass(frozen=True)
