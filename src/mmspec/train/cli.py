@@ -85,6 +85,9 @@ def stage(
     copy_member_share: float = typer.Option(0.0, help="share of the --copy-mix practice that are membership "
                                             "questions (`train copy --member-share`); the rest stay half lookups, "
                                             "half repeats"),
+    cue_weight: float = typer.Option(1.0, help="QA training: weigh the loss on the sentence that decides an "
+                                     "existence answer (the world's cues: \"There is no red star.\") this many "
+                                     "times"),
     fact_weight: float = typer.Option(1.0, help="QA training: weigh the loss on answer tokens that state the "
                                       "image's facts this many times more than the other answer tokens"),
     text_view_prob: float = typer.Option(0.0, help="show an example through the text view (images -> newline)"),
@@ -123,6 +126,8 @@ def stage(
         raise typer.BadParameter(f"--copy-mix must be a finite number >= 0; got {copy_mix}")
     if not 0 <= copy_member_share <= 1:
         raise typer.BadParameter(f"--copy-member-share must be in [0, 1]; got {copy_member_share}")
+    if copy_member_share > 0 and copy_mix == 0:
+        raise typer.BadParameter("--copy-member-share is a share of the --copy-mix practice; give --copy-mix too")
     if workers < 0:
         raise typer.BadParameter(f"--workers must be >= 0 (0 builds batches in this process); got {workers}")
     if init is not None and vision_from is not None:
@@ -135,10 +140,12 @@ def stage(
         raise typer.BadParameter(
             f"--caption-mix must be >= 0 and the view probabilities in [0, 1] with a sum <= 1; got "
             f"caption_mix={caption_mix}, text_view_prob={text_view_prob}, caption_view_prob={caption_view_prob}")
-    if not (math.isfinite(fact_weight) and fact_weight > 0):
-        raise typer.BadParameter(f"--fact-weight must be a finite number > 0 (1 weighs every answer token alike); got {fact_weight}")
-    if captioner and fact_weight != 1.0:
-        raise typer.BadParameter("--fact-weight weighs QA answers and would do nothing with --captioner; drop one")
+    for flag, weight in (("--fact-weight", fact_weight), ("--cue-weight", cue_weight)):
+        if not (math.isfinite(weight) and weight > 0):
+            raise typer.BadParameter(f"{flag} must be a finite number > 0 (1 weighs every answer token alike); "
+                                     f"got {weight}")
+        if captioner and weight != 1.0:
+            raise typer.BadParameter(f"{flag} weighs QA answers and would do nothing with --captioner; drop one")
     try:
         cfg = StageConfig(f"stage-{trainable}", trainable, lr=lr, steps=steps, batch_size=batch_size,
                           pooled_tokens=pooled_tokens, max_seconds=None if minutes is None else 60.0 * minutes)
@@ -172,7 +179,7 @@ def stage(
     if copy_mix > 0:
         examples += copy_examples(tokenizer, round(copy_mix * len(samples)), seed,
                                   lookup_share=0.5 * (1 - copy_member_share), member_share=copy_member_share)
-    encoder = Encoder(tokenizer, max_answer_tokens=96, fact_weight=fact_weight)
+    encoder = Encoder(tokenizer, max_answer_tokens=96, fact_weight=fact_weight, cue_weight=cue_weight)
     try:
         stream = batch_stream(examples, encoder, processor.image_processor, batch_size,
                               torch.Generator().manual_seed(seed), tokens_per_image=pooled_tokens or 64,
@@ -184,7 +191,8 @@ def stage(
     meta["stages"] = [*meta.get("stages", []), {**res.summary(), "lr": lr, "trainable": trainable,
                                                  "caption_mix": caption_mix, "copy_mix": copy_mix,
                                                  "copy_member_share": copy_member_share,
-                                                 "fact_weight": fact_weight, "workers": workers,
+                                                 "fact_weight": fact_weight, "cue_weight": cue_weight,
+                                                 "workers": workers,
                                                  "text_view_prob": text_view_prob,
                                                  "caption_view_prob": caption_view_prob,
                                                  "n_train_per_family": n_train_per_family,
@@ -320,11 +328,13 @@ def copy_cmd(
     steps: Optional[int] = _STEPS,
     batch_size: int = typer.Option(32),
     n_examples: int = typer.Option(50000, help="distinct practice examples (the stream cycles through them)"),
-    lookup_share: float = typer.Option(0.5, help="share of lookup examples (the rest repeat their words)"),
+    lookup_share: float = typer.Option(0.5, help="share of lookup examples (the shares not given to lookups, lists "
+                                       "or membership questions repeat their words)"),
     list_share: float = typer.Option(0.0, help="share of list examples (key-value pairs with a filler word "
                                      "between, listed in order: a chart caption's layout)"),
     member_share: float = typer.Option(0.0, help="share of membership questions (is this pair of words in the "
-                                       "list? half are near misses: a hallucination question's decision)"),
+                                       "list? half are near misses: a hallucination question's decision); the "
+                                       "shares are absolute: lower --lookup-share to make room"),
     minutes: Optional[float] = _MINUTES,
     bf16: bool = _BF16,
     half: bool = _HALF,
@@ -333,9 +343,10 @@ def copy_cmd(
     threads: Optional[int] = typer.Option(None),
 ) -> None:
     """Copy practice for the LM: text-only examples that repeat, look up, list, or check the presence
-    of, random vocabulary words from the prompt (`mmspec.train.data.copy_examples`). Only the LM changes (no image is seen, so
-    the projector gets no gradient). Prints the held-out share of copied words predicted right;
-    follow with a world stage, which can keep mixing the practice in (`stage --copy-mix`)."""
+    of, random vocabulary words from the prompt (`mmspec.train.data.copy_examples`). Only the LM
+    changes (no image is seen, so the projector gets no gradient). Prints the held-out share of
+    weighted answer tokens predicted right, overall and by kind (member: the verdict); follow
+    with a world stage, which can keep mixing the practice in (`stage --copy-mix`)."""
     import torch
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
@@ -375,19 +386,29 @@ def copy_cmd(
                           torch.Generator().manual_seed(seed))
     scorer = Encoder(tokenizer, fact_weight=2.0)  # weights mark the copied words (each example's facts)
     val = fixed_batches(held_out, scorer, processor.image_processor, batch_size=32)
+    kinds = sorted({ex.family for ex in held_out})
+    by_kind = {k: fixed_batches([ex for ex in held_out if ex.family == k], scorer, processor.image_processor,
+                                batch_size=32) for k in kinds}
     before = token_accuracy(model, val, device, facts_only=True)
+    before_kind = {k: token_accuracy(model, b, device, facts_only=True) for k, b in by_kind.items()}
     res = train_stage(model, cfg, stream, device, autocast_bf16=bf16)
     after = token_accuracy(model, val, device, facts_only=True)
+    after_kind = {k: token_accuracy(model, b, device, facts_only=True) for k, b in by_kind.items()}
     meta = read_sidecar(init)
     meta["stages"] = [*meta.get("stages", []), {**res.summary(), "lr": lr, "trainable": cfg.trainable,
                                                  "objective": "copy practice", "n_examples": n_examples,
                                                  "lookup_share": lookup_share, "list_share": list_share,
                                                  "member_share": member_share,
-                                                 "held_out_copy_accuracy": {"before": before, "after": after}}]
+                                                 "held_out_copy_accuracy": {"before": before, "after": after},
+                                                 "held_out_accuracy_by_kind": {
+                                                     k: {"before": before_kind[k], "after": after_kind[k]}
+                                                     for k in kinds}}]
     meta.pop("eval", None)  # world figures are measured after the next world stage
     save_checkpoint(model, out, processor=processor, half=half, meta=meta)
-    typer.echo(f"held-out copy accuracy (copied words right, teacher-forced, {len(held_out)} examples): "
+    typer.echo(f"held-out copy accuracy (weighted answer tokens right, teacher-forced, {len(held_out)} examples): "
                f"{before:.1%} -> {after:.1%}")
+    for k in kinds:  # member: the verdict (chance 50%); copy / lookup / list: the copied words
+        typer.echo(f"  {k}: {before_kind[k]:.1%} -> {after_kind[k]:.1%}")
     typer.echo(f"{res.summary()} -> {out}")
 
 

@@ -1,14 +1,15 @@
 """Training data: world samples -> token ids + labels -> right-padded batches.
 
 Owns: the training :class:`Example` (prompt with ``<image>`` markers, answer, images,
-captions), caption examples mixed into QA training, text-only copy / lookup / list practice
-of random vocabulary words (:func:`copy_examples`), an example's encoding under a *view*
-(multimodal with 64 or pooled N image tokens per image, text with each image -> ``"\\n"``,
-caption with each image -> its caption), the label mask (-100 on prompt, image tokens and
-padding: loss only on the answer and the closing eos), optional per-token loss weights (more
-weight on the tokens that state the image's facts, ``Encoder.fact_weight``), length-grouped
-shuffled batching and right-pad collation, in this process or in worker processes
-(:func:`worker_stream`, for a GPU that outruns one core).
+captions), caption examples mixed into QA training, text-only copy / lookup / list /
+membership practice of random vocabulary words (:func:`copy_examples`), an example's
+encoding under a *view* (multimodal with 64 or pooled N image tokens per image, text with
+each image -> ``"\\n"``, caption with each image -> its caption), the label mask (-100 on
+prompt, image tokens and padding: loss only on the answer and the closing eos), optional
+per-token loss weights (more weight on the tokens that state the image's facts,
+``Encoder.fact_weight``, and on the sentence that decides an existence answer,
+``Encoder.cue_weight``), length-grouped shuffled batching and right-pad collation, in this
+process or in worker processes (:func:`worker_stream`, for a GPU that outruns one core).
 
 A training sequence is ``prompt + " " + answer + eos``, tokenised as the prompt alone (as the
 engine tokenises it at inference) followed by the answer's own tokens, so training sees
@@ -46,7 +47,7 @@ class Example:
     captions: tuple[str, ...] = ()
     family: str = ""
     facts: tuple[str, ...] = ()  # image-dependent values the answer states (loss weighting)
-    cues: tuple[str, ...] = ()  # answer phrases that commit its verdict (weighed like facts)
+    cues: tuple[str, ...] = ()  # answer phrases that commit its verdict (weighed by Encoder.cue_weight)
 
 
 def example_from_sample(sample) -> Example:
@@ -105,11 +106,15 @@ def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: i
       List the pairs. ASSISTANT: k1 is v1, k2 is v2 and k3 is v3.`` The filler word before
       each key is the layout of a chart caption ("brown tea 1, purple egg 5"), where
       previous-token copying lands on the colour instead of the next label.
-    * member (``floor(member_share * n)``, spread evenly, after lookups and lists): ``USER:
-      Is there a3 b3? Items: a1 b1, a2 b2. ASSISTANT: Yes, a3 b3 is there.`` or ``No, there is
-      no a3 b3.`` with 1-4 pairs (``MEMBER_ITEMS``); half the questions ask for a listed pair,
-      half for a near miss that shares one of its two words with a listed pair. Only the
-      verdict is weighed (the example's fact). This is a hallucination question's decision
+    * member (``floor(member_share * n)``, spread evenly, or up to two fewer where a lookup or
+      list was due at the same example): ``USER: Is there a3 b3? Items: a1 b1, a2 b2.
+      ASSISTANT: Yes, a3 b3 is there.`` or ``No, a3 b3 is not there.`` with 1-4 pairs
+      (``MEMBER_ITEMS``) built from 2-4 first and 2-4 second words, as a scene's objects share
+      a few colours and shapes. Half the questions ask for a listed pair, half for a near miss
+      that keeps one word of a listed pair and takes the other from the same few words, where
+      possible (3 times in 4) one that is listed in another pair: only a pair-by-pair
+      comparison answers those. The verdict is the
+      example's only fact. This is a hallucination question's decision
       ("Is there a red star?" against "a red cross, a blue star"), which the world's data alone
       never taught the target: it answered 0 of 35 "yes" existence questions right
       (docs/embedded-models.md). The question comes first, as there: the answer lists the
@@ -125,6 +130,9 @@ def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: i
         raise MMSpecError(f"copy_examples needs n >= 0, 1 <= min_items <= max_items and lookup, list and member "
                           f"shares >= 0 with a sum <= 1; got {n}, {min_items}, {max_items}, {shares}")
     pool = list(word_pool(tokenizer) if pool is None else pool)
+    member_pool = sorted({w for w in pool if w.lower() not in ("yes", "no")})  # the verdicts stay unambiguous
+    if member_share > 0 and len(member_pool) < 8:
+        raise MMSpecError(f"membership practice needs at least 8 distinct words in the pool; got {len(member_pool)}")
     if len(pool) < 2 * max_items:
         raise MMSpecError(f"the tokenizer has only {len(pool)} whole-word tokens; copy practice needs {2 * max_items}")
     rng = random.Random(seed)
@@ -156,7 +164,7 @@ def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: i
                                tuple(keys + values)))
         elif kind == "member":
             n_member += 1
-            out.append(_member_example(rng, pool))
+            out.append(_member_example(rng, member_pool))
         else:
             n_lookup += 1
             keys = rng.sample(pool, m)
@@ -169,23 +177,29 @@ def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: i
 
 
 def _member_example(rng: random.Random, pool: Sequence[str]) -> Example:
-    """One membership question (see :func:`copy_examples`): listed pair or near miss, 50/50."""
-    k = rng.randint(*MEMBER_ITEMS)
+    """One membership question (see :func:`copy_examples`): listed pair or near miss, 50/50.
+    ``pool`` holds at least 8 words, all distinct."""
+    words = rng.sample(pool, 8)
+    firsts, seconds = words[: rng.randint(2, 4)], words[4: 4 + rng.randint(2, 4)]
+    k = rng.randint(*MEMBER_ITEMS)  # <= 4 <= len(firsts) * len(seconds): the loop ends
     pairs: list[tuple[str, str]] = []
     while len(pairs) < k:
-        pair = (rng.choice(pool), rng.choice(pool))
+        pair = (rng.choice(firsts), rng.choice(seconds))
         if pair not in pairs:
             pairs.append(pair)
     if rng.random() < 0.5:
         asked, verdict = rng.choice(pairs), "Yes"
     else:
         base, verdict = rng.choice(pairs), "No"
-        asked = base
-        while asked in pairs:  # keep one word of a listed pair, change the other
-            asked = (base[0], rng.choice(pool)) if rng.random() < 0.5 else (rng.choice(pool), base[1])
+        misses = [p for p in [(base[0], s) for s in seconds] + [(f, base[1]) for f in firsts] if p not in pairs]
+        # mostly both words listed (in other pairs): only a pair-by-pair comparison tells it apart
+        crossed = [p for p in misses if p[0] in {q[0] for q in pairs} and p[1] in {q[1] for q in pairs}]
+        if crossed and rng.random() < 0.75:
+            misses = crossed
+        asked = rng.choice(misses) if misses else (base[0], words[3])  # words[3]: never a second word
     listed = ", ".join(f"{a} {b}" for a, b in pairs)
     said = f"{asked[0]} {asked[1]}"
-    answer = f"Yes, {said} is there." if verdict == "Yes" else f"No, there is no {said}."
+    answer = f"Yes, {said} is there." if verdict == "Yes" else f"No, {said} is not there."
     return Example(f"USER: Is there {said}? Items: {listed}. ASSISTANT:", answer, (), (), "member", (verdict,))
 
 
@@ -226,21 +240,23 @@ class Encoder:
     the other answer tokens: a verbose answer spends most of its tokens on phrasing the LM
     learns quickly, and the few tokens that carry the image's facts are what it must get right.
     Every occurrence is weighed, incidental ones included (the "no" of "there is no X" when a
-    fact is ``No``, another object's "right" when a position is ``right``). The example's
-    ``cues`` weigh the same: a yes/no answer is decided at its body's first word ("The red
-    star is ..." vs "There is no red star."), which no fact covers. Needs a fast tokenizer
-    (character offsets).
+    fact is ``No``, another object's "right" when a position is ``right``). ``cue_weight`` > 1
+    weighs the example's ``cues`` the same way: an existence answer is decided at the first
+    word of its cue ("The red star is ..." vs "There is no red star."), which no fact covers.
+    A token in both a fact and a cue weighs the larger. Needs a fast tokenizer (character
+    offsets).
     """
 
     tokenizer: object
     image_token_id: int = 4
     max_answer_tokens: int | None = None
     fact_weight: float = 1.0
+    cue_weight: float = 1.0
     _newline: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self._newline = self.tokenizer("\n", add_special_tokens=False)["input_ids"]
-        if self.fact_weight != 1.0 and not getattr(self.tokenizer, "is_fast", False):
+        if (self.fact_weight, self.cue_weight) != (1.0, 1.0) and not getattr(self.tokenizer, "is_fast", False):
             raise MMSpecError("fact weighting needs a fast tokenizer (character offsets); load it with use_fast=True "
                               "or leave fact_weight at 1")
 
@@ -266,7 +282,7 @@ class Encoder:
             else:
                 ids.extend(self.tokenizer(ex.captions[image_idx], add_special_tokens=False)["input_ids"])
             image_idx += 1
-        answer_ids, answer_w = self._answer(" " + ex.answer, ex.facts + ex.cues)
+        answer_ids, answer_w = self._answer(" " + ex.answer, ex.facts, ex.cues)
         if self.max_answer_tokens is not None and len(answer_ids) > self.max_answer_tokens:
             answer_ids = answer_ids[: self.max_answer_tokens]  # cut: no eos, the answer goes on
             answer_w = None if answer_w is None else answer_w[: self.max_answer_tokens]
@@ -278,16 +294,18 @@ class Encoder:
         images = ex.images if view == "multimodal" else ()
         return Encoded(ids + answer_ids, labels, images, weights)
 
-    def _answer(self, text: str, facts: Sequence[str]) -> tuple[list[int], list[float] | None]:
-        """Token ids of ``text`` and, when weighing, per token ``fact_weight`` where the token
-        overlaps a whole-word, case-blind occurrence of a fact value or cue, else 1 (None: no weights)."""
-        weighing = self.fact_weight != 1.0
-        spans = [m.span() for value in facts if weighing
+    def _answer(self, text: str, facts: Sequence[str],
+                cues: Sequence[str] = ()) -> tuple[list[int], list[float] | None]:
+        """Token ids of ``text`` and, when weighing, per token the largest weight of the whole-word,
+        case-blind occurrences of a fact value (``fact_weight``) or cue (``cue_weight``) it
+        overlaps, else 1 (None: no weights)."""
+        spans = [(m.span(), weight) for phrases, weight in ((facts, self.fact_weight), (cues, self.cue_weight))
+                 if weight != 1.0 for value in phrases
                  for m in re.finditer(r"(?<!\w)" + re.escape(value.lower()) + r"(?!\w)", text.lower())]
         if not spans:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"], None
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        weights = [self.fact_weight if any(s < e2 and s2 < e for s2, e2 in spans) else 1.0
+        weights = [max([w for (s2, e2), w in spans if s < e2 and s2 < e], default=1.0)
                    for s, e in enc["offset_mapping"]]
         return enc["input_ids"], weights
 

@@ -321,12 +321,13 @@ def render_hallu(spec: HalluSpec, rng: random.Random) -> Draft:
                               f"Can you see a {name} in this picture?"))
         hit = next((o for o in objs if o.name == name), None)
         if hit is not None:
-            body = pick(rng, (f"The {name} is {where(hit.position)}.", f"One of them is a {name}, {where(hit.position)}."))
+            body = decide = pick(rng, (f"The {name} is {where(hit.position)}.",
+                                       f"One of them is a {name}, {where(hit.position)}."))
             facts = {"answer": "Yes", "position": hit.position}
             ans = "Yes"
         else:
             near = [o for o in objs if o.colour == spec.colour or o.shape == spec.shape]
-            body = f"There is no {name}."
+            body = decide = f"There is no {name}."
             if near:
                 body += pick(rng, (f" The closest thing is the {near[0].name}, which is not the same.",
                                    f" There is a {near[0].name}, but that is different from a {name}."))
@@ -344,7 +345,7 @@ def render_hallu(spec: HalluSpec, rng: random.Random) -> Draft:
     end = pick(rng, (f"So the answer is {ans}.", f"{ans}, that is my answer.", f"Therefore: {ans}."))
     if ans == "No":
         end = pick(rng, (f"So the answer is {ans}.", f"Therefore: {ans}.", f"The claim is wrong, so {ans}."))
-    # the exists verdict is decided at the body's first word ("The"/"One" vs "There"), long before
-    # the "Yes"/"No" the facts weigh: the whole sentence is a cue
-    cues = (body.split(". ")[0].rstrip(".") + ".",) if spec.kind == "exists" else ()
+    # an existence verdict is decided at the first word of `decide` ("The"/"One" vs "There"), long
+    # before the "Yes"/"No" the facts weigh: that sentence is the cue
+    cues = (decide,) if spec.kind == "exists" else ()
     return Draft([img], f"{seen} {body} {end}", facts, [describe_scene(objs)], question, cues)
