@@ -498,8 +498,9 @@ def test_fact_weight_marks_the_fact_tokens(tokenizer, processor):
         def __call__(self, text, add_special_tokens=True):
             return {"input_ids": [5]}
 
-    with pytest.raises(MMSpecError, match="fast tokenizer"):
-        Encoder(Slow(), fact_weight=2.0)
+    for weights in ({"fact_weight": 2.0}, {"cue_weight": 2.0}):
+        with pytest.raises(MMSpecError, match="fast tokenizer"):
+            Encoder(Slow(), **weights)
 
 
 def test_weighted_loss_is_the_weighted_mean(model, tokenizer, processor):

@@ -113,11 +113,10 @@ def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: i
       a few colours and shapes. Half the questions ask for a listed pair, half for a near miss
       that keeps one word of a listed pair and takes the other from the same few words, where
       possible (3 times in 4) one that is listed in another pair: only a pair-by-pair
-      comparison answers those. The verdict is the
-      example's only fact. This is a hallucination question's decision
-      ("Is there a red star?" against "a red cross, a blue star"), which the world's data alone
-      never taught the target: it answered 0 of 35 "yes" existence questions right
-      (docs/embedded-models.md). The question comes first, as there: the answer lists the
+      comparison answers those. The verdict is the example's only fact. This is a
+      hallucination question's decision ("Is there a red star?" against "a red cross, a blue
+      star"), which the world's data alone never taught the target: it answered 0 of 35 "yes"
+      existence questions right (docs/embedded-models.md). The question comes first, as there: the answer lists the
       scene after the question, so the comparison must be made while the list is read.
 
     Words are drawn uniformly from ``pool`` (default :func:`word_pool`), so no prior predicts
@@ -257,8 +256,8 @@ class Encoder:
     def __post_init__(self) -> None:
         self._newline = self.tokenizer("\n", add_special_tokens=False)["input_ids"]
         if (self.fact_weight, self.cue_weight) != (1.0, 1.0) and not getattr(self.tokenizer, "is_fast", False):
-            raise MMSpecError("fact weighting needs a fast tokenizer (character offsets); load it with use_fast=True "
-                              "or leave fact_weight at 1")
+            raise MMSpecError("fact and cue weighting need a fast tokenizer (character offsets); load it with "
+                              "use_fast=True or leave fact_weight and cue_weight at 1")
 
     def encode(self, ex: Example, view: View = "multimodal", tokens_per_image: int = 64) -> Encoded:
         if view not in ("multimodal", "text", "caption"):

@@ -3,8 +3,8 @@
 Owns: which parameters a stage trains (:func:`set_trainable`), the learning-rate schedule
 (:func:`lr_at`: linear warm-up over ``warmup_ratio`` then cosine to 0), the loss of a batch
 (:func:`batch_loss` on :func:`batch_forward`, images through :mod:`pooling` so pooled and full
-grids share one code path), :func:`optimise` (the loop every stage shares: AdamW, the schedule on steps or the
-clock, grad clipping, progress bar), :func:`train_stage` and held-out metrics
+grids share one code path), :func:`optimise` (the loop every stage shares: AdamW, the schedule
+on steps or the clock, grad clipping, progress bar), :func:`train_stage` and held-out metrics
 (:func:`eval_loss`, :func:`fact_recall`, :func:`token_accuracy`) and :func:`greedy_answer`.
 
 Stages (IbED Appendix A, after LLaVA-1.5): stage 1 = projector only (LM and vision frozen),

@@ -321,13 +321,14 @@ def render_hallu(spec: HalluSpec, rng: random.Random) -> Draft:
                               f"Can you see a {name} in this picture?"))
         hit = next((o for o in objs if o.name == name), None)
         if hit is not None:
-            body = decide = pick(rng, (f"The {name} is {where(hit.position)}.",
-                                       f"One of them is a {name}, {where(hit.position)}."))
+            body = pick(rng, (f"The {name} is {where(hit.position)}.", f"One of them is a {name}, {where(hit.position)}."))
+            cues = (body,)  # the verdict is decided at its first word ("The"/"One" vs "There")
             facts = {"answer": "Yes", "position": hit.position}
             ans = "Yes"
         else:
             near = [o for o in objs if o.colour == spec.colour or o.shape == spec.shape]
-            body = decide = f"There is no {name}."
+            body = f"There is no {name}."
+            cues = (body,)
             if near:
                 body += pick(rng, (f" The closest thing is the {near[0].name}, which is not the same.",
                                    f" There is a {near[0].name}, but that is different from a {name}."))
@@ -342,10 +343,8 @@ def render_hallu(spec: HalluSpec, rng: random.Random) -> Draft:
                           f"I count {true} {PLURAL[s] if true != 1 else s} in total."))
         ans = "Yes" if true == k else "No"
         facts = {"answer": ans, "count": str(true)}
+        cues = ()  # the stated count decides, and it is a fact already
     end = pick(rng, (f"So the answer is {ans}.", f"{ans}, that is my answer.", f"Therefore: {ans}."))
     if ans == "No":
         end = pick(rng, (f"So the answer is {ans}.", f"Therefore: {ans}.", f"The claim is wrong, so {ans}."))
-    # an existence verdict is decided at the first word of `decide` ("The"/"One" vs "There"), long
-    # before the "Yes"/"No" the facts weigh: that sentence is the cue
-    cues = (decide,) if spec.kind == "exists" else ()
     return Draft([img], f"{seen} {body} {end}", facts, [describe_scene(objs)], question, cues)
