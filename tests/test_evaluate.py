@@ -142,6 +142,18 @@ def test_verdicts_count_the_last_yes_or_no(tmp_path):
     assert "verdicts" not in answer_fact_recall(_chart_dir(tmp_path))["chartqa"]
 
 
+def test_yes_no_answer_fact_is_the_verdict_not_any_yes_or_no():
+    """A hallucination answer that says "yes" on the way and ends on No states the answer No only."""
+    from mmspec.train.evaluate import tally_facts
+
+    yes = next(s for s in (make_sample("hallusionbench", "test", i) for i in range(40))
+               if s.facts.get("answer") == "Yes" and "position" in s.facts)
+    mixed = f"Looking for it: yes, it is there, {yes.facts['position']}. So the answer is No."
+    by = tally_facts([(yes, mixed)])["hallusionbench"]["by_fact"]
+    assert by["answer"]["recall"] == 0.0 and by["position"]["recall"] == 1.0
+    assert tally_facts([(yes, yes.answer)])["hallusionbench"]["recall"] == 1.0
+
+
 def _chart_dir(tmp_path):
     d = tmp_path / "charts"
     d.mkdir()

@@ -53,7 +53,9 @@ def tally_facts(answers) -> dict[str, dict]:
     """Per family, from ``(sample, answer text)`` pairs: the share of the samples' facts the
     answers state (:func:`states`), also by fact kind (``by_fact``: chart value vs label vs
     colour, sign word vs colour...); families with yes/no questions also get ``verdicts``:
-    true answer -> {verdict the answer ends on (:func:`verdict`): count}."""
+    true answer -> {verdict the answer ends on (:func:`verdict`): count}. A yes/no ``answer``
+    fact is hit only by the verdict the answer ends on: an answer saying "yes, ..." and then
+    "So the answer is No." must not count for both truths."""
     hits: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # facts hit, facts, samples
     kinds: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))  # hit, total
     verdicts: dict[str, dict[str, dict[str, int]]] = defaultdict(dict)  # family -> truth -> verdict -> n
@@ -61,7 +63,7 @@ def tally_facts(answers) -> dict[str, dict]:
         family = sample.family
         h = hits[family]
         for key, value in sample.facts.items():
-            hit = int(states(text, value))
+            hit = int(verdict(text) == value if key == "answer" and value in ("Yes", "No") else states(text, value))
             h[0] += hit
             h[1] += 1
             k = kinds[family][fact_kind(key)]
