@@ -119,7 +119,10 @@ def test_images_match_slots_and_facts_are_stated(samples):
 
 
 def test_hallucination_cues_are_the_deciding_sentence():
-    """An exists answer's cue is the sentence that commits its verdict (training weighs it)."""
+    """An exists answer's cue is the sentence that commits its verdict (training weighs it): it
+    names the asked object, then decides with its next word, and agrees with the true answer."""
+    import re
+
     seen = set()
     for s in generate_samples("hallusionbench", "train", 60):
         if "count" in s.facts:
@@ -127,7 +130,11 @@ def test_hallucination_cues_are_the_deciding_sentence():
             continue
         (cue,) = s.cues
         assert cue in s.answer and cue.endswith(".")
-        assert cue.startswith("There is no ") == (s.facts["answer"] == "No"), (cue, s.facts)
+        asked = re.search(r"an? (\w+ \w+)(?: in (?:the image|this picture))?\?$", s.question).group(1)
+        m = re.fullmatch(r"(?:Looking for|Checking for|Searching the image for) an? (\w+ \w+): (yes|no), .+\.", cue)
+        assert m is not None, cue
+        assert m.group(1) == asked and m.group(2) == s.facts["answer"].lower(), (cue, s.question, s.facts)
+        assert s.answer.index(cue) > s.answer.index(". ")  # after the scene sentence
         seen.add(s.facts["answer"])
     assert seen == {"Yes", "No"}
     assert all(s.cues == () for s in generate_samples("vqav2", "train", 10))

@@ -86,8 +86,8 @@ def stage(
                                             "questions (`train copy --member-share`); the rest stay half lookups, "
                                             "half repeats"),
     cue_weight: float = typer.Option(1.0, help="QA training: weigh the loss on the sentence that decides an "
-                                     "existence answer (the world's cues: \"There is no red star.\") this many "
-                                     "times"),
+                                     "existence answer (the world's cues: \"Looking for a red star: no, there is "
+                                     "none.\") this many times"),
     fact_weight: float = typer.Option(1.0, help="QA training: weigh the loss on answer tokens that state the "
                                       "image's facts this many times more than the other answer tokens"),
     text_view_prob: float = typer.Option(0.0, help="show an example through the text view (images -> newline)"),

@@ -240,8 +240,9 @@ class Encoder:
     learns quickly, and the few tokens that carry the image's facts are what it must get right.
     Every occurrence is weighed, incidental ones included (the "no" of "there is no X" when a
     fact is ``No``, another object's "right" when a position is ``right``). ``cue_weight`` > 1
-    weighs the example's ``cues`` the same way: an existence answer is decided at the first
-    word of its cue ("The red star is ..." vs "There is no red star."), which no fact covers.
+    weighs the example's ``cues`` the same way: an existence answer is decided at the word
+    after the object its cue names ("Looking for a red star: yes, ..." / "...: no, ..."), which
+    no fact covers.
     A token in both a fact and a cue weighs the larger. Needs a fast tokenizer (character
     offsets).
     """

@@ -320,15 +320,20 @@ def render_hallu(spec: HalluSpec, rng: random.Random) -> Draft:
         question = pick(rng, (f"Is there a {name} in the image?", f"Does the image contain a {name}?",
                               f"Can you see a {name} in this picture?"))
         hit = next((o for o in objs if o.name == name), None)
+        # The answer names the object it looks for, then decides right after the name: a tiny LM
+        # compares a name it has just written with its scene list, but does not carry the question's
+        # name across the list to the deciding word (docs/results/hallu-2026-11-23/).
+        look = pick(rng, (f"Looking for a {name}:", f"Checking for a {name}:", f"Searching the image for a {name}:"))
         if hit is not None:
-            body = pick(rng, (f"The {name} is {where(hit.position)}.", f"One of them is a {name}, {where(hit.position)}."))
-            cues = (body,)  # the verdict is decided at its first word ("The"/"One" vs "There")
+            at = where(hit.position)
+            body = f"{look} " + pick(rng, (f"yes, it is {at}.", f"yes, there is one {at}."))
+            cues = (body,)
             facts = {"answer": "Yes", "position": hit.position}
             ans = "Yes"
         else:
             near = [o for o in objs if o.colour == spec.colour or o.shape == spec.shape]
-            body = f"There is no {name}."
-            cues = (body,)
+            body = f"{look} " + pick(rng, ("no, there is none.", "no, I cannot find one."))
+            cues = (body,)  # the deciding sentence: its first word after the name decides
             if near:
                 body += pick(rng, (f" The closest thing is the {near[0].name}, which is not the same.",
                                    f" There is a {near[0].name}, but that is different from a {name}."))
