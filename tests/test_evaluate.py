@@ -152,6 +152,10 @@ def test_yes_no_answer_fact_is_the_verdict_not_any_yes_or_no():
     by = tally_facts([(yes, mixed)])["hallusionbench"]["by_fact"]
     assert by["answer"]["recall"] == 0.0 and by["position"]["recall"] == 1.0
     assert tally_facts([(yes, yes.answer)])["hallusionbench"]["recall"] == 1.0
+    no = next(s for s in (make_sample("hallusionbench", "test", i) for i in range(40))
+              if s.facts == {"answer": "No"})
+    assert tally_facts([(no, "Looking for it: no, there is none. So the answer is Yes.")])["hallusionbench"]["recall"] == 0
+    assert tally_facts([(no, no.answer)])["hallusionbench"]["recall"] == 1.0
 
 
 def _chart_dir(tmp_path):

@@ -478,7 +478,7 @@ def test_fact_weight_marks_the_fact_tokens(tokenizer, processor):
     assert len(cut.weights) == len(cut.labels) == len(cut.input_ids) and cut.input_ids[-1] != world_tok.eos_token_id
     assert cut.weights[-5:] == wenc.weights[n_prompt:n_prompt + 5]
 
-    # an existence answer's cue (its deciding sentence) weighs cue_weight, its first word too;
+    # an existence answer's cue (its deciding sentence) weighs cue_weight, every word of it;
     # a token in a fact and a cue weighs the larger; cue_weight 1 leaves the weights as they were
     yes = next(s for s in generate_samples("hallusionbench", "train", 40) if s.facts["answer"] == "Yes" and s.cues)
     yenc = Encoder(world_tok, fact_weight=3.0, cue_weight=5.0).encode(example_from_sample(yes))

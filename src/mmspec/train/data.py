@@ -116,8 +116,10 @@ def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: i
       comparison answers those. The verdict is the example's only fact. This is a
       hallucination question's decision ("Is there a red star?" against "a red cross, a blue
       star"), which the world's data alone never taught the target: it answered 0 of 35 "yes"
-      existence questions right (docs/embedded-models.md). The question comes first, as there: the answer lists the
-      scene after the question, so the comparison must be made while the list is read.
+      existence questions right (docs/embedded-models.md). The question comes first, as there,
+      so the comparison must be made while the list is read. (The world's existence answers
+      have since named the object again right before deciding, which moved the target's
+      verdicts within one CPU stage: docs/results/hallu-2026-11-23/.)
 
     Words are drawn uniformly from ``pool`` (default :func:`word_pool`), so no prior predicts
     them: only copying or looking up in the prompt lowers the loss. The world's answers need exactly this (a
@@ -238,12 +240,12 @@ class Encoder:
     facts (whole-word matches, as the fact-recall check counts them) that many times more than
     the other answer tokens: a verbose answer spends most of its tokens on phrasing the LM
     learns quickly, and the few tokens that carry the image's facts are what it must get right.
-    Every occurrence is weighed, incidental ones included (the "no" of "there is no X" when a
-    fact is ``No``, another object's "right" when a position is ``right``). ``cue_weight`` > 1
-    weighs the example's ``cues`` the same way: an existence answer is decided at the word
-    after the object its cue names ("Looking for a red star: yes, ..." / "...: no, ..."), which
-    no fact covers.
-    A token in both a fact and a cue weighs the larger. Needs a fast tokenizer (character
+    Every occurrence is weighed, incidental ones included (the deciding "no" of "Looking for a
+    red star: no, ..." besides the final "No" when a fact is ``No``, another object's "right"
+    when a position is ``right``). ``cue_weight`` > 1 weighs the example's ``cues`` the same
+    way: the whole sentence that decides an existence answer, the object it names included
+    ("Looking for a red star: yes, it is in the top left."). A token in both a fact and a cue
+    weighs the larger. Needs a fast tokenizer (character
     offsets).
     """
 

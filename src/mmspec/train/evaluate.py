@@ -3,7 +3,8 @@
 * answer fact recall: share of a sample's image-dependent facts whose value appears verbatim,
   as whole words (``1`` does not match ``10``; case ignored), in the target's greedy answer,
   per family and per kind of fact, and for yes/no questions the verdict the answer ends on
-  (:func:`verdict`) against the true one (:func:`tally_facts`). Read from a ``mmspec bench
+  (:func:`verdict`) against the true one (:func:`tally_facts`); a yes/no ``answer`` fact is
+  stated only by that verdict. Read from a ``mmspec bench
   run`` results dir (its baseline rows are the target's own greedy answers on test samples),
   so the numbers and the block-efficiency table come from one run; or generated directly by a
   model (:func:`model_fact_recall`, ``mmspec train facts``), also in the caption view, where
@@ -62,8 +63,9 @@ def tally_facts(answers) -> dict[str, dict]:
     for sample, text in answers:
         family = sample.family
         h = hits[family]
+        said = verdict(text)
         for key, value in sample.facts.items():
-            hit = int(verdict(text) == value if key == "answer" and value in ("Yes", "No") else states(text, value))
+            hit = int(said == value if key == "answer" and value in ("Yes", "No") else states(text, value))
             h[0] += hit
             h[1] += 1
             k = kinds[family][fact_kind(key)]
@@ -72,8 +74,7 @@ def tally_facts(answers) -> dict[str, dict]:
         h[2] += 1
         truth = sample.facts.get("answer")
         if truth in ("Yes", "No"):
-            said = verdicts[family].setdefault(truth, {"Yes": 0, "No": 0, "none": 0})
-            said[verdict(text)] += 1
+            verdicts[family].setdefault(truth, {"Yes": 0, "No": 0, "none": 0})[said] += 1
     return {f: {"recall": h[0] / max(h[1], 1), "hits": h[0], "facts": h[1], "samples": h[2],
                 "by_fact": {k: {"recall": v[0] / v[1], "facts": v[1]} for k, v in sorted(kinds[f].items())},
                 **({"verdicts": verdicts[f]} if f in verdicts else {})}
