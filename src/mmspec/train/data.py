@@ -245,8 +245,7 @@ class Encoder:
     when a position is ``right``). ``cue_weight`` > 1 weighs the example's ``cues`` the same
     way: the whole sentence that decides an existence answer, the object it names included
     ("Looking for a red star: yes, it is in the top left."). A token in both a fact and a cue
-    weighs the larger. Needs a fast tokenizer (character
-    offsets).
+    weighs the larger. Needs a fast tokenizer (character offsets).
     """
 
     tokenizer: object

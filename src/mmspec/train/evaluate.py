@@ -4,8 +4,8 @@
   as whole words (``1`` does not match ``10``; case ignored), in the target's greedy answer,
   per family and per kind of fact, and for yes/no questions the verdict the answer ends on
   (:func:`verdict`) against the true one (:func:`tally_facts`); a yes/no ``answer`` fact is
-  stated only by that verdict. Read from a ``mmspec bench
-  run`` results dir (its baseline rows are the target's own greedy answers on test samples),
+  stated only by that verdict. Read from a ``mmspec bench run`` results dir (its baseline rows
+  are the target's own greedy answers on test samples),
   so the numbers and the block-efficiency table come from one run; or generated directly by a
   model (:func:`model_fact_recall`, ``mmspec train facts``), also in the caption view, where
   the facts are in the prompt as text and only the LM's copying is tested;

@@ -327,18 +327,17 @@ def render_hallu(spec: HalluSpec, rng: random.Random) -> Draft:
         if hit is not None:
             at = where(hit.position)
             body = f"{look} " + pick(rng, (f"yes, it is {at}.", f"yes, there is one {at}."))
-            cues = (body,)
             facts = {"answer": "Yes", "position": hit.position}
             ans = "Yes"
         else:
-            near = [o for o in objs if o.colour == spec.colour or o.shape == spec.shape]
             body = f"{look} " + pick(rng, ("no, there is none.", "no, I cannot find one."))
-            cues = (body,)  # the deciding sentence: its first word after the name decides
-            if near:
-                body += pick(rng, (f" The closest thing is the {near[0].name}, which is not the same.",
-                                   f" There is a {near[0].name}, but that is different from a {name}."))
             facts = {"answer": "No"}
             ans = "No"
+        cues = (body,)  # the deciding sentence: the word after the name decides
+        near = [o for o in objs if o.colour == spec.colour or o.shape == spec.shape]
+        if hit is None and near:
+            body += pick(rng, (f" The closest thing is the {near[0].name}, which is not the same.",
+                               f" There is a {near[0].name}, but that is different from a {name}."))
     else:
         s, k = spec.shape, spec.claim
         true = sum(o.shape == s for o in objs)
