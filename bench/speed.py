@@ -136,8 +136,8 @@ def load_models(cfg: SpeedConfig, device: torch.device) -> SpeedModels:
     processor = load_processor(cfg.target)
     cap = None
     if cfg.captioner:
-        cap = HFCaptioner(load_model(cfg.captioner, dtype=dtype).to(device), load_processor(cfg.captioner),
-                          prompt=cfg.captioner_prompt)
+        cap = HFCaptioner.from_pretrained(cfg.captioner, prompt=cfg.captioner_prompt, dtype=dtype)
+        cap.model.to(device)
     return SpeedModels(load_model(cfg.target, dtype=dtype).to(device), load_model(cfg.draft, dtype=dtype).to(device),
                        getattr(processor, "tokenizer", processor), processor, cap, "checkpoints")
 

@@ -53,3 +53,25 @@ def test_caption_view_rebuilds_images_from_pixel_values(target, draft_shared, to
     dec = SpecDecoder(target, draft_shared, tok, views="C", captioner=Spy())
     assert dec.generate(ids, pv, max_new_tokens=10).token_ids == ref.tolist()
     assert len(seen) == 2 and all(isinstance(im, Image.Image) and im.size == (32, 32) for im in seen)
+
+
+def test_decoder_only_captioner_takes_its_recorded_prompt_and_refuses_one_without_the_image_token():
+    """A captioner dir from `mmspec train` records its prompt; from_pretrained uses it when none is
+    given. A decoder-only VLM prompted without its image token fails with a clear error, not a
+    shape error from inside transformers."""
+    import json
+
+    from mmspec.embedded import default_path
+    from mmspec.errors import MMSpecError
+
+    path = default_path() / "captioner"
+    recorded = json.loads((path / "mmspec.json").read_text())["captioner_prompt"]
+    cap = HFCaptioner.from_pretrained(str(path), max_new_tokens=8)
+    assert cap.prompt == recorded and "<image>" in recorded
+    image = Image.new("RGB", (96, 96), (200, 30, 30))
+    assert cap.caption([image])[0]  # sees the image, writes words
+    for prompt in (None, "USER: Describe the image briefly. ASSISTANT:"):
+        with pytest.raises(MMSpecError, match="no image token '<image>'.*--captioner-prompt"):
+            HFCaptioner(cap.model, cap.processor, prompt=prompt)
+    given = "USER: <image> What is shown? ASSISTANT:"
+    assert HFCaptioner.from_pretrained(str(path), prompt=given).prompt == given  # a given prompt wins

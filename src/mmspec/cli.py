@@ -96,7 +96,7 @@ def generate(
     target: Optional[str] = typer.Option(None, help="Target VLM: local directory or hub id (default: embedded)."),
     draft: Optional[str] = typer.Option(None, help="Draft model: local directory or hub id."),
     captioner: Optional[str] = typer.Option(None, help="Captioner (HF image-to-text) for the caption view."),
-    captioner_prompt: Optional[str] = typer.Option(None, help="Task prompt for the captioner, e.g. '<CAPTION>' for Florence-2."),
+    captioner_prompt: Optional[str] = typer.Option(None, help="Task prompt for the captioner, e.g. '<CAPTION>' for Florence-2 (default: the one an `mmspec train` captioner records)."),
     views: str = typer.Option("M", help="Drafting views: letters M,T,C,P or names, comma-separated (pooled:36); "
                               "several = the in-batch ensemble (e.g. MT, MTC). M is the fastest measured "
                               "with the embedded pair (docs/perf.md)."),

@@ -67,6 +67,7 @@ def load_models(cfg: BenchConfig) -> BenchModels:
                            cfg.pool_tokens, "embedded")
     if cfg.draft is None:
         raise MMSpecError("--target was given without --draft; pass both checkpoints")
+    from mmspec.models.captioner import recorded_prompt
     from mmspec.models.loading import load_model, load_processor
 
     dtype = getattr(torch, cfg.dtype)
@@ -77,7 +78,7 @@ def load_models(cfg: BenchConfig) -> BenchModels:
     if cfg.captioner is not None:
         models.captioner_model = load_model(cfg.captioner, dtype=dtype)
         models.captioner_processor = load_processor(cfg.captioner)
-        models.captioner_prompt = cfg.captioner_prompt
+        models.captioner_prompt = cfg.captioner_prompt or recorded_prompt(cfg.captioner)
     return models
 
 

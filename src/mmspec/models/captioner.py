@@ -8,6 +8,7 @@ and decoder-only VLMs prompted to describe the image (the embedded tiny captione
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol, Sequence
 
 import torch
@@ -19,6 +20,24 @@ class Captioner(Protocol):
     def caption(self, images: Sequence) -> list[str]: ...
 
 
+def recorded_prompt(name_or_path: str | Path) -> str | None:
+    """The captioner prompt a checkpoint directory from ``mmspec train`` records in its
+    ``mmspec.json`` (None for any other checkpoint or a hub name)."""
+    from mmspec.train.checkpoint import read_sidecar
+
+    return read_sidecar(name_or_path).get("captioner_prompt") if Path(name_or_path).is_dir() else None
+
+
+def image_token(model, processor) -> str | None:
+    """The image placeholder a decoder-only VLM's prompt must hold (None for encoder-decoder
+    captioners such as BLIP, which take the image apart from any text)."""
+    token_id = getattr(model.config, "image_token_id", None)
+    if model.config.is_encoder_decoder or token_id is None:
+        return None
+    tokenizer = getattr(processor, "tokenizer", processor)
+    return getattr(processor, "image_token", None) or tokenizer.convert_ids_to_tokens(int(token_id))
+
+
 class HFCaptioner:
     """Greedy captions from an HF image-to-text model (deterministic)."""
 
@@ -27,11 +46,22 @@ class HFCaptioner:
         self.processor = processor
         self.prompt = prompt
         self.max_new_tokens = max_new_tokens
+        token = image_token(model, processor)
+        if token is not None and (prompt is None or token not in prompt):
+            # a decoder-only VLM sees the image only through this token in its prompt; without it
+            # transformers fails deep inside the processor or generate
+            raise MMSpecError(
+                f"the captioner is a decoder-only VLM and its prompt {prompt!r} has no image token {token!r}, "
+                f"so it cannot see the image. Pass a prompt with the token (--captioner-prompt, or prompt=), "
+                f"e.g. 'USER: {token} Describe the image briefly. ASSISTANT:'.")
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, prompt: str | None = None, dtype="auto", **kw):
+        """``prompt=None`` takes the prompt a checkpoint from ``mmspec train`` records in its
+        ``mmspec.json`` (the embedded captioner's), if any."""
         from mmspec.models.loading import load_model, load_processor
 
+        prompt = recorded_prompt(name_or_path) if prompt is None else prompt
         return cls(load_model(name_or_path, dtype=dtype), load_processor(name_or_path), prompt=prompt, **kw)
 
     @torch.inference_mode()
