@@ -1251,3 +1251,45 @@ def test_fixed_batches_keep_order_and_match_collate(tokenizer, processor):
     want = collate([enc.encode(ex) for ex in exs[2:4]], tokenizer.pad_token_id, processor.image_processor, 64)
     assert torch.equal(got[1].input_ids, want.input_ids) and torch.equal(got[1].labels, want.labels)
     assert torch.equal(got[1].pixel_values, want.pixel_values)
+
+
+def test_swap_pack_script_swaps_one_role_and_refuses_a_foreign_tower(tmp_path):
+    """scripts/swap-pack.py puts a checkpoint into the pack bit for bit and records it under a new
+    key; a checkpoint whose vision tower is not the shipped one is refused before anything changes."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    root = Path(__file__).parents[1]
+    pack = tmp_path / "src/mmspec/assets/embedded"
+    shutil.copytree(root / "src/mmspec/assets/embedded", pack)
+    src = tmp_path / "new_pooled"
+    shutil.copytree(pack / "draft_pooled", src)
+    weights = load_file(src / "model.safetensors")
+    lm_key = next(k for k in weights if "vision_tower" not in k and weights[k].is_floating_point())
+    weights[lm_key] = weights[lm_key] + 1  # a projector/LM change, the kind the script swaps in
+    save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
+
+    def swap(key: str, checkpoint: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(root / "scripts/swap-pack.py"), key, "a test swap",
+                               f"draft_pooled={checkpoint}"], cwd=tmp_path, capture_output=True, text=True)
+
+    done = swap("vtest", src)
+    assert done.returncode == 0, done.stderr
+    assert torch.equal(load_file(pack / "draft_pooled/model.safetensors")[lm_key], weights[lm_key])
+    report = json.loads((pack / "pack_report.json").read_text())
+    assert report["vtest"]["note"] == "a test swap" and list(report["vtest"]["models"]) == ["draft_pooled"]
+    assert swap("vtest", src).returncode != 0  # the key is taken
+
+    tower_key = next(k for k in weights if "vision_tower" in k and weights[k].is_floating_point())
+    weights[tower_key] = weights[tower_key] + 1
+    save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
+    before = (pack / "draft_pooled/model.safetensors").read_bytes()
+    refused = swap("vtest2", src)
+    assert refused.returncode != 0 and "vision tower is not the shipped one" in refused.stderr
+    assert (pack / "draft_pooled/model.safetensors").read_bytes() == before
+    assert "vtest2" not in json.loads((pack / "pack_report.json").read_text())
