@@ -63,15 +63,35 @@ def test_decoder_only_captioner_takes_its_recorded_prompt_and_refuses_one_withou
 
     from mmspec.embedded import default_path
     from mmspec.errors import MMSpecError
+    from mmspec.world import make_sample
 
     path = default_path() / "captioner"
     recorded = json.loads((path / "mmspec.json").read_text())["captioner_prompt"]
-    cap = HFCaptioner.from_pretrained(str(path), max_new_tokens=8)
+    cap = HFCaptioner.from_pretrained(str(path), max_new_tokens=12)
     assert cap.prompt == recorded and "<image>" in recorded
-    image = Image.new("RGB", (96, 96), (200, 30, 30))
-    assert cap.caption([image])[0]  # sees the image, writes words
-    for prompt in (None, "USER: Describe the image briefly. ASSISTANT:"):
-        with pytest.raises(MMSpecError, match="no image token '<image>'.*--captioner-prompt"):
-            HFCaptioner(cap.model, cap.processor, prompt=prompt)
+    chart, scene = make_sample("chartqa", "test", 0).images[0], make_sample("vqav2", "test", 0).images[0]
+    captions = cap.caption([chart, scene])
+    assert all(captions) and captions[0] != captions[1]  # it sees the image: two images, two captions
+    with pytest.raises(MMSpecError, match="no prompt was given.*--captioner-prompt"):
+        HFCaptioner(cap.model, cap.processor)
+    with pytest.raises(MMSpecError, match="processor refused the prompt 'USER: Describe it. ASSISTANT:'.*--captioner-prompt"):
+        HFCaptioner(cap.model, cap.processor, prompt="USER: Describe it. ASSISTANT:")
     given = "USER: <image> What is shown? ASSISTANT:"
     assert HFCaptioner.from_pretrained(str(path), prompt=given).prompt == given  # a given prompt wins
+
+
+def test_bench_loads_a_trained_captioner_with_its_recorded_prompt_and_refuses_a_bad_one():
+    """`mmspec bench run --captioner DIR` without --captioner-prompt uses the prompt the checkpoint
+    records; a prompt without the image token fails at load, before any method runs."""
+    from mmspec.bench.backend import load_models
+    from mmspec.bench.config import BenchConfig
+    from mmspec.embedded import default_path
+    from mmspec.errors import MMSpecError
+
+    root = default_path()
+    dirs = {"target": str(root / "target"), "draft": str(root / "draft"), "captioner": str(root / "captioner")}
+    models = load_models(BenchConfig(**dirs))
+    assert models.captioner.prompt == HFCaptioner.from_pretrained(dirs["captioner"]).prompt
+    assert "<image>" in models.captioner.prompt
+    with pytest.raises(MMSpecError, match="--captioner-prompt"):
+        load_models(BenchConfig(**dirs, captioner_prompt="Describe it."))

@@ -1255,7 +1255,8 @@ def test_fixed_batches_keep_order_and_match_collate(tokenizer, processor):
 
 def test_swap_pack_script_swaps_one_role_and_refuses_a_foreign_tower(tmp_path):
     """scripts/swap-pack.py puts a checkpoint into the pack bit for bit and records it under a new
-    key; a checkpoint whose vision tower is not the shipped one is refused before anything changes."""
+    key; a taken key, an fp32 checkpoint and a checkpoint whose vision tower is not the shipped one
+    are refused before anything changes, also when another role in the same call is fine."""
     import json
     import shutil
     import subprocess
@@ -1274,22 +1275,35 @@ def test_swap_pack_script_swaps_one_role_and_refuses_a_foreign_tower(tmp_path):
     weights[lm_key] = weights[lm_key] + 1  # a projector/LM change, the kind the script swaps in
     save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
 
-    def swap(key: str, checkpoint: Path) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(root / "scripts/swap-pack.py"), key, "a test swap",
-                               f"draft_pooled={checkpoint}"], cwd=tmp_path, capture_output=True, text=True)
+    def swap(key: str, *pairs: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(root / "scripts/swap-pack.py"), key, "a test swap", *pairs],
+                              cwd=tmp_path, capture_output=True, text=True)
 
-    done = swap("vtest", src)
+    def state() -> tuple[bytes, bytes, str]:
+        return ((pack / "draft_pooled/model.safetensors").read_bytes(), (pack / "draft/model.safetensors").read_bytes(),
+                (pack / "pack_report.json").read_text())
+
+    done = swap("vtest", f"draft_pooled={src}")
     assert done.returncode == 0, done.stderr
     assert torch.equal(load_file(pack / "draft_pooled/model.safetensors")[lm_key], weights[lm_key])
     report = json.loads((pack / "pack_report.json").read_text())
     assert report["vtest"]["note"] == "a test swap" and list(report["vtest"]["models"]) == ["draft_pooled"]
-    assert swap("vtest", src).returncode != 0  # the key is taken
+    assert not list(pack.glob(".swap-*"))  # no staging folder left behind
+
+    before = state()
+    taken = swap("vtest", f"draft_pooled={src}")
+    assert taken.returncode != 0 and "already has 'vtest'" in taken.stderr and state() == before
+
+    wide = tmp_path / "wide"
+    shutil.copytree(src, wide)
+    save_file({k: v.float() for k, v in weights.items()}, wide / "model.safetensors", metadata={"format": "pt"})
+    refused = swap("vwide", f"draft_pooled={wide}")
+    assert refused.returncode != 0 and "torch.float32" in refused.stderr and "--half" in refused.stderr
+    assert state() == before
 
     tower_key = next(k for k in weights if "vision_tower" in k and weights[k].is_floating_point())
     weights[tower_key] = weights[tower_key] + 1
     save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
-    before = (pack / "draft_pooled/model.safetensors").read_bytes()
-    refused = swap("vtest2", src)
+    refused = swap("vtower", f"draft={pack / 'draft'}", f"draft_pooled={src}")  # draft alone would pass
     assert refused.returncode != 0 and "vision tower is not the shipped one" in refused.stderr
-    assert (pack / "draft_pooled/model.safetensors").read_bytes() == before
-    assert "vtest2" not in json.loads((pack / "pack_report.json").read_text())
+    assert state() == before

@@ -4,12 +4,11 @@ Owns: :func:`load_embedded`, which loads ``src/mmspec/assets/embedded/{target,dr
 draft_pooled,captioner}`` (fp16 safetensors on disk, upcast to ``dtype`` on load) into an
 :class:`EmbeddedModels`. The models are plain HF ``LlavaForConditionalGeneration``
 directories trained by ``mmspec train embedded`` on the synthetic world (see
-:mod:`mmspec.train`); this module knows nothing about training.
+:mod:`mmspec.train`); this module only reads their ``mmspec.json`` sidecars.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,15 +48,13 @@ def _missing(path: Path, what: str) -> MMSpecError:
         f"or pass path= to a directory that holds target/, draft/, draft_pooled/, captioner/.")
 
 
-def _sidecar(directory: Path) -> dict:
-    p = directory / "mmspec.json"
-    return json.loads(p.read_text()) if p.exists() else {}
-
-
 def load_embedded(dtype: torch.dtype = torch.float32, path: str | Path | None = None,
                   device: str | torch.device = "cpu") -> EmbeddedModels:
     """Load the pack from ``path`` (default: the package assets), weights cast to ``dtype``."""
     from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from mmspec.models.captioner import recorded_prompt
+    from mmspec.train.checkpoint import read_sidecar
 
     root = Path(path) if path is not None else default_path()
     for role in ("target", "draft", "captioner"):
@@ -70,16 +67,15 @@ def load_embedded(dtype: torch.dtype = torch.float32, path: str | Path | None = 
 
     pooled_dir = root / "draft_pooled"
     has_pooled = (pooled_dir / "config.json").exists()
-    cap_meta = _sidecar(root / "captioner")
     processor = AutoProcessor.from_pretrained(root / "target")
     return EmbeddedModels(
         target=model("target"),
         draft=model("draft"),
         draft_pooled=model("draft_pooled") if has_pooled else None,
-        pooled_tokens=_sidecar(pooled_dir).get("pooled_tokens") if has_pooled else None,
+        pooled_tokens=read_sidecar(pooled_dir).get("pooled_tokens") if has_pooled else None,
         captioner_model=model("captioner"),
         captioner_processor=AutoProcessor.from_pretrained(root / "captioner"),
-        captioner_prompt=cap_meta.get("captioner_prompt", DEFAULT_CAPTIONER_PROMPT),
+        captioner_prompt=recorded_prompt(root / "captioner") or DEFAULT_CAPTIONER_PROMPT,
         tokenizer=processor.tokenizer,
         processor=processor,
         path=root,

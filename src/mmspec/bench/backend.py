@@ -47,27 +47,25 @@ class BenchModels:
     draft: Any
     tokenizer: Any
     processor: Any
-    captioner_model: Any = None
-    captioner_processor: Any = None
-    captioner_prompt: str | None = None
+    captioner: Any = None  # an HFCaptioner (prompt checked at load), or None: no C methods
     pooled_tokens: int | None = None  # --pool-tokens for the P view (None: SpecDecoder's default)
     source: str = "embedded"
 
 
 def load_models(cfg: BenchConfig) -> BenchModels:
     """Embedded models unless ``cfg.target`` is given; then ``cfg.draft`` is required too."""
+    from mmspec.models.captioner import HFCaptioner
+
     if cfg.target is None:
         if cfg.draft is not None:
             raise MMSpecError("--draft needs --target too (or pass neither for the embedded models)")
         from mmspec.embedded import load_embedded
 
         e = load_embedded()
-        return BenchModels(e.target, e.draft, e.tokenizer, e.processor, e.captioner_model,
-                           e.captioner_processor, e.captioner_prompt,
-                           cfg.pool_tokens, "embedded")
+        captioner = HFCaptioner(e.captioner_model, e.captioner_processor, prompt=e.captioner_prompt)
+        return BenchModels(e.target, e.draft, e.tokenizer, e.processor, captioner, cfg.pool_tokens, "embedded")
     if cfg.draft is None:
         raise MMSpecError("--target was given without --draft; pass both checkpoints")
-    from mmspec.models.captioner import recorded_prompt
     from mmspec.models.loading import load_model, load_processor
 
     dtype = getattr(torch, cfg.dtype)
@@ -76,9 +74,7 @@ def load_models(cfg: BenchConfig) -> BenchModels:
                          getattr(processor, "tokenizer", processor), processor,
                          pooled_tokens=cfg.pool_tokens, source="checkpoints")
     if cfg.captioner is not None:
-        models.captioner_model = load_model(cfg.captioner, dtype=dtype)
-        models.captioner_processor = load_processor(cfg.captioner)
-        models.captioner_prompt = cfg.captioner_prompt or recorded_prompt(cfg.captioner)
+        models.captioner = HFCaptioner.from_pretrained(cfg.captioner, prompt=cfg.captioner_prompt, dtype=dtype)
     return models
 
 
@@ -97,11 +93,10 @@ class HFBackend:
         self.m = models
         self.cfg = cfg
         self.device = device
-        for mod in (models.target, models.draft, models.captioner_model):
+        for mod in (models.target, models.draft, models.captioner.model if models.captioner else None):
             if mod is not None:
                 mod.to(device).eval()
         self._decoders: dict[str, Any] = {}
-        self._captioner: Any = None
 
     def _inputs(self, sample: BenchSample) -> dict[str, torch.Tensor]:
         images = sample.images or None
@@ -111,14 +106,9 @@ class HFBackend:
                 for k, v in enc.items() if isinstance(v, torch.Tensor)}
 
     def _get_captioner(self) -> Any:
-        if self._captioner is None:
-            if self.m.captioner_model is None:
-                raise MMSpecError("a caption (C) method needs a captioner: pass --captioner PATH")
-            from mmspec.models.captioner import HFCaptioner
-
-            kw = {} if self.m.captioner_prompt is None else {"prompt": self.m.captioner_prompt}
-            self._captioner = HFCaptioner(self.m.captioner_model, self.m.captioner_processor, **kw)
-        return self._captioner
+        if self.m.captioner is None:
+            raise MMSpecError("a caption (C) method needs a captioner: pass --captioner PATH")
+        return self.m.captioner
 
     def _decoder(self, method: str) -> Any:
         if method not in self._decoders:
@@ -184,5 +174,5 @@ class HFBackend:
 
         return {"source": self.m.source, "device": str(self.device),
                 "target_params": size(self.m.target), "draft_params": size(self.m.draft),
-                "captioner_params": size(self.m.captioner_model),
+                "captioner_params": size(self.m.captioner.model if self.m.captioner else None),
                 "target_class": type(self.m.target).__name__}

@@ -58,7 +58,7 @@ def run_command(
     target: Optional[str] = typer.Option(None, help="Target checkpoint dir or hub id (default: embedded)."),
     draft: Optional[str] = typer.Option(None, help="Draft checkpoint dir or hub id."),
     captioner: Optional[str] = typer.Option(None, help="Captioner checkpoint (needed by C methods)."),
-    captioner_prompt: Optional[str] = typer.Option(None, help="Prompt for the captioner."),
+    captioner_prompt: Optional[str] = typer.Option(None, help="Prompt for the captioner (default: the one an `mmspec train` captioner records)."),
     pool_tokens: Optional[int] = typer.Option(None, help="Tokens per image of the P (pooled) view, e.g. 144."),
     split: str = typer.Option("test", help="Split of the embedded world / of a DatasetDict."),
     device: Optional[str] = typer.Option(None, help="Default: cuda:LOCAL_RANK if available, else cpu."),

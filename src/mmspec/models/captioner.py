@@ -28,16 +28,6 @@ def recorded_prompt(name_or_path: str | Path) -> str | None:
     return read_sidecar(name_or_path).get("captioner_prompt") if Path(name_or_path).is_dir() else None
 
 
-def image_token(model, processor) -> str | None:
-    """The image placeholder a decoder-only VLM's prompt must hold (None for encoder-decoder
-    captioners such as BLIP, which take the image apart from any text)."""
-    token_id = getattr(model.config, "image_token_id", None)
-    if model.config.is_encoder_decoder or token_id is None:
-        return None
-    tokenizer = getattr(processor, "tokenizer", processor)
-    return getattr(processor, "image_token", None) or tokenizer.convert_ids_to_tokens(int(token_id))
-
-
 class HFCaptioner:
     """Greedy captions from an HF image-to-text model (deterministic)."""
 
@@ -46,14 +36,34 @@ class HFCaptioner:
         self.processor = processor
         self.prompt = prompt
         self.max_new_tokens = max_new_tokens
-        token = image_token(model, processor)
-        if token is not None and (prompt is None or token not in prompt):
-            # a decoder-only VLM sees the image only through this token in its prompt; without it
-            # transformers fails deep inside the processor or generate
-            raise MMSpecError(
-                f"the captioner is a decoder-only VLM and its prompt {prompt!r} has no image token {token!r}, "
-                f"so it cannot see the image. Pass a prompt with the token (--captioner-prompt, or prompt=), "
-                f"e.g. 'USER: {token} Describe the image briefly. ASSISTANT:'.")
+        self._check_prompt()
+
+    def _check_prompt(self) -> None:
+        """A decoder-only VLM sees the image only through image tokens in its prompt. Without
+        them transformers fails deep inside the processor or ``generate`` at the first caption;
+        fail here instead, with the fix. The processor runs once on a blank image (no model
+        forward), so processors that insert the tokens themselves (BLIP-2) pass."""
+        token_id = getattr(self.model.config, "image_token_id", None)
+        if self.model.config.is_encoder_decoder or token_id is None:
+            return  # BLIP, Florence-2: the image goes to the encoder, not into the prompt
+        from PIL import Image
+
+        from mmspec.embedded import DEFAULT_CAPTIONER_PROMPT
+
+        tokenizer = getattr(self.processor, "tokenizer", self.processor)
+        token = str(tokenizer.convert_ids_to_tokens(int(token_id)))
+        fix = (f"Pass a prompt that holds {token!r} (--captioner-prompt, or prompt=); the embedded "
+               f"captioner's is {DEFAULT_CAPTIONER_PROMPT!r}.")
+        kwargs = {"images": Image.new("RGB", (64, 64)), "return_tensors": "pt"}
+        if self.prompt is not None:
+            kwargs["text"] = self.prompt
+        try:
+            ids = self.processor(**kwargs).get("input_ids")
+        except ValueError as e:  # e.g. LlavaProcessor: image tokens and images do not match
+            raise MMSpecError(f"the captioner's processor refused the prompt {self.prompt!r}: {e} {fix}") from e
+        if ids is None or not bool((ids == token_id).any()):
+            given = "no prompt was given" if self.prompt is None else f"its prompt {self.prompt!r} has no {token!r}"
+            raise MMSpecError(f"the captioner is a decoder-only VLM and {given}, so it cannot see the image. {fix}")
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, prompt: str | None = None, dtype="auto", **kw):
