@@ -6,8 +6,10 @@
 #
 # Steps 1-2 (the v5 target): about 5 h 30 min on a 2-core CPU. Steps 3-5: about 26 min on one H100
 # GPU with 16 CPU cores (set DEVICE=cpu to run them on the CPU: same minutes, far fewer steps).
-# Steps 6-7: about 37 + 35 min on the 2-core CPU. Then copy OUT_DIR/{target,draft,draft_pooled,captioner}
-# and OUT_DIR/pack_report.json over src/mmspec/assets/embedded/ (or point load_embedded(path=...)).
+# Steps 6-7: about 37 + 35 min on the 2-core CPU. Then point load_embedded(path=OUT_DIR) at the
+# result, or copy OUT_DIR/{target,draft,draft_pooled,captioner} over src/mmspec/assets/embedded/
+# (keep the shipped pack_report.json: OUT_DIR's records step 1 only). scripts/swap-pack.py swaps
+# single models in; it refuses a new vision tower, which a run from nothing has.
 # Time-budgeted stages follow the clock, so a faster machine trains more steps in the same minutes.
 # Steps 1-5 made the v10 pack when the world's existence answers still decided before naming the
 # object (before commit dc8c5f3); run at a later commit, they train on the new answers throughout
