@@ -14,6 +14,7 @@ Run it from the repository root. (The v10 and v11 swaps used the per-release scr
 docs/results/gpu-2026-11-22/ and docs/results/hallu-2026-11-23/.)
 """
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -79,13 +80,26 @@ def main() -> None:
         sys.exit(f"pack_report.json already has {key!r}: pick a new key")
     for role, src in new.items():
         check(role, src)
+    if stale := sorted(PACK.glob(".swap-*")):
+        sys.exit(f"{stale[0]} is left from an interrupted swap: check the pack against git, then remove it")
     with tempfile.TemporaryDirectory(dir=PACK, prefix=".swap-") as tmp:  # same file system: renames
-        models = {role: stage(role, src, Path(tmp) / role) for role, src in new.items()}
-        for role in new:  # every role is staged and checked: only now does the pack change
-            shutil.rmtree(PACK / role)
-            (Path(tmp) / role).rename(PACK / role)
-    report[key] = {"note": note, "models": models}
-    (PACK / "pack_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        tmp = Path(tmp)
+        models = {role: stage(role, src, tmp / role) for role, src in new.items()}
+        report[key] = {"note": note, "models": models}
+        (tmp / "pack_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        swapped = []  # every role is staged and checked: only now does the pack change
+        try:
+            for role in new:
+                (PACK / role).rename(tmp / f"{role}.old")  # set aside, not deleted, until all are in
+                swapped.append(role)
+                (tmp / role).rename(PACK / role)
+            os.replace(tmp / "pack_report.json", PACK / "pack_report.json")
+        except BaseException:
+            for role in reversed(swapped):  # put the shipped folders back
+                if (PACK / role).exists():
+                    (PACK / role).rename(tmp / role)
+                (tmp / f"{role}.old").rename(PACK / role)
+            raise
     print({role: m.get("stages", [{}])[-1].get("final_loss") for role, m in models.items()})
 
 

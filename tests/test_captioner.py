@@ -74,7 +74,7 @@ def test_decoder_only_captioner_takes_its_recorded_prompt_and_refuses_one_withou
     assert all(captions) and captions[0] != captions[1]  # it sees the image: two images, two captions
     with pytest.raises(MMSpecError, match="no prompt was given.*--captioner-prompt"):
         HFCaptioner(cap.model, cap.processor)
-    with pytest.raises(MMSpecError, match="processor refused the prompt 'USER: Describe it. ASSISTANT:'.*--captioner-prompt"):
+    with pytest.raises(MMSpecError, match="prompt 'USER: Describe it. ASSISTANT:' has no '<image>'.*--captioner-prompt"):
         HFCaptioner(cap.model, cap.processor, prompt="USER: Describe it. ASSISTANT:")
     given = "USER: <image> What is shown? ASSISTANT:"
     assert HFCaptioner.from_pretrained(str(path), prompt=given).prompt == given  # a given prompt wins
@@ -83,6 +83,8 @@ def test_decoder_only_captioner_takes_its_recorded_prompt_and_refuses_one_withou
 def test_bench_loads_a_trained_captioner_with_its_recorded_prompt_and_refuses_a_bad_one():
     """`mmspec bench run --captioner DIR` without --captioner-prompt uses the prompt the checkpoint
     records; a prompt without the image token fails at load, before any method runs."""
+    import json
+
     from mmspec.bench.backend import load_models
     from mmspec.bench.config import BenchConfig
     from mmspec.embedded import default_path
@@ -91,7 +93,37 @@ def test_bench_loads_a_trained_captioner_with_its_recorded_prompt_and_refuses_a_
     root = default_path()
     dirs = {"target": str(root / "target"), "draft": str(root / "draft"), "captioner": str(root / "captioner")}
     models = load_models(BenchConfig(**dirs))
-    assert models.captioner.prompt == HFCaptioner.from_pretrained(dirs["captioner"]).prompt
-    assert "<image>" in models.captioner.prompt
+    recorded = json.loads((root / "captioner" / "mmspec.json").read_text())["captioner_prompt"]
+    assert models.captioner.prompt == recorded
     with pytest.raises(MMSpecError, match="--captioner-prompt"):
         load_models(BenchConfig(**dirs, captioner_prompt="Describe it."))
+
+
+def test_prompt_check_lets_processors_that_insert_the_image_token_through():
+    """BLIP-2-style processors put the image tokens into input_ids themselves, so a prompt without
+    the token (or no prompt) is fine there; a processor that does not is refused."""
+    from types import SimpleNamespace
+
+    from mmspec.errors import MMSpecError
+
+    class Model:
+        config = SimpleNamespace(is_encoder_decoder=False, image_token_id=5)
+
+        def eval(self):
+            return self
+
+    class Processor:
+        def __init__(self, inserts: bool):
+            self.inserts = inserts
+
+        def convert_ids_to_tokens(self, i):
+            return "<img>"
+
+        def __call__(self, images, text, return_tensors):
+            ids = [7, 8] + ([5, 5] if self.inserts else [])  # [L]
+            return {"input_ids": torch.tensor([ids])}
+
+    for prompt in ("Question: what is shown? Answer:", None):
+        assert HFCaptioner(Model(), Processor(inserts=True), prompt=prompt).prompt == prompt
+        with pytest.raises(MMSpecError, match="'<img>'"):
+            HFCaptioner(Model(), Processor(inserts=False), prompt=prompt)

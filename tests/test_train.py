@@ -1256,7 +1256,8 @@ def test_fixed_batches_keep_order_and_match_collate(tokenizer, processor):
 def test_swap_pack_script_swaps_one_role_and_refuses_a_foreign_tower(tmp_path):
     """scripts/swap-pack.py puts a checkpoint into the pack bit for bit and records it under a new
     key; a taken key, an fp32 checkpoint and a checkpoint whose vision tower is not the shipped one
-    are refused before anything changes, also when another role in the same call is fine."""
+    are refused before anything changes, also when another role in the same call is fine; a role
+    that fails while being staged leaves the pack as it was and no staging folder behind."""
     import json
     import shutil
     import subprocess
@@ -1307,3 +1308,12 @@ def test_swap_pack_script_swaps_one_role_and_refuses_a_foreign_tower(tmp_path):
     refused = swap("vtower", f"draft={pack / 'draft'}", f"draft_pooled={src}")  # draft alone would pass
     assert refused.returncode != 0 and "vision tower is not the shipped one" in refused.stderr
     assert state() == before
+
+    broken = tmp_path / "broken"  # passes the checks, fails while staged: after the first role was
+    shutil.copytree(wide, broken)
+    save_file({k: v for k, v in load_file(pack / "draft_pooled/model.safetensors").items()},
+              broken / "model.safetensors", metadata={"format": "pt"})
+    (broken / "config.json").write_text("{")
+    failed = swap("vbroken", f"draft={pack / 'draft'}", f"draft_pooled={broken}")
+    assert failed.returncode != 0 and "not a valid JSON" in failed.stderr  # from staging, not a check
+    assert state() == before and not list(pack.glob(".swap-*"))

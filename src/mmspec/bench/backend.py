@@ -93,7 +93,7 @@ class HFBackend:
         self.m = models
         self.cfg = cfg
         self.device = device
-        for mod in (models.target, models.draft, models.captioner.model if models.captioner else None):
+        for mod in (models.target, models.draft, getattr(models.captioner, "model", None)):
             if mod is not None:
                 mod.to(device).eval()
         self._decoders: dict[str, Any] = {}
@@ -174,5 +174,6 @@ class HFBackend:
 
         return {"source": self.m.source, "device": str(self.device),
                 "target_params": size(self.m.target), "draft_params": size(self.m.draft),
-                "captioner_params": size(self.m.captioner.model if self.m.captioner else None),
+                "captioner_params": size(getattr(self.m.captioner, "model", None)),
+                "captioner_prompt": getattr(self.m.captioner, "prompt", None),
                 "target_class": type(self.m.target).__name__}

@@ -42,7 +42,8 @@ class HFCaptioner:
         """A decoder-only VLM sees the image only through image tokens in its prompt. Without
         them transformers fails deep inside the processor or ``generate`` at the first caption;
         fail here instead, with the fix. The processor runs once on a blank image (no model
-        forward), so processors that insert the tokens themselves (BLIP-2) pass."""
+        forward), with the prompt or, with none, an empty text, so processors that insert the
+        tokens themselves (BLIP-2, InstructBLIP) pass, prompt given or not."""
         token_id = getattr(self.model.config, "image_token_id", None)
         if self.model.config.is_encoder_decoder or token_id is None:
             return  # BLIP, Florence-2: the image goes to the encoder, not into the prompt
@@ -51,18 +52,17 @@ class HFCaptioner:
         from mmspec.embedded import DEFAULT_CAPTIONER_PROMPT
 
         tokenizer = getattr(self.processor, "tokenizer", self.processor)
-        token = str(tokenizer.convert_ids_to_tokens(int(token_id)))
-        fix = (f"Pass a prompt that holds {token!r} (--captioner-prompt, or prompt=); the embedded "
+        token = tokenizer.convert_ids_to_tokens(int(token_id)) if hasattr(tokenizer, "convert_ids_to_tokens") else None
+        token = repr(str(token)) if token is not None else f"token id {int(token_id)}"
+        fix = (f"Pass a prompt that holds {token} (--captioner-prompt, or prompt=); the embedded LLaVA "
                f"captioner's is {DEFAULT_CAPTIONER_PROMPT!r}.")
-        kwargs = {"images": Image.new("RGB", (64, 64)), "return_tensors": "pt"}
-        if self.prompt is not None:
-            kwargs["text"] = self.prompt
+        given = "no prompt was given" if self.prompt is None else f"its prompt {self.prompt!r} has no {token}"
         try:
-            ids = self.processor(**kwargs).get("input_ids")
+            ids = self.processor(images=Image.new("RGB", (64, 64)), text=self.prompt or "",
+                                 return_tensors="pt").get("input_ids")
         except ValueError as e:  # e.g. LlavaProcessor: image tokens and images do not match
-            raise MMSpecError(f"the captioner's processor refused the prompt {self.prompt!r}: {e} {fix}") from e
+            raise MMSpecError(f"the captioner is a decoder-only VLM and {given}; its processor says: {e} {fix}") from e
         if ids is None or not bool((ids == token_id).any()):
-            given = "no prompt was given" if self.prompt is None else f"its prompt {self.prompt!r} has no {token!r}"
             raise MMSpecError(f"the captioner is a decoder-only VLM and {given}, so it cannot see the image. {fix}")
 
     @classmethod
