@@ -126,7 +126,7 @@ def load_models(cfg: SpeedConfig, device: torch.device) -> SpeedModels:
         from mmspec.embedded import load_embedded
 
         e = load_embedded(device=device)
-        cap = HFCaptioner(e.captioner_model, e.captioner_processor, prompt=e.captioner_prompt)
+        cap = e.captioner()
         return SpeedModels(e.target, e.draft, e.tokenizer, e.processor, cap, "embedded")
     if cfg.target is None or cfg.draft is None:
         raise SystemExit("pass both --target and --draft (or neither for the embedded pack)")

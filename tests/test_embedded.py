@@ -34,13 +34,12 @@ def test_draft_is_10x_smaller_in_its_lm(pack):
 @pytest.mark.parametrize("family", ["chartqa", "spot_the_diff", "vist"])
 def test_embedded_decodes_losslessly(pack, family):
     from mmspec import SpecDecoder
-    from mmspec.models.captioner import HFCaptioner
     from mmspec.world import make_sample
 
     s = make_sample(family, "test", 1)
     inputs = pack.processor(text=s.prompt, images=s.images, return_tensors="pt")
     ref = pack.target.generate(**inputs, do_sample=False, max_new_tokens=40)[0, inputs["input_ids"].shape[1]:]
-    cap = HFCaptioner(pack.captioner_model, pack.captioner_processor, prompt=pack.captioner_prompt)
+    cap = pack.captioner()
     for method in ["M", "T", "C", f"pooled:{pack.pooled_tokens or 16}", "MTCP"]:
         dec = SpecDecoder(pack.target, pack.draft, pack.tokenizer, views=method, captioner=cap,
                           processor=pack.processor)

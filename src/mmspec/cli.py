@@ -44,7 +44,7 @@ def _load(target, draft, captioner, captioner_prompt, dtype, device):
         from mmspec.embedded import load_embedded
 
         e = load_embedded(device=device)
-        cap = HFCaptioner(e.captioner_model, e.captioner_processor, prompt=e.captioner_prompt)
+        cap = e.captioner()
         return e.target, e.draft, e.tokenizer, e.processor, cap, True
     if draft is None:
         raise MMSpecError("--target was given without --draft; pass a draft checkpoint too")

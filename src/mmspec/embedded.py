@@ -35,6 +35,12 @@ class EmbeddedModels:
     processor: object  # the target's (and draft's) LlavaProcessor
     path: Path
 
+    def captioner(self, **kw):
+        """The pack's captioner with its recorded prompt, ready for ``SpecDecoder(captioner=)``."""
+        from mmspec.models.captioner import HFCaptioner
+
+        return HFCaptioner(self.captioner_model, self.captioner_processor, prompt=self.captioner_prompt, **kw)
+
 
 def default_path() -> Path:
     """Where the package keeps the pack."""

@@ -62,7 +62,7 @@ def load_models(cfg: BenchConfig) -> BenchModels:
         from mmspec.embedded import load_embedded
 
         e = load_embedded()
-        captioner = HFCaptioner(e.captioner_model, e.captioner_processor, prompt=e.captioner_prompt)
+        captioner = e.captioner()
         return BenchModels(e.target, e.draft, e.tokenizer, e.processor, captioner, cfg.pool_tokens, "embedded")
     if cfg.draft is None:
         raise MMSpecError("--target was given without --draft; pass both checkpoints")

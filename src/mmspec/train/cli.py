@@ -458,10 +458,9 @@ def evaluate_cmd(
                     "block_efficiency_M_vs_T": view_block_efficiency(results)}
     if captions_per_family > 0:
         from mmspec.embedded import load_embedded
-        from mmspec.models.captioner import HFCaptioner
 
         pack = load_embedded()
-        cap = HFCaptioner(pack.captioner_model, pack.captioner_processor, prompt=pack.captioner_prompt)
+        cap = pack.captioner()
         report["caption_fact_rate"] = caption_fact_rate(cap, captions_per_family)
     def tau_and_captions(family: str) -> str:
         tau = report["block_efficiency_M_vs_T"].get(family, {})

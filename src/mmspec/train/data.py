@@ -30,10 +30,11 @@ from typing import Callable, Iterator, Literal, Sequence
 import torch
 from PIL import Image
 
+from mmspec.embedded import DEFAULT_CAPTIONER_PROMPT
 from mmspec.errors import MMSpecError
 
 IGNORE = -100
-CAPTIONER_PROMPT = "USER: <image> Describe the image briefly. ASSISTANT:"
+CAPTIONER_PROMPT = DEFAULT_CAPTIONER_PROMPT  # the embedded captioner's, recorded in its mmspec.json
 View = Literal["multimodal", "text", "caption"]
 
 
