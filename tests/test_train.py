@@ -1317,3 +1317,25 @@ def test_swap_pack_script_swaps_one_role_and_refuses_a_foreign_tower(tmp_path):
     failed = swap("vbroken", f"draft={pack / 'draft'}", f"draft_pooled={broken}")
     assert failed.returncode != 0 and "not a valid JSON" in failed.stderr  # from staging, not a check
     assert state() == before and not list(pack.glob(".swap-*"))
+
+
+def test_stage_minutes_alone_let_the_clock_decide(tmp_path, monkeypatch):
+    """`stage --minutes M` with no --steps runs on the clock (it used to stop at a hidden 100-step
+    default); with neither, the documented 1000 steps."""
+    from typer.testing import CliRunner
+
+    import mmspec.train.recipe as recipe
+    from mmspec.cli import app
+
+    seen = []
+
+    def spy(model, stage, *a, **k):
+        seen.append((stage.steps, stage.max_seconds))
+        return recipe.StageResult(stage.name)
+
+    monkeypatch.setattr(recipe, "train_stage", spy)
+    base = ["train", "stage", "--size", "tiny", "--batch-size", "2", "--n-train-per-family", "1", "--no-bf16"]
+    for extra, want in ((["--minutes", "0.5"], (None, 30.0)), ([], (1000, None)), (["--steps", "7"], (7, None))):
+        r = CliRunner().invoke(app, base + extra + ["--out", str(tmp_path / f"m{len(seen)}")])
+        assert r.exit_code == 0, r.output
+        assert seen[-1] == want

@@ -74,7 +74,7 @@ def stage(
     vision_from: Optional[Path] = typer.Option(None, help="copy this HF LLaVA dir's vision tower"),
     trainable: str = typer.Option("projector+lm", help="all | projector | projector+lm"),
     lr: float = typer.Option(2e-5),
-    steps: int = typer.Option(100),
+    steps: Optional[int] = _STEPS,
     batch_size: int = typer.Option(16),
     pooled_tokens: Optional[int] = typer.Option(None, help="train with pooling to N tokens/image"),
     captioner: bool = typer.Option(False, help="train on the caption task instead of the QA task"),
@@ -147,8 +147,9 @@ def stage(
         if captioner and weight != 1.0:
             raise typer.BadParameter(f"{flag} weighs QA answers and would do nothing with --captioner; drop one")
     try:
-        cfg = StageConfig(f"stage-{trainable}", trainable, lr=lr, steps=steps, batch_size=batch_size,
-                          pooled_tokens=pooled_tokens, max_seconds=None if minutes is None else 60.0 * minutes)
+        cfg = StageConfig(f"stage-{trainable}", trainable, lr=lr, steps=_default_steps(steps, minutes),
+                          batch_size=batch_size, pooled_tokens=pooled_tokens,
+                          max_seconds=None if minutes is None else 60.0 * minutes)
     except MMSpecError as exc:
         raise typer.BadParameter(str(exc)) from exc
     per_family = _parse_family_samples(family_samples, n_train_per_family)
