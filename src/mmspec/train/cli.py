@@ -5,8 +5,9 @@ of the recipe on one model directory, or on a fresh model of a size preset), ``g
 layers, same function; :mod:`mmspec.train.grow`), ``read`` (reading pre-training of the vision
 tower; :mod:`mmspec.train.reading`), ``copy`` (copy practice for the LM,
 :func:`mmspec.train.data.copy_examples`), ``evaluate`` (the pack's quality from a benchmark run),
-``facts`` (a model's fact recall without one, in the multimodal or caption view) and ``probe``
-(can the vision tower's features be read linearly; :mod:`mmspec.train.probe`).
+``facts`` (a model's fact recall without one, in the multimodal or caption view), ``probe``
+(can the vision tower's features be read linearly; :mod:`mmspec.train.probe`) and ``answers``
+(a target's own greedy answers for draft distillation; :mod:`mmspec.train.distill`).
 """
 
 from __future__ import annotations
@@ -104,6 +105,9 @@ def stage(
     threads: Optional[int] = typer.Option(None),
     workers: int = typer.Option(0, help="build training batches in this many worker processes (0: in this one); "
                                 "a GPU step outruns one core's tokenising and image preprocessing"),
+    answers: Optional[Path] = typer.Option(None, help="train on a target's own greedy answers (a JSONL file from "
+                                           "`mmspec train answers`, same --seed and sample counts) instead of the "
+                                           "world's reference answers: draft distillation"),
 ) -> None:
     """One stage of the LLaVA recipe (stage 1: --trainable projector, stage 2: projector+lm).
 
@@ -135,6 +139,11 @@ def stage(
                                  "with its own tower: give one of them")
     if captioner and copy_mix > 0:
         raise typer.BadParameter("--copy-mix adds QA-style practice and would change the captioner's task; drop one")
+    if answers is not None and captioner:
+        raise typer.BadParameter("--answers replaces QA answers and would do nothing with --captioner; drop one")
+    if answers is not None and not answers.is_file():
+        raise typer.BadParameter(f"{answers} is not a file; make it with `mmspec train answers`",
+                                 param_hint="--answers")
     if caption_mix < 0 or not (0 <= text_view_prob <= 1 and 0 <= caption_view_prob <= 1) \
             or text_view_prob + caption_view_prob > 1:
         raise typer.BadParameter(
@@ -175,6 +184,13 @@ def stage(
     samples = _samples("train", per_family, seed)
     examples = ([ex for s in samples for ex in caption_examples(s)] if captioner
                 else [example_from_sample(s) for s in samples])
+    if answers is not None:
+        from mmspec.train.distill import read_answers, with_answers
+
+        try:
+            examples = with_answers(examples, samples, read_answers(answers, seed=seed))
+        except MMSpecError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--answers") from exc
     if caption_mix > 0 and not captioner:
         examples += mix_in_captions(samples, caption_mix, seed)
     if copy_mix > 0:
@@ -197,7 +213,8 @@ def stage(
                                                  "text_view_prob": text_view_prob,
                                                  "caption_view_prob": caption_view_prob,
                                                  "n_train_per_family": n_train_per_family,
-                                                 **({"family_samples": per_family} if family_samples else {})}]
+                                                 **({"family_samples": per_family} if family_samples else {}),
+                                                 **({"answers": _answers_meta(answers)} if answers else {})}]
     if captioner:
         meta["captioner_prompt"] = CAPTIONER_PROMPT
     if pooled_tokens:
@@ -213,6 +230,63 @@ def stage(
                                     tokens_per_image=pooled_tokens or 64, facts=not captioner)
     save_checkpoint(model, out, processor=processor, half=half, meta=meta)
     typer.echo(f"{res.summary()} -> {out}")
+
+
+def _answers_meta(path: Path) -> dict:
+    """What a stage trained on with --answers: the file's name and the target and length it records."""
+    import json
+
+    with path.open() as f:
+        row = json.loads(f.readline())
+    return {"file": path.name, "target": row["target"], "max_new_tokens": row["max_new_tokens"]}
+
+
+@train_app.command("answers")
+def answers_cmd(
+    out: Path = typer.Option(..., help="JSONL file to write (appended to: a rerun resumes, skipping samples "
+                             "already answered)"),
+    target: Optional[Path] = typer.Option(None, help="HF LLaVA dir (default: the shipped target)"),
+    n_train_per_family: int = typer.Option(400, help="train-split samples per family"),
+    family_samples: list[str] = typer.Option([], help="FAMILY=N: N samples of this family instead of "
+                                             "--n-train-per-family (repeatable; as `train stage` takes it)"),
+    seed: int = typer.Option(0, help="world seed of the samples: the --seed the draft stage will use"),
+    max_new_tokens: int = typer.Option(96, help="longest answer (the stages cut answers at 96 tokens)"),
+    batch_size: int = typer.Option(32, help="prompts per generate call (prompts of one token length each)"),
+    device: str = typer.Option("cpu"),
+    threads: Optional[int] = typer.Option(None),
+    quiet: bool = typer.Option(False, help="no progress bar"),
+) -> None:
+    """The target's own greedy answers to training samples, for training a draft on them
+    (`mmspec train stage --answers FILE`): draft distillation."""
+    import torch
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from mmspec.embedded import default_path
+    from mmspec.errors import MMSpecError
+    from mmspec.train.distill import AnswerSource, generate_answers, target_fingerprint
+    from mmspec.train.pack import _samples
+
+    if max_new_tokens < 1:
+        raise typer.BadParameter(f"need at least 1 new token; got {max_new_tokens}", param_hint="--max-new-tokens")
+    if batch_size < 1:
+        raise typer.BadParameter(f"need at least 1 prompt per batch; got {batch_size}", param_hint="--batch-size")
+    if not out.parent.is_dir():
+        raise typer.BadParameter(f"{out.parent} does not exist; create it or write elsewhere", param_hint="--out")
+    path = target or default_path() / "target"
+    _require_model_dir(path, "--target")
+    per_family = _parse_family_samples(family_samples, n_train_per_family)
+    if threads:
+        torch.set_num_threads(threads)
+    source = AnswerSource(target_fingerprint(path), seed, max_new_tokens)
+    llava = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval().to(device)
+    processor = AutoProcessor.from_pretrained(path)
+    try:
+        counts = generate_answers(llava, processor, _samples("train", per_family, seed), out, source,
+                                  batch_size=batch_size, device=device, progress=not quiet)
+    except MMSpecError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--out") from exc
+    typer.echo(f"{counts['written']} answers written, {counts['already_there']} already there "
+               f"(target {source.target}, seed {seed}) -> {out}")
 
 
 def _parse_family_samples(specs: list[str], default: int) -> dict[str, int]:

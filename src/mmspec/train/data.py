@@ -13,7 +13,9 @@ process or in worker processes (:func:`worker_stream`, for a GPU that outruns on
 
 A training sequence is ``prompt + " " + answer + eos``, tokenised as the prompt alone (as the
 engine tokenises it at inference) followed by the answer's own tokens, so training sees
-exactly the token boundary that generation continues from.
+exactly the token boundary that generation continues from. An example may instead carry its
+answer as token ids (``Example.answer_ids``: a target's own greedy answer, for training a draft
+on it; :mod:`mmspec.train.distill`), trained on as given, eos only where the target stopped.
 
 Does not know about models or optimisers.
 """
@@ -21,6 +23,7 @@ Does not know about models or optimisers.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import random
 import re
@@ -49,6 +52,9 @@ class Example:
     family: str = ""
     facts: tuple[str, ...] = ()  # image-dependent values the answer states (loss weighting)
     cues: tuple[str, ...] = ()  # answer phrases that commit its verdict (weighed by Encoder.cue_weight)
+    # The answer as token ids, eos included where it ended (a target's own greedy answer,
+    # :mod:`mmspec.train.distill`); when set it is trained on instead of ``answer``'s tokens.
+    answer_ids: tuple[int, ...] | None = None
 
 
 def example_from_sample(sample) -> Example:
@@ -284,12 +290,19 @@ class Encoder:
             else:
                 ids.extend(self.tokenizer(ex.captions[image_idx], add_special_tokens=False)["input_ids"])
             image_idx += 1
-        answer_ids, answer_w = self._answer(" " + ex.answer, ex.facts, ex.cues)
+        eos = self.tokenizer.eos_token_id
+        if ex.answer_ids is not None:  # the ids as given: eos only where the answer ended
+            ended = ex.answer_ids[-1:] == (eos,)
+            answer_ids, answer_w = self._answer_ids(list(ex.answer_ids[:-1] if ended else ex.answer_ids),
+                                                    ex.facts, ex.cues)
+        else:
+            ended = True
+            answer_ids, answer_w = self._answer(" " + ex.answer, ex.facts, ex.cues)
         if self.max_answer_tokens is not None and len(answer_ids) > self.max_answer_tokens:
             answer_ids = answer_ids[: self.max_answer_tokens]  # cut: no eos, the answer goes on
             answer_w = None if answer_w is None else answer_w[: self.max_answer_tokens]
-        else:
-            answer_ids = answer_ids + [self.tokenizer.eos_token_id]
+        elif ended:
+            answer_ids = answer_ids + [eos]
             answer_w = None if answer_w is None else answer_w + [1.0]
         labels = [IGNORE] * len(ids) + answer_ids
         weights = None if answer_w is None else [0.0] * len(ids) + answer_w
@@ -301,15 +314,39 @@ class Encoder:
         """Token ids of ``text`` and, when weighing, per token the largest weight of the whole-word,
         case-blind occurrences of a fact value (``fact_weight``) or cue (``cue_weight``) it
         overlaps, else 1 (None: no weights)."""
-        spans = [(m.span(), weight) for phrases, weight in ((facts, self.fact_weight), (cues, self.cue_weight))
-                 if weight != 1.0 for value in phrases
-                 for m in re.finditer(r"(?<!\w)" + re.escape(value.lower()) + r"(?!\w)", text.lower())]
+        spans = self._spans(text, facts, cues)
         if not spans:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"], None
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        weights = [max([w for (s2, e2), w in spans if s < e2 and s2 < e], default=1.0)
-                   for s, e in enc["offset_mapping"]]
-        return enc["input_ids"], weights
+        return enc["input_ids"], self._weights(spans, enc["offset_mapping"])
+
+    def _spans(self, text: str, facts: Sequence[str], cues: Sequence[str]) -> list[tuple[tuple[int, int], float]]:
+        """Character spans of the whole-word, case-blind fact and cue occurrences, with their weight."""
+        return [(m.span(), weight) for phrases, weight in ((facts, self.fact_weight), (cues, self.cue_weight))
+                if weight != 1.0 for value in phrases
+                for m in re.finditer(r"(?<!\w)" + re.escape(value.lower()) + r"(?!\w)", text.lower())]
+
+    @staticmethod
+    def _weights(spans, offsets) -> list[float]:
+        return [max([w for (s2, e2), w in spans if s < e2 and s2 < e], default=1.0) for s, e in offsets]
+
+    def _answer_ids(self, ids: list[int], facts: Sequence[str],
+                    cues: Sequence[str] = ()) -> tuple[list[int], list[float] | None]:
+        """:meth:`_answer` for an answer given as ids: the same weights, found in the decoded text
+        (each token's characters are where its prefix's decoding grows)."""
+        if (self.fact_weight, self.cue_weight) == (1.0, 1.0):
+            return ids, None
+        pieces = [self.tokenizer.decode([t]) for t in ids]
+        text = "".join(pieces)
+        if text == self.tokenizer.decode(ids):
+            ends = list(itertools.accumulate(len(p) for p in pieces))
+        else:  # a token that is not whole characters on its own: decode growing prefixes
+            prefixes = [self.tokenizer.decode(ids[:k + 1]) for k in range(len(ids))]
+            ends, text = [len(p) for p in prefixes], prefixes[-1]
+        spans = self._spans(text, facts, cues)
+        if not spans:
+            return ids, None
+        return ids, self._weights(spans, list(zip([0, *ends[:-1]], ends)))
 
 
 def collate(items: Sequence[Encoded], pad_id: int, image_processor, tokens_per_image: int) -> Batch:

@@ -1,0 +1,153 @@
+"""Target answers for draft distillation: what the target itself says, as token ids.
+
+Owns: generating ``target.generate(do_sample=False)`` answers for world samples, batched over
+prompts of the same token length (no padding, so every row is computed at the positions a
+one-row call uses), one JSONL row per sample written as it is produced, so an interrupted run
+resumes where it stopped; reading such a file back, refusing one made for another target, seed
+or length; and putting the answers on training examples (``Example.answer_ids``).
+
+Why: speculative decoding accepts a drafted token when it is the target's choice, not the
+world's reference answer. A draft trained on the reference answers learns the spread of their
+phrasings; a draft trained on the target's own greedy answers learns the phrasing the target
+picks. Does not train anything (``mmspec train stage --answers FILE`` does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from mmspec.errors import MMSpecError
+
+
+@dataclass(frozen=True)
+class AnswerSource:
+    """What an answers file was made with; every row carries it, and a resume must match it."""
+
+    target: str  # fingerprint of the target's weights (:func:`target_fingerprint`)
+    seed: int  # the world seed of the samples (uids name different samples under another seed)
+    max_new_tokens: int
+
+
+def target_fingerprint(model_dir: str | Path) -> str:
+    """sha256 (16 hex digits) of the target's safetensors files: answers belong to these weights."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise MMSpecError(f"{model_dir} holds no *.safetensors weights; give the target's HF model dir")
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def read_answers(path: str | Path, source: AnswerSource | None = None,
+                 seed: int | None = None) -> dict[str, tuple[int, ...]]:
+    """uid -> answer ids (eos included where the target stopped) of an answers file.
+
+    With ``source``, a row made with another target, seed or length is refused (mixing them would
+    train on answers that are not this target's); with ``seed``, a row for another world seed is
+    (its uid names another sample). A half-written last line (an interrupted run) is skipped;
+    that sample is generated again on resume.
+    """
+    path = Path(path)
+    out: dict[str, tuple[int, ...]] = {}
+    if not path.exists():
+        return out
+    lines = path.read_text().splitlines()
+    for n, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if n == len(lines):
+                break  # cut off mid-write
+            raise MMSpecError(f"{path}:{n} is not a JSON row; the answers file is damaged, write a new one") from None
+        got = AnswerSource(row.get("target"), row.get("seed"), row.get("max_new_tokens"))
+        if source is not None and got != source:
+            raise MMSpecError(f"{path} holds answers made with {got}, not {source}; write them to another "
+                              "--out file (or delete this one)")
+        if seed is not None and got.seed != seed:
+            raise MMSpecError(f"{path} holds answers to the world samples of seed {got.seed}, not {seed}; train "
+                              f"with --seed {got.seed} or make answers for seed {seed}")
+        out[row["uid"]] = tuple(row["answer_ids"])
+    return out
+
+
+def _drop_partial_line(path: Path) -> None:
+    """Cut a last line an interrupted run left without its newline, so appending starts clean."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with path.open("r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def cut_at_eos(ids: Sequence[int], eos: int | Sequence[int] | None) -> list[int]:
+    """``ids`` up to and including the first eos (what ``generate`` returns for a lone row)."""
+    stops = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    for i, t in enumerate(ids):
+        if t in stops:
+            return list(ids[: i + 1])
+    return list(ids)
+
+
+@torch.inference_mode()
+def generate_answers(target, processor, samples: Sequence, path: str | Path, source: AnswerSource,
+                     batch_size: int = 32, device: str | torch.device = "cpu",
+                     progress: bool = True) -> dict[str, int]:
+    """Append to ``path`` the target's greedy answer to every sample not in it yet; returns counts.
+
+    Prompts are grouped by token length and each group is generated ``batch_size`` rows at a
+    time; rows that stop early are cut at their first eos, so a row equals the lone-row
+    ``target.generate`` output (up to the kernels' batch-size-dependent rounding).
+    """
+    if batch_size < 1:
+        raise MMSpecError(f"batch size must be at least 1; got {batch_size}")
+    path = Path(path)
+    done = read_answers(path, source)
+    todo = [s for s in samples if s.uid not in done]
+    groups: dict[int, list] = defaultdict(list)  # prompt length -> samples
+    for s in todo:
+        ids = processor(text=s.prompt, images=list(s.images) or None, return_tensors="pt")["input_ids"]
+        groups[int(ids.shape[1])].append(s)
+    batches = [g[i:i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
+    gen = target.generation_config
+    pad = gen.pad_token_id if gen.pad_token_id is not None else processor.tokenizer.pad_token_id
+    dtype = next(target.parameters()).dtype
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _drop_partial_line(path)
+    written = 0
+    bar = tqdm(total=len(todo), desc="target answers", unit="sample", disable=not progress, mininterval=2.0)
+    with path.open("a") as f, bar:
+        for batch in batches:
+            images = [img for s in batch for img in s.images]
+            enc = processor(text=[s.prompt for s in batch], images=images or None, return_tensors="pt")
+            inputs = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) for k, v in enc.items()
+                      if isinstance(v, torch.Tensor)}
+            n_in = inputs["input_ids"].shape[1]
+            out = target.generate(**inputs, do_sample=False, max_new_tokens=source.max_new_tokens,
+                                  pad_token_id=pad)  # [B, n_in + n_new]
+            for s, row in zip(batch, out[:, n_in:].tolist()):
+                ids = cut_at_eos(row, gen.eos_token_id)
+                f.write(json.dumps({"uid": s.uid, "answer_ids": ids, **source.__dict__}) + "\n")
+                written += 1
+            f.flush()
+            bar.update(len(batch))
+    return {"samples": len(samples), "already_there": len(samples) - len(todo), "written": written}
+
+
+def with_answers(examples: Sequence, samples: Sequence, answers: dict[str, tuple[int, ...]]) -> list:
+    """``examples[i]`` (made from ``samples[i]``) answering with the target's ids instead of the
+    reference text; every sample must have an answer (a partial file would mix two teachers)."""
+    missing = [s.uid for s in samples if s.uid not in answers]
+    if missing:
+        raise MMSpecError(f"the answers file lacks {len(missing)} of the {len(samples)} training samples (e.g. "
+                          f"{missing[0]}); run `mmspec train answers` with the same --seed and sample counts first")
+    return [replace(ex, answer_ids=answers[s.uid]) for ex, s in zip(examples, samples, strict=True)]
