@@ -1,8 +1,8 @@
 """Tests of draft distillation data (mmspec.train.distill, `mmspec train answers`, `stage --answers`).
 
-A tiny random LLaVA on the synthetic world (no trained assets): the batched answers must be
-what a lone ``target.generate`` call returns, a rerun must resume without redoing or losing a
-sample, and a stage must train on exactly the ids in the file.
+The shipped target on synthetic-world samples: the batched answers must be what a lone
+``target.generate`` call returns, and a rerun must resume without redoing or losing a sample. A
+tiny random LLaVA for the CLI: a stage must train on exactly the ids the file gives each sample.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from mmspec.cli import app
 from mmspec.errors import MMSpecError
 from mmspec.train.config import build_llava, model_size
 from mmspec.train.data import Encoder, Example, example_from_sample
-from mmspec.train.distill import AnswerSource, generate_answers, read_answers, with_answers
+from mmspec.train.distill import (AnswerSource, generate_answers, read_answers, tokenizer_fingerprint,
+                                  with_answers)
 from mmspec.train.pack import _samples, world_tokenizer_and_processor
 from mmspec.world import FAMILIES
 
@@ -56,10 +57,31 @@ def test_answer_ids_encode_like_the_answer_text():
         checked += want.weights is not None and max(want.weights) > 1
     assert checked >= 10  # the weights were really compared, not None == None
     ex = example_from_sample(_samples("train", FEW, 0)[0])
+    eos = tok.eos_token_id
     open_ended = enc.encode(Example(ex.prompt, "", ex.images, answer_ids=(7, 8, 9)), "text")
-    assert open_ended.labels[-3:] == [7, 8, 9] and tok.eos_token_id not in open_ended.labels
-    short = Encoder(tok, max_answer_tokens=2).encode(Example(ex.prompt, "", ex.images, answer_ids=(7, 8, 9, 2)))
-    assert [t for t in short.labels if t != -100] == [7, 8]
+    assert open_ended.labels[-3:] == [7, 8, 9] and eos not in open_ended.labels
+    labels = lambda e, ids: [t for t in e.encode(Example(ex.prompt, "", ex.images, answer_ids=ids)).labels  # noqa: E731
+                             if t != -100]
+    two = Encoder(tok, max_answer_tokens=2)
+    assert labels(two, (7, 8, 9, eos)) == [7, 8]  # cut: the answer goes on, no eos
+    assert labels(two, [7, 8, eos]) == [7, 8, eos]  # exactly the limit, then its eos; a list as well as a tuple
+    assert labels(two, (eos,)) == [eos]
+
+
+def test_answer_ids_weights_where_a_token_alone_decodes_differently():
+    """A tokenizer whose decode joins tokens with spaces: the weights come from decoding growing
+    prefixes, and still land on the fact's token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<s>", "</s>", "<unk>", "<image>", "it", "is", "red", "."]
+    raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    ids = tuple(tok("it is red .", add_special_tokens=False)["input_ids"])
+    assert "".join(tok.decode([t]) for t in ids) != tok.decode(list(ids))  # the fallback is taken
+    enc = Encoder(tok, fact_weight=4.0).encode(Example("<image>", "", (None,), facts=("red",), answer_ids=ids + (2,)))
+    assert enc.weights[-5:] == [1.0, 1.0, 4.0, 1.0, 1.0]  # it is RED . </s>
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +92,8 @@ def shipped():
     from mmspec.embedded import default_path
 
     path = default_path() / "target"
-    return LlavaForConditionalGeneration.from_pretrained(path).eval(), AutoProcessor.from_pretrained(path)
+    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32)  # as `train answers` loads it
+    return model.eval(), AutoProcessor.from_pretrained(path)
 
 
 def test_batched_answers_are_lone_generate_and_a_rerun_resumes(shipped, tmp_path):
@@ -78,6 +101,7 @@ def test_batched_answers_are_lone_generate_and_a_rerun_resumes(shipped, tmp_path
     samples = _samples("train", FEW, 0)
     lengths = {s.uid: proc(text=s.prompt, images=list(s.images), return_tensors="pt")["input_ids"].shape[1]
                for s in samples}
+    saved_eos = model.generation_config.eos_token_id
     model.generation_config.eos_token_id = proc.tokenizer(",", add_special_tokens=False)["input_ids"][0]
     try:
         want = {s.uid: lone_answer(model, proc, s, 16) for s in samples}
@@ -85,27 +109,43 @@ def test_batched_answers_are_lone_generate_and_a_rerun_resumes(shipped, tmp_path
         assert len({n for _, n in in_one_call} - {16}) >= 2 and any(
             len({n for (L2, n) in in_one_call if L2 == L}) > 1 for L, _ in in_one_call)
         path = tmp_path / "answers.jsonl"
-        src = AnswerSource("t0", 0, 16)
-        c1 = generate_answers(model, proc, samples[:2], path, src, batch_size=4, progress=False)
-        assert c1 == {"samples": 2, "already_there": 0, "written": 2}
+        src = AnswerSource("t0", "v0", 0, 16)
+        c1 = generate_answers(model, proc, samples[:3], path, src, batch_size=4, progress=False)
+        assert c1 == {"samples": 3, "already_there": 0, "written": 3}
+        path.write_text(path.read_text()[:-1])  # killed after a whole row but before its newline
+        c2 = generate_answers(model, proc, samples[:3], path, src, batch_size=4, progress=False)
+        assert c2 == {"samples": 3, "already_there": 2, "written": 1}  # that row is written again, not lost
         with path.open("a") as f:
-            f.write('{"uid": "chartqa-train-4", "answer_')  # a run killed mid-row
-        c2 = generate_answers(model, proc, samples, path, src, batch_size=4, progress=False)
-        assert c2 == {"samples": len(samples), "already_there": 2, "written": len(samples) - 2}
+            f.write('{"uid": "chartqa-train-4", "answer_')  # killed mid-row
+        c3 = generate_answers(model, proc, samples, path, src, batch_size=4, progress=False)
+        assert c3 == {"samples": len(samples), "already_there": 3, "written": len(samples) - 3}
         rows = [json.loads(line) for line in path.read_text().splitlines()]  # every line parses again
         assert len(rows) == len({r["uid"] for r in rows}) == len(samples)
         got = read_answers(path, src)
         assert {u: list(v) for u, v in got.items()} == want
         assert generate_answers(model, proc, samples, path, src, progress=False)["written"] == 0
-        with pytest.raises(MMSpecError, match="not AnswerSource"):
-            generate_answers(model, proc, samples, path, AnswerSource("t0", 1, 16), progress=False)
-        with pytest.raises(MMSpecError, match="seed 0, not 3"):
-            read_answers(path, seed=3)
+        with pytest.raises(MMSpecError, match="made with seed 0, not 1: the uids name other world samples"):
+            generate_answers(model, proc, samples, path, AnswerSource("t0", "v0", 1, 16), progress=False)
+        with pytest.raises(MMSpecError, match="made with target 't0', not 't1': these answers are another"):
+            generate_answers(model, proc, samples, path, AnswerSource("t1", "v0", 0, 16), progress=False)
+        with pytest.raises(MMSpecError, match="tokenizer 'v0', not 'v1': the ids are tokens of another"):
+            read_answers(path, tokenizer="v1")
         with pytest.raises(MMSpecError, match="lacks 1 of"):
             with_answers([example_from_sample(s) for s in samples + _samples("val", {"vqav2": 1}, 0)],
                          samples + _samples("val", {"vqav2": 1}, 0), got)
     finally:
-        model.generation_config.eos_token_id = proc.tokenizer.eos_token_id
+        model.generation_config.eos_token_id = saved_eos
+
+
+def test_with_answers_gives_each_example_its_own_samples_ids():
+    samples = _samples("train", FEW, 0)
+    answers = {s.uid: (100 + i, 200 + i) for i, s in enumerate(samples)}
+    out = with_answers([example_from_sample(s) for s in samples], samples, answers)
+    assert [(ex.prompt, ex.answer_ids) for ex in out] == [(s.prompt, answers[s.uid]) for s in samples]
+    tok0, _ = world_tokenizer_and_processor(0)
+    tok1, _ = world_tokenizer_and_processor(1)
+    assert tokenizer_fingerprint(tok0) == tokenizer_fingerprint(world_tokenizer_and_processor(0)[0])
+    assert tokenizer_fingerprint(tok0) != tokenizer_fingerprint(tok1)
 
 
 def test_answers_cli_then_stage_trains_on_the_file(world, tmp_path, monkeypatch):
@@ -128,9 +168,10 @@ def test_answers_cli_then_stage_trains_on_the_file(world, tmp_path, monkeypatch)
 
     seen = {}
     real_stream = data.batch_stream
+    prompts = {s.uid: s.prompt for s in _samples("train", 1, 0)}
 
     def spy(examples, *a, **k):
-        seen.update({ex.answer_ids: ex for ex in examples})
+        seen.update({ex.prompt: ex.answer_ids for ex in examples})
         return real_stream(examples, *a, **k)
 
     monkeypatch.setattr(data, "batch_stream", spy)
@@ -138,11 +179,14 @@ def test_answers_cli_then_stage_trains_on_the_file(world, tmp_path, monkeypatch)
              "--n-train-per-family", "1", "--no-bf16", "--answers", str(answers), "--out", str(tmp_path / "d")]
     r = CliRunner().invoke(app, stage)
     assert r.exit_code == 0, r.output
-    assert set(seen) == {tuple(v) for v in rows.values()}  # every example answers with the file's ids
+    assert seen == {prompts[uid]: tuple(ids) for uid, ids in rows.items()}  # each example: its sample's ids
     meta = json.loads((tmp_path / "d" / "mmspec.json").read_text())["stages"][-1]["answers"]
     assert meta["file"] == "a.jsonl" and meta["max_new_tokens"] == 4 and len(meta["target"]) == 16
+    assert (meta["seed"], meta["rows"], meta["tokenizer"]) == (0, 8, tokenizer_fingerprint(proc.tokenizer))
+    other = tmp_path / "other.jsonl"  # the same answers, labelled as ids of another vocabulary
+    other.write_text(answers.read_text().replace(meta["tokenizer"], "0123456789abcdef"))
     for extra, phrase in ((["--seed", "1"], "seed 0, not 1"), (["--n-train-per-family", "2"], "lacks 8 of the 16"),
-                          (["--captioner"], "drop one")):
+                          (["--captioner"], "drop one"), (["--answers", str(other)], "another vocabulary")):
         bad = CliRunner().invoke(app, stage[:-2] + extra + ["--out", str(tmp_path / "x")])
         assert bad.exit_code == 2 and phrase in bad.output and "Traceback" not in bad.output, bad.output
         assert not (tmp_path / "x").exists()

@@ -184,19 +184,23 @@ def stage(
     samples = _samples("train", per_family, seed)
     examples = ([ex for s in samples for ex in caption_examples(s)] if captioner
                 else [example_from_sample(s) for s in samples])
+    answers_meta = {}
     if answers is not None:
-        from mmspec.train.distill import read_answers, with_answers
+        from mmspec.train.distill import answer_source, read_answers, tokenizer_fingerprint, with_answers
 
         try:
-            examples = with_answers(examples, samples, read_answers(answers, seed=seed))
+            got = read_answers(answers, seed=seed, tokenizer=tokenizer_fingerprint(tokenizer))
+            examples = with_answers(examples, samples, got)
         except MMSpecError as exc:
             raise typer.BadParameter(str(exc), param_hint="--answers") from exc
+        answers_meta = {"answers": {"file": answers.name, "rows": len(got), **answer_source(answers).__dict__}}
     if caption_mix > 0 and not captioner:
         examples += mix_in_captions(samples, caption_mix, seed)
     if copy_mix > 0:
         examples += copy_examples(tokenizer, round(copy_mix * len(samples)), seed,
                                   lookup_share=0.5 * (1 - copy_member_share), member_share=copy_member_share)
-    encoder = Encoder(tokenizer, max_answer_tokens=96, fact_weight=fact_weight, cue_weight=cue_weight)
+    encoder = Encoder(tokenizer, max_answer_tokens=RecipeConfig.max_answer_tokens, fact_weight=fact_weight,
+                      cue_weight=cue_weight)
     try:
         stream = batch_stream(examples, encoder, processor.image_processor, batch_size,
                               torch.Generator().manual_seed(seed), tokens_per_image=pooled_tokens or 64,
@@ -214,7 +218,7 @@ def stage(
                                                  "caption_view_prob": caption_view_prob,
                                                  "n_train_per_family": n_train_per_family,
                                                  **({"family_samples": per_family} if family_samples else {}),
-                                                 **({"answers": _answers_meta(answers)} if answers else {})}]
+                                                 **answers_meta}]
     if captioner:
         meta["captioner_prompt"] = CAPTIONER_PROMPT
     if pooled_tokens:
@@ -232,15 +236,6 @@ def stage(
     typer.echo(f"{res.summary()} -> {out}")
 
 
-def _answers_meta(path: Path) -> dict:
-    """What a stage trained on with --answers: the file's name and the target and length it records."""
-    import json
-
-    with path.open() as f:
-        row = json.loads(f.readline())
-    return {"file": path.name, "target": row["target"], "max_new_tokens": row["max_new_tokens"]}
-
-
 @train_app.command("answers")
 def answers_cmd(
     out: Path = typer.Option(..., help="JSONL file to write (appended to: a rerun resumes, skipping samples "
@@ -250,7 +245,8 @@ def answers_cmd(
     family_samples: list[str] = typer.Option([], help="FAMILY=N: N samples of this family instead of "
                                              "--n-train-per-family (repeatable; as `train stage` takes it)"),
     seed: int = typer.Option(0, help="world seed of the samples: the --seed the draft stage will use"),
-    max_new_tokens: int = typer.Option(96, help="longest answer (the stages cut answers at 96 tokens)"),
+    max_new_tokens: Optional[int] = typer.Option(None, help="longest answer (default: the answer length the "
+                                                 "stages train on, RecipeConfig.max_answer_tokens = 96)"),
     batch_size: int = typer.Option(32, help="prompts per generate call (prompts of one token length each)"),
     device: str = typer.Option("cpu"),
     threads: Optional[int] = typer.Option(None),
@@ -263,9 +259,11 @@ def answers_cmd(
 
     from mmspec.embedded import default_path
     from mmspec.errors import MMSpecError
-    from mmspec.train.distill import AnswerSource, generate_answers, target_fingerprint
+    from mmspec.train.config import RecipeConfig
+    from mmspec.train.distill import AnswerSource, generate_answers, target_fingerprint, tokenizer_fingerprint
     from mmspec.train.pack import _samples
 
+    max_new_tokens = RecipeConfig.max_answer_tokens if max_new_tokens is None else max_new_tokens
     if max_new_tokens < 1:
         raise typer.BadParameter(f"need at least 1 new token; got {max_new_tokens}", param_hint="--max-new-tokens")
     if batch_size < 1:
@@ -277,9 +275,9 @@ def answers_cmd(
     per_family = _parse_family_samples(family_samples, n_train_per_family)
     if threads:
         torch.set_num_threads(threads)
-    source = AnswerSource(target_fingerprint(path), seed, max_new_tokens)
     llava = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval().to(device)
     processor = AutoProcessor.from_pretrained(path)
+    source = AnswerSource(target_fingerprint(path), tokenizer_fingerprint(processor.tokenizer), seed, max_new_tokens)
     try:
         counts = generate_answers(llava, processor, _samples("train", per_family, seed), out, source,
                                   batch_size=batch_size, device=device, progress=not quiet)

@@ -261,6 +261,7 @@ class Encoder:
     fact_weight: float = 1.0
     cue_weight: float = 1.0
     _newline: list[int] = field(init=False)
+    _ids_weights: dict = field(init=False, default_factory=dict, repr=False)  # answer ids -> weights
 
     def __post_init__(self) -> None:
         self._newline = self.tokenizer("\n", add_special_tokens=False)["input_ids"]
@@ -292,8 +293,8 @@ class Encoder:
             image_idx += 1
         eos = self.tokenizer.eos_token_id
         if ex.answer_ids is not None:  # the ids as given: eos only where the answer ended
-            ended = ex.answer_ids[-1:] == (eos,)
-            answer_ids, answer_w = self._answer_ids(list(ex.answer_ids[:-1] if ended else ex.answer_ids),
+            ended = len(ex.answer_ids) > 0 and ex.answer_ids[-1] == eos
+            answer_ids, answer_w = self._answer_ids(tuple(ex.answer_ids[:-1] if ended else ex.answer_ids),
                                                     ex.facts, ex.cues)
         else:
             ended = True
@@ -330,12 +331,20 @@ class Encoder:
     def _weights(spans, offsets) -> list[float]:
         return [max([w for (s2, e2), w in spans if s < e2 and s2 < e], default=1.0) for s, e in offsets]
 
-    def _answer_ids(self, ids: list[int], facts: Sequence[str],
+    def _answer_ids(self, ids: tuple[int, ...], facts: Sequence[str],
                     cues: Sequence[str] = ()) -> tuple[list[int], list[float] | None]:
         """:meth:`_answer` for an answer given as ids: the same weights, found in the decoded text
-        (each token's characters are where its prefix's decoding grows)."""
+        (each token's characters are where its prefix's decoding grows). The weights are worked
+        out once per answer: the stream encodes every example again each epoch."""
         if (self.fact_weight, self.cue_weight) == (1.0, 1.0):
-            return ids, None
+            return list(ids), None
+        key = (ids, tuple(facts), tuple(cues))
+        if key not in self._ids_weights:
+            self._ids_weights[key] = self._weights_of_ids(list(ids), facts, cues)
+        return list(ids), self._ids_weights[key]
+
+    def _weights_of_ids(self, ids: list[int], facts: Sequence[str], cues: Sequence[str]) -> list[float] | None:
+        """Per token of ``ids``, the largest fact / cue weight it overlaps in the decoded text (None: none)."""
         pieces = [self.tokenizer.decode([t]) for t in ids]
         text = "".join(pieces)
         if text == self.tokenizer.decode(ids):
@@ -344,9 +353,7 @@ class Encoder:
             prefixes = [self.tokenizer.decode(ids[:k + 1]) for k in range(len(ids))]
             ends, text = [len(p) for p in prefixes], prefixes[-1]
         spans = self._spans(text, facts, cues)
-        if not spans:
-            return ids, None
-        return ids, self._weights(spans, list(zip([0, *ends[:-1]], ends)))
+        return self._weights(spans, list(zip([0, *ends[:-1]], ends))) if spans else None
 
 
 def collate(items: Sequence[Encoded], pad_id: int, image_processor, tokens_per_image: int) -> Batch:

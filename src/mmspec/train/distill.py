@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -32,34 +32,62 @@ class AnswerSource:
     """What an answers file was made with; every row carries it, and a resume must match it."""
 
     target: str  # fingerprint of the target's weights (:func:`target_fingerprint`)
+    tokenizer: str  # fingerprint of its vocabulary (:func:`tokenizer_fingerprint`): ids mean tokens of it
     seed: int  # the world seed of the samples (uids name different samples under another seed)
     max_new_tokens: int
+
+
+# Why a field may not differ, and the fix, for the refusals of :func:`read_answers`.
+_MISMATCH_FIX = {
+    "target": "these answers are another target's; write this target's to another --out file",
+    "tokenizer": "the ids are tokens of another vocabulary; a draft must share its target's tokenizer "
+                 "(start it with --init from a draft of that target)",
+    "seed": "the uids name other world samples; use the --seed the answers were made with, or make "
+            "answers for this seed",
+    "max_new_tokens": "the answers were cut at another length; write these to another --out file",
+}
 
 
 def target_fingerprint(model_dir: str | Path) -> str:
     """sha256 (16 hex digits) of the target's safetensors files: answers belong to these weights."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
-        raise MMSpecError(f"{model_dir} holds no *.safetensors weights; give the target's HF model dir")
+        raise MMSpecError(f"{model_dir} holds no *.safetensors weights; answers are tied to a target's "
+                          "safetensors files (save it with save_pretrained, whose default they are)")
     h = hashlib.sha256()
     for f in files:
-        h.update(f.read_bytes())
+        with f.open("rb") as fh:  # in chunks: a 7B target's shards are gigabytes
+            for chunk in iter(lambda: fh.read(1 << 24), b""):
+                h.update(chunk)
     return h.hexdigest()[:16]
 
 
-def read_answers(path: str | Path, source: AnswerSource | None = None,
-                 seed: int | None = None) -> dict[str, tuple[int, ...]]:
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 (16 hex digits) of a tokenizer's vocabulary (token -> id)."""
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+    return hashlib.sha256(vocab.encode()).hexdigest()[:16]
+
+
+def answer_source(path: str | Path) -> AnswerSource:
+    """The source recorded in an answers file's first row."""
+    with Path(path).open() as f:
+        row = json.loads(f.readline())
+    return AnswerSource(**{f.name: row.get(f.name) for f in fields(AnswerSource)})
+
+
+def read_answers(path: str | Path, source: AnswerSource | None = None, **expect) -> dict[str, tuple[int, ...]]:
     """uid -> answer ids (eos included where the target stopped) of an answers file.
 
-    With ``source``, a row made with another target, seed or length is refused (mixing them would
-    train on answers that are not this target's); with ``seed``, a row for another world seed is
-    (its uid names another sample). A half-written last line (an interrupted run) is skipped;
-    that sample is generated again on resume.
+    With ``source``, every row must have been made with it; ``expect`` checks single fields
+    (``seed=61``, ``tokenizer=...``). A row that differs is refused with the field, both values
+    and the fix: training on it would teach answers that are not this target's, or ids of
+    another vocabulary. A last line that is not JSON (a run killed mid-write) is skipped.
     """
     path = Path(path)
     out: dict[str, tuple[int, ...]] = {}
     if not path.exists():
         return out
+    want = {**(source.__dict__ if source is not None else {}), **expect}
     lines = path.read_text().splitlines()
     for n, line in enumerate(lines, 1):
         try:
@@ -68,19 +96,17 @@ def read_answers(path: str | Path, source: AnswerSource | None = None,
             if n == len(lines):
                 break  # cut off mid-write
             raise MMSpecError(f"{path}:{n} is not a JSON row; the answers file is damaged, write a new one") from None
-        got = AnswerSource(row.get("target"), row.get("seed"), row.get("max_new_tokens"))
-        if source is not None and got != source:
-            raise MMSpecError(f"{path} holds answers made with {got}, not {source}; write them to another "
-                              "--out file (or delete this one)")
-        if seed is not None and got.seed != seed:
-            raise MMSpecError(f"{path} holds answers to the world samples of seed {got.seed}, not {seed}; train "
-                              f"with --seed {got.seed} or make answers for seed {seed}")
+        for field, value in want.items():
+            if row.get(field) != value:
+                raise MMSpecError(f"{path}:{n} was made with {field} {row.get(field)!r}, not {value!r}: "
+                                  f"{_MISMATCH_FIX[field]}")
         out[row["uid"]] = tuple(row["answer_ids"])
     return out
 
 
 def _drop_partial_line(path: Path) -> None:
-    """Cut a last line an interrupted run left without its newline, so appending starts clean."""
+    """Cut a last line an interrupted run left without its newline, so appending starts clean
+    (and the sample on it, whole JSON or not, is generated again)."""
     if not path.exists():
         return
     data = path.read_bytes()
@@ -111,6 +137,7 @@ def generate_answers(target, processor, samples: Sequence, path: str | Path, sou
     if batch_size < 1:
         raise MMSpecError(f"batch size must be at least 1; got {batch_size}")
     path = Path(path)
+    _drop_partial_line(path)  # first: a whole row without its newline is cut, so it must not count as done
     done = read_answers(path, source)
     todo = [s for s in samples if s.uid not in done]
     groups: dict[int, list] = defaultdict(list)  # prompt length -> samples
@@ -122,7 +149,6 @@ def generate_answers(target, processor, samples: Sequence, path: str | Path, sou
     pad = gen.pad_token_id if gen.pad_token_id is not None else processor.tokenizer.pad_token_id
     dtype = next(target.parameters()).dtype
     path.parent.mkdir(parents=True, exist_ok=True)
-    _drop_partial_line(path)
     written = 0
     bar = tqdm(total=len(todo), desc="target answers", unit="sample", disable=not progress, mininterval=2.0)
     with path.open("a") as f, bar:
