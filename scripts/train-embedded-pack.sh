@@ -6,8 +6,8 @@
 #
 # Steps 1-2 (the v5 target): about 5 h 30 min on a 2-core CPU. Steps 3-5: about 26 min on one H100
 # GPU with 16 CPU cores (set DEVICE=cpu to run them on the CPU: same minutes, far fewer steps).
-# Steps 6-7: about 37 + 35 min on the 2-core CPU. Then point load_embedded(path=OUT_DIR) at the
-# result, or copy OUT_DIR/{target,draft,draft_pooled,captioner} over src/mmspec/assets/embedded/
+# Steps 6-7: about 37 + 35 min on the 2-core CPU. Step 8: about 10 min on one H100. Then point
+# load_embedded(path=OUT_DIR) at the result, or copy OUT_DIR/{target,draft,draft_pooled,captioner} over src/mmspec/assets/embedded/
 # (keep the shipped pack_report.json: OUT_DIR's records step 1 only). scripts/swap-pack.py swaps
 # single models in; it refuses a new vision tower, which a run from nothing has.
 # Time-budgeted stages follow the clock, so a faster machine trains more steps in the same minutes.
@@ -84,16 +84,34 @@ $M stage --init "$V/draft" "${DRF[@]}" --minutes 8 --text-view-prob 0.2 --captio
 $M stage --init "$V/draft_pooled" "${DRF[@]}" --minutes 3 --pooled-tokens 16 --seed 44 --out "$W11/draft_pooled"
 
 # 7. v12: the v11 target trained on for 35 min with a family mix like v10's, to win back the signs and
-#    image pairs that step 6's hallusionbench-weighted mix cost; draft and pooled draft stay v11's
+#    image pairs that step 6's hallusionbench-weighted mix cost (the shipped target)
 $M stage --init "$W11/target" --trainable projector+lm --steps 100000000 --batch-size 32 --n-train-per-family 1500 \
     --family-samples chartqa=5000 --family-samples textvqa=7000 --family-samples hallusionbench=6000 \
     --family-samples vqav2=3000 --family-samples spot_the_diff=3000 --family-samples iedit=3000 \
     --family-samples pororosv=1000 --family-samples vist=1000 --caption-view-prob 0.3 --fact-weight 4 \
     --cue-weight 4 --workers 1 --threads "$T" --half --lr 2e-4 --minutes 35 --seed 51 --out "$OUT/work/v12/target"
 
+# --- On a CUDA GPU again: the lent H100 of 2026-11-23 (DEVICE=cpu runs it on the CPU, where the
+# --- answers take far longer and the same minutes train far fewer steps).
+# 8. v13: draft distillation. The v12 target's own greedy answers to 24,000 training samples (seed 61),
+#    then the v11 draft trained on them for 1.5 + 3.5 min and the v11 pooled draft for 1.5 min; the
+#    target and captioner stay v12's.
+DEV=${DEVICE:-cuda}
+W13=$OUT/work/v13
+mkdir -p "$W13"
+$M answers --target "$OUT/work/v12/target" --n-train-per-family 3000 --seed 61 --batch-size 256 --device "$DEV" \
+    --out "$W13/answers-s61.jsonl"
+DST=(--trainable projector+lm --lr 3e-4 --batch-size 64 --n-train-per-family 3000 --seed 61 --workers 6
+     --device "$DEV" --half --answers "$W13/answers-s61.jsonl")
+$M stage --init "$W11/draft" "${DST[@]}" --minutes 1.5 --text-view-prob 0.2 --caption-view-prob 0.1 \
+    --out "$W13/draft_a"
+$M stage --init "$W13/draft_a" "${DST[@]}" --minutes 3.5 --text-view-prob 0.2 --caption-view-prob 0.1 \
+    --out "$W13/draft"
+$M stage --init "$W11/draft_pooled" "${DST[@]}" --minutes 1.5 --pooled-tokens 16 --out "$W13/draft_pooled"
+
 rm -rf "${OUT:?}/target" && cp -r "$OUT/work/v12/target" "$OUT/target"
 for role in draft draft_pooled; do
-    rm -rf "${OUT:?}/$role" && cp -r "$W11/$role" "$OUT/$role"
+    rm -rf "${OUT:?}/$role" && cp -r "$W13/$role" "$OUT/$role"
 done
 rm -rf "${OUT:?}/captioner" && cp -r "$V/captioner" "$OUT/captioner"
 echo "pack in $OUT"
