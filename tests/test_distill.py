@@ -56,6 +56,9 @@ def test_answer_ids_encode_like_the_answer_text():
         assert (got.input_ids, got.labels, got.weights) == (want.input_ids, want.labels, want.weights)
         checked += want.weights is not None and max(want.weights) > 1
     assert checked >= 10  # the weights were really compared, not None == None
+    last = Example(ex.prompt, "", ex.images, ex.captions, ex.family, ex.facts, ex.cues, ids)  # encoded above
+    assert enc.encode(last).weights == enc.encode(last).weights == want.weights  # now from the per-answer cache
+    assert len(enc._ids_weights) == len(_samples("train", FEW, 0))  # one entry per answer, however often encoded
     ex = example_from_sample(_samples("train", FEW, 0)[0])
     eos = tok.eos_token_id
     open_ended = enc.encode(Example(ex.prompt, "", ex.images, answer_ids=(7, 8, 9)), "text")
@@ -133,6 +136,19 @@ def test_batched_answers_are_lone_generate_and_a_rerun_resumes(shipped, tmp_path
         with pytest.raises(MMSpecError, match="lacks 1 of"):
             with_answers([example_from_sample(s) for s in samples + _samples("val", {"vqav2": 1}, 0)],
                          samples + _samples("val", {"vqav2": 1}, 0), got)
+        lines = path.read_text().splitlines(keepends=True)
+        bad = tmp_path / "bad.jsonl"
+        for rows, phrase in (
+                (lines + lines[:1], "answers chartqa-train-0 a second time"),  # two runs joined
+                (lines + [lines[0].replace('"t0"', '"t9"').replace("chartqa-train-0", "x")],
+                 "made with target 't9', not 't0'"),  # two targets mixed, no source given
+                ([lines[0].replace(', "tokenizer": "v0"', "")], "has no tokenizer: the file was written by an older")):
+            bad.write_text("".join(rows))
+            with pytest.raises(MMSpecError, match=phrase):
+                read_answers(bad)
+        changed = {s.uid: s.prompt for s in samples} | {samples[0].uid: samples[0].prompt + " (new wording)"}
+        with pytest.raises(MMSpecError, match="answered another version of chartqa-train-0"):
+            read_answers(path, prompts=changed)
     finally:
         model.generation_config.eos_token_id = saved_eos
 
@@ -142,6 +158,9 @@ def test_with_answers_gives_each_example_its_own_samples_ids():
     answers = {s.uid: (100 + i, 200 + i) for i, s in enumerate(samples)}
     out = with_answers([example_from_sample(s) for s in samples], samples, answers)
     assert [(ex.prompt, ex.answer_ids) for ex in out] == [(s.prompt, answers[s.uid]) for s in samples]
+
+
+def test_tokenizer_fingerprint_is_stable_and_tells_vocabularies_apart():
     tok0, _ = world_tokenizer_and_processor(0)
     tok1, _ = world_tokenizer_and_processor(1)
     assert tokenizer_fingerprint(tok0) == tokenizer_fingerprint(world_tokenizer_and_processor(0)[0])
@@ -183,13 +202,20 @@ def test_answers_cli_then_stage_trains_on_the_file(world, tmp_path, monkeypatch)
     meta = json.loads((tmp_path / "d" / "mmspec.json").read_text())["stages"][-1]["answers"]
     assert meta["file"] == "a.jsonl" and meta["max_new_tokens"] == 4 and len(meta["target"]) == 16
     assert (meta["seed"], meta["rows"], meta["tokenizer"]) == (0, 8, tokenizer_fingerprint(proc.tokenizer))
-    other = tmp_path / "other.jsonl"  # the same answers, labelled as ids of another vocabulary
-    other.write_text(answers.read_text().replace(meta["tokenizer"], "0123456789abcdef"))
     for extra, phrase in ((["--seed", "1"], "seed 0, not 1"), (["--n-train-per-family", "2"], "lacks 8 of the 16"),
-                          (["--captioner"], "drop one"), (["--answers", str(other)], "another vocabulary")):
+                          (["--captioner"], "drop one")):
         bad = CliRunner().invoke(app, stage[:-2] + extra + ["--out", str(tmp_path / "x")])
         assert bad.exit_code == 2 and phrase in bad.output and "Traceback" not in bad.output, bad.output
         assert not (tmp_path / "x").exists()
     missing = CliRunner().invoke(app, stage[:-4] + ["--answers", str(tmp_path / "none.jsonl"), "--out",
                                                     str(tmp_path / "x")])
     assert missing.exit_code == 2 and "train answers" in missing.output
+    # a fresh model (no --init) gets a tokenizer fitted for its --seed: not the target's vocabulary
+    seed1 = tmp_path / "s1.jsonl"
+    r = CliRunner().invoke(app, base[:-1] + [str(seed1), "--seed", "1"])
+    assert r.exit_code == 0, r.output
+    fresh = CliRunner().invoke(app, ["train", "stage", "--size", "tiny", "--steps", "1", "--batch-size", "4",
+                                     "--n-train-per-family", "1", "--no-bf16", "--seed", "1", "--answers", str(seed1),
+                                     "--out", str(tmp_path / "x")])
+    assert fresh.exit_code == 2 and "another vocabulary" in fresh.output and "Traceback" not in fresh.output
+    assert not (tmp_path / "x").exists()

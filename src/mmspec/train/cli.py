@@ -189,7 +189,8 @@ def stage(
         from mmspec.train.distill import answer_source, read_answers, tokenizer_fingerprint, with_answers
 
         try:
-            got = read_answers(answers, seed=seed, tokenizer=tokenizer_fingerprint(tokenizer))
+            got = read_answers(answers, prompts={s.uid: s.prompt for s in samples}, seed=seed,
+                               tokenizer=tokenizer_fingerprint(tokenizer))
             examples = with_answers(examples, samples, got)
         except MMSpecError as exc:
             raise typer.BadParameter(str(exc), param_hint="--answers") from exc

@@ -340,8 +340,10 @@ class Encoder:
             return list(ids), None
         key = (ids, tuple(facts), tuple(cues))
         if key not in self._ids_weights:
-            self._ids_weights[key] = self._weights_of_ids(list(ids), facts, cues)
-        return list(ids), self._ids_weights[key]
+            w = self._weights_of_ids(list(ids), facts, cues)
+            self._ids_weights[key] = None if w is None else tuple(w)
+        w = self._ids_weights[key]
+        return list(ids), None if w is None else list(w)
 
     def _weights_of_ids(self, ids: list[int], facts: Sequence[str], cues: Sequence[str]) -> list[float] | None:
         """Per token of ``ids``, the largest fact / cue weight it overlaps in the decoded text (None: none)."""

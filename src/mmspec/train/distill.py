@@ -3,8 +3,9 @@
 Owns: generating ``target.generate(do_sample=False)`` answers for world samples, batched over
 prompts of the same token length (no padding, so every row is computed at the positions a
 one-row call uses), one JSONL row per sample written as it is produced, so an interrupted run
-resumes where it stopped; reading such a file back, refusing one made for another target, seed
-or length; and putting the answers on training examples (``Example.answer_ids``).
+resumes where it stopped; reading such a file back, refusing rows made for another target,
+vocabulary, seed, length or version of a sample; and putting the answers on training examples
+(``Example.answer_ids``).
 
 Why: speculative decoding accepts a drafted token when it is the target's choice, not the
 world's reference answer. A draft trained on the reference answers learns the spread of their
@@ -75,19 +76,29 @@ def answer_source(path: str | Path) -> AnswerSource:
     return AnswerSource(**{f.name: row.get(f.name) for f in fields(AnswerSource)})
 
 
-def read_answers(path: str | Path, source: AnswerSource | None = None, **expect) -> dict[str, tuple[int, ...]]:
+def prompt_hash(prompt: str) -> str:
+    """12 hex digits of sha256 of a sample's prompt: a row answers this version of the sample
+    (the world's templates and questions may change under the same uid; images are not hashed)."""
+    return hashlib.sha256(prompt.encode()).hexdigest()[:12]
+
+
+def read_answers(path: str | Path, source: AnswerSource | None = None, prompts: dict[str, str] | None = None,
+                 **expect) -> dict[str, tuple[int, ...]]:
     """uid -> answer ids (eos included where the target stopped) of an answers file.
 
-    With ``source``, every row must have been made with it; ``expect`` checks single fields
-    (``seed=61``, ``tokenizer=...``). A row that differs is refused with the field, both values
-    and the fix: training on it would teach answers that are not this target's, or ids of
-    another vocabulary. A last line that is not JSON (a run killed mid-write) is skipped.
+    Every row must have been made with ``source`` (default: the first row's, so a file that mixes
+    two targets, vocabularies, seeds or lengths is refused); ``expect`` also checks single fields
+    (``seed=61``, ``tokenizer=...``); ``prompts`` (uid -> prompt) checks that each row answered
+    this version of its sample. A refusal names the line, the field, both values and the fix:
+    training on such a row would teach answers that are not this target's, ids of another
+    vocabulary, or the answer to another prompt. A last line that is not JSON (a run killed
+    mid-write) is skipped.
     """
     path = Path(path)
     out: dict[str, tuple[int, ...]] = {}
     if not path.exists():
         return out
-    want = {**(source.__dict__ if source is not None else {}), **expect}
+    want: dict | None = None  # the first row's source, then what the caller asks for, checked on every row
     lines = path.read_text().splitlines()
     for n, line in enumerate(lines, 1):
         try:
@@ -96,11 +107,24 @@ def read_answers(path: str | Path, source: AnswerSource | None = None, **expect)
             if n == len(lines):
                 break  # cut off mid-write
             raise MMSpecError(f"{path}:{n} is not a JSON row; the answers file is damaged, write a new one") from None
+        missing = [k for k in ("uid", "answer_ids", "prompt", *_MISMATCH_FIX) if k not in row]
+        if missing:
+            raise MMSpecError(f"{path}:{n} has no {', '.join(missing)}: the file was written by an older mmspec "
+                              "or is damaged; make the answers again with `mmspec train answers`")
+        if want is None:
+            want = {**{k: row[k] for k in _MISMATCH_FIX}, **(source.__dict__ if source else {}), **expect}
         for field, value in want.items():
-            if row.get(field) != value:
-                raise MMSpecError(f"{path}:{n} was made with {field} {row.get(field)!r}, not {value!r}: "
+            if row[field] != value:
+                raise MMSpecError(f"{path}:{n} was made with {field} {row[field]!r}, not {value!r}: "
                                   f"{_MISMATCH_FIX[field]}")
-        out[row["uid"]] = tuple(row["answer_ids"])
+        uid = row["uid"]
+        if uid in out:
+            raise MMSpecError(f"{path}:{n} answers {uid} a second time; the file was joined from two runs, "
+                              "make it again")
+        if prompts is not None and uid in prompts and row["prompt"] != prompt_hash(prompts[uid]):
+            raise MMSpecError(f"{path}:{n} answered another version of {uid} (its prompt changed since): the "
+                              "world changed under the file; make the answers again")
+        out[uid] = tuple(row["answer_ids"])
     return out
 
 
@@ -138,7 +162,7 @@ def generate_answers(target, processor, samples: Sequence, path: str | Path, sou
         raise MMSpecError(f"batch size must be at least 1; got {batch_size}")
     path = Path(path)
     _drop_partial_line(path)  # first: a whole row without its newline is cut, so it must not count as done
-    done = read_answers(path, source)
+    done = read_answers(path, source, prompts={s.uid: s.prompt for s in samples})
     todo = [s for s in samples if s.uid not in done]
     groups: dict[int, list] = defaultdict(list)  # prompt length -> samples
     for s in todo:
@@ -162,7 +186,8 @@ def generate_answers(target, processor, samples: Sequence, path: str | Path, sou
                                   pad_token_id=pad)  # [B, n_in + n_new]
             for s, row in zip(batch, out[:, n_in:].tolist()):
                 ids = cut_at_eos(row, gen.eos_token_id)
-                f.write(json.dumps({"uid": s.uid, "answer_ids": ids, **source.__dict__}) + "\n")
+                f.write(json.dumps({"uid": s.uid, "answer_ids": ids, "prompt": prompt_hash(s.prompt),
+                                    **source.__dict__}) + "\n")
                 written += 1
             f.flush()
             bar.update(len(batch))
