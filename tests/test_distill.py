@@ -56,9 +56,6 @@ def test_answer_ids_encode_like_the_answer_text():
         assert (got.input_ids, got.labels, got.weights) == (want.input_ids, want.labels, want.weights)
         checked += want.weights is not None and max(want.weights) > 1
     assert checked >= 10  # the weights were really compared, not None == None
-    last = Example(ex.prompt, "", ex.images, ex.captions, ex.family, ex.facts, ex.cues, ids)  # encoded above
-    assert enc.encode(last).weights == enc.encode(last).weights == want.weights  # now from the per-answer cache
-    assert len(enc._ids_weights) == len(_samples("train", FEW, 0))  # one entry per answer, however often encoded
     ex = example_from_sample(_samples("train", FEW, 0)[0])
     eos = tok.eos_token_id
     open_ended = enc.encode(Example(ex.prompt, "", ex.images, answer_ids=(7, 8, 9)), "text")
@@ -136,14 +133,15 @@ def test_batched_answers_are_lone_generate_and_a_rerun_resumes(shipped, tmp_path
         with pytest.raises(MMSpecError, match="lacks 1 of"):
             with_answers([example_from_sample(s) for s in samples + _samples("val", {"vqav2": 1}, 0)],
                          samples + _samples("val", {"vqav2": 1}, 0), got)
-        lines = path.read_text().splitlines(keepends=True)
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        first = rows[0]
+        no_vocab = {k: v for k, v in first.items() if k != "tokenizer"}
         bad = tmp_path / "bad.jsonl"
-        for rows, phrase in (
-                (lines + lines[:1], "answers chartqa-train-0 a second time"),  # two runs joined
-                (lines + [lines[0].replace('"t0"', '"t9"').replace("chartqa-train-0", "x")],
-                 "made with target 't9', not 't0'"),  # two targets mixed, no source given
-                ([lines[0].replace(', "tokenizer": "v0"', "")], "has no tokenizer: the file was written by an older")):
-            bad.write_text("".join(rows))
+        for bad_rows, phrase in (
+                (rows + [first], "answers chartqa-train-0 a second time"),  # two runs joined
+                (rows + [first | {"uid": "x", "target": "t9"}], "made with target 't9', not 't0'"),  # two targets
+                ([no_vocab], "has no tokenizer: the file was written by an older")):
+            bad.write_text("".join(json.dumps(r) + "\n" for r in bad_rows))
             with pytest.raises(MMSpecError, match=phrase):
                 read_answers(bad)
         changed = {s.uid: s.prompt for s in samples} | {samples[0].uid: samples[0].prompt + " (new wording)"}
@@ -181,6 +179,11 @@ def test_answers_cli_then_stage_trains_on_the_file(world, tmp_path, monkeypatch)
     assert r.exit_code == 0, r.output
     assert "8 answers written, 0 already there" in r.output
     assert "0 answers written, 8 already there" in CliRunner().invoke(app, base).output
+    for args, phrase in ((["--max-new-tokens", "0"], "new token"), (["--batch-size", "0"], "prompt per batch"),
+                         (["--out", str(tmp_path / "nodir" / "a.jsonl")], "write elsewhere"),
+                         (["--target", str(tmp_path)], "no config.json")):
+        bad = CliRunner().invoke(app, base + args)
+        assert bad.exit_code == 2 and phrase in bad.output and "Traceback" not in bad.output, bad.output
     rows = {json.loads(line)["uid"]: json.loads(line)["answer_ids"] for line in answers.read_text().splitlines()}
 
     import mmspec.train.data as data
@@ -219,3 +222,11 @@ def test_answers_cli_then_stage_trains_on_the_file(world, tmp_path, monkeypatch)
                                      "--out", str(tmp_path / "x")])
     assert fresh.exit_code == 2 and "another vocabulary" in fresh.output and "Traceback" not in fresh.output
     assert not (tmp_path / "x").exists()
+
+
+def test_every_source_field_has_a_refusal_with_its_fix():
+    from dataclasses import fields
+
+    from mmspec.train.distill import _MISMATCH_FIX
+
+    assert set(_MISMATCH_FIX) == {f.name for f in fields(AnswerSource)}

@@ -10,6 +10,8 @@ Owns the on-disk format of a results directory:
   config, fingerprint).
 
 Rows are identified by :func:`row_key`; a row whose key is already on disk is never rerun.
+The same append-only, resumable format serves other per-sample outputs with their own key
+(``RowWriter(path, key=...)``: the target answers of :mod:`mmspec.train.distill`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Hashable, Iterable, Iterator
 
 from mmspec.errors import MMSpecError
 
@@ -73,10 +75,12 @@ def read_rows(path: Path) -> tuple[list[dict], list[str]]:
 
 
 class RowWriter:
-    """One rank's results file, opened for resuming: knows the finished keys, appends durably."""
+    """One rank's results file, opened for resuming: knows the finished keys, appends durably.
+    ``key`` identifies a row (default :func:`row_key`)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, key: Callable[[dict], Hashable] = row_key) -> None:
         self.path = Path(path)
+        self.key = key
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.warnings: list[str] = []
         self.rows: list[dict] = []
@@ -88,22 +92,27 @@ class RowWriter:
                     f.truncate(good_end)
                     f.flush()
                     os.fsync(f.fileno())
-        self.done: set[RowKey] = {row_key(r) for r in self.rows}
+        self.done: set[Hashable] = {self.key(r) for r in self.rows}
         self._f = open(self.path, "a", encoding="utf-8")
 
-    def __contains__(self, key: RowKey) -> bool:
+    def __contains__(self, key: Hashable) -> bool:
         return key in self.done
 
     def append(self, row: dict) -> None:
         """Write one row as one line, then flush and fsync before returning."""
-        key = row_key(row)
-        if key in self.done:
-            return
-        self._f.write(json.dumps(row, separators=(",", ":")) + "\n")
+        self.extend([row])
+
+    def extend(self, rows: Iterable[dict]) -> None:
+        """Write rows not on disk yet, one line each, then flush and fsync once."""
+        for row in rows:
+            key = self.key(row)
+            if key in self.done:
+                continue
+            self._f.write(json.dumps(row, separators=(",", ":")) + "\n")
+            self.done.add(key)
+            self.rows.append(row)
         self._f.flush()
         os.fsync(self._f.fileno())
-        self.done.add(key)
-        self.rows.append(row)
 
     def close(self) -> None:
         self._f.close()

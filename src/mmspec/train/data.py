@@ -261,7 +261,6 @@ class Encoder:
     fact_weight: float = 1.0
     cue_weight: float = 1.0
     _newline: list[int] = field(init=False)
-    _ids_weights: dict = field(init=False, default_factory=dict, repr=False)  # answer ids -> weights
 
     def __post_init__(self) -> None:
         self._newline = self.tokenizer("\n", add_special_tokens=False)["input_ids"]
@@ -334,19 +333,10 @@ class Encoder:
     def _answer_ids(self, ids: tuple[int, ...], facts: Sequence[str],
                     cues: Sequence[str] = ()) -> tuple[list[int], list[float] | None]:
         """:meth:`_answer` for an answer given as ids: the same weights, found in the decoded text
-        (each token's characters are where its prefix's decoding grows). The weights are worked
-        out once per answer: the stream encodes every example again each epoch."""
+        (each token's characters are where its prefix's decoding grows)."""
+        ids = list(ids)
         if (self.fact_weight, self.cue_weight) == (1.0, 1.0):
-            return list(ids), None
-        key = (ids, tuple(facts), tuple(cues))
-        if key not in self._ids_weights:
-            w = self._weights_of_ids(list(ids), facts, cues)
-            self._ids_weights[key] = None if w is None else tuple(w)
-        w = self._ids_weights[key]
-        return list(ids), None if w is None else list(w)
-
-    def _weights_of_ids(self, ids: list[int], facts: Sequence[str], cues: Sequence[str]) -> list[float] | None:
-        """Per token of ``ids``, the largest fact / cue weight it overlaps in the decoded text (None: none)."""
+            return ids, None
         pieces = [self.tokenizer.decode([t]) for t in ids]
         text = "".join(pieces)
         if text == self.tokenizer.decode(ids):
@@ -355,7 +345,7 @@ class Encoder:
             prefixes = [self.tokenizer.decode(ids[:k + 1]) for k in range(len(ids))]
             ends, text = [len(p) for p in prefixes], prefixes[-1]
         spans = self._spans(text, facts, cues)
-        return self._weights(spans, list(zip([0, *ends[:-1]], ends))) if spans else None
+        return ids, (self._weights(spans, list(zip([0, *ends[:-1]], ends))) if spans else None)
 
 
 def collate(items: Sequence[Encoded], pad_id: int, image_processor, tokens_per_image: int) -> Batch:

@@ -2,8 +2,8 @@
 
 Owns: generating ``target.generate(do_sample=False)`` answers for world samples, batched over
 prompts of the same token length (no padding, so every row is computed at the positions a
-one-row call uses), one JSONL row per sample written as it is produced, so an interrupted run
-resumes where it stopped; reading such a file back, refusing rows made for another target,
+one-row call uses), one JSONL row per sample, appended and fsynced after each batch in the
+resumable format of :mod:`mmspec.bench.store`, so an interrupted run resumes where it stopped; reading such a file back, refusing rows made for another target,
 vocabulary, seed, length or version of a sample; and putting the answers on training examples
 (``Example.answer_ids``).
 
@@ -89,54 +89,41 @@ def read_answers(path: str | Path, source: AnswerSource | None = None, prompts: 
     Every row must have been made with ``source`` (default: the first row's, so a file that mixes
     two targets, vocabularies, seeds or lengths is refused); ``expect`` also checks single fields
     (``seed=61``, ``tokenizer=...``); ``prompts`` (uid -> prompt) checks that each row answered
-    this version of its sample. A refusal names the line, the field, both values and the fix:
+    this version of its sample. A refusal names the row, the field, both values and the fix:
     training on such a row would teach answers that are not this target's, ids of another
-    vocabulary, or the answer to another prompt. A last line that is not JSON (a run killed
-    mid-write) is skipped.
+    vocabulary, or the answer to another prompt. The file is the append-only JSONL of
+    :mod:`mmspec.bench.store`: a torn last line (a run killed mid-write) is skipped.
     """
-    path = Path(path)
+    from mmspec.bench.store import read_rows
+
+    return _checked(read_rows(Path(path))[0], path, source, prompts, expect)
+
+
+def _checked(rows: list[dict], path, source: AnswerSource | None, prompts: dict[str, str] | None,
+             expect: dict) -> dict[str, tuple[int, ...]]:
+    """:func:`read_answers` on rows already read."""
     out: dict[str, tuple[int, ...]] = {}
-    if not path.exists():
-        return out
     want: dict | None = None  # the first row's source, then what the caller asks for, checked on every row
-    lines = path.read_text().splitlines()
-    for n, line in enumerate(lines, 1):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            if n == len(lines):
-                break  # cut off mid-write
-            raise MMSpecError(f"{path}:{n} is not a JSON row; the answers file is damaged, write a new one") from None
+    for n, row in enumerate(rows, 1):
         missing = [k for k in ("uid", "answer_ids", "prompt", *_MISMATCH_FIX) if k not in row]
         if missing:
-            raise MMSpecError(f"{path}:{n} has no {', '.join(missing)}: the file was written by an older mmspec "
-                              "or is damaged; make the answers again with `mmspec train answers`")
+            raise MMSpecError(f"{path}: row {n} has no {', '.join(missing)}: the file was written by an older "
+                              "mmspec or is damaged; make the answers again with `mmspec train answers`")
         if want is None:
             want = {**{k: row[k] for k in _MISMATCH_FIX}, **(source.__dict__ if source else {}), **expect}
         for field, value in want.items():
             if row[field] != value:
-                raise MMSpecError(f"{path}:{n} was made with {field} {row[field]!r}, not {value!r}: "
+                raise MMSpecError(f"{path}: row {n} was made with {field} {row[field]!r}, not {value!r}: "
                                   f"{_MISMATCH_FIX[field]}")
         uid = row["uid"]
         if uid in out:
-            raise MMSpecError(f"{path}:{n} answers {uid} a second time; the file was joined from two runs, "
+            raise MMSpecError(f"{path}: row {n} answers {uid} a second time; the file was joined from two runs, "
                               "make it again")
         if prompts is not None and uid in prompts and row["prompt"] != prompt_hash(prompts[uid]):
-            raise MMSpecError(f"{path}:{n} answered another version of {uid} (its prompt changed since): the "
-                              "world changed under the file; make the answers again")
+            raise MMSpecError(f"{path}: row {n} answered another version of {uid} (its prompt changed since): "
+                              "the world changed under the file; make the answers again")
         out[uid] = tuple(row["answer_ids"])
     return out
-
-
-def _drop_partial_line(path: Path) -> None:
-    """Cut a last line an interrupted run left without its newline, so appending starts clean
-    (and the sample on it, whole JSON or not, is generated again)."""
-    if not path.exists():
-        return
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        with path.open("r+b") as f:
-            f.truncate(data.rfind(b"\n") + 1)
 
 
 def cut_at_eos(ids: Sequence[int], eos: int | Sequence[int] | None) -> list[int]:
@@ -160,38 +147,36 @@ def generate_answers(target, processor, samples: Sequence, path: str | Path, sou
     """
     if batch_size < 1:
         raise MMSpecError(f"batch size must be at least 1; got {batch_size}")
+    from mmspec.bench.store import RowWriter
+
     path = Path(path)
-    _drop_partial_line(path)  # first: a whole row without its newline is cut, so it must not count as done
-    done = read_answers(path, source, prompts={s.uid: s.prompt for s in samples})
-    todo = [s for s in samples if s.uid not in done]
-    groups: dict[int, list] = defaultdict(list)  # prompt length -> samples
-    for s in todo:
-        ids = processor(text=s.prompt, images=list(s.images) or None, return_tensors="pt")["input_ids"]
-        groups[int(ids.shape[1])].append(s)
-    batches = [g[i:i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
     gen = target.generation_config
     pad = gen.pad_token_id if gen.pad_token_id is not None else processor.tokenizer.pad_token_id
     dtype = next(target.parameters()).dtype
-    path.parent.mkdir(parents=True, exist_ok=True)
-    written = 0
-    bar = tqdm(total=len(todo), desc="target answers", unit="sample", disable=not progress, mininterval=2.0)
-    with path.open("a") as f, bar:
-        for batch in batches:
-            images = [img for s in batch for img in s.images]
-            enc = processor(text=[s.prompt for s in batch], images=images or None, return_tensors="pt")
-            inputs = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) for k, v in enc.items()
-                      if isinstance(v, torch.Tensor)}
-            n_in = inputs["input_ids"].shape[1]
-            out = target.generate(**inputs, do_sample=False, max_new_tokens=source.max_new_tokens,
-                                  pad_token_id=pad)  # [B, n_in + n_new]
-            for s, row in zip(batch, out[:, n_in:].tolist()):
-                ids = cut_at_eos(row, gen.eos_token_id)
-                f.write(json.dumps({"uid": s.uid, "answer_ids": ids, "prompt": prompt_hash(s.prompt),
-                                    **source.__dict__}) + "\n")
-                written += 1
-            f.flush()
-            bar.update(len(batch))
-    return {"samples": len(samples), "already_there": len(samples) - len(todo), "written": written}
+    # opening cuts a torn last line (a run killed mid-write), so that sample is generated again
+    with RowWriter(path, key=lambda row: row["uid"]) as out:
+        _checked(out.rows, path, source, {s.uid: s.prompt for s in samples}, {})
+        todo = [s for s in samples if s.uid not in out]
+        groups: dict[int, list] = defaultdict(list)  # prompt length -> samples
+        for s in todo:
+            ids = processor(text=s.prompt, images=list(s.images) or None, return_tensors="pt")["input_ids"]
+            groups[int(ids.shape[1])].append(s)
+        batches = [g[i:i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
+        with tqdm(total=len(todo), desc="target answers", unit="sample", disable=not progress,
+                  mininterval=2.0) as bar:
+            for batch in batches:
+                images = [img for s in batch for img in s.images]
+                enc = processor(text=[s.prompt for s in batch], images=images or None, return_tensors="pt")
+                inputs = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device))
+                          for k, v in enc.items() if isinstance(v, torch.Tensor)}
+                n_in = inputs["input_ids"].shape[1]
+                new = target.generate(**inputs, do_sample=False, max_new_tokens=source.max_new_tokens,
+                                      pad_token_id=pad)[:, n_in:]  # [B, n_new]
+                out.extend({"uid": s.uid, "answer_ids": cut_at_eos(row, gen.eos_token_id),
+                            "prompt": prompt_hash(s.prompt), **source.__dict__}
+                           for s, row in zip(batch, new.tolist()))
+                bar.update(len(batch))
+    return {"samples": len(samples), "already_there": len(samples) - len(todo), "written": len(todo)}
 
 
 def with_answers(examples: Sequence, samples: Sequence, answers: dict[str, tuple[int, ...]]) -> list:
