@@ -167,7 +167,8 @@ def test_tokenizer_fingerprint_is_stable_and_tells_vocabularies_apart():
 
 def test_answers_cli_then_stage_trains_on_the_file(world, tmp_path, monkeypatch):
     """`train answers` writes one row per training sample and resumes; `train stage --answers`
-    trains on those ids and records the file; another seed or more samples are refused."""
+    trains on those ids and records the file; another world seed or more samples are refused,
+    another training seed on the same world seed is not."""
     from mmspec.train.checkpoint import save_checkpoint
 
     model, proc = world
@@ -210,6 +211,11 @@ def test_answers_cli_then_stage_trains_on_the_file(world, tmp_path, monkeypatch)
         bad = CliRunner().invoke(app, stage[:-2] + extra + ["--out", str(tmp_path / "x")])
         assert bad.exit_code == 2 and phrase in bad.output and "Traceback" not in bad.output, bad.output
         assert not (tmp_path / "x").exists()
+    # another training seed on the same samples and answers: --world-seed keeps the samples
+    r = CliRunner().invoke(app, stage[:-2] + ["--seed", "1", "--world-seed", "0", "--out", str(tmp_path / "d1")])
+    assert r.exit_code == 0, r.output
+    rec = json.loads((tmp_path / "d1" / "mmspec.json").read_text())["stages"][-1]
+    assert (rec["seed"], rec["world_seed"], rec["answers"]["seed"]) == (1, 0, 0)
     missing = CliRunner().invoke(app, stage[:-4] + ["--answers", str(tmp_path / "none.jsonl"), "--out",
                                                     str(tmp_path / "x")])
     assert missing.exit_code == 2 and "train answers" in missing.output

@@ -101,12 +101,15 @@ def stage(
     half: bool = typer.Option(False, help="save fp16 safetensors (the embedded pack's format)"),
     evaluate: bool = typer.Option(False, "--eval", help="held-out loss and fact recall after training"),
     device: str = typer.Option("cpu"),
-    seed: int = typer.Option(0),
+    seed: int = typer.Option(0, help="training seed: initialisation, batch order, view draws, mixed-in practice"),
+    world_seed: Optional[int] = typer.Option(None, help="seed of the world's samples (and of a fresh model's "
+                                             "tokenizer); default: --seed. Keep it to train again on the same "
+                                             "samples, or the same --answers file, with another --seed"),
     threads: Optional[int] = typer.Option(None),
     workers: int = typer.Option(0, help="build training batches in this many worker processes (0: in this one); "
                                 "a GPU step outruns one core's tokenising and image preprocessing"),
     answers: Optional[Path] = typer.Option(None, help="train on a target's own greedy answers (a JSONL file from "
-                                           "`mmspec train answers`, same --seed and sample counts) instead of the "
+                                           "`mmspec train answers`, same world seed and sample counts) instead of the "
                                            "world's reference answers: draft distillation"),
 ) -> None:
     """One stage of the LLaVA recipe (stage 1: --trainable projector, stage 2: projector+lm).
@@ -162,18 +165,19 @@ def stage(
     except MMSpecError as exc:
         raise typer.BadParameter(str(exc)) from exc
     per_family = _parse_family_samples(family_samples, n_train_per_family)
+    world_seed = seed if world_seed is None else world_seed
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
     # The token ids come from the model this one continues or borrows its tower from (a draft must
-    # share its target's vocabulary), whatever --seed; only a model from nothing gets a fresh tokenizer.
+    # share its target's vocabulary), whatever the seeds; only a model from nothing gets a fresh tokenizer.
     source = init if init is not None else vision_from
     if source is not None:
         _require_model_dir(source, "--init" if init is not None else "--vision-from")
         processor = AutoProcessor.from_pretrained(source)
         tokenizer = processor.tokenizer
     else:
-        tokenizer, processor = world_tokenizer_and_processor(seed)
+        tokenizer, processor = world_tokenizer_and_processor(world_seed)
     if init is not None:
         model = LlavaForConditionalGeneration.from_pretrained(init, dtype=torch.float32)
     else:
@@ -181,7 +185,7 @@ def stage(
         if vision_from is not None:
             tower = LlavaForConditionalGeneration.from_pretrained(vision_from, dtype=torch.float32).model.vision_tower
         model = build_llava(model_size(size), tokenizer, vision_tower=tower)
-    samples = _samples("train", per_family, seed)
+    samples = _samples("train", per_family, world_seed)
     examples = ([ex for s in samples for ex in caption_examples(s)] if captioner
                 else [example_from_sample(s) for s in samples])
     answers_meta = {}
@@ -189,7 +193,7 @@ def stage(
         from mmspec.train.distill import answer_source, read_answers, tokenizer_fingerprint, with_answers
 
         try:
-            got = read_answers(answers, prompts={s.uid: s.prompt for s in samples}, seed=seed,
+            got = read_answers(answers, prompts={s.uid: s.prompt for s in samples}, seed=world_seed,
                                tokenizer=tokenizer_fingerprint(tokenizer))
             examples = with_answers(examples, samples, got)
         except MMSpecError as exc:
@@ -219,7 +223,7 @@ def stage(
                                                  "caption_view_prob": caption_view_prob,
                                                  "n_train_per_family": n_train_per_family,
                                                  **({"family_samples": per_family} if family_samples else {}),
-                                                 **answers_meta}]
+                                                 "seed": seed, "world_seed": world_seed, **answers_meta}]
     if captioner:
         meta["captioner_prompt"] = CAPTIONER_PROMPT
     if pooled_tokens:
@@ -229,7 +233,7 @@ def stage(
 
         run = _Run(RecipeConfig(device=device), out, typer.echo, progress=False)
         run.tokenizer, run.processor, run.encoder = tokenizer, processor, encoder
-        val = _samples("val", 4, seed)
+        val = _samples("val", 4, world_seed)
         val_ex = [ex for s in val for ex in caption_examples(s)][:64] if captioner else [example_from_sample(s) for s in val]
         meta["eval"] = run.evaluate(meta.get("role", "stage"), model, val_ex, [] if captioner else val,
                                     tokens_per_image=pooled_tokens or 64, facts=not captioner)
@@ -245,7 +249,7 @@ def answers_cmd(
     n_train_per_family: int = typer.Option(400, help="train-split samples per family"),
     family_samples: list[str] = typer.Option([], help="FAMILY=N: N samples of this family instead of "
                                              "--n-train-per-family (repeatable; as `train stage` takes it)"),
-    seed: int = typer.Option(0, help="world seed of the samples: the --seed the draft stage will use"),
+    seed: int = typer.Option(0, help="world seed of the samples: the draft stage's --world-seed (default: its --seed)"),
     max_new_tokens: Optional[int] = typer.Option(None, help="longest answer (default: the answer length the "
                                                  "stages train on, RecipeConfig.max_answer_tokens = 96)"),
     batch_size: int = typer.Option(32, help="prompts per generate call (prompts of one token length each)"),

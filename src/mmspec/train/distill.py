@@ -43,8 +43,8 @@ _MISMATCH_FIX = {
     "target": "these answers are another target's; write this target's to another --out file",
     "tokenizer": "the ids are tokens of another vocabulary; a draft must share its target's tokenizer "
                  "(start it with --init from a draft of that target)",
-    "seed": "the uids name other world samples; use the --seed the answers were made with, or make "
-            "answers for this seed",
+    "seed": "the uids name other world samples; train with --world-seed set to the seed the answers "
+            "were made with, or make answers for this seed",
     "max_new_tokens": "the answers were cut at another length; write these to another --out file",
 }
 
@@ -185,5 +185,5 @@ def with_answers(examples: Sequence, samples: Sequence, answers: dict[str, tuple
     missing = [s.uid for s in samples if s.uid not in answers]
     if missing:
         raise MMSpecError(f"the answers file lacks {len(missing)} of the {len(samples)} training samples (e.g. "
-                          f"{missing[0]}); run `mmspec train answers` with the same --seed and sample counts first")
+                          f"{missing[0]}); run `mmspec train answers` with the same world seed and sample counts first")
     return [replace(ex, answer_ids=answers[s.uid]) for ex, s in zip(examples, samples, strict=True)]
