@@ -78,3 +78,24 @@ def test_demo_on_embedded_pack():
     r = runner.invoke(app, ["demo", "--families", "textvqa", "--methods", "M,TC", "--max-new-tokens", "8"])
     assert r.exit_code == 0, r.output
     assert "only know mmspec's synthetic world" in r.output and "yes" in r.output and "NO" not in r.output
+
+
+def test_help_pages_reflow_and_keep_angle_bracket_tokens():
+    """Every command's help starts with a one-line summary (the command lists show it), and the
+    markdown rendering keeps `<image>` rather than dropping it as an HTML tag."""
+    from typer.main import get_command
+
+    def commands(cmd, path=()):
+        if hasattr(cmd, "commands"):  # a group (typer's own class, not click.Group)
+            for name, sub in cmd.commands.items():
+                yield from commands(sub, (*path, name))
+        else:
+            yield path, cmd
+
+    found = list(commands(get_command(app)))
+    assert {p for p, _ in found} >= {("generate",), ("demo",), ("bench", "run"), ("train", "stage"), ("train", "answers")}
+    for path, cmd in found:
+        summary = (cmd.help or "").strip().split("\n\n")[0]
+        assert summary and "\n" not in summary, f"mmspec {' '.join(path)}: the docstring's first paragraph is not one line"
+    out = runner.invoke(app, ["generate", "--help"], terminal_width=100).output
+    assert "<image>" in out and "<CAPTION>" in out, out

@@ -17,7 +17,8 @@ from rich.table import Table
 from mmspec.errors import MMSpecError
 
 app = typer.Typer(help="Lossless speculative decoding for vision-language models (IbED).",
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  rich_markup_mode="markdown")  # markdown: docstring paragraphs reflow to the terminal
 console = Console()
 err_console = Console(stderr=True)
 
@@ -91,12 +92,12 @@ def _baseline(target, inputs, max_new_tokens):
 
 @app.command()
 def generate(
-    prompt: Optional[str] = typer.Option(None, help="Prompt text; <image> marks each image (added in front if missing)."),
+    prompt: Optional[str] = typer.Option(None, help="Prompt text; `<image>` marks each image (added in front if missing)."),
     image: List[Path] = typer.Option([], "--image", "-i", help="Image file; repeat for several images, in slot order."),
     target: Optional[str] = typer.Option(None, help="Target VLM: local directory or hub id (default: embedded)."),
     draft: Optional[str] = typer.Option(None, help="Draft model: local directory or hub id."),
     captioner: Optional[str] = typer.Option(None, help="Captioner (HF image-to-text) for the caption view."),
-    captioner_prompt: Optional[str] = typer.Option(None, help="Task prompt for the captioner, e.g. '<CAPTION>' for Florence-2 (default: the one an `mmspec train` captioner records)."),
+    captioner_prompt: Optional[str] = typer.Option(None, help="Task prompt for the captioner, e.g. `<CAPTION>` for Florence-2 (default: the one an `mmspec train` captioner records)."),
     views: str = typer.Option("M", help="Drafting views: letters M,T,C,P or names, comma-separated (pooled:36); "
                               "several = the in-batch ensemble (e.g. MT, MTC). M is the fastest measured "
                               "with the embedded pair (docs/perf.md)."),
@@ -161,8 +162,10 @@ def demo(
     max_new_tokens: int = typer.Option(64),
     gamma: int = typer.Option(5),
 ):
-    """Run the embedded models on a few synthetic-world samples: every method, identity check,
-    block efficiency and speed-up over the target alone."""
+    """Run every drafting method on a few synthetic-world samples with the embedded models.
+
+    Prints, per method, whether the output is identical to the target's, the block efficiency
+    and the speed-up over the target alone."""
     try:
         from mmspec.decoder import SpecDecoder
         from mmspec.inputs import processor_inputs

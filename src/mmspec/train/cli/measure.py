@@ -1,0 +1,151 @@
+"""``mmspec train evaluate | facts | probe``: the quality figures of trained models.
+
+``evaluate`` reads a benchmark run of the pack (:mod:`mmspec.train.evaluate`); ``facts`` measures a
+model's fact recall without one; ``probe`` asks whether the vision tower's features hold a fact
+at all (:mod:`mmspec.train.probe`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from mmspec.bench.datasets import SINGLE_IMAGE  # the fact-recall goal's families; `facts` defaults to them
+from mmspec.train.cli.app import _require_model_dir, train_app
+
+
+@train_app.command("evaluate")
+def evaluate_cmd(
+    results: Path = typer.Option(..., help="a `mmspec bench run` results dir on the embedded world"),
+    captions_per_family: int = typer.Option(50, help="test samples per family for the caption check (0: skip)"),
+    out: Optional[Path] = typer.Option(None, help="write the figures as JSON here"),
+) -> None:
+    """Quality of the embedded pack on the test split, from a benchmark run.
+
+    Fact recall of the target's answers, the captioner's fact rate, and multimodal vs text-only
+    block efficiency."""
+    import json
+
+    from mmspec.train.evaluate import answer_fact_recall, caption_fact_rate, view_block_efficiency
+
+    report: dict = {"answer_fact_recall": answer_fact_recall(results),
+                    "block_efficiency_M_vs_T": view_block_efficiency(results)}
+    if captions_per_family > 0:
+        from mmspec.embedded import load_embedded
+
+        pack = load_embedded()
+        cap = pack.captioner()
+        report["caption_fact_rate"] = caption_fact_rate(cap, captions_per_family)
+    def tau_and_captions(family: str) -> str:
+        tau = report["block_efficiency_M_vs_T"].get(family, {})
+        cap_rate = report.get("caption_fact_rate", {}).get(family, {}).get("rate")
+        return (f"  tau M {tau.get('M', float('nan')):.2f}  T {tau.get('T', float('nan')):.2f}"
+                + (f"  captions {cap_rate:.1%}" if cap_rate is not None else ""))
+
+    _echo_fact_table(report["answer_fact_recall"], tau_and_captions)
+    if out is not None:
+        out.write_text(json.dumps(report, indent=2))
+
+
+@train_app.command("facts")
+def facts_cmd(
+    model: Optional[Path] = typer.Option(None, help="HF LLaVA dir (default: the shipped target)"),
+    n: int = typer.Option(100, help="test samples per family (the split's first N, as the benchmark takes them)"),
+    family: list[str] = typer.Option(list(SINGLE_IMAGE), help="world family (repeatable)"),
+    view: str = typer.Option("multimodal", help="multimodal | caption (each image replaced by its "
+                             "ground-truth caption: can the LM copy the facts from text?)"),
+    max_new_tokens: int = typer.Option(128),
+    device: str = typer.Option("cpu"),
+    threads: Optional[int] = typer.Option(None),
+    out: Optional[Path] = typer.Option(None, help="write the figures as JSON here"),
+) -> None:
+    """Fact recall of a target's greedy answers on the test split, without a benchmark run.
+
+    Per family and kind of fact. The caption view separates the LM from the vision tower."""
+    import json
+
+    import torch
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from mmspec.embedded import default_path
+    from mmspec.train.checkpoint import read_sidecar
+    from mmspec.train.data import Encoder
+    from mmspec.train.evaluate import model_fact_recall
+    from mmspec.world import FAMILIES
+
+    if n < 1:
+        raise typer.BadParameter("need at least 1 sample per family", param_hint="--n")
+    if max_new_tokens < 1:
+        raise typer.BadParameter(f"need at least 1 new token; got {max_new_tokens}", param_hint="--max-new-tokens")
+    if view not in ("multimodal", "caption"):
+        raise typer.BadParameter(f"unknown view {view!r}; use multimodal or caption", param_hint="--view")
+    unknown = [f for f in family if f not in FAMILIES]
+    if unknown:
+        raise typer.BadParameter(f"unknown world famil{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
+                                 f"choose from {', '.join(FAMILIES)}", param_hint="--family")
+    if out is not None and not out.parent.is_dir():
+        raise typer.BadParameter(f"{out.parent} does not exist; create it or write elsewhere", param_hint="--out")
+    path = model or default_path() / "target"
+    _require_model_dir(path, "--model")
+    if threads:
+        torch.set_num_threads(threads)
+    families = list(dict.fromkeys(family))
+    tokens_per_image = read_sidecar(path).get("pooled_tokens") or 64  # a pooled draft reads N tokens per image
+    llava = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval().to(device)
+    processor = AutoProcessor.from_pretrained(path)
+    report = model_fact_recall(llava, Encoder(processor.tokenizer), processor.image_processor, families, n,
+                               view=view, max_new_tokens=max_new_tokens, device=device,
+                               tokens_per_image=tokens_per_image)
+    typer.echo(f"{path}: fact recall, {view} view, first {n} test samples per family, greedy")
+    _echo_fact_table(report)
+    if out is not None:
+        out.write_text(json.dumps({"model": str(path), "view": view, "n_per_family": n,
+                                   "tokens_per_image": tokens_per_image, "families": report}, indent=2))
+
+
+def _echo_fact_table(report: dict, extra=None) -> None:
+    """One line per family (recall, facts, ``extra(family)``), then by kind of fact and verdicts."""
+    for fam, r in report.items():
+        typer.echo(f"{fam:15s} facts {r['recall']:.1%} of {r['facts']}" + (extra(fam) if extra else ""))
+        typer.echo("                " + ", ".join(f"{k} {v['recall']:.0%}" for k, v in r["by_fact"].items()))
+        for truth, said in r.get("verdicts", {}).items():
+            typer.echo(f"                {sum(said.values())} {truth}-questions end on: "
+                       + ", ".join(f"{k} {c}" for k, c in said.items()))
+
+
+@train_app.command("probe")
+def probe_cmd(
+    model: Optional[Path] = typer.Option(None, help="HF LLaVA dir (default: the shipped target)"),
+    n_train: int = typer.Option(3000, help="train-split images per probe"),
+    n_test: int = typer.Option(500, help="test-split images per probe"),
+    threads: Optional[int] = typer.Option(None),
+    out: Optional[Path] = typer.Option(None, help="write the accuracies as JSON here"),
+) -> None:
+    """Linear probes on the vision tower's patch features (sign word, chart label, chart value).
+
+    A fact the probe reads but the target's answers miss is lost in the LM, not in the tower."""
+    import json
+
+    import torch
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from mmspec.embedded import default_path
+    from mmspec.train.probe import vision_probes
+
+    if n_train < 2 or n_test < 1:
+        raise typer.BadParameter("need --n-train >= 2 and --n-test >= 1")
+    if threads:
+        torch.set_num_threads(threads)
+    path = model or default_path() / "target"
+    _require_model_dir(path, "--model")
+    llava = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    results = vision_probes(llava, AutoProcessor.from_pretrained(path).image_processor, n_train, n_test)
+    typer.echo(f"{path}: linear probes on vision features, {n_train} train / {n_test} test images")
+    for r in results:
+        typer.echo(f"  {r.name:12s} test {r.test_acc:6.1%}  (train {r.train_acc:.1%}, chance {r.chance:.1%})")
+    if out is not None:
+        out.write_text(json.dumps({r.name: {"test_acc": r.test_acc, "train_acc": r.train_acc,
+                                            "n_classes": r.n_classes, "n_train": n_train, "n_test": n_test}
+                                   for r in results}, indent=2))

@@ -1,0 +1,304 @@
+"""``mmspec train embedded | stage | answers | grow``: the commands that make and change models.
+
+``embedded`` reproduces the whole pack (:mod:`mmspec.train.pack`); ``stage`` runs one stage of
+the recipe on one model directory, or on a fresh model of a size preset; ``answers`` writes a
+target's own greedy answers for draft distillation (:mod:`mmspec.train.distill`); ``grow`` adds
+LM layers computing the same function (:mod:`mmspec.train.grow`). Flags only map onto the typed
+configs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from mmspec.train.cli.app import (_BF16, _MINUTES, _STEPS, _default_steps, _parse_family_samples,
+                                  _require_model_dir, train_app)
+
+
+@train_app.command("embedded")
+def embedded(
+    out: Path = typer.Option(None, help="output dir (default: the package assets/embedded)"),
+    minutes_budget: Optional[float] = typer.Option(None, help="wall-clock budget; stages get shares of it"),
+    steps_scale: float = typer.Option(1.0, help="multiply every stage's step count (no budget)"),
+    device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, ..."),
+    seed: int = typer.Option(0),
+    threads: Optional[int] = typer.Option(None, help="torch.set_num_threads"),
+    n_train_per_family: int = typer.Option(1500, help="training samples per task family"),
+    bf16: bool = typer.Option(False, help="bf16 autocast"),
+    quiet: bool = typer.Option(False, help="no progress bars"),
+) -> None:
+    """Reproduce the whole pack: tokenizer -> target 0/1/2 -> draft 1/2 -> pooled draft -> captioner."""
+    from mmspec.embedded import default_path
+    from mmspec.errors import MMSpecError
+    from mmspec.train.config import RecipeConfig
+    from mmspec.train.pack import run_pack, with_budget
+
+    recipe = RecipeConfig(seed=seed, device=device, threads=threads, autocast_bf16=bf16,
+                          n_train_per_family=n_train_per_family).scaled(steps_scale)
+    if minutes_budget is not None:
+        try:
+            with_budget(recipe, minutes_budget)  # the stages' schedules refuse a budget <= 0 here, before any work
+        except MMSpecError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--minutes-budget") from exc
+    run_pack(recipe, out or default_path(), minutes_budget=minutes_budget, progress=not quiet)
+
+
+@train_app.command("stage")
+def stage(
+    out: Path = typer.Option(..., help="where to save the trained model (HF dir)"),
+    init: Optional[Path] = typer.Option(None, help="start from this HF LLaVA dir"),
+    size: str = typer.Option("draft", help="size preset for a fresh model when no --init"),
+    vision_from: Optional[Path] = typer.Option(None, help="copy this HF LLaVA dir's vision tower"),
+    trainable: str = typer.Option("projector+lm", help="all | projector | projector+lm"),
+    lr: float = typer.Option(2e-5),
+    steps: Optional[int] = _STEPS,
+    batch_size: int = typer.Option(16),
+    pooled_tokens: Optional[int] = typer.Option(None, help="train with pooling to N tokens/image"),
+    captioner: bool = typer.Option(False, help="train on the caption task instead of the QA task"),
+    caption_mix: float = typer.Option(0.0, help="QA training: add this many image->caption examples per QA "
+                                      "example (fact-dense supervision for the vision tower)"),
+    copy_mix: float = typer.Option(0.0, help="QA training: add this many text-only copy / lookup practice "
+                                   "examples per QA example (random words: teaches the LM to copy from its context)"),
+    copy_member_share: float = typer.Option(0.0, help="share of the --copy-mix practice that are membership "
+                                            "questions (`train copy --member-share`); the rest stay half lookups, "
+                                            "half repeats"),
+    cue_weight: float = typer.Option(1.0, help="QA training: weigh the loss on the sentence that decides an "
+                                     "existence answer (the world's cues: \"Looking for a red star: no, there is "
+                                     "none.\") this many times"),
+    fact_weight: float = typer.Option(1.0, help="QA training: weigh the loss on answer tokens that state the "
+                                      "image's facts this many times more than the other answer tokens"),
+    text_view_prob: float = typer.Option(0.0, help="show an example through the text view (images -> newline)"),
+    caption_view_prob: float = typer.Option(0.0, help="show an example through the caption view"),
+    n_train_per_family: int = typer.Option(400),
+    family_samples: list[str] = typer.Option([], help="FAMILY=N: train on N samples of this family instead of "
+                                             "--n-train-per-family (repeatable; 0 drops the family)"),
+    minutes: Optional[float] = _MINUTES,
+    bf16: bool = _BF16,
+    half: bool = typer.Option(False, help="save fp16 safetensors (the embedded pack's format)"),
+    evaluate: bool = typer.Option(False, "--eval", help="held-out loss and fact recall after training"),
+    device: str = typer.Option("cpu"),
+    seed: int = typer.Option(0, help="training seed: initialisation, batch order, view draws, mixed-in practice"),
+    world_seed: Optional[int] = typer.Option(None, help="seed of the world's samples (and of a fresh model's "
+                                             "tokenizer); default: --seed. Keep it to train again on the same "
+                                             "samples, or the same --answers file, with another --seed"),
+    threads: Optional[int] = typer.Option(None),
+    workers: int = typer.Option(0, help="build training batches in this many worker processes (0: in this one); "
+                                "a GPU step outruns one core's tokenising and image preprocessing"),
+    answers: Optional[Path] = typer.Option(None, help="train on a target's own greedy answers (a JSONL file from "
+                                           "`mmspec train answers`, same world seed and sample counts) instead of the "
+                                           "world's reference answers: draft distillation"),
+) -> None:
+    """One stage of the LLaVA recipe (stage 1: --trainable projector, stage 2: projector+lm).
+
+    Starting from --init, the new stage is appended to the init dir's mmspec.json history.
+    """
+    import math
+
+    import torch
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from mmspec.errors import MMSpecError
+    from mmspec.train.checkpoint import read_sidecar, save_checkpoint
+    from mmspec.train.config import RecipeConfig, StageConfig, build_llava, model_size
+    from mmspec.train.data import (CAPTIONER_PROMPT, Encoder, batch_stream, caption_examples, copy_examples,
+                                   example_from_sample, mix_in_captions)
+    from mmspec.train.pack import _samples, world_tokenizer_and_processor
+    from mmspec.train.recipe import train_stage
+
+    if not (math.isfinite(copy_mix) and copy_mix >= 0):
+        raise typer.BadParameter(f"--copy-mix must be a finite number >= 0; got {copy_mix}")
+    if not 0 <= copy_member_share <= 1:
+        raise typer.BadParameter(f"--copy-member-share must be in [0, 1]; got {copy_member_share}")
+    if copy_member_share > 0 and copy_mix == 0:
+        raise typer.BadParameter("--copy-member-share is a share of the --copy-mix practice; give --copy-mix too")
+    if workers < 0:
+        raise typer.BadParameter(f"--workers must be >= 0 (0 builds batches in this process); got {workers}")
+    if init is not None and vision_from is not None:
+        raise typer.BadParameter("--vision-from builds a new model on another's tower; --init continues a model "
+                                 "with its own tower: give one of them")
+    if captioner and copy_mix > 0:
+        raise typer.BadParameter("--copy-mix adds QA-style practice and would change the captioner's task; drop one")
+    if answers is not None and captioner:
+        raise typer.BadParameter("--answers replaces QA answers and would do nothing with --captioner; drop one")
+    if answers is not None and not answers.is_file():
+        raise typer.BadParameter(f"{answers} is not a file; make it with `mmspec train answers`",
+                                 param_hint="--answers")
+    if caption_mix < 0 or not (0 <= text_view_prob <= 1 and 0 <= caption_view_prob <= 1) \
+            or text_view_prob + caption_view_prob > 1:
+        raise typer.BadParameter(
+            f"--caption-mix must be >= 0 and the view probabilities in [0, 1] with a sum <= 1; got "
+            f"caption_mix={caption_mix}, text_view_prob={text_view_prob}, caption_view_prob={caption_view_prob}")
+    for flag, weight in (("--fact-weight", fact_weight), ("--cue-weight", cue_weight)):
+        if not (math.isfinite(weight) and weight > 0):
+            raise typer.BadParameter(f"{flag} must be a finite number > 0 (1 weighs every answer token alike); "
+                                     f"got {weight}")
+        if captioner and weight != 1.0:
+            raise typer.BadParameter(f"{flag} weighs QA answers and would do nothing with --captioner; drop one")
+    try:
+        cfg = StageConfig(f"stage-{trainable}", trainable, lr=lr, steps=_default_steps(steps, minutes),
+                          batch_size=batch_size, pooled_tokens=pooled_tokens,
+                          max_seconds=None if minutes is None else 60.0 * minutes)
+    except MMSpecError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    per_family = _parse_family_samples(family_samples, n_train_per_family)
+    world_seed = seed if world_seed is None else world_seed
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    # The token ids come from the model this one continues or borrows its tower from (a draft must
+    # share its target's vocabulary), whatever the seeds; only a model from nothing gets a fresh tokenizer.
+    source = init if init is not None else vision_from
+    if source is not None:
+        _require_model_dir(source, "--init" if init is not None else "--vision-from")
+        processor = AutoProcessor.from_pretrained(source)
+        tokenizer = processor.tokenizer
+    else:
+        tokenizer, processor = world_tokenizer_and_processor(world_seed)
+    if init is not None:
+        model = LlavaForConditionalGeneration.from_pretrained(init, dtype=torch.float32)
+    else:
+        tower = None
+        if vision_from is not None:
+            tower = LlavaForConditionalGeneration.from_pretrained(vision_from, dtype=torch.float32).model.vision_tower
+        model = build_llava(model_size(size), tokenizer, vision_tower=tower)
+    samples = _samples("train", per_family, world_seed)
+    examples = ([ex for s in samples for ex in caption_examples(s)] if captioner
+                else [example_from_sample(s) for s in samples])
+    answers_meta = {}
+    if answers is not None:
+        from mmspec.train.distill import answer_source, read_answers, tokenizer_fingerprint, with_answers
+
+        try:
+            got = read_answers(answers, prompts={s.uid: s.prompt for s in samples}, seed=world_seed,
+                               tokenizer=tokenizer_fingerprint(tokenizer))
+            examples = with_answers(examples, samples, got)
+        except MMSpecError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--answers") from exc
+        answers_meta = {"answers": {"file": answers.name, "rows": len(got), **answer_source(answers).__dict__}}
+    if caption_mix > 0 and not captioner:
+        examples += mix_in_captions(samples, caption_mix, seed)
+    if copy_mix > 0:
+        examples += copy_examples(tokenizer, round(copy_mix * len(samples)), seed,
+                                  lookup_share=0.5 * (1 - copy_member_share), member_share=copy_member_share)
+    encoder = Encoder(tokenizer, max_answer_tokens=RecipeConfig.max_answer_tokens, fact_weight=fact_weight,
+                      cue_weight=cue_weight)
+    try:
+        stream = batch_stream(examples, encoder, processor.image_processor, batch_size,
+                              torch.Generator().manual_seed(seed), tokens_per_image=pooled_tokens or 64,
+                              text_view_prob=text_view_prob, caption_view_prob=caption_view_prob, workers=workers)
+    except MMSpecError as exc:  # e.g. more workers than examples
+        raise typer.BadParameter(str(exc)) from exc
+    res = train_stage(model, cfg, stream, device, autocast_bf16=bf16)
+    meta = read_sidecar(init) if init is not None else {"role": "captioner" if captioner else "stage"}
+    meta["stages"] = [*meta.get("stages", []), {**res.summary(), "lr": lr, "trainable": trainable,
+                                                 "caption_mix": caption_mix, "copy_mix": copy_mix,
+                                                 "copy_member_share": copy_member_share,
+                                                 "fact_weight": fact_weight, "cue_weight": cue_weight,
+                                                 "workers": workers,
+                                                 "text_view_prob": text_view_prob,
+                                                 "caption_view_prob": caption_view_prob,
+                                                 "n_train_per_family": n_train_per_family,
+                                                 **({"family_samples": per_family} if family_samples else {}),
+                                                 "seed": seed, "world_seed": world_seed, **answers_meta}]
+    if captioner:
+        meta["captioner_prompt"] = CAPTIONER_PROMPT
+    if pooled_tokens:
+        meta["pooled_tokens"] = pooled_tokens
+    if evaluate:
+        from mmspec.train.pack import _Run
+
+        run = _Run(RecipeConfig(device=device), out, typer.echo, progress=False)
+        run.tokenizer, run.processor, run.encoder = tokenizer, processor, encoder
+        val = _samples("val", 4, world_seed)
+        val_ex = [ex for s in val for ex in caption_examples(s)][:64] if captioner else [example_from_sample(s) for s in val]
+        meta["eval"] = run.evaluate(meta.get("role", "stage"), model, val_ex, [] if captioner else val,
+                                    tokens_per_image=pooled_tokens or 64, facts=not captioner)
+    save_checkpoint(model, out, processor=processor, half=half, meta=meta)
+    typer.echo(f"{res.summary()} -> {out}")
+
+
+@train_app.command("answers")
+def answers_cmd(
+    out: Path = typer.Option(..., help="JSONL file to write (appended to: a rerun resumes, skipping samples "
+                             "already answered)"),
+    target: Optional[Path] = typer.Option(None, help="HF LLaVA dir (default: the shipped target)"),
+    n_train_per_family: int = typer.Option(400, help="train-split samples per family"),
+    family_samples: list[str] = typer.Option([], help="FAMILY=N: N samples of this family instead of "
+                                             "--n-train-per-family (repeatable; as `train stage` takes it)"),
+    seed: int = typer.Option(0, help="world seed of the samples: the draft stage's --world-seed (default: its --seed)"),
+    max_new_tokens: Optional[int] = typer.Option(None, help="longest answer (default: the answer length the "
+                                                 "stages train on, RecipeConfig.max_answer_tokens = 96)"),
+    batch_size: int = typer.Option(32, help="prompts per generate call (prompts of one token length each)"),
+    device: str = typer.Option("cpu"),
+    threads: Optional[int] = typer.Option(None),
+    quiet: bool = typer.Option(False, help="no progress bar"),
+) -> None:
+    """The target's own greedy answers to training samples, for draft distillation.
+
+    Train a draft on them with `mmspec train stage --answers FILE`."""
+    import torch
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from mmspec.embedded import default_path
+    from mmspec.errors import MMSpecError
+    from mmspec.train.config import RecipeConfig
+    from mmspec.train.distill import AnswerSource, generate_answers, target_fingerprint, tokenizer_fingerprint
+    from mmspec.train.pack import _samples
+
+    max_new_tokens = RecipeConfig.max_answer_tokens if max_new_tokens is None else max_new_tokens
+    if max_new_tokens < 1:
+        raise typer.BadParameter(f"need at least 1 new token; got {max_new_tokens}", param_hint="--max-new-tokens")
+    if batch_size < 1:
+        raise typer.BadParameter(f"need at least 1 prompt per batch; got {batch_size}", param_hint="--batch-size")
+    if not out.parent.is_dir():
+        raise typer.BadParameter(f"{out.parent} does not exist; create it or write elsewhere", param_hint="--out")
+    path = target or default_path() / "target"
+    _require_model_dir(path, "--target")
+    per_family = _parse_family_samples(family_samples, n_train_per_family)
+    if threads:
+        torch.set_num_threads(threads)
+    llava = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval().to(device)
+    processor = AutoProcessor.from_pretrained(path)
+    source = AnswerSource(target_fingerprint(path), tokenizer_fingerprint(processor.tokenizer), seed, max_new_tokens)
+    try:
+        counts = generate_answers(llava, processor, _samples("train", per_family, seed), out, source,
+                                  batch_size=batch_size, device=device, progress=not quiet)
+    except MMSpecError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--out") from exc
+    typer.echo(f"{counts['written']} answers written, {counts['already_there']} already there "
+               f"(target {source.target}, seed {seed}) -> {out}")
+
+
+@train_app.command("grow")
+def grow(
+    init: Path = typer.Option(..., help="the HF LLaVA dir to grow"),
+    layers: int = typer.Option(..., help="number of LM decoder layers after growing"),
+    out: Path = typer.Option(..., help="where to save the grown model (HF dir)"),
+    half: bool = typer.Option(False, help="save fp16 safetensors"),
+) -> None:
+    """Grow the LM to --layers decoder layers (depth up-scaling).
+
+    The grown model computes exactly what --init computes until it is trained further with
+    `mmspec train stage --init OUT`."""
+    import torch
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from mmspec.train.checkpoint import read_sidecar, save_checkpoint
+    from mmspec.train.config import param_report
+    from mmspec.train.grow import grow_lm_depth
+
+    model = LlavaForConditionalGeneration.from_pretrained(init, dtype=torch.float32)
+    before = model.config.text_config.num_hidden_layers
+    try:
+        grown = grow_lm_depth(model, layers)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--layers") from exc
+    meta = read_sidecar(init)
+    meta["params"] = param_report(grown)
+    meta["stages"] = [*meta.get("stages", []), {"name": "grow-lm-depth", "from_layers": before, "to_layers": layers}]
+    meta.pop("eval", None)  # the grown model's figures are measured after its next stage
+    save_checkpoint(grown, out, processor=AutoProcessor.from_pretrained(init), half=half, meta=meta)
+    typer.echo(f"LM {before} -> {layers} layers, {meta['params']['total'] / 1e6:.2f}M parameters -> {out}")
