@@ -74,7 +74,7 @@ class _PerSample:
         raise AssertionError("unknown images")
 
 
-def test_evaluate_command_writes_json(tmp_path):
+def test_evaluate_command_writes_json(tmp_path, monkeypatch):
     import json
 
     from typer.testing import CliRunner
@@ -90,8 +90,9 @@ def test_evaluate_command_writes_json(tmp_path):
               "text": hallu.answer, "token_ids": [], "wall_s": 0.1})
     w.close()
     out = tmp_path / "eval.json"
-    r = CliRunner().invoke(app, ["train", "evaluate", "--results", str(res_dir),
-                                 "--captions-per-family", "0", "--out", str(out)])
+    args = ["train", "evaluate", "--results", str(res_dir), "--captions-per-family", "0", "--out", str(out)]
+    monkeypatch.setattr("sys.argv", ["/venv/bin/mmspec", *args])  # what a shell call gives the command
+    r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     truth = hallu.facts["answer"]
     assert f"1 {truth}-questions end on: Yes {int(truth == 'Yes')}, No {int(truth == 'No')}, none 0" in r.output
@@ -100,6 +101,11 @@ def test_evaluate_command_writes_json(tmp_path):
         truth: {"Yes": int(truth == "Yes"), "No": int(truth == "No"), "none": 0}}
     assert report["answer_fact_recall"]["chartqa"]["samples"] == 2
     assert 0.4 <= report["answer_fact_recall"]["chartqa"]["recall"] <= 0.6
+    assert report["answer_fact_recall"]["chartqa"]["questions"]["asked_right"] == 0.5  # one right, one "no idea"
+    assert "questions 2: asked fact right 50.0%" in r.output
+    prov = report["provenance"]  # the figures name the command, date and machine that made them
+    assert prov["command"] == "mmspec " + " ".join(args) and prov["date"][:2] == "20"
+    assert prov["machine"]["cpu_count"] >= 1 and prov["results"] == str(res_dir)
 
 
 def test_training_time_fact_recall_uses_the_whole_word_rule(monkeypatch):
@@ -210,3 +216,22 @@ def test_model_fact_recall_tallies_the_answers_of_the_view_it_asks_for(monkeypat
 
     with pytest.raises(MMSpecError, match="unknown view"):
         model_fact_recall(None, Enc(), None, ["chartqa"], 1, view="text", progress=False)
+
+
+def test_questions_count_the_asked_fact_and_all_facts():
+    """Per question: the asked fact (the first of `facts`) decides `asked_right`, every fact
+    `all_right`; an answer stating only a side fact counts for neither."""
+    from mmspec.train.evaluate import tally_facts
+
+    s = [make_sample("chartqa", "test", i) for i in range(40)]
+    top = next(x for x in s if list(x.facts) == ["label", "value", "colour"])  # asks the label
+    texts = [(top, top.answer),  # all right
+             (top, f"The answer is {top.facts['label']}."),  # asked fact only
+             (top, f"The bar is {top.facts['colour']}, at {top.facts['value']}.")]  # side facts only
+    q = tally_facts(texts)["chartqa"]["questions"]
+    assert q["questions"] == 3
+    assert abs(q["asked_right"] - 2 / 3) < 1e-9 and abs(q["all_right"] - 1 / 3) < 1e-9
+    assert q["by_asked"] == {"label": {"right": 2 / 3, "questions": 3}}
+    no = next(x for x in (make_sample("hallusionbench", "test", i) for i in range(40)) if x.facts["answer"] == "No")
+    h = tally_facts([(no, no.answer), (no, no.answer.replace("No", "Yes").replace("no,", "yes,"))])
+    assert h["hallusionbench"]["questions"]["asked_right"] == 0.5  # the verdict is the asked fact

@@ -20,7 +20,7 @@ from mmspec.world import (
     make_sample,
 )
 from mmspec.world.core import split_of
-from mmspec.world.render import CELL, CHART_BASELINE, CHART_UNIT, COLOURS, POSITIONS, bar_slots
+from mmspec.world.render import CELL, CHART_BASELINE, CHART_UNIT, COLOURS, PLURAL, POSITIONS, SHAPES, bar_slots
 
 N = 40  # samples per family in the content checks
 
@@ -194,6 +194,73 @@ def test_vqav2_pixels_agree_with_facts(samples):
     assert checked >= 10
 
 
+def _shape_of(mask: np.ndarray) -> str:
+    """Name a flat shape from its pixels alone: fill of its bounding box, and (for the two half-full
+    shapes) whether the bottom half holds most of it. Measured over every radius and jitter the
+    renderer uses: square 1.0, circle 0.78, cross 0.64-0.68, triangle 0.52 (bottom-heavy, ~2.8x),
+    diamond 0.50 (symmetric), star 0.40-0.42."""
+    ys, xs = np.nonzero(mask)
+    box = mask[ys.min():ys.max() + 1, xs.min():xs.max() + 1]
+    h = box.shape[0]
+    fill = box.mean()
+    if fill > 0.9:
+        return "square"
+    if fill > 0.72:
+        return "circle"
+    if fill > 0.58:
+        return "cross"
+    if fill > 0.46:
+        return "triangle" if box[h - h // 2:].sum() > 1.5 * box[:h // 2].sum() else "diamond"
+    return "star"
+
+
+def _objects_in(img) -> dict[int, tuple[str, str]]:
+    """cell -> (colour, shape) of the object drawn there, read from the pixels."""
+    found = {}
+    for colour in COLOURS:
+        mask = _mask(img, colour)
+        for cell in _cells_with(img, colour):
+            r, c = divmod(cell, 3)
+            assert cell not in found, f"two colours in cell {cell}"
+            found[cell] = (colour, _shape_of(mask[r * CELL:(r + 1) * CELL, c * CELL:(c + 1) * CELL]))
+    return found
+
+
+def test_hallusionbench_pixels_agree_with_answers():
+    """The Yes/No label (and the stated count) follow from the rendered pixels alone: a renderer or
+    generator bug that flipped a label, drew the wrong shape or miscounted fails here."""
+    import re
+
+    singular = {p: s for s, p in PLURAL.items()}
+    seen = set()
+    for s in generate_samples("hallusionbench", "test", 60):
+        objs = _objects_in(s.images[0])
+        assert objs, s.uid
+        # the pixel reader agrees with the scene caption (so a wrong reading cannot pass unnoticed)
+        described = re.findall(r"an? (\w+) (\w+) (?:in|at|on) the (top left|top right|bottom left|bottom right"
+                               r"|top|bottom|left|right|center)", s.captions[0])
+        assert {(POSITIONS.index(p), (c, sh)) for c, sh, p in described} == set(objs.items()), (s.uid, s.captions[0])
+        answer = s.facts["answer"]
+        assert answer in ("Yes", "No"), s.uid
+        m = re.search(r"(?:exactly|show) (\d) (\w+)", s.question)
+        if m:  # "Are there exactly 2 diamonds in the image?"
+            k, noun = int(m.group(1)), m.group(2)
+            shape = singular.get(noun, noun)
+            assert shape in SHAPES, s.question
+            true = sum(sh == shape for _, sh in objs.values())
+            assert s.facts["count"] == str(true), (s.uid, s.question, s.facts)
+            assert answer == ("Yes" if true == k else "No"), (s.uid, s.question, s.facts)
+            seen.add(("count", answer))
+        else:  # "Can you see a red diamond in this picture?"
+            colour, shape = re.search(r"an? (\w+) (\w+)(?: in (?:the image|this picture))?\?$", s.question).groups()
+            cells = [cell for cell, obj in objs.items() if obj == (colour, shape)]
+            assert answer == ("Yes" if cells else "No"), (s.uid, s.question, s.facts, objs)
+            if cells:
+                assert POSITIONS.index(s.facts["position"]) in cells, (s.uid, s.facts)
+            seen.add(("exists", answer))
+    assert seen == {("count", "Yes"), ("count", "No"), ("exists", "Yes"), ("exists", "No")}, seen
+
+
 def test_spot_the_diff_changes_are_visible(samples):
     for s in samples["spot_the_diff"]:
         a, b = (np.asarray(im) for im in s.images)
@@ -283,3 +350,19 @@ def test_processor_expands_images_and_round_trips(tokenizer, tmp_path):
     assert (enc["labels"][0, :n_prompt] == -100).all()
     assert enc["labels"][0, -1].item() == tokenizer.eos_token_id
     assert tokenizer.decode(enc["labels"][0, n_prompt:-1]) == " " + s.answer
+
+
+@pytest.mark.parametrize("family", ["chartqa", "textvqa", "vqav2", "hallusionbench"])
+def test_the_first_fact_is_the_one_the_question_asks(family):
+    """`Sample.facts` lists the asked fact first (`mmspec.train.evaluate` scores questions by it):
+    the reference answer's last sentence gives it, for yes/no questions as the final verdict."""
+    import re
+
+    from mmspec.train.evaluate import states, verdict
+
+    for i in range(60):
+        s = make_sample(family, "test", i)
+        key, value = next(iter(s.facts.items()))
+        last = re.split(r"(?<=[.!?])\s+", s.answer.strip())[-1]
+        ok = verdict(last) == value if key == "answer" else states(last, value)
+        assert ok, f"{s.uid}: the last sentence {last!r} does not give the first fact {key}={value!r}"

@@ -43,7 +43,8 @@ class Sample:
     question: str | None  # single-image families only
     prompt: str  # mmspec.prompt.TEMPLATES[family], filled
     answer: str  # verbose, varied phrasing; states every value of `facts` verbatim
-    facts: dict[str, str]  # image-dependent key facts the answer states
+    facts: dict[str, str]  # image-dependent key facts the answer states; single-image families list
+    # the fact the question asks first (the answer's last sentence gives it; evaluation scores by it)
     captions: list[str]  # one short ground-truth caption per image
     cues: tuple[str, ...] = ()  # answer phrases that commit it to its verdict (training weighs them; not scored)
 

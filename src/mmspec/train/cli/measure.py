@@ -46,7 +46,27 @@ def evaluate_cmd(
 
     _echo_fact_table(report["answer_fact_recall"], tau_and_captions)
     if out is not None:
-        out.write_text(json.dumps(report, indent=2))
+        out.write_text(json.dumps({"provenance": _provenance(results), **report}, indent=2))
+
+
+def _provenance(results: Optional[Path] = None) -> dict:
+    """What made a figure: this command, when and where, and the benchmark run it read (if any)."""
+    import datetime
+    import shlex
+    import sys
+
+    from mmspec.bench.runner import machine_info
+    from mmspec.bench.store import read_run_meta
+
+    out = {"command": shlex.join(["mmspec", "train", *sys.argv[2:]]) if "train" in sys.argv[1:2]
+           else shlex.join(sys.argv),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "machine": machine_info()}
+    if results is not None:
+        out["results"] = str(results)
+        out["bench_runs"] = [{k: m.get(k) for k in ("command", "date", "rank", "world_size", "machine")}
+                             for m in read_run_meta(results)]
+    return out
 
 
 @train_app.command("facts")
@@ -101,14 +121,19 @@ def facts_cmd(
     typer.echo(f"{path}: fact recall, {view} view, first {n} test samples per family, greedy")
     _echo_fact_table(report)
     if out is not None:
-        out.write_text(json.dumps({"model": str(path), "view": view, "n_per_family": n,
+        out.write_text(json.dumps({"model": str(path), "view": view, "n_per_family": n, "provenance": _provenance(),
                                    "tokens_per_image": tokens_per_image, "families": report}, indent=2))
 
 
 def _echo_fact_table(report: dict, extra=None) -> None:
-    """One line per family (recall, facts, ``extra(family)``), then by kind of fact and verdicts."""
+    """One line per family (recall, facts, ``extra(family)``), then its questions (asked fact, every
+    fact), by kind of fact and verdicts."""
     for fam, r in report.items():
+        q = r["questions"]
         typer.echo(f"{fam:15s} facts {r['recall']:.1%} of {r['facts']}" + (extra(fam) if extra else ""))
+        typer.echo(f"                questions {q['questions']}: asked fact right {q['asked_right']:.1%} ("
+                   + ", ".join(f"{k} {v['right']:.0%} of {v['questions']}" for k, v in q["by_asked"].items())
+                   + f"), every fact right {q['all_right']:.1%}")
         typer.echo("                " + ", ".join(f"{k} {v['recall']:.0%}" for k, v in r["by_fact"].items()))
         for truth, said in r.get("verdicts", {}).items():
             typer.echo(f"                {sum(said.values())} {truth}-questions end on: "
