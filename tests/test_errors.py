@@ -118,3 +118,18 @@ def test_logits_processors_in_generation_config_are_refused(tok):
         SpecDecoder(t, t, tok)
     t.generation_config.repetition_penalty = 1.0
     SpecDecoder(t, t, tok)  # neutral value is fine
+
+
+@pytest.mark.parametrize("args, phrase", [
+    (["--captioner", "some/captioner"], "--captioner applies to --target/--draft checkpoints"),
+    (["--captioner-prompt", "<CAPTION>"], "--captioner-prompt applies to --target/--draft checkpoints"),
+    (["--dtype", "float8"], "unknown dtype 'float8'"),
+])
+def test_generate_refuses_flags_the_embedded_default_would_ignore(args, phrase):
+    """Without --target the embedded pack is used: a flag it cannot honour is an error, not ignored."""
+    from typer.testing import CliRunner
+
+    from mmspec.cli import app
+
+    r = CliRunner().invoke(app, ["generate", "--max-new-tokens", "2", *args])
+    assert r.exit_code == 2 and phrase in " ".join(r.output.split()) and "Traceback" not in r.output, r.output

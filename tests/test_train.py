@@ -172,11 +172,17 @@ def test_save_load_roundtrip_offline(model, tokenizer, processor, tmp_path, monk
     assert read_sidecar(tmp_path / "m") == {"role": "target"}
 
 
-def test_load_embedded_missing_assets(tmp_path):
+def test_load_embedded_missing_assets(tmp_path, monkeypatch):
     from mmspec.embedded import load_embedded
 
-    with pytest.raises(MMSpecError, match="mmspec train embedded"):
+    with pytest.raises(MMSpecError, match="mmspec train embedded") as own:
         load_embedded(path=tmp_path / "nothing")
+    assert "reinstall" not in str(own.value)  # a pack of the user's own: nothing is damaged
+    import mmspec.embedded as embedded
+
+    monkeypatch.setattr(embedded, "default_path", lambda: tmp_path / "gone")
+    with pytest.raises(MMSpecError, match="install is damaged: reinstall mmspec"):
+        load_embedded()  # the shipped pack's place, empty
 
 
 def test_shared_vision_tower(model, tokenizer):
@@ -1006,7 +1012,7 @@ def test_greedy_answer_in_the_multimodal_view_is_hf_generate(model, tokenizer, p
     assert got == want[0, inputs["input_ids"].shape[1]:].tolist()
 
 
-def test_facts_cli_on_a_tiny_world_model(tmp_path):
+def test_facts_cli_on_a_tiny_world_model(tmp_path, monkeypatch):
     """`mmspec train facts` answers the test split through either view and writes per-family JSON;
     bad flags are refused with the fix, not a traceback."""
     import json
@@ -1022,12 +1028,14 @@ def test_facts_cli_on_a_tiny_world_model(tmp_path):
     save_checkpoint(build_llava(model_size("tiny"), tok), tmp_path / "m", processor=proc, meta={"role": "test"})
     for view in ("caption", "multimodal"):
         out = tmp_path / f"{view}.json"
-        r = CliRunner().invoke(app, ["train", "facts", "--model", str(tmp_path / "m"), "--n", "2",
-                                     "--family", "chartqa", "--family", "hallusionbench", "--view", view,
-                                     "--max-new-tokens", "3", "--out", str(out)])
+        args = ["train", "facts", "--model", str(tmp_path / "m"), "--n", "2", "--family", "chartqa",
+                "--family", "hallusionbench", "--view", view, "--max-new-tokens", "3", "--out", str(out)]
+        monkeypatch.setattr("sys.argv", ["/venv/bin/mmspec", *args])
+        r = CliRunner().invoke(app, args)
         assert r.exit_code == 0, r.output
         rep = json.loads(out.read_text())
         assert rep["view"] == view and set(rep["families"]) == {"chartqa", "hallusionbench"}
+        assert rep["provenance"]["command"].startswith("mmspec train facts --model") and "bench_runs" not in rep["provenance"]
         assert all(f["samples"] == 2 and 0 <= f["recall"] <= 1 for f in rep["families"].values())
         assert sum(sum(v.values()) for v in rep["families"]["hallusionbench"]["verdicts"].values()) == 2
     for args, phrase in ((["--view", "pixels"], "unknown view"), (["--family", "charts"], "unknown world"),

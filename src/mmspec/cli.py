@@ -42,9 +42,17 @@ def _load(target, draft, captioner, captioner_prompt, dtype, device):
     if target is None:
         if draft is not None:
             raise MMSpecError("--draft needs --target too (or pass neither to use the embedded models)")
-        from mmspec.embedded import load_embedded
+        for flag, value in (("--captioner", captioner), ("--captioner-prompt", captioner_prompt)):
+            if value is not None:
+                raise MMSpecError(f"{flag} applies to --target/--draft checkpoints; the embedded models bring "
+                                  f"their own captioner. Drop {flag}, or pass --target and --draft too")
+        import torch
 
-        e = load_embedded(device=device)
+        from mmspec.embedded import load_embedded
+        from mmspec.models.loading import resolve_dtype
+
+        resolved = resolve_dtype(dtype)  # the pack is saved in fp16; "auto" computes in float32
+        e = load_embedded(dtype=torch.float32 if resolved == "auto" else resolved, device=device)
         cap = e.captioner()
         return e.target, e.draft, e.tokenizer, e.processor, cap, True
     if draft is None:
@@ -109,7 +117,8 @@ def generate(
     top_p: Optional[float] = typer.Option(None),
     seed: Optional[int] = typer.Option(None, help="Seed for sampling (same seed, same output)."),
     compare: bool = typer.Option(True, help="Also run target.generate and report speed-up and identity (greedy)."),
-    dtype: str = typer.Option("auto", help="auto, float32, bfloat16, float16."),
+    dtype: str = typer.Option("auto", help="auto, float32, bfloat16, float16 (auto: the checkpoint's own; the "
+                              "embedded models compute in float32)."),
     device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, ..."),
 ):
     """Answer one prompt with speculative decoding and print the block statistics."""

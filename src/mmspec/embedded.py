@@ -49,8 +49,11 @@ def default_path() -> Path:
 
 def _missing(path: Path, what: str) -> MMSpecError:
     return MMSpecError(
-        f"embedded models not found: {what} is missing under {path}. Produce them with "
-        f"`mmspec train embedded --out {path}` (CPU, ~40 min; add --minutes-budget to change), "
+        f"embedded models not found: {what} is missing under {path}. "
+        + ("mmspec ships them, so the install is damaged: reinstall mmspec. " if path == default_path() else "")
+        + f"To make a pack: `mmspec train embedded --out "
+        f"{path}` (CPU, ~40 min; a smaller recipe than the shipped pack's), or, from a source checkout, "
+        f"`bash scripts/train-embedded-pack.sh {path}` (the shipped recipe, docs/embedded-models.md); "
         f"or pass path= to a directory that holds target/, draft/, draft_pooled/, captioner/.")
 
 

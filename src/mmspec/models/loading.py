@@ -11,7 +11,8 @@ import torch
 from mmspec.errors import MMSpecError
 
 
-def _resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
+    """A --dtype string (or torch dtype) -> torch dtype, or "auto" (the checkpoint's own); unknown: a clear error."""
     if dtype is None or dtype == "auto":
         return "auto"
     if isinstance(dtype, torch.dtype):
@@ -53,7 +54,7 @@ def load_model(name_or_path: str, *, dtype: str | torch.dtype | None = "auto", d
     vlm = config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or hasattr(config, "vision_config")
     auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
     try:
-        model = auto.from_pretrained(name_or_path, dtype=_resolve_dtype(dtype))
+        model = auto.from_pretrained(name_or_path, dtype=resolve_dtype(dtype))
     except ValueError as e:  # a config class neither Auto mapping knows
         raise MMSpecError(
             f"{name_or_path!r} (model_type={config.model_type!r}) is neither an image-text-to-text "
