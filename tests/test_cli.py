@@ -56,28 +56,48 @@ def test_generate_caption_view_without_captioner(checkpoints):
     assert r.exit_code == 2 and "needs a captioner" in r.output
 
 
-def test_specdecoder_from_local_directories(checkpoints, target, monkeypatch):
+def test_specdecoder_from_local_directories(checkpoints, target):
     """target/draft given as paths: loaded offline through the Auto classes, tokenizer and
     processor from the target's directory."""
     from mmspec import SpecDecoder
-    from tiny import make_prompt
+    from tiny import block_network, make_prompt
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    dec = SpecDecoder(str(checkpoints / "target"), str(checkpoints / "draft"), views="MT", dtype="float64")
+    with block_network():
+        dec = SpecDecoder(str(checkpoints / "target"), str(checkpoints / "draft"), views="MT", dtype="float64")
     assert dec.processor is not None and type(dec.target_model).__name__ == "LlavaForConditionalGeneration"
     ids, pv = make_prompt(1, 16, seed=2)
     ref = target.generate(input_ids=ids, pixel_values=pv, do_sample=False, max_new_tokens=10)[0, ids.shape[1]:]
     assert dec.generate(ids, pv, max_new_tokens=10).token_ids == ref.tolist()
 
 
-def test_demo_on_embedded_pack():
+def _assert_pack_present():
     from mmspec.embedded import default_path
 
-    if not (default_path() / "target" / "config.json").exists():
-        pytest.skip("embedded pack not built")
+    cfg = default_path() / "target" / "config.json"
+    assert cfg.is_file(), f"{cfg} is missing: the embedded pack is committed to git, so the install is broken"
+
+
+def test_demo_on_embedded_pack():
+    _assert_pack_present()
     r = runner.invoke(app, ["demo", "--families", "textvqa", "--methods", "M,TC", "--max-new-tokens", "8"])
     assert r.exit_code == 0, r.output
     assert "only know mmspec's synthetic world" in r.output and "yes" in r.output and "NO" not in r.output
+
+
+def test_generate_with_no_flags_uses_the_embedded_pack():
+    """`mmspec generate` with no model, prompt or image: the embedded models answer the bundled
+    chart-QA sample, say they only know the synthetic world, and match target.generate."""
+    from mmspec.world import make_sample
+
+    _assert_pack_present()
+    r = runner.invoke(app, ["generate", "--max-new-tokens", "16"], terminal_width=200)
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.output.replace("│", " ").split())  # undo rich's wrapping and table borders
+    assert "Using the embedded tiny models: they only know mmspec's synthetic world" in out, out
+    assert "No prompt given: a bundled chart-QA example" in out, out
+    assert make_sample("chartqa", "test", 0).question in out, out
+    assert "tokens 16 " in out, out  # the default max_new_tokens is 128: the flag reached the decoder
+    assert "identical to target.generate yes" in out, out
 
 
 def test_help_pages_reflow_and_keep_angle_bracket_tokens():

@@ -1,22 +1,46 @@
-"""The shipped embedded pack: loads offline, stays within the size budget, and decodes
-losslessly with SpecDecoder for every view and ensemble on 1-, 2- and 5-image world samples."""
+"""The shipped embedded pack: present, loads with the network blocked, stays within the size
+budget, and decodes losslessly with SpecDecoder for every view and ensemble on 1-, 2- and 5-image
+world samples."""
 
-import os
+import socket
 
 import pytest
+from tiny import NetworkBlocked, block_network
 
-from mmspec.embedded import default_path
+from mmspec.embedded import ROLES, default_path
 
-pytestmark = pytest.mark.skipif(not (default_path() / "target" / "config.json").exists(),
-                                reason="embedded pack not built (mmspec train embedded)")
+
+@pytest.fixture(scope="module", autouse=True)
+def offline():
+    """No network for this module (the pack must load from the package alone)."""
+    with block_network():
+        yield
 
 
 @pytest.fixture(scope="module")
-def pack():
+def pack(offline):
     from mmspec.embedded import load_embedded
 
-    os.environ["HF_HUB_OFFLINE"] = "1"
     return load_embedded()
+
+
+def test_pack_is_present():
+    """The pack is committed to git: a missing file is a broken checkout or install, not a skip."""
+    root = default_path()
+    missing = [f"{role}/{name}" for role in ROLES for name in ("config.json", "model.safetensors")
+               if not (root / role / name).is_file()]
+    assert not missing, f"embedded pack incomplete under {root}: missing {', '.join(missing)} (broken install?)"
+
+
+def test_network_is_blocked():
+    """The guard is live in this module (so the loading and decoding tests really ran offline)."""
+    with pytest.raises(NetworkBlocked, match=r"create_connection\(\('example.com', 80\)\)"):
+        socket.create_connection(("example.com", 80))
+    with pytest.raises(NetworkBlocked, match="huggingface.co"):
+        socket.getaddrinfo("huggingface.co", 443)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        with pytest.raises(NetworkBlocked, match="93.184.215.14"):
+            sock.connect(("93.184.215.14", 443))
 
 
 def test_pack_size_budget():

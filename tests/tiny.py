@@ -3,8 +3,11 @@ tests itself. Shared by the test modules (import, not a fixture, so helpers can 
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import socket
 
+import pytest
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlavaProcessor, LlamaConfig, LlamaForCausalLM, LlavaConfig,
@@ -83,3 +86,32 @@ def make_processor(tok, image_size: int = 32, patch: int = 8) -> LlavaProcessor:
                                crop_size={"height": image_size, "width": image_size})
     return LlavaProcessor(image_processor=ip, tokenizer=tok, patch_size=patch, image_token="<image>",
                           vision_feature_select_strategy="default", num_additional_image_tokens=1)
+
+
+class NetworkBlocked(AssertionError):
+    """Raised by :func:`block_network` when code under test tries to reach the network."""
+
+
+@contextlib.contextmanager
+def block_network():
+    """Inside: name resolution and every non-local connect raise NetworkBlocked naming the
+    address, so "loads offline" is checked rather than assumed (HF_HUB_OFFLINE set in a test is
+    read too late: huggingface_hub reads it at import). Everything is restored on exit."""
+
+    def refuse(what, address):
+        raise NetworkBlocked(f"network access attempted during an offline test: {what}({address!r})")
+
+    orig_connect, orig_connect_ex = socket.socket.connect, socket.socket.connect_ex
+
+    def connect(self, address):
+        return orig_connect(self, address) if self.family == socket.AF_UNIX else refuse("socket.connect", address)
+
+    def connect_ex(self, address):
+        return orig_connect_ex(self, address) if self.family == socket.AF_UNIX else refuse("socket.connect_ex", address)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(socket.socket, "connect", connect)
+        mp.setattr(socket.socket, "connect_ex", connect_ex)
+        mp.setattr(socket, "create_connection", lambda address, *a, **k: refuse("socket.create_connection", address))
+        mp.setattr(socket, "getaddrinfo", lambda host, port, *a, **k: refuse("socket.getaddrinfo", (host, port)))
+        yield
