@@ -313,6 +313,10 @@ def test_tokenizer_special_ids_and_newline(tokenizer):
     assert tokenizer.encode("a\n\nb", add_special_tokens=False).count(nl[0]) == 2
     assert tokenizer.image_token == "<image>"
     assert tokenizer.model_max_length == 2048
+    # the chat roles are one token each, as every prompt writes them (frequent merges, not specials)
+    roles = tokenizer.encode("USER: What? ASSISTANT:", add_special_tokens=False)
+    tokens = tokenizer.convert_ids_to_tokens(roles)
+    assert tokens[:2] == ["USER", ":"] and tokens[-2:] == ["ĠASSISTANT", ":"], tokens
 
 
 def test_tokenizer_round_trips_and_saves(tokenizer, tmp_path):

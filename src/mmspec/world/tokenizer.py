@@ -3,7 +3,10 @@
 Owns the special-token layout every world model shares (``<pad>``=0, ``<s>``=1, ``</s>``=2,
 ``<unk>``=3, ``<image>``=4), a LLaMA-style bos added by the post-processor, and the guarantee
 the text-only drafting view relies on: ``"\\n"`` is exactly one token. Byte-level BPE with no
-normalisation, so ``decode(encode(text))`` gives back ``text`` exactly. Knows nothing about images.
+normalisation, so ``decode(encode(text))`` gives back ``text`` exactly. The chat roles (``USER``,
+`` ASSISTANT``) come out as one token each: every prompt writes them, so they are among the
+first merges (tested), as in LLaMA-family tokenizers, where they are not special tokens either.
+Knows nothing about images.
 """
 
 from __future__ import annotations
