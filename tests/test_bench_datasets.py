@@ -58,7 +58,7 @@ def test_story_captions_fallback_without_labels():
 
 
 def test_save_to_disk_directory(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    import datasets  # in the test extra: the save_to_disk path must not silently skip
     write_chartqa(tmp_path / "c.parquet", n=2)
     ds = datasets.Dataset.from_parquet(str(tmp_path / "c.parquet"))
     ds = ds.cast_column("image", datasets.Image())
