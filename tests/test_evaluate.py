@@ -101,8 +101,8 @@ def test_evaluate_command_writes_json(tmp_path, monkeypatch):
         truth: {"Yes": int(truth == "Yes"), "No": int(truth == "No"), "none": 0}}
     assert report["answer_fact_recall"]["chartqa"]["samples"] == 2
     assert 0.4 <= report["answer_fact_recall"]["chartqa"]["recall"] <= 0.6
-    assert report["answer_fact_recall"]["chartqa"]["questions"]["asked_right"] == 0.5  # one right, one "no idea"
-    assert "questions 2: asked fact right 50.0%" in r.output
+    assert report["answer_fact_recall"]["chartqa"]["questions"]["right"] == 0.5  # one right, one "no idea"
+    assert "questions answered right 50.0% of 2" in r.output
     prov = report["provenance"]  # the figures name the command, date and machine that made them
     assert prov["command"] == "mmspec " + " ".join(args) and prov["date"][:2] == "20"
     assert prov["machine"]["cpu_count"] >= 1 and prov["results"] == str(res_dir)
@@ -218,20 +218,24 @@ def test_model_fact_recall_tallies_the_answers_of_the_view_it_asks_for(monkeypat
         model_fact_recall(None, Enc(), None, ["chartqa"], 1, view="text", progress=False)
 
 
-def test_questions_count_the_asked_fact_and_all_facts():
-    """Per question: the asked fact (the first of `facts`) decides `asked_right`, every fact
-    `all_right`; an answer stating only a side fact counts for neither."""
+def test_a_question_counts_only_when_its_final_sentence_answers_it():
+    """Question accuracy reads the asked fact (the first of `facts`) in the answer's final
+    sentence: a right listing followed by a wrong answer, or side facts alone, do not count; a
+    yes/no question counts by the verdict the answer ends on; families that ask no question
+    get no question figure."""
     from mmspec.train.evaluate import tally_facts
 
     s = [make_sample("chartqa", "test", i) for i in range(40)]
     top = next(x for x in s if list(x.facts) == ["label", "value", "colour"])  # asks the label
-    texts = [(top, top.answer),  # all right
-             (top, f"The answer is {top.facts['label']}."),  # asked fact only
+    wrong = next(lab for lab in ("tea", "egg", "bus", "dog") if lab != top.facts["label"])
+    texts = [(top, top.answer),  # right
+             (top, f"The answer is {top.facts['label']}."),  # right, nothing else said
+             (top, f"{top.answer.rsplit('. ', 1)[0]}. The answer is {wrong}."),  # right listing, wrong answer
              (top, f"The bar is {top.facts['colour']}, at {top.facts['value']}.")]  # side facts only
     q = tally_facts(texts)["chartqa"]["questions"]
-    assert q["questions"] == 3
-    assert abs(q["asked_right"] - 2 / 3) < 1e-9 and abs(q["all_right"] - 1 / 3) < 1e-9
-    assert q["by_asked"] == {"label": {"right": 2 / 3, "questions": 3}}
+    assert q == {"right": 0.5, "questions": 4, "by_asked": {"label": {"right": 0.5, "questions": 4}}}
     no = next(x for x in (make_sample("hallusionbench", "test", i) for i in range(40)) if x.facts["answer"] == "No")
-    h = tally_facts([(no, no.answer), (no, no.answer.replace("No", "Yes").replace("no,", "yes,"))])
-    assert h["hallusionbench"]["questions"]["asked_right"] == 0.5  # the verdict is the asked fact
+    h = tally_facts([(no, no.answer), (no, "There is no such thing. So the answer is Yes.")])
+    assert h["hallusionbench"]["questions"]["right"] == 0.5  # the verdict it ends on
+    story = make_sample("vist", "test", 0)
+    assert "questions" not in tally_facts([(story, story.answer)])["vist"]

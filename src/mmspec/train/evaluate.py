@@ -4,9 +4,13 @@
   as whole words (``1`` does not match ``10``; case ignored), in the target's greedy answer,
   per family and per kind of fact, and for yes/no questions the verdict the answer ends on
   (:func:`verdict`) against the true one (:func:`tally_facts`); a yes/no ``answer`` fact is
-  stated only by that verdict. Also per question: the share of questions whose *asked* fact
-  (the first of ``Sample.facts``, the one the reference answer's last sentence gives) the
-  answer states, and the share whose facts it states all. Read from a ``mmspec bench run`` results dir (its baseline rows
+  stated only by that verdict. Fact recall counts the facts an answer states anywhere, and the
+  world's answers list a scene's values before answering, so it also credits a correct listing
+  followed by a wrong answer;
+* question accuracy (single-image families, whose samples ask one question): the share of
+  questions whose final sentence states the *asked* fact, the first of ``Sample.facts``, which
+  the reference answer's final sentence gives (:func:`answers_question`); for yes/no
+  questions, the verdict the answer ends on. Read from a ``mmspec bench run`` results dir (its baseline rows
   are the target's own greedy answers on test samples),
   so the numbers and the block-efficiency table come from one run; or generated directly by a
   model (:func:`model_fact_recall`, ``mmspec train facts``), also in the caption view, where
@@ -47,6 +51,22 @@ def verdict(text: str) -> str:
     return words[-1].capitalize() if words else "none"
 
 
+def final_sentence(text: str) -> str:
+    """The last sentence of an answer (all of it when it has one sentence or none ends)."""
+    return re.split(r"(?<=[.!?])\s+", text.strip())[-1]
+
+
+def answers_question(sample, text: str) -> bool:
+    """Whether ``text`` answers ``sample``'s question right: its final sentence states the asked
+    fact (the first of ``sample.facts``; the world's reference answers give it there), or, for a
+    yes/no question, the answer ends on the true verdict. Listing the scene right and then
+    answering wrong ("... bus is 6 ... The answer is 10.") does not count."""
+    key, value = next(iter(sample.facts.items()))
+    if key == "answer" and value in ("Yes", "No"):
+        return verdict(text) == value
+    return states(final_sentence(text), value)
+
+
 def fact_kind(key: str) -> str:
     """A fact's kind: its key without a trailing index (``object_2`` -> ``object``)."""
     return re.sub(r"_\d+$", "", key)
@@ -55,49 +75,44 @@ def fact_kind(key: str) -> str:
 def tally_facts(answers) -> dict[str, dict]:
     """Per family, from ``(sample, answer text)`` pairs: the share of the samples' facts the
     answers state (:func:`states`), also by fact kind (``by_fact``: chart value vs label vs
-    colour, sign word vs colour...); per question (``questions``): the share whose asked fact
-    (the first of ``sample.facts``) is stated, also by the asked fact's kind, and the share
-    whose facts are all stated; families with yes/no questions also get ``verdicts``:
+    colour, sign word vs colour...); families whose samples ask a question also get
+    ``questions``: the share answered right (:func:`answers_question`), also by the asked
+    fact's kind; families with yes/no questions also get ``verdicts``:
     true answer -> {verdict the answer ends on (:func:`verdict`): count}. A yes/no ``answer``
     fact is hit only by the verdict the answer ends on: an answer saying "yes, ..." and then
     "So the answer is No." must not count for both truths."""
     hits: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # facts hit, facts, samples
     kinds: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))  # hit, total
     asked: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))  # kind -> right, n
-    all_right: dict[str, int] = defaultdict(int)  # questions with every fact stated
     verdicts: dict[str, dict[str, dict[str, int]]] = defaultdict(dict)  # family -> truth -> verdict -> n
     for sample, text in answers:
         family = sample.family
         h = hits[family]
         said = verdict(text)
-        got = []
         for key, value in sample.facts.items():
             hit = int(said == value if key == "answer" and value in ("Yes", "No") else states(text, value))
-            got.append(hit)
             h[0] += hit
             h[1] += 1
             k = kinds[family][fact_kind(key)]
             k[0] += hit
             k[1] += 1
         h[2] += 1
-        if got:
+        if sample.question is not None and sample.facts:
             q = asked[family][fact_kind(next(iter(sample.facts)))]
-            q[0] += got[0]
+            q[0] += answers_question(sample, text)
             q[1] += 1
-            all_right[family] += all(got)
         truth = sample.facts.get("answer")
         if truth in ("Yes", "No"):
             verdicts[family].setdefault(truth, {"Yes": 0, "No": 0, "none": 0})[said] += 1
 
     def questions(f: str) -> dict:
         n = sum(v[1] for v in asked[f].values())
-        right = sum(v[0] for v in asked[f].values())
-        return {"asked_right": right / max(n, 1), "all_right": all_right[f] / max(n, 1), "questions": n,
+        return {"right": sum(v[0] for v in asked[f].values()) / n, "questions": n,
                 "by_asked": {k: {"right": v[0] / v[1], "questions": v[1]} for k, v in sorted(asked[f].items())}}
 
     return {f: {"recall": h[0] / max(h[1], 1), "hits": h[0], "facts": h[1], "samples": h[2],
                 "by_fact": {k: {"recall": v[0] / v[1], "facts": v[1]} for k, v in sorted(kinds[f].items())},
-                "questions": questions(f),
+                **({"questions": questions(f)} if asked[f] else {}),
                 **({"verdicts": verdicts[f]} if f in verdicts else {})}
             for f, h in hits.items()}
 

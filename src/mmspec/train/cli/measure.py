@@ -126,14 +126,14 @@ def facts_cmd(
 
 
 def _echo_fact_table(report: dict, extra=None) -> None:
-    """One line per family (recall, facts, ``extra(family)``), then its questions (asked fact, every
-    fact), by kind of fact and verdicts."""
+    """One line per family (recall, facts, ``extra(family)``), then its questions answered right
+    (single-image families), by kind of fact and verdicts."""
     for fam, r in report.items():
-        q = r["questions"]
         typer.echo(f"{fam:15s} facts {r['recall']:.1%} of {r['facts']}" + (extra(fam) if extra else ""))
-        typer.echo(f"                questions {q['questions']}: asked fact right {q['asked_right']:.1%} ("
-                   + ", ".join(f"{k} {v['right']:.0%} of {v['questions']}" for k, v in q["by_asked"].items())
-                   + f"), every fact right {q['all_right']:.1%}")
+        if "questions" in r:
+            q = r["questions"]
+            typer.echo(f"                questions answered right {q['right']:.1%} of {q['questions']}: "
+                       + ", ".join(f"{k} {v['right']:.0%} of {v['questions']}" for k, v in q["by_asked"].items()))
         typer.echo("                " + ", ".join(f"{k} {v['recall']:.0%}" for k, v in r["by_fact"].items()))
         for truth, said in r.get("verdicts", {}).items():
             typer.echo(f"                {sum(said.values())} {truth}-questions end on: "
