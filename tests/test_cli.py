@@ -84,13 +84,18 @@ def test_demo_on_embedded_pack():
     assert "only know mmspec's synthetic world" in r.output and "yes" in r.output and "NO" not in r.output
 
 
-def test_generate_with_no_flags_uses_the_embedded_pack():
+def test_generate_with_no_flags_uses_the_embedded_pack(monkeypatch):
     """`mmspec generate` with no model, prompt or image: the embedded models answer the bundled
     chart-QA sample, say they only know the synthetic world, and match target.generate."""
     from mmspec.world import make_sample
 
     _assert_pack_present()
-    r = runner.invoke(app, ["generate", "--max-new-tokens", "16"], terminal_width=200)
+    from rich.console import Console
+
+    import mmspec.cli
+
+    monkeypatch.setattr(mmspec.cli, "console", Console(width=200))  # a wide table, whatever $COLUMNS says
+    r = runner.invoke(app, ["generate", "--max-new-tokens", "16"])
     assert r.exit_code == 0, r.output
     out = " ".join(r.output.replace("│", " ").split())  # undo rich's wrapping and table borders
     assert "Using the embedded tiny models: they only know mmspec's synthetic world" in out, out
@@ -117,5 +122,5 @@ def test_help_pages_reflow_and_keep_angle_bracket_tokens():
     for path, cmd in found:
         summary = (cmd.help or "").strip().split("\n\n")[0]
         assert summary and "\n" not in summary, f"mmspec {' '.join(path)}: the docstring's first paragraph is not one line"
-    out = runner.invoke(app, ["generate", "--help"], terminal_width=100).output
+    out = runner.invoke(app, ["generate", "--help"]).output
     assert "<image>" in out and "<CAPTION>" in out, out

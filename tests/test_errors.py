@@ -124,6 +124,7 @@ def test_logits_processors_in_generation_config_are_refused(tok):
     (["--captioner", "some/captioner"], "--captioner applies to --target/--draft checkpoints"),
     (["--captioner-prompt", "<CAPTION>"], "--captioner-prompt applies to --target/--draft checkpoints"),
     (["--dtype", "float8"], "unknown dtype 'float8'"),
+    (["--target", "t", "--draft", "d", "--captioner-prompt", "<CAPTION>"], "--captioner-prompt was given without --captioner"),
 ])
 def test_generate_refuses_flags_the_embedded_default_would_ignore(args, phrase):
     """Without --target the embedded pack is used: a flag it cannot honour is an error, not ignored."""
@@ -133,3 +134,17 @@ def test_generate_refuses_flags_the_embedded_default_would_ignore(args, phrase):
 
     r = CliRunner().invoke(app, ["generate", "--max-new-tokens", "2", *args])
     assert r.exit_code == 2 and phrase in " ".join(r.output.split()) and "Traceback" not in r.output, r.output
+
+
+@pytest.mark.parametrize("kw, phrase", [
+    ({"captioner": "c"}, "--captioner applies to --target/--draft checkpoints"),
+    ({"target": "t", "draft": "d", "captioner_prompt": "p"}, "without --captioner"),
+    ({"draft": "d"}, "--draft needs --target"),
+    ({"dtype": "float8"}, "unknown dtype"),
+])
+def test_bench_config_refuses_flags_it_would_ignore(kw, phrase, tmp_path):
+    """`mmspec bench run` checks the same model flags as `generate`, before any model loads."""
+    from mmspec.bench.config import BenchConfig
+
+    with pytest.raises(MMSpecError, match=phrase):
+        BenchConfig(out_dir=tmp_path, **kw)

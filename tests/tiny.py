@@ -94,8 +94,8 @@ class NetworkBlocked(AssertionError):
 
 @contextlib.contextmanager
 def block_network():
-    """Inside: name resolution and every non-local connect raise NetworkBlocked naming the
-    address, so "loads offline" is checked rather than assumed (HF_HUB_OFFLINE set in a test is
+    """Inside: name resolution and every connect except on a Unix socket (loopback TCP included)
+    raise NetworkBlocked naming the address, so "loads offline" is checked rather than assumed (HF_HUB_OFFLINE set in a test is
     read too late: huggingface_hub reads it at import). Everything is restored on exit."""
 
     def refuse(what, address):

@@ -39,26 +39,18 @@ def _load(target, draft, captioner, captioner_prompt, dtype, device):
 
     hf_logging.disable_progress_bar()  # weight-loading bars would bury the answer
 
+    from mmspec.models.loading import check_model_flags, load_model, load_processor, resolve_dtype
+
+    check_model_flags(target, draft, captioner, captioner_prompt)
     if target is None:
-        if draft is not None:
-            raise MMSpecError("--draft needs --target too (or pass neither to use the embedded models)")
-        for flag, value in (("--captioner", captioner), ("--captioner-prompt", captioner_prompt)):
-            if value is not None:
-                raise MMSpecError(f"{flag} applies to --target/--draft checkpoints; the embedded models bring "
-                                  f"their own captioner. Drop {flag}, or pass --target and --draft too")
         import torch
 
         from mmspec.embedded import load_embedded
-        from mmspec.models.loading import resolve_dtype
 
         resolved = resolve_dtype(dtype)  # the pack is saved in fp16; "auto" computes in float32
         e = load_embedded(dtype=torch.float32 if resolved == "auto" else resolved, device=device)
         cap = e.captioner()
         return e.target, e.draft, e.tokenizer, e.processor, cap, True
-    if draft is None:
-        raise MMSpecError("--target was given without --draft; pass a draft checkpoint too")
-    from mmspec.models.loading import load_model, load_processor
-
     processor = load_processor(target)
     t = load_model(target, dtype=dtype, device=device)
     d = load_model(draft, dtype=dtype, device=device)

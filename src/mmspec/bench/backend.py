@@ -57,15 +57,11 @@ def load_models(cfg: BenchConfig) -> BenchModels:
     from mmspec.models.captioner import HFCaptioner
 
     if cfg.target is None:
-        if cfg.draft is not None:
-            raise MMSpecError("--draft needs --target too (or pass neither for the embedded models)")
         from mmspec.embedded import load_embedded
 
-        e = load_embedded()
+        e = load_embedded(dtype=getattr(torch, cfg.dtype))
         captioner = e.captioner()
         return BenchModels(e.target, e.draft, e.tokenizer, e.processor, captioner, cfg.pool_tokens, "embedded")
-    if cfg.draft is None:
-        raise MMSpecError("--target was given without --draft; pass both checkpoints")
     from mmspec.models.loading import load_model, load_processor
 
     dtype = getattr(torch, cfg.dtype)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib
 import shlex
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -27,6 +26,7 @@ import typer
 
 from mmspec.bench.config import DEFAULT_DATASETS, DEFAULT_METHODS, BenchConfig, DatasetSpec
 from mmspec.errors import MMSpecError
+from mmspec.provenance import command_line
 
 bench_app = typer.Typer(help="Benchmark drafting methods against the target alone (IbED Table 3).",
                         no_args_is_help=True, add_completion=False)
@@ -62,7 +62,7 @@ def run_command(
     pool_tokens: Optional[int] = typer.Option(None, help="Tokens per image of the P (pooled) view, e.g. 144."),
     split: str = typer.Option("test", help="Split of the embedded world / of a DatasetDict."),
     device: Optional[str] = typer.Option(None, help="Default: cuda:LOCAL_RANK if available, else cpu."),
-    dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 (checkpoints only)."),
+    dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 (the embedded models too)."),
     latency: bool = typer.Option(True, "--latency/--no-latency", help="Measure T_p, T_q(b=1..8), T_V(γ) per dataset."),
     latency_repeats: int = typer.Option(5, help="Repeats per latency probe (median)."),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
@@ -81,8 +81,7 @@ def run_command(
             latency=latency, latency_repeats=latency_repeats, progress=progress,
         )
         summary = run_bench(cfg, backend_factory=_factory(backend) if backend else None,
-                            command=shlex.join(["mmspec", "bench"] + sys.argv[2:])
-                            if "bench" in sys.argv[1:2] else shlex.join(sys.argv))
+                            command=command_line("bench"))
     except MMSpecError as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         raise typer.Exit(2) from None

@@ -101,6 +101,11 @@ class BenchConfig:
             raise MMSpecError(f"n_samples must be >= 1, got {self.n_samples}")
         for m in self.methods:
             method_views(m)
+        from mmspec.models.loading import check_model_flags
+
+        check_model_flags(self.target, self.draft, self.captioner, self.captioner_prompt)
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise MMSpecError(f"unknown dtype {self.dtype!r}; use float32, bfloat16 or float16")
 
     def fingerprint(self) -> str:
         """Hash of the settings that change a row's numbers (not which rows are run)."""

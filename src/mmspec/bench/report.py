@@ -9,7 +9,6 @@ writes ``metrics.json`` with every number. It reads rows only; it runs no model.
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import statistics
 import sys
@@ -20,8 +19,8 @@ from mmspec.bench.metrics import (
     MethodMetrics, accepted_over_time, accepted_sets, all_metrics, baseline_split, datasets_of,
     groups, latency_of, lossless_violations, methods_of,
 )
-from mmspec.bench.runner import machine_info
 from mmspec.bench.store import merge_rows, rank_files, read_run_meta
+from mmspec.provenance import machine_info, now
 
 
 def _fmt(v: float | None, nd: int = 2) -> str:
@@ -52,10 +51,10 @@ def table3(metrics: list[MethodMetrics], attr: str, nd: int = 2) -> list[str]:
 
 
 def _header(results_dir: Path, command: str | None, metas: list[dict]) -> list[str]:
-    now = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
+    date = now()
     lines = ["# mmspec benchmark report", "",
              f"- **report command:** `{command or ' '.join(sys.argv)}`",
-             f"- **report date:** {now}",
+             f"- **report date:** {date}",
              f"- **results:** `{results_dir}` ({len(rank_files(results_dir))} rank file(s))"]
     seen = set()
     for m in metas:

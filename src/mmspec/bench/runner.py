@@ -17,14 +17,8 @@ Row kinds (all carry ``kind``, ``dataset``, ``uid``, ``method``, ``rank``):
 
 from __future__ import annotations
 
-import datetime as _dt
-import os
-import platform
-import sys
 from dataclasses import dataclass, field
 from typing import Callable
-
-import torch
 
 from mmspec.bench.backend import Backend, HFBackend, load_models, pick_device
 from mmspec.bench.config import RESULT_KEYS, BenchConfig, RankInfo, method_views
@@ -32,15 +26,7 @@ from mmspec.bench.datasets import BenchSample, load_dataset
 from mmspec.bench.metrics import accepted_flags
 from mmspec.bench.store import RowWriter, append_run_meta, read_run_meta, results_path
 from mmspec.errors import MMSpecError
-
-
-def machine_info(device: str | None = None) -> dict:
-    """Platform, CPU count, torch version and the device (GPU name when CUDA is used)."""
-    info = {"platform": platform.platform(), "python": sys.version.split()[0],
-            "cpu_count": os.cpu_count(), "torch": torch.__version__, "device": device or "cpu"}
-    if torch.cuda.is_available():
-        info["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return info
+from mmspec.provenance import command_line, machine_info, now
 
 
 @dataclass
@@ -165,8 +151,8 @@ def default_backend(cfg: BenchConfig, rank: RankInfo) -> Backend:
 def _meta(cfg: BenchConfig, rank: RankInfo, backend: Backend, command: str | None) -> dict:
     desc = backend.describe()
     return {
-        "command": command or " ".join(sys.argv),
-        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": command or command_line("bench"),
+        "date": now(),
         "rank": rank.rank, "world_size": rank.world_size,
         "machine": machine_info(desc.get("device")), "models": desc,
         "config": cfg.to_dict(), "fingerprint": cfg.fingerprint(),

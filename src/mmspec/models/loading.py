@@ -81,3 +81,23 @@ def load_tokenizer(name_or_path: str):
 
 def load_processor(name_or_path: str):
     return _load_auto("AutoProcessor", "processor", name_or_path)
+
+
+def check_model_flags(target: str | None, draft: str | None, captioner: str | None,
+                      captioner_prompt: str | None) -> None:
+    """Refuse model flags that would be ignored, naming the flag and the fix: a draft without a
+    target, a target without a draft, a captioner or captioner prompt with the embedded models
+    (which bring their own), a captioner prompt without a captioner."""
+    if target is None:
+        if draft is not None:
+            raise MMSpecError("--draft needs --target too (or pass neither to use the embedded models)")
+        for flag, value in (("--captioner", captioner), ("--captioner-prompt", captioner_prompt)):
+            if value is not None:
+                raise MMSpecError(f"{flag} applies to --target/--draft checkpoints; the embedded models bring "
+                                  f"their own captioner. Drop {flag}, or pass --target and --draft too")
+        return
+    if draft is None:
+        raise MMSpecError("--target was given without --draft; pass a draft checkpoint too")
+    if captioner_prompt is not None and captioner is None:
+        raise MMSpecError("--captioner-prompt was given without --captioner; pass the captioner it prompts, "
+                          "or drop it")

@@ -50,18 +50,11 @@ def evaluate_cmd(
 
 
 def _provenance(results: Optional[Path] = None) -> dict:
-    """What made a figure: this command, when and where, and the benchmark run it read (if any)."""
-    import datetime
-    import shlex
-    import sys
-
-    from mmspec.bench.runner import machine_info
+    """What made a figure file: this command, when and where, and the benchmark runs it read (if any)."""
     from mmspec.bench.store import read_run_meta
+    from mmspec.provenance import stamp
 
-    out = {"command": shlex.join(["mmspec", "train", *sys.argv[2:]]) if "train" in sys.argv[1:2]
-           else shlex.join(sys.argv),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "machine": machine_info()}
+    out = stamp("train")
     if results is not None:
         out["results"] = str(results)
         out["bench_runs"] = [{k: m.get(k) for k in ("command", "date", "rank", "world_size", "machine")}
