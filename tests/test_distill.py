@@ -221,7 +221,7 @@ def test_answers_cli_then_stage_trains_on_the_file(world, tmp_path, monkeypatch)
     assert missing.exit_code == 2 and "train answers" in missing.output
     # a fresh model (no --init) gets a tokenizer fitted for its --seed: not the target's vocabulary
     seed1 = tmp_path / "s1.jsonl"
-    r = CliRunner().invoke(app, base[:-1] + [str(seed1), "--seed", "1"])
+    r = CliRunner().invoke(app, base[:-1] + [str(seed1), "--world-seed", "1"])  # --seed is the same option
     assert r.exit_code == 0, r.output
     fresh = CliRunner().invoke(app, ["train", "stage", "--size", "tiny", "--steps", "1", "--batch-size", "4",
                                      "--n-train-per-family", "1", "--no-bf16", "--seed", "1", "--answers", str(seed1),

@@ -4,21 +4,22 @@
   as whole words (``1`` does not match ``10``; case ignored), in the target's greedy answer,
   per family and per kind of fact, and for yes/no questions the verdict the answer ends on
   (:func:`verdict`) against the true one (:func:`tally_facts`); a yes/no ``answer`` fact is
-  stated only by that verdict. Fact recall counts the facts an answer states anywhere, and the
-  world's answers list a scene's values before answering, so it also credits a correct listing
-  followed by a wrong answer;
+  stated only by that verdict. It counts facts stated anywhere, and the world's answers list a
+  scene's values before answering, so it also credits a right listing followed by a wrong answer;
 * question accuracy (single-image families, whose samples ask one question): the share of
   questions whose final sentence states the *asked* fact, the first of ``Sample.facts``, which
   the reference answer's final sentence gives (:func:`answers_question`); for yes/no
-  questions, the verdict the answer ends on. Read from a ``mmspec bench run`` results dir (its baseline rows
-  are the target's own greedy answers on test samples),
-  so the numbers and the block-efficiency table come from one run; or generated directly by a
-  model (:func:`model_fact_recall`, ``mmspec train facts``), also in the caption view, where
-  the facts are in the prompt as text and only the LM's copying is tested;
+  questions, the verdict the answer ends on;
 * caption fact rate: share of the facts a ground-truth caption states (per image) that the
   captioner's caption also states (the same whole-word rule, :func:`states`, which the
   training-time check in :func:`mmspec.train.recipe.fact_recall` uses too);
 * multimodal vs text-only block efficiency per family, from the same results.
+
+The answers are read from a ``mmspec bench run`` results dir (its baseline rows are the
+target's own greedy answers on test samples), so the numbers and the block-efficiency table
+come from one run; or generated directly by a model (:func:`model_fact_recall`, ``mmspec train
+facts``), also in the caption view, where the facts are in the prompt as text and only the
+LM's copying is tested.
 """
 
 from __future__ import annotations

@@ -228,7 +228,8 @@ def answers_cmd(
     n_train_per_family: int = typer.Option(400, help="train-split samples per family"),
     family_samples: list[str] = typer.Option([], help="FAMILY=N: N samples of this family instead of "
                                              "--n-train-per-family (repeatable; as `train stage` takes it)"),
-    seed: int = typer.Option(0, help="world seed of the samples: the draft stage's --world-seed (default: its --seed)"),
+    seed: int = typer.Option(0, "--world-seed", "--seed", help="world seed of the samples: the draft stage's "
+                             "--world-seed (default: its --seed)"),
     max_new_tokens: Optional[int] = typer.Option(None, help="longest answer (default: the answer length the "
                                                  "stages train on, RecipeConfig.max_answer_tokens = 96)"),
     batch_size: int = typer.Option(32, help="prompts per generate call (prompts of one token length each)"),
