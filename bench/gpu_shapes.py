@@ -26,10 +26,7 @@ Run ``python bench/gpu_shapes.py --help``.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
-import os
-import platform
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,6 +34,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from mmspec.provenance import machine_info, now
 from mmspec.timing import median_time
 
 IMAGE_TOKEN = 32000  # llava-hf/llava-1.5-7b-hf
@@ -214,15 +212,6 @@ def step_time(model: torch.nn.Module, batch: int, context: int, n_new: int, mode
 
 
 # --------------------------------------------------------------------------- the run
-def machine_info(device: torch.device) -> dict:
-    info = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "device": str(device)}
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-        info["cuda"] = torch.version.cuda
-    return info
-
-
 def run(cfg: ShapesConfig, log: Callable[[str], None] = print) -> dict:
     """Build both models, time every probe in every mode, write JSON + markdown under ``cfg.out``."""
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -232,8 +221,8 @@ def run(cfg: ShapesConfig, log: Callable[[str], None] = print) -> dict:
     target, draft = build_model(tcfg, device, dtype), build_model(dcfg, device, dtype)
     bw = copy_bandwidth(device, cfg.copy_mib, max(5, cfg.repeats // 3))
     w_t = decode_weight_bytes(target)
-    result = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine_info(device), "config": asdict(cfg), "dtype": str(dtype),
+    result = {"date": now(),
+              "machine": machine_info(str(device)), "config": asdict(cfg), "dtype": str(dtype),
               "target_params": sum(p.numel() for p in target.parameters()),
               "draft_params": sum(p.numel() for p in draft.parameters()),
               "copy_bandwidth_GBps": bw / 1e9, "target_decode_weight_bytes": w_t,

@@ -29,10 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as _dt
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -42,6 +39,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from mmspec.provenance import machine_info, now
 from mmspec.timing import sync
 
 SYSTEM_TARGET, SYSTEM_ASSISTED = "target", "assisted"
@@ -156,20 +154,6 @@ def load_prompts(cfg: SpeedConfig, models: SpeedModels, device: torch.device) ->
                       for k, v in enc.items() if isinstance(v, torch.Tensor)}
             out.append(SpeedPrompt(s.uid, inputs, list(s.images)))
     return out
-
-
-def machine_info(device: torch.device) -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "device": str(device)}
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:  # pragma: no cover
-        pass
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
 
 
 # --------------------------------------------------------------------------- the systems
@@ -447,8 +431,8 @@ def run(cfg: SpeedConfig, models: SpeedModels | None = None, prompts: Sequence[S
     records = round_robin(systems, prompts, cfg.repeats, cfg.warmup, device, log)
     mismatches = check_identical(records)
     summary = summarise(records)
-    result = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine_info(device), "config": asdict(cfg), "models": models.source,
+    result = {"date": now(),
+              "machine": machine_info(str(device)), "config": asdict(cfg), "models": models.source,
               "prompts": [p.name for p in prompts], "identical": not mismatches, "mismatches": mismatches,
               "summary": summary}
     from mmspec.bench.breakdown import profile_breakdown

@@ -124,7 +124,8 @@ def test_logits_processors_in_generation_config_are_refused(tok):
     (["--captioner", "some/captioner"], "--captioner applies to --target/--draft checkpoints"),
     (["--captioner-prompt", "<CAPTION>"], "--captioner-prompt applies to --target/--draft checkpoints"),
     (["--dtype", "float8"], "unknown dtype 'float8'"),
-    (["--target", "t", "--draft", "d", "--captioner-prompt", "<CAPTION>"], "--captioner-prompt was given without --captioner"),
+    (["--target", "t", "--draft", "d", "--prompt", "x", "--captioner-prompt", "<CAPTION>"],
+     "--captioner-prompt was given without --captioner"),
 ])
 def test_generate_refuses_flags_the_embedded_default_would_ignore(args, phrase):
     """Without --target the embedded pack is used: a flag it cannot honour is an error, not ignored."""

@@ -220,7 +220,8 @@ def test_model_fact_recall_tallies_the_answers_of_the_view_it_asks_for(monkeypat
 
 def test_a_question_counts_only_when_its_final_sentence_answers_it():
     """Question accuracy reads the asked fact (the first of `facts`) in the answer's final
-    sentence: a right listing followed by a wrong answer, or side facts alone, do not count; a
+    sentence: a right listing followed by a wrong answer, side facts alone, or an answer cut off
+    mid-sentence (its only "sentence" holds the label) do not count; a
     yes/no question counts by the verdict the answer ends on; families that ask no question
     get no question figure."""
     from mmspec.train.evaluate import tally_facts
@@ -231,9 +232,10 @@ def test_a_question_counts_only_when_its_final_sentence_answers_it():
     texts = [(top, top.answer),  # right
              (top, f"The answer is {top.facts['label']}."),  # right, nothing else said
              (top, f"{top.answer.rsplit('. ', 1)[0]}. The answer is {wrong}."),  # right listing, wrong answer
-             (top, f"The bar is {top.facts['colour']}, at {top.facts['value']}.")]  # side facts only
+             (top, f"The bar is {top.facts['colour']}, at {top.facts['value']}."),  # side facts only
+             (top, f"{top.facts['label']} is {top.facts['value']}, the tallest, and the answer is")]  # cut off
     q = tally_facts(texts)["chartqa"]["questions"]
-    assert q == {"right": 0.5, "questions": 4, "by_asked": {"label": {"right": 0.5, "questions": 4}}}
+    assert q == {"right": 0.4, "questions": 5, "unfinished": 1, "by_asked": {"label": {"right": 0.4, "questions": 5}}}
     no = next(x for x in (make_sample("hallusionbench", "test", i) for i in range(40)) if x.facts["answer"] == "No")
     h = tally_facts([(no, no.answer), (no, "There is no such thing. So the answer is Yes.")])
     assert h["hallusionbench"]["questions"]["right"] == 0.5  # the verdict it ends on

@@ -118,21 +118,21 @@ def generate(
         from mmspec.decoder import SpecDecoder
         from mmspec.inputs import frame_prompt, load_images, processor_inputs
 
+        if prompt is None and image:  # prompt checks first: before loading any model
+            raise MMSpecError("--image was given without --prompt; say what to ask about the image(s)")
+        if prompt is None and target is not None:
+            raise MMSpecError("pass --prompt (and --image for each image)")
+        images = load_images(image) if image else []  # an unreadable image fails before loading too
         t, d, tok, proc, cap, embedded = _load(target, draft, captioner, captioner_prompt, dtype, device)
         if embedded:
             console.print(EMBEDDED_NOTE)
-        if prompt is None and not image:
-            if not embedded:
-                raise MMSpecError("pass --prompt (and --image for each image)")
+        if prompt is None:
             from mmspec.world import make_sample
 
             sample = make_sample("chartqa", "test", 0)
             prompt_text, images = sample.prompt, sample.images
             console.print("[dim]No prompt given: a bundled chart-QA example from the synthetic world.[/dim]")
         else:
-            if prompt is None:
-                raise MMSpecError("--image was given without --prompt; say what to ask about the image(s)")
-            images = load_images(image)
             prompt_text = frame_prompt(prompt, len(images))
         w = [float(x) for x in weights.split(",")] if weights else None
         view_list = [v for v in views.split(",") if v]

@@ -17,19 +17,25 @@ import torch
 
 
 def machine_info(device: str | None = None) -> dict:
-    """Platform, CPU count, torch version and the device (GPU name when CUDA is used)."""
-    info = {"platform": platform.platform(), "python": sys.version.split()[0],
-            "cpu_count": os.cpu_count(), "torch": torch.__version__, "device": device or "cpu"}
-    if torch.cuda.is_available():
-        info["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    """Platform, CPU count, torch (and its thread count) and transformers versions, the device,
+    and for a CUDA device its GPU name and the CUDA version."""
+    import transformers
+
+    info = {"platform": platform.platform(), "python": sys.version.split()[0], "cpu_count": os.cpu_count(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "transformers": transformers.__version__, "device": device or "cpu"}
+    if info["device"].startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(info["device"]))
+        info["cuda"] = torch.version.cuda
     return info
 
 
-def command_line(group: str) -> str:
-    """The command as a user types it: ``mmspec GROUP ...`` when run through the ``mmspec`` CLI
-    (whatever its path or ``python -m mmspec``), else ``sys.argv`` as given."""
-    if group in sys.argv[1:2]:
-        return shlex.join(["mmspec", group, *sys.argv[2:]])
+def command_line() -> str:
+    """The command as a user types it: ``mmspec ...`` when run through the ``mmspec`` CLI (its
+    console script or ``python -m mmspec``), else ``sys.argv`` as given."""
+    prog = sys.argv[0].replace("\\", "/") if sys.argv else ""
+    if prog.rsplit("/", 1)[-1] == "mmspec" or prog.endswith("mmspec/__main__.py"):
+        return shlex.join(["mmspec", *sys.argv[1:]])
     return shlex.join(sys.argv)
 
 
@@ -38,6 +44,6 @@ def now() -> str:
     return _dt.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
-def stamp(group: str, device: str | None = None) -> dict:
-    """``{"command", "date", "machine"}`` for a file of figures written by ``mmspec GROUP ...``."""
-    return {"command": command_line(group), "date": now(), "machine": machine_info(device)}
+def stamp(device: str | None = None) -> dict:
+    """``{"command", "date", "machine"}`` for a file of figures."""
+    return {"command": command_line(), "date": now(), "machine": machine_info(device)}

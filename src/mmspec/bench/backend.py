@@ -55,16 +55,17 @@ class BenchModels:
 def load_models(cfg: BenchConfig) -> BenchModels:
     """Embedded models unless ``cfg.target`` is given; then ``cfg.draft`` is required too."""
     from mmspec.models.captioner import HFCaptioner
+    from mmspec.models.loading import resolve_dtype
 
     if cfg.target is None:
         from mmspec.embedded import load_embedded
 
-        e = load_embedded(dtype=getattr(torch, cfg.dtype))
+        e = load_embedded(dtype=resolve_dtype(cfg.dtype))
         captioner = e.captioner()
         return BenchModels(e.target, e.draft, e.tokenizer, e.processor, captioner, cfg.pool_tokens, "embedded")
     from mmspec.models.loading import load_model, load_processor
 
-    dtype = getattr(torch, cfg.dtype)
+    dtype = resolve_dtype(cfg.dtype)
     processor = load_processor(cfg.target)
     models = BenchModels(load_model(cfg.target, dtype=dtype), load_model(cfg.draft, dtype=dtype),
                          getattr(processor, "tokenizer", processor), processor,

@@ -18,7 +18,6 @@ Usage::
 from __future__ import annotations
 
 import importlib
-import shlex
 from pathlib import Path
 from typing import Optional
 
@@ -81,7 +80,7 @@ def run_command(
             latency=latency, latency_repeats=latency_repeats, progress=progress,
         )
         summary = run_bench(cfg, backend_factory=_factory(backend) if backend else None,
-                            command=command_line("bench"))
+                            command=command_line())
     except MMSpecError as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         raise typer.Exit(2) from None
@@ -105,7 +104,7 @@ def report_command(
     from mmspec.bench.report import render_report
 
     try:
-        path = render_report(results_dir, command=shlex.join(["mmspec", "report", str(results_dir)]))
+        path = render_report(results_dir, command=command_line())
     except MMSpecError as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         raise typer.Exit(2) from None

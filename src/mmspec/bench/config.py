@@ -104,8 +104,10 @@ class BenchConfig:
         from mmspec.models.loading import check_model_flags
 
         check_model_flags(self.target, self.draft, self.captioner, self.captioner_prompt)
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise MMSpecError(f"unknown dtype {self.dtype!r}; use float32, bfloat16 or float16")
+        from mmspec.models.loading import resolve_dtype
+
+        if resolve_dtype(self.dtype) == "auto":  # unknown names are refused inside, with the list
+            raise MMSpecError("bench needs an explicit dtype (float32, bfloat16, float16), not auto")
 
     def fingerprint(self) -> str:
         """Hash of the settings that change a row's numbers (not which rows are run)."""

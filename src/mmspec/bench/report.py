@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from pathlib import Path
 
 from mmspec.bench import plots
@@ -20,7 +19,7 @@ from mmspec.bench.metrics import (
     groups, latency_of, lossless_violations, methods_of,
 )
 from mmspec.bench.store import merge_rows, rank_files, read_run_meta
-from mmspec.provenance import machine_info, now
+from mmspec.provenance import command_line, machine_info, now
 
 
 def _fmt(v: float | None, nd: int = 2) -> str:
@@ -53,7 +52,7 @@ def table3(metrics: list[MethodMetrics], attr: str, nd: int = 2) -> list[str]:
 def _header(results_dir: Path, command: str | None, metas: list[dict]) -> list[str]:
     date = now()
     lines = ["# mmspec benchmark report", "",
-             f"- **report command:** `{command or ' '.join(sys.argv)}`",
+             f"- **report command:** `{command or command_line()}`",
              f"- **report date:** {date}",
              f"- **results:** `{results_dir}` ({len(rank_files(results_dir))} rank file(s))"]
     seen = set()

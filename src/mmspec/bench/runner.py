@@ -151,7 +151,7 @@ def default_backend(cfg: BenchConfig, rank: RankInfo) -> Backend:
 def _meta(cfg: BenchConfig, rank: RankInfo, backend: Backend, command: str | None) -> dict:
     desc = backend.describe()
     return {
-        "command": command or command_line("bench"),
+        "command": command or command_line(),
         "date": now(),
         "rank": rank.rank, "world_size": rank.world_size,
         "machine": machine_info(desc.get("device")), "models": desc,

@@ -57,11 +57,19 @@ def final_sentence(text: str) -> str:
     return re.split(r"(?<=[.!?])\s+", text.strip())[-1]
 
 
+def finished(text: str) -> bool:
+    """Whether an answer ends a sentence (one cut at max_new_tokens mid-sentence does not)."""
+    return text.rstrip().endswith((".", "!", "?"))
+
+
 def answers_question(sample, text: str) -> bool:
     """Whether ``text`` answers ``sample``'s question right: its final sentence states the asked
     fact (the first of ``sample.facts``; the world's reference answers give it there), or, for a
     yes/no question, the answer ends on the true verdict. Listing the scene right and then
-    answering wrong ("... bus is 6 ... The answer is 10.") does not count."""
+    answering wrong ("... bus is 6 ... The answer is 10.") does not count, nor does an answer
+    cut off before it finished its last sentence (it never gave its answer)."""
+    if not finished(text):
+        return False
     key, value = next(iter(sample.facts.items()))
     if key == "answer" and value in ("Yes", "No"):
         return verdict(text) == value
@@ -85,6 +93,7 @@ def tally_facts(answers) -> dict[str, dict]:
     hits: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # facts hit, facts, samples
     kinds: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))  # hit, total
     asked: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))  # kind -> right, n
+    unfinished: dict[str, int] = defaultdict(int)  # questions whose answer was cut off (counted wrong)
     verdicts: dict[str, dict[str, dict[str, int]]] = defaultdict(dict)  # family -> truth -> verdict -> n
     for sample, text in answers:
         family = sample.family
@@ -102,13 +111,14 @@ def tally_facts(answers) -> dict[str, dict]:
             q = asked[family][fact_kind(next(iter(sample.facts)))]
             q[0] += answers_question(sample, text)
             q[1] += 1
+            unfinished[family] += not finished(text)
         truth = sample.facts.get("answer")
         if truth in ("Yes", "No"):
             verdicts[family].setdefault(truth, {"Yes": 0, "No": 0, "none": 0})[said] += 1
 
     def questions(f: str) -> dict:
         n = sum(v[1] for v in asked[f].values())
-        return {"right": sum(v[0] for v in asked[f].values()) / n, "questions": n,
+        return {"right": sum(v[0] for v in asked[f].values()) / n, "questions": n, "unfinished": unfinished[f],
                 "by_asked": {k: {"right": v[0] / v[1], "questions": v[1]} for k, v in sorted(asked[f].items())}}
 
     return {f: {"recall": h[0] / max(h[1], 1), "hits": h[0], "facts": h[1], "samples": h[2],

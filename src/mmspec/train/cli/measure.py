@@ -54,7 +54,7 @@ def _provenance(results: Optional[Path] = None) -> dict:
     from mmspec.bench.store import read_run_meta
     from mmspec.provenance import stamp
 
-    out = stamp("train")
+    out = stamp()
     if results is not None:
         out["results"] = str(results)
         out["bench_runs"] = [{k: m.get(k) for k in ("command", "date", "rank", "world_size", "machine")}
