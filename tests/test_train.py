@@ -504,9 +504,52 @@ def test_fact_weight_marks_the_fact_tokens(tokenizer, processor):
         def __call__(self, text, add_special_tokens=True):
             return {"input_ids": [5]}
 
-    for weights in ({"fact_weight": 2.0}, {"cue_weight": 2.0}):
+    for weights in ({"fact_weight": 2.0}, {"cue_weight": 2.0}, {"answer_weight": 2.0}):
         with pytest.raises(MMSpecError, match="fast tokenizer"):
             Encoder(Slow(), **weights)
+
+
+def test_answer_weight_marks_the_lookup_after_the_reading():
+    """answer_weight weighs every answer token after the first sentence of a single-image answer
+    (the step that picks the asked fact out of the reading), and nothing of the reading itself,
+    of a multi-image answer or of a caption example; with fact weights a token weighs the larger.
+    Distilled answers (ids) get the same weights as the text they decode to."""
+    from mmspec.train.data import ANSWERED_FAMILIES, Encoder, caption_examples, example_from_sample
+    from mmspec.train.pack import world_tokenizer_and_processor
+    from mmspec.world import FAMILIES, generate_samples
+
+    assert set(ANSWERED_FAMILIES) == {name for name, f in FAMILIES.items() if f.n_images == 1}
+    tok, _ = world_tokenizer_and_processor(0)
+    enc = Encoder(tok, answer_weight=6.0)
+    for family in ANSWERED_FAMILIES:
+        for sample in generate_samples(family, "train", 3):
+            e = enc.encode(example_from_sample(sample))
+            n_prompt = e.labels.count(IGNORE)
+            answer = list(zip(e.input_ids[n_prompt:-1], e.weights[n_prompt:-1]))  # eos (weight 1) left out
+            heavy = "".join(tok.decode([t]) for t, w in answer if w == 6.0)
+            light = "".join(tok.decode([t]) for t, w in answer if w == 1.0)
+            assert set(e.weights[n_prompt:-1]) == {1.0, 6.0} and e.weights[-1] == 1.0
+            first, rest = sample.answer.split(". ", 1)
+            assert light.replace(" ", "") == (first + ".").replace(" ", "")  # the reading weighs 1
+            assert heavy.replace(" ", "") == rest.replace(" ", "")  # the lookup and the answer weigh 6
+            assert states_last(heavy, sample)
+            ids = Encoder(tok, answer_weight=6.0).encode(replace(example_from_sample(sample),
+                                                                 answer_ids=(*e.input_ids[n_prompt:],)))
+            assert ids.weights == e.weights
+    both = Encoder(tok, fact_weight=9.0, answer_weight=6.0).encode(
+        example_from_sample(generate_samples("chartqa", "train", 1)[0]))
+    assert {9.0, 6.0, 1.0} <= set(both.weights)  # a fact in the reading weighs 9, so does one in the lookup
+    for other in ("spot_the_diff", "pororosv"):
+        assert enc.encode(example_from_sample(generate_samples(other, "train", 1)[0])).weights is None
+    caption = caption_examples(generate_samples("chartqa", "train", 1)[0])[0]
+    assert enc.encode(caption).weights is None
+
+
+def states_last(text: str, sample) -> bool:
+    """Whether ``text`` states the sample's asked fact (its first) or, for yes/no, its verdict."""
+    from mmspec.train.evaluate import states
+
+    return states(text, next(iter(sample.facts.values())))
 
 
 def test_weighted_loss_is_the_weighted_mean(model, tokenizer, processor):
@@ -558,6 +601,7 @@ def test_stage_cli_fact_weight(tmp_path, monkeypatch):
 
     def spy(examples, encoder, *a, **k):
         seen["fact_weight"], seen["cue_weight"] = encoder.fact_weight, encoder.cue_weight
+        seen["answer_weight"] = encoder.answer_weight
         seen["weighted"] = sum(encoder.encode(ex).weights is not None for ex in examples)
         return real_stream(examples, encoder, *a, **k)
 
@@ -574,7 +618,12 @@ def test_stage_cli_fact_weight(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     assert seen["cue_weight"] == 5.0 and seen["fact_weight"] == 1.0
     assert json.loads((tmp_path / "cw" / "mmspec.json").read_text())["stages"][-1]["cue_weight"] == 5.0
-    for flag in ("--fact-weight", "--cue-weight"):
+    assert seen["answer_weight"] == 1.0
+    r = CliRunner().invoke(app, base + ["--answer-weight", "7", "--out", str(tmp_path / "aw")])
+    assert r.exit_code == 0, r.output
+    assert seen["answer_weight"] == 7.0 and seen["weighted"] == 4  # the four single-image answers
+    assert json.loads((tmp_path / "aw" / "mmspec.json").read_text())["stages"][-1]["answer_weight"] == 7.0
+    for flag in ("--fact-weight", "--cue-weight", "--answer-weight"):
         for value in ("0", "inf"):
             bad = CliRunner().invoke(app, base + [flag, value, "--out", str(tmp_path / "x")])
             assert bad.exit_code != 0 and f"{flag} must be" in bad.output and not (tmp_path / "x").exists()

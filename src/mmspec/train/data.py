@@ -7,8 +7,9 @@ encoding under a *view* (multimodal with 64 or pooled N image tokens per image, 
 each image -> ``"\\n"``, caption with each image -> its caption), the label mask (-100 on
 prompt, image tokens and padding: loss only on the answer and the closing eos), optional
 per-token loss weights (more weight on the tokens that state the image's facts,
-``Encoder.fact_weight``, and on the sentence that decides an existence answer,
-``Encoder.cue_weight``), length-grouped shuffled batching and right-pad collation, in this
+``Encoder.fact_weight``, on the sentence that decides an existence answer,
+``Encoder.cue_weight``, and on a single-image answer's sentences after its first,
+``Encoder.answer_weight``), length-grouped shuffled batching and right-pad collation, in this
 process or in worker processes (:func:`worker_stream`, for a GPU that outruns one core).
 
 A training sequence is ``prompt + " " + answer + eos``, tokenised as the prompt alone (as the
@@ -39,6 +40,10 @@ from mmspec.errors import MMSpecError
 IGNORE = -100
 CAPTIONER_PROMPT = DEFAULT_CAPTIONER_PROMPT  # the embedded captioner's, recorded in its mmspec.json
 View = Literal["multimodal", "text", "caption"]
+# The world's single-image QA families: their answers read the image out in the first sentence,
+# then answer the question from that reading (``Encoder.answer_weight`` weighs the second part).
+ANSWERED_FAMILIES = ("chartqa", "textvqa", "vqav2", "hallusionbench")
+_SENTENCE_END = re.compile(r"[.!?](?=\s|$)")
 
 
 @dataclass(frozen=True)
@@ -252,7 +257,15 @@ class Encoder:
     when a position is ``right``). ``cue_weight`` > 1 weighs the example's ``cues`` the same
     way: the whole sentence that decides an existence answer, the object it names included
     ("Looking for a red star: yes, it is in the top left."). A token in both a fact and a cue
-    weighs the larger. Needs a fast tokenizer (character offsets).
+    weighs the larger.
+
+    ``answer_weight`` > 1 weighs every answer token after the first sentence of a single-image
+    family's answer (``ANSWERED_FAMILIES``) that many times. The world's single-image answers first
+    read the whole image out ("The chart has 4 bars: cup is 3, bus is 6, ..."), then pick the
+    asked fact out of that reading ("The orange bar above bus ... The answer is 6."). The tower
+    reads well; the picking is an in-context lookup the LM gets wrong, and it is a handful of
+    tokens per answer, so a uniform loss barely asks for it. Needs a fast tokenizer (character
+    offsets), as the other weights do.
     """
 
     tokenizer: object
@@ -260,13 +273,18 @@ class Encoder:
     max_answer_tokens: int | None = None
     fact_weight: float = 1.0
     cue_weight: float = 1.0
+    answer_weight: float = 1.0
     _newline: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self._newline = self.tokenizer("\n", add_special_tokens=False)["input_ids"]
-        if (self.fact_weight, self.cue_weight) != (1.0, 1.0) and not getattr(self.tokenizer, "is_fast", False):
-            raise MMSpecError("fact and cue weighting need a fast tokenizer (character offsets); load it with "
-                              "use_fast=True or leave fact_weight and cue_weight at 1")
+        if self._weighing and not getattr(self.tokenizer, "is_fast", False):
+            raise MMSpecError("fact, cue and answer weighting need a fast tokenizer (character offsets); load it "
+                              "with use_fast=True or leave fact_weight, cue_weight and answer_weight at 1")
+
+    @property
+    def _weighing(self) -> bool:
+        return (self.fact_weight, self.cue_weight, self.answer_weight) != (1.0, 1.0, 1.0)
 
     def encode(self, ex: Example, view: View = "multimodal", tokens_per_image: int = 64) -> Encoded:
         if view not in ("multimodal", "text", "caption"):
@@ -294,10 +312,10 @@ class Encoder:
         if ex.answer_ids is not None:  # the ids as given: eos only where the answer ended
             ended = len(ex.answer_ids) > 0 and ex.answer_ids[-1] == eos
             answer_ids, answer_w = self._answer_ids(tuple(ex.answer_ids[:-1] if ended else ex.answer_ids),
-                                                    ex.facts, ex.cues)
+                                                    ex.facts, ex.cues, ex.family in ANSWERED_FAMILIES)
         else:
             ended = True
-            answer_ids, answer_w = self._answer(" " + ex.answer, ex.facts, ex.cues)
+            answer_ids, answer_w = self._answer(" " + ex.answer, ex.facts, ex.cues, ex.family in ANSWERED_FAMILIES)
         if self.max_answer_tokens is not None and len(answer_ids) > self.max_answer_tokens:
             answer_ids = answer_ids[: self.max_answer_tokens]  # cut: no eos, the answer goes on
             answer_w = None if answer_w is None else answer_w[: self.max_answer_tokens]
@@ -309,33 +327,41 @@ class Encoder:
         images = ex.images if view == "multimodal" else ()
         return Encoded(ids + answer_ids, labels, images, weights)
 
-    def _answer(self, text: str, facts: Sequence[str],
-                cues: Sequence[str] = ()) -> tuple[list[int], list[float] | None]:
+    def _answer(self, text: str, facts: Sequence[str], cues: Sequence[str] = (),
+                answered: bool = False) -> tuple[list[int], list[float] | None]:
         """Token ids of ``text`` and, when weighing, per token the largest weight of the whole-word,
         case-blind occurrences of a fact value (``fact_weight``) or cue (``cue_weight``) it
-        overlaps, else 1 (None: no weights)."""
-        spans = self._spans(text, facts, cues)
+        overlaps, or of the text after the first sentence when ``answered`` (``answer_weight``),
+        else 1 (None: no weights)."""
+        spans = self._spans(text, facts, cues, answered)
         if not spans:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"], None
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         return enc["input_ids"], self._weights(spans, enc["offset_mapping"])
 
-    def _spans(self, text: str, facts: Sequence[str], cues: Sequence[str]) -> list[tuple[tuple[int, int], float]]:
-        """Character spans of the whole-word, case-blind fact and cue occurrences, with their weight."""
-        return [(m.span(), weight) for phrases, weight in ((facts, self.fact_weight), (cues, self.cue_weight))
-                if weight != 1.0 for value in phrases
-                for m in re.finditer(r"(?<!\w)" + re.escape(value.lower()) + r"(?!\w)", text.lower())]
+    def _spans(self, text: str, facts: Sequence[str], cues: Sequence[str],
+               answered: bool = False) -> list[tuple[tuple[int, int], float]]:
+        """Character spans of the whole-word, case-blind fact and cue occurrences, and of the text
+        after the first sentence when ``answered``, with their weight."""
+        spans = [(m.span(), weight) for phrases, weight in ((facts, self.fact_weight), (cues, self.cue_weight))
+                 if weight != 1.0 for value in phrases
+                 for m in re.finditer(r"(?<!\w)" + re.escape(value.lower()) + r"(?!\w)", text.lower())]
+        first_end = _SENTENCE_END.search(text.lstrip())
+        if answered and self.answer_weight != 1.0 and first_end is not None:
+            start = len(text) - len(text.lstrip()) + first_end.end()
+            spans.append(((start, len(text)), self.answer_weight))
+        return spans
 
     @staticmethod
     def _weights(spans, offsets) -> list[float]:
         return [max([w for (s2, e2), w in spans if s < e2 and s2 < e], default=1.0) for s, e in offsets]
 
-    def _answer_ids(self, ids: tuple[int, ...], facts: Sequence[str],
-                    cues: Sequence[str] = ()) -> tuple[list[int], list[float] | None]:
+    def _answer_ids(self, ids: tuple[int, ...], facts: Sequence[str], cues: Sequence[str] = (),
+                    answered: bool = False) -> tuple[list[int], list[float] | None]:
         """:meth:`_answer` for an answer given as ids: the same weights, found in the decoded text
         (each token's characters are where its prefix's decoding grows)."""
         ids = list(ids)
-        if (self.fact_weight, self.cue_weight) == (1.0, 1.0):
+        if not self._weighing:
             return ids, None
         pieces = [self.tokenizer.decode([t]) for t in ids]
         text = "".join(pieces)
@@ -344,7 +370,7 @@ class Encoder:
         else:  # a token that is not whole characters on its own: decode growing prefixes
             prefixes = [self.tokenizer.decode(ids[:k + 1]) for k in range(len(ids))]
             ends, text = [len(p) for p in prefixes], prefixes[-1]
-        spans = self._spans(text, facts, cues)
+        spans = self._spans(text, facts, cues, answered)
         return ids, (self._weights(spans, list(zip([0, *ends[:-1]], ends))) if spans else None)
 
 

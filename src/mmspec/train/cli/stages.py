@@ -70,6 +70,9 @@ def stage(
                                      "none.\") this many times"),
     fact_weight: float = typer.Option(1.0, help="QA training: weigh the loss on answer tokens that state the "
                                       "image's facts this many times more than the other answer tokens"),
+    answer_weight: float = typer.Option(1.0, help="QA training: weigh the loss on a single-image answer after its "
+                                        "first sentence (the lookup that picks the asked fact out of the image's "
+                                        "reading) this many times"),
     text_view_prob: float = typer.Option(0.0, help="show an example through the text view (images -> newline)"),
     caption_view_prob: float = typer.Option(0.0, help="show an example through the caption view"),
     n_train_per_family: int = typer.Option(400),
@@ -131,7 +134,8 @@ def stage(
         raise typer.BadParameter(
             f"--caption-mix must be >= 0 and the view probabilities in [0, 1] with a sum <= 1; got "
             f"caption_mix={caption_mix}, text_view_prob={text_view_prob}, caption_view_prob={caption_view_prob}")
-    for flag, weight in (("--fact-weight", fact_weight), ("--cue-weight", cue_weight)):
+    for flag, weight in (("--fact-weight", fact_weight), ("--cue-weight", cue_weight),
+                         ("--answer-weight", answer_weight)):
         if not (math.isfinite(weight) and weight > 0):
             raise typer.BadParameter(f"{flag} must be a finite number > 0 (1 weighs every answer token alike); "
                                      f"got {weight}")
@@ -184,7 +188,7 @@ def stage(
         examples += copy_examples(tokenizer, round(copy_mix * len(samples)), seed,
                                   lookup_share=0.5 * (1 - copy_member_share), member_share=copy_member_share)
     encoder = Encoder(tokenizer, max_answer_tokens=RecipeConfig.max_answer_tokens, fact_weight=fact_weight,
-                      cue_weight=cue_weight)
+                      cue_weight=cue_weight, answer_weight=answer_weight)
     try:
         stream = batch_stream(examples, encoder, processor.image_processor, batch_size,
                               torch.Generator().manual_seed(seed), tokens_per_image=pooled_tokens or 64,
@@ -197,6 +201,7 @@ def stage(
                                                  "caption_mix": caption_mix, "copy_mix": copy_mix,
                                                  "copy_member_share": copy_member_share,
                                                  "fact_weight": fact_weight, "cue_weight": cue_weight,
+                                                 "answer_weight": answer_weight,
                                                  "workers": workers,
                                                  "text_view_prob": text_view_prob,
                                                  "caption_view_prob": caption_view_prob,
