@@ -64,3 +64,14 @@ def test_load_models_from_checkpoint_dirs(tmp_path):
         "M", "T", "C", "pooled:4")
     with pytest.raises(MMSpecError, match="without --draft"):
         load_models(BenchConfig(target=str(tmp_path / "t")))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_embedded_models_load_in_the_asked_dtype(dtype):
+    """`bench run --dtype` reaches the embedded pack: target, draft and captioner all come in it."""
+    from mmspec.bench.backend import load_models
+
+    loaded = load_models(BenchConfig(dtype=dtype))
+    want = getattr(torch, dtype)
+    assert loaded.source == "embedded"
+    assert loaded.target.dtype == loaded.draft.dtype == loaded.captioner.model.dtype == want
