@@ -157,10 +157,11 @@ def generate_answers(target, processor, samples: Sequence, path: str | Path, sou
     with RowWriter(path, key=lambda row: row["uid"]) as out:
         _checked(out.rows, path, source, {s.uid: s.prompt for s in samples}, {})
         todo = [s for s in samples if s.uid not in out]
-        groups: dict[int, list] = defaultdict(list)  # prompt length -> samples
+        # (prompt tokens, images) -> samples: one key per expanded prompt length, found without
+        # preprocessing any image (the processor expands each <image> to the same token count)
+        groups: dict[tuple[int, int], list] = defaultdict(list)
         for s in todo:
-            ids = processor(text=s.prompt, images=list(s.images) or None, return_tensors="pt")["input_ids"]
-            groups[int(ids.shape[1])].append(s)
+            groups[len(processor.tokenizer(s.prompt)["input_ids"]), len(s.images)].append(s)
         batches = [g[i:i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
         with tqdm(total=len(todo), desc="target answers", unit="sample", disable=not progress,
                   mininterval=2.0) as bar:
