@@ -1,5 +1,6 @@
 """End to end on tiny random LLaVA models (real SpecDecoder, real processor, real latency probes):
-2 chartqa-schema samples, baseline + M, T, MT; every greedy output must equal the target's."""
+2 chartqa-schema samples, baseline + M, T, MT; every greedy output must equal the target's. Also
+how the bench loads models: from checkpoint dirs, and the embedded pack in the asked dtype."""
 
 from __future__ import annotations
 

@@ -36,13 +36,14 @@ from PIL import Image
 
 from mmspec.embedded import DEFAULT_CAPTIONER_PROMPT
 from mmspec.errors import MMSpecError
+from mmspec.world import N_IMAGES
 
 IGNORE = -100
 CAPTIONER_PROMPT = DEFAULT_CAPTIONER_PROMPT  # the embedded captioner's, recorded in its mmspec.json
 View = Literal["multimodal", "text", "caption"]
 # The world's single-image QA families: their answers read the image out in the first sentence,
 # then answer the question from that reading (``Encoder.answer_weight`` weighs the second part).
-ANSWERED_FAMILIES = ("chartqa", "textvqa", "vqav2", "hallusionbench")
+ANSWERED_FAMILIES = tuple(name for name, n in N_IMAGES.items() if n == 1)
 _SENTENCE_END = re.compile(r"[.!?](?=\s|$)")
 
 
@@ -264,8 +265,11 @@ class Encoder:
     read the whole image out ("The chart has 4 bars: cup is 3, bus is 6, ..."), then pick the
     asked fact out of that reading ("The orange bar above bus ... The answer is 6."). The tower
     reads well; the picking is an in-context lookup the LM gets wrong, and it is a handful of
-    tokens per answer, so a uniform loss barely asks for it. Needs a fast tokenizer (character
-    offsets), as the other weights do.
+    tokens per answer, so a uniform loss barely asks for it. The split is at the first sentence
+    end, which is where the reading ends in every chart, scene and existence answer; one of the
+    three textvqa phrasings of a sign with a number reads it out in two sentences ("The image
+    shows a red sign. The top line says STOP and the bottom line shows 13."), and there the
+    second is weighed too. Needs a fast tokenizer (character offsets), as the other weights do.
     """
 
     tokenizer: object
