@@ -350,10 +350,11 @@ class Encoder:
         spans = [(m.span(), weight) for phrases, weight in ((facts, self.fact_weight), (cues, self.cue_weight))
                  if weight != 1.0 for value in phrases
                  for m in re.finditer(r"(?<!\w)" + re.escape(value.lower()) + r"(?!\w)", text.lower())]
-        first_end = _SENTENCE_END.search(text.lstrip())
-        if answered and self.answer_weight != 1.0 and first_end is not None:
-            start = len(text) - len(text.lstrip()) + first_end.end()
-            spans.append(((start, len(text)), self.answer_weight))
+        if answered and self.answer_weight != 1.0:
+            lead = len(text) - len(text.lstrip())
+            first_end = _SENTENCE_END.search(text, lead)  # the same rule as evaluate.final_sentence
+            if first_end is not None:
+                spans.append(((first_end.end(), len(text)), self.answer_weight))
         return spans
 
     @staticmethod
