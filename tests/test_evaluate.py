@@ -1,5 +1,7 @@
 """The embedded-quality metrics: each can report success and failure."""
 
+import pytest
+
 from mmspec.bench.store import RowWriter, results_path
 from mmspec.train.evaluate import answer_fact_recall, caption_fact_rate
 from mmspec.world import make_sample
@@ -216,6 +218,30 @@ def test_model_fact_recall_tallies_the_answers_of_the_view_it_asks_for(monkeypat
 
     with pytest.raises(MMSpecError, match="unknown view"):
         model_fact_recall(None, Enc(), None, ["chartqa"], 1, view="text", progress=False)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("", [""]),
+    ("   ", [""]),
+    ("No end", ["No end"]),
+    ("One. Two", ["One.", "Two"]),
+    ("One.  Two.\n", ["One.", "Two."]),
+    ("Is it? Yes! It is 3.5 high.", ["Is it?", "Yes!", "It is 3.5 high."]),
+    ("Wow!! Then . done", ["Wow!!", "Then .", "done"]),
+    ("A.B c.", ["A.B c."]),
+])
+def test_sentences_split_at_end_punctuation_before_whitespace(text, expected):
+    """The world's one sentence rule: end punctuation before whitespace or the end of the text;
+    final_sentence takes the last piece, the answer weight starts after the first end."""
+    from mmspec.train.evaluate import final_sentence
+    from mmspec.world.core import SENTENCE_END, sentences
+
+    assert sentences(text) == expected
+    assert final_sentence(text) == expected[-1]
+    first = SENTENCE_END.search(text.strip())
+    assert (first is None) == (len(expected) == 1 and not expected[0].endswith((".", "!", "?")))
+    if first is not None:
+        assert text.strip()[:first.end()] == expected[0]
 
 
 def test_a_question_counts_only_when_its_final_sentence_answers_it():

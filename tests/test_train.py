@@ -552,6 +552,32 @@ def test_answer_weight_marks_the_lookup_after_the_reading():
     assert enc.encode(caption).weights is None
 
 
+def test_answer_weight_on_cut_off_distilled_answers():
+    """A distilled answer cut off at max_new_tokens keeps the rule: cut inside its first
+    sentence, nothing is weighed (there is no lookup yet); cut inside a later sentence, every
+    token after the first sentence's end is, up to the cut."""
+    from mmspec.train.data import Encoder, example_from_sample
+    from mmspec.train.pack import world_tokenizer_and_processor
+    from mmspec.world import generate_samples
+
+    tok, _ = world_tokenizer_and_processor(0)
+    enc = Encoder(tok, answer_weight=6.0)
+    sample = generate_samples("chartqa", "train", 1)[0]
+    full = enc.encode(example_from_sample(sample))
+    n_prompt = full.labels.count(IGNORE)
+    answer = full.input_ids[n_prompt:-1]  # the answer's ids, eos left out
+    first_heavy = full.weights[n_prompt:].index(6.0)  # the first token after the reading
+    for cut in (first_heavy - 3, first_heavy + 4):
+        cut_ids = tuple(answer[:cut])
+        e = enc.encode(replace(example_from_sample(sample), answer_ids=cut_ids))
+        assert e.input_ids[n_prompt:n_prompt + cut] == list(cut_ids)
+        if cut < first_heavy:
+            assert e.weights is None or set(e.weights[n_prompt:]) == {1.0}
+        else:
+            assert e.weights[n_prompt:n_prompt + cut] == full.weights[n_prompt:n_prompt + cut]
+            assert e.weights[n_prompt + first_heavy - 1] == 1.0 and e.weights[n_prompt + first_heavy] == 6.0
+
+
 def test_weighted_loss_is_the_weighted_mean(model, tokenizer, processor):
     """batch_loss with loss weights is sum(w * ce) / sum(w); uniform weights give the plain HF loss,
     and eval-style weighted=False ignores the weights."""

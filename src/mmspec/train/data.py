@@ -37,6 +37,7 @@ from PIL import Image
 from mmspec.embedded import DEFAULT_CAPTIONER_PROMPT
 from mmspec.errors import MMSpecError
 from mmspec.world import N_IMAGES
+from mmspec.world.core import SENTENCE_END
 
 IGNORE = -100
 CAPTIONER_PROMPT = DEFAULT_CAPTIONER_PROMPT  # the embedded captioner's, recorded in its mmspec.json
@@ -44,7 +45,6 @@ View = Literal["multimodal", "text", "caption"]
 # The world's single-image QA families: their answers read the image out in the first sentence,
 # then answer the question from that reading (``Encoder.answer_weight`` weighs the second part).
 ANSWERED_FAMILIES = tuple(name for name, n in N_IMAGES.items() if n == 1)
-_SENTENCE_END = re.compile(r"[.!?](?=\s|$)")
 
 
 @dataclass(frozen=True)
@@ -352,7 +352,7 @@ class Encoder:
                  for m in re.finditer(r"(?<!\w)" + re.escape(value.lower()) + r"(?!\w)", text.lower())]
         if answered and self.answer_weight != 1.0:
             lead = len(text) - len(text.lstrip())
-            first_end = _SENTENCE_END.search(text, lead)  # the same rule as evaluate.final_sentence
+            first_end = SENTENCE_END.search(text, lead)  # the rule evaluate.final_sentence splits by
             if first_end is not None:
                 spans.append(((first_end.end(), len(text)), self.answer_weight))
         return spans

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Sequence
 
 from mmspec.errors import MMSpecError
+from mmspec.world.core import sentences
 
 
 def _sample_index(uid: str) -> tuple[str, str, int]:
@@ -53,8 +54,9 @@ def verdict(text: str) -> str:
 
 
 def final_sentence(text: str) -> str:
-    """The last sentence of an answer (all of it when it has one sentence or none ends)."""
-    return re.split(r"(?<=[.!?])\s+", text.strip())[-1]
+    """The last sentence of an answer (all of it when it has one sentence or none ends), by the
+    world's one sentence rule (:func:`mmspec.world.core.sentences`)."""
+    return sentences(text)[-1]
 
 
 def finished(text: str) -> bool:

@@ -139,6 +139,23 @@ def pick(rng: random.Random, options: Sequence[str]) -> str:
     return options[rng.randrange(len(options))]
 
 
+# Where a sentence ends: end punctuation before whitespace or the end of the text ("3.5" and
+# "e.g." inside a word do not end one). The one rule for every reader of the world's answers.
+SENTENCE_END = re.compile(r"[.!?](?=\s|$)")
+
+
+def sentences(text: str) -> list[str]:
+    """``text`` split into its sentences (:data:`SENTENCE_END`), each stripped; a last piece with
+    no end punctuation (an answer cut off) is a sentence too. ``[""]`` for a blank text."""
+    text = text.strip()
+    out, start = [], 0
+    for m in SENTENCE_END.finditer(text):
+        out.append(text[start:m.end()].strip())
+        start = m.end()
+    rest = text[start:].strip()
+    return out + [rest] if rest or not out else out
+
+
 def sentence(text: str) -> str:
     """Capitalise the first letter only (keeps proper nouns and upper-case words as they are)."""
     return text[:1].upper() + text[1:] if text else text
