@@ -149,3 +149,128 @@ def test_bench_config_refuses_flags_it_would_ignore(kw, phrase, tmp_path):
 
     with pytest.raises(MMSpecError, match=phrase):
         BenchConfig(out_dir=tmp_path, **kw)
+
+
+def test_bad_sampling_options(target, draft_shared, tok):
+    """Sampling options transformers would refuse or read otherwise are refused, not reinterpreted."""
+    ids, pv = make_prompt(1, 16)
+    dec = SpecDecoder(target, draft_shared, tok)
+    for kw, msg in (({"temperature": -0.5}, "temperature must be a finite number >= 0"),
+                    ({"temperature": float("nan")}, "temperature must be a finite number"),
+                    ({"temperature": 1.0, "top_k": -1}, "top_k must be a whole number >= 0"),
+                    ({"temperature": 1.0, "top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+                    ({"temperature": 1.0, "top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+                    ({"max_new_tokens": 0}, "max_new_tokens must be >= 1")):
+        with pytest.raises(MMSpecError, match=msg):
+            dec.generate(ids, pv, **kw)
+    with pytest.raises(MMSpecError, match="finite"):
+        SpecDecoder(target, draft_shared, tok, views="MT", weights=[1.0, float("nan")])
+
+
+def test_degenerate_prompts(target, draft_shared, tok):
+    """A one-token prompt and an all-zero attention mask are refused with what to pass instead."""
+    import torch
+
+    ids, pv = make_prompt(1, 16)
+    dec = SpecDecoder(target, draft_shared, tok, views="T")
+    with pytest.raises(MMSpecError, match="the prompt has 1 token; .* at least 2"):
+        dec.generate(ids[:, :1], None)
+    with pytest.raises(MMSpecError, match="attention_mask is all zeros"):
+        dec.generate(ids, pv, attention_mask=torch.zeros_like(ids))
+
+
+def test_draft_prompt_past_its_context_length(tok):
+    """The draft's own context limit is checked per view, naming views with fewer image tokens."""
+    target = make_llava(0)
+    short = make_llava(1)
+    short.config.text_config.max_position_embeddings = 40
+    ids, pv = make_prompt(2, 16)  # 32 image tokens + text
+    with pytest.raises(MMSpecError, match="multimodal view's draft prompt .* context length of 40"):
+        SpecDecoder(target, short, tok, views="M").generate(ids, pv, max_new_tokens=8)
+
+
+def test_unusable_checkpoint_directories(tmp_path, target):
+    """A directory that is no model, or a config without weights, gets a clear error."""
+    from mmspec.models.loading import load_model
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(MMSpecError, match="not a model directory .* save_pretrained"):
+        load_model(str(tmp_path / "empty"))
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text('{"model_type": "no_such_model"}')
+    with pytest.raises(MMSpecError, match="not a model directory"):
+        load_model(str(tmp_path / "odd"))
+    target.config.save_pretrained(tmp_path / "noweights")
+    with pytest.raises(MMSpecError, match="could not load the weights .* model.safetensors"):
+        load_model(str(tmp_path / "noweights"))
+
+
+def test_embedded_pack_without_weights(tmp_path):
+    import shutil
+
+    from mmspec.embedded import default_path, load_embedded
+
+    for role in ("target", "draft", "captioner"):
+        shutil.copytree(default_path() / role, tmp_path / role, ignore=shutil.ignore_patterns("*.safetensors"))
+    with pytest.raises(MMSpecError, match="target/model.safetensors is missing"):
+        load_embedded(path=tmp_path)
+
+
+@pytest.mark.parametrize("device, msg", [
+    ("gpu", "unknown device 'gpu'"),
+    ("cuda", "no CUDA GPU"),
+    ("cuda:7", "CUDA GPU"),
+])
+def test_bad_device(device, msg):
+    import torch
+
+    from mmspec.models.loading import resolve_device
+
+    if torch.cuda.is_available() and device.startswith("cuda"):
+        pytest.skip("this machine has a GPU")  # the CPU-only message is what is tested
+    with pytest.raises(MMSpecError, match=msg):
+        resolve_device(device)
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.parametrize("args, phrase", [
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--weights", "a,1", "--views", "MT"], "--weights 'a,1' is not a comma-separated list of numbers"),
+    (["--device", "gpu"], "unknown device 'gpu'"),
+])
+def test_generate_refuses_bad_numbers_and_devices(args, phrase):
+    from typer.testing import CliRunner
+
+    from mmspec.cli import app
+
+    r = CliRunner().invoke(app, ["generate", "--max-new-tokens", "2", *args])
+    assert r.exit_code == 2 and phrase in " ".join(r.output.split()) and "Traceback" not in r.output, r.output
+
+
+def test_demo_and_bench_refuse_zero_new_tokens(tmp_path):
+    from typer.testing import CliRunner
+
+    from mmspec.bench.config import BenchConfig
+    from mmspec.cli import app
+
+    r = CliRunner().invoke(app, ["demo", "--max-new-tokens", "0"])
+    assert r.exit_code == 2 and "--max-new-tokens must be >= 1" in r.output, r.output
+    with pytest.raises(MMSpecError, match="max_new_tokens must be >= 1"):
+        BenchConfig(out_dir=tmp_path, max_new_tokens=0)
+
+
+def test_unreadable_bench_images(tmp_path):
+    from mmspec.bench.datasets import _iter_rows, to_pil
+
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG not really")
+    (tmp_path / "a_dir").mkdir()
+    for cell, msg in ((b"not an image", "its image bytes cannot be read as an image"),
+                      ({"bytes": b"nope", "path": None}, "cannot be read as an image"),
+                      (str(tmp_path / "broken.png"), "broken.png' cannot be read as an image"),
+                      (str(tmp_path / "missing.png"), "missing.png' not found"),
+                      (str(tmp_path / "a_dir"), "a_dir' not found")):
+        with pytest.raises(MMSpecError, match=f"chartqa row 3: .*{msg}"):
+            to_pil(cell, "chartqa row 3")
+    (tmp_path / "data.parquet").write_text("a,b\n1,2\n")
+    with pytest.raises(MMSpecError, match="not a readable parquet file"):
+        _iter_rows(tmp_path / "data.parquet", "test")

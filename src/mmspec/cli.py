@@ -31,6 +31,22 @@ def _fail(e: Exception) -> None:
     raise typer.Exit(code=2)
 
 
+def _check_max_new_tokens(n: int) -> None:
+    if n < 1:
+        raise MMSpecError(f"--max-new-tokens must be >= 1, got {n}")
+
+
+def _parse_weights(weights: str | None) -> list[float] | None:
+    """--weights "1,0.5" -> [1.0, 0.5]; anything but comma-separated numbers is refused."""
+    if not weights:
+        return None
+    try:
+        return [float(x) for x in weights.split(",")]
+    except ValueError:
+        raise MMSpecError(f"--weights {weights!r} is not a comma-separated list of numbers; "
+                          "give one number per view, e.g. --views MT --weights 1,0.5") from None
+
+
 def _load(target, draft, captioner, captioner_prompt, dtype, device):
     """Models for generate/demo: the given checkpoints, or the embedded pack."""
     from transformers.utils import logging as hf_logging
@@ -39,9 +55,10 @@ def _load(target, draft, captioner, captioner_prompt, dtype, device):
 
     hf_logging.disable_progress_bar()  # weight-loading bars would bury the answer
 
-    from mmspec.models.loading import check_model_flags, load_model, load_processor, resolve_dtype
+    from mmspec.models.loading import check_model_flags, load_model, load_processor, resolve_device, resolve_dtype
 
     check_model_flags(target, draft, captioner, captioner_prompt)
+    device = str(resolve_device(device))
     if target is None:
         import torch
 
@@ -118,6 +135,8 @@ def generate(
         from mmspec.decoder import SpecDecoder
         from mmspec.inputs import frame_prompt, load_images, processor_inputs
 
+        _check_max_new_tokens(max_new_tokens)
+        w = _parse_weights(weights)
         if prompt is None and image:  # prompt checks first: before loading any model
             raise MMSpecError("--image was given without --prompt; say what to ask about the image(s)")
         if prompt is None and target is not None:
@@ -134,7 +153,6 @@ def generate(
             console.print("[dim]No prompt given: a bundled chart-QA example from the synthetic world.[/dim]")
         else:
             prompt_text = frame_prompt(prompt, len(images))
-        w = [float(x) for x in weights.split(",")] if weights else None
         view_list = [v for v in views.split(",") if v]
         dec = SpecDecoder(t, d, tok, views=view_list, weights=w, captioner=cap, gamma=gamma, processor=proc)
         inputs = {k: v.to(device) for k, v in processor_inputs(proc, prompt_text, images).items()}
@@ -172,6 +190,7 @@ def demo(
         from mmspec.inputs import processor_inputs
         from mmspec.world import make_sample
 
+        _check_max_new_tokens(max_new_tokens)
         t, d, tok, proc, cap, _ = _load(None, None, None, None, "auto", "cpu")
         console.print(EMBEDDED_NOTE)
         meths = [m for m in methods.split(",") if m]

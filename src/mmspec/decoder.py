@@ -7,6 +7,7 @@ token for token; with sampling the output is distributed exactly as the target's
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -107,6 +108,12 @@ class SpecDecoder:
                     " (e.g. a BLIP or Florence-2 directory) or --captioner on the command line"
                 )
             if v.kind == "pooled":
+                if self.draft.tokens_per_image != self.draft.patch_grid ** 2:
+                    raise MMSpecError(
+                        f"the pooled view pools the draft's patch grid, but the draft keeps the CLS token "
+                        f"in its image features (vision_feature_select_strategy="
+                        f"{getattr(self.draft, 'select_strategy', None)!r}); use the multimodal, text or "
+                        "caption view with this draft")
                 grid = self.draft.patch_grid
                 default_n = (grid // 2) ** 2 if grid % 2 == 0 else 1  # paper: 576 -> 144
                 n = v.n_tokens or default_n
@@ -125,6 +132,8 @@ class SpecDecoder:
         weights = [float(w) for w in weights]
         if len(weights) != len(self.views):
             raise MMSpecError(f"{len(weights)} weights for {len(self.views)} views; give one weight per view")
+        if not all(math.isfinite(w) for w in weights):
+            raise MMSpecError(f"ensemble weights must be finite numbers, got {weights}")
         if any(w < 0 for w in weights) or sum(weights) <= 0:
             raise MMSpecError(f"ensemble weights must be >= 0 with a positive sum, got {weights}")
         return weights
@@ -336,15 +345,21 @@ class SpecDecoder:
                 )
             ids = ids[0]
         if ids.dim() != 1 or ids.numel() == 0:
-            raise MMSpecError(f"input_ids must be [1, L] or [L] with L >= 1, got shape {tuple(ids.shape)}")
+            raise MMSpecError(f"input_ids must be [1, L] or [L] with L >= 2, got shape {tuple(ids.shape)}")
         if attention_mask is not None:
             m = torch.as_tensor(attention_mask).reshape(-1).bool().cpu()
             if m.shape[0] != ids.shape[0]:
                 raise MMSpecError("attention_mask and input_ids have different lengths")
-            first = int(m.nonzero()[0, 0]) if m.any() else ids.shape[0]
+            if not m.any():
+                raise MMSpecError("attention_mask is all zeros: it masks out the whole prompt; pass the "
+                                  "processor's mask (ones over the prompt, zeros only on left padding)")
+            first = int(m.nonzero()[0, 0])
             if not m[first:].all():
                 raise MMSpecError("attention_mask has holes; only left padding is supported")
             ids = ids[first:]
+        if ids.shape[0] < 2:  # each draft row holds the prompt less its last (pending) token
+            raise MMSpecError(f"the prompt has {ids.shape[0]} token; speculative decoding needs at least 2 "
+                              "(build it with the processor: the bos token, the chat template and the text)")
         return ids.long().cpu()
 
     def _check_context(self, prompt_len: int, max_new_tokens: int) -> None:

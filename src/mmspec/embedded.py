@@ -57,6 +57,10 @@ def _missing(path: Path, what: str) -> MMSpecError:
         f"or pass path= to a directory that holds target/, draft/, draft_pooled/, captioner/.")
 
 
+def _has_weights(d: Path) -> bool:
+    return (d / "model.safetensors").exists() or (d / "model.safetensors.index.json").exists()
+
+
 def load_embedded(dtype: torch.dtype = torch.float32, path: str | Path | None = None,
                   device: str | torch.device = "cpu") -> EmbeddedModels:
     """Load the pack from ``path`` (default: the package assets), weights cast to ``dtype``."""
@@ -65,17 +69,22 @@ def load_embedded(dtype: torch.dtype = torch.float32, path: str | Path | None = 
     from mmspec.models.captioner import recorded_prompt
     from mmspec.train.checkpoint import read_sidecar
 
+    from mmspec.models.loading import resolve_device
+
     root = Path(path) if path is not None else default_path()
     for role in ("target", "draft", "captioner"):
         if not (root / role / "config.json").exists():
             raise _missing(root, f"{role}/config.json")
+        if not _has_weights(root / role):
+            raise _missing(root, f"{role}/model.safetensors")
+    device = resolve_device(device)
 
     def model(role: str):
         m = LlavaForConditionalGeneration.from_pretrained(root / role, dtype=dtype)
         return m.to(device).eval()
 
     pooled_dir = root / "draft_pooled"
-    has_pooled = (pooled_dir / "config.json").exists()
+    has_pooled = (pooled_dir / "config.json").exists() and _has_weights(pooled_dir)
     processor = AutoProcessor.from_pretrained(root / "target")
     return EmbeddedModels(
         target=model("target"),

@@ -19,9 +19,12 @@ recursive rejection sampling) reuses it node by node: a chain is a tree with one
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from mmspec.errors import MMSpecError
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,17 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_k: int | None = None
     top_p: float | None = None
+
+    def __post_init__(self) -> None:
+        # refused rather than reinterpreted: transformers raises for these, or treats them otherwise
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise MMSpecError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+                                       or self.top_k < 0):
+            raise MMSpecError(f"top_k must be a whole number >= 0 (0 or None: no top-k), got {self.top_k!r}")
+        if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
+            raise MMSpecError(f"top_p must be in (0, 1] (1 or None: no nucleus filter), got {self.top_p!r}; "
+                              "for the single likeliest token use temperature=0")
 
     @property
     def greedy(self) -> bool:

@@ -77,7 +77,9 @@ def load_models(cfg: BenchConfig) -> BenchModels:
 
 def pick_device(cfg: BenchConfig, rank: RankInfo) -> torch.device:
     if cfg.device:
-        return torch.device(cfg.device)
+        from mmspec.models.loading import resolve_device
+
+        return resolve_device(cfg.device)
     if torch.cuda.is_available():
         return torch.device("cuda", rank.local_rank % torch.cuda.device_count())
     return torch.device("cpu")

@@ -99,6 +99,8 @@ class BenchConfig:
             raise MMSpecError(f"gamma must be >= 1, got {self.gamma}")
         if self.n_samples < 1:
             raise MMSpecError(f"n_samples must be >= 1, got {self.n_samples}")
+        if self.max_new_tokens < 1:
+            raise MMSpecError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         for m in self.methods:
             method_views(m)
         from mmspec.models.loading import check_model_flags

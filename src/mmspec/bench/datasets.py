@@ -99,19 +99,32 @@ def schema_text(name: str) -> str:
 
 
 def to_pil(value: Any, where: str) -> Image.Image:
-    """An image cell (PIL image, {bytes, path} dict, raw bytes, or a file path) as RGB PIL."""
+    """An image cell (PIL image, {bytes, path} dict, raw bytes, or a file path) as RGB PIL;
+    a cell that is no readable image is refused with its place in the data set."""
     if isinstance(value, Image.Image):
         return value.convert("RGB")
     if isinstance(value, dict):
         if value.get("bytes"):
-            return Image.open(io.BytesIO(value["bytes"])).convert("RGB")
+            return _open(io.BytesIO(value["bytes"]), where, "its image bytes")
         if value.get("path"):
             return to_pil(value["path"], where)
     if isinstance(value, (bytes, bytearray)):
-        return Image.open(io.BytesIO(value)).convert("RGB")
-    if isinstance(value, str) and Path(value).exists():
-        return Image.open(value).convert("RGB")
+        return _open(io.BytesIO(value), where, "its image bytes")
+    if isinstance(value, str):
+        if not Path(value).is_file():
+            raise MMSpecError(f"{where}: image file {value!r} not found; image paths in a data set are read "
+                              "relative to the directory you run from, so run there or store the image bytes")
+        return _open(value, where, f"image file {value!r}")
     raise MMSpecError(f"{where}: cannot decode image cell of type {type(value).__name__}")
+
+
+def _open(source, where: str, what: str) -> Image.Image:
+    try:
+        with Image.open(source) as im:
+            return im.convert("RGB")
+    except (OSError, SyntaxError, ValueError) as e:  # PIL.UnidentifiedImageError is an OSError
+        raise MMSpecError(f"{where}: {what} cannot be read as an image ({e.__class__.__name__}: {e}); "
+                          "fix or drop that row") from None
 
 
 def _norm_task(text: str) -> str:
@@ -133,7 +146,12 @@ def _iter_rows(path: Path, split: str) -> tuple[Iterator[dict], list[str], str]:
     if files:
         import pyarrow.parquet as pq
 
-        columns = [c for c in pq.ParquetFile(files[0]).schema_arrow.names]
+        try:
+            columns = [c for c in pq.ParquetFile(files[0]).schema_arrow.names]
+        except (OSError, ValueError) as e:  # pyarrow.ArrowInvalid (a ValueError): not a parquet file
+            raise MMSpecError(f"{files[0]} is not a readable parquet file ({e.__class__.__name__}: {e}); pass a "
+                              "parquet file, a directory of parquet files, or a datasets.save_to_disk "
+                              "directory") from None
 
         def gen() -> Iterator[dict]:
             for f in files:

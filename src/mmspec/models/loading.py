@@ -41,9 +41,15 @@ def load_model(name_or_path: str, *, dtype: str | torch.dtype | None = "auto", d
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     _check_reachable(str(name_or_path))
+    local = Path(str(name_or_path)).exists()
     try:
         config = AutoConfig.from_pretrained(name_or_path)
-    except OSError as e:
+    except (OSError, ValueError) as e:
+        if local:
+            raise MMSpecError(
+                f"{name_or_path!r} is not a model directory transformers can read: {_first_line(e)}. "
+                "Pass a directory written by save_pretrained() (config.json with a model_type, and the weights)"
+            ) from None
         raise MMSpecError(
             f"could not read a model config from {name_or_path!r} ({e.__class__.__name__}). "
             "Without network access only local directories work: download the model once "
@@ -60,9 +66,42 @@ def load_model(name_or_path: str, *, dtype: str | torch.dtype | None = "auto", d
             f"{name_or_path!r} (model_type={config.model_type!r}) is neither an image-text-to-text "
             f"model nor a causal LM that transformers can load: {e}"
         ) from None
+    except OSError as e:  # a config but no (readable) weights
+        raise MMSpecError(
+            f"could not load the weights of {name_or_path!r}: {_first_line(e)}. The directory needs the "
+            "weights save_pretrained() writes (model.safetensors, or its shards and index)"
+        ) from None
     if device:
-        model = model.to(device)
+        model = model.to(resolve_device(device))
     return model.eval()
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [e.__class__.__name__])[0]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """A --device string -> torch.device, refusing one this machine does not have (a typo, CUDA
+    on a CPU-only torch build or machine, a GPU index past the last) with the fix."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise MMSpecError(f"unknown device {device!r}; use cpu, cuda, cuda:N or mps") from None
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise MMSpecError(f"device {device!r} asked for, but this torch build or machine has no CUDA GPU; "
+                              "use --device cpu (or install a CUDA build of torch on a GPU machine)")
+        if dev.index is not None and dev.index >= n:
+            raise MMSpecError(f"device {device!r} asked for, but this machine has {n} CUDA GPU(s): "
+                              f"use cuda:0 to cuda:{n - 1}")
+    elif dev.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise MMSpecError(f"device {device!r} asked for, but MPS is not available here; use --device cpu")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise MMSpecError(f"device {device!r} is not supported; use cpu, cuda, cuda:N or mps")
+    return dev
 
 
 def _load_auto(cls_name: str, what: str, name_or_path: str):
