@@ -119,3 +119,21 @@ def test_vision_features_reused(target, draft_shared, tok):
         for h in hooks:
             h.remove()
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("method", ["M", "T", "C", "MTC"])
+@pytest.mark.parametrize("draft_strategy", ["full", "default"])
+def test_full_feature_strategy_keeps_cls(tok, method, draft_strategy):
+    """A target whose vision_feature_select_strategy is "full" has grid**2 + 1 image tokens per
+    image (CLS kept); decoding stays lossless with a "full" draft and with a "default" one."""
+    from mmspec.errors import MMSpecError
+
+    target = make_llava(50, strategy="full")
+    draft = noisy_copy(target, 51) if draft_strategy == "full" else make_llava(52, hidden=32)
+    ids, pv = make_prompt(2, 17, seed=5)  # 4x4 patches + CLS
+    dec = SpecDecoder(target, draft, tok, views=method, captioner=captions(2))
+    assert dec.target.tokens_per_image == 17
+    assert dec.generate(ids, pv, max_new_tokens=16).token_ids == reference(target, ids, pv, 16)
+    if draft_strategy == "full":
+        with pytest.raises(MMSpecError, match="pooled view .* CLS"):
+            SpecDecoder(target, draft, tok, views="P")

@@ -29,7 +29,7 @@ def make_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
 
 
 def make_llava(seed: int, *, hidden: int = 64, layers: int = 2, image_size: int = 32, patch: int = 8,
-               vision_hidden: int = 32, vocab: int = VOCAB, eos: int = EOS,
+               vision_hidden: int = 32, vocab: int = VOCAB, eos: int = EOS, strategy: str = "default",
                dtype=torch.float64) -> LlavaForConditionalGeneration:
     torch.manual_seed(seed)
     vc = CLIPVisionConfig(hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_hidden_layers=2,
@@ -39,8 +39,8 @@ def make_llava(seed: int, *, hidden: int = 64, layers: int = 2, image_size: int 
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                      bos_token_id=BOS, eos_token_id=eos, pad_token_id=PAD)
     cfg = LlavaConfig(vision_config=vc, text_config=tc, image_token_index=IMG, vision_feature_layer=-2,
-                      vision_feature_select_strategy="default",
-                      image_seq_length=(image_size // patch) ** 2)
+                      vision_feature_select_strategy=strategy,  # "full" keeps CLS: one more image token
+                      image_seq_length=(image_size // patch) ** 2 + (strategy == "full"))
     model = LlavaForConditionalGeneration(cfg)
     with torch.no_grad():  # sharpen logits so greedy choices are far from ties
         model.lm_head.weight.mul_(4.0)

@@ -23,7 +23,9 @@ class LlavaAdapter(ModelAdapter):
         self.image_token_id = int(cfg.image_token_id)
         self.feature_layer = cfg.vision_feature_layer
         self.select_strategy = cfg.vision_feature_select_strategy
-        self.tokens_per_image = self.patch_grid**2
+        # "default" drops the CLS token, "full" keeps it in front of the patches (as the processor
+        # counts it: grid**2 + 1 image tokens)
+        self.tokens_per_image = self.patch_grid**2 + (0 if self.select_strategy == "default" else 1)
 
     @property
     def _core(self):
@@ -39,10 +41,10 @@ class LlavaAdapter(ModelAdapter):
         pixel_values = pixel_values.to(device=self.device, dtype=tower.dtype)
         out = tower(pixel_values, output_hidden_states=True, return_dict=True)
         layers = [self.feature_layer] if isinstance(self.feature_layer, int) else self.feature_layer
-        hs = [out.hidden_states[i] for i in layers]  # each [n_img, 1 + n_patches, C]
+        hs = [out.hidden_states[i] for i in layers]  # each [n_img, 1 + n_patches, C] (CLS first)
         if self.select_strategy == "default":
             hs = [h[:, 1:] for h in hs]  # drop CLS
-        return torch.cat(hs, dim=-1)  # [n_img, n_patches, C * len(layers)]
+        return torch.cat(hs, dim=-1)  # [n_img, tokens_per_image, C * len(layers)]
 
     def project(self, patch_features: torch.Tensor) -> torch.Tensor:
         return self._core.multi_modal_projector(patch_features)
