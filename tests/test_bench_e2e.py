@@ -76,3 +76,24 @@ def test_embedded_models_load_in_the_asked_dtype(dtype):
     want = getattr(torch, dtype)
     assert loaded.source == "embedded"
     assert loaded.target.dtype == loaded.draft.dtype == loaded.captioner.model.dtype == want
+
+
+def test_sampling_baseline_samples_the_distribution_spec_samples(tmp_path):
+    """With temperature > 0 the baseline is target.generate(do_sample=True) with top_k=0 and
+    top_p=1 (transformers would add top_k=50), the unfiltered distribution SpecDecoder samples."""
+    from mmspec.bench.datasets import load_dataset
+
+    models = tiny_models()
+    seen = {}
+    real = models.target.generate
+
+    def spy(**kw):
+        seen.update(kw)
+        return real(**kw)
+
+    models.target.generate = spy
+    (sample,), _ = load_dataset("chartqa", write_chartqa(tmp_path / "c.parquet", n=1), 1)
+    cfg = BenchConfig(out_dir=tmp_path / "out", max_new_tokens=3, temperature=0.7, progress=False)
+    HFBackend(models, cfg, torch.device("cpu")).baseline(sample)
+    assert seen["do_sample"] is True and seen["temperature"] == 0.7
+    assert seen["top_k"] == 0 and seen["top_p"] == 1.0

@@ -237,6 +237,8 @@ def test_bad_device(device, msg):
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--weights", "a,1", "--views", "MT"], "--weights 'a,1' is not a comma-separated list of numbers"),
     (["--device", "gpu"], "unknown device 'gpu'"),
+    (["--temperature", "1", "--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
 ])
 def test_generate_refuses_bad_numbers_and_devices(args, phrase):
     from typer.testing import CliRunner
@@ -257,6 +259,8 @@ def test_demo_and_bench_refuse_zero_new_tokens(tmp_path):
     assert r.exit_code == 2 and "--max-new-tokens must be >= 1" in r.output, r.output
     with pytest.raises(MMSpecError, match="max_new_tokens must be >= 1"):
         BenchConfig(out_dir=tmp_path, max_new_tokens=0)
+    with pytest.raises(MMSpecError, match="temperature must be a finite number >= 0"):
+        BenchConfig(out_dir=tmp_path, temperature=-1.0)  # before any row is written
 
 
 def test_unreadable_bench_images(tmp_path):
@@ -268,7 +272,8 @@ def test_unreadable_bench_images(tmp_path):
                       ({"bytes": b"nope", "path": None}, "cannot be read as an image"),
                       (str(tmp_path / "broken.png"), "broken.png' cannot be read as an image"),
                       (str(tmp_path / "missing.png"), "missing.png' not found"),
-                      (str(tmp_path / "a_dir"), "a_dir' not found")):
+                      ("no/such.png", "no/such.png' not found \\(a relative path is read from the directory"),
+                      (str(tmp_path / "a_dir"), "a_dir' is a directory, not an image file")):
         with pytest.raises(MMSpecError, match=f"chartqa row 3: .*{msg}"):
             to_pil(cell, "chartqa row 3")
     (tmp_path / "data.parquet").write_text("a,b\n1,2\n")

@@ -567,6 +567,7 @@ def test_answer_weight_on_cut_off_distilled_answers():
     n_prompt = full.labels.count(IGNORE)
     answer = full.input_ids[n_prompt:-1]  # the answer's ids, eos left out
     first_heavy = full.weights[n_prompt:].index(6.0)  # the first token after the reading
+    assert first_heavy >= 3  # so the first cut below falls inside the reading
     for cut in (first_heavy - 3, first_heavy + 4):
         cut_ids = tuple(answer[:cut])
         e = enc.encode(replace(example_from_sample(sample), answer_ids=cut_ids))

@@ -134,8 +134,10 @@ def generate(
     try:
         from mmspec.decoder import SpecDecoder
         from mmspec.inputs import frame_prompt, load_images, processor_inputs
+        from mmspec.verify import SamplingParams
 
         _check_max_new_tokens(max_new_tokens)
+        SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)  # refused before loading models
         w = _parse_weights(weights)
         if prompt is None and image:  # prompt checks first: before loading any model
             raise MMSpecError("--image was given without --prompt; say what to ask about the image(s)")

@@ -84,7 +84,9 @@ def load_embedded(dtype: torch.dtype = torch.float32, path: str | Path | None = 
         return m.to(device).eval()
 
     pooled_dir = root / "draft_pooled"
-    has_pooled = (pooled_dir / "config.json").exists() and _has_weights(pooled_dir)
+    has_pooled = (pooled_dir / "config.json").exists()
+    if has_pooled and not _has_weights(pooled_dir):
+        raise _missing(root, "draft_pooled/model.safetensors")
     processor = AutoProcessor.from_pretrained(root / "target")
     return EmbeddedModels(
         target=model("target"),

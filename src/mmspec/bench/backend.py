@@ -134,8 +134,8 @@ class HFBackend:
         n_in = int(inputs["input_ids"].shape[1])
         greedy = self.cfg.temperature <= 0
         kw: dict[str, Any] = {"do_sample": not greedy, "max_new_tokens": self.cfg.max_new_tokens}
-        if not greedy:
-            kw["temperature"] = self.cfg.temperature
+        if not greedy:  # the distribution spec() samples: no top-k (transformers adds 50) or top-p
+            kw.update(temperature=self.cfg.temperature, top_k=0, top_p=1.0)
             torch.manual_seed(self.cfg.seed)
         sync(self.device)
         t0 = time.perf_counter()

@@ -101,6 +101,9 @@ class BenchConfig:
             raise MMSpecError(f"n_samples must be >= 1, got {self.n_samples}")
         if self.max_new_tokens < 1:
             raise MMSpecError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        from mmspec.verify import SamplingParams
+
+        SamplingParams(temperature=float(self.temperature))  # refuses a negative or non-finite one
         for m in self.methods:
             method_views(m)
         from mmspec.models.loading import check_model_flags

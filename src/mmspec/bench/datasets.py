@@ -111,9 +111,14 @@ def to_pil(value: Any, where: str) -> Image.Image:
     if isinstance(value, (bytes, bytearray)):
         return _open(io.BytesIO(value), where, "its image bytes")
     if isinstance(value, str):
-        if not Path(value).is_file():
-            raise MMSpecError(f"{where}: image file {value!r} not found; image paths in a data set are read "
-                              "relative to the directory you run from, so run there or store the image bytes")
+        path = Path(value)
+        if path.is_dir():
+            raise MMSpecError(f"{where}: image path {value!r} is a directory, not an image file; fix that row")
+        if not path.is_file():
+            where_from = "" if path.is_absolute() else (
+                f" (a relative path is read from the directory mmspec runs in, {Path.cwd()}: run it where the "
+                "data set's paths start, or store the image bytes in the data set)")
+            raise MMSpecError(f"{where}: image file {value!r} not found{where_from}")
         return _open(value, where, f"image file {value!r}")
     raise MMSpecError(f"{where}: cannot decode image cell of type {type(value).__name__}")
 
@@ -155,7 +160,12 @@ def _iter_rows(path: Path, split: str) -> tuple[Iterator[dict], list[str], str]:
 
         def gen() -> Iterator[dict]:
             for f in files:
-                for batch in pq.ParquetFile(f).iter_batches(batch_size=64):
+                try:
+                    batches = pq.ParquetFile(f).iter_batches(batch_size=64)
+                except (OSError, ValueError) as e:
+                    raise MMSpecError(f"{f} is not a readable parquet file ({e.__class__.__name__}: {e}); "
+                                      "fix or remove it") from None
+                for batch in batches:
                     yield from batch.to_pylist()
 
         return gen(), columns, str(files[0] if len(files) == 1 else path)

@@ -145,7 +145,8 @@ def run_bench(cfg: BenchConfig, backend: Backend | None = None, rank: RankInfo |
 
 
 def default_backend(cfg: BenchConfig, rank: RankInfo) -> Backend:
-    return HFBackend(load_models(cfg), cfg, pick_device(cfg, rank))
+    device = pick_device(cfg, rank)  # a device this machine lacks fails before any model loads
+    return HFBackend(load_models(cfg), cfg, device)
 
 
 def _meta(cfg: BenchConfig, rank: RankInfo, backend: Backend, command: str | None) -> dict:

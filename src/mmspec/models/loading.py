@@ -51,7 +51,7 @@ def load_model(name_or_path: str, *, dtype: str | torch.dtype | None = "auto", d
                 "Pass a directory written by save_pretrained() (config.json with a model_type, and the weights)"
             ) from None
         raise MMSpecError(
-            f"could not read a model config from {name_or_path!r} ({e.__class__.__name__}). "
+            f"could not read a model config from {name_or_path!r} ({e.__class__.__name__}: {_first_line(e)}). "
             "Without network access only local directories work: download the model once "
             "elsewhere and pass its directory."
         ) from None
@@ -99,8 +99,11 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
                               f"use cuda:0 to cuda:{n - 1}")
     elif dev.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
         raise MMSpecError(f"device {device!r} asked for, but MPS is not available here; use --device cpu")
-    elif dev.type not in ("cpu", "cuda", "mps"):
-        raise MMSpecError(f"device {device!r} is not supported; use cpu, cuda, cuda:N or mps")
+    elif dev.type not in ("cpu", "cuda", "mps"):  # xpu, npu, hpu...: where torch has the backend
+        backend = getattr(torch, dev.type, None)
+        if not (backend is not None and hasattr(backend, "is_available") and backend.is_available()):
+            raise MMSpecError(f"device {device!r} asked for, but this torch build or machine has no "
+                              f"{dev.type} device; use --device cpu")
     return dev
 
 
