@@ -67,7 +67,7 @@ def test_unreadable_and_missing_image(tmp_path):
     assert load_images([good])[0].size == (8, 8)
 
 
-@pytest.mark.parametrize("spec,msg", [("XYZ", "unknown view"), ("pooled:abc", "pooled:N"), ("MM", "listed twice")])
+@pytest.mark.parametrize("spec,msg", [("XYZ", "unknown view"), ("pooled:abc", "pooled:N"), ("pooled:0", "whole number >= 1"), ("MM", "listed twice")])
 def test_bad_view_names(spec, msg):
     with pytest.raises(MMSpecError, match=msg):
         parse_views(spec)
@@ -261,6 +261,8 @@ def test_demo_and_bench_refuse_zero_new_tokens(tmp_path):
         BenchConfig(out_dir=tmp_path, max_new_tokens=0)
     with pytest.raises(MMSpecError, match="temperature must be a finite number >= 0"):
         BenchConfig(out_dir=tmp_path, temperature=-1.0)  # before any row is written
+    with pytest.raises(MMSpecError, match="pool_tokens must be >= 1"):
+        BenchConfig(out_dir=tmp_path, pool_tokens=0)
 
 
 def test_unreadable_bench_images(tmp_path):
@@ -279,3 +281,11 @@ def test_unreadable_bench_images(tmp_path):
     (tmp_path / "data.parquet").write_text("a,b\n1,2\n")
     with pytest.raises(MMSpecError, match="not a readable parquet file"):
         _iter_rows(tmp_path / "data.parquet", "test")
+
+
+def test_text_only_target_is_refused(tok):
+    from tiny import make_llama
+
+    llama = make_llama(0)
+    with pytest.raises(MMSpecError, match="not a vision-language model; pass an image-text-to-text"):
+        SpecDecoder(llama, llama, tok)

@@ -80,7 +80,9 @@ class SpecDecoder:
         self.target = adapter_for(self.target_model)
         self.draft = adapter_for(self.draft_model)
         if not self.target.has_vision:
-            raise MMSpecError(f"the target ({type(self.target_model).__name__}) is not a vision-language model")
+            raise MMSpecError(f"the target ({type(self.target_model).__name__}) is not a vision-language model; "
+                              "pass an image-text-to-text checkpoint such as a LLaVA one as the target "
+                              "(the draft may be text-only)")
         if not isinstance(gamma, int) or gamma < 1:
             raise MMSpecError(f"gamma must be a whole number >= 1, got {gamma!r}")
         self.gamma = gamma

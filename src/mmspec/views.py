@@ -49,8 +49,9 @@ def _parse_one(token: str) -> list[View]:
     low = ALIASES.get(t.lower(), t.lower())
     if low.startswith("pooled"):
         _, _, n = low.partition(":")
-        if n and not n.isdigit():
-            raise MMSpecError(f"bad view {token!r}: write pooled:N with N a whole number, e.g. pooled:144")
+        if n and (not n.isdigit() or int(n) == 0):
+            raise MMSpecError(f"bad view {token!r}: write pooled:N with N a whole number >= 1, e.g. pooled:144 "
+                              "(or pooled / P for the default size)")
         return [View("pooled", int(n) if n else None)]
     if low in VIEW_KINDS:
         return [View(low)]

@@ -99,6 +99,8 @@ class BenchConfig:
             raise MMSpecError(f"gamma must be >= 1, got {self.gamma}")
         if self.n_samples < 1:
             raise MMSpecError(f"n_samples must be >= 1, got {self.n_samples}")
+        if self.pool_tokens is not None and self.pool_tokens < 1:
+            raise MMSpecError(f"pool_tokens must be >= 1 (or unset for the default), got {self.pool_tokens}")
         if self.max_new_tokens < 1:
             raise MMSpecError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         from mmspec.verify import SamplingParams
