@@ -289,3 +289,24 @@ def test_text_only_target_is_refused(tok):
     llama = make_llama(0)
     with pytest.raises(MMSpecError, match="not a vision-language model; pass an image-text-to-text"):
         SpecDecoder(llama, llama, tok)
+
+
+def test_draft_without_the_added_tokens_is_accepted_and_exact():
+    """A draft whose vocabulary stops before tokens added on top of the base vocabulary
+    (llava-hf: <image>, <pad>) is accepted, and decoding stays lossless; one that stops inside
+    the base vocabulary is refused."""
+    import torch
+
+    from tiny import make_tokenizer
+
+    tok = make_tokenizer()
+    tok.add_tokens(["<extra_a>", "<extra_b>"], special_tokens=True)  # ids 96, 97
+    target = make_llava(0, vocab=VOCAB + 2)
+    draft = make_llava(1, vocab=VOCAB, hidden=32)  # scores ids 0..95 only
+    ids, pv = make_prompt(1, 16, seed=2)
+    ref = target.generate(input_ids=ids, pixel_values=pv, do_sample=False, max_new_tokens=12)[0, ids.shape[1]:]
+    res = SpecDecoder(target, draft, tok, views="MT").generate(ids, pv, attention_mask=torch.ones_like(ids),
+                                                               max_new_tokens=12)
+    assert res.token_ids == ref.tolist()
+    with pytest.raises(MMSpecError, match="the draft scores only 90"):
+        SpecDecoder(target, make_llava(2, vocab=90), tok)

@@ -152,7 +152,11 @@ class SpecDecoder:
         if tok_v > vt:
             raise MMSpecError(f"the tokenizer has {tok_v} tokens but the target only scores {vt}; "
                               "pass the target's own tokenizer")
-        if vd < tok_v:
+        # ids the draft cannot score are fine when all are tokens added on top of the base vocabulary
+        # (llava-hf's <image> and <pad>): a draft never needs to propose them, and the target
+        # verifies every token anyway
+        added = {int(i) for i in getattr(self.tokenizer, "added_tokens_decoder", {})}
+        if vd < tok_v and not set(range(vd, tok_v)) <= added:
             raise MMSpecError(
                 f"draft and target have different vocabularies: the tokenizer has {tok_v} tokens "
                 f"but the draft scores only {vd}; pick a draft trained with the target's tokenizer"
