@@ -140,6 +140,16 @@ def _parquet_files(path: Path) -> list[Path]:
     return [path] if path.is_file() else sorted(path.rglob("*.parquet"))
 
 
+def _open_parquet(f: Path):
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(f)
+    except (OSError, ValueError) as e:  # pyarrow.ArrowInvalid (a ValueError): not a parquet file
+        raise MMSpecError(f"{f} is not a readable parquet file ({e.__class__.__name__}: {e}); fix or remove "
+                          "it, or pass a datasets.save_to_disk directory instead") from None
+
+
 def _iter_rows(path: Path, split: str) -> tuple[Iterator[dict], list[str], str]:
     """Rows of a parquet file/dir or a save_to_disk dir: (row iterator, column names, label)."""
     if not path.exists():
@@ -149,23 +159,11 @@ def _iter_rows(path: Path, split: str) -> tuple[Iterator[dict], list[str], str]:
         )
     files = _parquet_files(path)
     if files:
-        import pyarrow.parquet as pq
-
-        try:
-            columns = [c for c in pq.ParquetFile(files[0]).schema_arrow.names]
-        except (OSError, ValueError) as e:  # pyarrow.ArrowInvalid (a ValueError): not a parquet file
-            raise MMSpecError(f"{files[0]} is not a readable parquet file ({e.__class__.__name__}: {e}); pass a "
-                              "parquet file, a directory of parquet files, or a datasets.save_to_disk "
-                              "directory") from None
+        columns = _open_parquet(files[0]).schema_arrow.names
 
         def gen() -> Iterator[dict]:
             for f in files:
-                try:
-                    batches = pq.ParquetFile(f).iter_batches(batch_size=64)
-                except (OSError, ValueError) as e:
-                    raise MMSpecError(f"{f} is not a readable parquet file ({e.__class__.__name__}: {e}); "
-                                      "fix or remove it") from None
-                for batch in batches:
+                for batch in _open_parquet(f).iter_batches(batch_size=64):
                     yield from batch.to_pylist()
 
         return gen(), columns, str(files[0] if len(files) == 1 else path)
