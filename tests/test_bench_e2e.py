@@ -12,7 +12,7 @@ from mmspec.bench.backend import BenchModels, HFBackend
 from mmspec.bench.config import BenchConfig, DatasetSpec, RankInfo
 from mmspec.bench.report import render_report
 from mmspec.bench.runner import run_bench
-from tiny import make_llava, make_tokenizer, noisy_copy
+from tiny import make_llava, make_tokenizer, noisy_copy, swapped_tokenizer
 
 pytest.importorskip("mmspec.decoder")
 
@@ -65,6 +65,11 @@ def test_load_models_from_checkpoint_dirs(tmp_path):
         "M", "T", "C", "pooled:4")
     with pytest.raises(MMSpecError, match="without --draft"):
         load_models(BenchConfig(target=str(tmp_path / "t")))
+    # a draft saved with a tokenizer of the same size but other ids is refused before it loads
+    other = swapped_tokenizer(m.tokenizer, "w5", "w6")
+    other.save_pretrained(tmp_path / "d")
+    with pytest.raises(MMSpecError, match="id 5 is 'w5' in the target's tokenizer but 'w6' in the draft's"):
+        load_models(BenchConfig(target=str(tmp_path / "t"), draft=str(tmp_path / "d")))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -5,7 +5,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from mmspec.cli import app
-from tiny import make_processor
+from tiny import make_processor, swapped_tokenizer
 
 runner = CliRunner()
 
@@ -124,3 +124,27 @@ def test_help_pages_reflow_and_keep_angle_bracket_tokens():
         assert summary and "\n" not in summary, f"mmspec {' '.join(path)}: the docstring's first paragraph is not one line"
     out = runner.invoke(app, ["generate", "--help"]).output
     assert "<image>" in out and "<CAPTION>" in out, out
+
+
+def test_generate_refuses_a_draft_with_a_same_size_other_vocabulary(checkpoints, tmp_path, draft_shared, tok):
+    """A draft whose own tokenizer has as many tokens as the target's but other ids (here two
+    words swapped) is refused by name before any weights load; one saved without a tokenizer
+    (weights only, as many draft checkpoints ship) cannot be compared and is accepted."""
+    swapped = swapped_tokenizer(tok, "w5", "w6")
+    assert len(swapped) == len(tok) and swapped.get_vocab() != tok.get_vocab()
+    other = tmp_path / "other"
+    draft_shared.save_pretrained(other)
+    make_processor(swapped).save_pretrained(other)
+    r = invoke("--target", checkpoints / "target", "--draft", other, "--image", checkpoints / "img0.png",
+               "--prompt", "w5", "--max-new-tokens", "4")
+    assert r.exit_code == 2, r.output
+    out = " ".join(r.output.split())  # rich wraps lines
+    assert "different vocabularies: id 5 is 'w5' in the target's tokenizer but 'w6' in the draft's" in out
+    assert "Traceback" not in r.output
+
+    bare = tmp_path / "bare"
+    draft_shared.save_pretrained(bare)  # weights and config, no tokenizer files
+    r = invoke("--target", checkpoints / "target", "--draft", bare, "--image", checkpoints / "img0.png",
+               "--prompt", "w5 w6", "--max-new-tokens", "6", "--dtype", "float64")
+    assert r.exit_code == 0, r.output
+    assert "identical to target.generate" in r.output

@@ -7,7 +7,7 @@ from mmspec import MMSpecError, SpecDecoder
 from mmspec.inputs import frame_prompt, load_images
 from mmspec.models.captioner import FixedCaptioner
 from mmspec.views import parse_views
-from tiny import VOCAB, make_llava, make_prompt
+from tiny import VOCAB, make_llava, make_prompt, make_tokenizer, swapped_tokenizer
 
 
 def test_wrong_number_of_images(target, draft_shared, tok):
@@ -310,3 +310,11 @@ def test_draft_without_the_added_tokens_is_accepted_and_exact():
     assert res.token_ids == ref.tolist()
     with pytest.raises(MMSpecError, match="the draft scores only 90"):
         SpecDecoder(target, make_llava(2, vocab=90), tok)
+
+
+def test_same_size_other_vocabulary(target, draft_shared, tok):
+    """SpecDecoder compares the draft's own tokenizer, where given, id by id with the target's."""
+    other = swapped_tokenizer(tok, "w7", "w8")
+    with pytest.raises(MMSpecError, match="id 7 is 'w7' in the target's tokenizer but 'w8' in the draft's"):
+        SpecDecoder(target, draft_shared, tok, draft_tokenizer=other)
+    SpecDecoder(target, draft_shared, tok, draft_tokenizer=make_tokenizer())  # an equal vocabulary passes

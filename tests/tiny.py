@@ -28,6 +28,17 @@ def make_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
                                    pad_token="<pad>", unk_token="<pad>")
 
 
+def swapped_tokenizer(tok, a: str, b: str) -> PreTrainedTokenizerFast:
+    """``make_tokenizer()`` with the ids of words ``a`` and ``b`` exchanged: the same size as
+    ``tok``, another vocabulary (a draft trained with some other tokenizer)."""
+    vocab = tok.get_vocab()
+    words = {w: i for w, i in vocab.items() if w != "<image>"}  # <image> is added on top
+    words[a], words[b] = vocab[b], vocab[a]
+    other = make_tokenizer(len(words))
+    other.backend_tokenizer.model = models.WordLevel(words, unk_token="<pad>")
+    return other
+
+
 def make_llava(seed: int, *, hidden: int = 64, layers: int = 2, image_size: int = 32, patch: int = 8,
                vision_hidden: int = 32, vocab: int = VOCAB, eos: int = EOS, strategy: str = "default",
                dtype=torch.float64) -> LlavaForConditionalGeneration:

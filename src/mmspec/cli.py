@@ -55,7 +55,8 @@ def _load(target, draft, captioner, captioner_prompt, dtype, device):
 
     hf_logging.disable_progress_bar()  # weight-loading bars would bury the answer
 
-    from mmspec.models.loading import check_model_flags, load_model, load_processor, resolve_device, resolve_dtype
+    from mmspec.models.loading import (check_model_flags, check_same_vocabulary, load_model, load_processor,
+                                       load_tokenizer_if_any, resolve_device, resolve_dtype)
 
     check_model_flags(target, draft, captioner, captioner_prompt)
     device = str(resolve_device(device))
@@ -69,12 +70,14 @@ def _load(target, draft, captioner, captioner_prompt, dtype, device):
         cap = e.captioner()
         return e.target, e.draft, e.tokenizer, e.processor, cap, True
     processor = load_processor(target)
+    tok = getattr(processor, "tokenizer", processor)
+    check_same_vocabulary(tok, load_tokenizer_if_any(draft))  # before the weights load
     t = load_model(target, dtype=dtype, device=device)
     d = load_model(draft, dtype=dtype, device=device)
     cap = HFCaptioner.from_pretrained(captioner, prompt=captioner_prompt, dtype=dtype) if captioner else None
     if cap is not None:
         cap.model.to(device)
-    return t, d, getattr(processor, "tokenizer", processor), processor, cap, False
+    return t, d, tok, processor, cap, False
 
 
 def _stats_table(title: str, res, baseline_s: float | None = None, identical: bool | None = None) -> Table:

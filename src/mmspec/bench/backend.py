@@ -63,12 +63,13 @@ def load_models(cfg: BenchConfig) -> BenchModels:
         e = load_embedded(dtype=resolve_dtype(cfg.dtype))
         captioner = e.captioner()
         return BenchModels(e.target, e.draft, e.tokenizer, e.processor, captioner, cfg.pool_tokens, "embedded")
-    from mmspec.models.loading import load_model, load_processor
+    from mmspec.models.loading import check_same_vocabulary, load_model, load_processor, load_tokenizer_if_any
 
     dtype = resolve_dtype(cfg.dtype)
     processor = load_processor(cfg.target)
-    models = BenchModels(load_model(cfg.target, dtype=dtype), load_model(cfg.draft, dtype=dtype),
-                         getattr(processor, "tokenizer", processor), processor,
+    tokenizer = getattr(processor, "tokenizer", processor)
+    check_same_vocabulary(tokenizer, load_tokenizer_if_any(cfg.draft))  # before the weights load
+    models = BenchModels(load_model(cfg.target, dtype=dtype), load_model(cfg.draft, dtype=dtype), tokenizer, processor,
                          pooled_tokens=cfg.pool_tokens, source="checkpoints")
     if cfg.captioner is not None:
         models.captioner = HFCaptioner.from_pretrained(cfg.captioner, prompt=cfg.captioner_prompt, dtype=dtype)

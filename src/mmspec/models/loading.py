@@ -121,6 +121,32 @@ def load_tokenizer(name_or_path: str):
     return _load_auto("AutoTokenizer", "tokenizer", name_or_path)
 
 
+def load_tokenizer_if_any(name_or_path: str):
+    """The tokenizer saved with a checkpoint, or None where it has none (many draft checkpoints
+    ship weights only): for comparing a draft's vocabulary with the target's where it can be."""
+    try:
+        return load_tokenizer(name_or_path)
+    except (MMSpecError, OSError, ValueError, TypeError):
+        return None
+
+
+def check_same_vocabulary(target_tok, draft_tok) -> None:
+    """Refuse a draft whose tokenizer maps an id to another token than the target's does. The same
+    size is not the same vocabulary: the draft's proposals would mean other words and nearly all
+    be rejected (lossless still, but slower than the target alone). Only ids both have are
+    compared: one may add tokens past the other's end (llava-hf's <image>)."""
+    if draft_tok is None or draft_tok is target_tok:
+        return
+    t = {i: tok for tok, i in target_tok.get_vocab().items()}  # id -> token
+    d = {i: tok for tok, i in draft_tok.get_vocab().items()}
+    for i in sorted(t.keys() & d.keys()):
+        if t[i] != d[i]:
+            raise MMSpecError(
+                f"draft and target have different vocabularies: id {i} is {t[i]!r} in the target's "
+                f"tokenizer but {d[i]!r} in the draft's. Speculative decoding needs the draft to use "
+                "the target's tokenizer; pick a draft trained with it")
+
+
 def load_processor(name_or_path: str):
     return _load_auto("AutoProcessor", "processor", name_or_path)
 
