@@ -248,14 +248,13 @@ class SpecDecoder:
         t0 = time.perf_counter()
         L = ids.shape[0]
         target_cache = self.target.new_cache(L + self._room(max_new_tokens))  # preallocated, O(1) roll-back
-        if L > 1:
-            prefix = ids[:-1].to(dev)[None]  # [1, L-1]
-            embeds = self.target.embed(prefix)  # [1, L-1, H_t]
-            if target_feats is not None:
-                mask = (prefix == self.target.image_token_id).unsqueeze(-1)  # [1, L-1, 1]
-                embeds = embeds.masked_scatter(mask, target_feats.to(embeds.dtype))
-            self.target.forward(cache=target_cache, attention_mask=torch.ones_like(prefix),
-                                position_ids=torch.arange(L - 1, device=dev)[None], inputs_embeds=embeds)
+        prefix = ids[:-1].to(dev)[None]  # [1, L-1], never empty: prompts have >= 2 tokens (_check_ids)
+        embeds = self.target.embed(prefix)  # [1, L-1, H_t]
+        if target_feats is not None:
+            mask = (prefix == self.target.image_token_id).unsqueeze(-1)  # [1, L-1, 1]
+            embeds = embeds.masked_scatter(mask, target_feats.to(embeds.dtype))
+        self.target.forward(cache=target_cache, attention_mask=torch.ones_like(prefix),
+                            position_ids=torch.arange(L - 1, device=dev)[None], inputs_embeds=embeds)
         sync(dev)
         stats.prefill_target_s = time.perf_counter() - t0
 
