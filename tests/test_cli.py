@@ -4,6 +4,7 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
+from mmspec import MMSpecError, SpecDecoder
 from mmspec.cli import app
 from tiny import make_processor, swapped_tokenizer
 
@@ -142,9 +143,31 @@ def test_generate_refuses_a_draft_with_a_same_size_other_vocabulary(checkpoints,
     assert "different vocabularies: id 5 is 'w5' in the target's tokenizer but 'w6' in the draft's" in out
     assert "Traceback" not in r.output
 
+    # refused before the weights load: a draft directory with config and tokenizer only
+    unweighted = tmp_path / "unweighted"
+    draft_shared.config.save_pretrained(unweighted)
+    make_processor(swapped).save_pretrained(unweighted)
+    r = invoke("--target", checkpoints / "target", "--draft", unweighted, "--image", checkpoints / "img0.png",
+               "--prompt", "w5")
+    assert r.exit_code == 2 and "different vocabularies" in r.output, r.output
+    with pytest.raises(MMSpecError, match="different vocabularies"):  # SpecDecoder given paths, too
+        SpecDecoder(checkpoints / "target", unweighted)
+
     bare = tmp_path / "bare"
     draft_shared.save_pretrained(bare)  # weights and config, no tokenizer files
     r = invoke("--target", checkpoints / "target", "--draft", bare, "--image", checkpoints / "img0.png",
                "--prompt", "w5 w6", "--max-new-tokens", "6", "--dtype", "float64")
     assert r.exit_code == 0, r.output
     assert "identical to target.generate" in r.output
+
+
+def test_errors_print_token_text_literally(capsys):
+    """Error text is not rich markup: a token such as [/INST] in a message prints as written."""
+    import typer
+
+    from mmspec.cli import _fail
+
+    with pytest.raises(typer.Exit):
+        _fail(MMSpecError("id 7 is '[/INST]' in the target's tokenizer but '[unused0]' in the draft's"))
+    err = " ".join(capsys.readouterr().err.split())
+    assert "'[/INST]' in the target's tokenizer but '[unused0]' in the draft's" in err

@@ -318,3 +318,33 @@ def test_same_size_other_vocabulary(target, draft_shared, tok):
     with pytest.raises(MMSpecError, match="id 7 is 'w7' in the target's tokenizer but 'w8' in the draft's"):
         SpecDecoder(target, draft_shared, tok, draft_tokenizer=other)
     SpecDecoder(target, draft_shared, tok, draft_tokenizer=make_tokenizer())  # an equal vocabulary passes
+
+
+def test_vocabulary_check_ignores_added_tokens_and_missing_tokenizers(tok, tmp_path):
+    """Tokens added on top of the same base vocabulary may differ (llava-hf's <image> where a
+    text draft has its own special token); a weights-only draft directory has no tokenizer to
+    compare, even for model types whose AutoTokenizer builds a stand-in (Qwen2: one token); an
+    unreadable one is skipped with a warning, not a traceback."""
+    from tokenizers import AddedToken
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from mmspec.models.loading import load_tokenizer_if_any
+
+    from mmspec.models.loading import check_same_vocabulary
+
+    alpha, beta = swapped_tokenizer(tok, "w7", "w7"), swapped_tokenizer(tok, "w7", "w7")  # tok's vocabulary
+    alpha.backend_tokenizer.add_special_tokens([AddedToken("<alpha>", special=True, normalized=False)])
+    beta.backend_tokenizer.add_special_tokens([AddedToken("<beta>", special=True, normalized=False)])
+    assert alpha.convert_ids_to_tokens(VOCAB) == "<alpha>" and beta.convert_ids_to_tokens(VOCAB) == "<beta>"
+    check_same_vocabulary(alpha, beta)  # the same id, other added tokens: accepted
+    check_same_vocabulary(tok, beta)  # a token added past the target's end: accepted
+    with pytest.raises(MMSpecError, match="id 7 is 'w7'"):
+        check_same_vocabulary(alpha, swapped_tokenizer(tok, "w7", "w9"))
+
+    qwen = tmp_path / "qwen"
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(qwen)
+    assert load_tokenizer_if_any(str(qwen)) is None
+    (qwen / "tokenizer.json").write_text("{not json")
+    with pytest.warns(UserWarning, match="could not read the draft's tokenizer"):
+        assert load_tokenizer_if_any(str(qwen)) is None

@@ -29,10 +29,10 @@ def make_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
 
 
 def swapped_tokenizer(tok, a: str, b: str) -> PreTrainedTokenizerFast:
-    """``make_tokenizer()`` with the ids of words ``a`` and ``b`` exchanged: the same size as
-    ``tok``, another vocabulary (a draft trained with some other tokenizer)."""
+    """``tok``'s vocabulary with the ids of words ``a`` and ``b`` exchanged: the same size,
+    another vocabulary (a draft trained with some other tokenizer); ``a == b`` copies it."""
     vocab = tok.get_vocab()
-    words = {w: i for w, i in vocab.items() if w != "<image>"}  # <image> is added on top
+    words = dict(vocab)
     words[a], words[b] = vocab[b], vocab[a]
     other = make_tokenizer(len(words))
     other.backend_tokenizer.model = models.WordLevel(words, unk_token="<pad>")

@@ -12,6 +12,7 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from mmspec.errors import MMSpecError
@@ -27,7 +28,7 @@ EMBEDDED_NOTE = ("[dim]Using the embedded tiny models: they only know mmspec's s
 
 
 def _fail(e: Exception) -> None:
-    err_console.print(f"[bold red]error:[/bold red] {e}")
+    err_console.print(f"[bold red]error:[/bold red] {escape(str(e))}")  # token text like [/INST] is not markup
     raise typer.Exit(code=2)
 
 

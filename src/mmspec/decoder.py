@@ -43,8 +43,9 @@ class SpecDecoder:
     Args:
         target, draft: loaded HF models, or local directories / hub ids.
         tokenizer: the target's tokenizer (or a path); the draft must share its vocabulary.
-        draft_tokenizer: the draft's own tokenizer (or a path), compared token by token with the
-            target's; by default the one saved with a draft given as a path, if it has one.
+        draft_tokenizer: the draft's own tokenizer (or a path), compared id by id with the
+            target's base vocabulary; by default the one saved with a draft given as a path, if
+            it has one.
         views: names ("multimodal", "text", "caption", "pooled:144") or letters ("M", "MTC").
         weights: one non-negative weight per view for the ensemble mixture (default equal).
         captioner: an object with ``caption(images) -> list[str]`` (or a path to an HF
@@ -56,7 +57,8 @@ class SpecDecoder:
 
     def __init__(self, target, draft, tokenizer=None, *, views=("multimodal",), weights=None,
                  captioner=None, gamma: int = 5, processor=None, dtype="auto", draft_tokenizer=None):
-        from mmspec.models.loading import load_model, load_processor, load_tokenizer, load_tokenizer_if_any
+        from mmspec.models.loading import (check_same_vocabulary, load_model, load_processor, load_tokenizer,
+                                           load_tokenizer_if_any)
 
         if tokenizer is None and isinstance(target, (str, os.PathLike)):
             tokenizer = str(target)
@@ -69,14 +71,16 @@ class SpecDecoder:
                 processor = load_processor(str(target))
             except MMSpecError:
                 processor = None
+        # tokenizers first: a draft of another vocabulary is refused before any weights load
+        self.tokenizer = load_tokenizer(str(tokenizer)) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
+        if isinstance(draft_tokenizer, (str, os.PathLike)):  # asked for: must load
+            draft_tokenizer = load_tokenizer(str(draft_tokenizer))
+        elif draft_tokenizer is None and isinstance(draft, (str, os.PathLike)):  # saved with the draft, if any
+            draft_tokenizer = load_tokenizer_if_any(str(draft))
+        self.draft_tokenizer = draft_tokenizer
+        check_same_vocabulary(self.tokenizer, self.draft_tokenizer)
         self.target_model = load_model(str(target), dtype=dtype) if isinstance(target, (str, os.PathLike)) else target.eval()
         self.draft_model = load_model(str(draft), dtype=dtype) if isinstance(draft, (str, os.PathLike)) else draft.eval()
-        self.tokenizer = load_tokenizer(str(tokenizer)) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
-        if draft_tokenizer is None and isinstance(draft, (str, os.PathLike)):
-            draft_tokenizer = str(draft)
-        if isinstance(draft_tokenizer, (str, os.PathLike)):
-            draft_tokenizer = load_tokenizer_if_any(str(draft_tokenizer))
-        self.draft_tokenizer = draft_tokenizer
         self.processor = processor
         if isinstance(captioner, (str, os.PathLike)):
             from mmspec.models.captioner import HFCaptioner
@@ -148,8 +152,6 @@ class SpecDecoder:
         return weights
 
     def _check_vocab(self) -> None:
-        from mmspec.models.loading import check_same_vocabulary
-
         vt, vd = self.target.vocab_size, self.draft.vocab_size
         if vd > vt:
             raise MMSpecError(
@@ -170,7 +172,6 @@ class SpecDecoder:
                 f"draft and target have different vocabularies: the tokenizer has {tok_v} tokens "
                 f"but the draft scores only {vd}; pick a draft trained with the target's tokenizer"
             )
-        check_same_vocabulary(self.tokenizer, self.draft_tokenizer)
 
     def _newline_id(self) -> int | None:
         for i in self.tokenizer.encode("\n", add_special_tokens=False):

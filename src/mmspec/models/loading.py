@@ -121,29 +121,54 @@ def load_tokenizer(name_or_path: str):
     return _load_auto("AutoTokenizer", "tokenizer", name_or_path)
 
 
+# files a saved tokenizer has at least one of (AutoTokenizer builds a stand-in for some model
+# types when there are none, e.g. Qwen2's one-token vocabulary, so their absence must be seen)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model", "tekken.json")
+
+
+def _has_tokenizer_files(name_or_path: str) -> bool:
+    if Path(name_or_path).is_dir():
+        return any((Path(name_or_path) / f).is_file() for f in TOKENIZER_FILES)
+    from transformers.utils import cached_file
+
+    return any(cached_file(name_or_path, f, _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False) for f in TOKENIZER_FILES)
+
+
 def load_tokenizer_if_any(name_or_path: str):
-    """The tokenizer saved with a checkpoint, or None where it has none (many draft checkpoints
-    ship weights only): for comparing a draft's vocabulary with the target's where it can be."""
+    """The tokenizer saved with a draft checkpoint, or None where it has none (many drafts ship
+    weights only) or it cannot be read: the vocabulary comparison it serves is advisory, and the
+    draft is usable without it (the target verifies every token)."""
+    import warnings
+
     try:
+        _check_reachable(name_or_path)
+        if not _has_tokenizer_files(name_or_path):
+            return None
         return load_tokenizer(name_or_path)
-    except (MMSpecError, OSError, ValueError, TypeError):
+    except Exception as e:  # noqa: BLE001 - a tokenizer we cannot read is one we cannot compare
+        warnings.warn(f"could not read the draft's tokenizer from {name_or_path!r} ({_first_line(e)}); "
+                      "its vocabulary is not compared with the target's", stacklevel=2)
         return None
 
 
 def check_same_vocabulary(target_tok, draft_tok) -> None:
-    """Refuse a draft whose tokenizer maps an id to another token than the target's does. The same
-    size is not the same vocabulary: the draft's proposals would mean other words and nearly all
-    be rejected (lossless still, but slower than the target alone). Only ids both have are
-    compared: one may add tokens past the other's end (llava-hf's <image>)."""
+    """Refuse a draft whose tokenizer maps an id of the base vocabulary to another token than the
+    target's. The same size is not the same vocabulary: the draft's proposals would mean other
+    words and nearly all be rejected (lossless still, but slower than the target alone). Tokens
+    added on top of a base vocabulary (llava-hf's <image>, a fine-tune's <pad>) are not compared:
+    a draft never needs to propose them, and the target verifies every token anyway."""
     if draft_tok is None or draft_tok is target_tok:
         return
-    t = {i: tok for tok, i in target_tok.get_vocab().items()}  # id -> token
-    d = {i: tok for tok, i in draft_tok.get_vocab().items()}
-    for i in sorted(t.keys() & d.keys()):
-        if t[i] != d[i]:
+    n = min(target_tok.vocab_size, draft_tok.vocab_size)  # base vocabularies, added tokens excluded
+    t = target_tok.convert_ids_to_tokens(list(range(n)))
+    d = draft_tok.convert_ids_to_tokens(list(range(n)))
+    for i, (a, b) in enumerate(zip(t, d)):
+        if a != b:
             raise MMSpecError(
-                f"draft and target have different vocabularies: id {i} is {t[i]!r} in the target's "
-                f"tokenizer but {d[i]!r} in the draft's. Speculative decoding needs the draft to use "
+                f"draft and target have different vocabularies: id {i} is {a!r} in the target's "
+                f"tokenizer but {b!r} in the draft's. Speculative decoding needs the draft to use "
                 "the target's tokenizer; pick a draft trained with it")
 
 
