@@ -168,6 +168,15 @@ def test_errors_print_token_text_literally(capsys):
     from mmspec.cli import _fail
 
     with pytest.raises(typer.Exit):
-        _fail(MMSpecError("id 7 is '[/INST]' in the target's tokenizer but '[unused0]' in the draft's"))
+        _fail(MMSpecError("id 7 is '[/INST]' in the target's tokenizer but '[unused0]' in the draft's, then ':x:'"))
     err = " ".join(capsys.readouterr().err.split())
-    assert "'[/INST]' in the target's tokenizer but '[unused0]' in the draft's" in err
+    assert "'[/INST]' in the target's tokenizer but '[unused0]' in the draft's, then ':x:'" in err
+
+
+def test_generate_prints_prompt_and_answer_literally(checkpoints):
+    """A prompt with chat-template brackets prints as written, not as rich markup (which raised
+    MarkupError on "[/INST]" after the whole generation had run)."""
+    r = invoke("--target", checkpoints / "target", "--draft", checkpoints / "draft", "--image", checkpoints / "img0.png",
+               "--prompt", "USER: <image> [INST] w5 [/INST] ASSISTANT:", "--max-new-tokens", "4", "--dtype", "float64")
+    assert r.exit_code == 0, r.output
+    assert "[INST] w5 [/INST]" in r.output

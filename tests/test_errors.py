@@ -320,7 +320,7 @@ def test_same_size_other_vocabulary(target, draft_shared, tok):
     SpecDecoder(target, draft_shared, tok, draft_tokenizer=make_tokenizer())  # an equal vocabulary passes
 
 
-def test_vocabulary_check_ignores_added_tokens_and_missing_tokenizers(tok, tmp_path):
+def test_vocabulary_check_ignores_added_tokens_and_missing_tokenizers(target, draft_shared, tok, tmp_path):
     """Tokens added on top of the same base vocabulary may differ (llava-hf's <image> where a
     text draft has its own special token); a weights-only draft directory has no tokenizer to
     compare, even for model types whose AutoTokenizer builds a stand-in (Qwen2: one token); an
@@ -328,9 +328,7 @@ def test_vocabulary_check_ignores_added_tokens_and_missing_tokenizers(tok, tmp_p
     from tokenizers import AddedToken
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from mmspec.models.loading import load_tokenizer_if_any
-
-    from mmspec.models.loading import check_same_vocabulary
+    from mmspec.models.loading import check_same_vocabulary, load_tokenizer_if_any
 
     alpha, beta = swapped_tokenizer(tok, "w7", "w7"), swapped_tokenizer(tok, "w7", "w7")  # tok's vocabulary
     alpha.backend_tokenizer.add_special_tokens([AddedToken("<alpha>", special=True, normalized=False)])
@@ -345,6 +343,9 @@ def test_vocabulary_check_ignores_added_tokens_and_missing_tokenizers(tok, tmp_p
     Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=1)).save_pretrained(qwen)
     assert load_tokenizer_if_any(str(qwen)) is None
+    with pytest.raises(MMSpecError, match="has no tokenizer files"):  # asked for by path: it must be there
+        SpecDecoder(target, draft_shared, tok, draft_tokenizer=qwen)
     (qwen / "tokenizer.json").write_text("{not json")
     with pytest.warns(UserWarning, match="could not read the draft's tokenizer"):
         assert load_tokenizer_if_any(str(qwen)) is None
+    assert load_tokenizer_if_any(str(tmp_path / "typo")) is None  # no warning: loading the weights says it

@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from mmspec.errors import MMSpecError
 
@@ -28,7 +29,7 @@ EMBEDDED_NOTE = ("[dim]Using the embedded tiny models: they only know mmspec's s
 
 
 def _fail(e: Exception) -> None:
-    err_console.print(f"[bold red]error:[/bold red] {escape(str(e))}")  # token text like [/INST] is not markup
+    err_console.print(Text.assemble(("error:", "bold red"), " ", str(e)))  # literal: "[/INST]", ":x:" as written
     raise typer.Exit(code=2)
 
 
@@ -171,8 +172,8 @@ def generate(
         if compare and temperature == 0:
             ref, base_s = _baseline(t, inputs, max_new_tokens)
             identical = ref == res.token_ids
-        console.print(f"[bold]Prompt:[/bold] {prompt_text}")
-        console.print(f"[bold]Answer:[/bold] {res.text}")
+        console.print(f"[bold]Prompt:[/bold] {escape(prompt_text)}")  # user text: "[/INST]" is not markup
+        console.print(f"[bold]Answer:[/bold] {escape(res.text)}")
         console.print(_stats_table(f"{dec.method} (gamma={gamma})", res, base_s, identical))
         if identical is False:
             raise MMSpecError("the speculative output differs from target.generate; please report this")
@@ -209,7 +210,8 @@ def demo(
             s = make_sample(fam, "test", 0)
             inputs = processor_inputs(proc, s.prompt, s.images)
             ref, base_s = _baseline(t, inputs, max_new_tokens)
-            console.print(f"[bold]{fam}[/bold] — {s.question or s.prompt[:80]}\n  target: {tok.decode(ref, skip_special_tokens=True)}")
+            console.print(f"[bold]{fam}[/bold] — {escape(s.question or s.prompt[:80])}\n"
+                          f"  target: {escape(tok.decode(ref, skip_special_tokens=True))}")
             for m, dec in decs.items():
                 res = dec.generate(inputs["input_ids"], inputs.get("pixel_values"), inputs.get("attention_mask"),
                                    max_new_tokens=max_new_tokens, images=s.images)

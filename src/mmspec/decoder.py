@@ -57,8 +57,8 @@ class SpecDecoder:
 
     def __init__(self, target, draft, tokenizer=None, *, views=("multimodal",), weights=None,
                  captioner=None, gamma: int = 5, processor=None, dtype="auto", draft_tokenizer=None):
-        from mmspec.models.loading import (check_same_vocabulary, load_model, load_processor, load_tokenizer,
-                                           load_tokenizer_if_any)
+        from mmspec.models.loading import (check_same_vocabulary, load_model, load_processor, load_saved_tokenizer,
+                                           load_tokenizer, load_tokenizer_if_any)
 
         if tokenizer is None and isinstance(target, (str, os.PathLike)):
             tokenizer = str(target)
@@ -74,7 +74,7 @@ class SpecDecoder:
         # tokenizers first: a draft of another vocabulary is refused before any weights load
         self.tokenizer = load_tokenizer(str(tokenizer)) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
         if isinstance(draft_tokenizer, (str, os.PathLike)):  # asked for: must load
-            draft_tokenizer = load_tokenizer(str(draft_tokenizer))
+            draft_tokenizer = load_saved_tokenizer(str(draft_tokenizer))
         elif draft_tokenizer is None and isinstance(draft, (str, os.PathLike)):  # saved with the draft, if any
             draft_tokenizer = load_tokenizer_if_any(str(draft))
         self.draft_tokenizer = draft_tokenizer

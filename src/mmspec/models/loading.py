@@ -144,6 +144,9 @@ def load_tokenizer_if_any(name_or_path: str):
 
     try:
         _check_reachable(name_or_path)
+    except MMSpecError:
+        return None  # loading the draft's weights says what is wrong with the path
+    try:
         if not _has_tokenizer_files(name_or_path):
             return None
         return load_tokenizer(name_or_path)
@@ -151,6 +154,16 @@ def load_tokenizer_if_any(name_or_path: str):
         warnings.warn(f"could not read the draft's tokenizer from {name_or_path!r} ({_first_line(e)}); "
                       "its vocabulary is not compared with the target's", stacklevel=2)
         return None
+
+
+def load_saved_tokenizer(name_or_path: str):
+    """The tokenizer saved at ``name_or_path``, refusing a checkpoint without tokenizer files
+    (where AutoTokenizer would build a stand-in for some model types and compare as wrong)."""
+    _check_reachable(name_or_path)
+    if not _has_tokenizer_files(name_or_path):
+        raise MMSpecError(f"{name_or_path!r} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); "
+                          "pass the directory the tokenizer was saved to")
+    return load_tokenizer(name_or_path)
 
 
 def check_same_vocabulary(target_tok, draft_tok) -> None:
