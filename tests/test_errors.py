@@ -320,7 +320,7 @@ def test_same_size_other_vocabulary(target, draft_shared, tok):
     SpecDecoder(target, draft_shared, tok, draft_tokenizer=make_tokenizer())  # an equal vocabulary passes
 
 
-def test_vocabulary_check_ignores_added_tokens_and_missing_tokenizers(target, draft_shared, tok, tmp_path):
+def test_vocabulary_check_ignores_added_tokens_and_missing_tokenizers(target, draft_shared, tok, tmp_path, monkeypatch):
     """Tokens added on top of the same base vocabulary may differ (llava-hf's <image> where a
     text draft has its own special token); a weights-only draft directory has no tokenizer to
     compare, even for model types whose AutoTokenizer builds a stand-in (Qwen2: one token); an
@@ -349,3 +349,6 @@ def test_vocabulary_check_ignores_added_tokens_and_missing_tokenizers(target, dr
     with pytest.warns(UserWarning, match="could not read the draft's tokenizer"):
         assert load_tokenizer_if_any(str(qwen)) is None
     assert load_tokenizer_if_any(str(tmp_path / "typo")) is None  # no warning: loading the weights says it
+    # a hub id not in the cache, offline (CI sets HF_HUB_OFFLINE): nothing to compare, no traceback
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert load_tokenizer_if_any("someorg/no-such-draft") is None

@@ -1,14 +1,8 @@
 #!/usr/bin/env bash
-# The v12 target trained on the colour-reading world (branch colour-reading, worktree /work/wt-colour).
-# $1: out name, $2: minutes, $3: threads, rest: extra flags
+# The v12 target trained on the colour-reading world (branch colour-reading, worktree /work/wt-colour;
+# the branch is gone, commit 1 of ../induction-2026-11-23/world.patch names colours the same way).
+# $1: out name, $2: minutes, $3: threads, rest: extra flags. The stage's flags are shared with the
+# induction experiments: ../induction-2026-11-23/ind.sh, run here with this session's worktree and
+# output folder. Run from the main checkout's root.
 set -euo pipefail
-NAME=$1; MIN=$2; T=$3; shift 3
-cd /work/wt-colour  # a worktree of branch colour-reading: git worktree add /work/wt-colour colour-reading
-PYTHONPATH=/work/wt-colour/src python -m mmspec train stage --init src/mmspec/assets/embedded/target --trainable projector+lm \
-  --steps 100000000 --batch-size 32 --n-train-per-family 1000 \
-  --family-samples chartqa=10000 --family-samples vqav2=3000 --family-samples hallusionbench=3000 \
-  --family-samples textvqa=3000 --family-samples spot_the_diff=1500 --family-samples iedit=1500 \
-  --family-samples pororosv=500 --family-samples vist=500 --caption-view-prob 0.3 \
-  --fact-weight 4 --cue-weight 4 \
-  --workers 0 --threads "$T" --no-bf16 --half --lr 2e-4 --minutes "$MIN" --seed 91 --world-seed 91 \
-  "$@" --out /work/main/runs/v15/$NAME
+WT=/work/wt-colour OUT=runs/v15 exec bash "$(dirname "$0")/../induction-2026-11-23/ind.sh" "$@"
