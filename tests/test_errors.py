@@ -283,6 +283,32 @@ def test_unreadable_bench_images(tmp_path):
         _iter_rows(tmp_path / "data.parquet", "test")
 
 
+def test_relative_bench_image_paths_are_read_from_the_data_sets_directory(tmp_path, monkeypatch):
+    """A parquet whose image cells hold relative paths loads from any working directory: the
+    paths start at the data set's directory (then the working directory, as before)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    from mmspec.bench.datasets import load_real
+
+    data = tmp_path / "ChartQA"
+    (data / "imgs").mkdir(parents=True)
+    Image.new("RGB", (8, 8), (200, 10, 10)).save(data / "imgs" / "a.png")
+    rows = {"question": ["What is red?"], "answer": ["a"], "image": [{"bytes": None, "path": "imgs/a.png"}]}
+    pq.write_table(pa.table(rows), data / "test.parquet")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    for given in (data, data / "test.parquet"):  # a directory of parquet files, or one file
+        samples, _ = load_real("chartqa", given, 1)
+        assert samples[0].images[0].getpixel((0, 0)) == (200, 10, 10)
+    (data / "imgs" / "a.png").unlink()
+    with pytest.raises(MMSpecError, match=r"imgs/a.png' not found \(a relative path is read from the data set's "
+                                          r"directory, .*ChartQA, then the directory mmspec runs in"):
+        load_real("chartqa", data, 1)
+
+
 def test_text_only_target_is_refused(tok):
     from tiny import make_llama
 

@@ -48,7 +48,7 @@ def _factory(spec: str):
 def run_command(
     out: Path = typer.Option(Path("bench_results"), "--out", "-o", help="Results directory (resumable)."),
     method: Optional[list[str]] = typer.Option(None, "--method", "-m", help=f"Drafting method(s), repeat or comma-separate. Default: {','.join(DEFAULT_METHODS)}."),
-    dataset: Optional[list[str]] = typer.Option(None, "--dataset", "-d", help="NAME (embedded world) or NAME=PATH (real benchmark: parquet file/dir or save_to_disk dir). Repeat or comma-separate. Default: the 8 IbED families, embedded."),
+    dataset: Optional[list[str]] = typer.Option(None, "--dataset", "-d", help="NAME (embedded world) or NAME=PATH (real benchmark: parquet file/dir or save_to_disk dir; relative image paths in it are read from its directory, then the working directory). Repeat or comma-separate. Default: the 8 IbED families, embedded."),
     n_samples: int = typer.Option(100, "--n-samples", "-n", help="Samples per dataset."),
     gamma: int = typer.Option(5, help="Draft tokens per block."),
     max_new_tokens: int = typer.Option(128, help="New tokens per sample."),

@@ -2,7 +2,9 @@
 
 Owns :class:`BenchSample` and the loaders. Real benchmarks are read from parquet files (a file
 or a directory of ``*.parquet``, e.g. a hub snapshot) or a ``datasets.save_to_disk`` directory,
-and their prompts are built with the IbED Appendix C templates (:mod:`mmspec.prompt`).
+and their prompts are built with the IbED Appendix C templates (:mod:`mmspec.prompt`). An image
+stored as a relative path is read from the data set's directory (the directory given, or the
+parquet file's), then from the working directory.
 
 Expected schemas (the lmms-lab hub datasets; images are ``{bytes, path}`` structs in parquet):
 
@@ -98,28 +100,33 @@ def schema_text(name: str) -> str:
     )
 
 
-def to_pil(value: Any, where: str) -> Image.Image:
+def to_pil(value: Any, where: str, base: Path | None = None) -> Image.Image:
     """An image cell (PIL image, {bytes, path} dict, raw bytes, or a file path) as RGB PIL;
-    a cell that is no readable image is refused with its place in the data set."""
+    a cell that is no readable image is refused with its place in the data set. A relative path
+    is looked for under ``base`` (the data set's directory) first, then the working directory."""
     if isinstance(value, Image.Image):
         return value.convert("RGB")
     if isinstance(value, dict):
         if value.get("bytes"):
             return _open(io.BytesIO(value["bytes"]), where, "its image bytes")
         if value.get("path"):
-            return to_pil(value["path"], where)
+            return to_pil(value["path"], where, base)
     if isinstance(value, (bytes, bytearray)):
         return _open(io.BytesIO(value), where, "its image bytes")
     if isinstance(value, str):
         path = Path(value)
-        if path.is_dir():
-            raise MMSpecError(f"{where}: image path {value!r} is a directory, not an image file; fix that row")
-        if not path.is_file():
+        tried = [path] if path.is_absolute() or base is None else [base / path, path]
+        found = next((p for p in tried if p.exists()), tried[0])
+        if found.is_dir():
+            raise MMSpecError(f"{where}: image path {str(found)!r} is a directory, not an image file; fix that row")
+        if not found.is_file():
             where_from = "" if path.is_absolute() else (
-                f" (a relative path is read from the directory mmspec runs in, {Path.cwd()}: run it where the "
-                "data set's paths start, or store the image bytes in the data set)")
+                " (a relative path is read from "
+                + (f"the data set's directory, {base}, then " if base is not None else "")
+                + f"the directory mmspec runs in, {Path.cwd()}: put the images there, or store the image bytes "
+                "in the data set)")
             raise MMSpecError(f"{where}: image file {value!r} not found{where_from}")
-        return _open(value, where, f"image file {value!r}")
+        return _open(found, where, f"image file {str(found)!r}")
     raise MMSpecError(f"{where}: cannot decode image cell of type {type(value).__name__}")
 
 
@@ -148,6 +155,12 @@ def _open_parquet(f: Path):
     except (OSError, ValueError) as e:  # pyarrow.ArrowInvalid (a ValueError): not a parquet file
         raise MMSpecError(f"{f} is not a readable parquet file ({e.__class__.__name__}: {e}); fix or remove "
                           "it, or pass a datasets.save_to_disk directory instead") from None
+
+
+def _base_dir(path: Path) -> Path:
+    """The directory a data set's relative image paths start from: the path itself when it is a
+    directory (a hub snapshot, a save_to_disk dir), else the parquet file's directory."""
+    return path if path.is_dir() else path.parent
 
 
 def _iter_rows(path: Path, split: str) -> tuple[Iterator[dict], list[str], str]:
@@ -217,18 +230,18 @@ def _single_image(name: str, path: Path, n: int, split: str, report: LoadReport)
             report.skip("no image (text-only question)")
             continue
         uid = str(row.get("question_id", row.get("id", i)))
-        image = to_pil(row["image"], f"{label} row {i}")
+        image = to_pil(row["image"], f"{label} row {i}", _base_dir(path))
         prompt = fill_template(TEMPLATES[name], question=str(row["question"]))
         out.append(BenchSample(uid, name, prompt, [image], _reference(row, REFERENCE_COLUMNS[name])))
     return out
 
 
 # --------------------------------------------------------------------------- interleave bench
-def _row_images(row: dict, columns: list[str], where: str) -> list[Image.Image]:
+def _row_images(row: dict, columns: list[str], where: str, base: Path | None = None) -> list[Image.Image]:
     if "image_0" in columns:
         cells = [row.get(f"image_{k}") for k in range(MAX_IMAGE_COLUMNS)]
-        return [to_pil(c, where) for c in cells if c is not None]
-    return [to_pil(c, where) for c in (row.get("image") or [])]
+        return [to_pil(c, where, base) for c in cells if c is not None]
+    return [to_pil(c, where, base) for c in (row.get("image") or [])]
 
 
 def _question_text(row: dict) -> str:
@@ -277,7 +290,7 @@ def _interleave(name: str, path: Path, n: int, split: str, report: LoadReport) -
         if _norm_task(row.get(task_col, "")) != want:
             continue
         where = f"{label} row {i}"
-        images = _row_images(row, columns, where)
+        images = _row_images(row, columns, where, _base_dir(path))
         if len(images) != n_imgs:
             report.skip(f"{len(images)} images, template needs {n_imgs}")
             continue
