@@ -369,6 +369,13 @@ def test_vocabulary_check_ignores_added_tokens_and_missing_tokenizers(target, dr
     Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=1)).save_pretrained(qwen)
     assert load_tokenizer_if_any(str(qwen)) is None
+    from mmspec.models.loading import _has_tokenizer_files
+
+    for name in ("spm.model", "spiece.model", "tokenizer.model"):  # DeBERTa-v2, T5, Llama: sentencepiece files
+        (tmp_path / name).write_bytes(b"")
+        assert _has_tokenizer_files(str(tmp_path))
+        (tmp_path / name).unlink()
+    assert not _has_tokenizer_files(str(tmp_path))
     with pytest.raises(MMSpecError, match="has no tokenizer files"):  # asked for by path: it must be there
         SpecDecoder(target, draft_shared, tok, draft_tokenizer=qwen)
     (qwen / "tokenizer.json").write_text("{not json")

@@ -124,7 +124,7 @@ def load_tokenizer(name_or_path: str):
 # files a saved tokenizer has at least one of (AutoTokenizer builds a stand-in for some model
 # types when there are none, e.g. Qwen2's one-token vocabulary, so their absence must be seen)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
-                   "sentencepiece.bpe.model", "tekken.json")
+                   "sentencepiece.bpe.model", "spm.model", "tekken.json")
 
 
 def _has_tokenizer_files(name_or_path: str) -> bool:
