@@ -303,7 +303,19 @@ def test_relative_bench_image_paths_are_read_from_the_data_sets_directory(tmp_pa
     for given in (data, data / "test.parquet"):  # a directory of parquet files, or one file
         samples, _ = load_real("chartqa", given, 1)
         assert samples[0].images[0].getpixel((0, 0)) == (200, 10, 10)
+    pairs = tmp_path / "bench" / "interleave"  # the interleave bench's image_k columns take the same route
+    pairs.mkdir(parents=True)
+    pq.write_table(pa.table({"sub_task": ["Spot-the-Diff"], "question": ["What changed?"], "answer": ["x"],
+                             "image_0": ["../../ChartQA/imgs/a.png"], "image_1": ["../../ChartQA/imgs/a.png"]}),
+                   pairs / "in_domain.parquet")
+    samples, _ = load_real("spot_the_diff", pairs / "in_domain.parquet", 1)
+    assert [im.getpixel((0, 0)) for im in samples[0].images] == [(200, 10, 10)] * 2
+    (elsewhere / "imgs").mkdir()
+    Image.new("RGB", (8, 8), (10, 200, 10)).save(elsewhere / "imgs" / "b.png")  # only in the working directory
+    pq.write_table(pa.table({**rows, "image": [{"bytes": None, "path": "imgs/b.png"}]}), data / "test.parquet")
+    assert load_real("chartqa", data, 1)[0][0].images[0].getpixel((0, 0)) == (10, 200, 10)
     (data / "imgs" / "a.png").unlink()
+    pq.write_table(pa.table(rows), data / "test.parquet")
     with pytest.raises(MMSpecError, match=r"imgs/a.png' not found \(a relative path is read from the data set's "
                                           r"directory, .*ChartQA, then the directory mmspec runs in"):
         load_real("chartqa", data, 1)

@@ -3,8 +3,9 @@
 Owns :class:`BenchSample` and the loaders. Real benchmarks are read from parquet files (a file
 or a directory of ``*.parquet``, e.g. a hub snapshot) or a ``datasets.save_to_disk`` directory,
 and their prompts are built with the IbED Appendix C templates (:mod:`mmspec.prompt`). An image
-stored as a relative path is read from the data set's directory (the directory given, or the
-parquet file's), then from the working directory.
+cell that holds a relative path (a string, or a ``{bytes, path}`` struct without bytes) is read
+from the data set's directory (the directory given, or the parquet file's), then from the
+working directory. (A save_to_disk column of the ``datasets.Image`` type arrives decoded.)
 
 Expected schemas (the lmms-lab hub datasets; images are ``{bytes, path}`` structs in parquet):
 
@@ -116,13 +117,14 @@ def to_pil(value: Any, where: str, base: Path | None = None) -> Image.Image:
     if isinstance(value, str):
         path = Path(value)
         tried = [path] if path.is_absolute() or base is None else [base / path, path]
-        found = next((p for p in tried if p.exists()), tried[0])
+        found = next((p for p in tried if p.is_file()), next((p for p in tried if p.exists()), tried[0]))
         if found.is_dir():
-            raise MMSpecError(f"{where}: image path {str(found)!r} is a directory, not an image file; fix that row")
+            at = "" if found == path else f" (at {found})"
+            raise MMSpecError(f"{where}: image path {value!r}{at} is a directory, not an image file; fix that row")
         if not found.is_file():
             where_from = "" if path.is_absolute() else (
                 " (a relative path is read from "
-                + (f"the data set's directory, {base}, then " if base is not None else "")
+                + (f"the data set's directory, {base.resolve()}, then " if base is not None else "")
                 + f"the directory mmspec runs in, {Path.cwd()}: put the images there, or store the image bytes "
                 "in the data set)")
             raise MMSpecError(f"{where}: image file {value!r} not found{where_from}")
