@@ -223,6 +223,7 @@ def _reference(row: dict, cols: tuple[str, ...]) -> str | None:
 # --------------------------------------------------------------------------- single image
 def _single_image(name: str, path: Path, n: int, split: str, report: LoadReport) -> list[BenchSample]:
     rows, columns, label = _iter_rows(path, split)
+    base = _base_dir(path)  # where the rows' relative image paths start
     _require(columns, ["question", "image"], label, name)
     out: list[BenchSample] = []
     for i, row in enumerate(rows):
@@ -232,7 +233,7 @@ def _single_image(name: str, path: Path, n: int, split: str, report: LoadReport)
             report.skip("no image (text-only question)")
             continue
         uid = str(row.get("question_id", row.get("id", i)))
-        image = to_pil(row["image"], f"{label} row {i}", _base_dir(path))
+        image = to_pil(row["image"], f"{label} row {i}", base)
         prompt = fill_template(TEMPLATES[name], question=str(row["question"]))
         out.append(BenchSample(uid, name, prompt, [image], _reference(row, REFERENCE_COLUMNS[name])))
     return out
@@ -276,6 +277,7 @@ def story_captions(question: str, n: int = 4) -> list[str] | None:
 
 def _interleave(name: str, path: Path, n: int, split: str, report: LoadReport) -> list[BenchSample]:
     rows, columns, label = _iter_rows(path, split)
+    base = _base_dir(path)  # where the rows' relative image paths start
     task_col = "sub_task" if "sub_task" in columns else ("dataset" if "dataset" in columns else None)
     if task_col is None:
         _require(columns, ["sub_task"], label, name)
@@ -292,7 +294,7 @@ def _interleave(name: str, path: Path, n: int, split: str, report: LoadReport) -
         if _norm_task(row.get(task_col, "")) != want:
             continue
         where = f"{label} row {i}"
-        images = _row_images(row, columns, where, _base_dir(path))
+        images = _row_images(row, columns, where, base)
         if len(images) != n_imgs:
             report.skip(f"{len(images)} images, template needs {n_imgs}")
             continue
