@@ -314,6 +314,8 @@ def test_relative_bench_image_paths_are_read_from_the_data_sets_directory(tmp_pa
     Image.new("RGB", (8, 8), (10, 200, 10)).save(elsewhere / "imgs" / "b.png")  # only in the working directory
     pq.write_table(pa.table({**rows, "image": [{"bytes": None, "path": "imgs/b.png"}]}), data / "test.parquet")
     assert load_real("chartqa", data, 1)[0][0].images[0].getpixel((0, 0)) == (10, 200, 10)
+    (data / "imgs" / "b.png").mkdir()  # a directory of that name under the data set does not shadow the file
+    assert load_real("chartqa", data, 1)[0][0].images[0].getpixel((0, 0)) == (10, 200, 10)
     (data / "imgs" / "a.png").unlink()
     pq.write_table(pa.table(rows), data / "test.parquet")
     with pytest.raises(MMSpecError, match=r"imgs/a.png' not found \(a relative path is read from the data set's "

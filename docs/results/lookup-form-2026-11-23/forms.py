@@ -43,6 +43,9 @@ from mmspec.train.recipe import batch_forward, batch_loss
 from mmspec.world.single import CHART_LABELS
 
 FORMS = ("pw", "pw_is", "lab", "lab_is", "world", "world_adj", "answer_adj", "adj_frame")
+# the chart-answer forms: (the reading in the prompt as well as the answer, the frame before the value)
+CHART_FORMS = {"world": (True, "So the value of {k} is"), "world_adj": (True, "So the asked bar is {k}"),
+               "answer_adj": (False, "So the asked bar is {k}"), "adj_frame": (True, "So the value of {k} is")}
 
 
 def example(form: str, rng: random.Random, pool: list[str]) -> Example:
@@ -56,21 +59,11 @@ def example(form: str, rng: random.Random, pool: list[str]) -> Example:
     sep = " is " if form.endswith("_is") or form == "world" else " "  # *_adj, adj_frame, pw, lab: adjacent
     items = [f"{k}{sep}{v}" for k, v in zip(keys, values)]
     listing = ", ".join(items[:-1]) + " and " + items[-1]
-    if form == "adj_frame":
-        return Example(f"USER: Reading: {listing}. What is the value of {keys[q]}? ASSISTANT:",
-                       f"The chart has {m} bars: {listing}. So the value of {keys[q]} is {values[q]}.",
-                       (), (), form, (values[q],))
-    if form == "answer_adj":
-        return Example(f"USER: What is the value of {keys[q]}? ASSISTANT:",
-                       f"The chart has {m} bars: {listing}. So the asked bar is {keys[q]} {values[q]}.",
-                       (), (), form, (values[q],))
-    if form == "world_adj":
-        return Example(f"USER: Reading: {listing}. What is the value of {keys[q]}? ASSISTANT:",
-                       f"The chart has {m} bars: {listing}. So the asked bar is {keys[q]} {values[q]}.",
-                       (), (), form, (values[q],))
-    if form == "world":
-        return Example(f"USER: Reading: {listing}. What is the value of {keys[q]}? ASSISTANT:",
-                       f"The chart has {m} bars: {listing}. So the value of {keys[q]} is {values[q]}.",
+    if form in CHART_FORMS:
+        in_prompt, frame = CHART_FORMS[form]
+        reading = f"Reading: {listing}. " if in_prompt else ""
+        return Example(f"USER: {reading}What is the value of {keys[q]}? ASSISTANT:",
+                       f"The chart has {m} bars: {listing}. {frame.format(k=keys[q])} {values[q]}.",
                        (), (), form, (values[q],))
     return Example(f"USER: Pairs: {listing}. What goes with {keys[q]}? ASSISTANT:",
                    f"{keys[q]} goes with {values[q]}.", (), (), form, (values[q],))
@@ -135,7 +128,7 @@ def main() -> None:
             print(f"{form} step {step} ({step * 64} examples, {time.time() - start:.0f}s) loss "
                   f"{sum(losses) / len(losses):.3f} held-out {acc:.1%}", flush=True)
             losses = []
-    if os.environ.get("OUT"):  # keep the trained model for probes (induct_adj.py)
+    if os.environ.get("OUT"):  # keep the trained model for probes (../induction-2026-11-23/induct.py adjacent)
         model.save_pretrained(os.environ["OUT"])
         processor.save_pretrained(os.environ["OUT"])
 

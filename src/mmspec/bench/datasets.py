@@ -117,7 +117,9 @@ def to_pil(value: Any, where: str, base: Path | None = None) -> Image.Image:
     if isinstance(value, str):
         path = Path(value)
         tried = [path] if path.is_absolute() or base is None else [base / path, path]
-        found = next((p for p in tried if p.is_file()), next((p for p in tried if p.exists()), tried[0]))
+        found = next((p for p in tried if p.is_file()), None)  # a file anywhere beats a directory first
+        if found is None:
+            found = next((p for p in tried if p.exists()), tried[0])  # for the error: a directory, or missing
         if found.is_dir():
             at = "" if found == path else f" (at {found})"
             raise MMSpecError(f"{where}: image path {value!r}{at} is a directory, not an image file; fix that row")
