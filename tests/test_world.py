@@ -366,3 +366,48 @@ def test_the_first_fact_is_the_one_the_question_asks(family):
     for i in range(60):
         s = make_sample(family, "test", i)
         assert s.question is not None and answers_question(s, s.answer), (s.uid, final_sentence(s.answer), s.facts)
+
+
+def test_lookup_answers_write_each_value_right_after_its_key():
+    """A lookup answer reads the image out with each key's value right after it ("hat 5", "star
+    blue top left") and ends on the asked key and then its value: the layout a small LM learned to
+    look up in, where "hat is 5 ... So the value of hat is" stayed at chance
+    (docs/results/lookup-form-2026-11-23/)."""
+    import random
+    import re
+
+    from mmspec.train.evaluate import final_sentence
+    from mmspec.world.single import LOOKUP_ORDER, draw_chart, draw_vqa, render_chart, render_vqa
+
+    rng = random.Random(0)
+    seen: dict[str, int] = {}
+    for _ in range(200):
+        spec = draw_chart(rng)
+        draft = render_chart(spec, rng)
+        reading = draft.answer.split(". ")[0]
+        for lab, val in zip(spec.labels, spec.values):
+            assert re.search(rf"\b{lab} {val}\b", reading), (reading, lab, val)
+        assert not re.search(r"\bis \d", reading), reading
+        if spec.kind == "value":
+            la, va = spec.labels[spec.a], spec.values[spec.a]
+            assert final_sentence(draft.answer).endswith(f" {la} {va}."), draft.answer
+            # the body names the asked bar's colour, not its label: the reading is the label's only earlier place
+            body = draft.answer.split(". ")[1]
+            assert la not in body.split(), body
+        seen[spec.kind] = seen.get(spec.kind, 0) + 1
+    for _ in range(300):
+        spec = draw_vqa(rng)
+        draft = render_vqa(spec, rng)
+        if spec.kind not in LOOKUP_ORDER:
+            continue
+        reading = draft.answer.split(". ")[0]
+        order = LOOKUP_ORDER[spec.kind]
+        for o in spec.objs:
+            assert " ".join(getattr(o, a) for a in order) in reading, (reading, o)
+        asked = next(o for o in spec.objs if getattr(o, {"colour_of": "shape", "position": "name",
+                                                          "shape_at": "position"}[spec.kind]) == spec.target)
+        value = {"colour_of": asked.colour, "position": asked.position, "shape_at": asked.shape}[spec.kind]
+        assert draft.facts[next(iter(draft.facts))] == value
+        assert final_sentence(draft.answer).endswith(f" {spec.target} {value}."), draft.answer
+        seen[spec.kind] = seen.get(spec.kind, 0) + 1
+    assert seen.get("value", 0) >= 20 and all(seen.get(k, 0) >= 20 for k in LOOKUP_ORDER), seen

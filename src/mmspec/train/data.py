@@ -262,8 +262,8 @@ class Encoder:
 
     ``answer_weight`` > 1 weighs every answer token after the first sentence of a single-image
     family's answer (``ANSWERED_FAMILIES``) that many times. The world's single-image answers first
-    read the whole image out ("The chart has 4 bars: cup is 3, bus is 6, ..."), then pick the
-    asked fact out of that reading ("The orange bar above bus ... The answer is 6."). The tower
+    read the whole image out ("The chart has 4 bars: cup 3, bus 6, ..."), then pick the
+    asked fact out of that reading ("Its bar is the orange one. The answer is bus 6."). The tower
     reads well; the picking is an in-context lookup the LM gets wrong, and it is a handful of
     tokens per answer, so a uniform loss barely asks for it. The split is at the first sentence
     end, which is where the reading ends in every chart, scene and existence answer; one of the

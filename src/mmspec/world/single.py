@@ -61,7 +61,11 @@ def draw_chart(rng: random.Random) -> ChartSpec:
 
 
 def _chart_listing(spec: ChartSpec, rng: random.Random) -> str:
-    parts = [f"{lab} is {val}" for lab, val in zip(spec.labels, spec.values)]
+    # Each value right after its label ("egg 4"): a later lookup ends on the label and the value
+    # follows it. In text alone a small LM learned that form within 150 steps and not the "egg is
+    # 4 ... value of egg is" one, whose last token stands before every value of the reading
+    # (docs/results/lookup-form-2026-11-23/; in the world it was not learned within 50 CPU minutes).
+    parts = [f"{lab} {val}" for lab, val in zip(spec.labels, spec.values)]
     body = ", ".join(parts[:-1]) + f" and {parts[-1]}"
     head = pick(rng, ("The chart has {n} bars: ", "There are {n} bars in the chart: ",
                       "Reading the bar chart, I see {n} bars: ", "The bar chart shows {n} values: "))
@@ -80,23 +84,25 @@ def render_chart(spec: ChartSpec, rng: random.Random) -> Draft:
         question = pick(rng, (f"Which bar has the {word} value?", f"Which label has the {word} value in the chart?",
                               f"Which category is the {word}?"))
         tall = "tallest" if spec.kind == "max" else "shortest"
-        body = pick(rng, (f"The {tall} bar is the {col} one for {lab}, at {val}.",
-                          f"Comparing the heights, the {col} bar for {lab} is the {tall}, with a value of {val}.",
-                          f"Of these, {lab} has the {word} value, {val}, drawn as the {col} bar."))
+        body = pick(rng, (f"The {tall} bar is the {col} one: {lab} {val}.",
+                          f"Comparing the heights, the {col} bar {lab} {val} is the {tall}.",
+                          f"Of these, {lab} {val} has the {word} value, drawn as the {col} bar."))
         end = pick(rng, (f"So the answer is {lab}.", f"Therefore the answer is {lab}.", f"The answer is {lab}."))
         facts = {"label": lab, "value": val, "colour": col}
     elif spec.kind == "value":
         question = pick(rng, (f"What is the value of {la}?", f"What value does the bar for {la} show?",
                               f"How high is the {la} bar?"))
-        body = pick(rng, (f"The bar for {la} is {ca} and its top is labelled {va}.",
-                          f"I find {la} on the x axis; its {ca} bar reaches {va}.",
-                          f"The {ca} bar above {la} has the number {va} on top of it."))
-        end = pick(rng, (f"So the value of {la} is {va}.", f"Therefore the answer is {va}.", f"The answer is {va}."))
+        # the lookup is the final sentence, the asked label right before its value; the body names
+        # the bar's colour without the label, so the label's only earlier place is the reading
+        body = pick(rng, (f"Its bar is the {ca} one.", f"The asked bar is drawn in {ca}.",
+                          f"I find it on the x axis, drawn in {ca}."))
+        end = pick(rng, (f"So the asked bar is {la} {va}.", f"The answer is {la} {va}.",
+                         f"For the asked bar that gives {la} {va}."))
         facts = {"value": str(va), "colour": ca}
     elif spec.kind == "colour":
         question = pick(rng, (f"What colour is the bar for {la}?", f"Which colour is used for {la}?"))
-        body = pick(rng, (f"The bar above {la} is drawn in {ca} and reaches {va}.",
-                          f"Looking under the x axis for {la}, its bar is {ca}, with a value of {va}."))
+        body = pick(rng, (f"The bar {la} {va} is drawn in {ca}.",
+                          f"Looking under the x axis, {la} {va} has a {ca} bar."))
         end = pick(rng, (f"So the bar is {ca}.", f"The answer is {ca}.", f"Therefore the colour is {ca}."))
         facts = {"colour": ca, "value": str(va)}
     else:  # diff
@@ -104,8 +110,8 @@ def render_chart(spec: ChartSpec, rng: random.Random) -> Draft:
         d = abs(va - vb)
         question = pick(rng, (f"What is the difference between {la} and {lb}?",
                               f"How much larger is the bigger of {la} and {lb}?"))
-        body = pick(rng, (f"{la} is {va} and {lb} is {vb}, so the difference is {max(va, vb)} minus {min(va, vb)}, which is {d}.",
-                          f"The values are {va} for {la} and {vb} for {lb}. Subtracting the smaller from the larger gives {d}."))
+        body = pick(rng, (f"Of the two, {la} {va} and {lb} {vb}, so the difference is {max(va, vb)} minus {min(va, vb)}, which is {d}.",
+                          f"The values are {la} {va} and {lb} {vb}. Subtracting the smaller from the larger gives {d}."))
         end = pick(rng, (f"The answer is {d}.", f"So the difference is {d}."))
         facts = {"difference": str(d)}
     answer = " ".join((listing, sentence(body), end))
@@ -234,27 +240,51 @@ def draw_vqa(rng: random.Random) -> VqaSpec:
     return VqaSpec(objs, kind, target)
 
 
+# the order of an object's words in a lookup question's reading: the question's key, then its answer
+LOOKUP_ORDER = {"colour_of": ("shape", "colour", "position"),   # "star blue top left"
+                "position": ("colour", "shape", "position"),    # "red circle top left" (the name is the key)
+                "shape_at": ("position", "shape", "colour")}    # "top left star blue"
+
+
+def _lookup_listing(objs: tuple[Obj, ...], order: tuple[str, str, str]) -> str:
+    """'star blue top left, circle red bottom and ...': each object's words in ``order``."""
+    parts = [" ".join(getattr(o, a) for a in order) for o in objs]
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+def _lookup_end(rng: random.Random, what: str, key_value: str) -> str:
+    """The final sentence of a lookup answer: the key, then the value (``key_value``)."""
+    return pick(rng, (f"So the asked {what} is {key_value}.", f"The answer is {key_value}.",
+                      f"For the asked {what} that gives {key_value}."))
+
+
 def render_vqa(spec: VqaSpec, rng: random.Random) -> Draft:
     objs, t = spec.objs, spec.target
     img = render_objects(list(objs), rng)
     n = len(objs)
-    seen = pick(rng, (f"The image shows {count_phrase(n, 'object', 'objects')}: ",
+    head = pick(rng, (f"The image shows {count_phrase(n, 'object', 'objects')}: ",
                       f"I can see {count_phrase(n, 'shape', 'shapes')} on a white background: ",
-                      "Looking at the picture, I find ")) + describe_scene(objs) + "."
+                      "Looking at the picture, I find "))
+    # A lookup question's reading lists each object key first, the asked value right after it, and
+    # the final sentence repeats the key and then the value (as a chart's "So the asked bar is hat
+    # 5"): a small LM learned that lookup and not one with words between key and value
+    # (docs/results/lookup-form-2026-11-23/). Counting is not a lookup and keeps the plain scene.
+    seen = head + (_lookup_listing(objs, LOOKUP_ORDER[spec.kind]) if spec.kind in LOOKUP_ORDER
+                   else describe_scene(objs)) + "."
     if spec.kind == "colour_of":
         o = next(o for o in objs if o.shape == t)
         question = pick(rng, (f"What colour is the {t}?", f"Which colour does the {t} have?"))
-        end = pick(rng, (f"The {t} is {o.colour}.", f"So the {t} is coloured {o.colour}.", f"The answer is {o.colour}."))
+        end = _lookup_end(rng, "shape", f"{t} {o.colour}")
         facts = {"colour": o.colour}
     elif spec.kind == "position":
         o = next(o for o in objs if o.name == t)
         question = pick(rng, (f"Where is the {t}?", f"In which part of the image is the {t}?"))
-        end = pick(rng, (f"The {t} is {where(o.position)}.", f"So the answer is the {o.position}."))
+        end = _lookup_end(rng, "shape", f"{t} {o.position}")
         facts = {"position": o.position, "colour": o.colour}
     elif spec.kind == "shape_at":
         o = next(o for o in objs if o.position == t)
         question = pick(rng, (f"What shape is {where(t)}?", f"Which shape can be seen {where(t)}?"))
-        end = pick(rng, (f"The shape {where(t)} is a {o.shape}.", f"So the answer is {o.shape}, a {o.colour} one."))
+        end = _lookup_end(rng, "place", f"{t} {o.shape}")
         facts = {"shape": o.shape}
     else:
         if spec.kind == "count_colour":
