@@ -1250,6 +1250,70 @@ def test_token_accuracy_counts_the_argmax_hits(model, tokenizer, processor):
         token_accuracy(model, [right], facts_only=True)
 
 
+def test_reading_examples_look_the_value_up_in_their_own_answer():
+    """Reading practice is a world lookup without its image: half chart values, half scene
+    lookups; the prompt names only the key, the answer's reading holds the key with its value
+    right after it, and the answer ends on that key and value (the example's one fact)."""
+    import random
+
+    from mmspec.train.data import copy_examples, reading_example
+    from mmspec.train.evaluate import final_sentence
+    from mmspec.world.single import CHART_LABELS
+
+    exs = [reading_example(random.Random(i), scene=i % 2 == 0) for i in range(80)]
+    charts = [ex for ex in exs if any(f" {lab}?" in ex.prompt or f" {lab} " in ex.prompt for lab in CHART_LABELS)]
+    assert 30 <= len(charts) <= 50  # the scene lookups name shapes, colours and positions, not chart labels
+    for ex in exs:
+        (value,) = ex.facts
+        assert ex.family == "reading" and ex.images == () and "<image>" not in ex.prompt
+        assert ex.prompt.startswith("USER: ") and ex.prompt.endswith("? ASSISTANT:")
+        assert ex.answer.endswith(f" {value}.")
+        key_value = final_sentence(ex.answer).rsplit(" is ", 1)[-1].rsplit(" gives ", 1)[-1].rstrip(".")
+        key = key_value[: -len(value) - 1]
+        assert key and key in ex.prompt, (ex.prompt, key)  # the question names the key
+        assert f"{key} {value}" in ex.answer.split(". ")[0], ex.answer  # the reading pairs it with its value
+        assert value not in ex.prompt.split()  # only the reading tells the value
+    mixed = copy_examples(None, 20, 0, lookup_share=0.0, pool=[f"w{i}" for i in range(30)], reading_share=0.5)
+    assert sum(ex.family == "reading" for ex in mixed) == 10
+
+
+def test_final_value_accuracy_scores_only_the_looked_up_value(monkeypatch):
+    """A model right on every token scores 1; one right everywhere but the final value scores 0,
+    however much of the reading it gets right; an answer that does not end on its fact is refused."""
+    import random
+    from types import SimpleNamespace
+
+    import mmspec.train.recipe as recipe
+    from mmspec.train.data import Encoder, Example, reading_example
+    from mmspec.train.pack import world_tokenizer_and_processor
+
+    tokenizer, processor = world_tokenizer_and_processor(0)
+    exs = [reading_example(random.Random(i), scene=i % 2 == 0) for i in range(6)]
+    enc = Encoder(tokenizer)
+    spoil = {"value": False}
+
+    def oracle(model, batch, *a, **k):  # logits[b, t] point at token t + 1, except (spoilt) at the value
+        ids = batch.input_ids
+        logits = torch.zeros(*ids.shape, len(tokenizer))
+        logits[:, :-1].scatter_(-1, ids[:, 1:, None], 1.0)
+        if spoil["value"]:
+            for b in range(ids.shape[0]):
+                n = int(batch.attention_mask[b].sum())
+                want = tokenizer(" " + exs[b].facts[0], add_special_tokens=False)["input_ids"]
+                logits[b, n - 3 - len(want)] = 0  # the position that predicts the value's first token
+                logits[b, n - 3 - len(want), 0] = 1.0
+        return SimpleNamespace(logits=logits)
+
+    monkeypatch.setattr(recipe, "batch_forward", oracle)
+    model = torch.nn.Linear(1, 1)
+    assert recipe.final_value_accuracy(model, enc, processor.image_processor, exs, batch_size=8) == 1.0
+    spoil["value"] = True
+    assert recipe.final_value_accuracy(model, enc, processor.image_processor, exs, batch_size=8) == 0.0
+    bad = Example("USER: What? ASSISTANT:", "It is 5, I think.", (), (), "reading", ("5",))
+    with pytest.raises(MMSpecError, match="end on their first fact"):
+        recipe.final_value_accuracy(model, enc, processor.image_processor, [bad])
+
+
 def test_copy_cli_trains_only_the_lm_and_stage_mixes_copy_practice(tmp_path, monkeypatch):
     """`mmspec train copy` changes LM tensors only and records the held-out copy accuracy;
     `stage --copy-mix` adds the practice examples; bad values are refused before any work."""
@@ -1283,8 +1347,15 @@ def test_copy_cli_trains_only_the_lm_and_stage_mixes_copy_practice(tmp_path, mon
     old, new = load_file(tmp_path / "m" / "model.safetensors"), load_file(tmp_path / "c" / "model.safetensors")
     changed = {k for k in old if not torch.equal(old[k], new[k])}
     assert changed and all("language_model" in k or "lm_head" in k for k in changed)
+    r = CliRunner().invoke(app, ["train", "copy", "--init", str(tmp_path / "m"), "--out", str(tmp_path / "rd"),
+                                 "--steps", "2", "--batch-size", "4", "--n-examples", "20", "--lookup-share", "0",
+                                 "--reading-share", "1", "--no-bf16"])
+    assert r.exit_code == 0, r.output
+    stage = json.loads((tmp_path / "rd" / "mmspec.json").read_text())["stages"][-1]
+    assert stage["reading_share"] == 1.0 and set(stage["held_out_accuracy_by_kind"]) == {"reading"}
+    assert "  reading: " in r.output
     for args, phrase in ((["--n-examples", "0"], "--n-examples"), (["--lr", "0"], "learning rate"),
-                         (["--lookup-share", "2"], "--lookup-share"),
+                         (["--lookup-share", "2"], "--lookup-share"), (["--reading-share", "0.6"], "--reading-share"),
                          (["--lookup-share", "0.6", "--list-share", "0.6"], "--list-share"),
                          (["--member-share", "0.6"], "--member-share"),
                          (["--init", str(tmp_path)], "no config.json")):

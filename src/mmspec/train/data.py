@@ -108,8 +108,9 @@ MEMBER_ITEMS = (1, 4)  # a membership list has as many pairs as a hallucination 
 
 def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: int = 12,
                   lookup_share: float = 0.5, pool: Sequence[str] | None = None,
-                  list_share: float = 0.0, member_share: float = 0.0) -> list[Example]:
-    """``n`` text-only practice examples for copying from the context, of four kinds:
+                  list_share: float = 0.0, member_share: float = 0.0,
+                  reading_share: float = 0.0) -> list[Example]:
+    """``n`` text-only practice examples for copying from the context, of five kinds:
 
     * copy: ``USER: Repeat: w1 w2 ... wk ASSISTANT: w1 w2 ... wk`` (k = min_items..2 x max_items);
     * lookup (``floor(lookup_share * n)`` of them, spread evenly):
@@ -133,16 +134,19 @@ def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: i
       so the comparison must be made while the list is read. (The world's existence answers
       have since named the object again right before deciding, which moved the target's
       verdicts within one CPU stage: docs/results/hallu-2026-11-23/.)
+    * reading (``floor(reading_share * n)``, spread evenly, or fewer where another kind was due
+      at the same example): a world lookup question with its image taken away
+      (:func:`reading_example`), the lookup in the world's own answer form.
 
     Words are drawn uniformly from ``pool`` (default :func:`word_pool`), so no prior predicts
     them: only copying or looking up in the prompt lowers the loss. The world's answers need exactly this (a
     chart's labels and values, a sign's word, the asked-about object), and a small LM trained
     on world data alone did not learn it: it states 6% of sign words even when the caption
     that says them is in its prompt (docs/embedded-models.md)."""
-    shares = (lookup_share, list_share, member_share)
+    shares = (lookup_share, list_share, member_share, reading_share)
     if n < 0 or not 1 <= min_items <= max_items or not (min(shares) >= 0 and sum(shares) <= 1):
-        raise MMSpecError(f"copy_examples needs n >= 0, 1 <= min_items <= max_items and lookup, list and member "
-                          f"shares >= 0 with a sum <= 1; got {n}, {min_items}, {max_items}, {shares}")
+        raise MMSpecError(f"copy_examples needs n >= 0, 1 <= min_items <= max_items and lookup, list, member and "
+                          f"reading shares >= 0 with a sum <= 1; got {n}, {min_items}, {max_items}, {shares}")
     pool = list(word_pool(tokenizer) if pool is None else pool)
     member_pool = sorted({w for w in pool if w.lower() not in ("yes", "no")})  # the verdicts stay unambiguous
     if member_share > 0 and len(member_pool) < 8:
@@ -151,7 +155,7 @@ def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: i
         raise MMSpecError(f"the tokenizer has only {len(pool)} whole-word tokens; copy practice needs {2 * max_items}")
     rng = random.Random(seed)
     out = []
-    n_lookup = n_list = n_member = 0
+    n_lookup = n_list = n_member = n_reading = 0
     for i in range(n):
         m = rng.randint(min_items, max_items)
         if n_lookup < math.floor(lookup_share * (i + 1) + 1e-9):  # each kind spread evenly, floor(share * n)
@@ -160,6 +164,8 @@ def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: i
             kind = "list"
         elif n_member < math.floor(member_share * (i + 1) + 1e-9):
             kind = "member"
+        elif n_reading < math.floor(reading_share * (i + 1) + 1e-9):
+            kind = "reading"
         else:
             kind = "copy"
         if kind == "copy":
@@ -179,6 +185,9 @@ def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: i
         elif kind == "member":
             n_member += 1
             out.append(_member_example(rng, member_pool))
+        elif kind == "reading":
+            n_reading += 1
+            out.append(reading_example(rng, scene=n_reading % 2 == 0))
         else:
             n_lookup += 1
             keys = rng.sample(pool, m)
@@ -188,6 +197,33 @@ def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: i
             out.append(Example(f"USER: Pairs: {pairs}. What goes with {keys[q]}? ASSISTANT:",
                                f"{keys[q]} goes with {values[q]}.", (), (), "lookup", (values[q],)))
     return out
+
+
+def reading_example(rng: random.Random, scene: bool) -> Example:
+    """A world lookup question with its image taken away: ``USER: What is the value of cup?
+    ASSISTANT: The chart has 3 bars: egg 4, cup 7 and box 8. Its bar is the red one. So the asked
+    bar is cup 7.`` (``scene``: a vqav2 lookup instead, "What colour is the star? ... star blue
+    top left, ... The answer is star blue."). The reading stands only in the answer and is random,
+    so the final value is predictable only by looking it up in what the answer has just written,
+    in the world's own answer form. A world stage alone did not teach that lookup in 50 CPU
+    minutes; 5 minutes of it in this form, then the world again, did
+    (docs/results/lookup-form-2026-11-23/). The only fact is the asked value, which ends the
+    answer (:func:`mmspec.train.recipe.final_value_accuracy`)."""
+    from mmspec.world.single import LOOKUP_ORDER, draw_chart, draw_vqa, render_chart, render_vqa
+
+    while True:  # rejection: the kinds that look a value up by its key
+        if scene:
+            spec = draw_vqa(rng)
+            if spec.kind in LOOKUP_ORDER:
+                draft = render_vqa(spec, rng)
+                break
+        else:
+            spec = draw_chart(rng)
+            if spec.kind == "value":
+                draft = render_chart(spec, rng)
+                break
+    value = str(next(iter(draft.facts.values())))  # the asked fact comes first
+    return Example(f"USER: {draft.question} ASSISTANT:", draft.answer, (), (), "reading", (value,))
 
 
 def _member_example(rng: random.Random, pool: Sequence[str]) -> Example:

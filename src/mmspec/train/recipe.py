@@ -209,6 +209,34 @@ def token_accuracy(model, batches: Sequence[Batch], device: str = "cpu", facts_o
 
 
 @torch.no_grad()
+def final_value_accuracy(model, encoder, image_processor, examples: Sequence, device: str = "cpu",
+                         batch_size: int = 32) -> float:
+    """Share of ``examples`` whose answer's final value (its first fact, which ends the answer
+    right before "." and eos) is predicted right in all its tokens, teacher-forced: the lookup of
+    a :func:`mmspec.train.data.reading_example`, without the random reading that precedes it."""
+    from mmspec.train.data import collate
+
+    model.eval()
+    right = 0
+    tok = encoder.tokenizer
+    for i in range(0, len(examples), batch_size):
+        chunk = list(examples[i:i + batch_size])
+        enc = [encoder.encode(ex) for ex in chunk]
+        batch = collate(enc, tok.pad_token_id, image_processor, 64).to(device)
+        pred = batch_forward(model, batch).logits.argmax(-1)  # [B, T]: pred[:, t] guesses token t + 1
+        for b, (e, ex) in enumerate(zip(enc, chunk)):
+            if not ex.answer.endswith(f" {ex.facts[0]}."):
+                raise MMSpecError(f"final_value_accuracy needs answers that end on their first fact; got "
+                                  f"{ex.answer!r} with facts {ex.facts}")
+            want = tok(" " + ex.facts[0], add_special_tokens=False)["input_ids"]
+            at = len(e.input_ids) - 2 - len(want)  # the value's first token ("." and eos follow)
+            if list(e.input_ids[at:at + len(want)]) != want:
+                raise MMSpecError(f"the value {ex.facts[0]!r} does not tokenize the same at the end of {ex.answer!r}")
+            right += all(int(pred[b, at - 1 + j]) == want[j] for j in range(len(want)))
+    return right / max(len(examples), 1)
+
+
+@torch.no_grad()
 def greedy_answer(model, encoder: Encoder, image_processor, ex: Example, tokens_per_image: int = 64,
                   max_new_tokens: int = 64, device: str = "cpu", view: View = "multimodal") -> list[int]:
     """Greedy continuation of ``ex``'s prompt seen through ``view``; returns the new token ids."""

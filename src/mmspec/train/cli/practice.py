@@ -122,6 +122,9 @@ def copy_cmd(
     member_share: float = typer.Option(0.0, help="share of membership questions (is this pair of words in the "
                                        "list? half are near misses: a hallucination question's decision); the "
                                        "shares are absolute: lower --lookup-share to make room"),
+    reading_share: float = typer.Option(0.0, help="share of world lookup questions with the image taken away, in "
+                                        "the world's answer form (half chart values, half scene lookups): the "
+                                        "reading stands only in the answer and the last value is looked up in it"),
     minutes: Optional[float] = _MINUTES,
     bf16: bool = _BF16,
     half: bool = _HALF,
@@ -132,9 +135,10 @@ def copy_cmd(
     """Copy practice for the LM (`mmspec.train.data.copy_examples`).
 
     Text-only examples that repeat, look up, list, or check the presence of, random vocabulary
-    words from the prompt. Only the LM
+    words from the prompt, or look a value up in a world answer's own reading (--reading-share). Only the LM
     changes (no image is seen, so the projector gets no gradient). Prints the held-out share of
-    weighted answer tokens predicted right, overall and by kind (member: the verdict); follow
+    weighted answer tokens predicted right, overall and by kind (member: the verdict; reading:
+    the looked-up value, all its tokens); follow
     with a world stage, which can keep mixing the practice in (`stage --copy-mix`)."""
     import torch
     from transformers import AutoProcessor, LlavaForConditionalGeneration
@@ -143,7 +147,7 @@ def copy_cmd(
     from mmspec.train.checkpoint import read_sidecar, save_checkpoint
     from mmspec.train.config import StageConfig
     from mmspec.train.data import Encoder, batch_stream, copy_examples, fixed_batches, word_pool
-    from mmspec.train.recipe import token_accuracy, train_stage
+    from mmspec.train.recipe import final_value_accuracy, token_accuracy, train_stage
 
     try:
         cfg = StageConfig("copy-practice", "projector+lm", lr=lr, steps=_default_steps(steps, minutes),
@@ -152,10 +156,11 @@ def copy_cmd(
         raise typer.BadParameter(str(exc)) from exc
     if n_examples < 1:
         raise typer.BadParameter(f"--n-examples must be >= 1; got {n_examples}")
-    shares = (lookup_share, list_share, member_share)
+    shares = (lookup_share, list_share, member_share, reading_share)
     if not (min(shares) >= 0 and sum(shares) <= 1):
-        raise typer.BadParameter(f"--lookup-share, --list-share and --member-share must be >= 0 with a sum <= 1; "
-                                 f"got {lookup_share}, {list_share} and {member_share}")
+        raise typer.BadParameter(f"--lookup-share, --list-share, --member-share and --reading-share must be >= 0 "
+                                 f"with a sum <= 1; got {lookup_share}, {list_share}, {member_share} and "
+                                 f"{reading_share}")
     _require_model_dir(init, "--init")
     if threads:
         torch.set_num_threads(threads)
@@ -165,9 +170,9 @@ def copy_cmd(
     try:
         pool = word_pool(tokenizer)
         train_ex = copy_examples(tokenizer, n_examples, seed, lookup_share=lookup_share, pool=pool,
-                                 list_share=list_share, member_share=member_share)
+                                 list_share=list_share, member_share=member_share, reading_share=reading_share)
         held_out = copy_examples(tokenizer, 128, seed + 1, lookup_share=lookup_share, pool=pool,
-                                 list_share=list_share, member_share=member_share)
+                                 list_share=list_share, member_share=member_share, reading_share=reading_share)
     except MMSpecError as exc:
         raise typer.BadParameter(str(exc)) from exc
     model = LlavaForConditionalGeneration.from_pretrained(init, dtype=torch.float32).to(device)
@@ -178,16 +183,24 @@ def copy_cmd(
     kinds = sorted({ex.family for ex in held_out})
     by_kind = {k: fixed_batches([ex for ex in held_out if ex.family == k], scorer, processor.image_processor,
                                 batch_size=32) for k in kinds}
+    reading = [ex for ex in held_out if ex.family == "reading"]
+
+    def by_kind_accuracy() -> dict[str, float]:
+        # a reading's value also stands, at random, in the reading before it: score the lookup alone
+        return {k: (final_value_accuracy(model, scorer, processor.image_processor, reading, device)
+                    if k == "reading" else token_accuracy(model, b, device, facts_only=True))
+                for k, b in by_kind.items()}
+
     before = token_accuracy(model, val, device, facts_only=True)
-    before_kind = {k: token_accuracy(model, b, device, facts_only=True) for k, b in by_kind.items()}
+    before_kind = by_kind_accuracy()
     res = train_stage(model, cfg, stream, device, autocast_bf16=bf16)
     after = token_accuracy(model, val, device, facts_only=True)
-    after_kind = {k: token_accuracy(model, b, device, facts_only=True) for k, b in by_kind.items()}
+    after_kind = by_kind_accuracy()
     meta = read_sidecar(init)
     meta["stages"] = [*meta.get("stages", []), {**res.summary(), "lr": lr, "trainable": cfg.trainable,
                                                  "objective": "copy practice", "n_examples": n_examples,
                                                  "lookup_share": lookup_share, "list_share": list_share,
-                                                 "member_share": member_share,
+                                                 "member_share": member_share, "reading_share": reading_share,
                                                  "held_out_copy_accuracy": {"before": before, "after": after},
                                                  "held_out_accuracy_by_kind": {
                                                      k: {"before": before_kind[k], "after": after_kind[k]}
@@ -196,6 +209,6 @@ def copy_cmd(
     save_checkpoint(model, out, processor=processor, half=half, meta=meta)
     typer.echo(f"held-out copy accuracy (weighted answer tokens right, teacher-forced, {len(held_out)} examples): "
                f"{before:.1%} -> {after:.1%}")
-    for k in kinds:  # member: the verdict (chance 50%); copy / lookup / list: the copied words
+    for k in kinds:  # member: the verdict (chance 50%); reading: the looked-up value; copy / lookup / list: the words
         typer.echo(f"  {k}: {before_kind[k]:.1%} -> {after_kind[k]:.1%}")
     typer.echo(f"{res.summary()} -> {out}")
