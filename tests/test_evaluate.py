@@ -41,6 +41,11 @@ def test_states_matches_whole_words_only():
 
     assert states("I count 1 star.", 1) and states("The word is SALE", "sale") and states("a red star", "red star")
     assert not states("I count 10 stars.", 1) and not states("Nothing here", "no") and not states("wholesale", "sale")
+    # a grid position inside a wider one is not stated: "red circle top left" does not answer "top"
+    assert not states("The answer is red circle top left.", "top") and not states("bottom right", "right")
+    assert not states("in the top right", "top") and not states("at the bottom left", "left")
+    assert states("So the asked shape is red circle top.", "top") and states("on the right", "right")
+    assert states("top left", "top left") and states("Top.", "top") and states("the left one", "left")
 
 
 def test_fact_kind_drops_index():
