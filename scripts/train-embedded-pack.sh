@@ -14,6 +14,9 @@
 # Steps 1-5 made the v10 pack when the world's existence answers still decided before naming the
 # object (before commit dc8c5f3); run at a later commit, they train on the new answers throughout
 # (and step 1's tokenizer is fitted to them), so they are close to, not bit-identical with, that run.
+# Likewise, steps 1-8 made v13 before the world's chart and vqav2 lookup answers wrote each value
+# right after its key (commit eebc921); run now, they train on that layout. Step 9, the lookup
+# target, is scripts/train-lookup-target.sh.
 set -euo pipefail
 OUT=${1:?usage: train-embedded-pack.sh OUT_DIR [THREADS]}
 T=${2:-2}

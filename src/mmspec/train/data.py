@@ -207,23 +207,20 @@ def reading_example(rng: random.Random, scene: bool) -> Example:
     so the final value is predictable only by looking it up in what the answer has just written,
     in the world's own answer form. A world stage alone did not teach that lookup in 50 CPU
     minutes; 5 minutes of it in this form, then the world again, did
-    (docs/results/lookup-form-2026-11-23/). The only fact is the asked value, which ends the
-    answer (:func:`mmspec.train.recipe.final_value_accuracy`)."""
+    (docs/results/lookup-form-2026-11-23/). Only specs the world puts in its train split are
+    drawn, so no test chart or scene is practised. The only fact is the asked value, which ends
+    the answer (:func:`mmspec.train.recipe.final_value_accuracy`)."""
+    from mmspec.world.core import fix_articles, split_of
     from mmspec.world.single import LOOKUP_ORDER, draw_chart, draw_vqa, render_chart, render_vqa
 
-    while True:  # rejection: the kinds that look a value up by its key
-        if scene:
-            spec = draw_vqa(rng)
-            if spec.kind in LOOKUP_ORDER:
-                draft = render_vqa(spec, rng)
-                break
-        else:
-            spec = draw_chart(rng)
-            if spec.kind == "value":
-                draft = render_chart(spec, rng)
-                break
+    while True:  # rejection: train-split specs of the kinds that look a value up by its key
+        family, spec = ("vqav2", draw_vqa(rng)) if scene else ("chartqa", draw_chart(rng))
+        if spec.kind in (LOOKUP_ORDER if scene else ("value",)) and split_of(family, spec) == "train":
+            draft = (render_vqa if scene else render_chart)(spec, rng)
+            break
     value = str(next(iter(draft.facts.values())))  # the asked fact comes first
-    return Example(f"USER: {draft.question} ASSISTANT:", draft.answer, (), (), "reading", (value,))
+    return Example(f"USER: {fix_articles(draft.question)} ASSISTANT:", fix_articles(draft.answer), (), (),
+                   "reading", (value,))
 
 
 def _member_example(rng: random.Random, pool: Sequence[str]) -> Example:
