@@ -92,13 +92,15 @@ def render_chart(spec: ChartSpec, rng: random.Random) -> Draft:
     elif spec.kind == "value":
         question = pick(rng, (f"What is the value of {la}?", f"What value does the bar for {la} show?",
                               f"How high is the {la} bar?"))
-        # the lookup is the final sentence, the asked label right before its value; the body names
-        # the bar's colour without the label, so the label's only earlier place is the reading
-        body = pick(rng, (f"Its bar is the {ca} one.", f"The asked bar is drawn in {ca}.",
-                          f"I find it on the x axis, drawn in {ca}."))
+        # the lookup comes right after the reading, the asked label right before its value. With a
+        # sentence naming the bar's colour between them, 400 steps of text-only practice left the
+        # chart lookup at 32.5% held out while the scene lookups, which have none, reached 82-93%
+        # (docs/results/lookup-target-2026-11-24/); the results script's practice, which had none
+        # either, learned it (docs/results/lookup-form-2026-11-23/)
+        body = ""
         end = pick(rng, (f"So the asked bar is {la} {va}.", f"The answer is {la} {va}.",
                          f"For the asked bar that gives {la} {va}."))
-        facts = {"value": str(va), "colour": ca}
+        facts = {"value": str(va)}
     elif spec.kind == "colour":
         question = pick(rng, (f"What colour is the bar for {la}?", f"Which colour is used for {la}?"))
         body = pick(rng, (f"The bar {la} {va} is drawn in {ca}.",
@@ -114,7 +116,7 @@ def render_chart(spec: ChartSpec, rng: random.Random) -> Draft:
                           f"The values are {la} {va} and {lb} {vb}. Subtracting the smaller from the larger gives {d}."))
         end = pick(rng, (f"The answer is {d}.", f"So the difference is {d}."))
         facts = {"difference": str(d)}
-    answer = " ".join((listing, sentence(body), end))
+    answer = " ".join((listing, sentence(body), end) if body else (listing, end))
     caption = "a bar chart: " + ", ".join(f"{c} {lab} {v}" for lab, v, c in zip(spec.labels, spec.values, spec.colours))
     return Draft([img], answer, facts, [caption], question)
 
