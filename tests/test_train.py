@@ -1275,6 +1275,12 @@ def test_reading_examples_look_the_value_up_in_their_own_answer():
         assert not states(ex.prompt, value)  # only the reading tells the value
     mixed = copy_examples(None, 20, 0, lookup_share=0.0, pool=[f"w{i}" for i in range(30)], reading_share=0.5)
     assert sum(ex.family == "reading" for ex in mixed) == 10
+    for scenes, n_charts in ((0.0, 20), (0.25, 15), (1.0, 0)):
+        only = copy_examples(None, 20, 1, lookup_share=0.0, pool=[f"w{i}" for i in range(30)], reading_share=1.0,
+                             reading_scenes=scenes)
+        assert sum("chart" in ex.answer for ex in only) == n_charts, scenes
+    with pytest.raises(MMSpecError, match="reading_scenes"):
+        copy_examples(None, 20, 1, pool=[f"w{i}" for i in range(30)], reading_share=0.5, reading_scenes=1.5)
 
 
 def test_reading_examples_practise_no_test_chart_or_scene(monkeypatch):
@@ -1376,6 +1382,7 @@ def test_copy_cli_trains_only_the_lm_and_stage_mixes_copy_practice(tmp_path, mon
     assert "  reading: " in r.output
     for args, phrase in ((["--n-examples", "0"], "--n-examples"), (["--lr", "0"], "learning rate"),
                          (["--lookup-share", "2"], "--lookup-share"), (["--reading-share", "0.6"], "--reading-share"),
+                         (["--reading-scenes", "-0.1"], "--reading-scenes"),
                          (["--lookup-share", "0.6", "--list-share", "0.6"], "--list-share"),
                          (["--member-share", "0.6"], "--member-share"),
                          (["--init", str(tmp_path)], "no config.json")):

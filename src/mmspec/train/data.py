@@ -109,7 +109,7 @@ MEMBER_ITEMS = (1, 4)  # a membership list has as many pairs as a hallucination 
 def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: int = 12,
                   lookup_share: float = 0.5, pool: Sequence[str] | None = None,
                   list_share: float = 0.0, member_share: float = 0.0,
-                  reading_share: float = 0.0) -> list[Example]:
+                  reading_share: float = 0.0, reading_scenes: float = 0.5) -> list[Example]:
     """``n`` text-only practice examples for copying from the context, of five kinds:
 
     * copy: ``USER: Repeat: w1 w2 ... wk ASSISTANT: w1 w2 ... wk`` (k = min_items..2 x max_items);
@@ -136,7 +136,8 @@ def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: i
       verdicts within one CPU stage: docs/results/hallu-2026-11-23/.)
     * reading (``floor(reading_share * n)``, spread evenly, or fewer where another kind was due
       at the same example): a world lookup question with its image taken away
-      (:func:`reading_example`), the lookup in the world's own answer form.
+      (:func:`reading_example`), the lookup in the world's own answer form; a share
+      ``reading_scenes`` of them (spread evenly) are vqav2 scene lookups, the rest chart values.
 
     Words are drawn uniformly from ``pool`` (default :func:`word_pool`), so no prior predicts
     them: only copying or looking up in the prompt lowers the loss. The world's answers need exactly this (a
@@ -144,9 +145,11 @@ def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: i
     on world data alone did not learn it: it states 6% of sign words even when the caption
     that says them is in its prompt (docs/embedded-models.md)."""
     shares = (lookup_share, list_share, member_share, reading_share)
-    if n < 0 or not 1 <= min_items <= max_items or not (min(shares) >= 0 and sum(shares) <= 1):
-        raise MMSpecError(f"copy_examples needs n >= 0, 1 <= min_items <= max_items and lookup, list, member and "
-                          f"reading shares >= 0 with a sum <= 1; got {n}, {min_items}, {max_items}, {shares}")
+    if (n < 0 or not 1 <= min_items <= max_items or not (min(shares) >= 0 and sum(shares) <= 1)
+            or not 0 <= reading_scenes <= 1):
+        raise MMSpecError(f"copy_examples needs n >= 0, 1 <= min_items <= max_items, lookup, list, member and "
+                          f"reading shares >= 0 with a sum <= 1 and 0 <= reading_scenes <= 1; got {n}, "
+                          f"{min_items}, {max_items}, {shares}, {reading_scenes}")
     pool = list(word_pool(tokenizer) if pool is None else pool)
     member_pool = sorted({w for w in pool if w.lower() not in ("yes", "no")})  # the verdicts stay unambiguous
     if member_share > 0 and len(member_pool) < 8:
@@ -155,7 +158,7 @@ def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: i
         raise MMSpecError(f"the tokenizer has only {len(pool)} whole-word tokens; copy practice needs {2 * max_items}")
     rng = random.Random(seed)
     out = []
-    n_lookup = n_list = n_member = n_reading = 0
+    n_lookup = n_list = n_member = n_reading = n_scenes = 0
     for i in range(n):
         m = rng.randint(min_items, max_items)
         if n_lookup < math.floor(lookup_share * (i + 1) + 1e-9):  # each kind spread evenly, floor(share * n)
@@ -187,7 +190,9 @@ def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: i
             out.append(_member_example(rng, member_pool))
         elif kind == "reading":
             n_reading += 1
-            out.append(reading_example(rng, scene=n_reading % 2 == 0))
+            scene = n_scenes < math.floor(reading_scenes * n_reading + 1e-9)
+            n_scenes += scene
+            out.append(reading_example(rng, scene=scene))
         else:
             n_lookup += 1
             keys = rng.sample(pool, m)

@@ -123,8 +123,10 @@ def copy_cmd(
                                        "list? half are near misses: a hallucination question's decision); the "
                                        "shares are absolute: lower --lookup-share to make room"),
     reading_share: float = typer.Option(0.0, help="share of world lookup questions with the image taken away, in "
-                                        "the world's answer form (half chart values, half scene lookups): the "
-                                        "reading stands only in the answer and the last value is looked up in it"),
+                                        "the world's answer form: the reading stands only in the answer and the "
+                                        "last value is looked up in it"),
+    reading_scenes: float = typer.Option(0.5, help="share of the reading examples that are vqav2 scene lookups "
+                                         "(the rest look a chart's value up)"),
     minutes: Optional[float] = _MINUTES,
     bf16: bool = _BF16,
     half: bool = _HALF,
@@ -161,6 +163,8 @@ def copy_cmd(
         raise typer.BadParameter(f"--lookup-share, --list-share, --member-share and --reading-share must be >= 0 "
                                  f"with a sum <= 1; got {lookup_share}, {list_share}, {member_share} and "
                                  f"{reading_share}")
+    if not 0 <= reading_scenes <= 1:
+        raise typer.BadParameter(f"--reading-scenes is a share of the reading examples, 0 to 1; got {reading_scenes}")
     _require_model_dir(init, "--init")
     if threads:
         torch.set_num_threads(threads)
@@ -170,9 +174,11 @@ def copy_cmd(
     try:
         pool = word_pool(tokenizer)
         train_ex = copy_examples(tokenizer, n_examples, seed, lookup_share=lookup_share, pool=pool,
-                                 list_share=list_share, member_share=member_share, reading_share=reading_share)
+                                 list_share=list_share, member_share=member_share, reading_share=reading_share,
+                                 reading_scenes=reading_scenes)
         held_out = copy_examples(tokenizer, 128, seed + 1, lookup_share=lookup_share, pool=pool,
-                                 list_share=list_share, member_share=member_share, reading_share=reading_share)
+                                 list_share=list_share, member_share=member_share, reading_share=reading_share,
+                                 reading_scenes=reading_scenes)
     except MMSpecError as exc:
         raise typer.BadParameter(str(exc)) from exc
     model = LlavaForConditionalGeneration.from_pretrained(init, dtype=torch.float32).to(device)
@@ -203,6 +209,7 @@ def copy_cmd(
                                                  "objective": "copy practice", "n_examples": n_examples,
                                                  "lookup_share": lookup_share, "list_share": list_share,
                                                  "member_share": member_share, "reading_share": reading_share,
+                                                 **({"reading_scenes": reading_scenes} if reading_share else {}),
                                                  **({"held_out_copy_accuracy": {"before": before, "after": after}}
                                                     if copying else {}),
                                                  "held_out_accuracy_by_kind": {
