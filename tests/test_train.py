@@ -156,6 +156,8 @@ def test_lr_schedule():
     assert lr_at(0.03, 1.0, 0.03) == pytest.approx(1.0)
     assert lr_at(1.0, 1.0, 0.03) == pytest.approx(0.0)
     assert 0.4 < lr_at(0.515, 1.0, 0.03) < 0.6
+    assert lr_at(0.015, 1.0, 0.03, "constant") == pytest.approx(0.5)  # the same warm-up
+    assert lr_at(0.5, 1.0, 0.03, "constant") == lr_at(1.0, 1.0, 0.03, "constant") == 1.0
 
 
 def test_save_load_roundtrip_offline(model, tokenizer, processor, tmp_path, monkeypatch):
@@ -1375,14 +1377,15 @@ def test_copy_cli_trains_only_the_lm_and_stage_mixes_copy_practice(tmp_path, mon
     assert changed and all("language_model" in k or "lm_head" in k for k in changed)
     r = CliRunner().invoke(app, ["train", "copy", "--init", str(tmp_path / "m"), "--out", str(tmp_path / "rd"),
                                  "--steps", "2", "--batch-size", "4", "--n-examples", "20", "--lookup-share", "0",
-                                 "--reading-share", "1", "--no-bf16"])
+                                 "--reading-share", "1", "--schedule", "constant", "--no-bf16"])
     assert r.exit_code == 0, r.output
     stage = json.loads((tmp_path / "rd" / "mmspec.json").read_text())["stages"][-1]
     assert stage["reading_share"] == 1.0 and set(stage["held_out_accuracy_by_kind"]) == {"reading"}
+    assert stage["schedule"] == "constant" and stage["reading_scenes"] == 0.5
     assert "  reading: " in r.output
     for args, phrase in ((["--n-examples", "0"], "--n-examples"), (["--lr", "0"], "learning rate"),
                          (["--lookup-share", "2"], "--lookup-share"), (["--reading-share", "0.6"], "--reading-share"),
-                         (["--reading-scenes", "-0.1"], "--reading-scenes"),
+                         (["--reading-scenes", "-0.1"], "--reading-scenes"), (["--schedule", "linear"], "schedule"),
                          (["--lookup-share", "0.6", "--list-share", "0.6"], "--list-share"),
                          (["--member-share", "0.6"], "--member-share"),
                          (["--init", str(tmp_path)], "no config.json")):

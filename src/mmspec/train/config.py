@@ -95,7 +95,8 @@ def check_optimiser(name: str, lr: float, steps: int | None, max_seconds: float 
 
 @dataclass(frozen=True)
 class StageConfig:
-    """One optimisation stage: AdamW, linear warm-up then cosine decay to 0, grad clipping.
+    """One optimisation stage: AdamW, linear warm-up then cosine decay to 0 (or a constant rate,
+    ``schedule``), grad clipping.
 
     ``steps`` fixes the schedule length. With ``max_seconds`` the schedule runs on
     ``max(step/steps, elapsed/max_seconds)`` and the stage stops when either reaches 1, so a
@@ -117,9 +118,15 @@ class StageConfig:
     # pretraining, so a little of this keeps the T/C draft views in distribution.
     text_view_prob: float = 0.0
     caption_view_prob: float = 0.0
+    # "constant": the learning rate stays at lr after the warm-up. Lookup practice learns its
+    # lookup in a sudden jump after 150-200 steps at full rate (docs/results/lookup-target-2026-11-24/),
+    # which a cosine decay over a few hundred steps can cut short.
+    schedule: str = "cosine"
 
     def __post_init__(self) -> None:
         check_optimiser(self.name, self.lr, self.steps, self.max_seconds, self.batch_size)
+        if self.schedule not in ("cosine", "constant"):
+            raise MMSpecError(f"{self.name}: unknown schedule {self.schedule!r}; use cosine or constant")
 
 
 @dataclass(frozen=True)

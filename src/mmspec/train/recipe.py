@@ -54,11 +54,14 @@ def set_trainable(model, trainable: Trainable) -> list[torch.nn.Parameter]:
     return list(seen.values())
 
 
-def lr_at(progress: float, base_lr: float, warmup_ratio: float) -> float:
-    """Learning rate at ``progress`` in [0, 1]: linear warm-up then cosine decay to 0."""
+def lr_at(progress: float, base_lr: float, warmup_ratio: float, schedule: str = "cosine") -> float:
+    """Learning rate at ``progress`` in [0, 1]: linear warm-up, then cosine decay to 0 or (``schedule``
+    ``"constant"``) ``base_lr`` to the end."""
     progress = min(max(progress, 0.0), 1.0)
     if warmup_ratio > 0 and progress < warmup_ratio:
         return base_lr * progress / warmup_ratio
+    if schedule == "constant":
+        return base_lr
     rest = (progress - warmup_ratio) / max(1e-12, 1.0 - warmup_ratio)
     return base_lr * 0.5 * (1.0 + math.cos(math.pi * rest))
 
@@ -117,7 +120,8 @@ def bf16_autocast(device: str, enabled: bool):
 
 def optimise(name: str, params: list[torch.nn.Parameter], step_loss: Callable[[], tuple[torch.Tensor, int]],
              lr: float, steps: int | None, max_seconds: float | None, warmup_ratio: float,
-             weight_decay: float, grad_clip: float, progress: bool = True) -> StageResult:
+             weight_decay: float, grad_clip: float, progress: bool = True,
+             schedule: str = "cosine") -> StageResult:
     """The loop every stage shares: AdamW on ``params``, the learning rate from :func:`lr_at` at
     ``max(step / steps, elapsed / max_seconds)`` (either may be None, not both), gradient
     clipping, a progress bar. ``step_loss()`` computes one batch's loss and returns it with the
@@ -136,7 +140,7 @@ def optimise(name: str, params: list[torch.nn.Parameter], step_loss: Callable[[]
         if frac >= 1.0:
             break
         for group in opt.param_groups:
-            group["lr"] = lr_at(frac, lr, warmup_ratio)
+            group["lr"] = lr_at(frac, lr, warmup_ratio, schedule)
         loss, n = step_loss()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -166,7 +170,7 @@ def train_stage(model, stage: StageConfig, batches: Iterator[Batch], device: str
             return batch_loss(model, batch, train_vision), batch.input_ids.shape[0]
 
     result = optimise(stage.name, params, step_loss, stage.lr, stage.steps, stage.max_seconds,
-                      stage.warmup_ratio, stage.weight_decay, stage.grad_clip, progress)
+                      stage.warmup_ratio, stage.weight_decay, stage.grad_clip, progress, stage.schedule)
     for p in model.parameters():
         p.requires_grad_(False)
     model.eval()

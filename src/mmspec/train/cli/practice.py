@@ -127,6 +127,7 @@ def copy_cmd(
                                         "last value is looked up in it"),
     reading_scenes: float = typer.Option(0.5, help="share of the reading examples that are vqav2 scene lookups "
                                          "(the rest look a chart's value up)"),
+    schedule: str = typer.Option("cosine", help="learning rate after the warm-up: cosine (decay to 0) or constant"),
     minutes: Optional[float] = _MINUTES,
     bf16: bool = _BF16,
     half: bool = _HALF,
@@ -153,7 +154,8 @@ def copy_cmd(
 
     try:
         cfg = StageConfig("copy-practice", "projector+lm", lr=lr, steps=_default_steps(steps, minutes),
-                          batch_size=batch_size, max_seconds=None if minutes is None else 60.0 * minutes)
+                          batch_size=batch_size, max_seconds=None if minutes is None else 60.0 * minutes,
+                          schedule=schedule)
     except MMSpecError as exc:
         raise typer.BadParameter(str(exc)) from exc
     if n_examples < 1:
@@ -205,7 +207,8 @@ def copy_cmd(
     after = token_accuracy(model, val, device, facts_only=True) if copying else None
     after_kind = by_kind_accuracy()
     meta = read_sidecar(init)
-    meta["stages"] = [*meta.get("stages", []), {**res.summary(), "lr": lr, "trainable": cfg.trainable,
+    meta["stages"] = [*meta.get("stages", []), {**res.summary(), "lr": lr, "schedule": schedule,
+                                                 "trainable": cfg.trainable,
                                                  "objective": "copy practice", "n_examples": n_examples,
                                                  "lookup_share": lookup_share, "list_share": list_share,
                                                  "member_share": member_share, "reading_share": reading_share,
