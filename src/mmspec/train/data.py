@@ -211,8 +211,10 @@ def reading_example(rng: random.Random, scene: bool) -> Example:
     top left, ... The answer is star blue."). The reading stands only in the answer and is random,
     so the final value is predictable only by looking it up in what the answer has just written,
     in the world's own answer form. A world stage alone did not teach that lookup in 50 CPU
-    minutes; 5 minutes of it in this form, then the world again, did
-    (docs/results/lookup-form-2026-11-23/). Only specs the world puts in its train split are
+    minutes; practice in this form, then the world again, did (docs/results/lookup-form-2026-11-23/).
+    The chart lookup is learned in a jump after 150-200 steps of 64 at full rate, so practise it at
+    a constant rate (``StageConfig.schedule``): under a cosine decay over 300-400 steps it stayed at
+    chance (docs/results/lookup-target-2026-11-24/). Only specs the world puts in its train split are
     drawn, so no test chart or scene is practised. The only fact is the asked value, which ends
     the answer (:func:`mmspec.train.recipe.final_value_accuracy`)."""
     from mmspec.world.core import fix_articles, split_of

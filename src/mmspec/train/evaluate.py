@@ -78,7 +78,7 @@ def answers_question(sample, text: str) -> bool:
     """Whether ``text`` answers ``sample``'s question right: its final sentence states the asked
     fact (the first of ``sample.facts``; the world's reference answers give it there), or, for a
     yes/no question, the answer ends on the true verdict. Listing the scene right and then
-    answering wrong ("... bus is 6 ... The answer is 10.") does not count, nor does an answer
+    answering wrong ("... bus 6 ... The answer is bus 10.") does not count, nor does an answer
     cut off before it finished its last sentence (it never gave its answer)."""
     if not finished(text):
         return False

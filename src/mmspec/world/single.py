@@ -92,11 +92,10 @@ def render_chart(spec: ChartSpec, rng: random.Random) -> Draft:
     elif spec.kind == "value":
         question = pick(rng, (f"What is the value of {la}?", f"What value does the bar for {la} show?",
                               f"How high is the {la} bar?"))
-        # the lookup comes right after the reading, the asked label right before its value. With a
-        # sentence naming the bar's colour between them, 400 steps of text-only practice left the
-        # chart lookup at 32.5% held out while the scene lookups, which have none, reached 82-93%
-        # (docs/results/lookup-target-2026-11-24/); the results script's practice, which had none
-        # either, learned it (docs/results/lookup-form-2026-11-23/)
+        # the lookup comes right after the reading, the asked label right before its value, as in
+        # the scene lookups. (A sentence naming the bar's colour stood between them before d7a7352;
+        # taking it out did not change what the practice learned, the learning rate schedule did:
+        # docs/results/lookup-target-2026-11-24/.)
         body = ""
         end = pick(rng, (f"So the asked bar is {la} {va}.", f"The answer is {la} {va}.",
                          f"For the asked bar that gives {la} {va}."))
