@@ -33,9 +33,9 @@ WORLD=(--trainable projector+lm --steps 100000000 --batch-size 32 --n-train-per-
 $M stage --init "$INIT" "${WORLD[@]}" --caption-view-prob 0.3 --minutes 50 --seed 91 --world-seed 91 \
     --out "$OUT/work/lookup_a"
 # 9b. lookup practice alone, in the world's answer form (7 in 10 chart values, 3 in 10 scene
-#     lookups) at a constant rate. The chart lookup is learned in a jump after about 150-200 steps
-#     at full rate; 300-400 steps under a cosine decay did not reach it (lookup-target-2026-11-24:
-#     this practice reached 93.8% held out there, charts 100%).
+#     lookups) at a constant rate: the one practice run that learned the chart lookup ran so, and
+#     three under a cosine decay over 300-400 steps did not (lookup-target-2026-11-24: this
+#     practice reached 93.8% held out there, charts 100%).
 #     Alone it costs other answers (vqav2 fell to 14.5% after the results script's practice), so
 #     9c follows.
 $M copy --init "$OUT/work/lookup_a" --lookup-share 0 --reading-share 1 --reading-scenes 0.3 --schedule constant \

@@ -541,7 +541,7 @@ def test_answer_weight_marks_the_lookup_after_the_reading():
                                                                  answer_ids=(*e.input_ids[n_prompt:],)))
             assert ids.weights == e.weights
     # a token in a fact and in the lookup weighs the larger of the two weights
-    chart = generate_samples("chartqa", "train", 1)[0]  # "... box 7. The yellow bar ... The answer is box 7."
+    chart = generate_samples("chartqa", "train", 1)[0]  # "... box 7. The answer is box 7."
     value = tok(" " + chart.facts["value"], add_special_tokens=False)["input_ids"]
     assert len(value) == 1
     for fact_w, reading_w, lookup_w in ((9.0, 9.0, 9.0), (3.0, 3.0, 6.0)):
@@ -1253,8 +1253,8 @@ def test_token_accuracy_counts_the_argmax_hits(model, tokenizer, processor):
 
 
 def test_reading_examples_look_the_value_up_in_their_own_answer():
-    """Reading practice is a world lookup without its image: half chart values, half scene
-    lookups; the prompt names only the key, the answer's reading holds the key with its value
+    """Reading practice is a world lookup without its image: chart values and scene lookups
+    (``reading_scenes`` of them, default half); the prompt names only the key, the answer's reading holds the key with its value
     right after it, and the answer ends on that key and value (the example's one fact)."""
     import random
 
@@ -1375,6 +1375,10 @@ def test_copy_cli_trains_only_the_lm_and_stage_mixes_copy_practice(tmp_path, mon
     old, new = load_file(tmp_path / "m" / "model.safetensors"), load_file(tmp_path / "c" / "model.safetensors")
     changed = {k for k in old if not torch.equal(old[k], new[k])}
     assert changed and all("language_model" in k or "lm_head" in k for k in changed)
+    import mmspec.train.recipe as recipe
+
+    schedules, real_lr_at = set(), recipe.lr_at
+    monkeypatch.setattr(recipe, "lr_at", lambda *a: schedules.add(a[3]) or real_lr_at(*a))
     r = CliRunner().invoke(app, ["train", "copy", "--init", str(tmp_path / "m"), "--out", str(tmp_path / "rd"),
                                  "--steps", "2", "--batch-size", "4", "--n-examples", "20", "--lookup-share", "0",
                                  "--reading-share", "1", "--schedule", "constant", "--no-bf16"])
@@ -1382,6 +1386,10 @@ def test_copy_cli_trains_only_the_lm_and_stage_mixes_copy_practice(tmp_path, mon
     stage = json.loads((tmp_path / "rd" / "mmspec.json").read_text())["stages"][-1]
     assert stage["reading_share"] == 1.0 and set(stage["held_out_accuracy_by_kind"]) == {"reading"}
     assert stage["schedule"] == "constant" and stage["reading_scenes"] == 0.5
+    assert schedules == {"constant"}  # the flag reaches the optimiser, not only the record
+    monkeypatch.setattr(recipe, "lr_at", real_lr_at)
+    with pytest.raises(MMSpecError, match="schedule"):
+        real_lr_at(0.5, 1.0, 0.03, "Constant")
     assert "  reading: " in r.output
     for args, phrase in ((["--n-examples", "0"], "--n-examples"), (["--lr", "0"], "learning rate"),
                          (["--lookup-share", "2"], "--lookup-share"), (["--reading-share", "0.6"], "--reading-share"),

@@ -118,9 +118,9 @@ class StageConfig:
     # pretraining, so a little of this keeps the T/C draft views in distribution.
     text_view_prob: float = 0.0
     caption_view_prob: float = 0.0
-    # "constant": the learning rate stays at lr after the warm-up. Lookup practice learns its
-    # lookup in a sudden jump after 150-200 steps at full rate (docs/results/lookup-target-2026-11-24/),
-    # which a cosine decay over a few hundred steps can cut short.
+    # "constant": the learning rate stays at lr after the warm-up. The one lookup practice that
+    # learned the chart lookup ran so; three under cosine decay did not
+    # (docs/results/lookup-target-2026-11-24/).
     schedule: str = "cosine"
 
     def __post_init__(self) -> None:

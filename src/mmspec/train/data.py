@@ -206,15 +206,16 @@ def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: i
 
 def reading_example(rng: random.Random, scene: bool) -> Example:
     """A world lookup question with its image taken away: ``USER: What is the value of cup?
-    ASSISTANT: The chart has 3 bars: egg 4, cup 7 and box 8. Its bar is the red one. So the asked
-    bar is cup 7.`` (``scene``: a vqav2 lookup instead, "What colour is the star? ... star blue
+    ASSISTANT: The chart has 3 bars: egg 4, cup 7 and box 8. So the asked bar is cup 7.``
+    (``scene``: a vqav2 lookup instead, "What colour is the star? ... star blue
     top left, ... The answer is star blue."). The reading stands only in the answer and is random,
     so the final value is predictable only by looking it up in what the answer has just written,
     in the world's own answer form. A world stage alone did not teach that lookup in 50 CPU
     minutes; practice in this form, then the world again, did (docs/results/lookup-form-2026-11-23/).
-    The chart lookup is learned in a jump after 150-200 steps of 64 at full rate, so practise it at
-    a constant rate (``StageConfig.schedule``): under a cosine decay over 300-400 steps it stayed at
-    chance (docs/results/lookup-target-2026-11-24/). Only specs the world puts in its train split are
+    The one library practice that learned the chart lookup ran at a constant rate
+    (``StageConfig.schedule``); three under a cosine decay over 300-400 steps stayed near chance
+    on charts (31-38%), and a results-script practice at a constant rate learned it in a jump
+    between steps 150 and 200 (docs/results/lookup-target-2026-11-24/). Only specs the world puts in its train split are
     drawn, so no test chart or scene is practised. The only fact is the asked value, which ends
     the answer (:func:`mmspec.train.recipe.final_value_accuracy`)."""
     from mmspec.world.core import fix_articles, split_of
@@ -303,7 +304,7 @@ class Encoder:
     ``answer_weight`` > 1 weighs every answer token after the first sentence of a single-image
     family's answer (``ANSWERED_FAMILIES``) that many times. The world's single-image answers first
     read the whole image out ("The chart has 4 bars: cup 3, bus 6, ..."), then pick the
-    asked fact out of that reading ("Its bar is the orange one. The answer is bus 6."). The tower
+    asked fact out of that reading ("The answer is bus 6."). The tower
     reads well; the picking is an in-context lookup the LM gets wrong, and it is a handful of
     tokens per answer, so a uniform loss barely asks for it. The split is at the first sentence
     end, which is where the reading ends in every chart, scene and existence answer; one of the

@@ -1,7 +1,7 @@
 """The training loop of one stage of the LLaVA recipe, and the quick evaluations.
 
 Owns: which parameters a stage trains (:func:`set_trainable`), the learning-rate schedule
-(:func:`lr_at`: linear warm-up over ``warmup_ratio`` then cosine to 0), the loss of a batch
+(:func:`lr_at`: linear warm-up over ``warmup_ratio`` then cosine to 0, or constant), the loss of a batch
 (:func:`batch_loss` on :func:`batch_forward`, images through :mod:`pooling` so pooled and full
 grids share one code path), :func:`optimise` (the loop every stage shares: AdamW, the schedule
 on steps or the clock, grad clipping, progress bar), :func:`train_stage` and held-out metrics
@@ -57,6 +57,8 @@ def set_trainable(model, trainable: Trainable) -> list[torch.nn.Parameter]:
 def lr_at(progress: float, base_lr: float, warmup_ratio: float, schedule: str = "cosine") -> float:
     """Learning rate at ``progress`` in [0, 1]: linear warm-up, then cosine decay to 0 or (``schedule``
     ``"constant"``) ``base_lr`` to the end."""
+    if schedule not in ("cosine", "constant"):
+        raise MMSpecError(f"unknown learning rate schedule {schedule!r}; use cosine or constant")
     progress = min(max(progress, 0.0), 1.0)
     if warmup_ratio > 0 and progress < warmup_ratio:
         return base_lr * progress / warmup_ratio

@@ -94,8 +94,7 @@ def render_chart(spec: ChartSpec, rng: random.Random) -> Draft:
                               f"How high is the {la} bar?"))
         # the lookup comes right after the reading, the asked label right before its value, as in
         # the scene lookups. (A sentence naming the bar's colour stood between them before d7a7352;
-        # taking it out did not change what the practice learned, the learning rate schedule did:
-        # docs/results/lookup-target-2026-11-24/.)
+        # taking it out did not change what the practice learned: docs/results/lookup-target-2026-11-24/.)
         body = ""
         end = pick(rng, (f"So the asked bar is {la} {va}.", f"The answer is {la} {va}.",
                          f"For the asked bar that gives {la} {va}."))

@@ -124,7 +124,7 @@ def copy_cmd(
                                        "shares are absolute: lower --lookup-share to make room"),
     reading_share: float = typer.Option(0.0, help="share of world lookup questions with the image taken away, in "
                                         "the world's answer form: the reading stands only in the answer and the "
-                                        "last value is looked up in it"),
+                                        "last value is looked up in it (it was learned with --schedule constant)"),
     reading_scenes: float = typer.Option(0.5, help="share of the reading examples that are vqav2 scene lookups "
                                          "(the rest look a chart's value up)"),
     schedule: str = typer.Option("cosine", help="learning rate after the warm-up: cosine (decay to 0) or constant"),
