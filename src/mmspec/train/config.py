@@ -93,6 +93,14 @@ def check_optimiser(name: str, lr: float, steps: int | None, max_seconds: float 
         raise MMSpecError(f"{name} needs a batch size >= 1; got {batch_size}")
 
 
+SCHEDULES = ("cosine", "constant")  # the learning rate after the warm-up (recipe.lr_at)
+
+
+def check_schedule_name(schedule: str, name: str = "stage") -> None:
+    if schedule not in SCHEDULES:
+        raise MMSpecError(f"{name}: unknown learning rate schedule {schedule!r}; use {' or '.join(SCHEDULES)}")
+
+
 @dataclass(frozen=True)
 class StageConfig:
     """One optimisation stage: AdamW, linear warm-up then cosine decay to 0 (or a constant rate,
@@ -121,12 +129,11 @@ class StageConfig:
     # "constant": the learning rate stays at lr after the warm-up. The one lookup practice that
     # learned the chart lookup ran so; three under cosine decay did not
     # (docs/results/lookup-target-2026-11-24/).
-    schedule: str = "cosine"
+    schedule: str = "cosine"  # one of SCHEDULES
 
     def __post_init__(self) -> None:
         check_optimiser(self.name, self.lr, self.steps, self.max_seconds, self.batch_size)
-        if self.schedule not in ("cosine", "constant"):
-            raise MMSpecError(f"{self.name}: unknown schedule {self.schedule!r}; use cosine or constant")
+        check_schedule_name(self.schedule, self.name)
 
 
 @dataclass(frozen=True)

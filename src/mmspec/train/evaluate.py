@@ -40,18 +40,16 @@ def _sample_index(uid: str) -> tuple[str, str, int]:
     return m.group(1), m.group(2), int(m.group(3))
 
 
-# a position stated as part of a longer one is not stated: "top left" does not say "top" or "left"
-_WIDER_POSITION = {"top": r"(?! (?:left|right)\b)", "bottom": r"(?! (?:left|right)\b)",
-                   "left": r"(?<!top )(?<!bottom )", "right": r"(?<!top )(?<!bottom )"}
+# a position stated as part of a wider one is not stated: "top left" says neither "top" nor "left"
+_NOT_AFTER = {"left": r"(?<!top )(?<!bottom )", "right": r"(?<!top )(?<!bottom )"}
+_NOT_BEFORE = {"top": r"(?! (?:left|right)\b)", "bottom": r"(?! (?:left|right)\b)"}
 
 
 def states(text: str, value) -> bool:
     """Whether ``text`` states the fact ``value`` as whole words, case ignored. A grid position
     counts only where it is not part of a wider one ("top" is not stated by "top left")."""
     v = str(value).lower()
-    guard = _WIDER_POSITION.get(v, "")
-    pattern = (guard if v in ("left", "right") else "") + r"(?<!\w)" + re.escape(v) + r"(?!\w)" + \
-        (guard if v in ("top", "bottom") else "")
+    pattern = _NOT_AFTER.get(v, "") + r"(?<!\w)" + re.escape(v) + r"(?!\w)" + _NOT_BEFORE.get(v, "")
     return re.search(pattern, text.lower()) is not None
 
 

@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mmspec.errors import MMSpecError
-from mmspec.train.config import StageConfig, Trainable, check_schedule
+from mmspec.train.config import StageConfig, Trainable, check_schedule, check_schedule_name
 from mmspec.train.data import Batch, Encoder, Example, View
 from mmspec.train.pooling import embed_multimodal, pooled_image_features
 
@@ -57,8 +57,7 @@ def set_trainable(model, trainable: Trainable) -> list[torch.nn.Parameter]:
 def lr_at(progress: float, base_lr: float, warmup_ratio: float, schedule: str = "cosine") -> float:
     """Learning rate at ``progress`` in [0, 1]: linear warm-up, then cosine decay to 0 or (``schedule``
     ``"constant"``) ``base_lr`` to the end."""
-    if schedule not in ("cosine", "constant"):
-        raise MMSpecError(f"unknown learning rate schedule {schedule!r}; use cosine or constant")
+    check_schedule_name(schedule, "lr_at")
     progress = min(max(progress, 0.0), 1.0)
     if warmup_ratio > 0 and progress < warmup_ratio:
         return base_lr * progress / warmup_ratio
