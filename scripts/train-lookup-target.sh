@@ -24,13 +24,15 @@ T=${2:-2}
 INIT=${3:-src/mmspec/assets/embedded/target}
 M="python -m mmspec train"
 mkdir -p "$OUT/work"
-# world stages: chart-heavy, every single-image family and some image pairs and stories, the facts
-# and the deciding sentences weighed 4x (as step 7)
-WORLD=(--trainable projector+lm --steps 100000000 --batch-size 32 --n-train-per-family 1000
-       --family-samples chartqa=10000 --family-samples vqav2=3000 --family-samples hallusionbench=3000
-       --family-samples textvqa=3000 --family-samples spot_the_diff=1500 --family-samples iedit=1500
-       --family-samples pororosv=500 --family-samples vist=500 --fact-weight 4 --cue-weight 4
-       --workers 0 --threads "$T" --no-bf16 --half --lr 2e-4)
+# every world stage: some image pairs and stories, the facts and the deciding sentences weighed 4x
+# (as step 7); each stage adds its single-image mix (a family not named gets 1,000 samples)
+COMMON=(--trainable projector+lm --steps 100000000 --batch-size 32 --n-train-per-family 1000
+        --family-samples spot_the_diff=1500 --family-samples iedit=1500 --family-samples pororosv=500
+        --family-samples vist=500 --fact-weight 4 --cue-weight 4 --workers 0 --threads "$T" --no-bf16 --half
+        --lr 2e-4)
+# 9a and 9c: chart-heavy
+WORLD=("${COMMON[@]}" --family-samples chartqa=10000 --family-samples vqav2=3000
+       --family-samples hallusionbench=3000 --family-samples textvqa=3000)
 # 9a. 50 min on the new world
 $M stage --init "$INIT" "${WORLD[@]}" --caption-view-prob 0.3 --minutes 50 --seed 91 --world-seed 91 \
     --out "$OUT/work/lookup_a"
@@ -54,10 +56,7 @@ $M stage --init "$OUT/work/lookup_practice" "${WORLD[@]}" --text-view-prob 0.3 -
     --minutes 15 --seed 92 --world-seed 92 --out "$OUT/work/lookup_c"
 # 9d. 10 min weighted to vqav2 and hallusionbench, which 9c left below 70% (lookup-target-2026-11-24:
 #     62.2% and 65.4% after 9c, 71.8% and 72.6% after this step)
-$M stage --init "$OUT/work/lookup_c" --trainable projector+lm --steps 100000000 --batch-size 32 \
-    --n-train-per-family 1000 --family-samples chartqa=3000 --family-samples vqav2=6000 \
-    --family-samples hallusionbench=6000 --family-samples textvqa=3000 --family-samples spot_the_diff=1500 \
-    --family-samples iedit=1500 --family-samples pororosv=500 --family-samples vist=500 --fact-weight 4 \
-    --cue-weight 4 --workers 0 --threads "$T" --no-bf16 --half --lr 2e-4 --caption-view-prob 0.3 \
+$M stage --init "$OUT/work/lookup_c" "${COMMON[@]}" --family-samples chartqa=3000 --family-samples vqav2=6000 \
+    --family-samples hallusionbench=6000 --family-samples textvqa=3000 --caption-view-prob 0.3 \
     --minutes 10 --seed 93 --world-seed 93 --out "$OUT/target"
 echo "lookup target in $OUT/target"
