@@ -1285,6 +1285,18 @@ def test_reading_examples_look_the_value_up_in_their_own_answer():
         assert sum("chart" in ex.answer for ex in only) == n_charts, scenes
     with pytest.raises(MMSpecError, match="reading_scenes"):
         copy_examples(None, 20, 1, pool=[f"w{i}" for i in range(30)], reading_share=0.5, reading_scenes=1.5)
+    # scene_kinds narrows the scene lookups: only places of objects, the charts untouched
+    places = copy_examples(None, 40, 2, lookup_share=0.0, pool=[f"w{i}" for i in range(30)], reading_share=1.0,
+                           reading_scenes=0.5, scene_kinds=("position",))
+    scenes = [ex for ex in places if "chart" not in ex.answer]
+    assert len(scenes) == 20
+    assert all(ex.prompt.startswith(("USER: Where is the ", "USER: In which part of the image is the "))
+               for ex in scenes), [ex.prompt for ex in scenes]
+    default = [reading_example(random.Random(i), scene=True) for i in range(60)]
+    assert not all(ex.prompt.startswith(("USER: Where is", "USER: In which part")) for ex in default)
+    for bad in (("place",), ()):
+        with pytest.raises(MMSpecError, match="scene lookup kinds"):
+            copy_examples(None, 20, 1, pool=[f"w{i}" for i in range(30)], reading_share=0.5, scene_kinds=bad)
 
 
 def test_reading_examples_practise_no_test_chart_or_scene(monkeypatch):
@@ -1383,11 +1395,13 @@ def test_copy_cli_trains_only_the_lm_and_stage_mixes_copy_practice(tmp_path, mon
     monkeypatch.setattr(recipe, "lr_at", lambda *a: schedules.add(a[3]) or real_lr_at(*a))
     r = CliRunner().invoke(app, ["train", "copy", "--init", str(tmp_path / "m"), "--out", str(tmp_path / "rd"),
                                  "--steps", "2", "--batch-size", "4", "--n-examples", "20", "--lookup-share", "0",
-                                 "--reading-share", "1", "--schedule", "constant", "--no-bf16"])
+                                 "--reading-share", "1", "--schedule", "constant", "--reading-scene-kind", "position",
+                                 "--no-bf16"])
     assert r.exit_code == 0, r.output
     stage = json.loads((tmp_path / "rd" / "mmspec.json").read_text())["stages"][-1]
     assert stage["reading_share"] == 1.0 and set(stage["held_out_accuracy_by_kind"]) == {"reading"}
     assert stage["schedule"] == "constant" and stage["reading_scenes"] == 0.5
+    assert stage["reading_scene_kinds"] == ["position"]
     assert schedules == {"constant"}  # the flag reaches the optimiser, not only the record
     monkeypatch.setattr(recipe, "lr_at", real_lr_at)
     with pytest.raises(MMSpecError, match="schedule"):
@@ -1398,6 +1412,7 @@ def test_copy_cli_trains_only_the_lm_and_stage_mixes_copy_practice(tmp_path, mon
                          (["--reading-scenes", "-0.1"], "--reading-scenes"), (["--schedule", "linear"], "schedule"),
                          (["--lookup-share", "0.6", "--list-share", "0.6"], "--list-share"),
                          (["--member-share", "0.6"], "--member-share"),
+                         (["--reading-scene-kind", "place"], "shape_at"),
                          (["--init", str(tmp_path)], "no config.json")):
         base = ["train", "copy", "--init", str(tmp_path / "m"), "--out", str(tmp_path / "x")]
         bad = CliRunner().invoke(app, base + args)

@@ -109,7 +109,8 @@ MEMBER_ITEMS = (1, 4)  # a membership list has as many pairs as a hallucination 
 def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: int = 12,
                   lookup_share: float = 0.5, pool: Sequence[str] | None = None,
                   list_share: float = 0.0, member_share: float = 0.0,
-                  reading_share: float = 0.0, reading_scenes: float = 0.5) -> list[Example]:
+                  reading_share: float = 0.0, reading_scenes: float = 0.5,
+                  scene_kinds: Sequence[str] | None = None) -> list[Example]:
     """``n`` text-only practice examples for copying from the context, of five kinds:
 
     * copy: ``USER: Repeat: w1 w2 ... wk ASSISTANT: w1 w2 ... wk`` (k = min_items..2 x max_items);
@@ -138,6 +139,8 @@ def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: i
       at the same example): a world lookup question with its image taken away
       (:func:`reading_example`), the lookup in the world's own answer form; a share
       ``reading_scenes`` of them (spread evenly) are vqav2 scene lookups, the rest chart values.
+      ``scene_kinds`` narrows the scene lookups to some of ``LOOKUP_ORDER``'s kinds (default all):
+      ``("position",)`` practises only the place of an object, whose key is two words.
 
     Words are drawn uniformly from ``pool`` (default :func:`word_pool`), so no prior predicts
     them: only copying or looking up in the prompt lowers the loss. The world's answers need exactly this (a
@@ -150,6 +153,7 @@ def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: i
         raise MMSpecError(f"copy_examples needs n >= 0, 1 <= min_items <= max_items, lookup, list, member and "
                           f"reading shares >= 0 with a sum <= 1 and 0 <= reading_scenes <= 1; got {n}, "
                           f"{min_items}, {max_items}, {shares}, {reading_scenes}")
+    scene_kinds = _scene_kinds(scene_kinds)
     pool = list(word_pool(tokenizer) if pool is None else pool)
     member_pool = sorted({w for w in pool if w.lower() not in ("yes", "no")})  # the verdicts stay unambiguous
     if member_share > 0 and len(member_pool) < 8:
@@ -192,7 +196,7 @@ def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: i
             n_reading += 1
             scene = n_scenes < math.floor(reading_scenes * n_reading + 1e-9)
             n_scenes += scene
-            out.append(reading_example(rng, scene=scene))
+            out.append(reading_example(rng, scene=scene, scene_kinds=scene_kinds))
         else:
             n_lookup += 1
             keys = rng.sample(pool, m)
@@ -204,7 +208,20 @@ def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: i
     return out
 
 
-def reading_example(rng: random.Random, scene: bool) -> Example:
+def _scene_kinds(kinds: Sequence[str] | None) -> tuple[str, ...]:
+    """``kinds`` checked against the vqav2 lookup kinds (``LOOKUP_ORDER``); None: all of them."""
+    from mmspec.world.single import LOOKUP_ORDER
+
+    if kinds is None:
+        return tuple(LOOKUP_ORDER)
+    unknown = [k for k in kinds if k not in LOOKUP_ORDER]
+    if unknown or not kinds:
+        raise MMSpecError(f"scene lookup kinds must be some of {', '.join(LOOKUP_ORDER)}; got "
+                          f"{', '.join(kinds) or 'none'}")
+    return tuple(dict.fromkeys(kinds))
+
+
+def reading_example(rng: random.Random, scene: bool, scene_kinds: Sequence[str] | None = None) -> Example:
     """A world lookup question with its image taken away: ``USER: What is the value of cup?
     ASSISTANT: The chart has 3 bars: egg 4, cup 7 and box 8. So the asked bar is cup 7.``
     (``scene``: a vqav2 lookup instead, "What colour is the star? ... star blue
@@ -217,13 +234,16 @@ def reading_example(rng: random.Random, scene: bool) -> Example:
     on charts (31-38%), and a results-script practice at a constant rate learned it in a jump
     between steps 150 and 200 (docs/results/lookup-target-2026-11-24/). Only specs the world puts in its train split are
     drawn, so no test chart or scene is practised. The only fact is the asked value, which ends
-    the answer (:func:`mmspec.train.recipe.final_value_accuracy`)."""
+    the answer (:func:`mmspec.train.recipe.final_value_accuracy`). ``scene_kinds``: the scene
+    lookup kinds drawn (default all of ``LOOKUP_ORDER``)."""
     from mmspec.world.core import fix_articles, split_of
-    from mmspec.world.single import LOOKUP_ORDER, draw_chart, draw_vqa, render_chart, render_vqa
+    from mmspec.world.single import draw_chart, draw_vqa, render_chart, render_vqa
+
+    kinds = _scene_kinds(scene_kinds)
 
     while True:  # rejection: train-split specs of the kinds that look a value up by its key
         family, spec = ("vqav2", draw_vqa(rng)) if scene else ("chartqa", draw_chart(rng))
-        if spec.kind in (LOOKUP_ORDER if scene else ("value",)) and split_of(family, spec) == "train":
+        if spec.kind in (kinds if scene else ("value",)) and split_of(family, spec) == "train":
             draft = (render_vqa if scene else render_chart)(spec, rng)
             break
     value = str(next(iter(draft.facts.values())))  # the asked fact comes first

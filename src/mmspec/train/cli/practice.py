@@ -127,6 +127,9 @@ def copy_cmd(
                                         "last value is looked up in it (it was learned with --schedule constant)"),
     reading_scenes: float = typer.Option(0.5, help="share of the reading examples that are vqav2 scene lookups "
                                          "(the rest look a chart's value up)"),
+    reading_scene_kind: Optional[list[str]] = typer.Option(None, help="only these vqav2 lookup kinds in the "
+                                                           "scene readings (repeat; colour_of, position, "
+                                                           "shape_at; default all three)"),
     schedule: str = typer.Option("cosine", help="learning rate after the warm-up: cosine (decay to 0) or constant"),
     minutes: Optional[float] = _MINUTES,
     bf16: bool = _BF16,
@@ -177,10 +180,10 @@ def copy_cmd(
         pool = word_pool(tokenizer)
         train_ex = copy_examples(tokenizer, n_examples, seed, lookup_share=lookup_share, pool=pool,
                                  list_share=list_share, member_share=member_share, reading_share=reading_share,
-                                 reading_scenes=reading_scenes)
+                                 reading_scenes=reading_scenes, scene_kinds=reading_scene_kind or None)
         held_out = copy_examples(tokenizer, 128, seed + 1, lookup_share=lookup_share, pool=pool,
                                  list_share=list_share, member_share=member_share, reading_share=reading_share,
-                                 reading_scenes=reading_scenes)
+                                 reading_scenes=reading_scenes, scene_kinds=reading_scene_kind or None)
     except MMSpecError as exc:
         raise typer.BadParameter(str(exc)) from exc
     model = LlavaForConditionalGeneration.from_pretrained(init, dtype=torch.float32).to(device)
@@ -213,6 +216,8 @@ def copy_cmd(
                                                  "lookup_share": lookup_share, "list_share": list_share,
                                                  "member_share": member_share, "reading_share": reading_share,
                                                  **({"reading_scenes": reading_scenes} if reading_share else {}),
+                                                 **({"reading_scene_kinds": list(reading_scene_kind)}
+                                                    if reading_share and reading_scene_kind else {}),
                                                  **({"held_out_copy_accuracy": {"before": before, "after": after}}
                                                     if copying else {}),
                                                  "held_out_accuracy_by_kind": {
