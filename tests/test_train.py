@@ -1292,8 +1292,14 @@ def test_reading_examples_look_the_value_up_in_their_own_answer():
     assert len(scenes) == 20
     assert all(ex.prompt.startswith(("USER: Where is the ", "USER: In which part of the image is the "))
                for ex in scenes), [ex.prompt for ex in scenes]
+    # by default all three scene lookup kinds are drawn, and naming all three changes nothing
     default = [reading_example(random.Random(i), scene=True) for i in range(60)]
-    assert not all(ex.prompt.startswith(("USER: Where is", "USER: In which part")) for ex in default)
+    assert any(ex.prompt.startswith(("USER: Where is", "USER: In which part")) for ex in default)
+    assert any(ex.prompt.startswith(("USER: What colour", "USER: Which colour")) for ex in default)
+    assert any(ex.prompt.startswith(("USER: What shape", "USER: Which shape")) for ex in default)
+    named = [reading_example(random.Random(i), scene=True, scene_kinds=("colour_of", "position", "shape_at"))
+             for i in range(60)]
+    assert [ex.answer for ex in named] == [ex.answer for ex in default]
     for bad in (("place",), ()):
         with pytest.raises(MMSpecError, match="scene lookup kinds"):
             copy_examples(None, 20, 1, pool=[f"w{i}" for i in range(30)], reading_share=0.5, scene_kinds=bad)
@@ -1391,17 +1397,24 @@ def test_copy_cli_trains_only_the_lm_and_stage_mixes_copy_practice(tmp_path, mon
     assert changed and all("language_model" in k or "lm_head" in k for k in changed)
     import mmspec.train.recipe as recipe
 
+    import mmspec.train.data as data
+
     schedules, real_lr_at = set(), recipe.lr_at
     monkeypatch.setattr(recipe, "lr_at", lambda *a: schedules.add(a[3]) or real_lr_at(*a))
+    kinds_given, real_copy_examples = [], data.copy_examples
+    monkeypatch.setattr(data, "copy_examples",
+                        lambda *a, **k: kinds_given.append(k.get("scene_kinds")) or real_copy_examples(*a, **k))
     r = CliRunner().invoke(app, ["train", "copy", "--init", str(tmp_path / "m"), "--out", str(tmp_path / "rd"),
                                  "--steps", "2", "--batch-size", "4", "--n-examples", "20", "--lookup-share", "0",
                                  "--reading-share", "1", "--schedule", "constant", "--reading-scene-kind", "position",
-                                 "--no-bf16"])
+                                 "--reading-scene-kind", "position", "--no-bf16"])
     assert r.exit_code == 0, r.output
     stage = json.loads((tmp_path / "rd" / "mmspec.json").read_text())["stages"][-1]
     assert stage["reading_share"] == 1.0 and set(stage["held_out_accuracy_by_kind"]) == {"reading"}
     assert stage["schedule"] == "constant" and stage["reading_scenes"] == 0.5
-    assert stage["reading_scene_kinds"] == ["position"]
+    assert stage["reading_scene_kinds"] == ["position"] and stage["seed"] == 0  # repeats dropped
+    assert kinds_given == [["position"], ["position"]]  # the flag reaches the training and held-out examples
+    monkeypatch.setattr(data, "copy_examples", real_copy_examples)
     assert schedules == {"constant"}  # the flag reaches the optimiser, not only the record
     monkeypatch.setattr(recipe, "lr_at", real_lr_at)
     with pytest.raises(MMSpecError, match="schedule"):
@@ -1413,13 +1426,14 @@ def test_copy_cli_trains_only_the_lm_and_stage_mixes_copy_practice(tmp_path, mon
                          (["--lookup-share", "0.6", "--list-share", "0.6"], "--list-share"),
                          (["--member-share", "0.6"], "--member-share"),
                          (["--reading-scene-kind", "place"], "shape_at"),
+                         (["--reading-scene-kind", "position"], "narrows"),
+                         (["--reading-share", "0.5", "--lookup-share", "0", "--reading-scenes", "0",
+                           "--reading-scene-kind", "position"], "narrows"),
                          (["--init", str(tmp_path)], "no config.json")):
         base = ["train", "copy", "--init", str(tmp_path / "m"), "--out", str(tmp_path / "x")]
         bad = CliRunner().invoke(app, base + args)
         assert bad.exit_code == 2 and phrase in bad.output and "Traceback" not in bad.output, bad.output
         assert not (tmp_path / "x").exists()
-
-    import mmspec.train.data as data
 
     seen = {}
     real_stream = data.batch_stream

@@ -170,6 +170,17 @@ def copy_cmd(
                                  f"{reading_share}")
     if not 0 <= reading_scenes <= 1:
         raise typer.BadParameter(f"--reading-scenes is a share of the reading examples, 0 to 1; got {reading_scenes}")
+    scene_kinds = list(dict.fromkeys(reading_scene_kind or []))  # repeats dropped, order kept
+    if scene_kinds:
+        from mmspec.world.single import LOOKUP_ORDER
+
+        unknown = [k for k in scene_kinds if k not in LOOKUP_ORDER]
+        if unknown:
+            raise typer.BadParameter(f"unknown scene lookup kind {', '.join(unknown)}; choose from "
+                                     f"{', '.join(LOOKUP_ORDER)}", param_hint="--reading-scene-kind")
+        if not (reading_share > 0 and reading_scenes > 0):
+            raise typer.BadParameter("narrows the scene readings, so it needs --reading-share > 0 and "
+                                     "--reading-scenes > 0", param_hint="--reading-scene-kind")
     _require_model_dir(init, "--init")
     if threads:
         torch.set_num_threads(threads)
@@ -180,10 +191,10 @@ def copy_cmd(
         pool = word_pool(tokenizer)
         train_ex = copy_examples(tokenizer, n_examples, seed, lookup_share=lookup_share, pool=pool,
                                  list_share=list_share, member_share=member_share, reading_share=reading_share,
-                                 reading_scenes=reading_scenes, scene_kinds=reading_scene_kind or None)
+                                 reading_scenes=reading_scenes, scene_kinds=scene_kinds or None)
         held_out = copy_examples(tokenizer, 128, seed + 1, lookup_share=lookup_share, pool=pool,
                                  list_share=list_share, member_share=member_share, reading_share=reading_share,
-                                 reading_scenes=reading_scenes, scene_kinds=reading_scene_kind or None)
+                                 reading_scenes=reading_scenes, scene_kinds=scene_kinds or None)
     except MMSpecError as exc:
         raise typer.BadParameter(str(exc)) from exc
     model = LlavaForConditionalGeneration.from_pretrained(init, dtype=torch.float32).to(device)
@@ -217,8 +228,8 @@ def copy_cmd(
                                                  "lookup_share": lookup_share, "list_share": list_share,
                                                  "member_share": member_share, "reading_share": reading_share,
                                                  **({"reading_scenes": reading_scenes} if reading_share else {}),
-                                                 **({"reading_scene_kinds": list(reading_scene_kind)}
-                                                    if reading_share and reading_scene_kind else {}),
+                                                 **({"reading_scene_kinds": scene_kinds} if scene_kinds else {}),
+                                                 "seed": seed,
                                                  **({"held_out_copy_accuracy": {"before": before, "after": after}}
                                                     if copying else {}),
                                                  "held_out_accuracy_by_kind": {
