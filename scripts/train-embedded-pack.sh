@@ -6,8 +6,8 @@
 #
 # Steps 1-2 (the v5 target): about 5 h 30 min on a 2-core CPU. Steps 3-5: about 26 min on one H100
 # GPU with 16 CPU cores (set DEVICE=cpu to run them on the CPU: same minutes, far fewer steps).
-# Steps 6-7: about 37 + 35 min on the 2-core CPU. Step 8: about 10 min on one H100. Steps 9-10:
-# about 85 + 20 min on the 2-core CPU. Then point
+# Steps 6-7: about 37 + 35 min on the 2-core CPU. Step 8: about 10 min on one H100. Steps 9-12:
+# about 85 + 20 + 35 + 20 min on the 2-core CPU. Then point
 # load_embedded(path=OUT_DIR) at the result, or copy OUT_DIR/{target,draft,draft_pooled,captioner} over src/mmspec/assets/embedded/
 # (keep the shipped pack_report.json: OUT_DIR's records step 1 only). scripts/swap-pack.py swaps
 # single models in; it refuses a new vision tower, which a run from nothing has.
@@ -16,8 +16,8 @@
 # object (before commit dc8c5f3); run at a later commit, they train on the new answers throughout
 # (and step 1's tokenizer is fitted to them), so they are close to, not bit-identical with, that run.
 # Likewise, steps 1-8 made v13 before the world's chart and vqav2 lookup answers wrote each value
-# right after its key (commit eebc921); run now, they train on that layout. Steps 9-10 (v14) were
-# made on that layout.
+# right after its key (commit eebc921); run now, they train on that layout. Steps 9-10 (v14) and
+# 11-12 (v15) were made on that layout.
 set -euo pipefail
 OUT=${1:?usage: train-embedded-pack.sh OUT_DIR [THREADS]}
 T=${2:-2}
@@ -119,10 +119,16 @@ $M stage --init "$W11/draft_pooled" "${DST[@]}" --minutes 1.5 --pooled-tokens 16
 bash scripts/train-lookup-target.sh "$OUT/work/v14" "$T" "$OUT/work/v12/target"
 # 10. v14's drafts: v13's distilled again on the v14 target's own answers (about 20 min)
 bash scripts/distill-drafts.sh "$OUT/work/v14/target" "$OUT/work/v14/drafts" "$T" "$W13/draft" "$W13/draft_pooled"
+# 11. v15's target: v14's with practice on the place of an object, then two world stages
+#     (scripts/train-place-target.sh, about 35 min)
+bash scripts/train-place-target.sh "$OUT/work/v15" "$T" "$OUT/work/v14/target"
+# 12. v15's drafts: v14's distilled again on the v15 target's answers to other samples (seed 72)
+bash scripts/distill-drafts.sh "$OUT/work/v15/target" "$OUT/work/v15/drafts" "$T" "$OUT/work/v14/drafts/draft" \
+    "$OUT/work/v14/drafts/draft_pooled" 72
 
-rm -rf "${OUT:?}/target" && cp -r "$OUT/work/v14/target" "$OUT/target"
+rm -rf "${OUT:?}/target" && cp -r "$OUT/work/v15/target" "$OUT/target"
 for role in draft draft_pooled; do
-    rm -rf "${OUT:?}/$role" && cp -r "$OUT/work/v14/drafts/$role" "$OUT/$role"
+    rm -rf "${OUT:?}/$role" && cp -r "$OUT/work/v15/drafts/$role" "$OUT/$role"
 done
 rm -rf "${OUT:?}/captioner" && cp -r "$V/captioner" "$OUT/captioner"
 echo "pack in $OUT"

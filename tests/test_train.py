@@ -676,14 +676,15 @@ def test_reproduction_script_uses_only_real_flags():
     main = (scripts / "train-embedded-pack.sh").read_text()
     called = re.findall(r"^bash scripts/(\S+\.sh)", main, flags=re.M)
     assert called == ["gpu-target-v8.sh", "gpu-pack-v9.sh", "gpu-pack-v9.sh", "train-lookup-target.sh",
-                      "distill-drafts.sh"]
+                      "distill-drafts.sh", "train-place-target.sh", "distill-drafts.sh"]
     train = typer.main.get_command(app).commands["train"]
     for name in ["train-embedded-pack.sh", *sorted(set(called))]:
         text = (scripts / name).read_text().replace("\\\n", " ")
         for _ in range(2):  # shell arrays, spelled out; twice, as one array may name another
             for array, words in re.findall(r"^\s*(\w+)=\(([^)]*)\)", text, flags=re.M):
                 text = text.replace(f'"${{{array}[@]}}"', words.replace("\n", " "))
-        for var, value in (('"$T"', "2"), ("$OUT", "/tmp/pack"), ('"$DEV"', "cuda"), ('"$TM"', "4"), ('"$2"', "all")):
+        for var, value in (('"$T"', "2"), ("$OUT", "/tmp/pack"), ('"$DEV"', "cuda"), ('"$TM"', "4"), ('"$2"', "all"),
+                           ('"$SEED"', "71")):
             text = text.replace(var, value)
         commands = [shlex.split(line.split("#")[0].split(" > ")[0])[1:]  # no comment, no output redirection
                     for line in text.splitlines() if line.lstrip().startswith("$M ")]
