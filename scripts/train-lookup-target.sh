@@ -13,8 +13,8 @@
 # INIT: the target to start from (default the shipped one). v14's target was made from v12's, the
 # one shipped until commit 7b59390 (step 9 of train-embedded-pack.sh passes it). About 50 + 10 + 15 + 10 minutes on the
 # project's 2-core CPU; the stages follow the clock, so a faster machine trains more steps. The
-# practice is step-bounded and follows no clock. Then measure it (the figures in
-# docs/embedded-models.md come from 500 questions per family):
+# practice is step-bounded and follows no clock. Then measure it (v14's figures in
+# docs/embedded-models.md came from 500 questions per family; v15's from 500 to 2,000):
 #   python -m mmspec train facts --model OUT_DIR/target --n 500 --threads 2
 # A new target needs its drafts distilled again on its own answers (step 10 of the pack script,
 # scripts/distill-drafts.sh).

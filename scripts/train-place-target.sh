@@ -13,7 +13,8 @@
 # (git show 0f487c4:src/mmspec/assets/embedded/target/FILE). About 7.5 + 15 + 10 minutes on the
 # project's 2-core CPU; the world stages follow the clock, the practice does not. Then measure it
 # (docs/embedded-models.md: chartqa on 500 questions, textvqa and hallusionbench on 1,000, vqav2 on 2,000):
-#   python -m mmspec train facts --model OUT_DIR/target --n 500 --threads 2
+#   python -m mmspec train facts --model OUT_DIR/target --family chartqa --n 500 --threads 2
+#   python -m mmspec train facts --model OUT_DIR/target --family textvqa --family hallusionbench --n 1000 --threads 2
 #   python -m mmspec train facts --model OUT_DIR/target --family vqav2 --n 2000 --threads 2
 # and distil the drafts again on its answers (step 12, scripts/distill-drafts.sh).
 set -euo pipefail
