@@ -1396,9 +1396,8 @@ def test_copy_cli_trains_only_the_lm_and_stage_mixes_copy_practice(tmp_path, mon
     old, new = load_file(tmp_path / "m" / "model.safetensors"), load_file(tmp_path / "c" / "model.safetensors")
     changed = {k for k in old if not torch.equal(old[k], new[k])}
     assert changed and all("language_model" in k or "lm_head" in k for k in changed)
-    import mmspec.train.recipe as recipe
-
     import mmspec.train.data as data
+    import mmspec.train.recipe as recipe
 
     schedules, real_lr_at = set(), recipe.lr_at
     monkeypatch.setattr(recipe, "lr_at", lambda *a: schedules.add(a[3]) or real_lr_at(*a))

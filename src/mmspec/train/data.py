@@ -153,7 +153,7 @@ def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: i
         raise MMSpecError(f"copy_examples needs n >= 0, 1 <= min_items <= max_items, lookup, list, member and "
                           f"reading shares >= 0 with a sum <= 1 and 0 <= reading_scenes <= 1; got {n}, "
                           f"{min_items}, {max_items}, {shares}, {reading_scenes}")
-    scene_kinds = _scene_kinds(scene_kinds)
+    scene_kinds = scene_kinds_checked(scene_kinds)
     pool = list(word_pool(tokenizer) if pool is None else pool)
     member_pool = sorted({w for w in pool if w.lower() not in ("yes", "no")})  # the verdicts stay unambiguous
     if member_share > 0 and len(member_pool) < 8:
@@ -208,8 +208,9 @@ def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: i
     return out
 
 
-def _scene_kinds(kinds: Sequence[str] | None) -> tuple[str, ...]:
-    """``kinds`` checked against the vqav2 lookup kinds (``LOOKUP_ORDER``); None: all of them."""
+def scene_kinds_checked(kinds: Sequence[str] | None) -> tuple[str, ...]:
+    """``kinds`` checked against the vqav2 lookup kinds (``LOOKUP_ORDER``), repeats dropped; None:
+    all of them. Raises MMSpecError naming the known kinds."""
     from mmspec.world.single import LOOKUP_ORDER
 
     if kinds is None:
@@ -239,7 +240,7 @@ def reading_example(rng: random.Random, scene: bool, scene_kinds: Sequence[str] 
     from mmspec.world.core import fix_articles, split_of
     from mmspec.world.single import draw_chart, draw_vqa, render_chart, render_vqa
 
-    kinds = _scene_kinds(scene_kinds)
+    kinds = scene_kinds_checked(scene_kinds)
 
     while True:  # rejection: train-split specs of the kinds that look a value up by its key
         family, spec = ("vqav2", draw_vqa(rng)) if scene else ("chartqa", draw_chart(rng))

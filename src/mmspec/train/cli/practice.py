@@ -152,7 +152,8 @@ def copy_cmd(
     from mmspec.errors import MMSpecError
     from mmspec.train.checkpoint import read_sidecar, save_checkpoint
     from mmspec.train.config import StageConfig
-    from mmspec.train.data import Encoder, batch_stream, copy_examples, fixed_batches, word_pool
+    from mmspec.train.data import (Encoder, batch_stream, copy_examples, fixed_batches, scene_kinds_checked,
+                                   word_pool)
     from mmspec.train.recipe import final_value_accuracy, token_accuracy, train_stage
 
     try:
@@ -170,14 +171,12 @@ def copy_cmd(
                                  f"{reading_share}")
     if not 0 <= reading_scenes <= 1:
         raise typer.BadParameter(f"--reading-scenes is a share of the reading examples, 0 to 1; got {reading_scenes}")
-    scene_kinds = list(dict.fromkeys(reading_scene_kind or []))  # repeats dropped, order kept
-    if scene_kinds:
-        from mmspec.world.single import LOOKUP_ORDER
-
-        unknown = [k for k in scene_kinds if k not in LOOKUP_ORDER]
-        if unknown:
-            raise typer.BadParameter(f"unknown scene lookup kind {', '.join(unknown)}; choose from "
-                                     f"{', '.join(LOOKUP_ORDER)}", param_hint="--reading-scene-kind")
+    scene_kinds: list[str] = []
+    if reading_scene_kind:
+        try:
+            scene_kinds = list(scene_kinds_checked(reading_scene_kind))  # repeats dropped, order kept
+        except MMSpecError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--reading-scene-kind") from exc
         if not (reading_share > 0 and reading_scenes > 0):
             raise typer.BadParameter("narrows the scene readings, so it needs --reading-share > 0 and "
                                      "--reading-scenes > 0", param_hint="--reading-scene-kind")
