@@ -266,7 +266,8 @@ def test_demo_and_bench_refuse_zero_new_tokens(tmp_path):
 
 
 def test_unreadable_bench_images(tmp_path):
-    from mmspec.bench.datasets import _iter_rows, to_pil
+    from mmspec.bench.datasets import to_pil
+    from mmspec.bench.sources import open_rows
 
     (tmp_path / "broken.png").write_bytes(b"\x89PNG not really")
     (tmp_path / "a_dir").mkdir()
@@ -280,7 +281,7 @@ def test_unreadable_bench_images(tmp_path):
             to_pil(cell, "chartqa row 3")
     (tmp_path / "data.parquet").write_text("a,b\n1,2\n")
     with pytest.raises(MMSpecError, match="not a readable parquet file"):
-        _iter_rows(tmp_path / "data.parquet", "test")
+        open_rows(tmp_path / "data.parquet", "test", "chartqa")
 
 
 def test_relative_bench_image_paths_are_read_from_the_data_sets_directory(tmp_path, monkeypatch):
@@ -305,7 +306,7 @@ def test_relative_bench_image_paths_are_read_from_the_data_sets_directory(tmp_pa
         assert samples[0].images[0].getpixel((0, 0)) == (200, 10, 10)
     pairs = tmp_path / "bench" / "interleave"  # the interleave bench's image_k columns take the same route
     pairs.mkdir(parents=True)
-    pq.write_table(pa.table({"sub_task": ["Spot-the-Diff"], "question": ["What changed?"], "answer": ["x"],
+    pq.write_table(pa.table({"sub_task": ["Spot-the-Diff"], "question": ["<image> <image> What changed?"], "answer": ["x"],
                              "image_0": ["../../ChartQA/imgs/a.png"], "image_1": ["../../ChartQA/imgs/a.png"]}),
                    pairs / "in_domain.parquet")
     samples, _ = load_real("spot_the_diff", pairs / "in_domain.parquet", 1)

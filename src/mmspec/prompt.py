@@ -1,8 +1,10 @@
 """Multimodal prompts: text with ``<image>`` slots, the paper's templates, and slot checks.
 
-This module owns the *text* side of a prompt: the IbED Appendix C templates, filling them,
-counting image slots and checking them against the images given. It knows nothing about
-models or tokenizers beyond the literal ``<image>`` marker.
+This module owns the *text* side of a prompt: the IbED Appendix C templates (the embedded
+world's prompts, one space between parts), filling them, the prompts of the real benchmarks
+as llava-hf's LLaVA-1.5 chat template renders them (newlines after the image and the
+instruction), counting image slots and checking them against the images given. It knows
+nothing about models or tokenizers beyond the literal ``<image>`` marker.
 """
 
 from __future__ import annotations
@@ -50,6 +52,28 @@ TEMPLATES: dict[str, str] = {
     "pororosv": PORORO_SV,
     "vist": VIST,
 }
+
+
+# The real benchmarks, as the IbED authors' code builds them: one user turn of llava-hf's
+# LLaVA-1.5 chat template, which writes "USER: ", then "<image>\n" for each image part, then
+# each text part followed by " ", then the generation prompt "ASSISTANT:".
+QA_INSTRUCTION = (
+    "For the following question, provide a detailed explanation of your reasoning leading to the answer."
+)
+
+
+def llava_user_turn(text: str, n_images_first: int = 0) -> str:
+    """One LLaVA-1.5 user turn and the generation prompt, as llava-hf's chat template renders
+    a message of ``n_images_first`` image parts and one text part: ``USER: <image>\\n{text} ASSISTANT:``.
+    ``text`` is kept as given (its own ``<image>`` markers included), never stripped."""
+    return "USER: " + (IMAGE_MARKER + "\n") * n_images_first + text + " ASSISTANT:"
+
+
+def single_image_qa_prompt(question: str) -> str:
+    """A real single-image benchmark's prompt (ChartQA, TextVQA, VQAv2, HallusionBench):
+    ``USER: <image>\\n{QA_INSTRUCTION}\\n{question} ASSISTANT:``. The embedded world keeps
+    :data:`SINGLE_IMAGE_QA` (spaces), the prompts its shipped models were trained on."""
+    return llava_user_turn(f"{QA_INSTRUCTION}\n{question}", n_images_first=1)
 
 
 class PromptError(MMSpecError):

@@ -10,7 +10,8 @@ Usage::
     mmspec bench run --out runs/emb                       # embedded models + world, all 8 methods
     mmspec bench run --out runs/real -n 100 \
         --target llava-hf/llava-1.5-7b-hf --draft ./lvlm68m --captioner ./florence \
-        -d chartqa=data/ChartQA -d spot_the_diff=data/interleave/in_domain.parquet
+        -d chartqa=data/ChartQA -d textvqa=data/textvqa:validation \
+        -d spot_the_diff=data/LLaVA-NeXT-Interleave-Bench     # a hub snapshot: its in_domain config
     torchrun --nproc_per_node=2 -m mmspec bench run --out runs/emb   # shard by rank
     mmspec report runs/emb                                 # -> runs/emb/report.md + PNGs
 """
@@ -48,7 +49,7 @@ def _factory(spec: str):
 def run_command(
     out: Path = typer.Option(Path("bench_results"), "--out", "-o", help="Results directory (resumable)."),
     method: Optional[list[str]] = typer.Option(None, "--method", "-m", help=f"Drafting method(s), repeat or comma-separate. Default: {','.join(DEFAULT_METHODS)}."),
-    dataset: Optional[list[str]] = typer.Option(None, "--dataset", "-d", help="NAME (embedded world) or NAME=PATH (real benchmark: parquet file/dir or save_to_disk dir; relative image paths in it are read from its directory, then the working directory). Repeat or comma-separate. Default: the 8 IbED families, embedded."),
+    dataset: Optional[list[str]] = typer.Option(None, "--dataset", "-d", help="NAME (embedded world) or NAME=PATH[:SPLIT] (real benchmark: a parquet file, a directory of parquet files such as a hub snapshot, of which only SPLIT's files are read, or a save_to_disk dir; SPLIT defaults to the benchmark's own: chartqa test, textvqa and vqav2 validation, hallusionbench image, the interleave tasks test; relative image paths in it are read from its directory, then the working directory). Repeat or comma-separate. Default: the 8 IbED families, embedded."),
     n_samples: int = typer.Option(100, "--n-samples", "-n", help="Samples per dataset."),
     gamma: int = typer.Option(5, help="Draft tokens per block."),
     max_new_tokens: int = typer.Option(128, help="New tokens per sample."),
@@ -59,7 +60,7 @@ def run_command(
     captioner: Optional[str] = typer.Option(None, help="Captioner checkpoint (needed by C methods)."),
     captioner_prompt: Optional[str] = typer.Option(None, help="Prompt for the captioner (default: the one an `mmspec train` captioner records)."),
     pool_tokens: Optional[int] = typer.Option(None, help="Tokens per image of the P (pooled) view, e.g. 144."),
-    split: str = typer.Option("test", help="Split of the embedded world / of a DatasetDict."),
+    split: Optional[str] = typer.Option(None, help="Split of every dataset that names none (NAME=PATH:SPLIT). Default: the embedded world's test; a real benchmark's own split (see --dataset)."),
     device: Optional[str] = typer.Option(None, help="Default: cuda:LOCAL_RANK if available, else cpu."),
     dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 (the embedded models too)."),
     latency: bool = typer.Option(True, "--latency/--no-latency", help="Measure T_p, T_q(b=1..8), T_V(γ) per dataset."),

@@ -2,8 +2,9 @@
 
 Also owns the parsing of method specs (``"MTC"`` -> views ``("M", "T", "C")``) and of dataset
 specs (``"chartqa"`` = embedded synthetic world, ``"chartqa=/data/chartqa.parquet"`` = the real
-benchmark from local files), and the fingerprint that guards a results directory against being
-resumed with settings that would change its numbers.
+benchmark from local files, ``"textvqa=/data/textvqa:train"`` = its ``train`` split), and the
+fingerprint that guards a results directory against being resumed with settings that would
+change its numbers.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -28,6 +30,7 @@ DEFAULT_DATASETS: tuple[str, ...] = (
     "vist",
 )
 _LETTERS = set("MTCP")
+_SPLIT_SUFFIX = re.compile(r"^(?P<path>.+):(?P<split>[A-Za-z0-9_-]+)$")  # PATH:SPLIT; a split is a plain name
 # settings that change a row's numbers: a results dir is only resumed with the same values
 RESULT_KEYS = ("gamma", "max_new_tokens", "temperature", "seed", "target", "draft", "captioner",
                "captioner_prompt", "split", "dtype", "pool_tokens")
@@ -50,21 +53,31 @@ def method_views(method: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class DatasetSpec:
-    """One dataset to run: its family name and, for a real benchmark, the local path."""
+    """One dataset to run: its family name and, for a real benchmark, the local path and split."""
 
     name: str
     path: Path | None = None  # None: the embedded synthetic world's family of the same name
+    split: str | None = None  # None: --split, else the data set's default (datasets.DEFAULT_SPLITS)
 
     @classmethod
     def parse(cls, text: str) -> "DatasetSpec":
+        """``NAME``, ``NAME=PATH`` or ``NAME=PATH:SPLIT`` (the text after the last ``:`` is the
+        split when it is a plain name: letters, digits, ``_``, ``-``)."""
         name, sep, path = text.partition("=")
         name = name.strip().lower()
-        if not name:
-            raise MMSpecError(f"bad dataset spec {text!r}; use NAME or NAME=PATH")
-        return cls(name, Path(path).expanduser() if sep else None)
+        if not name or (sep and not path.strip()):
+            raise MMSpecError(f"bad dataset spec {text!r}; use NAME, NAME=PATH or NAME=PATH:SPLIT")
+        if not sep:
+            return cls(name)
+        m = _SPLIT_SUFFIX.match(path.strip())
+        if m:
+            return cls(name, Path(m["path"]).expanduser(), m["split"])
+        return cls(name, Path(path.strip()).expanduser())
 
     def label(self) -> str:
-        return self.name if self.path is None else f"{self.name}={self.path}"
+        if self.path is None:
+            return self.name
+        return f"{self.name}={self.path}" + (f":{self.split}" if self.split else "")
 
 
 @dataclass
@@ -84,7 +97,7 @@ class BenchConfig:
     captioner: str | None = None
     captioner_prompt: str | None = None
     pool_tokens: int | None = None  # N of the P view; None: SpecDecoder's default (a quarter of the patch grid)
-    split: str = "test"  # split of the embedded world / of a save_to_disk DatasetDict
+    split: str | None = None  # split of every dataset naming none; None: embedded world test, real: its default
     device: str | None = None  # None: cuda:LOCAL_RANK when CUDA is available, else cpu
     dtype: str = "float32"
     latency: bool = True  # measure T_p, T_q(batch 1..8), T_V(gamma) once per dataset
@@ -116,9 +129,17 @@ class BenchConfig:
         if resolve_dtype(self.dtype) == "auto":  # unknown names are refused inside, with the list
             raise MMSpecError("bench needs an explicit dtype (float32, bfloat16, float16), not auto")
 
+    def result_values(self) -> dict:
+        """The settings that change a row's numbers (``RESULT_KEYS``). An unset split counts as
+        ``"test"``, the embedded world's split it reads (and the old default, so that results
+        directories made before the split became optional still resume)."""
+        values = {k: getattr(self, k) for k in RESULT_KEYS}
+        values["split"] = values["split"] or "test"
+        return values
+
     def fingerprint(self) -> str:
         """Hash of the settings that change a row's numbers (not which rows are run)."""
-        blob = json.dumps({k: getattr(self, k) for k in RESULT_KEYS}, sort_keys=True, default=str)
+        blob = json.dumps(self.result_values(), sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict:

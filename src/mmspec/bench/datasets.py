@@ -1,27 +1,42 @@
 """Benchmark samples: the embedded synthetic world and the real IbED benchmarks from local files.
 
-Owns :class:`BenchSample` and the loaders. Real benchmarks are read from parquet files (a file
-or a directory of ``*.parquet``, e.g. a hub snapshot) or a ``datasets.save_to_disk`` directory,
-and their prompts are built with the IbED Appendix C templates (:mod:`mmspec.prompt`). An image
-cell that holds a relative path (a string, or a ``{bytes, path}`` struct without bytes) is read
-from the data set's directory (the directory given, or the parquet file's), then from the
-working directory. (A save_to_disk column of the ``datasets.Image`` type arrives decoded.)
+Owns :class:`BenchSample`, the loaders and the image cells. Finding and reading the files of a
+split is :mod:`mmspec.bench.sources`; the prompt text is :mod:`mmspec.prompt`. The embedded
+world's prompts are the IbED Appendix C templates; the real benchmarks' prompts are built as
+lmms-eval and the IbED authors' code build them for a LLaVA-1.5 target (llava-hf chat format):
+
+- ChartQA, TextVQA, VQAv2, HallusionBench: ``USER: <image>\\n{instruction}\\n{question} ASSISTANT:``
+  (:func:`mmspec.prompt.single_image_qa_prompt`; the question as stored, not stripped).
+- LLaVA-NeXT-Interleave-Bench tasks: the row's own question, which carries its ``<image>``
+  markers, as ``USER: {question} ASSISTANT:``, with the row's images (as many as markers).
+
+Each real data set has its own default split (:data:`DEFAULT_SPLITS`, as lmms-eval reads it);
+``--dataset NAME=PATH:SPLIT`` picks another. An image cell that holds a relative path (a
+string, or a ``{bytes, path}`` struct without bytes) is read from the data set's directory (the
+directory given, or the parquet file's), then from the working directory. (A save_to_disk
+column of the ``datasets.Image`` type arrives decoded.)
 
 Expected schemas (the lmms-lab hub datasets; images are ``{bytes, path}`` structs in parquet):
 
-- ChartQA (``lmms-lab/ChartQA``): ``question``, ``image``; reference ``answer``.
-- TextVQA (``lmms-lab/textvqa``): ``question``, ``image``; reference ``answers`` (list).
-- VQAv2 (``lmms-lab/VQAv2``): ``question``, ``image``; reference ``multiple_choice_answer``.
-- HallusionBench (``lmms-lab/HallusionBench``): ``question``, ``image`` (null for the
-  text-only questions: those rows are skipped and counted); reference ``gt_answer_details``.
-- LLaVA-NeXT-Interleave-Bench (``lmms-lab/LLaVA-NeXT-Interleave-Bench``): ``sub_task``
-  (``Spot-the-Diff``, ``IEdit``, ``PororoSV``, ``VIST``), ``question`` (or ``conversations``),
-  ``answer``, images in ``image_0`` .. ``image_15`` or in one list column ``image``. For the
-  story tasks the captions of frames 1-4 are parsed from the question text
-  (``Caption#k: ...`` labels, else the text after each of the first four ``<image>`` markers).
+- ChartQA (``lmms-lab/ChartQA``, split ``test``): ``question``, ``image``; reference ``answer``.
+- TextVQA (``lmms-lab/textvqa``, ``validation``; its ``test`` has no answers): ``question``,
+  ``image``; reference ``answers`` (list).
+- VQAv2 (``lmms-lab/VQAv2``, ``validation``): ``question``, ``image``; reference
+  ``multiple_choice_answer``.
+- HallusionBench (``lmms-lab/HallusionBench``, splits ``image`` / ``non_image``): ``question``,
+  ``image`` (a null image is skipped and counted); reference ``gt_answer_details``; a sample is
+  named by ``category/subcategory/set_id/figure_id/question_id`` (``question_id`` alone repeats).
+- LLaVA-NeXT-Interleave-Bench (``lmms-lab/LLaVA-NeXT-Interleave-Bench``, config ``in_domain``,
+  split ``test``; a snapshot's ``in_domain`` folder is read when the path holds one):
+  ``sample_id``, ``sub_task`` (``Spot-the-Diff``, ``IEdit``, ``PororoSV``, ``VIST``),
+  ``question`` (or ``conversations``), ``answer``, images in ``image_0`` .. ``image_11`` (null
+  past the row's last image) or in one list column ``image``. Rows are picked on ``sub_task``
+  before any image bytes are read; a row whose image count differs from its question's
+  ``<image>`` markers is skipped and counted.
 
-A missing path, or a file lacking a needed column, raises :class:`mmspec.errors.MMSpecError`
-naming the file, the missing column and the expected schema. It knows nothing about models.
+A missing path, a split with no files, or a file lacking a needed column raises
+:class:`mmspec.errors.MMSpecError` naming the file, the problem and the fix. It knows nothing
+about models.
 """
 
 from __future__ import annotations
@@ -30,20 +45,27 @@ import io
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from PIL import Image
 
+from mmspec.bench.sources import RowSource, open_rows
 from mmspec.errors import MMSpecError
-from mmspec.prompt import IMAGE_MARKER, TEMPLATES, fill_template
+from mmspec.prompt import IMAGE_MARKER, llava_user_turn, single_image_qa_prompt
 
-N_IMAGES: dict[str, int] = {
+N_IMAGES: dict[str, int] = {  # images a sample of the embedded world's family has
     "chartqa": 1, "textvqa": 1, "vqav2": 1, "hallusionbench": 1,
     "spot_the_diff": 2, "iedit": 2, "pororosv": 5, "vist": 5,
 }
 SINGLE_IMAGE = ("chartqa", "textvqa", "vqav2", "hallusionbench")
 INTERLEAVE = ("spot_the_diff", "iedit", "pororosv", "vist")
-STORY = ("pororosv", "vist")
+# the split each real benchmark is read from unless NAME=PATH:SPLIT names another (lmms-eval's)
+DEFAULT_SPLITS: dict[str, str] = {
+    "chartqa": "test", "textvqa": "validation", "vqav2": "validation", "hallusionbench": "image",
+    "spot_the_diff": "test", "iedit": "test", "pororosv": "test", "vist": "test",
+}
+EMBEDDED_SPLIT = "test"  # the embedded world's default split
+INTERLEAVE_CONFIG = "in_domain"  # the interleave bench's config (hub snapshot folder) of these tasks
 # reference-answer columns, first present wins
 REFERENCE_COLUMNS: dict[str, tuple[str, ...]] = {
     "chartqa": ("answer",),
@@ -52,6 +74,7 @@ REFERENCE_COLUMNS: dict[str, tuple[str, ...]] = {
     "hallusionbench": ("gt_answer_details", "gt_answer", "answer"),
 }
 MAX_IMAGE_COLUMNS = 16
+HALLUSION_KEY = ("category", "subcategory", "set_id", "figure_id", "question_id")
 
 
 @dataclass
@@ -80,7 +103,7 @@ class LoadReport:
 
 
 # --------------------------------------------------------------------------- embedded world
-def load_embedded(name: str, n: int, split: str = "test") -> list[BenchSample]:
+def load_embedded(name: str, n: int, split: str = EMBEDDED_SPLIT) -> list[BenchSample]:
     """``n`` samples of the synthetic world's family ``name`` (deterministic)."""
     from mmspec.world import generate_samples  # the world package is optional at import time
 
@@ -96,8 +119,8 @@ def schema_text(name: str) -> str:
     if name in SINGLE_IMAGE:
         return "columns question: string, image: struct{bytes: binary, path: string}"
     return (
-        "columns sub_task: string, question: string (or conversations), image_0..image_N: "
-        "struct{bytes, path} (or image: list<struct{bytes, path}>)"
+        "columns sub_task: string, question: string with one <image> per image (or conversations), "
+        "image_0..image_11: struct{bytes, path}, null past the last image (or image: list<struct{bytes, path}>)"
     )
 
 
@@ -143,61 +166,8 @@ def _open(source, where: str, what: str) -> Image.Image:
                           "fix or drop that row") from None
 
 
-def _norm_task(text: str) -> str:
-    return re.sub(r"[^a-z0-9]", "", str(text).lower())
-
-
-def _parquet_files(path: Path) -> list[Path]:
-    return [path] if path.is_file() else sorted(path.rglob("*.parquet"))
-
-
-def _open_parquet(f: Path):
-    import pyarrow.parquet as pq
-
-    try:
-        return pq.ParquetFile(f)
-    except (OSError, ValueError) as e:  # pyarrow.ArrowInvalid (a ValueError): not a parquet file
-        raise MMSpecError(f"{f} is not a readable parquet file ({e.__class__.__name__}: {e}); fix or remove "
-                          "it, or pass a datasets.save_to_disk directory instead") from None
-
-
-def _base_dir(path: Path) -> Path:
-    """The directory a data set's relative image paths start from: the path itself when it is a
-    directory (a hub snapshot, a save_to_disk dir), else the parquet file's directory."""
-    return path if path.is_dir() else path.parent
-
-
-def _iter_rows(path: Path, split: str) -> tuple[Iterator[dict], list[str], str]:
-    """Rows of a parquet file/dir or a save_to_disk dir: (row iterator, column names, label)."""
-    if not path.exists():
-        raise MMSpecError(
-            f"dataset path {path} does not exist; pass a parquet file, a directory of parquet "
-            "files, or a datasets.save_to_disk directory"
-        )
-    files = _parquet_files(path)
-    if files:
-        columns = _open_parquet(files[0]).schema_arrow.names
-
-        def gen() -> Iterator[dict]:
-            for f in files:
-                for batch in _open_parquet(f).iter_batches(batch_size=64):
-                    yield from batch.to_pylist()
-
-        return gen(), columns, str(files[0] if len(files) == 1 else path)
-    if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
-        import datasets
-
-        ds = datasets.load_from_disk(str(path))
-        if isinstance(ds, datasets.DatasetDict):
-            if split not in ds:
-                if len(ds) != 1:
-                    raise MMSpecError(f"{path}: no split {split!r}; it has {list(ds)}")
-                split = next(iter(ds))
-            ds = ds[split]
-        return iter(ds), list(ds.column_names), str(path)
-    raise MMSpecError(
-        f"{path} holds no *.parquet files and is not a datasets.save_to_disk directory"
-    )
+def _norm_task(text: Any) -> str:
+    return re.sub(r"[^a-z0-9]", "", str(text or "").lower())
 
 
 def _require(columns: list[str], needed: list[str], label: str, name: str) -> None:
@@ -222,34 +192,47 @@ def _reference(row: dict, cols: tuple[str, ...]) -> str | None:
     return None
 
 
+def _uid(name: str, row: dict, i: int, seen: set[str]) -> str:
+    """A sample's name, unique in the load: the row's id column (HallusionBench: its full key),
+    else the row's index in the split; a repeated id gets ``@{index}`` appended."""
+    if name == "hallusionbench" and all(row.get(c) is not None for c in HALLUSION_KEY):
+        uid = "/".join(str(row[c]) for c in HALLUSION_KEY)
+    else:
+        uid = next((str(row[c]) for c in ("question_id", "sample_id", "id") if row.get(c) is not None), str(i))
+    if uid in seen:
+        uid = f"{uid}@{i}"
+    seen.add(uid)
+    return uid
+
+
 # --------------------------------------------------------------------------- single image
-def _single_image(name: str, path: Path, n: int, split: str, report: LoadReport) -> list[BenchSample]:
-    rows, columns, label = _iter_rows(path, split)
-    base = _base_dir(path)  # where the rows' relative image paths start
-    _require(columns, ["question", "image"], label, name)
+def _single_image(name: str, src: RowSource, n: int, report: LoadReport) -> list[BenchSample]:
+    _require(src.columns, ["question", "image"], src.label, name)
     out: list[BenchSample] = []
-    for i, row in enumerate(rows):
-        if len(out) >= n:
-            break
+    seen: set[str] = set()
+    for i, row in src.rows():
         if row.get("image") is None:
             report.skip("no image (text-only question)")
             continue
-        uid = str(row.get("question_id", row.get("id", i)))
-        image = to_pil(row["image"], f"{label} row {i}", base)
-        prompt = fill_template(TEMPLATES[name], question=str(row["question"]))
-        out.append(BenchSample(uid, name, prompt, [image], _reference(row, REFERENCE_COLUMNS[name])))
+        image = to_pil(row["image"], f"{src.label} row {i}", src.base)
+        prompt = single_image_qa_prompt(str(row["question"]))
+        out.append(BenchSample(_uid(name, row, i, seen), name, prompt, [image],
+                               _reference(row, REFERENCE_COLUMNS[name])))
+        if len(out) >= n:
+            break
     return out
 
 
 # --------------------------------------------------------------------------- interleave bench
-def _row_images(row: dict, columns: list[str], where: str, base: Path | None = None) -> list[Image.Image]:
+def _image_cells(row: dict, columns: list[str]) -> list[Any]:
+    """The row's image cells in order, not decoded: ``image_0`` .. (nulls dropped) or ``image``."""
     if "image_0" in columns:
-        cells = [row.get(f"image_{k}") for k in range(MAX_IMAGE_COLUMNS)]
-        return [to_pil(c, where, base) for c in cells if c is not None]
-    return [to_pil(c, where, base) for c in (row.get("image") or [])]
+        return [c for c in (row.get(f"image_{k}") for k in range(MAX_IMAGE_COLUMNS)) if c is not None]
+    return [c for c in (row.get("image") or []) if c is not None]
 
 
 def _question_text(row: dict) -> str:
+    """The row's instruction: ``question``, else the first turn of ``conversations``."""
     q = row.get("question")
     if q is None:
         conv = row.get("conversations") or []
@@ -260,81 +243,63 @@ def _question_text(row: dict) -> str:
     return str(q)
 
 
-_CAPTION_LABEL = re.compile(r"caption\s*#?\s*(\d+)\s*:\s*", re.IGNORECASE)
-
-
-def story_captions(question: str, n: int = 4) -> list[str] | None:
-    """Captions of frames 1..n from an interleave-bench story question, or None."""
-    parts = _CAPTION_LABEL.split(question)
-    found: dict[int, str] = {}
-    for k in range(1, len(parts) - 1, 2):
-        text = parts[k + 1].split(IMAGE_MARKER)[0].strip().rstrip(".").strip()
-        found.setdefault(int(parts[k]), text)
-    if all(found.get(k) for k in range(1, n + 1)):
-        return [found[k] for k in range(1, n + 1)]
-    chunks = [c.strip() for c in question.split(IMAGE_MARKER)[1:]]
-    chunks = [c for c in chunks if c]
-    return chunks[:n] if len(chunks) >= n else None
-
-
-def _interleave(name: str, path: Path, n: int, split: str, report: LoadReport) -> list[BenchSample]:
-    rows, columns, label = _iter_rows(path, split)
-    base = _base_dir(path)  # where the rows' relative image paths start
+def _interleave(name: str, src: RowSource, n: int, report: LoadReport) -> list[BenchSample]:
+    columns = src.columns
     task_col = "sub_task" if "sub_task" in columns else ("dataset" if "dataset" in columns else None)
     if task_col is None:
-        _require(columns, ["sub_task"], label, name)
+        _require(columns, ["sub_task"], src.label, name)
     if "question" not in columns and "conversations" not in columns:
-        _require(columns, ["question"], label, name)
+        _require(columns, ["question"], src.label, name)
     if "image_0" not in columns and "image" not in columns:
-        _require(columns, ["image_0"], label, name)
+        _require(columns, ["image_0"], src.label, name)
     want = _norm_task(name)
     out: list[BenchSample] = []
-    n_imgs = N_IMAGES[name]
-    for i, row in enumerate(rows):
+    seen: set[str] = set()
+    for i, row in src.rows(where=task_col, keep=lambda task: _norm_task(task) == want):
+        question = _question_text(row)
+        cells = _image_cells(row, columns)
+        n_markers = question.count(IMAGE_MARKER)
+        if not cells or len(cells) != n_markers:
+            report.skip(f"{len(cells)} image(s) but {n_markers} {IMAGE_MARKER} marker(s) in the question")
+            continue
+        images = [to_pil(c, f"{src.label} row {i}", src.base) for c in cells]
+        ref = row.get("answer")
+        out.append(BenchSample(_uid(name, row, i, seen), name, llava_user_turn(question), images,
+                               None if ref is None else str(ref)))
         if len(out) >= n:
             break
-        if _norm_task(row.get(task_col, "")) != want:
-            continue
-        where = f"{label} row {i}"
-        images = _row_images(row, columns, where, base)
-        if len(images) != n_imgs:
-            report.skip(f"{len(images)} images, template needs {n_imgs}")
-            continue
-        captions: list[str] = []
-        if name in STORY:
-            caps = story_captions(_question_text(row))
-            if caps is None:
-                report.skip("could not find captions #1-#4 in the question text")
-                continue
-            captions = caps
-        prompt = fill_template(TEMPLATES[name], captions=captions)
-        uid = str(row.get("sample_id", row.get("id", i)))
-        ref = row.get("answer")
-        out.append(BenchSample(uid, name, prompt, images, None if ref is None else str(ref)))
     return out
 
 
-def load_real(name: str, path: Path, n: int, split: str = "test") -> tuple[list[BenchSample], LoadReport]:
-    """The first ``n`` usable samples of real benchmark ``name`` read from ``path``."""
+def load_real(name: str, path: Path, n: int, split: str | None = None) -> tuple[list[BenchSample], LoadReport]:
+    """The first ``n`` usable samples of real benchmark ``name`` read from ``path``, from
+    ``split`` (None: the benchmark's default, :data:`DEFAULT_SPLITS`)."""
+    if name not in N_IMAGES:
+        raise MMSpecError(f"unknown benchmark {name!r}; choose from {sorted(N_IMAGES)}")
+    split = split or DEFAULT_SPLITS[name]
+    path = Path(path)
+    if name in INTERLEAVE and path.is_dir() and (path / INTERLEAVE_CONFIG).is_dir():
+        path = path / INTERLEAVE_CONFIG  # a snapshot of the whole bench: these tasks are in_domain's
+    src = open_rows(path, split, name)
     report = LoadReport()
     if name in SINGLE_IMAGE:
-        samples = _single_image(name, Path(path), n, split, report)
-    elif name in INTERLEAVE:
-        samples = _interleave(name, Path(path), n, split, report)
+        samples = _single_image(name, src, n, report)
     else:
-        raise MMSpecError(f"unknown benchmark {name!r}; choose from {sorted(N_IMAGES)}")
+        samples = _interleave(name, src, n, report)
     if not samples:
         raise MMSpecError(
-            f"{path}: no usable {name} samples (skipped: {report.skipped or 'none'}); expected "
+            f"{src.label}: no usable {name} samples (skipped: {report.skipped or 'none'}); expected "
             f"{schema_text(name)}"
         )
     return samples, report
 
 
-def load_dataset(name: str, path: Path | None, n: int, split: str = "test") -> tuple[list[BenchSample], LoadReport]:
-    """Embedded world when ``path`` is None, else the real benchmark from local files."""
+def load_dataset(name: str, path: Path | None, n: int,
+                 split: str | None = None) -> tuple[list[BenchSample], LoadReport]:
+    """Embedded world when ``path`` is None (``split`` None: test), else the real benchmark
+    from local files (``split`` None: its own default split, :data:`DEFAULT_SPLITS`)."""
     if path is None:
         if name not in N_IMAGES:
             raise MMSpecError(f"unknown dataset {name!r}; choose from {sorted(N_IMAGES)}")
-        return load_embedded(name, n, split), LoadReport()
+        return load_embedded(name, n, split or EMBEDDED_SPLIT), LoadReport()
     return load_real(name, path, n, split)

@@ -45,7 +45,9 @@ def _check_fingerprint(cfg: BenchConfig) -> None:
         fp = meta.get("fingerprint")
         if fp and fp != cfg.fingerprint():
             old = meta.get("config", {})
-            diff = [k for k in RESULT_KEYS if str(old.get(k)) != str(getattr(cfg, k))]
+            old = {**old, "split": old.get("split") or "test"}  # unset = test, as in result_values()
+            now_values = cfg.result_values()
+            diff = [k for k in RESULT_KEYS if str(old.get(k)) != str(now_values[k])]
             raise MMSpecError(
                 f"{cfg.out_dir} holds results made with different settings ({', '.join(diff)}); "
                 "resuming would mix them. Use a new --out directory, or the original settings."
@@ -99,7 +101,7 @@ def run_bench(cfg: BenchConfig, backend: Backend | None = None, rank: RankInfo |
     with writer, _progress(cfg.progress, total, rank) as prog:
         task = prog.add_task("bench", total=total)
         for spec in cfg.datasets:
-            samples, report = load_dataset(spec.name, spec.path, cfg.n_samples, cfg.split)
+            samples, report = load_dataset(spec.name, spec.path, cfg.n_samples, spec.split or cfg.split)
             if report.skipped:
                 summary.load_skips[spec.name] = dict(report.skipped)
             mine = rank.shard(samples)
