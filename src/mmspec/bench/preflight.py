@@ -33,11 +33,18 @@ def check_out_dir(out: Path) -> None:
 
 
 def check_datasets(cfg: BenchConfig) -> None:
-    """Every dataset loads: a known name, an existing path, the expected columns, a usable row."""
-    from mmspec.bench.datasets import load_dataset
+    """Every dataset loads: a family of the embedded world and a split it has; or a real
+    benchmark's path with the expected columns and a usable first row."""
+    from mmspec.bench.datasets import N_IMAGES, load_dataset
+    from mmspec.world.core import check_split
 
     for spec in cfg.datasets:
-        load_dataset(spec.name, spec.path, 1, cfg.split)
+        if spec.path is None:  # the world: checked by name, without rendering a sample
+            if spec.name not in N_IMAGES:
+                raise MMSpecError(f"unknown dataset {spec.name!r}; choose from {sorted(N_IMAGES)}")
+            check_split(cfg.split)
+        else:
+            load_dataset(spec.name, spec.path, 1, cfg.split)
 
 
 def check_models(cfg: BenchConfig) -> None:
