@@ -199,5 +199,10 @@ def make_fake_backend(cfg: BenchConfig, rank: RankInfo) -> FakeBackend:
     return FakeBackend(gamma=cfg.gamma)
 
 
+def make_interrupted_backend(cfg: BenchConfig, rank: RankInfo) -> FakeBackend:
+    """Factory for a run that gets Ctrl-C after 5 finished calls (latency, baseline, spec...)."""
+    return FakeBackend(fail_after=5, gamma=cfg.gamma)
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

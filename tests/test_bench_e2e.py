@@ -39,7 +39,7 @@ def test_bench_end_to_end_tiny_llava(tmp_path):
                       max_new_tokens=8, datasets=(DatasetSpec("chartqa", data),), progress=False,
                       latency_repeats=1, latency_batch_sizes=(1, 2))
     summary = run_bench(cfg, backend=HFBackend(models, cfg, torch.device("cpu")), rank=RankInfo())
-    assert summary.written == 2 * 4
+    assert summary.written == 2 * 4 + 1 and summary.latency_written == 1  # + the dataset's latency row
     rows = read_jsonl(cfg.out_dir / "results.rank0.jsonl")
     spec = [r for r in rows if r["kind"] == "spec"]
     assert len(spec) == 6 and all(r["identical"] for r in spec)

@@ -128,3 +128,24 @@ def test_report_renders_files(tmp_path):
     assert "torn" in text  # the warning about rank 1's torn last line
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert {(m["dataset"], m["method"]) for m in metrics["metrics"]} >= {("iedit", "M"), ("chartqa", "MT")}
+
+
+def test_plots_start_bars_at_zero_and_keep_equal_lines_visible(tmp_path, monkeypatch):
+    """The block-efficiency axis started near 2.5 (magnifying differences): it starts at 0, and
+    each bar carries its value. Accepted-over-time lines that coincide hid each other: each is
+    drawn narrower than the one before it, with its own dash."""
+    from mmspec.bench import plots
+
+    figs = []
+    close = plots.plt.close
+    monkeypatch.setattr(plots.plt, "close", lambda fig: figs.append(fig) or close(fig))
+    metrics = all_metrics(rows())
+    plots.block_efficiency_bars(metrics, ["chartqa", "iedit"], ["M", "T", "MT"], tmp_path / "b.png")
+    ax = figs[-1].axes[0]
+    assert ax.get_ylim()[0] == 0.0 and any(t.get_text() == "3.00" for t in ax.texts)
+    same = [3, 1, 0, 2]
+    plots.accepted_over_time_plot({"chartqa": {"M": same, "T": same, "MT": same}}, tmp_path / "a.png")
+    steps = figs[-1].axes[0].patches
+    widths = [p.get_linewidth() for p in steps]
+    assert len(steps) == 3 and widths == sorted(widths, reverse=True) and len(set(widths)) == 3
+    assert len({str(p.get_linestyle()) for p in steps}) == 3

@@ -35,7 +35,7 @@ def test_full_run_rows(tmp_path):
     s = run_bench(cfg, backend=be, rank=RankInfo())
     rows = read_jsonl(cfg.out_dir / "results.rank0.jsonl")
     # chartqa 3 samples, spot_the_diff 1 sample; each: baseline + 3 methods; + 2 latency rows
-    assert s.written == 4 * 4 and len(rows) == 4 * 4 + 2
+    assert s.written == s.rows_on_disk == len(rows) == 4 * 4 + 2 and s.latency_written == 2  # every row counted
     spec = [r for r in rows if r["kind"] == "spec"]
     assert all(r["identical"] for r in spec)
     r = next(r for r in spec if r["method"] == "M")
@@ -66,7 +66,7 @@ def test_resume_after_kill_recomputes_nothing_finished(tmp_path):
     assert not redone & {(k, d, u) for k, d, u in killed.calls}
     # a third run does nothing and never builds a backend
     third = run_bench(cfg, backend_factory=lambda c, r: pytest.fail("backend built"), rank=RankInfo())
-    assert third.written == 0 and third.skipped == 16
+    assert third.written == 0 and third.skipped == third.rows_on_disk == 18
 
 
 def test_more_methods_later_only_adds_them(tmp_path):
@@ -118,3 +118,52 @@ def test_rank_from_env():
     assert RankInfo.from_env({}) == RankInfo(0, 1, 0)
     with pytest.raises(MMSpecError):
         RankInfo.from_env({"RANK": "2", "WORLD_SIZE": "2"})
+
+
+def _cli(*args):
+    from typer.testing import CliRunner
+
+    from mmspec.bench.cli import bench_app
+
+    return CliRunner().invoke(bench_app, ["run", "--no-progress", *map(str, args)])
+
+
+def test_ctrl_c_says_what_is_kept_and_the_same_command_resumes(tmp_path):
+    """Ctrl-C exited silently: it now says how many rows are kept and that the same command
+    resumes; "wrote N rows" counts every row the file holds (latency rows were left out)."""
+    data = write_chartqa(tmp_path / "c.parquet", n=3)
+    args = ["--out", tmp_path / "out", "-d", f"chartqa={data}", "-m", "M,T", "-n", "3"]
+    r = _cli(*args, "--backend", "fixtures_bench:make_interrupted_backend")
+    out = " ".join(r.output.split())
+    path = tmp_path / "out" / "results.rank0.jsonl"
+    assert r.exit_code == 130, r.output
+    assert (f"interrupted: rank 0 keeps 5 finished rows in {path} (5 written by this run); run the same command "
+            "again to resume from there") in out, out
+    assert len(read_jsonl(path)) == 5
+    r = _cli(*args, "--backend", "fixtures_bench:make_fake_backend")
+    assert r.exit_code == 0, r.output
+    total = len(read_jsonl(path))
+    assert total == 1 + 3 * 3  # a latency row, then baseline + 2 methods for each of 3 samples
+    assert f"wrote {total - 5} rows (0 of them latency), 5 already done -> {path} ({total} rows)" in r.output, r.output
+
+
+def test_threads_default_and_flag(tmp_path, monkeypatch):
+    """--threads sets torch's threads before any model runs and is recorded with the run; the
+    default is torch's choice shared among the local ranks of a torchrun job."""
+    import torch
+
+    from mmspec.bench.store import read_run_meta
+    from mmspec.threads import default_threads
+
+    assert default_threads({"LOCAL_WORLD_SIZE": "2"}, available=8) == 4
+    assert default_threads({"LOCAL_WORLD_SIZE": "4"}, available=2) == 1  # never 0
+    assert default_threads({}, available=2) == 2
+    data = write_chartqa(tmp_path / "c.parquet", n=1)
+    set_to = []
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    r = _cli("--out", tmp_path / "out", "-d", f"chartqa={data}", "-m", "M", "-n", "1", "--threads", "3",
+             "--backend", "fixtures_bench:make_fake_backend")
+    assert r.exit_code == 0 and set_to == [3], r.output
+    assert read_run_meta(tmp_path / "out")[0]["config"]["extra"] == {"threads": 3}
+    r = _cli("--out", tmp_path / "out", "--threads", "0")
+    assert r.exit_code == 2 and "--threads must be >= 1" in r.output, r.output

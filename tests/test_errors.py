@@ -400,3 +400,175 @@ def test_vocabulary_check_ignores_added_tokens_and_missing_tokenizers(target, dr
     # a hub id not in the cache, offline (CI sets HF_HUB_OFFLINE): nothing to compare, no traceback
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert load_tokenizer_if_any("someorg/no-such-draft") is None
+
+
+def _bench(*args, fake: bool = True):
+    """`mmspec bench run ARGS`, by default on the fake backend of the bench tests (no models)."""
+    from typer.testing import CliRunner
+
+    from mmspec.bench.cli import bench_app
+
+    backend = ["--backend", "fixtures_bench:make_fake_backend"] if fake else []
+    return CliRunner().invoke(bench_app, ["run", "--no-progress", *backend, *map(str, args)])
+
+
+def test_bench_out_that_is_a_file_is_refused_before_anything(tmp_path):
+    """--out naming a file, or a path under a file: one line, exit 2, nothing touched (was a
+    FileExistsError / NotADirectoryError traceback)."""
+    taken = tmp_path / "taken.txt"
+    taken.write_text("mine\n")
+    for out, phrase in ((taken, "is a file, not a directory"),
+                        (taken / "sub", "cannot be made: '" + str(taken) + "' is a file")):
+        r = _bench("--out", out, "-d", "chartqa", "-n", "1")
+        assert r.exit_code == 2 and phrase in " ".join(r.output.split()), r.output  # an exception exits 1
+    assert taken.read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("spec, phrase", [
+    ("nosuch", "unknown dataset 'nosuch'"),
+    ("chartqa=missing.parquet", "missing.parquet does not exist"),
+    ("chartqa,vist=missing", "missing does not exist"),  # the second dataset is checked before the first runs
+])
+def test_bench_bad_dataset_creates_nothing(tmp_path, spec, phrase):
+    """Every dataset is checked before the results directory is made: no empty results file
+    that `report` would then render as empty tables."""
+    out = tmp_path / "out"
+    r = _bench("--out", out, "-d", spec, "-n", "1")
+    assert r.exit_code == 2 and phrase in " ".join(r.output.split()), r.output
+    assert not out.exists()
+
+
+def test_report_refuses_a_directory_without_results(tmp_path):
+    from typer.testing import CliRunner
+
+    from mmspec.bench.cli import bench_app
+    from mmspec.bench.config import BenchConfig, DatasetSpec, RankInfo
+    from mmspec.bench.runner import run_bench
+    from fixtures_bench import FakeBackend
+
+    out = tmp_path / "out"
+    cfg = BenchConfig(out_dir=out, datasets=(DatasetSpec("chartqa"),), methods=("M",), n_samples=1, progress=False)
+    with pytest.raises(KeyboardInterrupt):  # stopped before its first row: no (empty) results file
+        run_bench(cfg, backend=FakeBackend(fail_after=0), rank=RankInfo())
+    assert out.is_dir() and not (out / "results.rank0.jsonl").exists()
+    r = CliRunner().invoke(bench_app, ["report", str(out)])
+    assert r.exit_code == 2 and "no results.rank*.jsonl" in r.output, r.output
+    (out / "results.rank0.jsonl").write_text("")  # an empty file, as older versions left
+    r = CliRunner().invoke(bench_app, ["report", str(out)])
+    assert r.exit_code == 2 and "holds no results" in " ".join(r.output.split()), r.output
+    assert not (out / "report.md").exists()
+
+
+def test_generate_refuses_an_empty_prompt():
+    """--prompt "" (or only image markers) is refused before any model loads, not answered."""
+    from typer.testing import CliRunner
+
+    from mmspec.cli import app
+
+    for prompt in ("", "   ", "<image>"):
+        r = CliRunner().invoke(app, ["generate", "--prompt", prompt])
+        assert r.exit_code == 2 and "has no text; say what to ask" in " ".join(r.output.split()), r.output
+
+
+def _online(monkeypatch):
+    """As on a user's machine: no HF_HUB_OFFLINE (CI sets it), the hub probe not yet made."""
+    from huggingface_hub import constants
+
+    from mmspec.models.loading import hub_reachable
+
+    for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    hub_reachable.cache_clear()
+
+
+def test_hub_id_without_network_fails_fast_in_one_line(monkeypatch, tmp_path):
+    """A hub id, no network, not in the HF cache: one line within seconds that says it is not a
+    local directory and how to download it (transformers retried for 142 s, 30 lines); the same
+    for `bench run`, which then creates nothing. With HF_HUB_OFFLINE set, it says so."""
+    import time
+
+    from typer.testing import CliRunner
+
+    from mmspec.cli import app
+    from mmspec.models.loading import hub_reachable, locate
+    from tiny import block_network
+
+    _online(monkeypatch)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    t0 = time.perf_counter()
+    with block_network():
+        r = CliRunner().invoke(app, ["generate", "--target", "llava-hf/llava-1.5-7b-hf", "--draft", "mjbooo/lvlm68m",
+                                     "--prompt", "What is shown?"])
+        b = _bench("--out", tmp_path / "out", "-d", "chartqa", "--target", "llava-hf/llava-1.5-7b-hf",
+                   "--draft", "mjbooo/lvlm68m", fake=False)
+    assert time.perf_counter() - t0 < 10
+    out = " ".join(r.output.split())
+    assert r.exit_code == 2 and "Retry" not in r.output and r.output.count("error:") == 1, r.output
+    assert ("--target 'llava-hf/llava-1.5-7b-hf' is not a local directory, the Hugging Face hub cannot be reached "
+            "from here and the Hugging Face cache has no copy; download it once where there is network "
+            "(`hf download llava-hf/llava-1.5-7b-hf --local-dir DIR`") in out, out
+    assert b.exit_code == 2 and "--target 'llava-hf/llava-1.5-7b-hf' is not a local directory" in " ".join(b.output.split())
+    assert not (tmp_path / "out").exists()
+    assert not hub_reachable()  # the one probe failed, and is not repeated
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(MMSpecError, match="is not a local directory, HF_HUB_OFFLINE is set and the Hugging Face "
+                                          "cache has no copy"):
+        locate("llava-hf/llava-1.5-7b-hf")
+
+
+def test_hub_id_in_the_hf_cache_loads_offline(monkeypatch, tmp_path, target):
+    """A hub id the HF cache holds is read from its snapshot without the network, fast, whether
+    or not HF_HUB_OFFLINE is set."""
+    from mmspec.models.loading import load_model, locate
+    from tiny import block_network
+
+    cache = tmp_path / "hf-cache"
+    snap = cache / "models--someorg--tiny-llava" / "snapshots" / ("0" * 40)
+    target.save_pretrained(snap)
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    for offline in (False, True):
+        _online(monkeypatch)
+        if offline:
+            monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        with block_network():
+            assert locate("someorg/tiny-llava") == str(snap)
+            model = load_model("someorg/tiny-llava", dtype="float64")
+        assert type(model).__name__ == "LlavaForConditionalGeneration"
+
+
+def test_model_path_that_is_a_file(tmp_path, target):
+    """--target pointing at a file (config.json, a .safetensors) says "not a directory" and names
+    the directory that holds the config (was: "Repo id must be in the form...")."""
+    from typer.testing import CliRunner
+
+    from mmspec.cli import app
+
+    target.save_pretrained(tmp_path / "t")
+    r = CliRunner().invoke(app, ["generate", "--target", tmp_path / "t" / "config.json", "--draft", tmp_path / "t",
+                                 "--prompt", "w5"])
+    out = " ".join(r.output.split())
+    assert r.exit_code == 2 and "is a file, not a directory; pass the directory save_pretrained() wrote" in out, out
+    assert f"(its directory '{tmp_path / 't'}' holds a config.json)" in out, out
+    assert "Repo id" not in out
+
+
+@pytest.mark.parametrize("args, phrase", [
+    (["--families", "chartqa,nosuch"], "--families: unknown family 'nosuch'; use some of chartqa, textvqa"),
+    (["--methods", "M,XY"], "unknown view"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--threads", "0"], "--threads must be >= 1"),
+])
+def test_demo_checks_every_name_before_running(monkeypatch, args, phrase):
+    """`demo --families chartqa,nosuch` ran all of chartqa before refusing nosuch: every name is
+    checked before any model loads."""
+    from typer.testing import CliRunner
+
+    import mmspec.cli
+    from mmspec.cli import app
+
+    monkeypatch.setattr(mmspec.cli, "_load", lambda *a: pytest.fail("models loaded before the names were checked"))
+    r = CliRunner().invoke(app, ["demo", *args])
+    assert r.exit_code == 2 and phrase in " ".join(r.output.split()), r.output

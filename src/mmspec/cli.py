@@ -6,6 +6,7 @@ Commands: ``generate`` (one prompt), ``demo`` (the embedded world end to end), `
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -17,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from mmspec.errors import MMSpecError
+from mmspec.threads import apply_threads
 
 app = typer.Typer(help="Lossless speculative decoding for vision-language models (IbED).",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -24,6 +26,9 @@ app = typer.Typer(help="Lossless speculative decoding for vision-language models
 console = Console()
 err_console = Console(stderr=True)
 
+# `mmspec generate` with no prompt: a world sample the embedded target answers right (checked by
+# tests/test_cli.py with the world's own fact check), not test sample 0, which it gets wrong
+DEFAULT_EXAMPLE = ("chartqa", "test", 10)
 EMBEDDED_NOTE = ("[dim]Using the embedded tiny models: they only know mmspec's synthetic world "
                  "(charts, signs, shapes, differences, edits, little stories), not real photos.[/dim]")
 
@@ -36,6 +41,16 @@ def _fail(e: Exception) -> None:
 def _check_max_new_tokens(n: int) -> None:
     if n < 1:
         raise MMSpecError(f"--max-new-tokens must be >= 1, got {n}")
+
+
+def _check_prompt(prompt: str | None) -> None:
+    if prompt is not None and not prompt.replace("<image>", "").strip():
+        raise MMSpecError(f"--prompt {prompt!r} has no text; say what to ask about the image(s), "
+                          "e.g. --prompt \"What is shown?\"")
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def _parse_weights(weights: str | None) -> list[float] | None:
@@ -57,20 +72,23 @@ def _load(target, draft, captioner, captioner_prompt, dtype, device):
 
     hf_logging.disable_progress_bar()  # weight-loading bars would bury the answer
 
-    from mmspec.models.loading import (check_model_flags, check_same_vocabulary, load_model, load_processor,
-                                       load_tokenizer_if_any, resolve_device, resolve_dtype)
+    from mmspec.models.loading import (check_model_flags, check_same_vocabulary, compute_dtype, load_model,
+                                       load_processor, load_tokenizer_if_any, locate, resolve_device)
 
     check_model_flags(target, draft, captioner, captioner_prompt)
     device = str(resolve_device(device))
+    dtype = compute_dtype(dtype, device)  # auto: float32 on the CPU, the checkpoint's own on a GPU
     if target is None:
         import torch
 
         from mmspec.embedded import load_embedded
 
-        resolved = resolve_dtype(dtype)  # the pack is saved in fp16; "auto" computes in float32
-        e = load_embedded(dtype=torch.float32 if resolved == "auto" else resolved, device=device)
+        e = load_embedded(dtype=torch.float32 if dtype == "auto" else dtype, device=device)  # saved in fp16
         cap = e.captioner()
         return e.target, e.draft, e.tokenizer, e.processor, cap, True
+    for flag, name in (("--target", target), ("--draft", draft), ("--captioner", captioner)):
+        if name is not None:
+            locate(name, flag)  # local directories first; a hub id that cannot be had fails in one line
     processor = load_processor(target)
     tok = getattr(processor, "tokenizer", processor)
     check_same_vocabulary(tok, load_tokenizer_if_any(draft))  # before the weights load
@@ -131,9 +149,11 @@ def generate(
     top_p: Optional[float] = typer.Option(None),
     seed: Optional[int] = typer.Option(None, help="Seed for sampling (same seed, same output)."),
     compare: bool = typer.Option(True, help="Also run target.generate and report speed-up and identity (greedy)."),
-    dtype: str = typer.Option("auto", help="auto, float32, bfloat16, float16 (auto: the checkpoint's own; the "
-                              "embedded models compute in float32)."),
+    dtype: str = typer.Option("auto", help="auto, float32, bfloat16, float16 (auto: float32 on the CPU, where "
+                              "half precision is several times slower; the checkpoint's own on a GPU)."),
     device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, ..."),
+    threads: Optional[int] = typer.Option(None, help="CPU threads for torch (default: torch's choice); give "
+                                          "each of several runs side by side a share of the cores."),
 ):
     """Answer one prompt with speculative decoding and print the block statistics."""
     try:
@@ -144,6 +164,8 @@ def generate(
         _check_max_new_tokens(max_new_tokens)
         SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)  # refused before loading models
         w = _parse_weights(weights)
+        _check_prompt(prompt)
+        apply_threads(threads)
         if prompt is None and image:  # prompt checks first: before loading any model
             raise MMSpecError("--image was given without --prompt; say what to ask about the image(s)")
         if prompt is None and target is not None:
@@ -155,7 +177,7 @@ def generate(
         if prompt is None:
             from mmspec.world import make_sample
 
-            sample = make_sample("chartqa", "test", 0)
+            sample = make_sample(*DEFAULT_EXAMPLE)
             prompt_text, images = sample.prompt, sample.images
             console.print("[dim]No prompt given: a bundled chart-QA example from the synthetic world.[/dim]")
         else:
@@ -187,43 +209,67 @@ def demo(
     families: str = typer.Option("chartqa,textvqa,spot_the_diff,pororosv", help="World families (1, 2 and 5 images)."),
     max_new_tokens: int = typer.Option(64),
     gamma: int = typer.Option(5),
+    repeats: int = typer.Option(3, help="Runs of the target alone and of each method per family, interleaved; "
+                                "the speed-up is the ratio of their medians."),
+    threads: Optional[int] = typer.Option(None, help="CPU threads for torch (default: torch's choice)."),
 ):
     """Run every drafting method on a few synthetic-world samples with the embedded models.
 
     Prints, per method, whether the output is identical to the target's, the block efficiency
-    and the speed-up over the target alone."""
+    and the speed-up over the target alone (medians of `--repeats` interleaved runs)."""
     try:
         from mmspec.decoder import SpecDecoder
         from mmspec.inputs import processor_inputs
-        from mmspec.world import make_sample
+        from mmspec.views import parse_views
+        from mmspec.world import FAMILIES, make_sample
 
         _check_max_new_tokens(max_new_tokens)
+        if repeats < 1:
+            raise MMSpecError(f"--repeats must be >= 1, got {repeats}")
+        fams, meths = _names(families), _names(methods)  # every name checked before any model runs
+        unknown = [f for f in fams if f not in FAMILIES]
+        if unknown or not fams:
+            raise MMSpecError(f"--families: unknown family {', '.join(map(repr, unknown)) or '(none given)'}; "
+                              f"use some of {', '.join(FAMILIES)}")
+        if not meths:
+            raise MMSpecError("--methods is empty; give drafting methods such as M,T,MT")
+        for m in meths:
+            parse_views(m)
+        apply_threads(threads)
         t, d, tok, proc, cap, _ = _load(None, None, None, None, "auto", "cpu")
         console.print(EMBEDDED_NOTE)
-        meths = [m for m in methods.split(",") if m]
         decs = {m: SpecDecoder(t, d, tok, views=m, captioner=cap, gamma=gamma, processor=proc) for m in meths}
         tab = Table(title=f"mmspec demo (embedded models, CPU, gamma={gamma}, greedy, {max_new_tokens} new tokens)")
-        for col in ["family", "images", "method", "tau", "accepted len", "speed-up", "identical"]:
+        for col in ["family", "images", "method", "tau", "accepted len", f"speed-up (median of {repeats})", "identical"]:
             tab.add_column(col)
         mismatches = []
-        for fam in [f for f in families.split(",") if f]:
+        for fam in fams:
             s = make_sample(fam, "test", 0)
             inputs = processor_inputs(proc, s.prompt, s.images)
-            ref, base_s = _baseline(t, inputs, max_new_tokens)
+            base_s: list[float] = []
+            runs: dict[str, list] = {m: [] for m in decs}
+            for _ in range(repeats):  # interleaved: a burst of load hits the target and the methods alike
+                ref, secs = _baseline(t, inputs, max_new_tokens)
+                base_s.append(secs)
+                for m, dec in decs.items():
+                    runs[m].append(dec.generate(inputs["input_ids"], inputs.get("pixel_values"),
+                                                inputs.get("attention_mask"), max_new_tokens=max_new_tokens,
+                                                images=s.images))
             console.print(f"[bold]{fam}[/bold] — {escape(s.question or s.prompt[:80])}\n"
                           f"  target: {escape(tok.decode(ref, skip_special_tokens=True))}")
-            for m, dec in decs.items():
-                res = dec.generate(inputs["input_ids"], inputs.get("pixel_values"), inputs.get("attention_mask"),
-                                   max_new_tokens=max_new_tokens, images=s.images)
-                st = res.stats
-                same = res.token_ids == ref
+            for m, results in runs.items():
+                st = results[0].stats
+                same = all(r.token_ids == ref for r in results)
                 if not same:
                     mismatches.append(f"{fam}/{m}")
+                speedup = statistics.median(base_s) / statistics.median(r.stats.total_s for r in results)
                 tab.add_row(fam, str(len(s.images)), m, f"{st.tau:.2f}", f"{st.mean_accepted_length:.2f}",
-                            f"{base_s / st.total_s:.2f}x", "[green]yes[/green]" if same else "[red]NO[/red]")
+                            f"{speedup:.2f}x", "[green]yes[/green]" if same else "[red]NO[/red]")
         console.print(tab)
-        console.print("[dim]tau = tokens per block incl. the bonus/recovered token; speed-up is one "
-                      "run each on this machine (see `mmspec bench` for medians over 100 samples).[/dim]")
+        console.print(f"[dim]tau = tokens per block incl. the bonus/recovered token; speed-up = median time of the "
+                      f"target alone / median time of the method over {repeats} interleaved run(s) of one sample "
+                      "on this machine: other load on it moves the figure (see `mmspec bench` for medians over "
+                      "100 samples).[/dim]")
         if mismatches:
             raise MMSpecError(f"output differs from target.generate for {', '.join(mismatches)}; "
                               "greedy speculative decoding must be exact, please report this")

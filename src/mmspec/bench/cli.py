@@ -9,7 +9,7 @@ Usage::
 
     mmspec bench run --out runs/emb                       # embedded models + world, all 8 methods
     mmspec bench run --out runs/real -n 100 \
-        --target llava-hf/llava-1.5-7b-hf --draft ./lvlm68m --captioner ./florence \
+        --target ./llava-1.5-7b-hf --draft ./lvlm68m --captioner ./florence \
         -d chartqa=data/ChartQA -d textvqa=data/textvqa:validation \
         -d spot_the_diff=data/LLaVA-NeXT-Interleave-Bench     # a hub snapshot: its in_domain config
     torchrun --nproc_per_node=2 -m mmspec bench run --out runs/emb   # shard by rank
@@ -66,25 +66,36 @@ def run_command(
     latency: bool = typer.Option(True, "--latency/--no-latency", help="Measure T_p, T_q(b=1..8), T_V(γ) per dataset."),
     latency_repeats: int = typer.Option(5, help="Repeats per latency probe (median)."),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
+    threads: Optional[int] = typer.Option(None, help="CPU threads for torch in this process (default: torch's "
+                                          "choice divided by the processes torchrun started on this machine). "
+                                          "Two runs side by side: give each a share, e.g. --threads 1 on 2 cores."),
     backend: Optional[str] = typer.Option(None, hidden=True, help="module:function building a custom backend (tests)."),
 ) -> None:
     """Run (or resume) the benchmark: one JSONL row per (sample, method) plus a baseline per sample."""
-    from mmspec.bench.runner import run_bench
+    from mmspec.bench.runner import BenchInterrupted, run_bench
+    from mmspec.threads import apply_threads
 
     try:
+        n_threads = apply_threads(threads)
         cfg = BenchConfig(
             out_dir=out, methods=_split_list(method, DEFAULT_METHODS),
             datasets=tuple(DatasetSpec.parse(d) for d in _split_list(dataset, DEFAULT_DATASETS)),
             n_samples=n_samples, gamma=gamma, max_new_tokens=max_new_tokens,
             temperature=temperature, seed=seed, target=target, draft=draft, captioner=captioner,
             captioner_prompt=captioner_prompt, pool_tokens=pool_tokens, split=split, device=device, dtype=dtype,
-            latency=latency, latency_repeats=latency_repeats, progress=progress,
+            latency=latency, latency_repeats=latency_repeats, progress=progress, extra={"threads": n_threads},
         )
         summary = run_bench(cfg, backend_factory=_factory(backend) if backend else None,
                             command=command_line())
     except MMSpecError as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         raise typer.Exit(2) from None
+    except BenchInterrupted as e:
+        s = e.summary
+        typer.secho(f"interrupted: rank {s.rank} keeps {s.rows_on_disk} finished rows in {s.path} ({s.written} "
+                    "written by this run); run the same command again to resume from there (finished rows are "
+                    "not recomputed)", fg="yellow", err=True)
+        raise typer.Exit(130) from None
     for w in summary.warnings:
         typer.secho(f"warning: {w}", fg="yellow", err=True)
     for name, skips in summary.load_skips.items():
@@ -93,8 +104,8 @@ def run_command(
         typer.secho(f"LOSSLESSNESS VIOLATED: {len(summary.lossless_failures)} greedy output(s) differ "
                     f"from the target's: {', '.join(summary.lossless_failures[:10])}",
                     fg="red", bold=True, err=True)
-    typer.echo(f"rank {summary.rank}: wrote {summary.written} rows, {summary.skipped} already done "
-               f"-> {summary.path}")
+    typer.echo(f"rank {summary.rank}: wrote {summary.written} rows ({summary.latency_written} of them latency), "
+               f"{summary.skipped} already done -> {summary.path} ({summary.rows_on_disk} rows)")
 
 
 @bench_app.command("report")

@@ -2,9 +2,11 @@
 
 Owns the order of work and the row format. For each dataset (this rank's shard of its samples):
 one ``latency`` row (first sample), then per sample a ``baseline`` row (target alone) followed
-by one ``spec`` row per method. Every row is fsync'ed as soon as it is finished; on a re-run,
+by one ``spec`` row per method. Every argument is checked first (:mod:`mmspec.bench.preflight`),
+so a refused run creates nothing. Every row is fsync'ed as soon as it is finished; on a re-run,
 rows already on disk are skipped (never recomputed) and models are not even loaded when nothing
-is left to do. A results directory refuses to be resumed with settings that change the numbers
+is left to do. An interrupted run (Ctrl-C) raises :class:`BenchInterrupted`, which carries what
+was kept. A results directory refuses to be resumed with settings that change the numbers
 (gamma, max_new_tokens, temperature, seed, models): use a new ``--out`` for those.
 
 Row kinds (all carry ``kind``, ``dataset``, ``uid``, ``method``, ``rank``):
@@ -24,6 +26,7 @@ from mmspec.bench.backend import Backend, HFBackend, load_models, pick_device
 from mmspec.bench.config import RESULT_KEYS, BenchConfig, RankInfo, method_views
 from mmspec.bench.datasets import BenchSample, load_dataset
 from mmspec.bench.metrics import accepted_flags
+from mmspec.bench.preflight import preflight
 from mmspec.bench.store import RowWriter, append_run_meta, read_run_meta, results_path
 from mmspec.errors import MMSpecError
 from mmspec.provenance import command_line, machine_info, now
@@ -31,13 +34,26 @@ from mmspec.provenance import command_line, machine_info, now
 
 @dataclass
 class RunSummary:
+    """What one rank's run did. ``written`` and ``skipped`` count rows of every kind (latency
+    rows too), so ``rows_on_disk`` = rows there before + ``written``."""
+
     rank: int
     written: int = 0
     skipped: int = 0
+    latency_written: int = 0
+    rows_on_disk: int = 0
     load_skips: dict[str, dict[str, int]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     lossless_failures: list[str] = field(default_factory=list)  # greedy outputs != target's
     path: str = ""
+
+
+class BenchInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGINT from a launcher) during a run; ``summary`` says what is on disk."""
+
+    def __init__(self, summary: RunSummary) -> None:
+        super().__init__(f"interrupted with {summary.rows_on_disk} rows in {summary.path}")
+        self.summary = summary
 
 
 def _check_fingerprint(cfg: BenchConfig) -> None:
@@ -81,11 +97,24 @@ def run_bench(cfg: BenchConfig, backend: Backend | None = None, rank: RankInfo |
               command: str | None = None) -> RunSummary:
     """Run (or resume) the benchmark for this rank. Returns what was written and skipped."""
     rank = rank or RankInfo.from_env()
-    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    preflight(cfg, rank, default_backend=backend is None and backend_factory is None)
     _check_fingerprint(cfg)
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
     summary = RunSummary(rank.rank, path=str(results_path(cfg.out_dir, rank.rank)))
     writer = RowWriter(results_path(cfg.out_dir, rank.rank))
     summary.warnings += writer.warnings
+    try:
+        _run(cfg, rank, writer, summary, backend, backend_factory, command)
+    except KeyboardInterrupt as e:
+        summary.rows_on_disk = len(writer.rows)
+        raise BenchInterrupted(summary) from e
+    summary.rows_on_disk = len(writer.rows)
+    return summary
+
+
+def _run(cfg: BenchConfig, rank: RankInfo, writer: RowWriter, summary: RunSummary, backend: Backend | None,
+         backend_factory: Callable[[BenchConfig, RankInfo], Backend] | None, command: str | None) -> None:
+    """The loop of :func:`run_bench`, writing through ``writer`` and counting into ``summary``."""
     baselines = {(r["dataset"], r["uid"]): r for r in writer.rows if r["kind"] == "baseline"}
     lat_done = {r["dataset"] for r in writer.rows if r["kind"] == "latency"}
 
@@ -110,6 +139,8 @@ def run_bench(cfg: BenchConfig, backend: Backend | None = None, rank: RankInfo |
                 todo = [("baseline", "")] + [("spec", m) for m in cfg.methods]
                 pending = [(k, m) for k, m in todo if (k, spec.name, sample.uid, m) not in writer]
                 need_lat = cfg.latency and i == 0 and spec.name not in lat_done
+                if cfg.latency and i == 0 and not need_lat:
+                    summary.skipped += 1  # its latency row is on disk
                 if (pending or need_lat) and not meta_written:
                     be = get_backend()
                     append_run_meta(cfg.out_dir, rank.rank, _meta(cfg, rank, be, command))
@@ -120,6 +151,8 @@ def run_bench(cfg: BenchConfig, backend: Backend | None = None, rank: RankInfo |
                         writer.append({"kind": "latency", "dataset": spec.name,
                                        "uid": f"rank{rank.rank}", "method": "",
                                        "n_images": sample.n_images, "rank": rank.rank, **lat})
+                        summary.written += 1
+                        summary.latency_written += 1
                     lat_done.add(spec.name)
                 for kind, method in todo:
                     if (kind, spec.name, sample.uid, method) in writer:
@@ -143,7 +176,6 @@ def run_bench(cfg: BenchConfig, backend: Backend | None = None, rank: RankInfo |
                         if row["identical"] is False and cfg.temperature <= 0:
                             summary.lossless_failures.append(f"{spec.name}/{sample.uid}/{method}")
                     prog.advance(task)
-    return summary
 
 
 def default_backend(cfg: BenchConfig, rank: RankInfo) -> Backend:

@@ -5,7 +5,8 @@ Owns the on-disk format of a results directory:
 - ``results.rank{R}.jsonl``: one JSON object a line, written by rank R only. Every append is
   flushed and fsync'ed, so a finished row is on disk before the next one starts. A process
   killed mid-write can leave one torn last line (no trailing newline, or invalid JSON): on
-  open it is detected, reported and truncated away, so re-running resumes cleanly.
+  open it is detected, reported and truncated away, so re-running resumes cleanly. The file is
+  created by the first row, so a run that fails before finishing one leaves no empty file.
 - ``run.rank{R}.json``: metadata of the runs that wrote that rank file (command, machine,
   config, fingerprint).
 
@@ -93,7 +94,7 @@ class RowWriter:
                     f.flush()
                     os.fsync(f.fileno())
         self.done: set[Hashable] = {self.key(r) for r in self.rows}
-        self._f = open(self.path, "a", encoding="utf-8")
+        self._f = None  # opened by the first row written
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self.done
@@ -108,14 +109,18 @@ class RowWriter:
             key = self.key(row)
             if key in self.done:
                 continue
+            if self._f is None:
+                self._f = open(self.path, "a", encoding="utf-8")
             self._f.write(json.dumps(row, separators=(",", ":")) + "\n")
             self.done.add(key)
             self.rows.append(row)
-        self._f.flush()
-        os.fsync(self._f.fileno())
+        if self._f is not None:
+            self._f.flush()
+            os.fsync(self._f.fileno())
 
     def close(self) -> None:
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
 
     def __enter__(self) -> "RowWriter":
         return self
@@ -150,6 +155,12 @@ def merge_rows(results_dir: Path) -> tuple[list[dict], list[str]]:
             if k not in seen:
                 seen.add(k)
                 merged.append(r)
+    if not merged:
+        raise MMSpecError(
+            f"{results_dir} holds no results: {', '.join(f.name for f in files)} "
+            f"{'has' if len(files) == 1 else 'have'} no finished rows (a run that stopped before its first "
+            f"sample); run `mmspec bench run --out {results_dir}` (it resumes there) and report again"
+        )
     return merged, warnings
 
 

@@ -3,6 +3,7 @@ Auto classes, with errors that say what to do instead of deep transformers stack
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -25,23 +26,86 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
     return table[dtype]
 
 
-def _check_reachable(name: str) -> None:
-    if Path(name).exists():
-        return
-    looks_local = name.startswith((".", "/", "~")) or os.sep in name.strip("/").split("/", 1)[-1]
-    if looks_local or name.count("/") != 1:
+def compute_dtype(dtype: str | torch.dtype | None, device: str | torch.device | None) -> torch.dtype | str:
+    """The dtype to load in on ``device``: "auto" is float32 on the CPU (where fp16 and bf16
+    matmuls run several times slower than float32), the checkpoint's own elsewhere."""
+    resolved = resolve_dtype(dtype)
+    if resolved == "auto" and torch.device(device or "cpu").type == "cpu":
+        return torch.float32
+    return resolved
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    return not name.startswith((".", "/", "~")) and name.count("/") == 1 and "\\" not in name
+
+
+def _offline_flag() -> bool:
+    from huggingface_hub import constants
+
+    env = any(os.environ.get(k, "").upper() in ("1", "ON", "YES", "TRUE") for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return env or bool(constants.HF_HUB_OFFLINE)
+
+
+@functools.lru_cache(maxsize=None)
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers one request now: no retries, ``timeout_s`` at most
+    (transformers' own downloads retry with back-off for minutes on a machine without network)."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=timeout_s)
+        return True
+    except Exception:  # noqa: BLE001 - any failure to connect means: not reachable from here
+        return False
+
+
+def _cached_snapshot(repo_id: str) -> str | None:
+    """The local snapshot directory of a hub id in the Hugging Face cache, if its config is there."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # noqa: BLE001 - a malformed id: not cached
+        return None
+    return str(Path(found).parent) if isinstance(found, str) else None
+
+
+def locate(name: str, what: str = "model path") -> str:
+    """What to pass to ``from_pretrained`` for ``name``, found fast and local files first: a local
+    directory as given; a hub id as given when the hub answers, else its copy in the Hugging
+    Face cache (the snapshot directory, read without network). Anything else is refused in one
+    line: a file ("not a directory"), a missing path, a hub id with neither hub nor cache."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return name
+    if path.exists():
+        hint = f" (its directory {str(path.parent)!r} holds a config.json)" if (path.parent / "config.json").is_file() else ""
+        raise MMSpecError(f"{what} {name!r} is a file, not a directory; pass the directory save_pretrained() "
+                          f"wrote, the one holding config.json{hint}")
+    if not _looks_like_hub_id(name):
         raise MMSpecError(
-            f"model path {name!r} does not exist; pass a local directory saved with "
+            f"{what} {name!r} does not exist; pass a local directory saved with "
             "save_pretrained() or a hub id such as 'llava-hf/llava-1.5-7b-hf'"
         )
+    if not _offline_flag() and hub_reachable():
+        return name
+    cached = _cached_snapshot(name)
+    if cached is not None:
+        return cached
+    why = "HF_HUB_OFFLINE is set" if _offline_flag() else "the Hugging Face hub cannot be reached from here"
+    raise MMSpecError(
+        f"{what} {name!r} is not a local directory, {why} and the Hugging Face cache has no copy; download it "
+        f"once where there is network (`hf download {name} --local-dir DIR`, then copy DIR here) and pass DIR"
+    )
 
 
 def load_model(name_or_path: str, *, dtype: str | torch.dtype | None = "auto", device: str | None = None):
     """Load a VLM (image-text-to-text) or a causal LM; returns the model in eval mode."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    _check_reachable(str(name_or_path))
-    local = Path(str(name_or_path)).exists()
+    name_or_path = locate(str(name_or_path))
+    local = Path(name_or_path).exists()
     try:
         config = AutoConfig.from_pretrained(name_or_path)
     except (OSError, ValueError) as e:
@@ -110,7 +174,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 def _load_auto(cls_name: str, what: str, name_or_path: str):
     import transformers
 
-    _check_reachable(str(name_or_path))
+    name_or_path = locate(str(name_or_path))
     try:
         return getattr(transformers, cls_name).from_pretrained(name_or_path)
     except (OSError, ValueError) as e:
@@ -143,7 +207,7 @@ def load_tokenizer_if_any(name_or_path: str):
     import warnings
 
     try:
-        _check_reachable(name_or_path)
+        name_or_path = locate(name_or_path)
     except MMSpecError:
         return None  # loading the draft's weights says what is wrong with the path
     try:
@@ -159,7 +223,7 @@ def load_tokenizer_if_any(name_or_path: str):
 def load_saved_tokenizer(name_or_path: str):
     """The tokenizer saved at ``name_or_path``, refusing a checkpoint without tokenizer files
     (where AutoTokenizer would build a stand-in for some model types and compare as wrong)."""
-    _check_reachable(name_or_path)
+    name_or_path = locate(name_or_path)
     if not _has_tokenizer_files(name_or_path):
         raise MMSpecError(f"{name_or_path!r} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); "
                           "pass the directory the tokenizer was saved to")

@@ -1,0 +1,67 @@
+"""Checks of a benchmark run's arguments that need the disk, done before anything is created.
+
+Owns :func:`preflight`: the ``--out`` path (a directory, or one that can be made), every
+dataset (its name, its path and schema, by loading its first usable sample), the model paths
+(local directories, or hub ids this machine can get: :func:`mmspec.models.loading.locate`) and
+the device. A run refused here leaves no results directory or empty results file behind.
+:class:`~mmspec.bench.config.BenchConfig` checks what needs no disk (numbers, flags).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from mmspec.bench.config import BenchConfig, RankInfo
+from mmspec.errors import MMSpecError
+
+
+def check_out_dir(out: Path) -> None:
+    """``out`` is a directory, or can become one: no file in its place or on its way."""
+    out = Path(out)
+    fix = "pass a directory for the results (a new one, or the --out of a run to resume)"
+    if out.exists() and not out.is_dir():
+        raise MMSpecError(f"--out {str(out)!r} is a file, not a directory; {fix}")
+    for parent in out.absolute().parents:  # the deepest one that exists
+        if not parent.exists():
+            continue
+        if not parent.is_dir():
+            raise MMSpecError(f"--out {str(out)!r} cannot be made: {str(parent)!r} is a file, not a directory; {fix}")
+        if not out.exists() and not os.access(parent, os.W_OK | os.X_OK):
+            raise MMSpecError(f"--out {str(out)!r} cannot be made: {str(parent)!r} is not writable; {fix}")
+        break
+
+
+def check_datasets(cfg: BenchConfig) -> None:
+    """Every dataset loads: a family of the embedded world and a split it has; or a real
+    benchmark's path with the expected columns and a usable first row."""
+    from mmspec.bench.datasets import N_IMAGES, load_dataset
+    from mmspec.world.core import check_split
+
+    for spec in cfg.datasets:
+        if spec.path is None:  # the world: checked by name, without rendering a sample
+            if spec.name not in N_IMAGES:
+                raise MMSpecError(f"unknown dataset {spec.name!r}; choose from {sorted(N_IMAGES)}")
+            check_split(cfg.split)
+        else:
+            load_dataset(spec.name, spec.path, 1, cfg.split)
+
+
+def check_models(cfg: BenchConfig) -> None:
+    """Each model path is a local directory or a hub id this machine can get, found fast."""
+    from mmspec.models.loading import locate
+
+    for flag, name in (("--target", cfg.target), ("--draft", cfg.draft), ("--captioner", cfg.captioner)):
+        if name is not None:
+            locate(name, flag)
+
+
+def preflight(cfg: BenchConfig, rank: RankInfo, default_backend: bool = True) -> None:
+    """All checks above; the model and device checks only where the run builds real models."""
+    check_out_dir(cfg.out_dir)
+    if default_backend:
+        from mmspec.bench.backend import pick_device
+
+        check_models(cfg)
+        pick_device(cfg, rank)  # a device this machine lacks
+    check_datasets(cfg)
