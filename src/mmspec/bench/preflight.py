@@ -42,9 +42,9 @@ def check_datasets(cfg: BenchConfig) -> None:
         if spec.path is None:  # the world: checked by name, without rendering a sample
             if spec.name not in N_IMAGES:
                 raise MMSpecError(f"unknown dataset {spec.name!r}; choose from {sorted(N_IMAGES)}")
-            check_split(cfg.split)
+            check_split(spec.split or cfg.split or "test")  # the world's split when none is named
         else:
-            load_dataset(spec.name, spec.path, 1, cfg.split)
+            load_dataset(spec.name, spec.path, 1, spec.split or cfg.split)
 
 
 def check_models(cfg: BenchConfig) -> None:
