@@ -41,12 +41,13 @@ def _image_token_id(model: torch.nn.Module) -> int | None:
 def _prefill(model: torch.nn.Module, room: int | None = None, **inputs: torch.Tensor):
     """room: None -> a DynamicCache (what ``generate`` uses); an int -> the engine's
     preallocated cache with that many free positions after the prompt."""
+    from mmspec.models.base import cache_argument
     from mmspec.models.cache import new_decode_cache
 
     max_len = None if room is None else inputs["input_ids"].shape[1] + room
     cache = new_decode_cache(model.config, max_len)
-    out = model(**inputs, past_key_values=cache, use_cache=True)
-    return out.past_key_values, out.logits[:, -1:].argmax(-1)  # cache, next token [B, 1]
+    out = model(**inputs, use_cache=True, **{cache_argument(model): cache})
+    return cache, out.logits[:, -1:].argmax(-1)  # cache, next token [B, 1]
 
 
 @torch.inference_mode()
@@ -67,9 +68,12 @@ def decode_time(model: torch.nn.Module, input_ids: torch.Tensor, n_new: int, rep
     pos = torch.arange(prefix, prefix + n_new, device=dev).unsqueeze(0).expand(new.shape[0], -1)
     mask = torch.ones(new.shape[0], prefix + n_new, dtype=torch.long, device=dev)
 
+    from mmspec.models.base import cache_argument
+
+    kw = {cache_argument(model): cache}
+
     def step() -> None:
-        model(input_ids=new, past_key_values=cache, use_cache=True, position_ids=pos,
-              attention_mask=mask, cache_position=pos[0])
+        model(input_ids=new, use_cache=True, position_ids=pos, attention_mask=mask, **kw)
         cache.crop(-n_new)  # transformers 5: a negative count removes that many positions
 
     step()  # warm-up

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
@@ -22,6 +23,7 @@ class ModelAdapter:
 
     def __init__(self, model: nn.Module):
         self.model = model
+        self._cache_kw = cache_argument(model)
 
     # -- text side -------------------------------------------------------------------
     @property
@@ -53,24 +55,27 @@ class ModelAdapter:
         position_ids: torch.Tensor,  # [B, L]
         input_ids: torch.Tensor | None = None,  # [B, L]
         inputs_embeds: torch.Tensor | None = None,  # [B, L, H]
+        logits_to_keep: int = 0,  # 0: logits at every position; k: the last k only
     ) -> torch.Tensor:
-        """One forward pass that extends ``cache`` in place; returns logits [B, L, V]."""
+        """One forward pass that extends ``cache`` in place; returns logits [B, L or k, V]."""
         out = self.model(
             input_ids=input_ids,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=cache,
             use_cache=True,
+            logits_to_keep=logits_to_keep,
+            **{self._cache_kw: cache},
         )
         return out.logits
 
-    def new_cache(self, max_len: int | None = None):
+    def new_cache(self, max_len: int | None = None, static: bool = False):
         """A KV cache supporting ``crop(-n)``: preallocated for ``max_len`` positions when given
-        (O(1) roll-back, no per-step copy; :mod:`mmspec.models.cache`), else a ``DynamicCache``."""
+        (O(1) roll-back, O(path) tree compaction, no per-step copy; ``static``: fixed-shape for
+        CUDA graphs; :mod:`mmspec.models.cache`), else a ``DynamicCache``."""
         from mmspec.models.cache import new_decode_cache
 
-        return new_decode_cache(self.model.config, max_len)
+        return new_decode_cache(self.model.config, max_len, static=static)
 
     # -- vision side (VLM families) ----------------------------------------------------
     def vision_hidden(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -93,6 +98,16 @@ class ModelAdapter:
     @property
     def vision_module(self) -> nn.Module | None:
         return None
+
+
+def cache_argument(model: nn.Module) -> str:
+    """The keyword a model's forward takes its KV cache by: ``cache`` (transformers >= 5.24,
+    where ``past_key_values`` is deprecated for removal in 5.40), else ``past_key_values``."""
+    try:
+        params = inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - exotic wrappers
+        return "cache"
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def same_vision(a: ModelAdapter, b: ModelAdapter) -> bool:
