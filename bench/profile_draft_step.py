@@ -36,16 +36,17 @@ def main(argv: list[str] | None = None) -> None:
     enc = e.processor(text=s.prompt, images=s.images, return_tensors="pt")
     dec = SpecDecoder(e.target, e.draft, e.tokenizer, views=args.views, captioner=FixedCaptioner(s.captions))
     token, params = int(enc["input_ids"][0, -1]), SamplingParams()
+    from transformers import DynamicCache
+
     for preallocate in (True, False):
-        d = dec.new_drafter(enc["input_ids"], enc["pixel_values"], captions=s.captions, preallocate=preallocate)
+        cache = None if preallocate else DynamicCache(config=e.draft.config)  # the engine before models/cache.py
+        d = dec.new_drafter(enc["input_ids"], enc["pixel_values"], captions=s.captions, cache=cache)
         with torch.inference_mode():
             for _ in range(20):  # warm-up
-                d.step(token, params)
-                d.rollback(1)
+                d.step(token, params)  # feeds, picks and drops the token again
             with tp.profile(activities=[tp.ProfilerActivity.CPU]) as prof:
                 for _ in range(args.steps):
                     d.step(token, params)
-                    d.rollback(1)
         ops = prof.key_averages()
         total = sum(o.self_cpu_time_total for o in ops)
         print(f"\n{args.views} on {s.uid}, {'preallocated cache' if preallocate else 'DynamicCache'}: "

@@ -343,7 +343,7 @@ def measure_draft_step(cfg: SpeedConfig, models: SpeedModels, prompts: Sequence[
     for p in prompts:
         kw = dict(captions=p.captions, images=p.images, rounds=cfg.step_rounds, max_new_tokens=cfg.max_new_tokens)
         t = draft_step_times(decs, p.inputs["input_ids"], p.inputs.get("pixel_values"), **kw)
-        dyn = draft_step_times(decs, p.inputs["input_ids"], p.inputs.get("pixel_values"), preallocate=False, **kw)
+        dyn = draft_step_times(decs, p.inputs["input_ids"], p.inputs.get("pixel_values"), dynamic_cache=True, **kw)
         per.append({"prompt": p.name, "step_s": t, "ratio": t[views] / t["M"],
                     "dynamic_cache_step_s": dyn, "dynamic_cache_ratio": dyn[views] / dyn["M"]})
     return {"views": views, "n_views": len(views), "per_prompt": per,

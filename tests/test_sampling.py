@@ -112,3 +112,26 @@ def test_top_k_top_p_sampling_runs_and_stays_in_support(setup):
     for s in range(20):
         res = dec.generate(ids, pv, max_new_tokens=1, temperature=1.0, top_k=2, seed=s)
         assert res.token_ids[0] in allowed
+
+
+TREE = dict(tree="dynamic", tree_depth=2, tree_topk=2, tree_budget=4)  # siblings at both depths
+
+
+def test_tree_sampling_matches_target_distribution(setup):
+    """Recursive rejection over siblings (point-mass candidates of a dynamic tree) samples the
+    target's exact distribution, through the whole engine (draft tree, verify, compaction)."""
+    target, draft, tok, ids, pv = setup
+    exact = exact_sequence_probs(target, ids, pv)
+    dec = SpecDecoder(target, draft, tok, views="MT", **TREE)
+    assert min(pvalues(sampled(dec, ids, pv), exact)) > 1e-3
+
+
+def test_siblings_tested_against_p_instead_of_the_residual_are_caught(setup, monkeypatch):
+    """Negative control: a sibling tested against p (not the residual left by its rejected elder
+    siblings), and a final token from p, bias the output; the same test must reject it."""
+    target, draft, tok, ids, pv = setup
+    exact = exact_sequence_probs(target, ids, pv)
+    monkeypatch.setattr(verify, "remaining_mass", lambda p_elder: torch.ones(p_elder.shape[0], dtype=p_elder.dtype))
+    monkeypatch.setattr(verify, "remove_tokens", lambda p, removed: p)
+    dec = SpecDecoder(target, draft, tok, views="MT", **TREE)
+    assert min(pvalues(sampled(dec, ids, pv), exact)) < 1e-5

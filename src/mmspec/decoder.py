@@ -18,10 +18,13 @@ import torch
 from mmspec.drafter import EnsembleDrafter
 from mmspec.engine import run_loop
 from mmspec.errors import MMSpecError
+from mmspec.graphs import StepRunner, graph_mode
 from mmspec.models.base import adapter_for, same_vision
+from mmspec.models.cache import supports_trees
 from mmspec.models.pooling import pool_patch_grid, valid_pool_sizes
 from mmspec.stats import GenerationStats
 from mmspec.timing import sync
+from mmspec.tree import TreeSpec, parse_tree
 from mmspec.verify import SamplingParams
 from mmspec.views import View, build_row, ensemble_name, parse_views, split_prompt
 
@@ -50,13 +53,27 @@ class SpecDecoder:
         weights: one non-negative weight per view for the ensemble mixture (default equal).
         captioner: an object with ``caption(images) -> list[str]`` (or a path to an HF
             image-to-text model); required by the caption view.
-        gamma: draft tokens proposed per block.
+        gamma: draft tokens proposed per block (the chain's length).
+        tree: the block's shape (:mod:`mmspec.tree`): None or "chain" (gamma drafts in a chain);
+            "dynamic" (EAGLE-2: ``tree_depth`` expansion steps of the ``tree_topk`` best
+            frontier nodes, ``tree_budget`` best nodes verified; defaults measured per device);
+            a static tree as child-rank paths ``[[0], [1], [0, 0], ...]``; or a TreeSpec.
+        tree_children: "mixture" (children from the views' mixed distribution) or "views"
+            (each view's own top tokens become siblings).
+        stop_below: dynamic draft length for chains: stop a block's drafting when the draft's
+            probability of its proposal falls below this (lossless; None: always gamma).
+        cuda_graphs: "auto" (on when target and draft share one CUDA device), True, or False.
+            Graphs need fixed shapes, so they run on static caches; the tokens are the same.
+        static_cache: force the fixed-shape path without graphs (True; for tests on the CPU).
         processor: the target's processor; only used to turn pixel_values back into images
             for the captioner when ``images=`` is not passed to :meth:`generate`.
     """
 
     def __init__(self, target, draft, tokenizer=None, *, views=("multimodal",), weights=None,
-                 captioner=None, gamma: int = 5, processor=None, dtype="auto", draft_tokenizer=None):
+                 captioner=None, gamma: int = 5, processor=None, dtype="auto", draft_tokenizer=None,
+                 tree=None, tree_depth: int | None = None, tree_topk: int | None = None,
+                 tree_budget: int | None = None, tree_children: str = "mixture", stop_below: float | None = None,
+                 cuda_graphs="auto", static_cache: bool | None = None):
         from mmspec.models.loading import (check_same_vocabulary, load_model, load_processor, load_saved_tokenizer,
                                            load_tokenizer, load_tokenizer_if_any)
 
@@ -94,9 +111,12 @@ class SpecDecoder:
             raise MMSpecError(f"the target ({type(self.target_model).__name__}) is not a vision-language model; "
                               "pass an image-text-to-text checkpoint such as a LLaVA one as the target "
                               "(the draft may be text-only)")
-        if not isinstance(gamma, int) or gamma < 1:
+        if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
             raise MMSpecError(f"gamma must be a whole number >= 1, got {gamma!r}")
         self.gamma = gamma
+        self.tree = parse_tree(tree, gamma=gamma, device_type=self.target.device.type, depth=tree_depth,
+                               topk=tree_topk, budget=tree_budget, children=tree_children, stop_below=stop_below)
+        self._setup_engine(cuda_graphs, static_cache)
         self.views = self._resolve_views(parse_views(views))
         self.weights = self._check_weights(weights)
         self._check_vocab()
@@ -106,6 +126,38 @@ class SpecDecoder:
         self._check_generation_config()
 
     # ------------------------------------------------------------------ construction checks
+    def _setup_engine(self, cuda_graphs, static_cache) -> None:
+        """Decide eager / static / CUDA-graph decoding and check the tree fits the models."""
+        probes = [self.target.new_cache(8), self.draft.new_cache(8)]
+        full_attention = all(supports_trees(c) for c in probes)
+        if not self.tree.is_chain and not full_attention:
+            raise MMSpecError("token trees need models whose layers are all full attention (their caches are "
+                              "compacted after each block); this target or draft has sliding-window or other "
+                              "layers: use tree=None (a chain)")
+        dispatched = any(len(set(getattr(m, "hf_device_map", {}).values())) > 1
+                         for m in (self.target_model, self.draft_model))
+        mode = graph_mode(cuda_graphs, self.target.device, self.draft.device)
+        if mode != "eager" and (dispatched or not full_attention):
+            if cuda_graphs is True:
+                raise MMSpecError("cuda_graphs=True needs both models on one device with full-attention layers "
+                                  "only; use cuda_graphs='auto' to fall back to eager decoding")
+            mode = "eager"
+        self.graph_mode = mode
+        self.static = mode != "eager" or bool(static_cache and full_attention)
+        self.engine = "cuda-graphs" if mode == "cuda" else ("static" if self.static else "eager")
+        self._static_pool: dict[tuple, tuple] = {}  # (role, rows, capacity) -> (cache, runner)
+
+    def _static_cache(self, role: str, adapter, rows: int, needed: int):
+        """A static cache of at least ``needed`` positions and the runner of its forwards, kept
+        across calls (capacities are bucketed to powers of two, so graphs are reused)."""
+        capacity = max(512, 1 << (needed - 1).bit_length())
+        key = (role, rows, capacity)
+        if key not in self._static_pool:
+            cache = adapter.new_cache(capacity, static=True)
+            runner = StepRunner(adapter, cache, mode=self.graph_mode, name=role)
+            self._static_pool[key] = (cache, runner)
+        return self._static_pool[key]
+
     def _resolve_views(self, views: list[View]) -> list[View]:
         out = []
         for v in views:
@@ -209,7 +261,8 @@ class SpecDecoder:
 
     @property
     def method(self) -> str:
-        return ensemble_name(self.views)
+        """The views' short name, with "+tree" when blocks are trees ("M", "MTC+tree")."""
+        return ensemble_name(self.views) + ("" if self.tree.kind == "chain" else "+tree")
 
     # ------------------------------------------------------------------ generate
     @torch.inference_mode()
@@ -232,13 +285,13 @@ class SpecDecoder:
         generator = None
         if not params.greedy:
             seed = int(seed) if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-            generator = torch.Generator().manual_seed(seed)
+            generator = _generator(seed, dev)
         else:
             seed = None
 
         layout = self._layout(ids, pixel_values)
         self._check_context(ids.shape[0], max_new_tokens)
-        stats = GenerationStats(gamma=self.gamma, views=tuple(v.name for v in self.views))
+        stats = self._new_stats()
 
         # 1) vision: each image encoded once (patches shared with the draft when towers match)
         target_feats, draft_patches = self._encode_images(layout, pixel_values, stats)
@@ -248,23 +301,29 @@ class SpecDecoder:
         # 3) target prefill on all but the last prompt token (it is the first pending token)
         t0 = time.perf_counter()
         L = ids.shape[0]
-        target_cache = self.target.new_cache(L + self._room(max_new_tokens))  # preallocated, O(1) roll-back
+        target_cache, target_step = self._target_cache(L + self._room(max_new_tokens))
         prefix = ids[:-1].to(dev)[None]  # [1, L-1], never empty: prompts have >= 2 tokens (_check_ids)
         embeds = self.target.embed(prefix)  # [1, L-1, H_t]
         if target_feats is not None:
             mask = (prefix == self.target.image_token_id).unsqueeze(-1)  # [1, L-1, 1]
             embeds = embeds.masked_scatter(mask, target_feats.to(embeds.dtype))
-        self.target.forward(cache=target_cache, attention_mask=torch.ones_like(prefix),
-                            position_ids=torch.arange(L - 1, device=dev)[None], inputs_embeds=embeds)
+        if self.static:
+            attn = torch.ones(L - 1, target_cache.max_len, dtype=torch.bool, device=dev).tril()[None, None]
+        else:
+            attn = torch.ones_like(prefix)
+        self.target.forward(cache=target_cache, attention_mask=attn, position_ids=torch.arange(L - 1, device=dev)[None],
+                            inputs_embeds=embeds, logits_to_keep=1)
         sync(dev)
         stats.prefill_target_s = time.perf_counter() - t0
 
         # 4) draft prefill: every view one row of one batch
         drafter = self._prefill_draft(layout, draft_patches, caption_ids, max_new_tokens, stats)
 
-        tokens = run_loop(target=self.target, target_cache=target_cache, target_len=L - 1, drafter=drafter,
-                          first_pending=int(ids[-1]), gamma=self.gamma, max_new_tokens=max_new_tokens,
-                          eos_ids=self.eos_ids, params=params, generator=generator, stats=stats)
+        captured = self._capture_seconds()
+        tokens = run_loop(target=self.target, target_cache=target_cache, target_step=target_step, target_len=L - 1,
+                          drafter=drafter, spec=self.tree, first_pending=int(ids[-1]), max_new_tokens=max_new_tokens,
+                          eos_ids=self.eos_ids, params=params, generator=generator, stats=stats, static=self.static)
+        stats.capture_s = self._capture_seconds() - captured
         stats.total_s = time.perf_counter() - t_start
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         return GenerationResult(token_ids=tokens, text=text, stats=stats, seed=seed)
@@ -273,20 +332,37 @@ class SpecDecoder:
     @torch.inference_mode()
     def new_drafter(self, input_ids, pixel_values=None, *, max_new_tokens: int = 128,
                     images: Sequence | None = None, captions: Sequence[str] | None = None,
-                    preallocate: bool = True) -> EnsembleDrafter:
+                    cache=None) -> EnsembleDrafter:
         """The draft side of :meth:`generate` alone: vision, captions and the prefilled ensemble
         drafter for this prompt (its last token not fed). Used to time draft steps in isolation;
-        ``preallocate=False`` gives the growing ``DynamicCache`` drafter for comparison."""
+        ``cache`` runs it on a cache of the caller's (e.g. a ``DynamicCache``, to compare)."""
         ids = self._check_ids(input_ids, None)
         layout = self._layout(ids, pixel_values)
-        stats = GenerationStats(gamma=self.gamma, views=tuple(v.name for v in self.views))
+        stats = self._new_stats()
         _, draft_patches = self._encode_images(layout, pixel_values, stats)
         caption_ids = self._caption_ids(layout, pixel_values, images, captions, stats)
-        return self._prefill_draft(layout, draft_patches, caption_ids, max_new_tokens, stats, preallocate)
+        return self._prefill_draft(layout, draft_patches, caption_ids, max_new_tokens, stats, cache)
+
+    def _new_stats(self) -> GenerationStats:
+        return GenerationStats(gamma=self.tree.max_depth, views=tuple(v.name for v in self.views),
+                               tree=self.tree.label, engine=self.engine)
 
     def _room(self, max_new_tokens: int) -> int:
-        """Positions a decode can append after the prompt: committed tokens + in-flight drafts."""
-        return max_new_tokens + self.gamma + 1
+        """Positions a decode can append after the prompt: committed tokens + one block's tree."""
+        return max_new_tokens + self.tree.n_nodes + 1
+
+    def _target_cache(self, needed: int):
+        """The target's cache for one decode and the function that runs its block forwards."""
+        if not self.static:
+            cache = self.target.new_cache(needed)  # preallocated, O(1) roll-back
+            return cache, lambda ids, pos, mask: self.target.forward(cache=cache, attention_mask=mask,
+                                                                     position_ids=pos, input_ids=ids)
+        cache, runner = self._static_cache("target", self.target, 1, needed)
+        cache.reset()
+        return cache, runner
+
+    def _capture_seconds(self) -> float:
+        return sum(r.capture_s for _, r in self._static_pool.values())
 
     def _layout(self, ids: torch.Tensor, pixel_values):
         layout = split_prompt(ids, self.target.image_token_id, self.target.tokens_per_image)
@@ -329,14 +405,19 @@ class SpecDecoder:
         return caption_ids
 
     def _prefill_draft(self, layout, draft_patches, caption_ids, max_new_tokens: int,
-                       stats: GenerationStats, preallocate: bool = True) -> EnsembleDrafter:
+                       stats: GenerationStats, cache=None) -> EnsembleDrafter:
         t0 = time.perf_counter()
         rows = [self._view_row(layout, v, draft_patches, caption_ids) for v in self.views]
         for v, r in zip(self.views, rows):
             self._check_draft_context(v, r.token_ids.shape[0], max_new_tokens)
             r.token_ids = r.token_ids[:-1]  # the last prompt token is pending
-        drafter = EnsembleDrafter(self.draft, self.weights, target_vocab=self.target.vocab_size,
-                                  room=self._room(max_new_tokens) if preallocate else None)
+        room = self._room(max_new_tokens)
+        runner = None
+        if self.static and cache is None:
+            needed = max(r.token_ids.shape[0] for r in rows) + room
+            cache, runner = self._static_cache("draft", self.draft, len(rows), needed)
+        drafter = EnsembleDrafter(self.draft, self.weights, target_vocab=self.target.vocab_size, room=room,
+                                  static=self.static, cache=cache, step_fn=runner)
         drafter.prefill(rows)
         sync(self.draft.device)
         stats.prefill_draft_s = time.perf_counter() - t0
@@ -378,22 +459,30 @@ class SpecDecoder:
                               "(build it with the processor: the bos token, the chat template and the text)")
         return ids.long().cpu()
 
+    def _draft_positions(self) -> str:
+        """How the block's draft depth is set, for error messages."""
+        return f"gamma={self.gamma}" if self.tree.kind == "chain" else f"a tree {self.tree.max_depth} deep"
+
     def _check_context(self, prompt_len: int, max_new_tokens: int) -> None:
         limit = self.target.max_positions
-        if limit is not None and prompt_len + max_new_tokens > limit:
+        depth = self.tree.max_depth
+        if limit is not None and prompt_len + max_new_tokens + depth > limit:
             raise MMSpecError(
-                f"the prompt ({prompt_len} tokens, images expanded) plus max_new_tokens="
-                f"{max_new_tokens} exceeds the target's context length of {limit} tokens; "
-                "shorten the prompt, use fewer images or lower max_new_tokens"
+                f"the prompt ({prompt_len} tokens, images expanded) plus max_new_tokens={max_new_tokens} plus "
+                f"{self._draft_positions()} draft positions ({prompt_len + max_new_tokens + depth} in all) exceeds "
+                f"the target's context length of {limit} tokens; lower gamma (or the tree depth) or "
+                "max_new_tokens, shorten the prompt or use fewer images"
             )
 
     def _check_draft_context(self, view: View, row_len: int, max_new_tokens: int) -> None:
         limit = self.draft.max_positions
-        if limit is not None and row_len + max_new_tokens + self.gamma > limit:
+        depth = self.tree.max_depth
+        if limit is not None and row_len + max_new_tokens + depth > limit:
             raise MMSpecError(
                 f"the {view.name} view's draft prompt ({row_len} tokens) plus max_new_tokens="
-                f"{max_new_tokens} exceeds the draft's context length of {limit}; use a view "
-                "with fewer image tokens (text, caption or pooled:N) or lower max_new_tokens"
+                f"{max_new_tokens} plus {self._draft_positions()} draft positions exceeds the draft's context "
+                f"length of {limit}; lower gamma (or the tree depth) or max_new_tokens, or use a view with "
+                "fewer image tokens (text, caption or pooled:N)"
             )
 
     def _images_for_captioner(self, images, pixel_values):
@@ -409,3 +498,14 @@ class SpecDecoder:
             x = ((pv * std + mean).clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
             out.append(Image.fromarray(x))
         return out
+
+
+def _generator(seed: int, device: torch.device) -> torch.Generator:
+    """The explicit generator of one sampling call: a CPU generator seeded with ``seed``; on a
+    GPU, a generator on that device seeded from it, so uniforms never cross to the host."""
+    cpu = torch.Generator().manual_seed(seed)
+    if device.type == "cpu":
+        return cpu
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=cpu)))
+    return gen

@@ -1,165 +1,369 @@
-"""In-batch ensemble drafting (IbED Algorithm 1): every view of the prompt is one row of ONE
-batched draft forward per step; the rows' next-token distributions are mixed with fixed
-weights, the draft token is taken from the mixture, and the mixture is the q verification uses.
+"""In-batch ensemble drafting (IbED Algorithm 1), as chains or token trees.
 
-A single view is the ensemble of one. The drafter owns the draft KV cache (one cache for the
-whole batch; rows are left-padded so every row's newest token sits in the last column) and
-knows nothing about the target or about acceptance.
+Every view of the prompt is one row of ONE batched draft forward per depth; the rows'
+next-token distributions are mixed with fixed weights, and the mixture is what the draft
+proposes from (and the q that sampling verification uses). A single view is the ensemble of one.
 
-Per step the drafter allocates nothing that grows with the context: the KV cache and the
-attention mask are preallocated for ``prompt + room`` positions (``room`` = new tokens the
-decode can feed), so a step's cost does not carry a copy of every row's cache, and rolling
-back rejected drafts is a pointer move.
+Per block the drafter feeds the pending committed tokens, then drafts a tree (:mod:`mmspec.tree`)
+depth by depth: one forward per depth over the whole frontier, every frontier node attending
+to the committed tokens and to its own ancestors through a tree mask on the draft's own cache
+(no re-prefill, no per-node forward). Children of a node come from the mixture (``children=
+"mixture"``) or from each view's own top tokens (``"views"``: an ensemble of proposals rather
+than a mixture of distributions). After verification :meth:`commit` keeps the accepted path's
+keys/values (moved into place, O(path)) and drops the rest.
+
+The drafter owns the draft KV cache (one cache for the whole batch; rows are left-padded so
+every row's newest token sits in the same slot) and the mask of which slots hold committed
+tokens. It knows nothing about the target or about acceptance. Its cache and masks are
+preallocated for ``prompt + room`` positions; every forward goes through ``self.step_fn``
+(eager, or a CUDA-graph replay of the same shapes: :mod:`mmspec.graphs`).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from mmspec.models.base import ModelAdapter
-from mmspec.verify import SamplingParams, logits_to_probs, sample
+from mmspec.models.cache import DecodeCache, set_cache_length
+from mmspec.tree import DraftTree, TreeSpec, ancestors, best_prefix_closed, static_structure
+from mmspec.verify import SamplingParams, logits_to_probs, sample, uniforms
 from mmspec.views import ViewRow
+
+# step_fn(ids [B, n], position_ids [B, n], mask, n) -> logits [B, n, V]
+StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class EnsembleDrafter:
-    def __init__(self, adapter: ModelAdapter, weights: Sequence[float], target_vocab: int,
-                 room: int | None = None):
-        """room: most positions the decode will append after the prompt (max_new_tokens +
-        gamma is always enough); None grows the cache dynamically instead."""
+    def __init__(self, adapter: ModelAdapter, weights: Sequence[float], target_vocab: int, room: int,
+                 static: bool = False, cache=None, step_fn: StepFn | None = None):
+        """room: most positions the decode appends after the prompt (new tokens + one tree).
+        static: full-buffer cache and masks (the CUDA-graph path). cache: a preallocated
+        :class:`~mmspec.models.cache.DecodeCache` to reuse when it is large enough (graphs
+        captured on it stay valid), else one is made. step_fn: runs the draft's forwards on
+        that cache (a :class:`~mmspec.graphs.StepRunner`); default: an eager forward."""
         self.adapter = adapter
-        self.room = room
+        self.room = int(room)
+        self.static = static
         w = torch.tensor(list(weights), dtype=torch.float64)
         self.weights = (w / w.sum()).to(adapter.device)  # [B]
         self.n_rows = len(weights)
         self.target_vocab = target_vocab
-        self.cache = None
-        self._mask: torch.Tensor | None = None  # [B, capacity]: 0 over left padding, 1 elsewhere
-        self._keep: torch.Tensor | None = None  # [B, 1, 1, capacity] bool, only when rows are padded
-        self.length = 0  # positions in the cache (padding included)
-        self.next_pos: torch.Tensor | None = None  # [B] position id of the next fed token
+        self.cache = cache
+        self.step_fn = step_fn
+        self.valid: torch.Tensor | None = None  # [B, capacity] bool: slot holds a committed, non-padding token
+        self.padded = False
+        self.length = 0  # slots in use (left padding and in-block tree nodes included)
+        self.committed = 0  # slots holding committed tokens (padding included)
+        self.next_pos: torch.Tensor | None = None  # [B] position id of the next committed token
 
     @property
-    def attention_mask(self) -> torch.Tensor:
-        """[B, length] the mask of what the cache holds."""
-        return self._mask[:, : self.length]
+    def capacity(self) -> int:
+        return self.valid.shape[1]
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, rows: Sequence[ViewRow]) -> None:
         """Run all rows (left-padded) through the draft once, filling the cache."""
         dev = self.adapter.device
         lengths = [r.token_ids.shape[0] for r in rows]
-        L = max(lengths)
-        B = len(rows)
-        capacity = L + (self.room if self.room is not None else 0)
+        L, B = max(lengths), len(rows)
+        if isinstance(self.cache, DecodeCache) and self.cache.max_len >= L + self.room:
+            self.cache.reset()  # a kept cache (its CUDA graphs stay valid)
+        elif not (self.cache is not None and not isinstance(self.cache, DecodeCache)):
+            self.cache = self.adapter.new_cache(L + self.room, static=self.static)
+        # (any other cache given, e.g. a fresh DynamicCache to time against, is used as it is)
+        capacity = getattr(self.cache, "max_len", L + self.room)
         ids = torch.zeros(B, L, dtype=torch.long)  # pad id 0: masked out, any id works
-        full = torch.ones(B, capacity, dtype=torch.long)  # [B, capacity]; positions past L are all real tokens
+        valid = torch.zeros(B, capacity, dtype=torch.bool)
         for b, r in enumerate(rows):
             ids[b, L - lengths[b]:] = r.token_ids
-            full[b, : L - lengths[b]] = 0
-        ids, full = ids.to(dev), full.to(dev)
-        mask = full[:, :L]
+            valid[b, L - lengths[b]:L] = True
+        ids, self.valid = ids.to(dev), valid.to(dev)
+        self.padded = bool((valid[:, :L] == 0).any())
         embeds = self.adapter.embed(ids)  # [B, L, H]
         for b, r in enumerate(rows):
             if r.features is not None:
                 pos = (r.feature_positions + (L - lengths[b])).to(dev)
                 embeds[b, pos] = r.features.to(embeds.dtype)
-        position_ids = (mask.cumsum(-1) - 1).clamp_min(0)  # [B, L]
-        self.cache = self.adapter.new_cache(capacity if self.room is not None else None)
-        self._mask = full
-        padded = bool((full[:, :L] == 0).any())
-        self._keep = full.bool()[:, None, None, :] if padded and self.room is not None else None  # [B, 1, 1, cap]
-        self.length = L
+        position_ids = (self.valid[:, :L].long().cumsum(-1) - 1).clamp_min(0)  # [B, L]
+        if self.step_fn is None:
+            self.step_fn = self._eager_step
+        self.length = self.committed = L
         self.next_pos = position_ids[:, -1] + 1
         if L > 0:
+            mask = self._prefill_mask(L) if self.static else self.valid[:, :L].long()
             self.adapter.forward(cache=self.cache, attention_mask=mask, position_ids=position_ids,
-                                 inputs_embeds=embeds)
+                                 inputs_embeds=embeds, logits_to_keep=1)
 
-    # ------------------------------------------------------------------ decode
-    def _feed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Append the same n tokens to every row; returns logits of the last one, [B, V]."""
-        B, n = self.n_rows, tokens.shape[0]
-        dev = self._mask.device
-        ids = tokens.to(dev).unsqueeze(0).expand(B, n)  # [B, n]
-        if self.room is None:  # dynamic: grow the mask with the cache
-            self._mask = torch.cat([self._mask, torch.ones(B, n, dtype=self._mask.dtype, device=dev)], dim=1)
-        elif self.length + n > self._mask.shape[1]:
-            raise RuntimeError(f"draft cache full: {self.length} + {n} > {self._mask.shape[1]} positions "
-                               "(the decode fed more than the room it was given)")
-        self.length += n
-        position_ids = self.next_pos[:, None] + torch.arange(n, device=dev)  # [B, n]
-        self.next_pos = self.next_pos + n
-        logits = self.adapter.forward(cache=self.cache, attention_mask=self._step_mask(n),
-                                      position_ids=position_ids, input_ids=ids)
-        return logits[:, -1]  # [B, V_draft]
+    def _prefill_mask(self, L: int) -> torch.Tensor:
+        """[B, 1, L, capacity] bool: causal over the prompt, padding masked (static mode)."""
+        dev = self.valid.device
+        causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
+        mask = torch.zeros(self.n_rows, 1, L, self.capacity, dtype=torch.bool, device=dev)
+        mask[:, 0, :, :L] = causal[None] & self.valid[:, None, :L]
+        mask[:, 0, :, :L] |= torch.eye(L, dtype=torch.bool, device=dev)[None]  # a pad row sees itself: no NaN
+        return mask
 
-    def _step_mask(self, n: int) -> torch.Tensor:
-        """The attention mask of a forward over the newest ``n`` positions.
+    # ------------------------------------------------------------------ one forward
+    def _eager_step(self, ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.adapter.forward(cache=self.cache, attention_mask=mask, position_ids=position_ids, input_ids=ids)
 
-        Rows without padding: the 2D mask (all ones), so transformers keeps SDPA's no-mask path.
-        Left-padded rows: a ready 4D boolean mask [B, 1, n, length] (True = attend) sliced from a
-        buffer built once at prefill, instead of transformers rebuilding it every step.
+    def _feed(self, tokens: torch.Tensor, offset: int, block: torch.Tensor | None,
+              causal: bool = True) -> torch.Tensor:
+        """Append n tokens to every row and return their logits [B, n, V_draft].
+
+        tokens: [n] long (device). Position of token i: next_pos + offset (+ i when ``block`` is
+        None: the tokens are a causal run of committed tokens). block: [n, S] bool, which of the
+        S in-block slots (the last n are these tokens) each token attends to; None = causal
+        among the new tokens. causal: the host's promise that ``block`` is "every earlier
+        in-block slot, and causal among the new ones" (a chain), so no device check is needed.
         """
-        if self._keep is None:
-            return self.attention_mask  # [B, length]
-        keep = self._keep[:, :, :, : self.length]  # [B, 1, 1, length] view
-        if n == 1:
-            return keep
-        causal = torch.ones(n, n, dtype=torch.bool, device=keep.device).tril()  # new tokens among themselves
-        keep = keep.expand(-1, -1, n, -1).clone()  # [B, 1, n, length]
-        keep[..., self.length - n:] &= causal
-        return keep
+        B, n, dev = self.n_rows, tokens.shape[0], self.valid.device
+        if self.length + n > self.capacity:
+            raise RuntimeError(f"draft cache full: {self.length} + {n} > {self.capacity} positions "
+                               "(the decode fed more than the room it was given)")
+        ids = tokens.to(dev).unsqueeze(0).expand(B, n)  # [B, n]
+        steps = torch.arange(n, device=dev) if block is None else torch.zeros(n, dtype=torch.long, device=dev)
+        position_ids = self.next_pos[:, None] + offset + steps  # [B, n]
+        mask = self._mask(n, block, causal)
+        self.length += n
+        return self.step_fn(ids, position_ids, mask)
 
+    def _mask(self, n: int, block: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        """The attention mask of a forward over the newest n slots.
+
+        View mode, no padding, causal block: the 2-D mask (all ones), so transformers keeps
+        SDPA's no-mask path. Otherwise a 4-D boolean mask [B, 1, n, span] (True = attend), span =
+        the filled slots (view mode) or the whole buffer (static mode: a fixed shape).
+        """
+        B, dev = self.n_rows, self.valid.device
+        base, end = self.committed, self.length + n
+        if not self.static and not self.padded and causal:
+            return torch.ones(B, end, dtype=torch.long, device=dev)  # [B, length + n]
+        if block is None:
+            block = torch.ones(n, end - base, dtype=torch.bool, device=dev).tril(end - base - n)
+        span = self.capacity if self.static else end
+        mask = torch.zeros(B, 1, n, span, dtype=torch.bool, device=dev)
+        mask[:, 0, :, :base] = self.valid[:, None, :base]
+        mask[:, 0, :, base:end] = block[None]
+        return mask
+
+    # ------------------------------------------------------------------ distributions
     def mixture(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        """Row logits [B, V_draft] -> mixed q [V_target] (weights over rows)."""
-        probs = logits_to_probs(logits, params)  # [B, V_draft]
-        q = (self.weights.to(probs.dtype)[:, None] * probs).sum(0)  # [V_draft]
-        if q.shape[0] < self.target_vocab:  # draft vocab is a prefix of the target's
-            q = torch.cat([q, q.new_zeros(self.target_vocab - q.shape[0])])
+        """Row logits [B, ..., V_draft] -> mixed q [..., V_target] (weights over rows)."""
+        probs = logits_to_probs(logits, params)  # [B, ..., V_draft]
+        w = self.weights.to(probs.dtype).view(-1, *([1] * (probs.dim() - 1)))
+        q = (w * probs).sum(0)  # [..., V_draft]
+        if q.shape[-1] < self.target_vocab:  # draft vocab is a prefix of the target's
+            q = torch.nn.functional.pad(q, (0, self.target_vocab - q.shape[-1]))
         return q
 
-    def propose(
-        self, pending: torch.Tensor, k: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Feed the pending committed tokens, then draft k tokens.
+    def _children(self, logits: torch.Tensor, k: int, params: SamplingParams, children: str,
+                  u: torch.Tensor | None, need_scores: bool = True
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Candidate children of F frontier nodes.
 
-        pending: [n>=1] tokens committed but not yet in the draft cache.
-        Returns draft tokens [k] and, when sampling, the mixture q [k, V] each was drawn from
-        (greedy verification never reads q, so it is not built). The last draft token is not
-        fed (it enters the cache in the next block if accepted).
+        logits [B, F, V_draft] -> tokens [F, k], scores (log-probabilities) [F, k], and q [F, V]
+        when the children are drawn (``u`` [F] given: chains under sampling, k == 1). Without
+        ``need_scores`` a greedy one-view chain takes the logits' argmax and scores are zeros.
         """
-        logits = self._feed(pending)
-        tokens, qs = [], []
-        for i in range(k):
-            tok, q = self.pick(logits, params, generator)
-            tokens.append(tok)
+        if u is not None:  # sampling chain: one child drawn from the mixture
+            q = self.mixture(logits, params)  # [F, V]
+            tok = sample(q, u)  # [F]
+            return tok[:, None], q.gather(-1, tok[:, None]).clamp_min(1e-30).log(), q
+        if children == "views" and self.n_rows > 1:
+            logp = logits_to_probs(logits, params).clamp_min(1e-30).log()  # [B, F, V]
+            s, t = logp.topk(k, dim=-1)  # [B, F, k]
+            s, t = s.permute(1, 0, 2).flatten(1), t.permute(1, 0, 2).flatten(1)  # [F, B * k]
+            s = _drop_duplicates(t, s)
+            best = s.topk(k, dim=-1)  # [F, k]
+            return t.gather(-1, best.indices), best.values, None
+        if self.n_rows == 1 and params.greedy and k == 1 and not need_scores:  # argmax of softmax == argmax of logits
+            tok = logits[0].argmax(-1, keepdim=True)  # [F, 1]
+            return tok, torch.zeros(tok.shape, dtype=torch.float32, device=tok.device), None
+        q = self.mixture(logits, params)  # [F, V]
+        s, t = q.topk(k, dim=-1)
+        return t, s.clamp_min(1e-30).log(), None
+
+    # ------------------------------------------------------------------ drafting
+    def draft(self, pending: torch.Tensor, spec: TreeSpec, params: SamplingParams,
+              generator: torch.Generator | None = None) -> DraftTree:
+        """Feed the pending committed tokens [n >= 1] (device long), then draft a tree.
+
+        The root (node 0) is the last pending token. Returns the tree on the draft's device;
+        nodes of the deepest level are never fed (they enter the cache next block if accepted).
+        """
+        n_p = pending.shape[0]
+        logits = self._feed(pending, 0, None)[:, -1:]  # [B, 1, V]
+        self.committed += n_p
+        self.valid[:, self.committed - n_p:self.committed] = True
+        self.next_pos = self.next_pos + n_p  # position of depth-1 nodes
+        root_slot = self.committed - 1
+        if spec.kind == "static":
+            return self._draft_static(pending[-1:], root_slot, logits, spec, params)
+        return self._draft_dynamic(pending[-1:], root_slot, logits, spec, params, generator)
+
+    def _draft_dynamic(self, root, root_slot, logits, spec: TreeSpec, params, generator) -> DraftTree:
+        """EAGLE-2 expansion: per depth, the children of the frontier, then the ``topk`` best new
+        nodes by cumulative log q become the next frontier; finally the best ``budget`` nodes."""
+        if spec.kind == "chain":
+            return self._draft_chain(root, root_slot, logits, spec, params, generator)
+        dev = self.valid.device
+        k = spec.topk
+        M = 1 + spec.n_generated
+        tokens = torch.zeros(M, dtype=torch.long, device=dev)
+        parents = torch.full((M,), -1, dtype=torch.long, device=dev)
+        depth = torch.zeros(M, dtype=torch.long, device=dev)
+        score = torch.zeros(M, dtype=torch.float32, device=dev)
+        anc = torch.zeros(M, M, dtype=torch.bool, device=dev)
+        fed = torch.full((M,), -1, dtype=torch.long, device=dev)
+        tokens[0], anc[0, 0], fed[0] = root[0], True, root_slot
+
+        frontier = torch.zeros(1, dtype=torch.long, device=dev)  # node ids whose logits we hold
+        fed_nodes: list[torch.Tensor] = []  # node ids per in-block slot, in slot order
+        made = 1
+        for d in range(1, spec.depth + 1):
+            tok, s, _ = self._children(logits, k, params, spec.children, None)  # [F, k]
+            F = tok.shape[0]
+            new = torch.arange(made, made + F * k, device=dev)
+            par = frontier.repeat_interleave(k)
+            tokens[new], parents[new], depth[new] = tok.flatten(), par, d
+            score[new] = (score[frontier][:, None] + s.float()).flatten()
+            anc[new] = anc[par]
+            anc[new, new] = True
+            made += F * k
+            if d == spec.depth:
+                break
+            frontier = new[score[new].topk(k).indices.sort().values]  # the k best, in creation order
+            fed[frontier] = self.length + torch.arange(k, device=dev)
+            fed_nodes.append(frontier)
+            block = anc[frontier][:, torch.cat(fed_nodes)]  # [k, S] ancestry over in-block slots
+            logits = self._feed(tokens[frontier], d - 1, block, causal=False)  # [B, k, V]: depth-d nodes
+        keep = torch.cat([torch.zeros(1, dtype=torch.long, device=dev),
+                          best_prefix_closed(score[1:made], spec.n_nodes - 1) + 1])
+        return self._tree(keep, tokens, parents, depth, anc, fed, None, spec.depth, spec.is_chain)
+
+    def _draft_chain(self, root, root_slot, logits, spec: TreeSpec, params, generator) -> DraftTree:
+        """A chain: one child per depth (drawn from the mixture when sampling, else its argmax);
+        the tree's structure is known up front, so only tokens are gathered per depth."""
+        dev = self.valid.device
+        draw = not params.greedy
+        u = uniforms(spec.depth, generator, dev) if draw else None
+        need_scores = spec.stop_below is not None
+        toks, qs = [root], []
+        base = self.length  # in-block slot of the depth-1 node once fed
+        d = 0
+        for d in range(1, spec.depth + 1):
+            tok, s, q = self._children(logits, 1, params, "mixture", u[d - 1:d] if draw else None, need_scores)
+            toks.append(tok[0])
             if q is not None:
                 qs.append(q)
-            if i < k - 1:
-                logits = self._feed(torch.tensor([tok]))
-        return torch.tensor(tokens, dtype=torch.long), (torch.stack(qs) if qs else None)
+            if need_scores and float(s.max().exp()) < spec.stop_below:
+                break  # dynamic draft length: the draft is unsure, stop here
+            if d == spec.depth:
+                break
+            block = None if not (self.static or self.padded) else torch.ones(1, d, dtype=torch.bool, device=dev)
+            logits = self._feed(tok[0], d - 1, block, causal=True)  # [B, 1, V]
+        n = d + 1  # nodes, root included
+        idx = torch.arange(n, device=dev)
+        fed = torch.cat([torch.tensor([root_slot], device=dev), base + idx[:-1]]) if n > 1 else idx[:1] + root_slot
+        fed[-1] = -1 if n > 1 else root_slot  # the deepest draft is never fed
+        q_all = None
+        if draw:
+            q_all = torch.cat([qs[0].new_zeros(1, qs[0].shape[-1]), *qs]).to(torch.float64)
+        sampled = None
+        if draw:
+            sampled = idx > 0
+        return DraftTree(tokens=torch.cat(toks), parents=idx - 1, depth=idx, anc=idx[None, :] <= idx[:, None],
+                         fed=fed, max_depth=d, is_chain=True, q=q_all, sampled=sampled)
 
-    def pick(self, logits: torch.Tensor, params: SamplingParams,
-             generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
-        """Row logits [B, V_draft] -> (draft token, mixture q [V] when sampling else None)."""
-        if params.greedy and self.n_rows == 1:
-            return int(logits[0].argmax()), None  # argmax of softmax == argmax of logits
-        if params.greedy:
-            return int(self.mixture(logits, params).argmax()), None
-        q = self.mixture(logits, params)  # [V]
-        return sample(q, generator), q
+    def _draft_static(self, root, root_slot, logits, spec: TreeSpec, params) -> DraftTree:
+        """A Medusa-style static tree: node ``path`` is the ``path[-1]``-ranked child (by the
+        mixture q) of node ``path[:-1]``; nodes with children are fed, one forward per depth."""
+        dev = self.valid.device
+        par_l, dep_l, rank_l = static_structure(spec.paths)
+        M = 1 + len(par_l)
+        parents = torch.tensor([-1] + par_l, dtype=torch.long, device=dev)
+        depth = torch.tensor([0] + dep_l, dtype=torch.long, device=dev)
+        ranks = torch.tensor([0] + rank_l, dtype=torch.long, device=dev)
+        tokens = torch.zeros(M, dtype=torch.long, device=dev)
+        tokens[0] = root[0]
+        anc = ancestors(parents, spec.max_depth)
+        fed = torch.full((M,), -1, dtype=torch.long, device=dev)
+        fed[0] = root_slot
+        has_kids = set(par_l)
+        frontier = [0]
+        fed_nodes: list[int] = []
+        for d in range(1, spec.max_depth + 1):
+            level = [i for i in range(1, M) if dep_l[i - 1] == d]
+            R = max(rank_l[i - 1] for i in level) + 1
+            tok, _, _ = self._children(logits, R, params, spec.children, None)  # [F, R] ranked children
+            slot = {node: j for j, node in enumerate(frontier)}
+            rows = torch.tensor([slot[par_l[i - 1]] for i in level], device=dev)
+            idx = torch.tensor(level, device=dev)
+            tokens[idx] = tok[rows, ranks[idx]]
+            if d == spec.max_depth:
+                break
+            frontier = [i for i in level if i in has_kids]
+            fidx = torch.tensor(frontier, device=dev)
+            fed[fidx] = self.length + torch.arange(len(frontier), device=dev)
+            fed_nodes += frontier
+            block = anc[fidx][:, torch.tensor(fed_nodes, device=dev)]
+            logits = self._feed(tokens[fidx], d - 1, block, causal=spec.is_chain)
+        keep = torch.arange(M, device=dev)
+        return self._tree(keep, tokens, parents, depth, anc, fed, None, spec.max_depth, spec.is_chain)
 
-    def step(self, token: int, params: SamplingParams, generator: torch.Generator | None = None) -> int:
-        """One draft step as :meth:`propose` runs it (feed one token, pick the next); for timing."""
-        return self.pick(self._feed(torch.tensor([token])), params, generator)[0]
+    def _tree(self, keep, tokens, parents, depth, anc, fed, q_all, max_depth: int, is_chain: bool) -> DraftTree:
+        """Restrict the drafted nodes to ``keep`` [N] (ascending, root first) and renumber."""
+        inv = torch.full((tokens.shape[0] + 1,), -1, dtype=torch.long, device=keep.device)
+        inv[keep] = torch.arange(keep.shape[0], device=keep.device)
+        par = inv[parents[keep]]  # a parent index -1 reads inv[-1] == -1: the root stays -1
+        sampled = None
+        if q_all is not None:
+            sampled = torch.ones(keep.shape[0], dtype=torch.bool, device=keep.device)
+            sampled[0] = False
+        return DraftTree(tokens=tokens[keep], parents=par, depth=depth[keep], anc=anc[keep][:, keep],
+                         fed=fed[keep], max_depth=max_depth, is_chain=is_chain,
+                         q=None if q_all is None else q_all[keep], sampled=sampled)
 
-    def rollback(self, n_remove: int) -> None:
-        """Drop the newest n_remove positions from every row (rejected drafts)."""
-        if n_remove <= 0:
-            return
-        self.cache.crop(-n_remove)
-        self.length -= n_remove
-        if self.room is None:
-            self._mask = self._mask[:, : self.length]
-        self.next_pos = self.next_pos - n_remove
+    def step(self, token: int, params: SamplingParams) -> int:
+        """One chain draft step as a block runs it (feed one token, pick the next), then undone
+        (the cache is left as it was): repeated calls time the same work."""
+        logits = self._feed(torch.tensor([token], device=self.valid.device), 0, None)  # [B, 1, V]
+        picked = int(self._children(logits, 1, params, "mixture", None, need_scores=False)[0][0, 0])
+        self.length -= 1
+        set_cache_length(self.cache, self.length)
+        return picked
+
+    # ------------------------------------------------------------------ after verification
+    def commit(self, fed_path: Sequence[int], tree_fed: torch.Tensor, path: torch.Tensor) -> int:
+        """Keep the accepted nodes that were fed, drop every other tree slot.
+
+        fed_path: host ints, the draft-cache slots of the accepted nodes (root excluded), -1 for
+        a node never fed (only the last accepted one can be); tree_fed / path: the same on the
+        device (``tree.fed`` and the outcome's path), used for the gather. Returns how many
+        accepted nodes are now in the cache (the rest are pending for the next block).
+        """
+        m = sum(1 for s in fed_path if s >= 0)
+        base = self.committed
+        if m and list(fed_path[:m]) != list(range(base, base + m)):  # a tree path: move it into place
+            self.cache.move(tree_fed[path[1:1 + m]], base)
+        self.valid[:, base:self.length] = False
+        self.valid[:, base:base + m] = True
+        self.committed = self.length = base + m
+        set_cache_length(self.cache, self.length)
+        self.next_pos = self.next_pos + m
+        return m
+
+
+def _drop_duplicates(tokens: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """Per row, keep each token's best-scoring occurrence: tokens, scores [F, C] -> scores with
+    the other occurrences set to -inf (first occurrence wins a tie)."""
+    same = tokens[:, :, None] == tokens[:, None, :]  # [F, C, C]
+    C = tokens.shape[1]
+    idx = torch.arange(C, device=tokens.device)
+    better = (scores[:, None, :] > scores[:, :, None]) | ((scores[:, None, :] == scores[:, :, None])
+                                                           & (idx[None, None, :] < idx[None, :, None]))
+    dominated = (same & better).any(-1)  # [F, C]
+    return scores.masked_fill(dominated, float("-inf"))

@@ -1,87 +1,121 @@
-"""The speculative decoding loop (chain verification). Owns the target KV cache, the RNG and
-the block records; the drafter owns the draft cache.
+"""The speculative decoding loop. Owns the target KV cache's use, the randomness and the block
+records; the drafter owns the draft cache.
 
-Invariant between blocks: every committed token except the newest is in both caches; the
-newest committed token is *pending* (fed at the start of the next block). The target
-verifies ``[pending, d_1..d_k]`` in one forward, giving p at k + 1 positions.
+Invariant between blocks: every committed token except the newest is in the target cache; the
+newest committed token is *pending*: it is the root (node 0) of the next block's tree. A block:
+
+1. the drafter feeds its pending tokens and drafts a tree (a chain is a tree with one branch);
+2. the target scores every node in ONE forward: node i at position ``past + depth[i]``, under a
+   4-D mask in which it sees the committed tokens and its own ancestors;
+3. verification (greedy or sampling, :mod:`mmspec.verify`) picks the accepted path and the
+   target's next token, on the device; the packed outcome is read once (the block's only host
+   sync, besides the opt-in dynamic draft length);
+4. the accepted path's keys/values are moved into place in both caches (O(path), nothing when
+   the path is already contiguous, as in a chain) and the rest is dropped by moving the cursor.
 """
 
 from __future__ import annotations
 
-import time
+from typing import Callable
+
 import torch
 
 from mmspec.drafter import EnsembleDrafter
 from mmspec.models.base import ModelAdapter
-from mmspec.timing import sync
+from mmspec.models.cache import set_cache_length
 from mmspec.stats import BlockRecord, GenerationStats
-from mmspec.verify import SamplingParams, logits_to_probs, verify_greedy, verify_sampling
+from mmspec.timing import BlockClock
+from mmspec.tree import DraftTree, TreeSpec, tree_attention_mask
+from mmspec.verify import SamplingParams, logits_to_probs, uniforms, verify_tree_greedy, verify_tree_sampling
+
+# target_step(ids [1, N], position_ids [1, N], mask) -> logits [1, N, V]
+StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def run_loop(
     *,
     target: ModelAdapter,
     target_cache,
+    target_step: StepFn,
     target_len: int,
     drafter: EnsembleDrafter,
+    spec: TreeSpec,
     first_pending: int,
-    gamma: int,
     max_new_tokens: int,
     eos_ids: frozenset[int],
     params: SamplingParams,
     generator: torch.Generator | None,
     stats: GenerationStats,
+    static: bool = False,
 ) -> list[int]:
-    """Draft, verify, accept, roll back, until EOS or max_new_tokens. Returns new tokens."""
+    """Draft, verify, accept, compact, until EOS or max_new_tokens. Returns the new tokens."""
     dev = target.device
+    clock = BlockClock(dev)
     tokens: list[int] = []  # new tokens emitted so far
-    last = first_pending  # newest committed token: the one not yet in the target cache
-    draft_pending = [first_pending]  # committed tokens not yet in the draft cache (1 or 2)
     past = target_len  # tokens in the target cache
+    pending = torch.tensor([first_pending], device=dev)  # committed, not yet in the draft cache; [-1] is the root
+    records: list[BlockRecord] = []
     while len(tokens) < max_new_tokens:
-        k = min(gamma, max_new_tokens - len(tokens) - 1)  # a block emits at most k + 1 tokens
-
-        t0 = time.perf_counter()
-        if k > 0:
-            drafts, q = drafter.propose(torch.tensor(draft_pending), k, params, generator)  # [k], [k, V] | None
+        remaining = max_new_tokens - len(tokens)
+        block_spec = spec.for_remaining(remaining)
+        clock.start()
+        if block_spec is None:  # one token left: no draft, the target's next token
+            tree = _root_only(pending[-1:])
         else:
-            drafts, q = torch.zeros(0, dtype=torch.long), torch.zeros(0, target.vocab_size)  # [0], [0, V]
-        sync(dev)
-        t1 = time.perf_counter()
+            tree = drafter.draft(pending, block_spec, params, generator)
+        clock.mark()
 
-        drafts_dev = drafts.to(dev)
-        block = torch.cat([torch.tensor([last], device=dev), drafts_dev])[None]  # [1, k + 1]
-        attn = torch.ones(1, past + k + 1, dtype=torch.long, device=dev)
-        pos = torch.arange(past, past + k + 1, device=dev)[None]
-        logits = target.forward(cache=target_cache, attention_mask=attn, position_ids=pos,
-                                input_ids=block)[0]  # [k + 1, V]
+        n_nodes = tree.size
+        ids = tree.tokens.to(dev)[None]  # [1, N]
+        depth = tree.depth.to(dev)
+        anc = tree.anc.to(dev)
+        position_ids = (past + depth)[None]  # [1, N]
+        if static:
+            mask = tree_attention_mask(anc, past, target_cache.max_len)  # [1, 1, N, capacity]
+        elif tree.is_chain:
+            mask = torch.ones(1, past + n_nodes, dtype=torch.long, device=dev)  # causal: SDPA's fast path
+        else:
+            mask = tree_attention_mask(anc, past, past + n_nodes)  # [1, 1, N, past + N]
+        logits = target_step(ids, position_ids, mask)[0]  # [N, V]
+        parents = tree.parents.to(dev)
         if params.greedy:
-            out = verify_greedy(drafts_dev, logits)
+            out = verify_tree_greedy(ids[0], parents, depth, anc, logits, tree.max_depth)
         else:
-            p = logits_to_probs(logits, params)  # [k + 1, V]
-            out = verify_sampling(drafts_dev, q.to(p.device, p.dtype), p, generator)
-        n = out.n_accepted
-        if k > n:
-            target_cache.crop(-(k - n))  # drop the rejected drafts' keys/values
-        past += n + 1
-        if k > 0:
-            # draft cache holds pending + d_1..d_{k-1}; keep pending + d_1..d_min(n, k-1)
-            drafter.rollback((k - 1) - min(n, k - 1))
-        sync(dev)
-        t2 = time.perf_counter()
+            p = logits_to_probs(logits, params)  # [N, V]
+            q = None if tree.q is None else tree.q.to(dev, p.dtype)
+            sampled = None if tree.sampled is None else tree.sampled.to(dev)
+            out = verify_tree_sampling(ids[0], parents, depth, anc, p, q, sampled,
+                                       uniforms(n_nodes + 1, generator, dev), tree.max_depth)
+        host = out.packed(ids[0], tree.fed.to(dev)).tolist()  # the block's one host sync
+        n, nxt, D1 = host[0], host[1], tree.max_depth + 1
+        path, path_tokens, path_fed = host[2:2 + D1][: n + 1], host[2 + D1:2 + 2 * D1][: n + 1], host[2 + 2 * D1:][: n + 1]
 
-        kept = _cut_at_eos(drafts[:n].tolist() + [out.next_token], eos_ids)
+        if path != list(range(n + 1)):  # a branch other than the first: move its keys/values into place
+            target_cache.move(past + out.path[1:n + 1], past + 1)
+        set_cache_length(target_cache, past + n + 1)
+        past += n + 1
+        in_draft = drafter.commit(path_fed[1:], tree.fed, out.path) if block_spec is not None else 0
+        clock.mark()
+
+        kept = _cut_at_eos((path_tokens[1:] + [nxt])[:remaining], eos_ids)
         tokens.extend(kept)
-        stats.blocks.append(BlockRecord(n_drafted=k, n_accepted=min(n, len(kept)), n_emitted=len(kept),
-                                        draft_s=t1 - t0, verify_s=t2 - t1))
+        records.append(BlockRecord(n_drafted=n_nodes - 1, n_accepted=min(n, len(kept)), n_emitted=len(kept),
+                                   depth=tree.max_depth if n_nodes > 1 else 0))
         if kept[-1] in eos_ids:
             break
-        last = out.next_token
-        if k == 0:  # the draft saw nothing this block: its pending tokens carry over
-            draft_pending = draft_pending + [last]
-        else:  # all accepted: the last draft token never entered the draft cache
-            draft_pending = ([int(drafts[k - 1])] if n == k else []) + [last]
+        # the accepted nodes the draft never saw, then the target's token
+        pending = torch.cat([ids[0][out.path[1 + in_draft:n + 1]], out.next_token.view(1)])
+    for rec, (draft_s, verify_s) in zip(records, clock.durations()):
+        rec.draft_s, rec.verify_s = draft_s, verify_s
+    stats.blocks.extend(records)
     return tokens
+
+
+def _root_only(root: torch.Tensor) -> DraftTree:
+    dev = root.device
+    return DraftTree(tokens=root, parents=torch.full((1,), -1, dtype=torch.long, device=dev),
+                     depth=torch.zeros(1, dtype=torch.long, device=dev), anc=torch.ones(1, 1, dtype=torch.bool, device=dev),
+                     fed=torch.full((1,), -1, dtype=torch.long, device=dev), max_depth=0, is_chain=True)
 
 
 def _cut_at_eos(tokens: list[int], eos_ids: frozenset[int]) -> list[int]:

@@ -16,19 +16,27 @@ from dataclasses import asdict, dataclass, field
 class BlockRecord:
     """One draft-then-verify round."""
 
-    n_drafted: int  # draft tokens proposed (gamma, fewer near max_new_tokens)
-    n_accepted: int  # draft tokens accepted by verification
+    n_drafted: int  # draft tokens proposed: tree nodes, root excluded (a chain: gamma, fewer near the end)
+    n_accepted: int  # draft tokens accepted by verification (the depth of the accepted path)
     n_emitted: int  # tokens appended to the output by this block (after any EOS / limit cut)
     draft_s: float = 0.0  # wall time of the draft forwards of this block
     verify_s: float = 0.0  # wall time of the target forward + acceptance maths
+    depth: int | None = None  # the deepest draft position of the block; None: n_drafted (a chain)
+
+    @property
+    def drafted_depth(self) -> int:
+        return self.n_drafted if self.depth is None else self.depth
 
 
 @dataclass
 class GenerationStats:
     """Summary of one ``SpecDecoder.generate`` call. Times are wall-clock seconds."""
 
-    gamma: int
+    gamma: int  # the deepest a block drafts: gamma for a chain, the tree's depth for a tree
     views: tuple[str, ...]
+    tree: str = "chain"  # the block shape (TreeSpec.label)
+    engine: str = "eager"  # "eager", "static" (fixed shapes) or "cuda-graphs"
+    capture_s: float = 0.0  # CUDA-graph warm-up + capture inside this call (first calls of a shape)
     blocks: list[BlockRecord] = field(default_factory=list)
     vision_s: float = 0.0  # image encoding (vision tower + projectors; shared when reused)
     caption_s: float = 0.0  # captioner, once per image, at prefill
@@ -71,11 +79,11 @@ class GenerationStats:
         return self.prefill_target_s + self.prefill_draft_s
 
     def acceptance_by_position(self) -> list[float]:
-        """P(draft position i accepted | it was drafted), i = 0..gamma-1."""
+        """P(draft depth i + 1 accepted | the block drafted that deep), i = 0..gamma-1."""
         hits = [0] * self.gamma
         tries = [0] * self.gamma
         for b in self.blocks:
-            for i in range(b.n_drafted):
+            for i in range(min(b.drafted_depth, self.gamma)):
                 tries[i] += 1
                 hits[i] += int(i < b.n_accepted)
         return [h / t if t else 0.0 for h, t in zip(hits, tries)]

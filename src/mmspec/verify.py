@@ -12,9 +12,21 @@ distribution before ``d_{i+1}``, and ``p[k]`` follows the last draft token.
 
 Every block therefore emits ``n_accepted + 1`` tokens (before any EOS / length cut).
 
-The per-node step :func:`accept_or_residual` is written for one candidate against one
-(p, q) pair, so token-tree verification (several candidate children per node, SpecInfer-style
-recursive rejection sampling) reuses it node by node: a chain is a tree with one branch.
+Token trees (:mod:`mmspec.tree`): a block drafts a tree whose node 0 (the root) is the newest
+committed token; :func:`verify_tree_greedy` and :func:`verify_tree_sampling` decide the accepted
+path in closed form over all nodes at once (pure tensor ops on the device, no host sync: the
+engine reads the packed outcome once per block). A chain is a tree with one branch, and
+:func:`verify_greedy` / :func:`verify_sampling` are the chain cases of the tree functions.
+
+Sampling over siblings is multi-candidate recursive rejection sampling (SpecInfer, Miao et al.
+2024, "multi-step speculative sampling"): the children of a reached node are tested in order;
+on each rejection the target distribution becomes the residual ``norm(max(0, p - q_i))`` and the
+next sibling is tested against it; if all are rejected the token is drawn from the last
+residual. Each candidate's ``q_i`` is the distribution it was proposed from: for a token DRAWN
+from the draft's q (a chain under sampling) that is q; for a token CHOSEN deterministically
+(top-k children of trees, as EAGLE-2 verifies them, Li et al. 2024) it is a point mass on the
+token, whose residual is p with that token removed. Point-mass candidates accept with
+probability exactly p(candidate set), the most any lossless rule can for a fixed set.
 """
 
 from __future__ import annotations
@@ -93,39 +105,174 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > 0, r / mass.clamp_min(torch.finfo(r.dtype).tiny), p)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from a [V] distribution with an explicit (CPU) generator.
+def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws: probs [..., V] and uniforms u [...] in [0, 1) -> token ids [...] long.
 
-    Draws happen on the CPU so one generator serves target and draft on any device."""
-    return int(torch.multinomial(probs.detach().double().cpu(), 1, generator=generator).item())
+    Runs on the device of ``probs`` with no host sync; the uniforms come from the engine's
+    explicit generator, so a seed reproduces a run. Never returns a zero-probability token:
+    ``searchsorted(right=True)`` lands on the first cumulative mass strictly above u * total.
+    """
+    cdf = probs.double().cumsum(-1)  # [..., V]
+    x = (u.double() * cdf[..., -1])[..., None]  # [..., 1], < total because u < 1
+    return torch.searchsorted(cdf, x, right=True)[..., 0].clamp_max(probs.shape[-1] - 1)
 
 
-def accept_or_residual(
-    token: int, p: torch.Tensor, q: torch.Tensor, generator: torch.Generator | None
-) -> tuple[bool, torch.Tensor]:
-    """One speculative-sampling test of ``token`` (drawn from q) against p. p, q: [V].
+def uniforms(n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """n uniforms in [0, 1), float64, on ``device``, from the engine's explicit generator (drawn on
+    the generator's own device, so a CUDA generator needs no host round trip)."""
+    gdev = generator.device if generator is not None else torch.device("cpu")
+    return torch.rand(n, generator=generator, dtype=torch.float64, device=gdev).to(device)
 
-    Accept with probability min(1, p(x) / q(x)). Returns (accepted, residual) where the
-    residual is the distribution to continue with after a rejection (for a tree node with
-    further candidate children, it becomes the new p).
+
+def accept_or_residual(token: int, p: torch.Tensor, q: torch.Tensor, u: float) -> tuple[bool, torch.Tensor]:
+    """One speculative-sampling test of ``token`` (proposed from q) against p. p, q: [V].
+
+    Accept when ``u < p(x) / q(x)`` (u uniform in [0, 1)). Returns (accepted, residual) where the
+    residual is the distribution to continue with after a rejection: for a tree node with
+    further candidate children it becomes the new p. The sequential, node-by-node statement of
+    what :func:`verify_tree_sampling` evaluates for all nodes at once (the tests check one
+    against the other).
     """
     px, qx = float(p[token]), float(q[token])
-    u = float(torch.rand((), generator=generator, dtype=torch.float64))
     if qx > 0 and u * qx < px:  # u < p/q without dividing by a tiny q
         return True, p
     return False, residual(p, q)
 
 
+# --------------------------------------------------------------------------- trees
+@dataclass
+class TreeOutcome:
+    """What one tree verification produced, as device tensors (read with :meth:`packed`).
+
+    ``path`` lists the root and the accepted nodes (tree indices, parents first), padded to
+    ``max_depth + 1`` entries by repeating the last accepted node."""
+
+    path: torch.Tensor  # [D + 1] long
+    n_accepted: torch.Tensor  # [] long: accepted draft tokens (depth of the deepest accepted node)
+    next_token: torch.Tensor  # [] long: recovered (after a rejection) or bonus token
+
+    def packed(self, *per_node: torch.Tensor) -> torch.Tensor:
+        """[2 + (1 + len(per_node)) (D + 1)] long: n_accepted, next_token, the path, then each
+        per-node tensor ([N] long) read along the path. One ``.tolist()`` of this is the
+        block's single host sync."""
+        return torch.cat([self.n_accepted.view(1), self.next_token.view(1), self.path,
+                          *[t[self.path] for t in per_node]])
+
+
+def _path_of(leaf: torch.Tensor, anc: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """Tree indices root..leaf (parents-first order makes ascending index = ascending depth),
+    padded with the leaf to max_depth + 1. leaf [] long, anc [N, N] -> [max_depth + 1]."""
+    n = anc.shape[0]
+    idx = torch.arange(n, device=anc.device)
+    key = torch.where(anc[leaf], idx, n)  # [N]: path nodes keep their index, others sort last
+    path = key.sort().values[: max_depth + 1]
+    if path.shape[0] < max_depth + 1:
+        path = torch.cat([path, path.new_full((max_depth + 1 - path.shape[0],), n)])
+    return torch.where(path == n, leaf, path)
+
+
+def _deepest(ok: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """Index of the deepest node with ok True (the accepted path is a chain: unique per depth)."""
+    return torch.where(ok, depth, -1).argmax()
+
+
+def verify_tree_greedy(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor,
+                       p_logits: torch.Tensor, max_depth: int) -> TreeOutcome:
+    """Greedy tree verification: accept the longest path whose every token is the target's
+    argmax at its parent; the next token is the target's argmax after that path.
+
+    tokens, parents, depth: [N] long (root first, parents first); anc: [N, N] bool;
+    p_logits: [N, V] target logits at every node.
+    """
+    choice = p_logits.argmax(dim=-1)  # [N] the target's token after each node
+    correct = tokens == choice[parents.clamp_min(0)]  # [N]
+    correct[0] = True  # the root is committed
+    ok = ~(anc & ~correct[None, :]).any(-1)  # [N]: every node on the path is correct
+    leaf = _deepest(ok, depth)
+    return TreeOutcome(path=_path_of(leaf, anc, max_depth), n_accepted=depth[leaf], next_token=choice[leaf])
+
+
+def remaining_mass(p_elder: torch.Tensor) -> torch.Tensor:
+    """Target mass left for a point-mass candidate after its elder siblings were rejected:
+    1 - sum of their p. p_elder [N, N] (p of each elder sibling's token, 0 elsewhere) -> [N]."""
+    return 1.0 - p_elder.sum(-1)
+
+
+def remove_tokens(p: torch.Tensor, removed: torch.Tensor) -> torch.Tensor:
+    """The residual after rejecting point-mass candidates: p with ``removed`` tokens zeroed,
+    renormalised. p [V], removed [V] bool -> [V] (p itself if nothing would be left)."""
+    r = p.masked_fill(removed, 0.0)
+    mass = r.sum(-1, keepdim=True)
+    return torch.where(mass > 0, r / mass.clamp_min(torch.finfo(r.dtype).tiny), p)
+
+
+def verify_tree_sampling(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor,
+                         p_probs: torch.Tensor, q_probs: torch.Tensor | None, sampled: torch.Tensor | None,
+                         u: torch.Tensor, max_depth: int) -> TreeOutcome:
+    """Lossless multi-candidate verification of a tree (recursive rejection over siblings,
+    module docstring), evaluated for every node at once.
+
+    tokens, parents, depth: [N] long; anc: [N, N] bool; p_probs: [N, V] target distributions
+    (same SamplingParams as q); q_probs: [N, V], row i the distribution node i was DRAWN from
+    (read only where ``sampled``); sampled: [N] bool (a drawn node must be its parent's only
+    child), or None when every node was chosen deterministically; u: [N + 1] uniforms in [0, 1): u[i] tests node i, u[N] draws the final token.
+
+    Node i (parent a, elder siblings e) is *chosen* when reached, its elders rejected and
+    ``u_i * q_i(x_i) < p_a'(x_i)`` where p_a' is a's residual after the elders:
+    point mass: ``u_i * (1 - sum_e p_a(x_e)) < p_a(x_i)``; drawn: ``u_i * q_i(x_i) < p_a(x_i)``.
+    """
+    n = tokens.shape[0]
+    dev = tokens.device
+    par = parents.clamp_min(0)  # [N]
+    p_tok = p_probs[par, tokens].double()  # [N] p at the parent of each node's token
+    idx = torch.arange(n, device=dev)
+    sib = (parents[:, None] == parents[None, :]) & (parents[:, None] >= 0)  # [N, N] same parent
+    elder = sib & (idx[None, :] < idx[:, None])  # [N, N]: j is an elder sibling of i
+    left = remaining_mass(torch.where(elder, p_tok[None, :], 0.0))  # [N]
+    if sampled is not None:  # the caller passes None when no node was drawn (no host check here)
+        q_tok = q_probs[idx, tokens].double()  # [N]
+        passes = torch.where(sampled, u[:n] * q_tok < p_tok, u[:n] * left < p_tok)
+    else:
+        passes = u[:n] * left < p_tok  # [N]
+    chosen = passes & ~(elder & passes[None, :]).any(-1)  # first passing sibling only
+    chosen[0] = True
+    ok = ~(anc & ~chosen[None, :]).any(-1)  # [N] reached and chosen all the way
+    leaf = _deepest(ok, depth)
+
+    # the final token: from p at the leaf, or the residual after its children were all rejected
+    kids = parents == leaf  # [N]
+    p_leaf = p_probs[leaf]  # [V]
+    removed = torch.zeros(p_leaf.shape[-1], device=dev).scatter_add_(0, tokens, kids.to(torch.float32)) > 0
+    final = torch.where(kids.any(), remove_tokens(p_leaf, removed), p_leaf)
+    if sampled is not None:
+        drawn_kid = kids & sampled  # [N]: at most one (a drawn node is an only child)
+        q_kid = (drawn_kid.to(q_probs.dtype)[:, None] * q_probs).sum(0)  # [V]
+        final = torch.where(drawn_kid.any(), residual(p_leaf, q_kid.to(p_leaf.dtype)), final)
+    return TreeOutcome(path=_path_of(leaf, anc, max_depth), n_accepted=depth[leaf],
+                       next_token=sample(final, u[n]))
+
+
+# --------------------------------------------------------------------------- chains
+def chain_tree(draft_tokens: torch.Tensor, root: int = 0) -> tuple[torch.Tensor, ...]:
+    """A chain of k drafts as a tree: tokens, parents, depth, anc, each for k + 1 nodes."""
+    k = draft_tokens.shape[0]
+    dev = draft_tokens.device
+    tokens = torch.cat([torch.tensor([root], device=dev, dtype=torch.long), draft_tokens.long()])
+    idx = torch.arange(k + 1, device=dev)
+    anc = idx[None, :] <= idx[:, None]  # [k + 1, k + 1] lower triangle
+    return tokens, idx - 1, idx, anc
+
+
 def verify_greedy(draft_tokens: torch.Tensor, p_logits: torch.Tensor) -> BlockOutcome:
-    """Greedy verification: accept while the draft equals argmax p.
+    """Greedy verification of a chain: accept while the draft equals argmax p.
 
     draft_tokens: [k] long; p_logits: [k + 1, V] target logits at the k + 1 positions.
     """
     k = draft_tokens.shape[0]
-    target_choice = p_logits.argmax(dim=-1)  # [k + 1]
-    mismatch = (draft_tokens != target_choice[:k]).nonzero()
-    n = int(mismatch[0, 0]) if mismatch.numel() else k
-    return BlockOutcome(n_accepted=n, next_token=int(target_choice[n]), bonus=n == k)
+    tokens, parents, depth, anc = chain_tree(draft_tokens)
+    out = verify_tree_greedy(tokens, parents, depth, anc, p_logits, k)
+    n = int(out.n_accepted)
+    return BlockOutcome(n_accepted=n, next_token=int(out.next_token), bonus=n == k)
 
 
 def verify_sampling(
@@ -141,8 +288,12 @@ def verify_sampling(
     p_probs: [k + 1, V] target distributions, processed with the same SamplingParams.
     """
     k = draft_tokens.shape[0]
-    for i in range(k):
-        ok, resid = accept_or_residual(int(draft_tokens[i]), p_probs[i], q_probs[i], generator)
-        if not ok:
-            return BlockOutcome(n_accepted=i, next_token=sample(resid, generator), bonus=False)
-    return BlockOutcome(n_accepted=k, next_token=sample(p_probs[k], generator), bonus=True)
+    tokens, parents, depth, anc = chain_tree(draft_tokens)
+    q = torch.cat([q_probs.new_zeros(1, q_probs.shape[-1]), q_probs]) if k else p_probs.new_zeros(1, p_probs.shape[-1])
+    sampled = torch.ones(k + 1, dtype=torch.bool)
+    sampled[0] = False
+    u = uniforms(k + 2, generator, p_probs.device)
+    out = verify_tree_sampling(tokens, parents, depth, anc, p_probs, q.to(p_probs.device), sampled.to(p_probs.device),
+                               u, k)
+    n = int(out.n_accepted)
+    return BlockOutcome(n_accepted=n, next_token=int(out.next_token), bonus=n == k)

@@ -46,7 +46,8 @@ def _instrumented(dec, timers: _Timers) -> Iterator[None]:
     """Wrap the decoder's pieces for one profiling pass; everything is restored on exit.
 
     Instance-level: the target / draft adapters' ``forward`` (decode calls only: ``input_ids``
-    given; prefill passes ``inputs_embeds``) and the ``crop`` of every cache they create.
+    given; prefill passes ``inputs_embeds``) and the roll-back / compaction of every cache they
+    create (``crop``, ``set_length``, ``move``).
     Module / class level (our own code, restored in ``finally``): ``EnsembleDrafter._feed`` and
     ``.mixture``, and the verification functions the engine looked up from ``mmspec.verify``.
     """
@@ -60,7 +61,9 @@ def _instrumented(dec, timers: _Timers) -> Iterator[None]:
 
         def new_cache(*a, **k):
             c = orig(*a, **k)
-            c.crop = timers.wrap(key, c.crop)
+            for name in ("crop", "set_length", "move"):
+                if hasattr(c, name):
+                    setattr(c, name, timers.wrap(key, getattr(c, name)))
             return c
         return new_cache
 
@@ -70,7 +73,7 @@ def _instrumented(dec, timers: _Timers) -> Iterator[None]:
                (dec.draft, "new_cache", cache_factory(dec.draft, "cache_crop")),
                (EnsembleDrafter, "_feed", timers.wrap("draft_feed", EnsembleDrafter._feed)),
                (EnsembleDrafter, "mixture", timers.wrap("draft_mixture", EnsembleDrafter.mixture))]
-    for fn in ("verify_greedy", "verify_sampling", "logits_to_probs"):
+    for fn in ("verify_tree_greedy", "verify_tree_sampling", "logits_to_probs"):
         patches.append((engine, fn, timers.wrap("verify_maths", getattr(engine, fn))))
     saved = [(obj, name, obj.__dict__.get(name, _MISSING)) for obj, name, _ in patches]
     try:

@@ -28,17 +28,20 @@ from mmspec.verify import SamplingParams
 def draft_step_times(decoders: Mapping[str, object], input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
                      *, captions: Sequence[str] | None = None, images: Sequence | None = None,
                      rounds: int = 30, n_steps: int = 10, temperature: float = 0.0,
-                     max_new_tokens: int = 64, preallocate: bool = True) -> dict[str, float]:
+                     max_new_tokens: int = 64, dynamic_cache: bool = False) -> dict[str, float]:
     """Median seconds per draft step for each ``SpecDecoder`` in ``decoders`` (by name).
 
     input_ids: [1, L] processor output; pixel_values: [n_img, 3, H, W] or None.
-    preallocate: False times the drafter on a growing ``DynamicCache`` (the engine before
+    dynamic_cache: True times the drafter on a growing ``DynamicCache`` (the engine before
     :mod:`mmspec.models.cache`), for a before/after comparison.
     """
+    from transformers import DynamicCache
+
     params = SamplingParams(temperature=temperature)
     token = int(torch.as_tensor(input_ids).reshape(-1)[-1])  # the pending last prompt token
-    drafters = {name: dec.new_drafter(input_ids, pixel_values, max_new_tokens=max_new_tokens,
-                                      images=images, captions=captions, preallocate=preallocate)
+    drafters = {name: dec.new_drafter(input_ids, pixel_values, max_new_tokens=max_new_tokens, images=images,
+                                      captions=captions,
+                                      cache=DynamicCache(config=dec.draft_model.config) if dynamic_cache else None)
                 for name, dec in decoders.items()}
     gens = {name: torch.Generator().manual_seed(0) for name in drafters}
     dev = {name: d.adapter.device for name, d in drafters.items()}
@@ -48,8 +51,7 @@ def draft_step_times(decoders: Mapping[str, object], input_ids: torch.Tensor, pi
         sync(dev[name])
         t0 = time.perf_counter()
         for _ in range(n_steps):
-            d.step(token, params, g)
-            d.rollback(1)
+            d.step(token, params)  # feeds, picks and drops the token again
         sync(dev[name])
         return (time.perf_counter() - t0) / n_steps
 

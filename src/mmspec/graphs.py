@@ -1,0 +1,143 @@
+"""Fixed-shape decode forwards, run eagerly or captured once as CUDA graphs and replayed.
+
+At 7B shapes an eager decode step is launch-bound: Python and ~1,000 kernel launches per step
+cost 5.8x the memory-bandwidth floor (docs/perf.md §5). A CUDA graph replays the same kernels
+with one launch. A graph fixes every address and shape, so the forwards it captures run on a
+*static* cache (:class:`~mmspec.models.cache.DecodeCache` with ``static=True``: the write
+position is a device cursor, attention spans the whole buffer under a 4-D mask) and read their
+inputs from buffers this module owns: per input shape ``(rows, new tokens)`` one graph, captured
+on first use (after two warm-up runs on a side stream) and replayed for every later call of the
+same shape, for as long as its :class:`StepRunner` lives (one per model, cache and decoder).
+
+Why explicit ``torch.cuda.CUDAGraph`` capture rather than ``torch.compile(mode="reduce-overhead")``:
+measured in ``bench/gpu_shapes.py`` (docs/perf.md, "GPU path"); the short version is that
+capture costs milliseconds per shape where compiling costs tens of seconds per shape, and the
+engine needs a graph per verify size and per draft row count.
+
+Modes: ``"eager"`` (no capture), ``"cuda"`` (capture), ``"emulate"`` (CPU tests: the same
+buffer and cursor bookkeeping, the forward re-run instead of replayed). Anything that fails to
+capture falls back to eager with one clear warning: the tokens are the same, only slower.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from mmspec.models.base import ModelAdapter
+
+MODES = ("eager", "cuda", "emulate")
+
+
+@dataclass
+class _Graph:
+    ids: torch.Tensor  # [B, n] long: input buffer
+    pos: torch.Tensor  # [B, n] long
+    mask: torch.Tensor  # [B, 1, n, capacity] bool
+    logits: torch.Tensor | None = None  # [B, n, V] output buffer (written by each replay)
+    graph: object = None  # torch.cuda.CUDAGraph in "cuda" mode
+
+
+class StepRunner:
+    """Runs one model's decode forwards on one static cache; callable as
+    ``runner(ids [B, n], position_ids [B, n], mask [B, 1, n, capacity]) -> logits [B, n, V]``."""
+
+    def __init__(self, adapter: ModelAdapter, cache, mode: str = "eager", name: str = "model",
+                 warmup: int = 2, pool=None):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.adapter, self.cache, self.mode, self.name = adapter, cache, mode, name
+        self.warmup = warmup
+        self.pool = pool
+        self.graphs: dict[tuple, _Graph] = {}
+        self.failed: str | None = None  # why capture was given up, if it was
+        self.capture_s = 0.0  # time spent warming up and capturing (first calls of each shape)
+
+    def _eager(self, ids, pos, mask) -> torch.Tensor:
+        return self.adapter.forward(cache=self.cache, attention_mask=mask, position_ids=pos, input_ids=ids)
+
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.mode == "eager" or self.failed:
+            return self._eager(ids, pos, mask)
+        key = (tuple(ids.shape), tuple(mask.shape))
+        g = self.graphs.get(key)
+        if g is None:
+            t0 = time.perf_counter()
+            try:
+                g = self._capture(ids, pos, mask)
+            except Exception as e:  # noqa: BLE001 - any capture failure: say it once, run eagerly
+                self.failed = f"{type(e).__name__}: {str(e)[:200]}"
+                warnings.warn(f"mmspec: could not capture the {self.name}'s decode step as a CUDA graph "
+                              f"({self.failed}); running it eagerly instead (same tokens, slower)",
+                              RuntimeWarning, stacklevel=2)
+                return self._eager(ids, pos, mask)
+            finally:
+                self.capture_s += time.perf_counter() - t0
+            self.graphs[key] = g
+        g.ids.copy_(ids)
+        g.pos.copy_(pos)
+        g.mask.copy_(mask)
+        n = ids.shape[1]
+        if self.mode == "cuda":
+            g.graph.replay()  # writes K/V at the device cursor and advances it
+        else:
+            g.logits = self._replay_emulated(g)
+        self.cache.set_host_length(self.cache.length + n)
+        return g.logits
+
+    def _replay_emulated(self, g: _Graph) -> torch.Tensor:
+        """Run the forward on the graph's buffers, then undo the host-side length change, as a
+        replay would leave it (a replay moves only the device cursor)."""
+        before = self.cache.length
+        out = self._eager(g.ids, g.pos, g.mask)
+        self.cache.set_host_length(before)
+        return out
+
+    def _capture(self, ids, pos, mask) -> _Graph:
+        g = _Graph(ids=ids.clone(), pos=pos.clone(), mask=mask.clone())
+        start = self.cache.length
+        if self.mode == "emulate":
+            g.graph = "emulated"
+            return g
+        dev = ids.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):  # kernels choose their algorithms outside the capture
+                self._eager(g.ids, g.pos, g.mask)
+                self.cache.set_length(start)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool):
+            g.logits = self._eager(g.ids, g.pos, g.mask)
+        self.cache.set_length(start)  # the capture ran the Python side once; nothing executed
+        g.graph = graph
+        return g
+
+
+def graph_mode(requested, *devices: torch.device) -> str:
+    """``cuda_graphs`` of :class:`~mmspec.SpecDecoder` -> a :data:`MODES` entry.
+
+    "auto": "cuda" when every model sits on one and the same CUDA device, else "eager".
+    True: "cuda", refused without CUDA. False: "eager". "emulate": tests.
+    """
+    from mmspec.errors import MMSpecError
+
+    if requested == "emulate":
+        return "emulate"
+    if requested is False or requested is None:
+        return "eager"
+    on_cuda = all(d.type == "cuda" for d in devices) and len({str(d) for d in devices}) == 1
+    if requested == "auto":
+        return "cuda" if on_cuda else "eager"
+    if requested is True:
+        if not on_cuda:
+            raise MMSpecError(f"cuda_graphs=True needs the target and draft on one CUDA device, they are on "
+                              f"{sorted({str(d) for d in devices})}; use cuda_graphs='auto' or False")
+        return "cuda"
+    raise MMSpecError(f"cuda_graphs must be 'auto', True or False, got {requested!r}")

@@ -1,0 +1,262 @@
+"""Token trees: the shape of a block's draft (a chain, a static tree or a dynamic tree) and the
+drafted tree the target verifies.
+
+A block drafts a tree of candidate continuations of the newest committed token. Node 0 is the
+*root*: that committed token itself (not yet in the target cache). Every other node has a
+parent, a depth (root 0) and a token. The target scores all nodes in ONE forward: node ``i``
+sits at position ``past + depth[i]`` and attends to the committed tokens and to its own
+ancestors (``anc[i]``), so each node sees exactly the sequence of its path. The chain of today's
+speculative decoding is the tree in which every node has one child (SpecInfer, Miao et al. 2024;
+Medusa's static trees; EAGLE-2's dynamic trees, Li et al. 2024).
+
+Three shapes (:class:`TreeSpec`):
+
+* ``chain``: ``depth`` = gamma drafts, one per depth. With sampling, each draft is drawn from
+  the draft distribution q (classic speculative sampling); greedy takes q's argmax.
+* ``static``: Medusa / EAGLE-1 convention, a list of paths of child ranks. ``[0, 1]`` is the
+  second-likeliest child (by q) of the likeliest child of the root.
+* ``dynamic``: EAGLE-2. At each of ``depth`` steps the ``topk`` best frontier nodes (by
+  cumulative draft log-probability) are expanded into their ``topk`` likeliest children; at the
+  end the ``budget`` best nodes are kept. Scores only fall along a path, so the kept set is a
+  tree (ties broken towards the parent, :func:`best_prefix_closed`).
+
+Tree nodes are always listed parents-first (sorted by depth), siblings in proposal order.
+This module owns those shapes and the pure tensor helpers on them; the drafter builds trees,
+``verify`` decides what is accepted, the engine moves caches.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import torch
+
+from mmspec.errors import MMSpecError
+
+KINDS = ("chain", "static", "dynamic")
+CHILDREN = ("mixture", "views")
+
+# Dynamic-tree defaults per device type, chosen from the tau / tokens-per-second curves against
+# tree budget in docs/perf.md ("Token trees"). A CPU verify forward over many nodes is not free,
+# so the CPU tree is small; on a GPU extra tree tokens are nearly free (T_V(64)/T_p ~ 1.2).
+DYNAMIC_DEFAULTS: dict[str, tuple[int, int, int]] = {  # device type -> (depth, topk, budget)
+    "cpu": (5, 2, 8),
+    "cuda": (6, 8, 48),
+}
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """How a block's draft tree is shaped (see the module docstring).
+
+    Dynamic draft length (``stop_below``, chains only; SpecVLM / transformers' assistant
+    confidence threshold): stop drafting a block as soon as the draft's probability of the token
+    it just proposed falls below the threshold. Lossless by construction (fewer drafts only).
+    On a GPU it costs one host read per draft step.
+    """
+
+    kind: str = "chain"
+    depth: int = 5  # chain: gamma; dynamic: expansion steps; static: from the paths
+    topk: int = 1  # dynamic: children per expanded node and nodes expanded per depth
+    budget: int | None = None  # dynamic: tree nodes kept (root excluded); None: all drafted
+    paths: tuple[tuple[int, ...], ...] = ()  # static: child-rank paths
+    children: str = "mixture"  # "mixture": children from the views' mixed q; "views": each view's own top tokens
+    stop_below: float | None = None  # chain: dynamic draft length threshold on q(draft)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise MMSpecError(f"unknown tree kind {self.kind!r}; use one of {KINDS}")
+        if self.children not in CHILDREN:
+            raise MMSpecError(f"tree children must be one of {CHILDREN}, got {self.children!r}")
+        for name in ("depth", "topk"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise MMSpecError(f"tree {name} must be a whole number >= 1, got {v!r}")
+        if self.kind == "static":
+            _check_paths(self.paths)
+        if self.kind == "dynamic":
+            b = self.budget
+            if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+                raise MMSpecError(f"tree budget must be a whole number >= 1 (nodes kept, root excluded), got {b!r}")
+        if self.stop_below is not None:
+            if self.kind != "chain":
+                raise MMSpecError("stop_below (dynamic draft length) applies to chains; a tree already "
+                                  "spends its nodes where the draft is confident")
+            if not 0.0 < float(self.stop_below) < 1.0:
+                raise MMSpecError(f"stop_below must be a probability in (0, 1), got {self.stop_below!r}")
+
+    # ---------------------------------------------------------------- derived shape
+    @property
+    def max_depth(self) -> int:
+        return max(len(p) for p in self.paths) if self.kind == "static" else self.depth
+
+    @property
+    def n_generated(self) -> int:
+        """Nodes the drafter creates (root excluded) before any budget cut."""
+        if self.kind == "chain":
+            return self.depth
+        if self.kind == "static":
+            return len(self.paths)
+        k = self.topk
+        return k + (self.depth - 1) * k * k
+
+    @property
+    def n_nodes(self) -> int:
+        """Nodes verified per full block, root included."""
+        if self.kind == "dynamic":
+            return 1 + min(self.budget or self.n_generated, self.n_generated)
+        return 1 + self.n_generated
+
+    @property
+    def is_chain(self) -> bool:
+        """Every node has at most one child (a dynamic or static tree can be one too)."""
+        if self.kind == "chain":
+            return True
+        if self.kind == "dynamic":
+            return self.topk == 1
+        return all(p[-1] == 0 for p in self.paths)
+
+    @property
+    def label(self) -> str:
+        if self.kind == "chain":
+            return f"chain(γ={self.depth}{f', stop<{self.stop_below:g}' if self.stop_below else ''})"
+        if self.kind == "static":
+            return f"static({len(self.paths)} nodes, depth {self.max_depth})"
+        views = ", views" if self.children == "views" else ""
+        return f"dynamic(depth {self.depth}, top-{self.topk}, {self.n_nodes - 1} nodes{views})"
+
+    def for_remaining(self, remaining: int) -> "TreeSpec | None":
+        """The spec for a block that may emit at most ``remaining`` tokens: no node deeper than
+        ``remaining - 1`` (the target's own token always follows the accepted path). None when
+        ``remaining`` is 1: that block drafts nothing and the target adds its next token."""
+        d = remaining - 1
+        if d < 1:
+            return None
+        if d >= self.max_depth:
+            return self
+        if self.kind == "static":
+            return replace(self, paths=tuple(p for p in self.paths if len(p) <= d))
+        return replace(self, depth=d)
+
+
+def _check_paths(paths) -> None:
+    if not paths:
+        raise MMSpecError("a static tree needs at least one path, e.g. [[0], [1], [0, 0]]")
+    seen = set()
+    for p in paths:
+        if not p or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in p):
+            raise MMSpecError(f"bad static tree path {list(p)!r}: each path is a non-empty list of child ranks >= 0")
+        if p in seen:
+            raise MMSpecError(f"static tree path {list(p)} is listed twice")
+        seen.add(p)
+    for p in paths:
+        if len(p) > 1 and p[:-1] not in seen:
+            raise MMSpecError(f"static tree path {list(p)} has no parent path {list(p[:-1])}; list every prefix")
+        if p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in seen:
+            raise MMSpecError(f"static tree path {list(p)} skips rank {p[-1] - 1}; a node's children must be "
+                              "ranks 0, 1, ... without gaps (the likeliest first)")
+
+
+def parse_tree(tree, *, gamma: int, device_type: str = "cpu", depth: int | None = None, topk: int | None = None,
+               budget: int | None = None, children: str = "mixture", stop_below: float | None = None) -> TreeSpec:
+    """``SpecDecoder(tree=...)`` -> TreeSpec.
+
+    ``None`` / ``"chain"``: gamma drafts in a chain. ``"dynamic"``: EAGLE-2 with the measured
+    per-device defaults of :data:`DYNAMIC_DEFAULTS` unless ``depth``/``topk``/``budget`` are given.
+    A list of child-rank paths (or its JSON text): a static tree. A TreeSpec: as it is.
+    """
+    if isinstance(tree, TreeSpec):
+        return tree
+    if isinstance(tree, str) and tree.strip().startswith("["):
+        try:
+            tree = json.loads(tree)
+        except json.JSONDecodeError as e:
+            raise MMSpecError(f"cannot read the static tree {tree!r} as JSON ({e.msg}); write it like "
+                              "[[0], [1], [0, 0]]") from None
+    if tree is None or (isinstance(tree, str) and tree.strip().lower() == "chain"):
+        return TreeSpec("chain", depth=gamma, stop_below=stop_below)
+    if isinstance(tree, str) and tree.strip().lower() == "dynamic":
+        d0, k0, b0 = DYNAMIC_DEFAULTS.get(device_type, DYNAMIC_DEFAULTS["cpu"])
+        spec = TreeSpec("dynamic", depth=depth or d0, topk=topk or k0, budget=budget or b0, children=children)
+        return spec
+    if isinstance(tree, (list, tuple)):
+        paths = tuple(tuple(p) if isinstance(p, (list, tuple)) else (p,) for p in tree)
+        return TreeSpec("static", paths=tuple(sorted(paths, key=lambda p: (len(p), p))), children=children)
+    raise MMSpecError(f"unknown tree {tree!r}; use None or 'chain', 'dynamic', or a static tree as a list "
+                      "of child-rank paths such as [[0], [1], [0, 0], [0, 1]]")
+
+
+# --------------------------------------------------------------------------- the drafted tree
+@dataclass
+class DraftTree:
+    """A drafted tree, all tensors on the target's device. N nodes, root first, parents first.
+
+    ``q`` and ``sampled`` matter only for sampling verification: ``sampled[i]`` says node i's
+    token was DRAWN from ``q[i]`` (a chain under sampling); otherwise it was chosen
+    deterministically (top-k), and its proposal is a point mass on its token.
+    ``fed`` is the drafter's business: node i's slot in the draft cache, -1 when never fed.
+    """
+
+    tokens: torch.Tensor  # [N] long; tokens[0] is the root (the newest committed token)
+    parents: torch.Tensor  # [N] long; -1 for the root
+    depth: torch.Tensor  # [N] long; root 0
+    anc: torch.Tensor  # [N, N] bool: anc[i, j] = j is i or an ancestor of i
+    fed: torch.Tensor  # [N] long: draft-cache slot, -1 when the node was never fed to the draft
+    max_depth: int  # deepest node (host int, known from the spec)
+    is_chain: bool = False  # host-known: every node has at most one child (no tree mask needed)
+    q: torch.Tensor | None = None  # [N, V]: distribution node i was drawn from (sampling only)
+    sampled: torch.Tensor | None = None  # [N] bool (sampling only)
+    stats: dict = field(default_factory=dict)  # drafter notes (e.g. stopped early)
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def ancestors(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """parents [N] (root -1) -> anc [N, N] bool, anc[i, j] = j is i or an ancestor of i.
+    Exactly ``max_depth`` passes, no data-dependent exit (no host sync on a GPU)."""
+    n = parents.shape[0]
+    anc = torch.eye(n, dtype=torch.bool, device=parents.device)
+    par, has = parents.clamp_min(0), (parents >= 0)[:, None]
+    for _ in range(max_depth):
+        anc = anc | (anc[par] & has)
+    return anc
+
+
+def static_structure(paths: Sequence[Sequence[int]]) -> tuple[list[int], list[int], list[int]]:
+    """Static paths (sorted by depth) -> per node (root excluded, in path order):
+    parent node index (0 = root), depth, child rank."""
+    index = {(): 0}
+    parents, depths, ranks = [], [], []
+    for i, p in enumerate(paths, start=1):
+        p = tuple(p)
+        index[p] = i
+        parents.append(index[p[:-1]])
+        depths.append(len(p))
+        ranks.append(p[-1])
+    return parents, depths, ranks
+
+
+def best_prefix_closed(scores: torch.Tensor, m: int) -> torch.Tensor:
+    """Indices of the ``m`` best nodes by score, parents-first order kept.
+
+    scores [M] (log-probabilities along paths: a child never scores above its parent); nodes are
+    in creation order, parents before children. A stable descending sort puts a parent before a
+    child that ties with it, so the top ``m`` always include every kept node's ancestors.
+    Returns [m] long, ascending (creation order).
+    """
+    order = torch.sort(scores, descending=True, stable=True).indices[:m]
+    return order.sort().values
+
+
+def tree_attention_mask(anc: torch.Tensor, past: int, total: int) -> torch.Tensor:
+    """The target's 4-D mask for verifying a tree of N nodes written at slots past..past+N-1 of a
+    cache whose attention spans ``total`` slots: [1, 1, N, total] bool, True = attend."""
+    n = anc.shape[0]
+    mask = torch.zeros(1, 1, n, total, dtype=torch.bool, device=anc.device)
+    mask[..., :past] = True
+    mask[0, 0, :, past:past + n] = anc
+    return mask
