@@ -1,24 +1,35 @@
-"""Latency of real-shaped models on a GPU: the numbers behind IbED eq. 2 and Fig. 9.
+"""Latency of real-shaped models on a GPU, and mmspec's engine end to end at those shapes.
 
-Owns: building randomly initialised LLaVA models with REAL shapes from configs (no weights:
-decode latency does not depend on weight values), and timing on them
+Owns: building randomly initialised LLaVA models with REAL shapes from configs (decode latency
+does not depend on weight values), and timing on them, through mmspec's own decode path
+(:class:`~mmspec.models.cache.DecodeCache` + :class:`~mmspec.graphs.StepRunner`):
 
 - T_p (target one-token decode) against the memory-bandwidth floor: bytes the decode must read
   (LM weights + lm_head, plus the KV cache) / measured device-to-device copy bandwidth;
-- T_q / T_p (draft one-token decode at batch 1) and T_V(gamma) / T_p (target forward over
-  gamma + 1 tokens) for gamma in 1..8;
-- draft per-step latency for batch 1..8 (IbED Fig. 9: a batch of views costs the draft almost
+- T_q / T_p (draft one-token decode), T_V(gamma) / T_p (target forward over gamma + 1 tokens)
+  and T_V(tree of N nodes) / T_p (N tokens under a tree mask);
+- draft step latency for batch 1..8 (IbED Fig. 9: a batch of views costs the draft almost
   nothing extra because decode is memory-bound);
 
-each in two modes: ``eager`` (``DynamicCache``, what mmspec runs today) and ``static``
-(``StaticCache``; on CUDA the step is captured once in a ``torch.cuda.CUDAGraph`` and replayed,
-which removes the per-kernel launch overhead). Every timed step writes the same cache slots, so
-all repeats see the same context; a precomputed 4-D mask keeps the step free of host syncs.
+each in mode ``eager`` (the engine's eager path: a preallocated cache, attention over the
+filled prefix) and ``graph`` (the engine's GPU path: a static cache captured as a CUDA graph
+per shape). ``--compile`` also times T_p with ``torch.compile(mode="reduce-overhead")`` and
+with inductor kernels captured by mmspec's own graph, with their compile times: the measured
+basis for choosing explicit capture (docs/perf.md).
+
+``--engine`` then runs :class:`mmspec.SpecDecoder` itself at these shapes. Random models
+never agree, so the pair is built to: every layer's output projections are zeroed (the
+residual stream is the token embedding), the draft's embedding and LM head are copied into
+the target's first 768 dimensions, so the target's logits are the draft's times a constant;
+``--engine-noise`` perturbs the draft's head to lower the acceptance. The forwards cost what
+real ones cost. Reported: tau, decode-only tokens/s of the target alone and of mmspec (eager
+and graphs, chain and tree), and the engine efficiency: measured speed-up over the same-mode
+target divided by IbED eq. 2's prediction from the measured T_p, T_q, T_V at the measured tau.
 
 Shapes: target = LLaVA-1.5-7B (CLIP ViT-L/14-336, Llama-2-7B LM: hidden 4096, 32 layers, 32
 heads, intermediate 11008, vocab 32064); draft = LLaVA-68M-shaped (Llama hidden 768, 2 layers,
 12 heads, intermediate 3072, same vocab and vision tower). ``--small`` swaps in tiny configs in
-float32 so the same code path runs on CPU in seconds (tests). It knows nothing about drafting.
+float32 so the same code path runs on CPU in seconds (tests; graphs are emulated there).
 
 Run ``python bench/gpu_shapes.py --help``.
 """
@@ -27,7 +38,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -35,7 +48,7 @@ from typing import Callable, Sequence
 import torch
 
 from mmspec.provenance import machine_info, now
-from mmspec.timing import median_time
+from mmspec.timing import median_time, sync
 
 IMAGE_TOKEN = 32000  # llava-hf/llava-1.5-7b-hf
 
@@ -49,10 +62,17 @@ class ShapesConfig:
     dtype: str | None = None  # default: bfloat16 on cuda, float32 otherwise
     context: int = 640  # tokens already in the KV cache (one 576-token image + text)
     gammas: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
+    trees: tuple[int, ...] = (16, 32, 64)  # T_V over a tree of N nodes
     batches: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
     repeats: int = 30
     warmup: int = 3
-    modes: tuple[str, ...] = ("eager", "static")
+    modes: tuple[str, ...] = ("eager", "graph")
+    compile: bool = False  # also T_p with torch.compile (minutes of compiling at 7B)
+    engine: bool = True  # SpecDecoder end to end at these shapes
+    engine_gamma: int = 5
+    engine_new_tokens: int = 128
+    engine_noise: tuple[float, ...] = (0.0, 0.5)  # draft-head perturbations (0: always agree)
+    engine_repeats: int = 3
     copy_mib: int = 1024  # buffer for the bandwidth probe
     out: str = "runs/gpu_shapes"
     command: str = ""
@@ -88,6 +108,7 @@ def build_model(cfg, device: torch.device, dtype: torch.dtype) -> torch.nn.Modul
 
     with torch.device(device):
         model = LlavaForConditionalGeneration._from_config(cfg, dtype=dtype)
+    model.generation_config.eos_token_id = None  # random text: never stop early
     return model.eval()
 
 
@@ -116,99 +137,213 @@ def copy_bandwidth(device: torch.device, mib: int, repeats: int) -> float:
     return 2 * n / t
 
 
-def _rewind_static(cache, length: int) -> None:
-    """Move a StaticCache's write cursor back to ``length`` (the next step rewrites the same slots).
-
-    transformers 5 keeps the cursor per layer as a device tensor ``cumulative_length``; there is
-    no public rewind for static caches, so this is the one place that touches that attribute.
-    """
-    for layer in cache.layers:
-        cur = getattr(layer, "cumulative_length", None)
-        if not isinstance(cur, torch.Tensor):
-            raise RuntimeError("this transformers version keeps no StaticCache cursor tensor; update _rewind_static")
-        cur.fill_(length)
-
-
-def _step_inputs(model: torch.nn.Module, batch: int, context: int, n_new: int, seed: int = 0):
-    """Random text ids (no image token): prompt [B, C], new tokens [B, n_new], positions [B, n_new]."""
-    dev = next(model.parameters()).device
-    hi = min(model.config.text_config.vocab_size, model.config.image_token_index)
-    ids = torch.randint(5, hi, (batch, context + n_new), generator=torch.Generator().manual_seed(seed)).to(dev)
-    pos = torch.arange(context, context + n_new, device=dev)[None].expand(batch, -1)
-    return ids[:, :context], ids[:, context:], pos
+def random_tree(n: int, depth: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """parents [n] (parents first, root -1) and depth [n] of a random tree at most ``depth`` deep."""
+    g = torch.Generator().manual_seed(seed)
+    parents, depths = [-1], [0]
+    for i in range(1, n):
+        while True:
+            p = int(torch.randint(0, i, (1,), generator=g))
+            if depths[p] < depth:
+                break
+        parents.append(p)
+        depths.append(depths[p] + 1)
+    order = sorted(range(n), key=lambda i: (depths[i], i))
+    inv = {o: k for k, o in enumerate(order)}
+    return (torch.tensor([-1 if parents[o] < 0 else inv[parents[o]] for o in order]),
+            torch.tensor([depths[o] for o in order]))
 
 
-def _static_step(model: torch.nn.Module, prompt: torch.Tensor, new: torch.Tensor, pos: torch.Tensor):
-    """Prefill a StaticCache of exactly context + n_new slots; return a step rewriting the last n_new."""
-    from transformers import StaticCache
+def _graph_mode(device: torch.device) -> str:
+    return "cuda" if device.type == "cuda" else "emulate"
 
-    dev = prompt.device
-    (batch, context), n_new = prompt.shape, new.shape[1]
-    cache = StaticCache(config=model.config, max_cache_len=context + n_new)
-    model(input_ids=prompt, past_key_values=cache, use_cache=True, position_ids=torch.arange(context, device=dev)[None])
-    causal = torch.ones(n_new, n_new, dtype=torch.bool, device=dev).tril()  # [n_new, n_new]
-    mask4 = torch.cat([torch.ones(n_new, context, dtype=torch.bool, device=dev), causal], 1)  # [n_new, C + n_new]
-    mask4 = mask4[None, None].expand(batch, 1, -1, -1)  # [B, 1, n_new, C + n_new]: True = attend
 
-    def step() -> torch.Tensor:
-        logits = model(input_ids=new, past_key_values=cache, use_cache=True, position_ids=pos,
-                       attention_mask=mask4).logits  # [B, n_new, V]
-        _rewind_static(cache, context)  # device-side, so it is captured in the graph too
-        return logits
-    return step
+class _Probe:
+    """One model prefilled with ``context`` random tokens on mmspec's cache, and steps over it."""
+
+    def __init__(self, model, batch: int, context: int, room: int, mode: str):
+        from mmspec.graphs import StepRunner
+        from mmspec.models.base import adapter_for
+
+        self.model, self.batch, self.context, self.mode = model, batch, context, mode
+        self.adapter = adapter_for(model)
+        dev = self.adapter.device
+        self.static = mode != "eager"
+        self.cache = self.adapter.new_cache(context + room, static=self.static)
+        hi = min(model.config.text_config.vocab_size, model.config.image_token_index)
+        g = torch.Generator().manual_seed(0)
+        self.prompt = torch.randint(5, hi, (batch, context), generator=g).to(dev)
+        self.tokens = torch.randint(5, hi, (batch, room), generator=g).to(dev)
+        pos = torch.arange(context, device=dev)[None].expand(batch, -1)
+        if self.static:
+            cap = self.cache.max_len
+            mask = torch.ones(context, cap, dtype=torch.bool, device=dev).tril()[None, None].expand(batch, 1, -1, -1)
+        else:
+            mask = torch.ones(batch, context, dtype=torch.long, device=dev)
+        with torch.inference_mode():
+            self.adapter.forward(cache=self.cache, attention_mask=mask, position_ids=pos, input_ids=self.prompt,
+                                 logits_to_keep=1)
+        self.runner = StepRunner(self.adapter, self.cache, mode=_graph_mode(dev) if mode == "graph" else "eager")
+
+    def step_fn(self, n: int, parents: torch.Tensor | None = None, depth: torch.Tensor | None = None) -> Callable:
+        """A step over n new tokens (a causal run, or a tree given parents/depth), rewound after."""
+        from mmspec.tree import ancestors, tree_attention_mask
+
+        dev, B, C = self.adapter.device, self.batch, self.context
+        if parents is None:
+            parents, depth = torch.arange(n) - 1, torch.arange(n)
+        anc = ancestors(parents.to(dev), int(depth.max()))
+        span = self.cache.max_len if self.static else C + n
+        mask = tree_attention_mask(anc, C, span).expand(B, -1, -1, -1).contiguous()
+        pos = (C + depth.to(dev))[None].expand(B, -1).contiguous()
+        ids = self.tokens[:, :n].contiguous()
+
+        def step():
+            out = self.runner(ids, pos, mask)
+            self.cache.set_length(C)
+            return out
+        return step
+
+
+def step_time(probe: _Probe, n: int, repeats: int, warmup: int, parents=None, depth=None) -> dict:
+    with torch.inference_mode():
+        step = probe.step_fn(n, parents, depth)
+        s = median_time(step, probe.adapter.device, repeats, warmup)
+    r = probe.runner
+    return {"s": s, "graph": r.mode == "cuda" and not r.failed, **({"graph_error": r.failed} if r.failed else {})}
 
 
 @torch.inference_mode()
-def static_matches_eager(model: torch.nn.Module, context: int, n_new: int) -> float:
-    """Max |logit difference| between the static step (run twice: checks the rewind) and eager."""
-    from transformers import DynamicCache
-
-    prompt, new, pos = _step_inputs(model, 2, context, n_new)
-    cache = DynamicCache(config=model.config)
-    model(input_ids=prompt, past_key_values=cache, use_cache=True)
-    ref = model(input_ids=new, past_key_values=cache, use_cache=True, position_ids=pos).logits.float()
-    step = _static_step(model, prompt, new, pos)
+def graph_vs_eager(model, context: int, n: int) -> float:
+    """Max |logit difference| between the graph path (replayed twice: checks the rewind) and eager."""
+    ref = _Probe(model, 2, context, n + 4, "eager").step_fn(n)().float()
+    step = _Probe(model, 2, context, n + 4, "graph").step_fn(n)
     step()
     return float((step().float() - ref).abs().max())
 
 
+def compile_times(model, context: int, repeats: int, warmup: int) -> dict:
+    """T_p with torch.compile: reduce-overhead (its own CUDA graphs), and default-mode kernels
+    captured by mmspec's StepRunner; each with its compile (first calls) time."""
+    out = {}
+    for name in ("reduce-overhead", "default+mmspec-graph"):
+        try:
+            torch._dynamo.reset()
+            probe = _Probe(model, 1, context, 8, "graph" if name.startswith("default") else "static")
+            compiled = torch.compile(model, mode=None if name.startswith("default") else "reduce-overhead",
+                                     dynamic=False)
+            probe.adapter.model = compiled  # the adapter calls the compiled module
+            step = probe.step_fn(1)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                for _ in range(3):
+                    step()
+                sync(probe.adapter.device)
+                first = time.perf_counter() - t0
+                s = median_time(step, probe.adapter.device, repeats, warmup)
+            out[name] = {"s": s, "compile_and_first_calls_s": first}
+        except Exception as e:  # noqa: BLE001 - report what failed, keep the run
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    torch._dynamo.reset()
+    return out
+
+
+# --------------------------------------------------------------------------- engine end to end
+def make_agreeing(target, draft, noise: float, seed: int = 0) -> None:
+    """Make the target's logits the draft's times a constant (module docstring), then perturb the
+    draft's head by ``noise`` standard deviations. In place, on the models' device."""
+    g = torch.Generator(device=target.device).manual_seed(seed)
+    with torch.no_grad():
+        for m in (target, draft):
+            lm = m.model.language_model
+            for layer in lm.layers:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+            lm.norm.weight.fill_(1.0)
+        ed, et = draft.get_input_embeddings().weight, target.get_input_embeddings().weight  # [V, 768], [V, 4096]
+        wd, wt = draft.get_output_embeddings().weight, target.get_output_embeddings().weight
+        et.zero_()
+        et[:, : ed.shape[1]] = ed
+        wt.zero_()
+        wt[:, : wd.shape[1]] = wd
+        if noise:
+            wd.add_(torch.randn(wd.shape, generator=g, device=wd.device, dtype=wd.dtype) * noise * wd.float().std())
+
+
+def word_tokenizer(vocab: int):
+    """A stand-in tokenizer with ``vocab`` word tokens (SpecDecoder only needs its size and ids)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="removed")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
+
+
 @torch.inference_mode()
-def step_time(model: torch.nn.Module, batch: int, context: int, n_new: int, mode: str, repeats: int,
-              warmup: int) -> dict:
-    """Median time of one forward over ``n_new`` tokens for ``batch`` rows on ``context`` cached ones.
+def target_alone(target, prompt: torch.Tensor, n_new: int, mode: str) -> float:
+    """Seconds per token of greedy decoding by the target alone, on mmspec's cache (eager or
+    graph), decode only (after the prefill); tokens stay on the device (no sync per token)."""
+    probe = _Probe(target, 1, prompt.shape[1], n_new + 2, mode)
+    dev = probe.adapter.device
+    C, cap = probe.context, probe.cache.max_len
+    nxt = probe.tokens[:, :1].clone()
+    mask_full = torch.zeros(1, 1, 1, cap, dtype=torch.bool, device=dev)
+    sync(dev)
+    t0 = time.perf_counter()
+    for i in range(n_new):
+        pos = torch.full((1, 1), C + i, dtype=torch.long, device=dev)
+        if probe.static:
+            mask_full[..., C + i] = True
+            mask_full[..., :C] = True
+            mask = mask_full
+        else:
+            mask = torch.ones(1, C + i + 1, dtype=torch.long, device=dev)
+        nxt = probe.runner(nxt, pos, mask)[:, -1:].argmax(-1)
+    sync(dev)
+    return (time.perf_counter() - t0) / n_new
 
-    mode "eager": DynamicCache, cropped after each step. mode "static": StaticCache sized
-    context + n_new, same slots rewritten each step; on CUDA captured as a CUDA graph.
-    """
-    from transformers import DynamicCache
 
-    prompt, new, pos = _step_inputs(model, batch, context, n_new)
-    dev = prompt.device
-    if mode == "eager":
-        cache = DynamicCache(config=model.config)
-        model(input_ids=prompt, past_key_values=cache, use_cache=True)
-        mask = torch.ones(batch, context + n_new, dtype=torch.long, device=dev)  # [B, C + n_new]
+def engine_run(cfg: ShapesConfig, target, draft, result: dict, log) -> dict:
+    """SpecDecoder at these shapes: target alone vs mmspec, eager vs graphs, chain vs tree."""
+    from mmspec import SpecDecoder
 
-        def step() -> None:
-            model(input_ids=new, past_key_values=cache, use_cache=True, position_ids=pos, attention_mask=mask)
-            cache.crop(-n_new)  # transformers 5: a negative count removes that many positions
-        return {"s": median_time(step, dev, repeats, warmup), "graph": False}
-    step = _static_step(model, prompt, new, pos)
-    if dev.type != "cuda":
-        return {"s": median_time(step, dev, repeats, warmup), "graph": False}
-    try:
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(max(warmup, 2)):
-                step()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        return {"s": median_time(graph.replay, dev, repeats, warmup), "graph": True}
-    except Exception as e:  # noqa: BLE001 - report and fall back to the un-captured static step
-        return {"s": median_time(step, dev, repeats, warmup), "graph": False, "graph_error": repr(e)[:300]}
+    dev = target.device
+    tok = word_tokenizer(target.config.text_config.vocab_size)
+    hi = min(target.config.text_config.vocab_size, target.config.image_token_index)
+    prompt = torch.randint(5, hi, (1, cfg.context), generator=torch.Generator().manual_seed(1)).to(dev)
+    out = {"new_tokens": cfg.engine_new_tokens, "gamma": cfg.engine_gamma, "runs": {}}
+    for mode in cfg.modes:
+        out.setdefault("target_alone_s_per_token", {})[mode] = statistics.median(
+            target_alone(target, prompt, cfg.engine_new_tokens, mode) for _ in range(cfg.engine_repeats))
+    for noise in cfg.engine_noise:
+        make_agreeing(target, draft, noise)
+        for mode in cfg.modes:
+            graphs = mode == "graph"
+            for label, kw in (("chain", {}), ("tree", {"tree": "dynamic"})):
+                dec = SpecDecoder(target, draft, tok, views="M", gamma=cfg.engine_gamma,
+                                  cuda_graphs=("emulate" if dev.type != "cuda" else True) if graphs else False, **kw)
+                dec.generate(prompt, max_new_tokens=cfg.engine_new_tokens)  # warm-up: captures the graphs
+                runs = [dec.generate(prompt, max_new_tokens=cfg.engine_new_tokens) for _ in range(cfg.engine_repeats)]
+                decode = [r.stats.total_s - r.stats.prefill_s - r.stats.vision_s for r in runs]
+                st = runs[0].stats
+                s_tok = statistics.median(d / r.stats.n_tokens for d, r in zip(decode, runs))
+                base = out["target_alone_s_per_token"][mode]
+                rec = {"noise": noise, "mode": mode, "tree": st.tree, "tau": st.tau, "n_blocks": st.n_blocks,
+                       "decode_s_per_token": s_tok, "speedup_vs_target_same_mode": base / s_tok,
+                       "speedup_vs_eager_target": out["target_alone_s_per_token"].get("eager", base) / s_tok,
+                       "engine": st.engine, "identical_runs": all(r.token_ids == runs[0].token_ids for r in runs)}
+                m = result["modes"].get(mode)
+                if m and label == "chain":  # eq. 2 at the measured tau, from this run's microbenchmarks
+                    g = str(cfg.engine_gamma)
+                    t_p, t_q, t_v = m["T_p"]["s"], m["T_q"][str(min(cfg.batches))]["s"], m["T_V"][g]["s"]
+                    pred = st.tau / (cfg.engine_gamma * t_q / t_p + t_v / t_p)
+                    rec.update(predicted_speedup=pred, engine_efficiency=rec["speedup_vs_target_same_mode"] / pred)
+                out["runs"][f"noise{noise:g}-{mode}-{label}"] = rec
+                log(f"[engine] noise {noise:g} {mode:5s} {label:5s}: tau {st.tau:.2f}, "
+                    f"{1 / s_tok:.1f} tok/s, x{rec['speedup_vs_target_same_mode']:.2f} vs same-mode target"
+                    + (f", efficiency {rec['engine_efficiency']:.2f}" if "engine_efficiency" in rec else ""))
+    return out
 
 
 # --------------------------------------------------------------------------- the run
@@ -221,32 +356,50 @@ def run(cfg: ShapesConfig, log: Callable[[str], None] = print) -> dict:
     target, draft = build_model(tcfg, device, dtype), build_model(dcfg, device, dtype)
     bw = copy_bandwidth(device, cfg.copy_mib, max(5, cfg.repeats // 3))
     w_t = decode_weight_bytes(target)
-    result = {"date": now(),
-              "machine": machine_info(str(device)), "config": asdict(cfg), "dtype": str(dtype),
+    result = {"date": now(), "machine": machine_info(str(device)), "config": asdict(cfg), "dtype": str(dtype),
               "target_params": sum(p.numel() for p in target.parameters()),
               "draft_params": sum(p.numel() for p in draft.parameters()),
               "copy_bandwidth_GBps": bw / 1e9, "target_decode_weight_bytes": w_t,
               "target_kv_bytes": kv_bytes(tcfg, cfg.context, 1, dtype),
               "T_p_floor_weights_s": w_t / bw,
               "T_p_floor_weights_kv_s": (w_t + kv_bytes(tcfg, cfg.context, 1, dtype)) / bw, "modes": {}}
-    if "static" in cfg.modes:  # the static path must compute what the eager one does
-        result["static_vs_eager_max_abs_logit_diff"] = {
-            "target": static_matches_eager(target, cfg.context, 6), "draft": static_matches_eager(draft, cfg.context, 1)}
+    if "graph" in cfg.modes:  # the graph path must compute what the eager one does
+        result["graph_vs_eager_max_abs_logit_diff"] = {
+            "target": graph_vs_eager(target, cfg.context, 6), "draft": graph_vs_eager(draft, cfg.context, 1)}
+    room = max(max(cfg.gammas) + 1, max(cfg.trees, default=1)) + 2
     for mode in cfg.modes:
         r: dict = {}
+        tp = _Probe(target, 1, cfg.context, room, mode)
         log(f"[{mode}] T_p ...")
-        r["T_p"] = step_time(target, 1, cfg.context, 1, mode, cfg.repeats, cfg.warmup)
+        r["T_p"] = step_time(tp, 1, cfg.repeats, cfg.warmup)
         t_p = r["T_p"]["s"]
         r["T_p_over_floor"] = t_p / result["T_p_floor_weights_kv_s"]
-        log(f"[{mode}] T_V(gamma) for gamma {list(cfg.gammas)} ...")
-        r["T_V"] = {str(g): step_time(target, 1, cfg.context, g + 1, mode, cfg.repeats, cfg.warmup) for g in cfg.gammas}
+        log(f"[{mode}] T_V(gamma) for gamma {list(cfg.gammas)}, T_V(tree) for {list(cfg.trees)} nodes ...")
+        r["T_V"] = {str(g): step_time(tp, g + 1, cfg.repeats, cfg.warmup) for g in cfg.gammas}
         r["T_V_over_T_p"] = {g: v["s"] / t_p for g, v in r["T_V"].items()}
+        r["T_V_tree"] = {str(n): step_time(tp, n, cfg.repeats, cfg.warmup, *random_tree(n, 6, seed=n))
+                         for n in cfg.trees}
+        r["T_V_tree_over_T_p"] = {n: v["s"] / t_p for n, v in r["T_V_tree"].items()}
+        del tp
         log(f"[{mode}] draft step for batch {list(cfg.batches)} ...")
-        r["T_q"] = {str(b): step_time(draft, b, cfg.context, 1, mode, cfg.repeats, cfg.warmup) for b in cfg.batches}
+        r["T_q"] = {str(b): step_time(_Probe(draft, b, cfg.context, 4, mode), 1, cfg.repeats, cfg.warmup)
+                    for b in cfg.batches}
         t_q1 = r["T_q"][str(min(cfg.batches))]["s"]
         r["T_q_over_T_p"] = t_q1 / t_p
         r["T_q_batch_over_batch1"] = {b: v["s"] / t_q1 for b, v in r["T_q"].items()}
         result["modes"][mode] = r
+        write_report(result, cfg.out)  # results written as they are produced
+    if cfg.engine:
+        log("[engine] SpecDecoder end to end ...")
+        result["engine"] = engine_run(cfg, target, draft, result, log)
+        write_report(result, cfg.out)
+    if cfg.compile and device.type == "cuda":
+        log("[compile] T_p with torch.compile (compiling takes a while) ...")
+        result["compile"] = compile_times(target, cfg.context, cfg.repeats, cfg.warmup)
+        for k, v in result["compile"].items():
+            if "s" in v:
+                v["T_p_over_floor"] = v["s"] / result["T_p_floor_weights_kv_s"]
+        write_report(result, cfg.out)
     jp, mp = write_report(result, cfg.out)
     log(markdown(result))
     log(f"wrote {jp} and {mp}")
@@ -258,27 +411,50 @@ def markdown(res: dict) -> str:
     ms = lambda s: f"{s * 1e3:.3f}"  # noqa: E731
     lines = [f"# Real-shape latency ({res['date']})", "",
              f"- command: `{res['config']['command']}`",
-             f"- machine: {m.get('gpu', m['device'])}, torch {m['torch']}, {res['dtype']}, "
-             f"context {res['config']['context']} tokens; target {res['target_params'] / 1e6:,.1f} M params, "
-             f"draft {res['draft_params'] / 1e6:,.1f} M params; static vs eager max |logit diff| "
-             f"{res.get('static_vs_eager_max_abs_logit_diff', '-')}",
+             f"- machine: {m.get('gpu', m['device'])}, torch {m['torch']}, transformers {m.get('transformers', '?')}, "
+             f"{res['dtype']}, context {res['config']['context']} tokens; target {res['target_params'] / 1e6:,.1f} M "
+             f"params, draft {res['draft_params'] / 1e6:,.1f} M params; graph vs eager max |logit diff| "
+             f"{res.get('graph_vs_eager_max_abs_logit_diff', '-')}",
              f"- copy bandwidth {res['copy_bandwidth_GBps']:.0f} GB/s; T_p floor (weights) "
              f"{ms(res['T_p_floor_weights_s'])} ms, (weights + KV) {ms(res['T_p_floor_weights_kv_s'])} ms", "",
              "| mode | T_p ms | T_p / floor | T_q(1) / T_p | graph |", "|---|---|---|---|---|"]
     for mode, r in res["modes"].items():
         lines.append(f"| {mode} | {ms(r['T_p']['s'])} | {r['T_p_over_floor']:.2f} | {r['T_q_over_T_p']:.3f} | "
                      f"{r['T_p']['graph']}{' (' + r['T_p']['graph_error'] + ')' if 'graph_error' in r['T_p'] else ''} |")
+    for name, v in res.get("compile", {}).items():
+        if "s" in v:
+            lines.append(f"| torch.compile {name} | {ms(v['s'])} | {v['T_p_over_floor']:.2f} | - | "
+                         f"compiling + first calls {v['compile_and_first_calls_s']:.0f} s |")
+        else:
+            lines.append(f"| torch.compile {name} | - | - | - | {v.get('error')} |")
     gam = list(next(iter(res["modes"].values()))["T_V_over_T_p"]) if res["modes"] else []
     lines += ["", "T_V(gamma) / T_p (target verifies gamma + 1 tokens):", "",
               "| mode | " + " | ".join(f"γ={g}" for g in gam) + " |", "|---" * (len(gam) + 1) + "|"]
     for mode, r in res["modes"].items():
         lines.append(f"| {mode} | " + " | ".join(f"{r['T_V_over_T_p'][g]:.2f}" for g in gam) + " |")
+    trees = list(next(iter(res["modes"].values()))["T_V_tree_over_T_p"]) if res["modes"] else []
+    if trees:
+        lines += ["", "T_V(tree) / T_p (target verifies a tree of N nodes under a tree mask, depth <= 6):", "",
+                  "| mode | " + " | ".join(f"N={n}" for n in trees) + " |", "|---" * (len(trees) + 1) + "|"]
+        for mode, r in res["modes"].items():
+            lines.append(f"| {mode} | " + " | ".join(f"{r['T_V_tree_over_T_p'][n]:.2f}" for n in trees) + " |")
     bs = list(next(iter(res["modes"].values()))["T_q"]) if res["modes"] else []
     lines += ["", "Draft step latency by batch (= number of views), ms and ratio to batch 1 (IbED Fig. 9):", "",
               "| mode | " + " | ".join(f"b={b}" for b in bs) + " |", "|---" * (len(bs) + 1) + "|"]
     for mode, r in res["modes"].items():
         lines.append(f"| {mode} | " + " | ".join(f"{ms(r['T_q'][b]['s'])} ({r['T_q_batch_over_batch1'][b]:.2f}x)"
                                                  for b in bs) + " |")
+    eng = res.get("engine")
+    if eng:
+        base = eng["target_alone_s_per_token"]
+        lines += ["", f"SpecDecoder end to end (M view, γ={eng['gamma']}, {eng['new_tokens']} new tokens, decode only; "
+                  "target alone: " + ", ".join(f"{k} {1 / v:.1f} tok/s" for k, v in base.items()) + "):", "",
+                  "| draft noise | mode | blocks | τ | tok/s | vs same-mode target | vs eager target | eq.-2 predicted "
+                  "| engine efficiency |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in eng["runs"].values():
+            lines.append(f"| {r['noise']:g} | {r['mode']} | {r['tree']} | {r['tau']:.2f} | {1 / r['decode_s_per_token']:.1f} "
+                         f"| {r['speedup_vs_target_same_mode']:.2f}x | {r['speedup_vs_eager_target']:.2f}x | "
+                         f"{r.get('predicted_speedup', float('nan')):.2f}x | {r.get('engine_efficiency', float('nan')):.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -304,17 +480,25 @@ def parse_args(argv: Sequence[str] | None = None) -> ShapesConfig:
     ap.add_argument("--dtype", default=d.dtype, choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--context", type=int, default=d.context)
     ap.add_argument("--gammas", default=",".join(map(str, d.gammas)))
+    ap.add_argument("--trees", default=",".join(map(str, d.trees)), help="tree sizes N for T_V(tree)")
     ap.add_argument("--batches", default=",".join(map(str, d.batches)))
     ap.add_argument("--repeats", type=int, default=d.repeats)
     ap.add_argument("--warmup", type=int, default=d.warmup)
-    ap.add_argument("--modes", default=",".join(d.modes), help="eager,static")
+    ap.add_argument("--modes", default=",".join(d.modes), help="eager,graph")
+    ap.add_argument("--compile", action="store_true", help="also T_p with torch.compile (CUDA only)")
+    ap.add_argument("--no-engine", dest="engine", action="store_false", help="skip the SpecDecoder runs")
+    ap.add_argument("--engine-gamma", type=int, default=d.engine_gamma)
+    ap.add_argument("--engine-new-tokens", type=int, default=d.engine_new_tokens)
+    ap.add_argument("--engine-noise", default=",".join(map(str, d.engine_noise)))
+    ap.add_argument("--engine-repeats", type=int, default=d.engine_repeats)
     ap.add_argument("--copy-mib", type=int, default=d.copy_mib)
     ap.add_argument("--out", default=d.out)
     a = ap.parse_args(argv)
     modes = tuple(m for m in a.modes.split(",") if m)
-    if set(modes) - {"eager", "static"}:
-        ap.error(f"--modes takes eager and/or static, got {a.modes}")
-    kw = vars(a) | {"gammas": _ints(a.gammas), "batches": _ints(a.batches), "modes": modes}
+    if set(modes) - {"eager", "graph"}:
+        ap.error(f"--modes takes eager and/or graph, got {a.modes}")
+    kw = vars(a) | {"gammas": _ints(a.gammas), "trees": _ints(a.trees), "batches": _ints(a.batches), "modes": modes,
+                    "engine_noise": tuple(float(x) for x in a.engine_noise.split(",") if x)}
     return ShapesConfig(**kw, command=" ".join(["python", "bench/gpu_shapes.py",
                                                  *(argv if argv is not None else sys.argv[1:])]))
 

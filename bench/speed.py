@@ -8,7 +8,10 @@ prompts, and the engine-efficiency analysis (IbED eq. 2) with a per-piece time b
   own speculative decoding, one draft, one view). ``--assisted matched`` (default) fixes the
   draft length to gamma with a constant schedule and no confidence early-exit, like mmspec;
   ``--assisted default`` keeps transformers' defaults (what a user gets without tuning).
-- ``mmspec_M``: ``SpecDecoder(views="M")``; ``mmspec_<ENS>``: the ensemble (``--ensemble``).
+- ``mmspec_M``: ``SpecDecoder(views="M")``; ``mmspec_<ENS>``: the ensemble (``--ensemble``);
+  ``mmspec_M+tree``: the M view with the device's default dynamic token tree (``--trees``;
+  ``M+tree@16`` sets the budget). On a GPU the mmspec systems run with CUDA graphs (the default
+  there) and ``mmspec_M(eager)`` repeats M without them (``--no-eager``).
 
 Noise control: every repeat runs every prompt on every system back to back (round-robin), the
 system order rotated each repeat and shifted per prompt, so machine noise hits all systems
@@ -60,6 +63,8 @@ class SpeedConfig:
     max_new_tokens: int = 64
     gamma: int = 5
     ensemble: str = "MTC"
+    trees: tuple[str, ...] = ("M+tree",)  # tree systems: VIEWS+tree[@BUDGET] (dynamic tree; empty: none)
+    eager: bool = True  # on a GPU, also run mmspec M without CUDA graphs
     step_views: str = "MTCP"  # the ensemble whose draft step is timed against one view (M)
     step_rounds: int = 30  # interleaved rounds of the draft-step timing
     assisted: str = "matched"  # "matched" (gamma, constant, no early exit) or "default"
@@ -178,15 +183,31 @@ def _assistant_config(draft, mode: str, gamma: int) -> Iterator[None]:
 
 
 def build_decoders(cfg: SpeedConfig, models: SpeedModels) -> dict[str, Any]:
-    """``mmspec_M`` and ``mmspec_<ensemble>`` SpecDecoders (built once, reused)."""
+    """``mmspec_M``, ``mmspec_<ensemble>``, the tree systems, and on a GPU ``mmspec_M(eager)``
+    (SpecDecoders built once, reused: their CUDA graphs are captured in the warm-up pass)."""
     from mmspec.decoder import SpecDecoder
 
-    out = {}
-    for views in dict.fromkeys(["M", cfg.ensemble]):
+    def make(views: str, **kw):
         cap = models.captioner if "C" in views.upper() else None
-        out[f"mmspec_{views}"] = SpecDecoder(models.target, models.draft, models.tokenizer, views=views,
-                                             captioner=cap, gamma=cfg.gamma, processor=models.processor)
+        return SpecDecoder(models.target, models.draft, models.tokenizer, views=views, captioner=cap, gamma=cfg.gamma,
+                           processor=models.processor, **kw)
+
+    out = {f"mmspec_{views}": make(views) for views in dict.fromkeys(["M", cfg.ensemble])}
+    for name in cfg.trees:
+        views, budget = tree_system(name)
+        out[f"mmspec_{name}"] = make(views, tree="dynamic", tree_budget=budget)
+    if cfg.eager and next(models.target.parameters()).device.type == "cuda":
+        out["mmspec_M(eager)"] = make("M", cuda_graphs=False)
     return out
+
+
+def tree_system(name: str) -> tuple[str, int | None]:
+    """``"MT+tree@16"`` -> ("MT", 16); ``"M+tree"`` -> ("M", None: the device's default budget)."""
+    views, sep, rest = name.partition("+tree")
+    if not sep or not views:
+        raise SystemExit(f"a tree system is VIEWS+tree or VIEWS+tree@BUDGET (e.g. M+tree@16), got {name!r}")
+    budget = rest.removeprefix("@")
+    return views, int(budget) if budget else None
 
 
 def make_systems(cfg: SpeedConfig, models: SpeedModels, decoders: dict[str, Any],
@@ -283,8 +304,12 @@ def summarise(records: Sequence[RunRecord]) -> dict:
 
 # --------------------------------------------------------------------------- engine efficiency
 def n_views(system: str) -> int:
-    """Rows of the draft batch for ``mmspec_<letters>`` (one per view letter)."""
-    return len(system.removeprefix("mmspec_"))
+    """Rows of the draft batch for ``mmspec_<letters>[+tree][(eager)]`` (one per view letter)."""
+    return len(system.removeprefix("mmspec_").split("+")[0].removesuffix("(eager)"))
+
+
+def is_chain(system: str) -> bool:
+    return "+tree" not in system
 
 
 def measure_engine(cfg: SpeedConfig, models: SpeedModels, prompts: Sequence[SpeedPrompt], summary: dict) -> dict:
@@ -304,8 +329,8 @@ def measure_engine(cfg: SpeedConfig, models: SpeedModels, prompts: Sequence[Spee
     for n in spec + [SYSTEM_ASSISTED]:
         tau = summary["tau"].get(n)
         measured = summary["ratio_row_over_col"][n][SYSTEM_TARGET]
-        if n == SYSTEM_ASSISTED or tau is None:
-            eff[n] = {"measured_speedup": measured}
+        if n == SYSTEM_ASSISTED or tau is None or not is_chain(n):  # eq. 2 is the chain's formula
+            eff[n] = {"measured_speedup": measured, **({"tau": tau} if tau else {})}
             continue
         pred = predicted_speedup(tau, cfg.gamma, t_q[n_views(n)], t_p, t_v)
         eff[n] = {"tau": tau, "n_views": n_views(n), "measured_speedup": measured, "predicted_speedup": pred,
@@ -452,6 +477,8 @@ def run(cfg: SpeedConfig, models: SpeedModels | None = None, prompts: Sequence[S
 
 
 _HELP = {"target": "target checkpoint dir (default: the embedded pack)", "draft": "draft checkpoint dir",
+         "trees": "tree systems, comma-separated: VIEWS+tree or VIEWS+tree@BUDGET (empty: none)",
+         "eager": "on a GPU, also mmspec M without CUDA graphs",
          "captioner": "captioner dir (checkpoints; needed for C views)", "families": "comma-separated world families",
          "ensemble": "view letters of the ensemble system",
          "step_views": "views whose engine draft step is timed against M alone", "assisted": "matched | default",
@@ -478,7 +505,8 @@ def parse_args(argv: Sequence[str] | None = None) -> SpeedConfig:
         ap.error(f"--assisted must be matched or default, got {a.assisted!r}")
     if a.dtype not in ("float32", "bfloat16", "float16"):
         ap.error(f"--dtype must be float32, bfloat16 or float16, got {a.dtype!r}")
-    kw = vars(a) | {"families": tuple(x for x in a.families.split(",") if x)}
+    kw = vars(a) | {"families": tuple(x for x in a.families.split(",") if x),
+                    "trees": tuple(x for x in a.trees.split(",") if x)}
     return SpeedConfig(**kw, command=" ".join(["python", "bench/speed.py", *(argv if argv is not None else sys.argv[1:])]))
 
 

@@ -60,12 +60,13 @@ def test_speed_run_on_tiny_models(speed, tmp_path):
 
     assert res["identical"], res["mismatches"]
     sm = res["summary"]
-    assert sm["systems"] == ["target", "assisted", "mmspec_M", "mmspec_MTC"]
+    assert sm["systems"] == ["target", "assisted", "mmspec_M", "mmspec_MTC", "mmspec_M+tree"]  # no GPU: no M(eager)
     assert all(sm["ratio_row_over_col"][n][n] == pytest.approx(1.0) for n in sm["systems"])
     assert 1.0 <= sm["tau"]["mmspec_M"] <= cfg.gamma + 1 and sm["tau"]["target"] is None
+    assert sm["tau"]["mmspec_M+tree"] >= 1.0
     # every system ran every prompt in every repeat, in a rotated order
     raw = res["raw"]
-    assert len(raw) == 4 * 2 * 2
+    assert len(raw) == 5 * 2 * 2
     first_slots = {(x["repeat"], x["prompt"]): x["system"] for x in raw if x["slot"] == 0}
     assert len(set(first_slots.values())) > 1
     eng = res["engine"]
@@ -116,15 +117,23 @@ def test_mismatch_is_reported(speed):
 
 def test_gpu_shapes_small_cpu(tmp_path):
     gs = _load("gpu_shapes")
-    cfg = gs.parse_args(["--small", "--device", "cpu", "--context", "48", "--gammas", "1,5", "--batches", "1,4",
-                         "--repeats", "2", "--warmup", "1", "--copy-mib", "4", "--out", str(tmp_path)])
+    cfg = gs.parse_args(["--small", "--device", "cpu", "--context", "48", "--gammas", "1,5", "--trees", "8",
+                         "--batches", "1,4", "--repeats", "2", "--warmup", "1", "--copy-mib", "4",
+                         "--engine-new-tokens", "12", "--engine-repeats", "1", "--engine-noise", "0",
+                         "--out", str(tmp_path)])
     res = gs.run(cfg, log=lambda s: None)
-    assert set(res["modes"]) == {"eager", "static"}
+    assert set(res["modes"]) == {"eager", "graph"}
     for r in res["modes"].values():
         assert r["T_p"]["s"] > 0 and set(r["T_V_over_T_p"]) == {"1", "5"} and set(r["T_q"]) == {"1", "4"}
-    # the static-cache step (rewound each time, explicit 4-D mask) computes what eager does
-    assert max(res["static_vs_eager_max_abs_logit_diff"].values()) < 1e-4
+        assert set(r["T_V_tree_over_T_p"]) == {"8"}
+    # the graph path (static cache, rewound each time, 4-D mask; emulated capture on CPU) computes what eager does
+    assert max(res["graph_vs_eager_max_abs_logit_diff"].values()) < 1e-4
     assert res["T_p_floor_weights_s"] > 0
+    runs = res["engine"]["runs"]
+    assert set(runs) == {f"noise0-{m}-{t}" for m in ("eager", "graph") for t in ("chain", "tree")}
+    chain = runs["noise0-eager-chain"]
+    assert chain["tau"] == 6.0 and chain["identical_runs"]  # the agreeing pair accepts every draft
+    assert 0 < chain["engine_efficiency"] and chain["predicted_speedup"] > 0
     assert (tmp_path / "gpu_shapes.json").exists() and "Fig. 9" in (tmp_path / "gpu_shapes.md").read_text()
 
 

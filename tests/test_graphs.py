@@ -1,0 +1,102 @@
+"""The fixed-shape / CUDA-graph path: same tokens as eager, graphs captured once per shape and
+reused across calls, a clear fallback when capture fails, one host sync per block on a GPU.
+The CUDA tests are skipped on machines without a GPU (CI); the CPU tests run the same
+bookkeeping with an emulated capture."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from mmspec import SpecDecoder
+from mmspec.errors import MMSpecError
+from mmspec.graphs import StepRunner, graph_mode
+from test_exact_greedy import captions, reference
+from tiny import make_llava, make_prompt, noisy_copy
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_graph_mode_choice():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda:0")
+    assert graph_mode("auto", cpu, cpu) == "eager" and graph_mode(False, gpu, gpu) == "eager"
+    assert graph_mode("auto", gpu, gpu) == "cuda" and graph_mode("auto", gpu, torch.device("cuda:1")) == "eager"
+    with pytest.raises(MMSpecError, match="one CUDA device"):
+        graph_mode(True, cpu, cpu)
+    with pytest.raises(MMSpecError, match="'auto', True or False"):
+        graph_mode("always", cpu, cpu)
+
+
+def test_decoder_defaults_to_eager_on_cpu(target, draft_shared, tok):
+    dec = SpecDecoder(target, draft_shared, tok, views="M")
+    assert dec.engine == "eager" and not dec.static
+
+
+def test_emulated_graphs_are_captured_once_and_reused(target, draft_shared, tok):
+    ids, pv = make_prompt(2, 16, seed=21)
+    ref = reference(target, ids, pv, 20)
+    dec = SpecDecoder(target, draft_shared, tok, views="MTC", captioner=captions(2), tree="dynamic",
+                      cuda_graphs="emulate")
+    assert dec.generate(ids, pv, max_new_tokens=20).token_ids == ref
+    shapes = {k: set(r.graphs) for k, (_, r) in dec._static_pool.items()}
+    assert any(shapes.values())
+    assert dec.generate(ids, pv, max_new_tokens=20).token_ids == ref
+    assert {k: set(r.graphs) for k, (_, r) in dec._static_pool.items()} == shapes  # nothing new captured
+
+
+def test_capture_failure_falls_back_to_eager_with_one_warning(target, draft_shared, tok, monkeypatch):
+    def broken(self, *a):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(StepRunner, "_capture", broken)
+    ids, pv = make_prompt(1, 16, seed=22)
+    dec = SpecDecoder(target, draft_shared, tok, views="M", cuda_graphs="emulate")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert dec.generate(ids, pv, max_new_tokens=16).token_ids == reference(target, ids, pv, 16)
+    msgs = [str(w.message) for w in caught if "CUDA graph" in str(w.message)]
+    assert len(msgs) == 2 and "running it eagerly" in msgs[0]  # one per model (target, draft), not per step
+    assert all(r.failed for _, r in dec._static_pool.values())
+
+
+@cuda
+@pytest.mark.parametrize("kw", [dict(), dict(tree="dynamic"), dict(tree=[[0], [1], [0, 0], [0, 1], [1, 0]])])
+@pytest.mark.parametrize("method", ["M", "MTC"])
+def test_cuda_graphs_match_target_on_gpu(kw, method, tok):
+    target = make_llava(0, dtype=torch.float32).cuda()
+    draft = noisy_copy(target, 1)
+    for n_images in (1, 2):
+        ids, pv = make_prompt(n_images, 16, seed=n_images)
+        ids, pv = ids.cuda(), pv.float().cuda()
+        ref = reference(target, ids, pv, 24)
+        eager = SpecDecoder(target, draft, tok, views=method, captioner=captions(n_images), cuda_graphs=False, **kw)
+        graphs = SpecDecoder(target, draft, tok, views=method, captioner=captions(n_images), cuda_graphs=True, **kw)
+        assert graphs.engine == "cuda-graphs"
+        assert eager.generate(ids, pv, max_new_tokens=24).token_ids == ref
+        for _ in range(2):
+            res = graphs.generate(ids, pv, max_new_tokens=24)
+            assert res.token_ids == ref
+        assert res.stats.capture_s == 0.0  # the second call replayed what the first captured
+        assert not any(r.failed for _, r in graphs._static_pool.values())
+
+
+@cuda
+def test_one_host_sync_per_block_on_gpu(tok):
+    target = make_llava(0, dtype=torch.float32).cuda()
+    draft = noisy_copy(target, 1)
+    ids, pv = make_prompt(1, 16, seed=3)
+    ids, pv = ids.cuda(), pv.float().cuda()
+    dec = SpecDecoder(target, draft, tok, views="M", tree="dynamic", cuda_graphs=True)
+    dec.generate(ids, pv, max_new_tokens=32)  # captures
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            res = dec.generate(ids, pv, max_new_tokens=32)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    # the prefill and the input checks read a few values; every block reads its packed outcome once
+    assert len(syncs) <= res.stats.n_blocks + 8, [str(w.message)[:120] for w in syncs]
