@@ -76,6 +76,11 @@ class DecodeLayer(DynamicLayer):
         if self.static:
             if st.cursor is None:
                 st.cursor = torch.full((1,), self.length, dtype=torch.long, device=self.device)
+                if self.device.type == "cuda" and not torch.compiler.is_compiling():
+                    # fixed addresses: torch.compile's own CUDA graphs may then keep them as they are
+                    for t in (st.kv, st.cursor):
+                        if isinstance(t, torch.Tensor):
+                            torch._dynamo.mark_static_address(t)
             self.cursor = st.cursor
             self._arange = torch.arange(self.max_len, device=self.device)
         self.is_initialized = True
