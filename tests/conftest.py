@@ -1,5 +1,6 @@
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -36,3 +37,34 @@ def draft_small():
 def draft_text():
     """A text-only causal LM draft (text and caption views)."""
     return make_llama(11)
+
+
+def _ours(filename: str) -> bool:
+    f = filename.replace("\\", "/")
+    return "/transformers/" in f or "/mmspec/" in f
+
+
+@pytest.fixture(autouse=True)
+def no_deprecations_in_generate(monkeypatch):
+    """Any FutureWarning or DeprecationWarning that transformers or mmspec raises inside
+    SpecDecoder.generate fails the test: the next API rename is caught the day it is
+    announced, not the day it is removed. Other warnings pass through unchanged."""
+    from mmspec.decoder import SpecDecoder
+
+    orig = SpecDecoder.generate
+
+    def checked(self, *args, **kwargs):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = orig(self, *args, **kwargs)
+        bad = [w for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning)) and _ours(w.filename)]
+        for w in caught:
+            if w not in bad:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        if bad:
+            raise AssertionError("deprecated API used inside SpecDecoder.generate: "
+                                 + "; ".join(f"{w.filename}:{w.lineno}: {w.message}" for w in bad))
+        return out
+
+    monkeypatch.setattr(SpecDecoder, "generate", checked)
+    yield

@@ -572,3 +572,22 @@ def test_demo_checks_every_name_before_running(monkeypatch, args, phrase):
     monkeypatch.setattr(mmspec.cli, "_load", lambda *a: pytest.fail("models loaded before the names were checked"))
     r = CliRunner().invoke(app, ["demo", *args])
     assert r.exit_code == 2 and phrase in " ".join(r.output.split()), r.output
+
+
+def test_deprecated_transformers_arguments_fail_the_core_tests(target, draft_shared, tok, monkeypatch):
+    """The suite's filter (conftest.no_deprecations_in_generate) turns a deprecated argument into a
+    failure: passing the cache as past_key_values= (deprecated in transformers 5.24) is caught."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version("5.24"):
+        pytest.skip("past_key_values= is deprecated from transformers 5.24 on")
+    from mmspec.models.base import ModelAdapter
+
+    dec = SpecDecoder(target, draft_shared, tok, views="M")
+    assert dec.target._cache_kw == "cache"
+    monkeypatch.setattr(dec.target, "_cache_kw", "past_key_values")
+    ids, pv = make_prompt(1, 16, seed=1)
+    with pytest.raises(AssertionError, match="deprecated API used inside SpecDecoder.generate.*past_key_values"):
+        dec.generate(ids, pv, max_new_tokens=4)
+    assert isinstance(dec.target, ModelAdapter)

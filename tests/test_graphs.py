@@ -100,3 +100,22 @@ def test_one_host_sync_per_block_on_gpu(tok):
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     # the prefill and the input checks read a few values; every block reads its packed outcome once
     assert len(syncs) <= res.stats.n_blocks + 8, [str(w.message)[:120] for w in syncs]
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(tree="dynamic")])
+def test_target_dispatched_by_accelerate_device_map(target, draft_shared, tok, tmp_path, kw):
+    """A target loaded with device_map="auto" (accelerate's dispatch; here half its layers are
+    offloaded to disk, so its hooks load them at each forward) decodes exactly like the target."""
+    pytest.importorskip("accelerate")
+    from transformers import LlavaForConditionalGeneration
+
+    target.save_pretrained(tmp_path / "t")
+    size = sum(p.numel() * p.element_size() for p in target.parameters())
+    dispatched = LlavaForConditionalGeneration.from_pretrained(
+        tmp_path / "t", device_map="auto", max_memory={"cpu": size // 2}, offload_folder=str(tmp_path / "off"),
+        dtype=torch.float64)
+    assert {"cpu", "disk"} <= set(dispatched.hf_device_map.values())
+    ids, pv = make_prompt(2, 16, seed=23)
+    dec = SpecDecoder(dispatched, draft_shared, tok, views="MT", **kw)
+    assert dec.engine == "eager" and dec.target.device == torch.device("cpu")
+    assert dec.generate(ids, pv, max_new_tokens=16).token_ids == reference(target, ids, pv, 16)

@@ -43,6 +43,14 @@ def _check_max_new_tokens(n: int) -> None:
         raise MMSpecError(f"--max-new-tokens must be >= 1, got {n}")
 
 
+def _graphs_flag(text: str):
+    """--cuda-graphs auto|on|off -> SpecDecoder's cuda_graphs."""
+    flags = {"auto": "auto", "on": True, "off": False}
+    if text.lower() not in flags:
+        raise MMSpecError(f"--cuda-graphs must be auto, on or off, got {text!r}")
+    return flags[text.lower()]
+
+
 def _check_prompt(prompt: str | None) -> None:
     if prompt is not None and not prompt.replace("<image>", "").strip():
         raise MMSpecError(f"--prompt {prompt!r} has no text; say what to ask about the image(s), "
@@ -142,7 +150,18 @@ def generate(
                               "several = the in-batch ensemble (e.g. MT, MTC). M is the fastest measured "
                               "with the embedded pair (docs/perf.md)."),
     weights: Optional[str] = typer.Option(None, help="Ensemble weights, comma-separated, one per view (default equal)."),
-    gamma: int = typer.Option(5, help="Draft tokens per block."),
+    gamma: int = typer.Option(5, help="Draft tokens per block (the chain's length)."),
+    tree: Optional[str] = typer.Option(None, help="Block shape: chain (default), dynamic (EAGLE-2 token tree with "
+                                       "the device's measured defaults), or a static tree as JSON child-rank paths, "
+                                       "e.g. '[[0],[1],[0,0]]'."),
+    tree_depth: Optional[int] = typer.Option(None, help="Dynamic tree: expansion steps."),
+    tree_topk: Optional[int] = typer.Option(None, help="Dynamic tree: children per node and nodes expanded per depth."),
+    tree_budget: Optional[int] = typer.Option(None, help="Dynamic tree: nodes verified per block (root excluded)."),
+    tree_children: str = typer.Option("mixture", help="Tree children from the views' mixture, or 'views': each "
+                                      "view's own top tokens."),
+    stop_below: Optional[float] = typer.Option(None, help="Chains: stop drafting a block when the draft's "
+                                               "probability of its proposal falls below this (lossless)."),
+    cuda_graphs: str = typer.Option("auto", help="auto (on for a CUDA device), on, off."),
     max_new_tokens: int = typer.Option(128),
     temperature: float = typer.Option(0.0, help="0 = greedy (exactly the target's greedy output)."),
     top_k: Optional[int] = typer.Option(None),
@@ -159,9 +178,16 @@ def generate(
     try:
         from mmspec.decoder import SpecDecoder
         from mmspec.inputs import frame_prompt, load_images, processor_inputs
+        from mmspec.tree import parse_tree
         from mmspec.verify import SamplingParams
 
         _check_max_new_tokens(max_new_tokens)
+        tree_kw = dict(tree=tree, tree_depth=tree_depth, tree_topk=tree_topk, tree_budget=tree_budget,
+                       tree_children=tree_children, stop_below=stop_below, cuda_graphs=_graphs_flag(cuda_graphs))
+        if isinstance(gamma, bool) or gamma < 1:
+            raise MMSpecError(f"--gamma must be a whole number >= 1, got {gamma}")
+        parse_tree(tree, gamma=gamma, device_type=device.split(":")[0], depth=tree_depth, topk=tree_topk,
+                   budget=tree_budget, children=tree_children, stop_below=stop_below)  # refused before loading models
         SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)  # refused before loading models
         w = _parse_weights(weights)
         _check_prompt(prompt)
@@ -183,7 +209,7 @@ def generate(
         else:
             prompt_text = frame_prompt(prompt, len(images))
         view_list = [v for v in views.split(",") if v]
-        dec = SpecDecoder(t, d, tok, views=view_list, weights=w, captioner=cap, gamma=gamma, processor=proc)
+        dec = SpecDecoder(t, d, tok, views=view_list, weights=w, captioner=cap, gamma=gamma, processor=proc, **tree_kw)
         inputs = {k: v.to(device) for k, v in processor_inputs(proc, prompt_text, images).items()}
         if "pixel_values" in inputs:
             inputs["pixel_values"] = inputs["pixel_values"].to(t.dtype)
@@ -196,7 +222,7 @@ def generate(
             identical = ref == res.token_ids
         console.print(f"[bold]Prompt:[/bold] {escape(prompt_text)}")  # user text: "[/INST]" is not markup
         console.print(f"[bold]Answer:[/bold] {escape(res.text)}")
-        console.print(_stats_table(f"{dec.method} (gamma={gamma})", res, base_s, identical))
+        console.print(_stats_table(f"{dec.method}: {dec.tree.label}, {dec.engine} engine", res, base_s, identical))
         if identical is False:
             raise MMSpecError("the speculative output differs from target.generate; please report this")
     except MMSpecError as e:
@@ -205,7 +231,8 @@ def generate(
 
 @app.command()
 def demo(
-    methods: str = typer.Option("M,T,C,P,MT,MTC,MTCP", help="Drafting methods to compare, comma-separated."),
+    methods: str = typer.Option("M,T,C,P,MT,MTC,MTCP,M+tree", help="Drafting methods to compare, comma-separated "
+                                "(+tree: a dynamic token tree, e.g. M+tree, MTC+tree@16)."),
     families: str = typer.Option("chartqa,textvqa,spot_the_diff,pororosv", help="World families (1, 2 and 5 images)."),
     max_new_tokens: int = typer.Option(64),
     gamma: int = typer.Option(5),
@@ -218,6 +245,7 @@ def demo(
     Prints, per method, whether the output is identical to the target's, the block efficiency
     and the speed-up over the target alone (medians of `--repeats` interleaved runs)."""
     try:
+        from mmspec.bench.config import parse_method
         from mmspec.decoder import SpecDecoder
         from mmspec.inputs import processor_inputs
         from mmspec.views import parse_views
@@ -234,11 +262,12 @@ def demo(
         if not meths:
             raise MMSpecError("--methods is empty; give drafting methods such as M,T,MT")
         for m in meths:
-            parse_views(m)
+            parse_views(parse_method(m)[0])
         apply_threads(threads)
         t, d, tok, proc, cap, _ = _load(None, None, None, None, "auto", "cpu")
         console.print(EMBEDDED_NOTE)
-        decs = {m: SpecDecoder(t, d, tok, views=m, captioner=cap, gamma=gamma, processor=proc) for m in meths}
+        decs = {m: SpecDecoder(t, d, tok, views=parse_method(m)[0], captioner=cap, gamma=gamma, processor=proc,
+                               **parse_method(m)[1]) for m in meths}
         tab = Table(title=f"mmspec demo (embedded models, CPU, gamma={gamma}, greedy, {max_new_tokens} new tokens)")
         for col in ["family", "images", "method", "tau", "accepted len", f"speed-up (median of {repeats})", "identical"]:
             tab.add_column(col)

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mmspec.bench.config import BenchConfig, RankInfo, method_views
+from mmspec.bench.config import BenchConfig, RankInfo, method_tree, method_views
 from mmspec.bench.datasets import BenchSample
 from mmspec.errors import MMSpecError
 from mmspec.timing import sync
@@ -119,7 +119,7 @@ class HFBackend:
             self._decoders[method] = SpecDecoder(
                 self.m.target, self.m.draft, self.m.tokenizer, views=views,
                 captioner=self._get_captioner() if needs_caption else None,
-                gamma=self.cfg.gamma, processor=self.m.processor,
+                gamma=self.cfg.gamma, processor=self.m.processor, **method_tree(method),
             )
         return self._decoders[method]
 

@@ -36,19 +36,58 @@ RESULT_KEYS = ("gamma", "max_new_tokens", "temperature", "seed", "target", "draf
                "captioner_prompt", "split", "dtype", "pool_tokens")
 
 
-def method_views(method: str) -> tuple[str, ...]:
-    """Views of one method: ``"MTC"`` -> ``("M", "T", "C")``; ``"M+pooled:36"`` -> as split."""
+def parse_method(method: str) -> tuple[tuple[str, ...], dict]:
+    """One method name -> (views, SpecDecoder tree keywords).
+
+    ``"MTC"`` -> (("M", "T", "C"), {}); ``"M+pooled:36"`` -> views as split; a last part
+    ``tree`` asks for the dynamic token tree (the device's measured defaults): ``"M+tree"``,
+    ``"MTC+tree"``; ``tree@16`` sets its budget, ``tree:6x4x16`` depth x topk x budget.
+    """
     method = method.strip()
     if not method:
-        raise MMSpecError("empty method name; use letters such as M, T, C, P, MT, MTC")
-    if "+" in method or ":" in method or method.lower() in ("multimodal", "text", "caption"):
-        return tuple(v.strip() for v in method.split("+") if v.strip())
-    if set(method) <= _LETTERS:
-        return tuple(method)
+        raise MMSpecError("empty method name; use letters such as M, T, C, P, MT, MTC (add +tree for a token tree)")
+    parts = [p.strip() for p in method.split("+") if p.strip()]
+    tree: dict = {}
+    if parts and parts[-1].lower().startswith("tree"):
+        tree = _tree_part(parts.pop(), method)
+    if not parts:
+        raise MMSpecError(f"method {method!r} has no views; write the views first, e.g. M+tree or MTC+tree")
+    body = "+".join(parts)
+    if len(parts) > 1 or ":" in body or body.lower() in ("multimodal", "text", "caption", "pooled"):
+        return tuple(parts), tree
+    if set(body) <= _LETTERS:
+        return tuple(body), tree
     raise MMSpecError(
         f"unknown method {method!r}; use letters from M (multimodal), T (text), C (caption), "
-        "P (pooled) such as 'MTC', or view names joined by '+' such as 'multimodal+pooled:36'"
+        "P (pooled) such as 'MTC', or view names joined by '+' such as 'multimodal+pooled:36'; "
+        "add '+tree' for a token tree (e.g. 'M+tree', 'M+tree@16', 'M+tree:6x4x16')"
     )
+
+
+def _tree_part(text: str, method: str) -> dict:
+    low = text.lower()
+    fix = "write tree, tree@BUDGET or tree:DEPTHxTOPKxBUDGET, e.g. M+tree@16 or M+tree:6x4x16"
+    try:
+        if low == "tree":
+            return {"tree": "dynamic"}
+        if low.startswith("tree@"):
+            return {"tree": "dynamic", "tree_budget": int(low[5:])}
+        if low.startswith("tree:"):
+            d, k, b = (int(x) for x in low[5:].split("x"))
+            return {"tree": "dynamic", "tree_depth": d, "tree_topk": k, "tree_budget": b}
+    except ValueError:
+        pass
+    raise MMSpecError(f"bad tree part {text!r} in method {method!r}; {fix}")
+
+
+def method_views(method: str) -> tuple[str, ...]:
+    """Views of one method: ``"MTC"`` -> ``("M", "T", "C")``; ``"M+pooled:36+tree"`` -> ("M", "pooled:36")."""
+    return parse_method(method)[0]
+
+
+def method_tree(method: str) -> dict:
+    """SpecDecoder keywords of a method's token tree ({} for a chain)."""
+    return parse_method(method)[1]
 
 
 @dataclass(frozen=True)

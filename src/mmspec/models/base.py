@@ -32,7 +32,17 @@ class ModelAdapter:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        """Where inputs go: the execution device of a model dispatched by accelerate
+        (``device_map=...``; offloaded weights sit on "meta" until a hook loads them), else the
+        device of its parameters."""
+        hook = getattr(self.model.get_input_embeddings(), "_hf_hook", None)
+        dev = getattr(hook, "execution_device", None)
+        if dev is not None:
+            return torch.device(f"cuda:{dev}" if isinstance(dev, int) else dev)
+        for p in self.model.parameters():
+            if p.device.type != "meta":
+                return p.device
+        return torch.device("cpu")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -121,6 +131,8 @@ def same_vision(a: ModelAdapter, b: ModelAdapter) -> bool:
     sa, sb = ma.state_dict(), mb.state_dict()
     if sa.keys() != sb.keys():
         return False
+    if any(t.device.type == "meta" for t in (*sa.values(), *sb.values())):
+        return False  # weights offloaded by accelerate: not compared, each tower runs its own
     return all(
         sa[k].shape == sb[k].shape and sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k].to(sa[k].device))
         for k in sa
