@@ -183,7 +183,11 @@ class _Probe:
         with torch.inference_mode():
             self.adapter.forward(cache=self.cache, attention_mask=mask, position_ids=pos, input_ids=self.prompt,
                                  logits_to_keep=1)
-        self.runner = StepRunner(self.adapter, self.cache, mode=_graph_mode(dev) if mode == "graph" else "eager")
+        adapter, cache = self.adapter, self.cache
+
+        def fn(ids, pos, mask):
+            return adapter.forward(cache=cache, attention_mask=mask, position_ids=pos, input_ids=ids)
+        self.runner = StepRunner(fn, self.cache, mode=_graph_mode(dev) if mode == "graph" else "eager")
 
     def step_fn(self, n: int, parents: torch.Tensor | None = None, depth: torch.Tensor | None = None) -> Callable:
         """A step over n new tokens (a causal run, or a tree given parents/depth), rewound after."""
@@ -199,7 +203,7 @@ class _Probe:
         ids = self.tokens[:, :n].contiguous()
 
         def step():
-            out = self.runner(ids, pos, mask)
+            out = self.runner(ids=ids, pos=pos, mask=mask)
             self.cache.set_length(C)
             return out
         return step
@@ -299,7 +303,7 @@ def target_alone(target, prompt: torch.Tensor, n_new: int, mode: str) -> float:
             mask = mask_full
         else:
             mask = torch.ones(1, C + i + 1, dtype=torch.long, device=dev)
-        nxt = probe.runner(nxt, pos, mask)[:, -1:].argmax(-1)
+        nxt = probe.runner(ids=nxt, pos=pos, mask=mask)[:, -1:].argmax(-1)
     sync(dev)
     return (time.perf_counter() - t0) / n_new
 

@@ -91,14 +91,14 @@ def test_profiling_wrappers_are_removed(speed):
     from mmspec.drafter import EnsembleDrafter
     import mmspec.engine as engine
 
-    before = (EnsembleDrafter._feed, EnsembleDrafter.mixture, engine.verify_tree_greedy)
+    before = (EnsembleDrafter._run, EnsembleDrafter.mixture, engine.verify_tree_greedy)
     target = make_llava(0)
     models = speed.SpeedModels(target, noisy_copy(target, 1), make_tokenizer(), None, None, "tiny")
     dec = speed.build_decoders(speed.SpeedConfig(ensemble="M"), models)["mmspec_M"]
     from mmspec.bench.breakdown import profile_breakdown
 
     profile_breakdown(dec, _tiny_prompts(speed, (1,)), 4, torch.device("cpu"))
-    assert (EnsembleDrafter._feed, EnsembleDrafter.mixture, engine.verify_tree_greedy) == before
+    assert (EnsembleDrafter._run, EnsembleDrafter.mixture, engine.verify_tree_greedy) == before
     assert "forward" not in vars(dec.target) and "new_cache" not in vars(dec.draft)
 
 

@@ -154,7 +154,7 @@ class SpecDecoder:
         key = (role, rows, capacity)
         if key not in self._static_pool:
             cache = adapter.new_cache(capacity, static=True)
-            runner = StepRunner(adapter, cache, mode=self.graph_mode, name=role)
+            runner = StepRunner(_token_forward(adapter, cache), cache, mode=self.graph_mode, name=role)
             self._static_pool[key] = (cache, runner)
         return self._static_pool[key]
 
@@ -355,8 +355,7 @@ class SpecDecoder:
         """The target's cache for one decode and the function that runs its block forwards."""
         if not self.static:
             cache = self.target.new_cache(needed)  # preallocated, O(1) roll-back
-            return cache, lambda ids, pos, mask: self.target.forward(cache=cache, attention_mask=mask,
-                                                                     position_ids=pos, input_ids=ids)
+            return cache, _token_forward(self.target, cache)
         cache, runner = self._static_cache("target", self.target, 1, needed)
         cache.reset()
         return cache, runner
@@ -498,6 +497,13 @@ class SpecDecoder:
             x = ((pv * std + mean).clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
             out.append(Image.fromarray(x))
         return out
+
+
+def _token_forward(adapter, cache):
+    """The fixed-shape forward of one model on one cache: ids, position ids and mask in, logits out."""
+    def fn(ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return adapter.forward(cache=cache, attention_mask=mask, position_ids=pos, input_ids=ids)
+    return fn
 
 
 def _generator(seed: int, device: torch.device) -> torch.Generator:

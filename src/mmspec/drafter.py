@@ -1,4 +1,14 @@
-"""In-batch ensemble drafting (IbED Algorithm 1), as chains or token trees.
+"""Drafting a block: the tree-building every drafter shares, and in-batch ensemble drafting.
+
+:class:`TreeDrafter` owns what every drafter does the same way: the draft cache's slots and
+masks (which slots hold committed tokens, which hold this block's tree nodes), building a chain,
+a static tree or an EAGLE-2 dynamic tree depth by depth from the children distributions its
+subclass computes, and dropping the tree's slots after verification. A subclass says how the
+pending committed tokens and a frontier of tree nodes are fed (``_feed_pending`` /
+``_feed_nodes``). :class:`EnsembleDrafter` is the token-level drafter below;
+:class:`mmspec.heads.HeadDrafter` drafts from the target's own hidden states.
+
+In-batch ensemble drafting (IbED Algorithm 1), as chains or token trees.
 
 Every view of the prompt is one row of ONE batched draft forward per depth; the rows'
 next-token distributions are mixed with fixed weights, and the mixture is what the draft
@@ -31,27 +41,27 @@ from mmspec.tree import DraftTree, TreeSpec, ancestors, best_prefix_closed, stat
 from mmspec.verify import SamplingParams, logits_to_probs, sample, uniforms
 from mmspec.views import ViewRow
 
-# step_fn(ids [B, n], position_ids [B, n], mask, n) -> logits [B, n, V]
-StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# step_fn(ids=[B, n], pos=[B, n], mask=...) -> logits [B, n, V]: eager, or a CUDA-graph replay
+StepFn = Callable[..., torch.Tensor]
 
 
-class EnsembleDrafter:
-    def __init__(self, adapter: ModelAdapter, weights: Sequence[float], target_vocab: int, room: int,
-                 static: bool = False, cache=None, step_fn: StepFn | None = None):
-        """room: most positions the decode appends after the prompt (new tokens + one tree).
-        static: full-buffer cache and masks (the CUDA-graph path). cache: a preallocated
-        :class:`~mmspec.models.cache.DecodeCache` to reuse when it is large enough (graphs
-        captured on it stay valid), else one is made. step_fn: runs the draft's forwards on
-        that cache (a :class:`~mmspec.graphs.StepRunner`); default: an eager forward."""
-        self.adapter = adapter
+class TreeDrafter:
+    """The tree-building and slot bookkeeping every drafter shares (module docstring).
+
+    Subclasses set ``n_rows``, ``weights`` [B], ``target_vocab``, ``room``, ``static``,
+    ``cache``, and fill ``valid`` / ``next_pos`` at their prefill. ``needs_hidden`` names the
+    target layers the drafter reads (feature-level heads); ``keeps_path``: accepted nodes
+    that were fed stay in the draft cache (True) or are fed again next block with the target's
+    own features (False: heads).
+    """
+
+    needs_hidden: tuple[int, ...] = ()
+    keeps_path: bool = True
+
+    def _init_slots(self, room: int, static: bool, cache) -> None:
         self.room = int(room)
         self.static = static
-        w = torch.tensor(list(weights), dtype=torch.float64)
-        self.weights = (w / w.sum()).to(adapter.device)  # [B]
-        self.n_rows = len(weights)
-        self.target_vocab = target_vocab
         self.cache = cache
-        self.step_fn = step_fn
         self.valid: torch.Tensor | None = None  # [B, capacity] bool: slot holds a committed, non-padding token
         self.padded = False
         self.length = 0  # slots in use (left padding and in-block tree nodes included)
@@ -62,73 +72,40 @@ class EnsembleDrafter:
     def capacity(self) -> int:
         return self.valid.shape[1]
 
-    # ------------------------------------------------------------------ prefill
-    def prefill(self, rows: Sequence[ViewRow]) -> None:
-        """Run all rows (left-padded) through the draft once, filling the cache."""
-        dev = self.adapter.device
-        lengths = [r.token_ids.shape[0] for r in rows]
-        L, B = max(lengths), len(rows)
-        if isinstance(self.cache, DecodeCache) and self.cache.max_len >= L + self.room:
-            self.cache.reset()  # a kept cache (its CUDA graphs stay valid)
-        elif not (self.cache is not None and not isinstance(self.cache, DecodeCache)):
-            self.cache = self.adapter.new_cache(L + self.room, static=self.static)
-        # (any other cache given, e.g. a fresh DynamicCache to time against, is used as it is)
-        capacity = getattr(self.cache, "max_len", L + self.room)
-        ids = torch.zeros(B, L, dtype=torch.long)  # pad id 0: masked out, any id works
-        valid = torch.zeros(B, capacity, dtype=torch.bool)
-        for b, r in enumerate(rows):
-            ids[b, L - lengths[b]:] = r.token_ids
-            valid[b, L - lengths[b]:L] = True
-        ids, self.valid = ids.to(dev), valid.to(dev)
-        self.padded = bool((valid[:, :L] == 0).any())
-        embeds = self.adapter.embed(ids)  # [B, L, H]
-        for b, r in enumerate(rows):
-            if r.features is not None:
-                pos = (r.feature_positions + (L - lengths[b])).to(dev)
-                embeds[b, pos] = r.features.to(embeds.dtype)
-        position_ids = (self.valid[:, :L].long().cumsum(-1) - 1).clamp_min(0)  # [B, L]
-        if self.step_fn is None:
-            self.step_fn = self._eager_step
-        self.length = self.committed = L
-        self.next_pos = position_ids[:, -1] + 1
-        if L > 0:
-            mask = self._prefill_mask(L) if self.static else self.valid[:, :L].long()
-            self.adapter.forward(cache=self.cache, attention_mask=mask, position_ids=position_ids,
-                                 inputs_embeds=embeds, logits_to_keep=1)
+    # ------------------------------------------------------------------ subclass hooks
+    def _feed_pending(self, pending: torch.Tensor, feats: torch.Tensor | None) -> torch.Tensor:
+        """Feed the pending committed tokens [n] (their preceding target features [n, F] for
+        heads); return the logits after the last one, [B, 1, V]."""
+        raise NotImplementedError
 
-    def _prefill_mask(self, L: int) -> torch.Tensor:
-        """[B, 1, L, capacity] bool: causal over the prompt, padding masked (static mode)."""
-        dev = self.valid.device
-        causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
-        mask = torch.zeros(self.n_rows, 1, L, self.capacity, dtype=torch.bool, device=dev)
-        mask[:, 0, :, :L] = causal[None] & self.valid[:, None, :L]
-        mask[:, 0, :, :L] |= torch.eye(L, dtype=torch.bool, device=dev)[None]  # a pad row sees itself: no NaN
-        return mask
+    def _feed_nodes(self, nodes: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depth: int,
+                    block: torch.Tensor, causal: bool) -> torch.Tensor:
+        """Feed the tree nodes ``nodes`` [F] (ids in this block's node table; their tokens [F]
+        and parent ids [F]) at depth ``depth``; return their logits [B, F, V]."""
+        raise NotImplementedError
 
-    # ------------------------------------------------------------------ one forward
-    def _eager_step(self, ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.adapter.forward(cache=self.cache, attention_mask=mask, position_ids=position_ids, input_ids=ids)
+    def _begin_block(self, n_nodes: int) -> None:
+        """Called before a block drafts up to ``n_nodes`` nodes (heads size a buffer here)."""
 
-    def _feed(self, tokens: torch.Tensor, offset: int, block: torch.Tensor | None,
-              causal: bool = True) -> torch.Tensor:
-        """Append n tokens to every row and return their logits [B, n, V_draft].
+    def _slots(self, n: int, offset: int, block: torch.Tensor | None, causal: bool
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Claim the next n cache slots; return their position ids [B, n] and attention mask.
 
-        tokens: [n] long (device). Position of token i: next_pos + offset (+ i when ``block`` is
-        None: the tokens are a causal run of committed tokens). block: [n, S] bool, which of the
-        S in-block slots (the last n are these tokens) each token attends to; None = causal
-        among the new tokens. causal: the host's promise that ``block`` is "every earlier
-        in-block slot, and causal among the new ones" (a chain), so no device check is needed.
+        Position of token i: next_pos + offset (+ i when ``block`` is None: a causal run of
+        committed tokens). block: [n, S] bool, which of the S in-block slots (the last n are
+        these tokens) each attends to; None = causal among the new ones. causal: the host's
+        promise that ``block`` is "every earlier in-block slot, and causal among the new ones"
+        (a chain), so no device check is needed.
         """
-        B, n, dev = self.n_rows, tokens.shape[0], self.valid.device
+        dev = self.valid.device
         if self.length + n > self.capacity:
             raise RuntimeError(f"draft cache full: {self.length} + {n} > {self.capacity} positions "
                                "(the decode fed more than the room it was given)")
-        ids = tokens.to(dev).unsqueeze(0).expand(B, n)  # [B, n]
         steps = torch.arange(n, device=dev) if block is None else torch.zeros(n, dtype=torch.long, device=dev)
         position_ids = self.next_pos[:, None] + offset + steps  # [B, n]
         mask = self._mask(n, block, causal)
         self.length += n
-        return self.step_fn(ids, position_ids, mask)
+        return position_ids, mask
 
     def _mask(self, n: int, block: torch.Tensor | None, causal: bool) -> torch.Tensor:
         """The attention mask of a forward over the newest n slots.
@@ -188,14 +165,16 @@ class EnsembleDrafter:
 
     # ------------------------------------------------------------------ drafting
     def draft(self, pending: torch.Tensor, spec: TreeSpec, params: SamplingParams,
-              generator: torch.Generator | None = None) -> DraftTree:
-        """Feed the pending committed tokens [n >= 1] (device long), then draft a tree.
+              generator: torch.Generator | None = None, feats: torch.Tensor | None = None) -> DraftTree:
+        """Feed the pending committed tokens [n >= 1] (device long; for heads with the target's
+        features before each, [n, F]), then draft a tree.
 
         The root (node 0) is the last pending token. Returns the tree on the draft's device;
         nodes of the deepest level are never fed (they enter the cache next block if accepted).
         """
         n_p = pending.shape[0]
-        logits = self._feed(pending, 0, None)[:, -1:]  # [B, 1, V]
+        self._begin_block(1 + spec.n_generated)
+        logits = self._feed_pending(pending, feats)  # [B, 1, V]
         self.committed += n_p
         self.valid[:, self.committed - n_p:self.committed] = True
         self.next_pos = self.next_pos + n_p  # position of depth-1 nodes
@@ -239,7 +218,7 @@ class EnsembleDrafter:
             fed[frontier] = self.length + torch.arange(k, device=dev)
             fed_nodes.append(frontier)
             block = anc[frontier][:, torch.cat(fed_nodes)]  # [k, S] ancestry over in-block slots
-            logits = self._feed(tokens[frontier], d - 1, block, causal=False)  # [B, k, V]: depth-d nodes
+            logits = self._feed_nodes(frontier, tokens[frontier], parents[frontier], d, block, causal=False)  # [B, k, V]
         keep = torch.cat([torch.zeros(1, dtype=torch.long, device=dev),
                           best_prefix_closed(score[1:made], spec.n_nodes - 1) + 1])
         return self._tree(keep, tokens, parents, depth, anc, fed, None, spec.depth, spec.is_chain)
@@ -264,7 +243,8 @@ class EnsembleDrafter:
             if d == spec.depth:
                 break
             block = None if not (self.static or self.padded) else torch.ones(1, d, dtype=torch.bool, device=dev)
-            logits = self._feed(tok[0], d - 1, block, causal=True)  # [B, 1, V]
+            node = torch.full((1,), d, dtype=torch.long, device=dev)
+            logits = self._feed_nodes(node, tok[0], node - 1, d, block, causal=True)  # [B, 1, V]
         n = d + 1  # nodes, root included
         idx = torch.arange(n, device=dev)
         fed = torch.cat([torch.tensor([root_slot], device=dev), base + idx[:-1]]) if n > 1 else idx[:1] + root_slot
@@ -310,7 +290,7 @@ class EnsembleDrafter:
             fed[fidx] = self.length + torch.arange(len(frontier), device=dev)
             fed_nodes += frontier
             block = anc[fidx][:, torch.tensor(fed_nodes, device=dev)]
-            logits = self._feed(tokens[fidx], d - 1, block, causal=spec.is_chain)
+            logits = self._feed_nodes(fidx, tokens[fidx], parents[fidx], d, block, causal=spec.is_chain)
         keep = torch.arange(M, device=dev)
         return self._tree(keep, tokens, parents, depth, anc, fed, None, spec.max_depth, spec.is_chain)
 
@@ -327,16 +307,6 @@ class EnsembleDrafter:
                          fed=fed[keep], max_depth=max_depth, is_chain=is_chain,
                          q=None if q_all is None else q_all[keep], sampled=sampled)
 
-    def step(self, token: int, params: SamplingParams) -> int:
-        """One chain draft step as a block runs it (feed one token, pick the next), then undone
-        (the cache is left as it was): repeated calls time the same work."""
-        logits = self._feed(torch.tensor([token], device=self.valid.device), 0, None)  # [B, 1, V]
-        picked = int(self._children(logits, 1, params, "mixture", None, need_scores=False)[0][0, 0])
-        self.length -= 1
-        set_cache_length(self.cache, self.length)
-        return picked
-
-    # ------------------------------------------------------------------ after verification
     def commit(self, fed_path: Sequence[int], tree_fed: torch.Tensor, path: torch.Tensor) -> int:
         """Keep the accepted nodes that were fed, drop every other tree slot.
 
@@ -345,7 +315,7 @@ class EnsembleDrafter:
         device (``tree.fed`` and the outcome's path), used for the gather. Returns how many
         accepted nodes are now in the cache (the rest are pending for the next block).
         """
-        m = sum(1 for s in fed_path if s >= 0)
+        m = sum(1 for s in fed_path if s >= 0) if self.keeps_path else 0
         base = self.committed
         if m and list(fed_path[:m]) != list(range(base, base + m)):  # a tree path: move it into place
             self.cache.move(tree_fed[path[1:1 + m]], base)
@@ -356,6 +326,97 @@ class EnsembleDrafter:
         self.next_pos = self.next_pos + m
         return m
 
+
+class EnsembleDrafter(TreeDrafter):
+    """Token-level drafting with an ensemble of views, each one row of one batched forward."""
+
+    def __init__(self, adapter: ModelAdapter, weights: Sequence[float], target_vocab: int, room: int,
+                 static: bool = False, cache=None, step_fn: StepFn | None = None):
+        """room: most positions the decode appends after the prompt (new tokens + one tree).
+        static: full-buffer cache and masks (the CUDA-graph path). cache: a preallocated
+        :class:`~mmspec.models.cache.DecodeCache` to reuse when it is large enough (graphs
+        captured on it stay valid), else one is made. step_fn: runs the draft's forwards on
+        that cache (a :class:`~mmspec.graphs.StepRunner`); default: an eager forward."""
+        self.adapter = adapter
+        w = torch.tensor(list(weights), dtype=torch.float64)
+        self.weights = (w / w.sum()).to(adapter.device)  # [B]
+        self.n_rows = len(weights)
+        self.target_vocab = target_vocab
+        self.step_fn = step_fn
+        self._init_slots(room, static, cache)
+
+    # ------------------------------------------------------------------ prefill
+    def prefill(self, rows: Sequence[ViewRow]) -> None:
+        """Run all rows (left-padded) through the draft once, filling the cache."""
+        dev = self.adapter.device
+        lengths = [r.token_ids.shape[0] for r in rows]
+        L, B = max(lengths), len(rows)
+        if isinstance(self.cache, DecodeCache) and self.cache.max_len >= L + self.room:
+            self.cache.reset()  # a kept cache (its CUDA graphs stay valid)
+        elif not (self.cache is not None and not isinstance(self.cache, DecodeCache)):
+            self.cache = self.adapter.new_cache(L + self.room, static=self.static)
+        # (any other cache given, e.g. a fresh DynamicCache to time against, is used as it is)
+        capacity = getattr(self.cache, "max_len", L + self.room)
+        ids = torch.zeros(B, L, dtype=torch.long)  # pad id 0: masked out, any id works
+        valid = torch.zeros(B, capacity, dtype=torch.bool)
+        for b, r in enumerate(rows):
+            ids[b, L - lengths[b]:] = r.token_ids
+            valid[b, L - lengths[b]:L] = True
+        ids, self.valid = ids.to(dev), valid.to(dev)
+        self.padded = bool((valid[:, :L] == 0).any())
+        embeds = self.adapter.embed(ids)  # [B, L, H]
+        for b, r in enumerate(rows):
+            if r.features is not None:
+                pos = (r.feature_positions + (L - lengths[b])).to(dev)
+                embeds[b, pos] = r.features.to(embeds.dtype)
+        position_ids = (self.valid[:, :L].long().cumsum(-1) - 1).clamp_min(0)  # [B, L]
+        if self.step_fn is None:
+            self.step_fn = self._eager_step
+        self.length = self.committed = L
+        self.next_pos = position_ids[:, -1] + 1
+        if L > 0:
+            mask = self._prefill_mask(L) if self.static else self.valid[:, :L].long()
+            self.adapter.forward(cache=self.cache, attention_mask=mask, position_ids=position_ids,
+                                 inputs_embeds=embeds, logits_to_keep=1)
+
+    def _prefill_mask(self, L: int) -> torch.Tensor:
+        """[B, 1, L, capacity] bool: causal over the prompt, padding masked (static mode)."""
+        dev = self.valid.device
+        causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
+        mask = torch.zeros(self.n_rows, 1, L, self.capacity, dtype=torch.bool, device=dev)
+        mask[:, 0, :, :L] = causal[None] & self.valid[:, None, :L]
+        mask[:, 0, :, :L] |= torch.eye(L, dtype=torch.bool, device=dev)[None]  # a pad row sees itself: no NaN
+        return mask
+
+    # ------------------------------------------------------------------ one forward
+    def _eager_step(self, ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.adapter.forward(cache=self.cache, attention_mask=mask, position_ids=position_ids, input_ids=ids)
+
+    def _eager_step(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.adapter.forward(cache=self.cache, attention_mask=mask, position_ids=pos, input_ids=ids)
+
+    def _run(self, tokens: torch.Tensor, offset: int, block: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        """Append the same n tokens [n] to every row; logits [B, n, V_draft]."""
+        pos, mask = self._slots(tokens.shape[0], offset, block, causal)
+        ids = tokens.to(self.valid.device).unsqueeze(0).expand(self.n_rows, -1)  # [B, n]
+        return self.step_fn(ids=ids, pos=pos, mask=mask)
+
+    def _feed_pending(self, pending: torch.Tensor, feats: torch.Tensor | None) -> torch.Tensor:
+        return self._run(pending, 0, None, True)[:, -1:]
+
+    def _feed_nodes(self, nodes, tokens, parents, depth, block, causal) -> torch.Tensor:
+        return self._run(tokens, depth - 1, block, causal)
+
+    def step(self, token: int, params: SamplingParams) -> int:
+        """One chain draft step as a block runs it (feed one token, pick the next), then undone
+        (the cache is left as it was): repeated calls time the same work."""
+        logits = self._run(torch.tensor([token], device=self.valid.device), 0, None, True)  # [B, 1, V]
+        picked = int(self._children(logits, 1, params, "mixture", None, need_scores=False)[0][0, 0])
+        self.length -= 1
+        set_cache_length(self.cache, self.length)
+        return picked
+
+    # ------------------------------------------------------------------ after verification
 
 def _drop_duplicates(tokens: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """Per row, keep each token's best-scoring occurrence: tokens, scores [F, C] -> scores with

@@ -76,7 +76,7 @@ def run_loop(
             mask = torch.ones(1, past + n_nodes, dtype=torch.long, device=dev)  # causal: SDPA's fast path
         else:
             mask = tree_attention_mask(anc, past, past + n_nodes)  # [1, 1, N, past + N]
-        logits = target_step(ids, position_ids, mask)[0]  # [N, V]
+        logits = target_step(ids=ids, pos=position_ids, mask=mask)[0]  # [N, V]
         parents = tree.parents.to(dev)
         if params.greedy:
             out = verify_tree_greedy(ids[0], parents, depth, anc, logits, tree.max_depth)

@@ -24,97 +24,93 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
-
-from mmspec.models.base import ModelAdapter
 
 MODES = ("eager", "cuda", "emulate")
 
 
 @dataclass
 class _Graph:
-    ids: torch.Tensor  # [B, n] long: input buffer
-    pos: torch.Tensor  # [B, n] long
-    mask: torch.Tensor  # [B, 1, n, capacity] bool
-    logits: torch.Tensor | None = None  # [B, n, V] output buffer (written by each replay)
+    inputs: dict[str, torch.Tensor]  # input buffers, by keyword
+    outputs: object = None  # what the captured call returned (a tensor or a tuple of them): rewritten by each replay
     graph: object = None  # torch.cuda.CUDAGraph in "cuda" mode
 
 
 class StepRunner:
-    """Runs one model's decode forwards on one static cache; callable as
-    ``runner(ids [B, n], position_ids [B, n], mask [B, 1, n, capacity]) -> logits [B, n, V]``."""
+    """Runs one model's decode forwards on one static cache: ``runner(**inputs) -> outputs``,
+    where ``fn(**inputs)`` is the eager forward (it writes the cache at its device cursor) and
+    returns a tensor or a tuple of tensors, e.g. ``ids=[B, n], pos=[B, n], mask=[B, 1, n,
+    capacity]`` -> logits [B, n, V]. The outputs of a replay live in the graph's memory: read
+    them before the next call."""
 
-    def __init__(self, adapter: ModelAdapter, cache, mode: str = "eager", name: str = "model",
+    def __init__(self, fn: Callable[..., object], cache, mode: str = "eager", name: str = "model",
                  warmup: int = 2, pool=None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.adapter, self.cache, self.mode, self.name = adapter, cache, mode, name
+        self.fn, self.cache, self.mode, self.name = fn, cache, mode, name
         self.warmup = warmup
         self.pool = pool
         self.graphs: dict[tuple, _Graph] = {}
         self.failed: str | None = None  # why capture was given up, if it was
         self.capture_s = 0.0  # time spent warming up and capturing (first calls of each shape)
 
-    def _eager(self, ids, pos, mask) -> torch.Tensor:
-        return self.adapter.forward(cache=self.cache, attention_mask=mask, position_ids=pos, input_ids=ids)
-
-    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def __call__(self, **inputs: torch.Tensor):
         if self.mode == "eager" or self.failed:
-            return self._eager(ids, pos, mask)
-        key = (tuple(ids.shape), tuple(mask.shape))
+            return self.fn(**inputs)
+        key = tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(inputs.items()))
         g = self.graphs.get(key)
         if g is None:
             t0 = time.perf_counter()
             try:
-                g = self._capture(ids, pos, mask)
+                g = self._capture(inputs)
             except Exception as e:  # noqa: BLE001 - any capture failure: say it once, run eagerly
                 self.failed = f"{type(e).__name__}: {str(e)[:200]}"
                 warnings.warn(f"mmspec: could not capture the {self.name}'s decode step as a CUDA graph "
                               f"({self.failed}); running it eagerly instead (same tokens, slower)",
                               RuntimeWarning, stacklevel=2)
-                return self._eager(ids, pos, mask)
+                return self.fn(**inputs)
             finally:
                 self.capture_s += time.perf_counter() - t0
             self.graphs[key] = g
-        g.ids.copy_(ids)
-        g.pos.copy_(pos)
-        g.mask.copy_(mask)
-        n = ids.shape[1]
+        for k, v in inputs.items():
+            g.inputs[k].copy_(v)
+        n = next(iter(inputs.values())).shape[1]  # new positions: every input is [B, n, ...]
         if self.mode == "cuda":
             g.graph.replay()  # writes K/V at the device cursor and advances it
         else:
-            g.logits = self._replay_emulated(g)
+            g.outputs = self._replay_emulated(g)
         self.cache.set_host_length(self.cache.length + n)
-        return g.logits
+        return g.outputs
 
-    def _replay_emulated(self, g: _Graph) -> torch.Tensor:
+    def _replay_emulated(self, g: _Graph):
         """Run the forward on the graph's buffers, then undo the host-side length change, as a
         replay would leave it (a replay moves only the device cursor)."""
         before = self.cache.length
-        out = self._eager(g.ids, g.pos, g.mask)
+        out = self.fn(**g.inputs)
         self.cache.set_host_length(before)
         return out
 
-    def _capture(self, ids, pos, mask) -> _Graph:
-        g = _Graph(ids=ids.clone(), pos=pos.clone(), mask=mask.clone())
+    def _capture(self, inputs: dict[str, torch.Tensor]) -> _Graph:
+        g = _Graph(inputs={k: v.clone() for k, v in inputs.items()})
         start = self.cache.length
         if self.mode == "emulate":
             g.graph = "emulated"
             return g
-        dev = ids.device
+        dev = next(iter(inputs.values())).device
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(self.warmup):  # kernels choose their algorithms outside the capture
-                self._eager(g.ids, g.pos, g.mask)
+                self.fn(**g.inputs)
                 self.cache.set_length(start)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool):
-            g.logits = self._eager(g.ids, g.pos, g.mask)
+            g.outputs = self.fn(**g.inputs)
         self.cache.set_length(start)  # the capture ran the Python side once; nothing executed
         g.graph = graph
         return g

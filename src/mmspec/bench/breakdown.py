@@ -1,7 +1,7 @@
 """Where a ``SpecDecoder.generate`` call spends its wall time, piece by piece.
 
 Owns one instrumented, untimed pass: the target / draft adapters' decode ``forward``, every
-cache's ``crop``, ``EnsembleDrafter._feed`` / ``.mixture`` and the verification functions the
+cache's ``crop``, ``EnsembleDrafter._run`` / ``.mixture`` and the verification functions the
 engine calls are wrapped with accumulating timers (synchronised on CUDA) for the duration of
 the pass and restored afterwards. Prefill pieces come from the decoder's own stats. Used by
 ``bench/speed.py``; it changes no engine code.
@@ -48,7 +48,7 @@ def _instrumented(dec, timers: _Timers) -> Iterator[None]:
     Instance-level: the target / draft adapters' ``forward`` (decode calls only: ``input_ids``
     given; prefill passes ``inputs_embeds``) and the roll-back / compaction of every cache they
     create (``crop``, ``set_length``, ``move``).
-    Module / class level (our own code, restored in ``finally``): ``EnsembleDrafter._feed`` and
+    Module / class level (our own code, restored in ``finally``): ``EnsembleDrafter._run`` and
     ``.mixture``, and the verification functions the engine looked up from ``mmspec.verify``.
     """
     import mmspec.engine as engine
@@ -71,7 +71,7 @@ def _instrumented(dec, timers: _Timers) -> Iterator[None]:
                (dec.draft, "forward", timers.wrap("draft_forward", dec.draft.forward, decode)),
                (dec.target, "new_cache", cache_factory(dec.target, "cache_crop")),
                (dec.draft, "new_cache", cache_factory(dec.draft, "cache_crop")),
-               (EnsembleDrafter, "_feed", timers.wrap("draft_feed", EnsembleDrafter._feed)),
+               (EnsembleDrafter, "_run", timers.wrap("draft_feed", EnsembleDrafter._run)),
                (EnsembleDrafter, "mixture", timers.wrap("draft_mixture", EnsembleDrafter.mixture))]
     for fn in ("verify_tree_greedy", "verify_tree_sampling", "logits_to_probs"):
         patches.append((engine, fn, timers.wrap("verify_maths", getattr(engine, fn))))
@@ -96,7 +96,7 @@ def profile_breakdown(dec, prompts: Sequence, max_new_tokens: int, device: torch
 
     prompts: objects with ``.inputs`` (processor output), ``.images`` and ``.captions``.
 
-    draft_forward: the draft model's decode forwards; draft_glue: ``_feed`` minus the forward
+    draft_forward: the draft model's decode forwards; draft_glue: ``_run`` minus the forward
     (mask concat, position ids); draft_mixture: softmax + weighted mix; target_forward: the
     verify forwards; verify_maths: acceptance (and probs when sampling); cache_crop: target and
     draft roll-back; prefill: vision + captions + both prefills; python_overhead: the rest.
