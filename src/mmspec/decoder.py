@@ -44,7 +44,10 @@ class SpecDecoder:
     """Lossless speculative decoding of a VLM target with an (ensemble of) draft view(s).
 
     Args:
-        target, draft: loaded HF models, or local directories / hub ids.
+        target, draft: loaded HF models, or local directories / hub ids. The draft may also be a
+            feature-level head (:mod:`mmspec.heads`: a ``FeatureHead`` or a directory saved by
+            ``mmspec train head``), which drafts from the target's own hidden states; ``views``
+            and ``weights`` do not apply to it.
         tokenizer: the target's tokenizer (or a path); the draft must share its vocabulary.
         draft_tokenizer: the draft's own tokenizer (or a path), compared id by id with the
             target's base vocabulary; by default the one saved with a draft given as a path, if
@@ -88,16 +91,27 @@ class SpecDecoder:
                 processor = load_processor(str(target))
             except MMSpecError:
                 processor = None
+        from mmspec.heads.model import FeatureHead, is_head_dir, load_head
+
+        head_given = isinstance(draft, FeatureHead) or is_head_dir(draft)
         # tokenizers first: a draft of another vocabulary is refused before any weights load
         self.tokenizer = load_tokenizer(str(tokenizer)) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
         if isinstance(draft_tokenizer, (str, os.PathLike)):  # asked for: must load
             draft_tokenizer = load_saved_tokenizer(str(draft_tokenizer))
-        elif draft_tokenizer is None and isinstance(draft, (str, os.PathLike)):  # saved with the draft, if any
-            draft_tokenizer = load_tokenizer_if_any(str(draft))
+        elif draft_tokenizer is None and isinstance(draft, (str, os.PathLike)) and not head_given:
+            draft_tokenizer = load_tokenizer_if_any(str(draft))  # saved with the draft, if any
         self.draft_tokenizer = draft_tokenizer
         check_same_vocabulary(self.tokenizer, self.draft_tokenizer)
         self.target_model = load_model(str(target), dtype=dtype) if isinstance(target, (str, os.PathLike)) else target.eval()
-        self.draft_model = load_model(str(draft), dtype=dtype) if isinstance(draft, (str, os.PathLike)) else draft.eval()
+        self.head: FeatureHead | None = None
+        if head_given:
+            from mmspec.heads.model import check_head_fits
+
+            self.head = draft.eval() if isinstance(draft, FeatureHead) else load_head(draft, self.target_model)
+            check_head_fits(self.head, self.target_model)
+            self.draft_model = None
+        else:
+            self.draft_model = load_model(str(draft), dtype=dtype) if isinstance(draft, (str, os.PathLike)) else draft.eval()
         self.processor = processor
         if isinstance(captioner, (str, os.PathLike)):
             from mmspec.models.captioner import HFCaptioner
@@ -106,7 +120,7 @@ class SpecDecoder:
         self.captioner = captioner
 
         self.target = adapter_for(self.target_model)
-        self.draft = adapter_for(self.draft_model)
+        self.draft = None if self.head is not None else adapter_for(self.draft_model)
         if not self.target.has_vision:
             raise MMSpecError(f"the target ({type(self.target_model).__name__}) is not a vision-language model; "
                               "pass an image-text-to-text checkpoint such as a LLaVA one as the target "
@@ -117,26 +131,30 @@ class SpecDecoder:
         self.tree = parse_tree(tree, gamma=gamma, device_type=self.target.device.type, depth=tree_depth,
                                topk=tree_topk, budget=tree_budget, children=tree_children, stop_below=stop_below)
         self._setup_engine(cuda_graphs, static_cache)
-        self.views = self._resolve_views(parse_views(views))
-        self.weights = self._check_weights(weights)
-        self._check_vocab()
-        self.newline_id = self._newline_id()
-        self.reuse_vision = same_vision(self.target, self.draft)
+        if self.head is not None:  # a head reads the target's features: no views, no draft model
+            self.views, self.weights, self.newline_id, self.reuse_vision = [], [1.0], None, False
+        else:
+            self.views = self._resolve_views(parse_views(views))
+            self.weights = self._check_weights(weights)
+            self._check_vocab()
+            self.newline_id = self._newline_id()
+            self.reuse_vision = same_vision(self.target, self.draft)
         self.eos_ids = self._eos_ids()
         self._check_generation_config()
 
     # ------------------------------------------------------------------ construction checks
     def _setup_engine(self, cuda_graphs, static_cache) -> None:
         """Decide eager / static / CUDA-graph decoding and check the tree fits the models."""
-        probes = [self.target.new_cache(8), self.draft.new_cache(8)]
+        probes = [self.target.new_cache(8), (self.head or self.draft).new_cache(8)]
         full_attention = all(supports_trees(c) for c in probes)
         if not self.tree.is_chain and not full_attention:
             raise MMSpecError("token trees need models whose layers are all full attention (their caches are "
                               "compacted after each block); this target or draft has sliding-window or other "
                               "layers: use tree=None (a chain)")
         dispatched = any(len(set(getattr(m, "hf_device_map", {}).values())) > 1
-                         for m in (self.target_model, self.draft_model))
-        mode = graph_mode(cuda_graphs, self.target.device, self.draft.device)
+                         for m in (self.target_model, self.draft_model) if m is not None)
+        draft_device = self.draft.device if self.draft is not None else next(self.head.parameters()).device
+        mode = graph_mode(cuda_graphs, self.target.device, draft_device)
         if mode != "eager" and (dispatched or not full_attention):
             if cuda_graphs is True:
                 raise MMSpecError("cuda_graphs=True needs both models on one device with full-attention layers "
@@ -154,7 +172,8 @@ class SpecDecoder:
         key = (role, rows, capacity)
         if key not in self._static_pool:
             cache = adapter.new_cache(capacity, static=True)
-            runner = StepRunner(_token_forward(adapter, cache), cache, mode=self.graph_mode, name=role)
+            hidden = self._hidden_layers if role == "target" else ()
+            runner = StepRunner(_token_forward(adapter, cache, hidden), cache, mode=self.graph_mode, name=role)
             self._static_pool[key] = (cache, runner)
         return self._static_pool[key]
 
@@ -261,8 +280,10 @@ class SpecDecoder:
 
     @property
     def method(self) -> str:
-        """The views' short name, with "+tree" when blocks are trees ("M", "MTC+tree")."""
-        return ensemble_name(self.views) + ("" if self.tree.kind == "chain" else "+tree")
+        """The views' short name (or the head's variant), with "+tree" when blocks are trees
+        ("M", "MTC+tree", "eagle+tree")."""
+        name = self.head.config.variant if self.head is not None else ensemble_name(self.views)
+        return name + ("" if self.tree.kind == "chain" else "+tree")
 
     # ------------------------------------------------------------------ generate
     @torch.inference_mode()
@@ -311,18 +332,25 @@ class SpecDecoder:
             attn = torch.ones(L - 1, target_cache.max_len, dtype=torch.bool, device=dev).tril()[None, None]
         else:
             attn = torch.ones_like(prefix)
-        self.target.forward(cache=target_cache, attention_mask=attn, position_ids=torch.arange(L - 1, device=dev)[None],
-                            inputs_embeds=embeds, logits_to_keep=1)
+        out = self.target.forward(cache=target_cache, attention_mask=attn, position_ids=torch.arange(L - 1, device=dev)[None],
+                                  inputs_embeds=embeds, logits_to_keep=1, hidden=self._hidden_layers)
         sync(dev)
         stats.prefill_target_s = time.perf_counter() - t0
 
-        # 4) draft prefill: every view one row of one batch
-        drafter = self._prefill_draft(layout, draft_patches, caption_ids, max_new_tokens, stats)
+        # 4) draft prefill: every view one row of one batch (or the head, over the target's features)
+        first_feats = None
+        if self.head is not None:
+            feats = out[1]  # [1, L - 1, F] the target's features at every prompt position, images included
+            drafter = self._prefill_head(feats, ids, max_new_tokens, stats)
+            first_feats = feats[0, -1:]  # before the pending token
+        else:
+            drafter = self._prefill_draft(layout, draft_patches, caption_ids, max_new_tokens, stats)
 
         captured = self._capture_seconds()
         tokens = run_loop(target=self.target, target_cache=target_cache, target_step=target_step, target_len=L - 1,
                           drafter=drafter, spec=self.tree, first_pending=int(ids[-1]), max_new_tokens=max_new_tokens,
-                          eos_ids=self.eos_ids, params=params, generator=generator, stats=stats, static=self.static)
+                          eos_ids=self.eos_ids, params=params, generator=generator, stats=stats, static=self.static,
+                          first_feats=first_feats)
         stats.capture_s = self._capture_seconds() - captured
         stats.total_s = time.perf_counter() - t_start
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -336,6 +364,8 @@ class SpecDecoder:
         """The draft side of :meth:`generate` alone: vision, captions and the prefilled ensemble
         drafter for this prompt (its last token not fed). Used to time draft steps in isolation;
         ``cache`` runs it on a cache of the caller's (e.g. a ``DynamicCache``, to compare)."""
+        if self.head is not None:
+            raise MMSpecError("new_drafter times token-level drafters; a head drafts inside generate()")
         ids = self._check_ids(input_ids, None)
         layout = self._layout(ids, pixel_values)
         stats = self._new_stats()
@@ -351,14 +381,40 @@ class SpecDecoder:
         """Positions a decode can append after the prompt: committed tokens + one block's tree."""
         return max_new_tokens + self.tree.n_nodes + 1
 
+    @property
+    def _hidden_layers(self) -> tuple[int, ...]:
+        """Target layers whose hidden states the draft reads (a head's), else none."""
+        return self.head.config.feature_layers if self.head is not None else ()
+
     def _target_cache(self, needed: int):
         """The target's cache for one decode and the function that runs its block forwards."""
         if not self.static:
             cache = self.target.new_cache(needed)  # preallocated, O(1) roll-back
-            return cache, _token_forward(self.target, cache)
+            return cache, _token_forward(self.target, cache, self._hidden_layers)
         cache, runner = self._static_cache("target", self.target, 1, needed)
         cache.reset()
         return cache, runner
+
+    def _prefill_head(self, feats, ids, max_new_tokens: int, stats: GenerationStats):
+        from mmspec.heads.drafter import HeadDrafter
+
+        t0 = time.perf_counter()
+        room = self._room(max_new_tokens)
+        cache = runner = None
+        drafter = HeadDrafter(self.head, self.target, room, static=self.static)
+        if self.static:
+            capacity = max(512, 1 << (ids.shape[0] + room - 1).bit_length())
+            key = ("head", 1, capacity)
+            if key not in self._static_pool:
+                cache = self.head.new_cache(capacity, static=True)
+                self._static_pool[key] = (cache, StepRunner(_head_forward(self.head, cache), cache,
+                                                            mode=self.graph_mode, name="draft head"))
+            cache, runner = self._static_pool[key]
+            drafter.cache, drafter.step_fn = cache, runner
+        drafter.prefill(feats, ids)
+        sync(self.target.device)
+        stats.prefill_draft_s = time.perf_counter() - t0
+        return drafter
 
     def _capture_seconds(self) -> float:
         return sum(r.capture_s for _, r in self._static_pool.values())
@@ -499,10 +555,18 @@ class SpecDecoder:
         return out
 
 
-def _token_forward(adapter, cache):
-    """The fixed-shape forward of one model on one cache: ids, position ids and mask in, logits out."""
-    def fn(ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return adapter.forward(cache=cache, attention_mask=mask, position_ids=pos, input_ids=ids)
+def _token_forward(adapter, cache, hidden: tuple[int, ...] = ()):
+    """The fixed-shape forward of one model on one cache: ids, position ids and mask in, logits
+    out (and the hidden states of ``hidden`` layers, for a head, from the same forward)."""
+    def fn(ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor):
+        return adapter.forward(cache=cache, attention_mask=mask, position_ids=pos, input_ids=ids, hidden=hidden)
+    return fn
+
+
+def _head_forward(head, cache):
+    """A head's fixed-shape forward on its cache: features, embeddings, positions, mask in."""
+    def fn(feats: torch.Tensor, embeds: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return head(feats, embeds, cache=cache, position_ids=pos, attention_mask=mask)
     return fn
 
 

@@ -47,13 +47,22 @@ def run_loop(
     generator: torch.Generator | None,
     stats: GenerationStats,
     static: bool = False,
+    first_feats: torch.Tensor | None = None,
 ) -> list[int]:
-    """Draft, verify, accept, compact, until EOS or max_new_tokens. Returns the new tokens."""
+    """Draft, verify, accept, compact, until EOS or max_new_tokens. Returns the new tokens.
+
+    For a drafter that reads the target's hidden states (``drafter.needs_hidden``: heads),
+    ``target_step`` returns (logits, hidden) and ``first_feats`` [1, F] is the target's feature
+    before the first pending token (the last prefill position); after each block the features
+    before the new pending tokens are read from the verify forward's hidden states.
+    """
     dev = target.device
     clock = BlockClock(dev)
     tokens: list[int] = []  # new tokens emitted so far
     past = target_len  # tokens in the target cache
     pending = torch.tensor([first_pending], device=dev)  # committed, not yet in the draft cache; [-1] is the root
+    feats = first_feats  # [n_pending, F]: the target's feature before each pending token (heads only)
+    hidden_wanted = bool(drafter.needs_hidden)
     records: list[BlockRecord] = []
     while len(tokens) < max_new_tokens:
         remaining = max_new_tokens - len(tokens)
@@ -62,7 +71,7 @@ def run_loop(
         if block_spec is None:  # one token left: no draft, the target's next token
             tree = _root_only(pending[-1:])
         else:
-            tree = drafter.draft(pending, block_spec, params, generator)
+            tree = drafter.draft(pending, block_spec, params, generator, feats=feats)
         clock.mark()
 
         n_nodes = tree.size
@@ -76,7 +85,8 @@ def run_loop(
             mask = torch.ones(1, past + n_nodes, dtype=torch.long, device=dev)  # causal: SDPA's fast path
         else:
             mask = tree_attention_mask(anc, past, past + n_nodes)  # [1, 1, N, past + N]
-        logits = target_step(ids=ids, pos=position_ids, mask=mask)[0]  # [N, V]
+        out_t = target_step(ids=ids, pos=position_ids, mask=mask)
+        logits, hidden = (out_t[0][0], out_t[1][0]) if hidden_wanted else (out_t[0], None)  # [N, V], [N, F]
         parents = tree.parents.to(dev)
         if params.greedy:
             out = verify_tree_greedy(ids[0], parents, depth, anc, logits, tree.max_depth)
@@ -105,6 +115,8 @@ def run_loop(
             break
         # the accepted nodes the draft never saw, then the target's token
         pending = torch.cat([ids[0][out.path[1 + in_draft:n + 1]], out.next_token.view(1)])
+        if hidden_wanted:  # the feature before each pending token: root and accepted nodes, as verified
+            feats = hidden[out.path[in_draft:n + 1]]
     for rec, (draft_s, verify_s) in zip(records, clock.durations()):
         rec.draft_s, rec.verify_s = draft_s, verify_s
     stats.blocks.extend(records)

@@ -66,18 +66,39 @@ class ModelAdapter:
         input_ids: torch.Tensor | None = None,  # [B, L]
         inputs_embeds: torch.Tensor | None = None,  # [B, L, H]
         logits_to_keep: int = 0,  # 0: logits at every position; k: the last k only
-    ) -> torch.Tensor:
-        """One forward pass that extends ``cache`` in place; returns logits [B, L or k, V]."""
-        out = self.model(
-            input_ids=input_ids,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-            **{self._cache_kw: cache},
-        )
-        return out.logits
+        hidden: tuple[int, ...] = (),  # decoder layers whose outputs to return too; -1: the final (post-norm) one
+    ):
+        """One forward pass that extends ``cache`` in place; returns logits [B, L or k, V], or
+        (logits, hidden [B, L, H * len(hidden)]) when ``hidden`` names layers: read from the
+        same forward (hooks on those layers, removed after), never a second pass."""
+        captured: dict[int, torch.Tensor] = {}
+        hooks = [self._layer(i).register_forward_hook(
+            lambda m, a, o, i=i: captured.__setitem__(i, o[0] if isinstance(o, tuple) else o)) for i in hidden]
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+                **{self._cache_kw: cache},
+            )
+        finally:
+            for h in hooks:
+                h.remove()
+        if not hidden:
+            return out.logits
+        return out.logits, torch.cat([captured[i] for i in hidden], dim=-1)
+
+    def _layer(self, i: int) -> nn.Module:
+        """Decoder layer ``i`` of the language model, or its final norm for -1."""
+        decoder = self.model.get_decoder()
+        return decoder.norm if i == -1 else decoder.layers[i]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.get_decoder().layers)
 
     def new_cache(self, max_len: int | None = None, static: bool = False):
         """A KV cache supporting ``crop(-n)``: preallocated for ``max_len`` positions when given

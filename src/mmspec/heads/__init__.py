@@ -1,0 +1,11 @@
+"""Feature-level draft heads (EAGLE, EAGLE-3, MSD) that draft from the target's hidden states.
+
+:mod:`.model` owns the head itself (config, weights, save/load, :func:`build_head`);
+:mod:`.drafter` drives it through the engine's drafter interface; :mod:`.train` trains it on
+the target's own answers (``mmspec train head``).
+"""
+
+from mmspec.heads.drafter import HeadDrafter
+from mmspec.heads.model import VARIANTS, FeatureHead, HeadConfig, build_head, is_head_dir, load_head
+
+__all__ = ["VARIANTS", "FeatureHead", "HeadConfig", "HeadDrafter", "build_head", "is_head_dir", "load_head"]

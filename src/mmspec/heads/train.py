@@ -1,0 +1,310 @@
+"""Training a feature-level head (``mmspec train head``) on the frozen target's own features.
+
+Owns: turning training sequences (prompt + the target's own answer) into batches, the frozen
+target's forward that hands over the features the head reads and the distribution it must
+match (one forward per batch, features computed on the fly: nothing cached to disk), the
+losses, and the loop: AdamW with a warm-up, a progress bar, a time budget, resumable
+checkpoints, and data-parallel training under ``torchrun --nproc_per_node=N`` (DDP; gloo on
+CPU, NCCL on GPU).
+
+Losses, per position t (the head saw target feature t and token t + 1, predicts feature t + 1):
+* cross-entropy against the TARGET's distribution at t + 1 (soft labels: the head learns what
+  the target would say, whatever the sequence says next), all variants;
+* eagle / msd: + ``reg_weight`` x smooth-L1 between the predicted and the target's feature
+  (EAGLE's feature regression);
+* eagle3: training-time test: ``ttt_steps`` unrolled passes, pass k reading the head's own
+  predictions of pass k - 1 instead of the target's features (weights 0.8^(k-1)). Simplified:
+  in pass k every context position reads predicted features, where drafting reads predicted
+  ones only for the last k - 1 positions, a harsher condition;
+* msd: the first ``text_steps`` steps on text-only sequences (images and their slots removed),
+  then multimodal ones (MSD's two-stage schedule).
+Positions whose next token is an image placeholder carry no loss. Each sequence's loss is its
+mean over positions and the batch loss the mean over sequences, so N ranks of b sequences give
+exactly the gradient of one process with N x b (the DDP test checks it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from mmspec.errors import MMSpecError
+from mmspec.heads.model import VARIANTS, FeatureHead, build_head, load_head
+
+
+@dataclass
+class Sequence_:
+    """One training sequence: token ids (images expanded) and the pixels of its images."""
+
+    input_ids: torch.Tensor  # [L] long
+    pixel_values: torch.Tensor | None  # [n_img, 3, H, W] or None
+    text_only: "Sequence_ | None" = None  # the same without images (msd's first stage)
+
+
+@dataclass
+class HeadTrainConfig:
+    variant: str = "eagle"
+    out: str = "runs/head"
+    num_layers: int = 1
+    steps: int = 1000
+    minutes: float | None = None  # a time budget: stop (and save) when it is spent
+    batch_size: int = 16  # the GLOBAL batch: split over the ranks
+    lr: float = 1e-3
+    warmup: int = 50
+    reg_weight: float = 1.0  # eagle / msd: feature regression next to the cross-entropy
+    ttt_steps: int = 3  # eagle3: unrolled passes of training-time test
+    text_steps: int | None = None  # msd: steps on text-only sequences first (default: a third)
+    seed: int = 0
+    checkpoint_every: int = 100
+    resume: bool = True
+    progress: bool = True
+    device: str = "cpu"
+    notes: dict = field(default_factory=dict)  # recorded in the head's config (recipe, data)
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise MMSpecError(f"unknown head variant {self.variant!r}; use one of {', '.join(VARIANTS)}")
+        for name in ("steps", "batch_size", "num_layers", "ttt_steps", "checkpoint_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise MMSpecError(f"--{name.replace('_', '-')} must be a whole number >= 1, got {v!r}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise MMSpecError(f"--lr must be a finite number > 0, got {self.lr}")
+        if self.minutes is not None and not self.minutes > 0:
+            raise MMSpecError(f"--minutes must be > 0, got {self.minutes}")
+
+
+# --------------------------------------------------------------------------- distributed
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_dist(device: str) -> Dist:
+    """torchrun's environment -> a process group (gloo on CPU, NCCL on CUDA), or one process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist()
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    return Dist(dist.get_rank(), dist.get_world_size())
+
+
+# --------------------------------------------------------------------------- batches
+def collate(seqs: Sequence[Sequence_], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded batch: input_ids [B, L], attention_mask [B, L], pixel_values [n, 3, H, W] | None."""
+    L = max(s.input_ids.shape[0] for s in seqs)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), L, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, : s.input_ids.shape[0]] = s.input_ids
+        mask[b, : s.input_ids.shape[0]] = 1
+    pix = [s.pixel_values for s in seqs if s.pixel_values is not None]
+    return {"input_ids": ids, "attention_mask": mask, "pixel_values": torch.cat(pix) if pix else None}
+
+
+@torch.no_grad()
+def target_features(target, batch: dict, layers: tuple[int, ...], final: bool):
+    """One frozen target forward -> (logits [B, L, V], features [B, L, F], final feature [B, L, H] | None).
+    The features are the outputs of ``layers`` (-1: the final post-norm state), read by hooks."""
+    from mmspec.models.base import adapter_for
+
+    adapter = adapter_for(target)
+    want = tuple(layers) + ((-1,) if final and -1 not in layers else ())
+    captured: dict[int, torch.Tensor] = {}
+    hooks = [adapter._layer(i).register_forward_hook(
+        lambda m, a, o, i=i: captured.__setitem__(i, o[0] if isinstance(o, tuple) else o)) for i in want]
+    try:
+        kw = {k: v for k, v in batch.items() if v is not None}
+        logits = target(**kw, use_cache=False).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    feats = torch.cat([captured[i] for i in layers], dim=-1)
+    return logits, feats, captured.get(-1) if final else None
+
+
+def head_loss(head: FeatureHead, target, batch: dict, cfg: HeadTrainConfig) -> tuple[torch.Tensor, dict]:
+    """The batch loss (mean over sequences of each sequence's mean over its positions) and parts."""
+    hc = head.config if not hasattr(head, "module") else head.module.config
+    core = head.module if hasattr(head, "module") else head
+    reg = hc.variant in ("eagle", "msd")
+    logits_t, feats, final = target_features(target, batch, hc.feature_layers, final=reg)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    B, L = ids.shape
+    nxt = ids[:, 1:]  # [B, L-1] the token after each head input position
+    emb = target.get_input_embeddings()(nxt).detach()
+    image = (nxt == hc.image_token_id) if (hc.variant == "msd" and hc.image_token_id is not None) else None
+    pos = torch.arange(L - 1, device=ids.device)[None].expand(B, -1)
+    amask = mask[:, 1:]
+    after_img = torch.zeros_like(nxt, dtype=torch.bool)
+    if hc.image_token_id is not None:
+        after_img[:, :-1] = ids[:, 2:] == hc.image_token_id  # the next token is an image slot: no loss
+    valid = amask.bool() & ~after_img  # [B, L-1]
+    p = torch.softmax(logits_t[:, 1:].float(), -1)  # [B, L-1, V] the target's distribution at t + 1
+    lm_head = target.get_output_embeddings()
+    if core.lm_head is not None:  # eagle3: its own vocabulary; the target's mass on it, renormalised
+        p = p[..., core.d2t]
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)
+
+    def ce(h):
+        if core.lm_head is not None:
+            logits = core.lm_head(h)
+        else:  # the target's frozen head, in the head's dtype
+            logits = F.linear(h, lm_head.weight.to(h.dtype), None if lm_head.bias is None else lm_head.bias.to(h.dtype))
+        return -(p * torch.log_softmax(logits.float(), -1)).sum(-1)  # [B, L-1]
+
+    def per_seq(x):  # [B, L-1] -> mean over each sequence's valid positions, then over sequences
+        v = valid.to(x.dtype)
+        return ((x * v).sum(1) / v.sum(1).clamp_min(1.0)).mean()
+
+    dt = core.fc.weight.dtype  # the head trains in float32 (float64 with a float64 target) whatever the target's dtype
+    emb = emb.to(dt)
+    g = core.fused(feats[:, :-1].to(dt))  # [B, L-1, H]
+    h = head(g, emb, image, position_ids=pos, attention_mask=amask)
+    parts = {"ce": per_seq(ce(h))}
+    loss = parts["ce"]
+    if reg:
+        parts["reg"] = per_seq(F.smooth_l1_loss(h, final[:, 1:].to(dt), reduction="none").mean(-1))
+        loss = loss + cfg.reg_weight * parts["reg"]
+    if hc.variant == "eagle3":  # training-time test: later passes read the head's own predictions
+        prev = h
+        for k in range(2, cfg.ttt_steps + 1):
+            g_k = torch.cat([g[:, :1], prev[:, :-1]], dim=1)  # position t: the head's prediction of feature t
+            h_k = head(g_k, emb, image, position_ids=pos, attention_mask=amask)
+            parts[f"ce{k}"] = per_seq(ce(h_k))
+            loss = loss + 0.8 ** (k - 1) * parts[f"ce{k}"]
+            prev = h_k
+    return loss, {k: float(v.detach()) for k, v in parts.items()}
+
+
+# --------------------------------------------------------------------------- the loop
+def _lr(step: int, cfg: HeadTrainConfig) -> float:
+    warm = min(1.0, (step + 1) / max(1, cfg.warmup))
+    return cfg.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / cfg.steps))))
+
+
+def _order(n: int, seed: int, epoch: int) -> list[int]:
+    idx = list(range(n))
+    random.Random(seed * 1_000_003 + epoch).shuffle(idx)
+    return idx
+
+
+def _global_batch(step: int, n: int, cfg: HeadTrainConfig) -> list[int]:
+    """The example indices of one global batch (the same on every rank; each takes its slice)."""
+    start = step * cfg.batch_size
+    out = []
+    for j in range(start, start + cfg.batch_size):
+        epoch, k = divmod(j, n)
+        out.append(_order(n, cfg.seed, epoch)[k])
+    return out
+
+
+def train_head(target, seqs: Sequence[Sequence_], cfg: HeadTrainConfig, *, head: FeatureHead | None = None,
+               log: Callable[[str], None] = print) -> dict:
+    """Train (or resume) a head for ``target`` on ``seqs``; saves it under ``cfg.out``. Returns a
+    summary (steps done, losses, seconds). Under torchrun every rank calls this."""
+    from tqdm.auto import tqdm
+
+    if not seqs:
+        raise MMSpecError("no training sequences; give the head some data (--samples, --families, --data)")
+    dist = init_dist(cfg.device)
+    if cfg.batch_size % dist.world:
+        raise MMSpecError(f"--batch-size {cfg.batch_size} is the global batch and must split evenly over "
+                          f"{dist.world} processes")
+    out = Path(cfg.out)
+    ckpt = out / "checkpoint"
+    device = torch.device(cfg.device)
+    target = target.to(device).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(cfg.seed)
+    start, state = 0, None
+    if cfg.resume and (ckpt / "train_state.pt").exists():
+        head = load_head(ckpt, target)
+        state = torch.load(ckpt / "train_state.pt", map_location="cpu", weights_only=False)
+        start = int(state["step"])
+        if dist.main:
+            log(f"resuming {ckpt} at step {start}/{cfg.steps}")
+    elif head is None:
+        head = build_head(target, cfg.variant, num_layers=cfg.num_layers, seed=cfg.seed)
+    head = head.to(device=device, dtype=torch.promote_types(next(target.parameters()).dtype, torch.float32)).train()
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+    model = head
+    if dist.world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(head, find_unused_parameters=cfg.variant == "msd")
+    text_steps = cfg.text_steps if cfg.text_steps is not None else (cfg.steps // 3 if cfg.variant == "msd" else 0)
+    per_rank = cfg.batch_size // dist.world
+    t0, history = time.perf_counter(), list(state["history"]) if state else []
+    step = start
+    bar = tqdm(total=cfg.steps, initial=start, desc=f"train {cfg.variant} head", disable=not (cfg.progress and dist.main),
+               unit="step", mininterval=2.0)
+    try:
+        while step < cfg.steps:
+            if cfg.minutes is not None and time.perf_counter() - t0 > 60 * cfg.minutes:
+                if dist.main:
+                    log(f"time budget of {cfg.minutes:g} min spent at step {step}")
+                break
+            idx = _global_batch(step, len(seqs), cfg)[dist.rank * per_rank:(dist.rank + 1) * per_rank]
+            text_stage = step < text_steps
+            items = [seqs[i].text_only if (text_stage and seqs[i].text_only is not None) else seqs[i] for i in idx]
+            batch = {k: (v.to(device) if v is not None else None) for k, v in collate(items).items()}
+            if batch["pixel_values"] is not None:
+                batch["pixel_values"] = batch["pixel_values"].to(next(target.parameters()).dtype)
+            for gr in opt.param_groups:
+                gr["lr"] = _lr(step, cfg)
+            loss, parts = head_loss(model, target, batch, cfg)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            opt.step()
+            step += 1
+            history.append({"step": step, "loss": float(loss.detach()), **parts, "stage": "text" if text_stage else "multimodal"})
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(loss):.3f}")
+            if dist.main and step % cfg.checkpoint_every == 0 and step < cfg.steps:
+                _save(head, opt, step, history, ckpt, cfg)
+    finally:
+        bar.close()
+    summary = {"steps": step, "seconds": time.perf_counter() - t0, "world_size": dist.world,
+               "final_loss": history[-1]["loss"] if history else None, "text_steps": text_steps}
+    if dist.main:
+        _save(head, opt, step, history, ckpt, cfg)
+        head.config.trained = {**cfg.notes, "variant": cfg.variant, "steps": step, "batch_size": cfg.batch_size,
+                               "lr": cfg.lr, "seed": cfg.seed, "world_size": dist.world,
+                               "final_loss": summary["final_loss"], "text_steps": text_steps,
+                               "ttt_steps": cfg.ttt_steps if cfg.variant == "eagle3" else None}
+        head.eval().save(out)
+        (out / "train_log.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+        log(f"saved the {cfg.variant} head to {out} ({step} steps, loss {summary['final_loss']})")
+    if dist.world > 1:
+        import torch.distributed as tdist
+
+        tdist.barrier()
+    return summary
+
+
+def _save(head: FeatureHead, opt, step: int, history: list, ckpt: Path, cfg: HeadTrainConfig) -> None:
+    head.save(ckpt)
+    torch.save({"step": step, "optimizer": opt.state_dict(), "history": history, "config": asdict(cfg)},
+               ckpt / "train_state.pt")
