@@ -1,0 +1,241 @@
+"""The world's video families: determinism, disjoint splits, words the tokenizer holds, facts vs
+pixels. The image world must stay exactly as it was."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mmspec.errors import MMSpecError
+from mmspec.prompt import IMAGE_MARKER, VIDEO_MARKER, VIDEO_QA, fill_template
+from mmspec.world import (
+    FAMILIES,
+    IMAGE_SIZE,
+    SPLITS,
+    VIDEO_FAMILIES,
+    VIDEO_FPS,
+    generate_video_samples,
+    iter_all,
+    iter_video,
+    make_sample,
+    make_video_sample,
+)
+from mmspec.world.core import derive_rng, draw_in_split, split_of
+from mmspec.world.render import CELL, COLOURS, POSITIONS
+from mmspec.world.video import N_FRAMES
+
+SHIPPED_TOKENIZER = Path(__file__).resolve().parents[1] / "src/mmspec/assets/embedded/target"
+# sha256 of the text of iter_all(split, 3) over the three splits, taken on main before the video
+# families existed: the image samples (and so the tokenizer corpus and every recipe) must not move
+IMAGE_WORLD_TEXT_SHA = "219b850441c86c62da694bfc65cf4b8e73b07be24ea08a991e2a2f1325b319ed"
+
+
+def _frame_bytes(s) -> list[bytes]:
+    return [f.tobytes() for f in s.frames]
+
+
+def _mask(img, colour: str) -> np.ndarray:
+    return (np.asarray(img) == np.array(COLOURS[colour], dtype=np.uint8)).all(-1)  # [H, W] bool
+
+
+# ----------------------------------------------------------------------------- the image world stays
+
+
+def test_image_world_is_unchanged():
+    assert list(FAMILIES) == ["chartqa", "textvqa", "vqav2", "hallusionbench",
+                              "spot_the_diff", "iedit", "pororosv", "vist"]
+    assert not set(FAMILIES) & set(VIDEO_FAMILIES)
+    h = hashlib.sha256()
+    for split in SPLITS:
+        for s in iter_all(split, 3):
+            assert s.family in FAMILIES and not hasattr(s, "frames")
+            h.update(json.dumps([s.uid, s.prompt, s.answer, s.facts, s.captions, list(s.cues)]).encode())
+    assert h.hexdigest() == IMAGE_WORLD_TEXT_SHA
+
+
+def test_video_token_is_appended_and_existing_ids_keep_their_meaning():
+    from transformers import AutoTokenizer
+
+    from mmspec.world.tokenizer import SPECIAL_TOKENS, VIDEO, add_video_token
+
+    assert VIDEO == VIDEO_MARKER
+    tok = AutoTokenizer.from_pretrained(SHIPPED_TOKENIZER)
+    before, n = dict(tok.get_vocab()), len(tok)
+    assert tok.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == [0, 1, 2, 3, 4]
+    assert VIDEO not in before
+    vid = add_video_token(tok)
+    assert vid == n and len(tok) == n + 1
+    after = tok.get_vocab()
+    assert all(after[t] == i for t, i in before.items())
+    assert add_video_token(tok) == vid and len(tok) == n + 1  # a second call adds nothing
+    s = make_video_sample("motion", "test", 0)
+    ids = tok.encode(s.prompt, add_special_tokens=False)
+    assert ids.count(vid) == 1 and tok.decode(ids) == s.prompt
+    image_ids = tok.encode(make_sample("vqav2", "test", 0).prompt, add_special_tokens=False)
+    assert vid not in image_ids and image_ids.count(4) == 1
+
+
+# ----------------------------------------------------------------------------- video samples
+
+
+def test_video_contract():
+    assert list(VIDEO_FAMILIES) == ["motion", "order"]
+    for fam in VIDEO_FAMILIES.values():
+        assert fam.n_frames == N_FRAMES == 8
+        s = make_video_sample(fam.name, "val", 2)
+        assert s.uid == f"{fam.name}-val-2" and s.split == "val" and s.fps == VIDEO_FPS
+        assert len(s.frames) == N_FRAMES
+        assert all(f.mode == "RGB" and f.size == (IMAGE_SIZE, IMAGE_SIZE) for f in s.frames)
+        assert s.prompt == fill_template(VIDEO_QA, question=s.question)
+        assert s.prompt.count(VIDEO_MARKER) == 1 and IMAGE_MARKER not in s.prompt
+        assert s.prompt.startswith("USER: <video> ") and s.prompt.endswith(f" {s.question} ASSISTANT:")
+
+
+@pytest.mark.parametrize("family", list(VIDEO_FAMILIES))
+def test_deterministic_and_index_dependent(family):
+    a, b = make_video_sample(family, "train", 5, seed=3), make_video_sample(family, "train", 5, seed=3)
+    assert _frame_bytes(a) == _frame_bytes(b)
+    assert (a.uid, a.prompt, a.answer, a.facts, a.key_fact, a.caption) == (
+        b.uid, b.prompt, b.answer, b.facts, b.key_fact, b.caption)
+    for other in (make_video_sample(family, "train", 6, seed=3), make_video_sample(family, "train", 5, seed=4)):
+        assert _frame_bytes(a) != _frame_bytes(other)
+    uids = [s.uid for s in generate_video_samples(family, "test", 2, start=4)]
+    assert uids == [f"{family}-test-4", f"{family}-test-5"]
+
+
+def test_iter_video_interleaves():
+    uids = [s.uid for s in iter_video("train", {"order": 2, "motion": 1})]
+    assert uids == ["order-train-0", "motion-train-0", "order-train-1"]
+    assert len(list(iter_video("val", 2))) == 4
+
+
+@pytest.mark.parametrize("family", list(VIDEO_FAMILIES))
+def test_a_clip_belongs_to_one_split(family):
+    """A sample is rendered from the spec its split owns, and a spec is the clip alone (no
+    question in it): no clip, and so no key fact of a clip, is in two splits."""
+    fam = VIDEO_FAMILIES[family]
+    specs: dict[str, set[str]] = {}
+    for split in SPLITS:
+        specs[split] = set()
+        for i in range(40):
+            spec, rng = draw_in_split(family, fam.draw_spec, split, i, 0)
+            assert split_of(family, spec) == split
+            assert "question" not in repr(spec) and "kind" not in repr(spec)
+            draft = fam.render(spec, rng)
+            s = make_video_sample(family, split, i)
+            assert [f.tobytes() for f in draft.frames] == _frame_bytes(s) and draft.key_fact == s.key_fact
+            specs[split].add(repr(spec))
+    assert not specs["train"] & specs["val"] and not specs["train"] & specs["test"] and not specs["val"] & specs["test"]
+    counts = Counter(split_of(family, fam.draw_spec(derive_rng(0, "probe", "x", i))) for i in range(1000))
+    assert 700 < counts["train"] < 900 and 50 < counts["val"] < 150 and 50 < counts["test"] < 150, counts
+
+
+def _all_text(s) -> str:
+    return " ".join([s.prompt.replace(VIDEO_MARKER, " "), s.answer, s.caption, s.key_fact, *s.facts.values()])
+
+
+def test_every_word_is_a_whole_word_of_the_world_tokenizer():
+    """The video text uses only words the shipped world tokenizer holds as one token each (after a
+    space, as they stand in a prompt or an answer), so no retraining moves its ids."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(SHIPPED_TOKENIZER / "tokenizer.json"))
+    whole: dict[str, bool] = {}
+    split_words: Counter = Counter()
+    n = 0
+    for family in VIDEO_FAMILIES:
+        for split in SPLITS:
+            for s in generate_video_samples(family, split, 50):
+                n += 1
+                for w in re.findall(r"[A-Za-z0-9]+", _all_text(s)):
+                    if w not in whole:
+                        whole[w] = len(tok.encode(" " + w, add_special_tokens=False).ids) == 1
+                    if not whole[w] and w != "USER":  # the prompt's first word, written without a space
+                        split_words[w] += 1
+    assert n == 300 and not split_words, split_words
+    assert len(tok.encode(" clip", add_special_tokens=False).ids) > 1  # the check can fail: "clip" is split
+
+
+@pytest.mark.parametrize("family", list(VIDEO_FAMILIES))
+def test_answers_state_facts_key_fact_and_end_on_the_asked_fact(family):
+    from mmspec.train.evaluate import answers_question, final_sentence, states
+
+    asked = Counter()
+    for s in generate_video_samples(family, "test", 80):
+        assert s.key_fact and states(s.answer, s.key_fact), (s.uid, s.key_fact, s.answer)
+        for key, value in s.facts.items():
+            assert states(s.answer, value), (s.uid, key, value, s.answer)
+        assert answers_question(s, s.answer), (s.uid, final_sentence(s.answer), s.facts)
+        assert " a orange" not in s.answer + s.caption and " a orange" not in s.question
+        asked[next(iter(s.facts))] += 1
+    want = {"motion": {"direction", "start", "end"}, "order": {"first", "second", "last", "count"}}[family]
+    assert set(asked) == want, asked
+
+
+@pytest.mark.parametrize("family", list(VIDEO_FAMILIES))
+def test_answers_vary_in_phrasing(family):
+    ss = generate_video_samples(family, "train", 60)
+    assert len({s.answer for s in ss}) > 50
+    wordings, openings = set(), set()
+    for s in ss:
+        text = s.answer
+        for v in sorted([s.key_fact, *s.facts.values()], key=len, reverse=True):
+            text = text.replace(v, "#")
+        wordings.add(re.sub(r"\b(?:an?|the) [a-z]+ [a-z]+\b", "#", text))  # other shapes' names too
+        openings.add(" ".join(text.split(" ")[:4]))
+    assert len(wordings) >= 20 and len(openings) >= 3, (len(wordings), openings)
+
+
+def _centroid(img, colour: str) -> tuple[float, float]:
+    ys, xs = np.nonzero(_mask(img, colour))
+    return float(xs.mean()), float(ys.mean())
+
+
+def test_motion_pixels_agree_with_the_facts():
+    seen = Counter()
+    for s in generate_video_samples("motion", "train", 60):
+        colour = s.key_fact.split(" ")[0]
+        (x0, y0), (x1, y1) = _centroid(s.frames[0], colour), _centroid(s.frames[-1], colour)
+        dx, dy = x1 - x0, y1 - y0
+        d = s.facts["direction"]
+        want = {"right": (1, 0), "left": (-1, 0), "down": (0, 1), "up": (0, -1), "still": (0, 0)}[d]
+        for delta, sign in ((dx, want[0]), (dy, want[1])):
+            assert (abs(delta) > CELL * 0.9) if sign else (abs(delta) < 0.5), (s.uid, d, dx, dy)
+            assert sign == 0 or np.sign(delta) == sign, (s.uid, d, dx, dy)
+        for pos, (x, y) in ((s.facts["start"], (x0, y0)), (s.facts["end"], (x1, y1))):
+            assert POSITIONS.index(pos) == int(y // CELL) * 3 + int(x // CELL), (s.uid, pos, x, y)
+        seen[d] += 1
+    assert set(seen) == {"left", "right", "up", "down", "still"}, seen
+
+
+def test_order_pixels_agree_with_the_facts():
+    for s in generate_video_samples("order", "train", 40):
+        names = s.key_fact.replace(" and ", ", ").split(", ")
+        colours = [n.split(" ")[0] for n in names]
+        assert (np.asarray(s.frames[0]) == 255).all(), s.uid  # the first frame is empty
+        first_seen = {c: next(k for k, f in enumerate(s.frames) if _mask(f, c).sum() > 40) for c in colours}
+        assert [first_seen[c] for c in colours] == sorted(set(first_seen.values())), (s.uid, first_seen)
+        assert colours[0] == s.facts["first"].split(" ")[0] and colours[-1] == s.facts["last"].split(" ")[0]
+        present = sum(_mask(s.frames[-1], c).sum() > 40 for c in COLOURS)
+        assert present == int(s.facts["count"]) == len(names), s.uid
+
+
+def test_video_errors_are_clear():
+    with pytest.raises(MMSpecError, match="unknown video family 'dance'; use one of motion, order"):
+        make_video_sample("dance", "train", 0)
+    with pytest.raises(MMSpecError, match="'vqav2' is an image family: use make_sample"):
+        make_video_sample("vqav2", "train", 0)
+    with pytest.raises(MMSpecError, match="unknown split"):
+        make_video_sample("motion", "dev", 0)
+    with pytest.raises(MMSpecError, match="index must be >= 0"):
+        make_video_sample("order", "train", -1)
+    with pytest.raises(MMSpecError, match="unknown video family"):
+        list(iter_video("train", {"motion": 1, "chartqa": 1}))
+    with pytest.raises(MMSpecError, match="unknown family 'motion'"):
+        make_sample("motion", "train", 0)
