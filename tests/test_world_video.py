@@ -1,5 +1,6 @@
-"""The world's video families: determinism, disjoint splits, words the tokenizer holds, facts vs
-pixels. The image world must stay exactly as it was."""
+"""The world's video families, the DVS event model and the substitute inputs: determinism, disjoint
+splits, words the tokenizer holds, facts vs pixels, event counts on hand-built frames, binning of
+hand-made streams. The image world must stay exactly as it was."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from PIL import Image
 
 from mmspec.errors import MMSpecError
+from mmspec.events import EventStream, bin_events, event_stats, simulate_dvs
 from mmspec.prompt import IMAGE_MARKER, VIDEO_MARKER, VIDEO_QA, fill_template
 from mmspec.world import (
     FAMILIES,
@@ -34,6 +38,7 @@ SHIPPED_TOKENIZER = Path(__file__).resolve().parents[1] / "src/mmspec/assets/emb
 # sha256 of the text of iter_all(split, 3) over the three splits, taken on main before the video
 # families existed: the image samples (and so the tokenizer corpus and every recipe) must not move
 IMAGE_WORLD_TEXT_SHA = "219b850441c86c62da694bfc65cf4b8e73b07be24ea08a991e2a2f1325b319ed"
+THETA = 0.2
 
 
 def _frame_bytes(s) -> list[bytes]:
@@ -239,3 +244,148 @@ def test_video_errors_are_clear():
         list(iter_video("train", {"motion": 1, "chartqa": 1}))
     with pytest.raises(MMSpecError, match="unknown family 'motion'"):
         make_sample("motion", "train", 0)
+
+
+# ----------------------------------------------------------------------------- DVS events
+
+
+def _levels(*log_steps: float, base: float = 0.3, eps: float = 1e-2) -> np.ndarray:
+    """Intensities in [0, 1] whose log(I + eps) rises by ``log_steps`` (in thresholds) from ``base``."""
+    logs = np.log(base + eps) + np.cumsum((0.0,) + log_steps) * THETA
+    return np.exp(logs) - eps  # [T]
+
+
+def test_dvs_emits_one_event_per_threshold_crossed_with_polarity_and_place():
+    frames = np.full((2, 3, 4), 0.3)  # [T, H, W] grey
+    frames[:, 1, 2] = _levels(2.5)  # brightens by 2.5 thresholds: 2 events, +1
+    frames[:, 0, 3] = _levels(-1.2)  # darkens by 1.2 thresholds: 1 event, -1
+    frames[:, 2, 0] = _levels(0.9)  # below one threshold: nothing
+    st = simulate_dvs(frames, threshold=THETA, fps=10.0)
+    assert len(st) == 3 and (st.height, st.width) == (3, 4) and st.window == (0, 100_000)
+    assert st.t.dtype == np.int64 and st.p.dtype == np.int8
+    rows = sorted(zip(st.x.tolist(), st.y.tolist(), st.p.tolist(), st.t.tolist()))
+    # log intensity moves linearly in the step: the crossings of 1 and 2 thresholds out of 2.5
+    # lie at 0.4 and 0.8 of the 100 ms interval; 1 out of 1.2 at 5/6 of it
+    assert rows == [(2, 1, 1, 40_000), (2, 1, 1, 80_000), (3, 0, -1, 83_333)], rows
+    assert (np.diff(st.t) >= 0).all()
+
+
+def test_dvs_remembers_the_level_of_the_last_event():
+    """A pixel compares with the level of its last event, not with the previous frame: small steps
+    add up to events, and a fall back by less than a threshold from that level emits nothing."""
+    frames = np.full((4, 1, 3), 0.3)  # [T, H, W], one second per frame
+    frames[:, 0, 0] = _levels(0.7, 0.7, 0.7)  # 2.1 thresholds in steps of 0.7: events at 1.0 and 2.0
+    frames[:, 0, 1] = _levels(1.5, -1.2, 0)  # +1 at 1.0; back to 0.3 is 0.7 below it: nothing
+    frames[:, 0, 2] = _levels(1.5, -1.6, 0)  # +1 at 1.0; down to -0.1 crosses 0.0: one -1
+    st = simulate_dvs(frames, threshold=THETA, fps=1.0)
+    got = list(zip(st.x.tolist(), st.p.tolist(), st.t.tolist()))
+    assert got == [(1, 1, 666_667), (2, 1, 666_667), (0, 1, 1_428_571), (2, -1, 1_937_500),
+                   (0, 1, 2_857_143)], got
+
+
+def test_dvs_static_clips_emit_nothing_and_inputs_agree():
+    still = next(s for s in generate_video_samples("motion", "train", 20) if s.facts["direction"] == "still")
+    assert len(simulate_dvs(still.frames)) == 0
+    assert bin_events(simulate_dvs(still.frames), 4).sum() == 0
+    moving = next(s for s in generate_video_samples("motion", "train", 20) if s.facts["direction"] == "right")
+    st = simulate_dvs(moving.frames)
+    assert (st.p > 0).any() and (st.p < 0).any()
+    path = np.zeros((IMAGE_SIZE, IMAGE_SIZE), bool)  # where the mover's colour ever is
+    colour = moving.key_fact.split(" ")[0]
+    for f in moving.frames:
+        path |= _mask(f, colour)
+    assert path[st.y, st.x].mean() > 0.9  # events fire where the shape passes (edges: a pixel or so off)
+    arr = np.stack([np.asarray(f) for f in moving.frames])  # [T, H, W, 3] uint8
+    for same in (simulate_dvs(arr), simulate_dvs(torch.from_numpy(arr)), simulate_dvs(arr / 255.0)):
+        assert np.array_equal(same.t, st.t) and np.array_equal(same.x, st.x) and np.array_equal(same.p, st.p)
+    grey = [f.convert("L") for f in moving.frames]
+    assert len(simulate_dvs(grey)) > 0
+
+
+def test_dvs_rejects_bad_frames():
+    with pytest.raises(MMSpecError, match="differ in size"):
+        simulate_dvs([Image.new("RGB", (8, 8)), Image.new("RGB", (8, 6))])
+    with pytest.raises(MMSpecError, match="differ in size"):
+        simulate_dvs([np.zeros((4, 4)), np.zeros((4, 5))])
+    with pytest.raises(MMSpecError, match="not a video"):
+        simulate_dvs(np.zeros((2, 4, 4, 2)))
+    with pytest.raises(MMSpecError, match="no frames"):
+        simulate_dvs([])
+    with pytest.raises(MMSpecError, match="must be > 0"):
+        simulate_dvs(np.zeros((2, 4, 4)), threshold=0)
+    with pytest.raises(MMSpecError, match=">= 0"):
+        simulate_dvs(-np.ones((2, 4, 4)))
+
+
+# ----------------------------------------------------------------------------- streams and bins
+
+
+def test_bin_events_counts_a_hand_made_stream():
+    # a recording as cameras write it: seconds, polarity 1/0 (0 = OFF), not quite sorted
+    st = EventStream.from_arrays(
+        t=[0.0, 0.25, 0.1, 0.5, 0.99, 1.0, 0.6],
+        x=[0, 1, 0, 2, 2, 2, 1],
+        y=[0, 0, 0, 1, 1, 1, 1],
+        p=[1, 0, 1, 1, 0, 0, 1],
+        height=2, width=3, time_unit="s",
+    )
+    assert st.t.tolist() == [0, 100_000, 250_000, 500_000, 600_000, 990_000, 1_000_000]
+    assert st.p.tolist() == [1, 1, -1, 1, 1, -1, -1]
+    assert st.window == (0, 1_000_000)
+    b = bin_events(st, 4)  # slices of 250 ms; the event at the window's end counts in the last
+    assert b.shape == (4, 2, 2, 3) and b.dtype == torch.float32 and b.sum() == 7
+    expect = torch.zeros(4, 2, 2, 3)
+    expect[0, 0, 0, 0] = 2  # t 0 and 100 ms at (x 0, y 0), +1
+    expect[1, 1, 0, 1] = 1  # 250 ms at (1, 0), -1
+    expect[2, 0, 1, 2] = 1  # 500 ms at (2, 1), +1
+    expect[2, 0, 1, 1] = 1  # 600 ms at (1, 1), +1
+    expect[3, 1, 1, 2] = 2  # 990 ms and 1 s at (2, 1), -1
+    assert torch.equal(b, expect)
+    part = bin_events(st, 2, t_range=(250_000, 750_000))  # outside the window: left out
+    assert part.sum() == 3 and part[0, 1, 0, 1] == 1 and part[1].sum() == 2
+    empty = EventStream(np.zeros(0, np.int64), [], [], [], 5, 7)
+    assert len(empty) == 0 and torch.equal(bin_events(empty, 3), torch.zeros(3, 2, 5, 7))
+
+
+def test_binned_simulated_events_keep_their_time_slice():
+    frames = np.full((5, 2, 2), 0.3)
+    frames[:, 0, 0] = _levels(0, 0, 0, 1.5)  # crosses one threshold in the last step only
+    frames[:, 1, 1] = _levels(-1.5, 0, 0, 0)  # one -1 event in the first step only
+    b = bin_events(simulate_dvs(frames, threshold=THETA, fps=4.0), 4)  # 4 steps, 4 slices
+    assert b[3, 0, 0, 0] == 1 and b[0, 1, 1, 1] == 1 and b.sum() == 2
+
+
+def test_event_stream_rejects_malformed_recordings():
+    ok = dict(t=np.array([0, 1]), x=np.array([0, 1]), y=np.array([0, 0]), p=np.array([1, -1]), height=2, width=2)
+    EventStream(**ok)
+    with pytest.raises(MMSpecError, match="outside the 2 x 2 sensor"):
+        EventStream(**{**ok, "x": np.array([0, 2])})
+    with pytest.raises(MMSpecError, match="must be \\+1 or -1.*from_arrays"):
+        EventStream(**{**ok, "p": np.array([1, 0])})
+    with pytest.raises(MMSpecError, match="non-decreasing"):
+        EventStream(**{**ok, "t": np.array([5, 1])})
+    with pytest.raises(MMSpecError, match="differ in length"):
+        EventStream(**{**ok, "y": np.array([0])})
+    with pytest.raises(MMSpecError, match="integers.*time_unit='s'"):
+        EventStream(**{**ok, "t": np.array([0.0, 0.5])})
+    with pytest.raises(MMSpecError, match="polarity must be"):
+        EventStream.from_arrays([0], [0], [0], [2], 1, 1)
+    with pytest.raises(MMSpecError, match="unknown time_unit"):
+        EventStream.from_arrays([0], [0], [0], [1], 1, 1, time_unit="min")
+
+
+def test_structured_recordings_and_stats():
+    rec = np.zeros(4, dtype=[("x", "<u2"), ("y", "<u2"), ("p", "<i2"), ("t", "<i8")])  # Metavision's layout
+    rec["t"] = [10, 20, 30, 2_000_010]
+    rec["x"], rec["y"], rec["p"] = [0, 3, 3, 1], [0, 1, 1, 0], [1, 0, 0, 1]
+    st = EventStream.from_structured(rec, height=2, width=4)
+    assert st.t.tolist() == [10, 20, 30, 2_000_010] and st.p.tolist() == [1, -1, -1, 1]
+    stats = event_stats(st, n_frames=10)
+    assert (stats.n_events, stats.n_positive, stats.n_negative) == (4, 2, 2)
+    assert stats.duration_s == 2.0 and stats.events_per_second == 2.0
+    assert stats.events_per_pixel == 0.5 and stats.active_pixels == 3 / 8
+    assert stats.events_per_frame_value == 4 / (10 * 8 * 3)
+    with pytest.raises(MMSpecError, match="lacks field"):
+        EventStream.from_structured(np.zeros(1, dtype=[("ts", "<i8")]), 1, 1)
+    world = event_stats(simulate_dvs(make_video_sample("order", "test", 0).frames), n_frames=N_FRAMES)
+    assert 0 < world.events_per_frame_value < 0.1 and world.n_positive == 0  # shapes appear: darker on white
