@@ -1,6 +1,6 @@
 """The world's video families, the DVS event model and the substitute inputs: determinism, disjoint
 splits, words the tokenizer holds, facts vs pixels, event counts on hand-built frames, binning of
-hand-made streams. The image world must stay exactly as it was."""
+hand-made streams, and the substitutes' shapes. The image world must stay exactly as it was."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from PIL import Image
 from mmspec.errors import MMSpecError
 from mmspec.events import EventStream, bin_events, event_stats, simulate_dvs
 from mmspec.prompt import IMAGE_MARKER, VIDEO_MARKER, VIDEO_QA, fill_template
+from mmspec.substitutes import MAKERS, Substitute, make_substitute
 from mmspec.world import (
     FAMILIES,
     IMAGE_SIZE,
@@ -389,3 +390,45 @@ def test_structured_recordings_and_stats():
         EventStream.from_structured(np.zeros(1, dtype=[("ts", "<i8")]), 1, 1)
     world = event_stats(simulate_dvs(make_video_sample("order", "test", 0).frames), n_frames=N_FRAMES)
     assert 0 < world.events_per_frame_value < 0.1 and world.n_positive == 0  # shapes appear: darker on white
+
+
+# ----------------------------------------------------------------------------- substitutes
+
+
+def test_substitutes_have_the_documented_shapes():
+    s = make_video_sample("motion", "test", 1)
+    ev = make_substitute(s.frames, "events")
+    assert ev.kind == "events" and tuple(ev.tensor.shape) == (4, 2, IMAGE_SIZE, IMAGE_SIZE)
+    assert torch.equal(ev.tensor, bin_events(simulate_dvs(s.frames), 4))
+    assert ev.source_shape == (N_FRAMES, IMAGE_SIZE, IMAGE_SIZE, 3) and ev.size_ratio == 1 / 3
+    assert tuple(make_substitute(s.frames, "events", n_bins=2, threshold=0.5).tensor.shape) == (2, 2, 96, 96)
+
+    fps = make_substitute(s.frames, "low_fps")
+    assert tuple(fps.tensor.shape) == (2, 3, IMAGE_SIZE, IMAGE_SIZE) and (fps.steps, fps.channels) == (2, 3)
+    first_last = torch.from_numpy(np.stack([np.asarray(s.frames[0]), np.asarray(s.frames[-1])])).permute(0, 3, 1, 2)
+    assert torch.allclose(fps.tensor * 255, first_last.float(), atol=1e-3)
+    assert tuple(make_substitute(s.frames, "low_fps", n_frames=3).tensor.shape) == (3, 3, 96, 96)
+
+    res = make_substitute(s.frames, "low_res", size=24)
+    assert tuple(res.tensor.shape) == (N_FRAMES, 3, 24, 24) and res.size_ratio == 1 / 16
+    checker = np.zeros((1, 4, 4), np.uint8)
+    checker[0, ::2, ::2] = checker[0, 1::2, 1::2] = 255  # area averaging: each 2x2 block is half lit
+    assert torch.allclose(make_substitute(checker, "low_res", size=2).tensor, torch.full((1, 1, 2, 2), 0.5))
+
+    rec = EventStream.from_arrays([0, 5], [0, 1], [0, 1], [1, 0], height=2, width=2)
+    sub = Substitute.from_events(rec, n_bins=2)
+    assert sub.kind == "events" and tuple(sub.tensor.shape) == (2, 2, 2, 2) and sub.size_ratio is None
+    assert sub.tensor[0, 0, 0, 0] == 1 and sub.tensor[1, 1, 1, 1] == 1
+    assert set(MAKERS) == {"events", "low_fps", "low_res"}
+
+
+def test_substitute_errors_name_the_fix():
+    frames = make_video_sample("order", "test", 0).frames
+    with pytest.raises(MMSpecError, match="unknown substitute kind 'depth'; use one of events, low_fps, low_res"):
+        make_substitute(frames, "depth")
+    with pytest.raises(MMSpecError, match="unknown option.*size.*takes n_frames"):
+        make_substitute(frames, "low_fps", size=3)
+    with pytest.raises(MMSpecError, match="n_frames must be in 1..8"):
+        make_substitute(frames, "low_fps", n_frames=9)
+    with pytest.raises(MMSpecError, match="n_bins must be >= 1"):
+        make_substitute(frames, "events", n_bins=0)
