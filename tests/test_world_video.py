@@ -91,7 +91,10 @@ def test_video_token_is_appended_and_existing_ids_keep_their_meaning():
 
 
 def test_video_contract():
+    from mmspec.events import DEFAULT_FPS
+
     assert list(VIDEO_FAMILIES) == ["motion", "order"]
+    assert DEFAULT_FPS == VIDEO_FPS  # simulate_dvs(frames) times a world clip as its sample does
     for fam in VIDEO_FAMILIES.values():
         assert fam.n_frames == N_FRAMES == 8
         s = make_video_sample(fam.name, "val", 2)

@@ -41,7 +41,7 @@ DEFAULT_FPS = 8.0  # the embedded world's clip rate (mmspec.world.VIDEO_FPS)
 _TIME_UNITS = {"s": 1e6, "ms": 1e3, "us": 1.0, "ns": 1e-3}  # -> microseconds
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # arrays: compare the fields yourself (np.array_equal)
 class EventStream:
     """Events as a camera records them, one array entry per event, sorted by ``t``.
 
@@ -86,8 +86,11 @@ class EventStream:
             if (np.diff(t) < 0).any():
                 raise MMSpecError("EventStream.t must be non-decreasing (events in time order); sort the "
                                   "events, or build with EventStream.from_arrays, which sorts them")
-        if self.t_range is not None and self.t_range[1] < self.t_range[0]:
-            raise MMSpecError(f"EventStream.t_range {self.t_range} ends before it starts; pass (start, end)")
+        if self.t_range is not None:
+            start, end = (int(v) for v in self.t_range)
+            if end < start:
+                raise MMSpecError(f"EventStream.t_range {self.t_range} ends before it starts; pass (start, end)")
+            object.__setattr__(self, "t_range", (start, end))
         for name, a in arrays.items():
             object.__setattr__(self, name, a.astype(cast[name], copy=False))
 

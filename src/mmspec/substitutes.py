@@ -48,7 +48,7 @@ DEFAULT_LOW_FPS_FRAMES = 2  # frames a low_fps substitute keeps: the first and t
 DEFAULT_LOW_RES_SIZE = 24  # px on the short side of a low_res substitute (96 -> 24: 1/16 the pixels)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds a tensor: compare .tensor with torch.equal
 class Substitute:
     """A stand-in for a video, ready for a draft-side encoder."""
 
