@@ -3,8 +3,9 @@
 This module owns the *text* side of a prompt: the IbED Appendix C templates (the embedded
 world's prompts, one space between parts), filling them, the prompts of the real benchmarks
 as llava-hf's LLaVA-1.5 chat template renders them (newlines after the image and the
-instruction), counting image slots and checking them against the images given. It knows
-nothing about models or tokenizers beyond the literal ``<image>`` marker.
+instruction), counting image slots and checking them against the images given, and the
+embedded world's video prompt (one ``<video>`` marker where a clip goes). It knows nothing
+about models or tokenizers beyond the literal ``<image>`` and ``<video>`` markers.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Sequence
 from mmspec.errors import MMSpecError
 
 IMAGE_MARKER = "<image>"
+VIDEO_MARKER = "<video>"  # one clip (all its frames), as LLaVA-NeXT-Video's processor marks it
 
 # Appendix C of the IbED paper, verbatim. [QUESTION] / [CAPTION] are filled per sample.
 SINGLE_IMAGE_QA = (
@@ -41,6 +43,11 @@ VIST = (
     "[CAPTION]. <image> Caption #3: [CAPTION] <image> Caption #4: [CAPTION] <image> "
     "Caption #5: ASSISTANT:"
 )
+
+# The world's video families (mmspec.world.VIDEO_FAMILIES) mirror SINGLE_IMAGE_QA: the clip's
+# marker first, then the same instruction and the question. Not in TEMPLATES, which the eight
+# image families own.
+VIDEO_QA = SINGLE_IMAGE_QA.replace(IMAGE_MARKER, VIDEO_MARKER)
 
 TEMPLATES: dict[str, str] = {
     "chartqa": SINGLE_IMAGE_QA,

@@ -7,6 +7,23 @@ are verbose and varied in wording; their key facts are closed-vocabulary and rec
 ``Sample.facts``. A sample is a pure function of ``(family, split, index, seed)``; splits share
 no content (see :mod:`mmspec.world.core`).
 
+Video families (:data:`VIDEO_FAMILIES`, :func:`make_video_sample`) are kept apart from the
+eight image families: :data:`FAMILIES`, :func:`iter_all` and the tokenizer's corpus hold only
+the image families, so the shipped models' recipes see exactly the samples they always did.
+
+- ``motion``: a shape moves left, right, up or down by one or two cells, or keeps still (beside
+  an optional still shape); questions: which way it moves, where it is at first and at the end;
+- ``order``: the first frame is empty, then 2-4 shapes appear one at a time; questions: which
+  appeared first, second or last, how many appeared.
+
+A clip is 8 frames of 96 px (:data:`~mmspec.world.video.N_FRAMES`, played at
+:data:`~mmspec.world.video.VIDEO_FPS`), its prompt the single-image template with one ``<video>``
+marker (:data:`mmspec.prompt.VIDEO_QA`); ``VideoSample.key_fact`` is the clip's key temporal fact
+(the motion; the order of appearance), stated verbatim by the reference answer. The same
+determinism and split guarantees hold, and a clip belongs to one split whatever its question
+(:mod:`.video`). Their event-camera stand-ins are made by :mod:`mmspec.events` and
+:mod:`mmspec.substitutes`.
+
 This package owns the data, its tokenizer (:mod:`.tokenizer`) and its HF processor
 (:mod:`.processor`). It knows nothing about models, drafting or training loops.
 """
@@ -17,8 +34,9 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 from mmspec.errors import MMSpecError
-from mmspec.world import pairs, single, stories
+from mmspec.world import clips, pairs, single, stories
 from mmspec.world.core import IMAGE_SIZE, SPLITS, Family, Sample, build_sample
+from mmspec.world.video import N_FRAMES, VIDEO_FPS, VideoFamily, VideoSample, build_video_sample
 
 FAMILIES: dict[str, Family] = {
     f.name: f
@@ -35,9 +53,22 @@ FAMILIES: dict[str, Family] = {
 }
 N_IMAGES: dict[str, int] = {name: f.n_images for name, f in FAMILIES.items()}
 
+# Kept out of FAMILIES on purpose (see the module docstring).
+VIDEO_FAMILIES: dict[str, VideoFamily] = {
+    f.name: f
+    for f in (
+        VideoFamily("motion", N_FRAMES, clips.draw_motion, clips.render_motion,
+                    "a shape moves left/right/up/down or keeps still: which way, where at first / at the end"),
+        VideoFamily("order", N_FRAMES, clips.draw_order, clips.render_order,
+                    "shapes appear one by one: which first / second / last, how many"),
+    )
+}
+
 __all__ = [
-    "FAMILIES", "IMAGE_SIZE", "N_IMAGES", "SPLITS", "Family", "Sample",
-    "bundled_examples", "generate_samples", "iter_all", "make_sample",
+    "FAMILIES", "IMAGE_SIZE", "N_FRAMES", "N_IMAGES", "SPLITS", "VIDEO_FAMILIES", "VIDEO_FPS",
+    "Family", "Sample", "VideoFamily", "VideoSample",
+    "bundled_examples", "generate_samples", "generate_video_samples", "iter_all", "iter_video",
+    "make_sample", "make_video_sample",
 ]  # fmt: skip
 
 
@@ -46,6 +77,14 @@ def _family(name: str) -> Family:
         return FAMILIES[name]
     except KeyError:
         raise MMSpecError(f"unknown family {name!r}; use one of {', '.join(FAMILIES)}") from None
+
+
+def _video_family(name: str) -> VideoFamily:
+    try:
+        return VIDEO_FAMILIES[name]
+    except KeyError:
+        hint = f"{name!r} is an image family: use make_sample for it, or a video family: " if name in FAMILIES else ""
+        raise MMSpecError(f"unknown video family {name!r}; {hint}use one of {', '.join(VIDEO_FAMILIES)}") from None
 
 
 def make_sample(family: str, split: str, index: int, seed: int = 0) -> Sample:
@@ -71,6 +110,27 @@ def iter_all(split: str, n_per_family: int | Mapping[str, int], seed: int = 0) -
         for name, n in counts.items():
             if i < n:
                 yield make_sample(name, split, i, seed)
+
+
+def make_video_sample(family: str, split: str, index: int, seed: int = 0) -> VideoSample:
+    """The clip at ``index`` of video ``family``'s ``split``; a pure function of its arguments."""
+    return build_video_sample(_video_family(family), split, index, seed)
+
+
+def generate_video_samples(family: str, split: str, n: int, seed: int = 0, start: int = 0) -> list[VideoSample]:
+    """Video samples ``start .. start+n-1`` of one video family and split."""
+    return [make_video_sample(family, split, i, seed) for i in range(start, start + n)]
+
+
+def iter_video(split: str, n_per_family: int | Mapping[str, int], seed: int = 0) -> Iterator[VideoSample]:
+    """Samples of every video family, interleaved as :func:`iter_all` interleaves the image ones."""
+    counts = {name: n_per_family for name in VIDEO_FAMILIES} if isinstance(n_per_family, int) else dict(n_per_family)
+    for name in counts:
+        _video_family(name)
+    for i in range(max(counts.values(), default=0)):
+        for name, n in counts.items():
+            if i < n:
+                yield make_video_sample(name, split, i, seed)
 
 
 def bundled_examples(out_dir: str | Path) -> list[Path]:

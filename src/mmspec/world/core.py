@@ -97,18 +97,26 @@ def check_split(split: str) -> None:
         raise MMSpecError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
 
 
-def build_sample(fam: Family, split: str, index: int, seed: int) -> Sample:
-    """Draw specs until one belongs to ``split``, render it and fill the paper template."""
+def draw_in_split(
+    family: str, draw_spec: Callable[[random.Random], Any], split: str, index: int, seed: int
+) -> tuple[Any, random.Random]:
+    """The spec of sample ``index`` of ``family``'s ``split`` and its RNG, advanced past the draws
+    (the renderer goes on with it): specs are drawn from the sample's own RNG until one belongs
+    to ``split``. Image and video families share this, so both keep the same guarantees."""
     check_split(split)
     if index < 0:
         raise MMSpecError(f"index must be >= 0, got {index}")
-    rng = derive_rng(seed, fam.name, split, index)
+    rng = derive_rng(seed, family, split, index)
     for _ in range(_MAX_REDRAWS):
-        spec = fam.draw_spec(rng)
-        if split_of(fam.name, spec) == split:
-            break
-    else:  # pragma: no cover - a 10% split failing 10k draws is astronomically unlikely
-        raise AssertionError(f"no {split} spec found for {fam.name}")
+        spec = draw_spec(rng)
+        if split_of(family, spec) == split:
+            return spec, rng
+    raise AssertionError(f"no {split} spec found for {family}")  # pragma: no cover - 10k misses of a 10% split
+
+
+def build_sample(fam: Family, split: str, index: int, seed: int) -> Sample:
+    """Draw specs until one belongs to ``split``, render it and fill the paper template."""
+    spec, rng = draw_in_split(fam.name, fam.draw_spec, split, index, seed)
     draft = fam.render(spec, rng)
     draft.answer, draft.captions = fix_articles(draft.answer), [fix_articles(c) for c in draft.captions]
     draft.question = None if draft.question is None else fix_articles(draft.question)

@@ -6,7 +6,9 @@ the text-only drafting view relies on: ``"\\n"`` is exactly one token. Byte-leve
 normalisation, so ``decode(encode(text))`` gives back ``text`` exactly. The chat roles (``USER``,
 `` ASSISTANT``) come out as one token each: every prompt writes them, so they are among the
 first merges (tested), as in LLaMA-family tokenizers, where they are not special tokens either.
-Knows nothing about images.
+The video families' text uses only words this tokenizer already holds whole (tested), so it is
+trained on the image families alone and its ids never move; a video model appends one token,
+``<video>``, at the end of the vocabulary (:func:`add_video_token`). Knows nothing about images.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from mmspec.world import iter_all
 
 PAD, BOS, EOS, UNK, IMAGE = "<pad>", "<s>", "</s>", "<unk>", "<image>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK, IMAGE)  # ids 0..4, in this order
+VIDEO = "<video>"  # not trained in: add_video_token appends it after the last id
 MODEL_MAX_LENGTH = 2048
 
 
@@ -76,4 +79,14 @@ def newline_id(tokenizer: PreTrainedTokenizerFast) -> int:
     return ids[0]
 
 
-__all__ = ["SPECIAL_TOKENS", "MODEL_MAX_LENGTH", "train_tokenizer", "newline_id"]
+def add_video_token(tokenizer: PreTrainedTokenizerFast) -> int:
+    """Append ``<video>`` (:data:`mmspec.prompt.VIDEO_MARKER`) to ``tokenizer`` as one special token
+    and return its id: ``len(tokenizer)`` before the call, so every existing id keeps its meaning
+    and a trained model only needs one more embedding row. A tokenizer that has it already is
+    left as it is (its id is returned). In place, like ``tokenizer.add_tokens``."""
+    if VIDEO not in tokenizer.get_vocab():
+        tokenizer.add_tokens([VIDEO], special_tokens=True)
+    return tokenizer.convert_tokens_to_ids(VIDEO)
+
+
+__all__ = ["SPECIAL_TOKENS", "MODEL_MAX_LENGTH", "VIDEO", "add_video_token", "train_tokenizer", "newline_id"]
