@@ -268,3 +268,40 @@ def test_decoder_refuses_trees_on_models_with_sliding_windows(tok):
 def test_captioned_tree_method_name(target, draft_shared, tok):
     dec = SpecDecoder(target, draft_shared, tok, views="MTC", captioner=FixedCaptioner(["w5"]), tree="dynamic")
     assert dec.method == "MTC+tree"
+
+
+# --------------------------------------------------------------------------- relaxed acceptance (lossy, opt-in)
+def test_relaxed_acceptance_is_opt_in_named_lossy_and_accepts_more(tok):
+    """MSD's relaxed acceptance accepts any draft token the target finds likely enough: more
+    tokens per block, and outputs that are no longer the target's. Never the default."""
+    target = make_llava(0)
+    with torch.no_grad():
+        target.lm_head.weight.div_(6.0)  # flatter target distributions: likely non-argmax tokens exist
+    draft = noisy_copy(target, 1, scale=0.3)
+    exact_dec = SpecDecoder(target, draft, tok, views="M")
+    relaxed = SpecDecoder(target, draft, tok, views="M", acceptance="relaxed", relaxed_thresholds=(0.01, 0.01))
+    assert exact_dec.acceptance is None and exact_dec.method == "M" and relaxed.method == "M+relaxed"
+    differs, taus = 0, {"exact": [], "relaxed": []}
+    for seed in range(6):
+        ids, pv = make_prompt(1, 16, seed=60 + seed)
+        ref = reference(target, ids, pv, 24)
+        e, r = exact_dec.generate(ids, pv, max_new_tokens=24), relaxed.generate(ids, pv, max_new_tokens=24)
+        assert e.token_ids == ref and r.stats.acceptance == "relaxed (lossy)"
+        differs += r.token_ids != ref
+        taus["exact"].append(e.stats.tau)
+        taus["relaxed"].append(r.stats.tau)
+    assert differs >= 1 and sum(taus["relaxed"]) > sum(taus["exact"])
+    with pytest.raises(MMSpecError, match="greedy decoding only"):
+        relaxed.generate(*make_prompt(1, 16, seed=1), max_new_tokens=4, temperature=1.0)
+    for bad, msg in [(dict(acceptance="loose"), "exact"), (dict(acceptance="relaxed", relaxed_thresholds=(0, 2)),
+                                                           "two probabilities")]:
+        with pytest.raises(MMSpecError, match=msg):
+            SpecDecoder(target, draft, tok, views="M", **bad)
+
+
+def test_relaxed_thresholds_follow_the_modality_of_the_context():
+    from mmspec.engine import RelaxedAcceptance
+
+    r = RelaxedAcceptance(vision=0.6, text=0.4, window=10, last_image_pos=20)
+    assert r.threshold(25) == 0.6 and r.threshold(31) == 0.4
+    assert RelaxedAcceptance(last_image_pos=None).threshold(5) == 0.4

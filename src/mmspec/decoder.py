@@ -68,6 +68,11 @@ class SpecDecoder:
         cuda_graphs: "auto" (on when target and draft share one CUDA device), True, or False.
             Graphs need fixed shapes, so they run on static caches; the tokens are the same.
         static_cache: force the fixed-shape path without graphs (True; for tests on the CPU).
+        acceptance: "exact" (the default: lossless) or "relaxed" — LOSSY, MSD's modality-aware
+            relaxed acceptance: a drafted token is also accepted when the target's probability of
+            it reaches ``relaxed_thresholds[0]`` (blocks within ``relaxed_window`` positions
+            after the prompt's last image) or ``[1]`` (elsewhere). Greedy only; the output is no
+            longer the target's: benchmarks report how often it still is.
         processor: the target's processor; only used to turn pixel_values back into images
             for the captioner when ``images=`` is not passed to :meth:`generate`.
     """
@@ -76,7 +81,8 @@ class SpecDecoder:
                  captioner=None, gamma: int = 5, processor=None, dtype="auto", draft_tokenizer=None,
                  tree=None, tree_depth: int | None = None, tree_topk: int | None = None,
                  tree_budget: int | None = None, tree_children: str = "mixture", stop_below: float | None = None,
-                 cuda_graphs="auto", static_cache: bool | None = None):
+                 cuda_graphs="auto", static_cache: bool | None = None, acceptance: str = "exact",
+                 relaxed_thresholds: tuple[float, float] = (0.6, 0.4), relaxed_window: int = 64):
         from mmspec.models.loading import (check_same_vocabulary, load_model, load_processor, load_saved_tokenizer,
                                            load_tokenizer, load_tokenizer_if_any)
 
@@ -131,6 +137,7 @@ class SpecDecoder:
         self.tree = parse_tree(tree, gamma=gamma, device_type=self.target.device.type, depth=tree_depth,
                                topk=tree_topk, budget=tree_budget, children=tree_children, stop_below=stop_below)
         self._setup_engine(cuda_graphs, static_cache)
+        self.acceptance = self._check_acceptance(acceptance, relaxed_thresholds, relaxed_window)
         if self.head is not None:  # a head reads the target's features: no views, no draft model
             self.views, self.weights, self.newline_id, self.reuse_vision = [], [1.0], None, False
         else:
@@ -165,7 +172,21 @@ class SpecDecoder:
         self.engine = "cuda-graphs" if mode == "cuda" else ("static" if self.static else "eager")
         self._static_pool: dict[tuple, tuple] = {}  # (role, rows, capacity) -> (cache, runner)
 
-    def _static_cache(self, role: str, adapter, rows: int, needed: int):
+    def _check_acceptance(self, acceptance: str, thresholds, window: int):
+        """"exact" -> None; "relaxed" -> the (lossy) RelaxedAcceptance settings, checked."""
+        from mmspec.engine import RelaxedAcceptance
+
+        if acceptance == "exact":
+            return None
+        if acceptance != "relaxed":
+            raise MMSpecError(f"acceptance must be 'exact' (lossless) or 'relaxed' (lossy: MSD's relaxed "
+                              f"acceptance), got {acceptance!r}")
+        vision, text = (float(t) for t in thresholds)
+        if not (0 < vision <= 1 and 0 < text <= 1):
+            raise MMSpecError(f"relaxed_thresholds must be two probabilities in (0, 1] (vision, text), got {thresholds}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise MMSpecError(f"relaxed_window must be a whole number >= 0, got {window!r}")
+        return RelaxedAcceptance(vision=vision, text=text, window=window)
         """A static cache of at least ``needed`` positions and the runner of its forwards, kept
         across calls (capacities are bucketed to powers of two, so graphs are reused)."""
         capacity = max(512, 1 << (needed - 1).bit_length())
@@ -283,7 +304,7 @@ class SpecDecoder:
         """The views' short name (or the head's variant), with "+tree" when blocks are trees
         ("M", "MTC+tree", "eagle+tree")."""
         name = self.head.config.variant if self.head is not None else ensemble_name(self.views)
-        return name + ("" if self.tree.kind == "chain" else "+tree")
+        return name + ("" if self.tree.kind == "chain" else "+tree") + ("+relaxed" if self.acceptance else "")
 
     # ------------------------------------------------------------------ generate
     @torch.inference_mode()
@@ -303,6 +324,9 @@ class SpecDecoder:
         if max_new_tokens < 1:
             raise MMSpecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         params = SamplingParams(temperature=float(temperature), top_k=top_k, top_p=top_p)
+        if self.acceptance is not None and not params.greedy:
+            raise MMSpecError("acceptance='relaxed' is defined for greedy decoding only; use temperature=0 "
+                              "or the exact (lossless) acceptance for sampling")
         generator = None
         if not params.greedy:
             seed = int(seed) if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
@@ -350,7 +374,7 @@ class SpecDecoder:
         tokens = run_loop(target=self.target, target_cache=target_cache, target_step=target_step, target_len=L - 1,
                           drafter=drafter, spec=self.tree, first_pending=int(ids[-1]), max_new_tokens=max_new_tokens,
                           eos_ids=self.eos_ids, params=params, generator=generator, stats=stats, static=self.static,
-                          first_feats=first_feats)
+                          first_feats=first_feats, relaxed=self._relaxed_for(ids))
         stats.capture_s = self._capture_seconds() - captured
         stats.total_s = time.perf_counter() - t_start
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -375,11 +399,21 @@ class SpecDecoder:
 
     def _new_stats(self) -> GenerationStats:
         return GenerationStats(gamma=self.tree.max_depth, views=tuple(v.name for v in self.views),
-                               tree=self.tree.label, engine=self.engine)
+                               tree=self.tree.label, engine=self.engine,
+                               acceptance="exact" if self.acceptance is None else "relaxed (lossy)")
 
     def _room(self, max_new_tokens: int) -> int:
         """Positions a decode can append after the prompt: committed tokens + one block's tree."""
         return max_new_tokens + self.tree.n_nodes + 1
+
+    def _relaxed_for(self, ids: torch.Tensor):
+        """The relaxed-acceptance settings with this prompt's last image position, or None."""
+        if self.acceptance is None:
+            return None
+        from dataclasses import replace
+
+        img = (ids == self.target.image_token_id).nonzero()
+        return replace(self.acceptance, last_image_pos=int(img[-1, 0]) if img.numel() else None)
 
     @property
     def _hidden_layers(self) -> tuple[int, ...]:

@@ -1,7 +1,7 @@
 """The embedded model pack: tiny target / draft / pooled draft / captioner shipped in the package.
 
 Owns: :func:`load_embedded`, which loads ``src/mmspec/assets/embedded/{target,draft,
-draft_pooled,captioner}`` (fp16 safetensors on disk, upcast to ``dtype`` on load) into an
+draft_pooled,captioner}`` (and finds the feature-level heads under ``heads/``) (fp16 safetensors on disk, upcast to ``dtype`` on load) into an
 :class:`EmbeddedModels`. The models are plain HF ``LlavaForConditionalGeneration``
 directories trained by ``mmspec train embedded`` on the synthetic world (see
 :mod:`mmspec.train`); this module only reads their ``mmspec.json`` sidecars.
@@ -34,6 +34,14 @@ class EmbeddedModels:
     tokenizer: object
     processor: object  # the target's (and draft's) LlavaProcessor
     path: Path
+
+    @property
+    def heads(self) -> dict[str, Path]:
+        """Trained feature-level heads shipped with the pack (variant -> directory), if any."""
+        from mmspec.heads.model import is_head_dir
+
+        root = self.path / "heads"
+        return {d.name: d for d in sorted(root.iterdir()) if is_head_dir(d)} if root.is_dir() else {}
 
     def captioner(self, **kw):
         """The pack's captioner with its recorded prompt, ready for ``SpecDecoder(captioner=)``."""

@@ -16,6 +16,7 @@ newest committed token is *pending*: it is the root (node 0) of the next block's
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -48,6 +49,7 @@ def run_loop(
     stats: GenerationStats,
     static: bool = False,
     first_feats: torch.Tensor | None = None,
+    relaxed: "RelaxedAcceptance | None" = None,
 ) -> list[int]:
     """Draft, verify, accept, compact, until EOS or max_new_tokens. Returns the new tokens.
 
@@ -89,7 +91,8 @@ def run_loop(
         logits, hidden = (out_t[0][0], out_t[1][0]) if hidden_wanted else (out_t[0], None)  # [N, V], [N, F]
         parents = tree.parents.to(dev)
         if params.greedy:
-            out = verify_tree_greedy(ids[0], parents, depth, anc, logits, tree.max_depth)
+            thr = relaxed.threshold(past) if relaxed is not None else None
+            out = verify_tree_greedy(ids[0], parents, depth, anc, logits, tree.max_depth, relaxed=thr)
         else:
             p = logits_to_probs(logits, params)  # [N, V]
             q = None if tree.q is None else tree.q.to(dev, p.dtype)
@@ -121,6 +124,23 @@ def run_loop(
         rec.draft_s, rec.verify_s = draft_s, verify_s
     stats.blocks.extend(records)
     return tokens
+
+
+@dataclass(frozen=True)
+class RelaxedAcceptance:
+    """MSD's modality-aware relaxed acceptance (LOSSY, opt-in): a drafted token is also accepted
+    when the target's probability of it clears a threshold, ``vision`` for blocks that follow
+    vision context (their root within ``window`` positions of the prompt's last image token),
+    ``text`` otherwise. Greedy decoding only."""
+
+    vision: float = 0.6
+    text: float = 0.4
+    window: int = 64
+    last_image_pos: int | None = None  # position of the prompt's last image token (None: no image)
+
+    def threshold(self, past: int) -> float:
+        near = self.last_image_pos is not None and past - self.last_image_pos <= self.window
+        return self.vision if near else self.text
 
 
 def _root_only(root: torch.Tensor) -> DraftTree:

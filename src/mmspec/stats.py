@@ -37,6 +37,7 @@ class GenerationStats:
     tree: str = "chain"  # the block shape (TreeSpec.label)
     engine: str = "eager"  # "eager", "static" (fixed shapes) or "cuda-graphs"
     capture_s: float = 0.0  # CUDA-graph warm-up + capture inside this call (first calls of a shape)
+    acceptance: str = "exact"  # "exact" (lossless) or "relaxed (lossy)"
     blocks: list[BlockRecord] = field(default_factory=list)
     vision_s: float = 0.0  # image encoding (vision tower + projectors; shared when reused)
     caption_s: float = 0.0  # captioner, once per image, at prefill

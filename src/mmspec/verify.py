@@ -177,15 +177,22 @@ def _deepest(ok: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
 
 
 def verify_tree_greedy(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor,
-                       p_logits: torch.Tensor, max_depth: int) -> TreeOutcome:
+                       p_logits: torch.Tensor, max_depth: int, relaxed: float | None = None) -> TreeOutcome:
     """Greedy tree verification: accept the longest path whose every token is the target's
     argmax at its parent; the next token is the target's argmax after that path.
 
     tokens, parents, depth: [N] long (root first, parents first); anc: [N, N] bool;
     p_logits: [N, V] target logits at every node.
+
+    ``relaxed`` (LOSSY, opt-in; MSD's relaxed acceptance): also accept a token whose target
+    probability at its parent is at least this threshold. The output then differs from the
+    target's greedy output wherever such a token is not the argmax.
     """
     choice = p_logits.argmax(dim=-1)  # [N] the target's token after each node
     correct = tokens == choice[parents.clamp_min(0)]  # [N]
+    if relaxed is not None:
+        p_tok = torch.softmax(p_logits.float(), -1)[parents.clamp_min(0), tokens]  # [N]
+        correct = correct | (p_tok >= relaxed)
     correct[0] = True  # the root is committed
     ok = ~(anc & ~correct[None, :]).any(-1)  # [N]: every node on the path is correct
     leaf = _deepest(ok, depth)

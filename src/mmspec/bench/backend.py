@@ -10,7 +10,7 @@ the small :class:`Backend` protocol, so tests can drive it with a fake.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -50,6 +50,7 @@ class BenchModels:
     captioner: Any = None  # an HFCaptioner (prompt checked at load), or None: no C methods
     pooled_tokens: int | None = None  # --pool-tokens for the P view (None: SpecDecoder's default)
     source: str = "embedded"
+    heads: dict = field(default_factory=dict)  # head variant -> trained head directory (head methods)
 
 
 def load_models(cfg: BenchConfig) -> BenchModels:
@@ -62,7 +63,8 @@ def load_models(cfg: BenchConfig) -> BenchModels:
 
         e = load_embedded(dtype=resolve_dtype(cfg.dtype))
         captioner = e.captioner()
-        return BenchModels(e.target, e.draft, e.tokenizer, e.processor, captioner, cfg.pool_tokens, "embedded")
+        return BenchModels(e.target, e.draft, e.tokenizer, e.processor, captioner, cfg.pool_tokens, "embedded",
+                           heads={**e.heads, **dict(cfg.heads)})
     from mmspec.models.loading import check_same_vocabulary, load_model, load_processor, load_tokenizer_if_any
 
     dtype = resolve_dtype(cfg.dtype)
@@ -70,7 +72,7 @@ def load_models(cfg: BenchConfig) -> BenchModels:
     tokenizer = getattr(processor, "tokenizer", processor)
     check_same_vocabulary(tokenizer, load_tokenizer_if_any(cfg.draft))  # before the weights load
     models = BenchModels(load_model(cfg.target, dtype=dtype), load_model(cfg.draft, dtype=dtype), tokenizer, processor,
-                         pooled_tokens=cfg.pool_tokens, source="checkpoints")
+                         pooled_tokens=cfg.pool_tokens, source="checkpoints", heads=dict(cfg.heads))
     if cfg.captioner is not None:
         models.captioner = HFCaptioner.from_pretrained(cfg.captioner, prompt=cfg.captioner_prompt, dtype=dtype)
     return models
@@ -115,11 +117,20 @@ class HFBackend:
             from mmspec.decoder import SpecDecoder
 
             views = self.resolve_views(method)
+            kw = method_tree(method)
+            draft = self.m.draft
+            if "head" in kw:
+                variant = kw.pop("head")
+                if variant not in self.m.heads:
+                    raise MMSpecError(f"method {method!r} needs a trained {variant} head: pass --head "
+                                      f"{variant}=DIR (made by mmspec train head); this run has "
+                                      f"{sorted(self.m.heads) or 'none'}")
+                draft, views = str(self.m.heads[variant]), ("M",)
             needs_caption = any(v in ("C", "caption") for v in views)
             self._decoders[method] = SpecDecoder(
-                self.m.target, self.m.draft, self.m.tokenizer, views=views,
+                self.m.target, draft, self.m.tokenizer, views=views,
                 captioner=self._get_captioner() if needs_caption else None,
-                gamma=self.cfg.gamma, processor=self.m.processor, **method_tree(method),
+                gamma=self.cfg.gamma, processor=self.m.processor, **kw,
             )
         return self._decoders[method]
 

@@ -38,6 +38,22 @@ def _split_list(values: list[str] | None, default: tuple[str, ...]) -> tuple[str
     return tuple(x.strip() for v in values for x in v.split(",") if x.strip())
 
 
+def _parse_heads(specs: Optional[list[str]]) -> tuple[tuple[str, str], ...]:
+    """``["eagle=runs/h"]`` -> (("eagle", "runs/h"),), each a head directory."""
+    from mmspec.bench.config import HEAD_VARIANTS
+    from mmspec.heads.model import is_head_dir
+
+    out = []
+    for spec in specs or []:
+        name, sep, path = spec.partition("=")
+        if not sep or name not in HEAD_VARIANTS:
+            raise MMSpecError(f"--head {spec!r}: write VARIANT=DIR with VARIANT one of {', '.join(HEAD_VARIANTS)}")
+        if not is_head_dir(path):
+            raise MMSpecError(f"--head {spec!r}: {path} is not a draft head directory (make one with mmspec train head)")
+        out.append((name, path))
+    return tuple(out)
+
+
 def _factory(spec: str):
     mod, _, attr = spec.partition(":")
     if not attr:
@@ -60,6 +76,9 @@ def run_command(
     captioner: Optional[str] = typer.Option(None, help="Captioner checkpoint (needed by C methods)."),
     captioner_prompt: Optional[str] = typer.Option(None, help="Prompt for the captioner (default: the one an `mmspec train` captioner records)."),
     pool_tokens: Optional[int] = typer.Option(None, help="Tokens per image of the P (pooled) view, e.g. 144."),
+    head: Optional[list[str]] = typer.Option(None, "--head", help="VARIANT=DIR: a trained feature-level head for the "
+                                             "head methods (eagle, eagle3+tree, ...); the embedded pack's own are found "
+                                             "without it. Repeat for several."),
     split: Optional[str] = typer.Option(None, help="Split of every dataset that names none (NAME=PATH:SPLIT). Default: the embedded world's test; a real benchmark's own split (see --dataset)."),
     device: Optional[str] = typer.Option(None, help="Default: cuda:LOCAL_RANK if available, else cpu."),
     dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 (the embedded models too)."),
@@ -83,7 +102,7 @@ def run_command(
             n_samples=n_samples, gamma=gamma, max_new_tokens=max_new_tokens,
             temperature=temperature, seed=seed, target=target, draft=draft, captioner=captioner,
             captioner_prompt=captioner_prompt, pool_tokens=pool_tokens, split=split, device=device, dtype=dtype,
-            latency=latency, latency_repeats=latency_repeats, progress=progress, extra={"threads": n_threads},
+            heads=_parse_heads(head), latency=latency, latency_repeats=latency_repeats, progress=progress, extra={"threads": n_threads},
         )
         summary = run_bench(cfg, backend_factory=_factory(backend) if backend else None,
                             command=command_line())

@@ -36,22 +36,33 @@ RESULT_KEYS = ("gamma", "max_new_tokens", "temperature", "seed", "target", "draf
                "captioner_prompt", "split", "dtype", "pool_tokens")
 
 
-def parse_method(method: str) -> tuple[tuple[str, ...], dict]:
-    """One method name -> (views, SpecDecoder tree keywords).
+HEAD_VARIANTS = ("eagle", "eagle3", "msd")
 
-    ``"MTC"`` -> (("M", "T", "C"), {}); ``"M+pooled:36"`` -> views as split; a last part
-    ``tree`` asks for the dynamic token tree (the device's measured defaults): ``"M+tree"``,
-    ``"MTC+tree"``; ``tree@16`` sets its budget, ``tree:6x4x16`` depth x topk x budget.
+
+def parse_method(method: str) -> tuple[tuple[str, ...], dict]:
+    """One method name -> (views, SpecDecoder keywords).
+
+    ``"MTC"`` -> (("M", "T", "C"), {}); ``"M+pooled:36"`` -> views as split. Suffixes, in this
+    order: ``tree`` asks for the dynamic token tree (the device's measured defaults): ``"M+tree"``,
+    ``"MTC+tree"``; ``tree@16`` sets its budget, ``tree:6x4x16`` depth x topk x budget; then
+    ``relaxed``: MSD's relaxed acceptance (LOSSY). A head variant in place of the views (``eagle``,
+    ``eagle3+tree``, ``msd+tree+relaxed``) drafts with that trained head: {"head": variant}.
     """
     method = method.strip()
     if not method:
         raise MMSpecError("empty method name; use letters such as M, T, C, P, MT, MTC (add +tree for a token tree)")
     parts = [p.strip() for p in method.split("+") if p.strip()]
-    tree: dict = {}
+    kw: dict = {}
+    if parts and parts[-1].lower() == "relaxed":
+        parts.pop()
+        kw["acceptance"] = "relaxed"
     if parts and parts[-1].lower().startswith("tree"):
-        tree = _tree_part(parts.pop(), method)
+        kw.update(_tree_part(parts.pop(), method))
     if not parts:
         raise MMSpecError(f"method {method!r} has no views; write the views first, e.g. M+tree or MTC+tree")
+    if len(parts) == 1 and parts[0].lower() in HEAD_VARIANTS:
+        return (), {**kw, "head": parts[0].lower()}
+    tree = kw
     body = "+".join(parts)
     if len(parts) > 1 or ":" in body or body.lower() in ("multimodal", "text", "caption", "pooled"):
         return tuple(parts), tree
@@ -60,7 +71,8 @@ def parse_method(method: str) -> tuple[tuple[str, ...], dict]:
     raise MMSpecError(
         f"unknown method {method!r}; use letters from M (multimodal), T (text), C (caption), "
         "P (pooled) such as 'MTC', or view names joined by '+' such as 'multimodal+pooled:36'; "
-        "add '+tree' for a token tree (e.g. 'M+tree', 'M+tree@16', 'M+tree:6x4x16')"
+        "add '+tree' for a token tree (e.g. 'M+tree', 'M+tree@16', 'M+tree:6x4x16'); a trained head: "
+        "'eagle', 'eagle3+tree', 'msd+tree'"
     )
 
 
@@ -86,7 +98,8 @@ def method_views(method: str) -> tuple[str, ...]:
 
 
 def method_tree(method: str) -> dict:
-    """SpecDecoder keywords of a method's token tree ({} for a chain)."""
+    """SpecDecoder keywords of a method beyond its views: tree, acceptance ({} for a plain chain),
+    and "head" (a head variant) for head methods."""
     return parse_method(method)[1]
 
 
@@ -136,6 +149,7 @@ class BenchConfig:
     captioner: str | None = None
     captioner_prompt: str | None = None
     pool_tokens: int | None = None  # N of the P view; None: SpecDecoder's default (a quarter of the patch grid)
+    heads: tuple[tuple[str, str], ...] = ()  # (variant, directory) of trained heads for head methods (eagle, ...)
     split: str | None = None  # split of every dataset naming none; None: embedded world test, real: its default
     device: str | None = None  # None: cuda:LOCAL_RANK when CUDA is available, else cpu
     dtype: str = "float32"
@@ -174,6 +188,8 @@ class BenchConfig:
         directories made before the split became optional still resume)."""
         values = {k: getattr(self, k) for k in RESULT_KEYS}
         values["split"] = values["split"] or "test"
+        if self.heads:  # only when given: results made before heads existed still resume
+            values["heads"] = [list(h) for h in self.heads]
         return values
 
     def fingerprint(self) -> str:
