@@ -557,7 +557,7 @@ def test_model_path_that_is_a_file(tmp_path, target):
 
 @pytest.mark.parametrize("args, phrase", [
     (["--families", "chartqa,nosuch"], "--families: unknown family 'nosuch'; use some of chartqa, textvqa"),
-    (["--methods", "M,XY"], "unknown view"),
+    (["--methods", "M,XY"], "--methods: unknown method 'XY'"),
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--threads", "0"], "--threads must be >= 1"),
 ])

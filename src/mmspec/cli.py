@@ -262,7 +262,14 @@ def demo(
         if not meths:
             raise MMSpecError("--methods is empty; give drafting methods such as M,T,MT")
         for m in meths:
-            parse_views(parse_method(m)[0])
+            try:
+                views_m, kw_m = parse_method(m)
+                if "head" in kw_m:
+                    raise MMSpecError(f"{m!r} drafts with a trained head; the demo compares the pack's views "
+                                      "(use mmspec bench run -m for head methods)")
+                parse_views(views_m)
+            except MMSpecError as e:
+                raise MMSpecError(f"--methods: {e}") from None
         apply_threads(threads)
         t, d, tok, proc, cap, _ = _load(None, None, None, None, "auto", "cpu")
         console.print(EMBEDDED_NOTE)

@@ -26,8 +26,11 @@ from mmspec.stats import GenerationStats
 from mmspec.timing import sync
 from mmspec.tree import TreeSpec, parse_tree
 from mmspec.verify import SamplingParams
-from mmspec.views import View, build_row, ensemble_name, parse_views, split_prompt
+from mmspec.views import View, build_row, ensemble_name, parse_views, split_prompt, split_segments
 
+# processor outputs generate() passes on to the families that read them (models/*.py: mm_keys)
+MM_KEYS = ("image_sizes", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids",
+           "second_per_grid_ts", "batch_num_images")
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -75,13 +78,15 @@ class SpecDecoder:
             longer the target's: benchmarks report how often it still is.
         processor: the target's processor; only used to turn pixel_values back into images
             for the captioner when ``images=`` is not passed to :meth:`generate`.
+        draft_processor: a draft of another family than the target (same tokenizer) reads the
+            images its own way: its processor, applied to the PIL ``images=`` of :meth:`generate`.
     """
 
     def __init__(self, target, draft, tokenizer=None, *, views=("multimodal",), weights=None,
                  captioner=None, gamma: int = 5, processor=None, dtype="auto", draft_tokenizer=None,
                  tree=None, tree_depth: int | None = None, tree_topk: int | None = None,
                  tree_budget: int | None = None, tree_children: str = "mixture", stop_below: float | None = None,
-                 cuda_graphs="auto", static_cache: bool | None = None, acceptance: str = "exact",
+                 cuda_graphs="auto", static_cache: bool | None = None, draft_processor=None, acceptance: str = "exact",
                  relaxed_thresholds: tuple[float, float] = (0.6, 0.4), relaxed_window: int = 64):
         from mmspec.models.loading import (check_same_vocabulary, load_model, load_processor, load_saved_tokenizer,
                                            load_tokenizer, load_tokenizer_if_any)
@@ -119,6 +124,9 @@ class SpecDecoder:
         else:
             self.draft_model = load_model(str(draft), dtype=dtype) if isinstance(draft, (str, os.PathLike)) else draft.eval()
         self.processor = processor
+        if isinstance(draft_processor, (str, os.PathLike)):
+            draft_processor = load_processor(str(draft_processor))
+        self.draft_processor = draft_processor
         if isinstance(captioner, (str, os.PathLike)):
             from mmspec.models.captioner import HFCaptioner
 
@@ -187,6 +195,8 @@ class SpecDecoder:
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
             raise MMSpecError(f"relaxed_window must be a whole number >= 0, got {window!r}")
         return RelaxedAcceptance(vision=vision, text=text, window=window)
+
+    def _static_cache(self, role: str, adapter, rows: int, needed: int):
         """A static cache of at least ``needed`` positions and the runner of its forwards, kept
         across calls (capacities are bucketed to powers of two, so graphs are reused)."""
         capacity = max(512, 1 << (needed - 1).bit_length())
@@ -312,12 +322,16 @@ class SpecDecoder:
                  temperature: float = 0.0, seed: int | None = None, top_k: int | None = None,
                  top_p: float | None = None, images: Sequence | None = None,
                  captions: Sequence[str] | None = None, **unused) -> GenerationResult:
-        """Decode one prompt. Inputs are those of ``target.generate`` (processor output)."""
+        """Decode one prompt. Inputs are those of ``target.generate`` (the processor's output: for
+        other families also ``image_sizes``, ``image_grid_thw``, ``pixel_values_videos``,
+        ``video_grid_thw``, ``mm_token_type_ids``, ... as the target's family reads them)."""
         if unused.get("do_sample"):
             raise MMSpecError("pass temperature=... (> 0) for sampling instead of do_sample=True")
-        unknown = set(unused) - {"do_sample", "image_sizes"}
+        mm = {k: v for k, v in unused.items() if k in self.target.mm_keys or k in MM_KEYS}
+        unknown = set(unused) - {"do_sample"} - set(mm)
         if unknown:
             raise MMSpecError(f"unsupported generate() argument(s): {sorted(unknown)}")
+        mm["pixel_values"] = pixel_values
         t_start = time.perf_counter()
         dev = self.target.device
         ids = self._check_ids(input_ids, attention_mask)  # [L] on CPU
@@ -334,12 +348,12 @@ class SpecDecoder:
         else:
             seed = None
 
-        layout = self._layout(ids, pixel_values)
+        layout = self._layout(ids, mm)
         self._check_context(ids.shape[0], max_new_tokens)
         stats = self._new_stats()
 
-        # 1) vision: each image encoded once (patches shared with the draft when towers match)
-        target_feats, draft_patches = self._encode_images(layout, pixel_values, stats)
+        # 1) vision: each image / video encoded once (patches shared with the draft when towers match)
+        target_feats, draft_feats = self._encode_vision(layout, mm, images, stats)
         # 2) captions, once per image
         caption_ids = self._caption_ids(layout, pixel_values, images, captions, stats)
 
@@ -349,14 +363,17 @@ class SpecDecoder:
         target_cache, target_step = self._target_cache(L + self._room(max_new_tokens))
         prefix = ids[:-1].to(dev)[None]  # [1, L-1], never empty: prompts have >= 2 tokens (_check_ids)
         embeds = self.target.embed(prefix)  # [1, L-1, H_t]
-        if target_feats is not None:
-            mask = (prefix == self.target.image_token_id).unsqueeze(-1)  # [1, L-1, 1]
-            embeds = embeds.masked_scatter(mask, target_feats.to(embeds.dtype))
+        for token, kind in self.target.placeholders().items():  # each run of placeholders gets its features
+            if target_feats.get(kind):
+                mask = (prefix == token).unsqueeze(-1)  # [1, L-1, 1]
+                embeds = embeds.masked_scatter(mask, torch.cat(target_feats[kind]).to(embeds.dtype))
         if self.static:
             attn = torch.ones(L - 1, target_cache.max_len, dtype=torch.bool, device=dev).tril()[None, None]
         else:
             attn = torch.ones_like(prefix)
-        out = self.target.forward(cache=target_cache, attention_mask=attn, position_ids=torch.arange(L - 1, device=dev)[None],
+        positions, next_pos = self.target.prefill_positions(prefix, _for_prefix(mm, prefix))
+        pos_offset = int(next_pos[0]) - (L - 1)  # multimodal RoPE: text after the prompt is not at past + i
+        out = self.target.forward(cache=target_cache, attention_mask=attn, position_ids=positions,
                                   inputs_embeds=embeds, logits_to_keep=1, hidden=self._hidden_layers)
         sync(dev)
         stats.prefill_target_s = time.perf_counter() - t0
@@ -368,13 +385,13 @@ class SpecDecoder:
             drafter = self._prefill_head(feats, ids, max_new_tokens, stats)
             first_feats = feats[0, -1:]  # before the pending token
         else:
-            drafter = self._prefill_draft(layout, draft_patches, caption_ids, max_new_tokens, stats)
+            drafter = self._prefill_draft(layout, draft_feats, caption_ids, max_new_tokens, stats)
 
         captured = self._capture_seconds()
         tokens = run_loop(target=self.target, target_cache=target_cache, target_step=target_step, target_len=L - 1,
                           drafter=drafter, spec=self.tree, first_pending=int(ids[-1]), max_new_tokens=max_new_tokens,
                           eos_ids=self.eos_ids, params=params, generator=generator, stats=stats, static=self.static,
-                          first_feats=first_feats, relaxed=self._relaxed_for(ids))
+                          first_feats=first_feats, relaxed=self._relaxed_for(ids), pos_offset=pos_offset)
         stats.capture_s = self._capture_seconds() - captured
         stats.total_s = time.perf_counter() - t_start
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -391,11 +408,12 @@ class SpecDecoder:
         if self.head is not None:
             raise MMSpecError("new_drafter times token-level drafters; a head drafts inside generate()")
         ids = self._check_ids(input_ids, None)
-        layout = self._layout(ids, pixel_values)
+        mm = {"pixel_values": pixel_values}
+        layout = self._layout(ids, mm)
         stats = self._new_stats()
-        _, draft_patches = self._encode_images(layout, pixel_values, stats)
+        _, draft_feats = self._encode_vision(layout, mm, images, stats)
         caption_ids = self._caption_ids(layout, pixel_values, images, captions, stats)
-        return self._prefill_draft(layout, draft_patches, caption_ids, max_new_tokens, stats, cache)
+        return self._prefill_draft(layout, draft_feats, caption_ids, max_new_tokens, stats, cache)
 
     def _new_stats(self) -> GenerationStats:
         return GenerationStats(gamma=self.tree.max_depth, views=tuple(v.name for v in self.views),
@@ -453,31 +471,69 @@ class SpecDecoder:
     def _capture_seconds(self) -> float:
         return sum(r.capture_s for _, r in self._static_pool.values())
 
-    def _layout(self, ids: torch.Tensor, pixel_values):
-        layout = split_prompt(ids, self.target.image_token_id, self.target.tokens_per_image)
-        n_pix = 0 if pixel_values is None else int(pixel_values.shape[0])
-        if layout.n_images != n_pix:
-            raise MMSpecError(
-                f"the prompt has {layout.n_images} image slot(s) but {n_pix} image(s) were given "
-                "in pixel_values; give one image per <image> in the prompt, in order"
-            )
-        if ids[-1] == self.target.image_token_id:
+    def _layout(self, ids: torch.Tensor, mm: dict):
+        """The prompt split into text and image / video segments, checked against the inputs given."""
+        pv = mm.get("pixel_values")
+        counts = self.target.segment_counts(ids, mm)
+        slots = sum(1 for i, t in enumerate(ids.tolist()) if t in self.target.placeholders()
+                    and (i == 0 or int(ids[i - 1]) != t))
+        if hasattr(self.target, "tokens_per_image") and self.target.placeholders() == {self.target.image_token_id: "image"}:
+            layout = split_prompt(ids, self.target.image_token_id, self.target.tokens_per_image)  # LLaVA-1.5 layout
+            n_pix = 0 if pv is None else int(pv.shape[0])
+            if layout.n_images != n_pix:
+                raise MMSpecError(
+                    f"the prompt has {layout.n_images} image slot(s) but {n_pix} image(s) were given "
+                    "in pixel_values; give one image per <image> in the prompt, in order"
+                )
+        else:
+            if slots and not counts:
+                raise MMSpecError(f"the prompt has {slots} image/video slot(s) but no pixel inputs were given; "
+                                  "pass the processor's output (pixel_values, ...) for every <image> / <video>")
+            layout = split_segments(ids, self.target.placeholders(), counts)
+        if int(ids[-1]) in self.target.placeholders():
             raise MMSpecError("the prompt ends with an image; end it with text (e.g. '... ASSISTANT:')")
         return layout
 
-    def _encode_images(self, layout, pixel_values, stats: GenerationStats):
-        """-> (target image tokens [n_img, P, H_t] | None, draft patch features [n_img, P, C] | None)."""
+    def _encode_vision(self, layout, mm: dict, images, stats: GenerationStats):
+        """-> (target features {kind: [[n_i, H_t], ...]}, draft features per view kind or None).
+
+        The draft's features: shared patch features projected by the draft when its vision tower is
+        the target's (LLaVA families), else the draft's own encoding of its own pixel inputs.
+        """
         t0 = time.perf_counter()
-        target_feats = draft_patches = None
-        if layout.n_images:
-            target_patches = self.target.vision_hidden(pixel_values)  # [n_img, P, C]
-            target_feats = self.target.project(target_patches)  # [n_img, P, H_t]
-            if any(v.needs_vision for v in self.views):
-                draft_patches = target_patches if self.reuse_vision else self.draft.vision_hidden(
-                    pixel_values.to(self.draft.device))
+        target_feats: dict = {}
+        draft_feats = None
+        if layout.n_segments:
+            vision_views = [v for v in self.views if v.needs_vision]
+            if self.reuse_vision and vision_views:  # one pass of the shared tower: patches for both
+                patches = self.target.vision_hidden(mm["pixel_values"])  # [n_img, P, C]
+                target_feats = {"image": list(self.target.project(patches))}
+                draft_feats = {v: self._draft_from_patches(patches, v) for v in vision_views}
+            else:
+                target_feats = self.target.encode(mm)
+                if vision_views:
+                    mm_d = self._draft_inputs(mm, images)
+                    draft_feats = {v: (self.draft.encode(mm_d) if v.kind == "multimodal"
+                                       else self.draft.pooled(mm_d, v.n_tokens)) for v in vision_views}
         sync(self.target.device)
         stats.vision_s = time.perf_counter() - t0
-        return target_feats, draft_patches
+        return target_feats, draft_feats
+
+    def _draft_from_patches(self, patches, view: View) -> dict:
+        p = patches if view.kind == "multimodal" else pool_patch_grid(patches, view.n_tokens)
+        return {"image": list(self.draft.project(p.to(self.draft.device)))}
+
+    def _draft_inputs(self, mm: dict, images) -> dict:
+        """The draft's own pixel inputs: the target's when the draft reads them the same way
+        (same family), else its processor's on the PIL images."""
+        if self.draft_processor is None:
+            return {k: (v.to(self.draft.device) if isinstance(v, torch.Tensor) else v) for k, v in mm.items()}
+        if images is None:
+            raise MMSpecError("this draft has a processor of its own (draft_processor=...): pass images=[PIL images] "
+                              "to generate() so that it can read them its own way")
+        enc = self.draft_processor(text=["x"], images=list(images), return_tensors="pt")
+        return {k: v.to(self.draft.device) for k, v in enc.items()
+                if isinstance(v, torch.Tensor) and k in self.draft.mm_keys}
 
     def _caption_ids(self, layout, pixel_values, images, captions, stats: GenerationStats):
         """One token-id tensor per image for the caption view (None when no view needs them)."""
@@ -493,10 +549,10 @@ class SpecDecoder:
         stats.caption_s = time.perf_counter() - t0
         return caption_ids
 
-    def _prefill_draft(self, layout, draft_patches, caption_ids, max_new_tokens: int,
+    def _prefill_draft(self, layout, draft_feats, caption_ids, max_new_tokens: int,
                        stats: GenerationStats, cache=None) -> EnsembleDrafter:
         t0 = time.perf_counter()
-        rows = [self._view_row(layout, v, draft_patches, caption_ids) for v in self.views]
+        rows = [self._view_row(layout, v, draft_feats, caption_ids) for v in self.views]
         for v, r in zip(self.views, rows):
             self._check_draft_context(v, r.token_ids.shape[0], max_new_tokens)
             r.token_ids = r.token_ids[:-1]  # the last prompt token is pending
@@ -513,13 +569,13 @@ class SpecDecoder:
         return drafter
 
     # ------------------------------------------------------------------ helpers
-    def _view_row(self, layout, view: View, draft_patches, caption_ids):
+    def _view_row(self, layout, view: View, draft_feats, caption_ids):
         feats = None
-        if view.needs_vision and draft_patches is not None:
-            patches = draft_patches if view.kind == "multimodal" else pool_patch_grid(draft_patches, view.n_tokens)
-            feats = self.draft.project(patches.to(self.draft.device))  # [n_img, N, H_d]
+        if view.needs_vision and draft_feats is not None:
+            by_kind = {k: list(v) for k, v in draft_feats[view].items()}
+            feats = [by_kind[kind].pop(0).to(self.draft.device) for kind in layout.kinds]  # prompt order
         return build_row(layout, view, image_token_id=self.draft.image_token_id, newline_id=self.newline_id,
-                         image_features=feats, caption_ids=caption_ids)
+                         image_features=feats, caption_ids=caption_ids, video_token_id=self.draft.video_token_id)
 
     def _check_ids(self, input_ids, attention_mask) -> torch.Tensor:
         ids = torch.as_tensor(input_ids)
@@ -613,3 +669,12 @@ def _generator(seed: int, device: torch.device) -> torch.Generator:
     gen = torch.Generator(device=device)
     gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=cpu)))
     return gen
+
+
+def _for_prefix(mm: dict, prefix: torch.Tensor) -> dict:
+    """The multimodal inputs with per-token fields (mm_token_type_ids) cut to the prefix."""
+    out = dict(mm)
+    tt = out.get("mm_token_type_ids")
+    if isinstance(tt, torch.Tensor):
+        out["mm_token_type_ids"] = tt[..., -prefix.shape[-1] - 1:-1] if tt.shape[-1] > prefix.shape[-1] else tt
+    return out

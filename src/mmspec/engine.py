@@ -50,6 +50,7 @@ def run_loop(
     static: bool = False,
     first_feats: torch.Tensor | None = None,
     relaxed: "RelaxedAcceptance | None" = None,
+    pos_offset: int = 0,
 ) -> list[int]:
     """Draft, verify, accept, compact, until EOS or max_new_tokens. Returns the new tokens.
 
@@ -57,6 +58,9 @@ def run_loop(
     ``target_step`` returns (logits, hidden) and ``first_feats`` [1, F] is the target's feature
     before the first pending token (the last prefill position); after each block the features
     before the new pending tokens are read from the verify forward's hidden states.
+
+    ``pos_offset``: the target's position of a token minus its cache slot after the prompt
+    (0 for 1-D RoPE; the multimodal-RoPE delta of Qwen2-VL-like families).
     """
     dev = target.device
     clock = BlockClock(dev)
@@ -80,7 +84,7 @@ def run_loop(
         ids = tree.tokens.to(dev)[None]  # [1, N]
         depth = tree.depth.to(dev)
         anc = tree.anc.to(dev)
-        position_ids = (past + depth)[None]  # [1, N]
+        position_ids = (past + pos_offset + depth)[None]  # [1, N]
         if static:
             mask = tree_attention_mask(anc, past, target_cache.max_len)  # [1, 1, N, capacity]
         elif tree.is_chain:

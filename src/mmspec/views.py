@@ -88,42 +88,93 @@ def ensemble_name(views: Sequence[View]) -> str:
 # --------------------------------------------------------------------------- prompt layout
 @dataclass
 class PromptLayout:
-    """The target prompt split into text pieces and image slots, in order.
+    """The target prompt split into text pieces and vision segments (images, videos), in order.
 
-    ``pieces`` alternate: a 1-D LongTensor of text token ids, or an int image index.
+    ``pieces`` alternate: a 1-D LongTensor of text token ids, or an int segment index;
+    ``kinds[i]`` is "image" or "video" for segment i.
     """
 
     pieces: list  # list[torch.Tensor | int]
-    n_images: int
+    kinds: list[str]
+
+    @property
+    def n_images(self) -> int:
+        return sum(k == "image" for k in self.kinds)
+
+    @property
+    def n_videos(self) -> int:
+        return sum(k == "video" for k in self.kinds)
+
+    @property
+    def n_segments(self) -> int:
+        return len(self.kinds)
 
 
 def split_prompt(input_ids: torch.Tensor, image_token_id: int, tokens_per_image: int) -> PromptLayout:
-    """input_ids [L] with each image expanded to ``tokens_per_image`` image tokens.
-    Text pieces are kept on the CPU; the drafter moves the finished rows to its device."""
+    """input_ids [L] with each image expanded to ``tokens_per_image`` image tokens (LLaVA-1.5
+    layout). Text pieces are kept on the CPU; the drafter moves the finished rows to its device."""
     input_ids = input_ids.cpu()
-    is_img = input_ids == image_token_id  # [L]
-    pieces: list = []
-    n_images = 0
-    i, L = 0, input_ids.shape[0]
+    runs = _runs(input_ids, {image_token_id: "image"})
+    counts = []
+    for _, kind, n in runs:
+        if n % tokens_per_image:
+            raise MMSpecError(
+                f"an image slot in input_ids has {n} image tokens, not a multiple of the "
+                f"target's {tokens_per_image} tokens per image; build the inputs with the "
+                "target's own processor (it expands each <image> to the right count)"
+            )
+        counts += [(kind, tokens_per_image)] * (n // tokens_per_image)
+    return split_segments(input_ids, {image_token_id: "image"}, counts)
+
+
+def _runs(input_ids: torch.Tensor, placeholders: dict[int, str]) -> list[tuple[int, str, int]]:
+    """Maximal runs of one placeholder token: (start, kind, length)."""
+    out, i, L = [], 0, input_ids.shape[0]
+    ids = input_ids.tolist()
     while i < L:
         j = i
-        while j < L and bool(is_img[j]) == bool(is_img[i]):
+        while j < L and ids[j] == ids[i]:
             j += 1
-        if is_img[i]:
-            run = j - i
-            if run % tokens_per_image:
-                raise MMSpecError(
-                    f"an image slot in input_ids has {run} image tokens, not a multiple of the "
-                    f"target's {tokens_per_image} tokens per image; build the inputs with the "
-                    "target's own processor (it expands each <image> to the right count)"
-                )
-            for _ in range(run // tokens_per_image):
-                pieces.append(n_images)
-                n_images += 1
-        else:
-            pieces.append(input_ids[i:j])
+        if ids[i] in placeholders:
+            out.append((i, placeholders[ids[i]], j - i))
         i = j
-    return PromptLayout(pieces=pieces, n_images=n_images)
+    return out
+
+
+def split_segments(input_ids: torch.Tensor, placeholders: dict[int, str],
+                   counts: Sequence[tuple[str, int]]) -> PromptLayout:
+    """input_ids [L] -> layout, given the placeholder ids (id -> "image" / "video") and each
+    segment's kind and token count in prompt order (adjacent segments of one kind share a run,
+    so the counts say where one ends). Refuses a prompt whose placeholders the counts do not
+    cover exactly."""
+    input_ids = input_ids.cpu()
+    pieces: list = []
+    kinds: list[str] = []
+    queue = list(counts)
+    cursor = 0
+    for start, kind, n in _runs(input_ids, placeholders):
+        if start > cursor:
+            pieces.append(input_ids[cursor:start])
+        left = n
+        while left > 0:
+            if not queue or queue[0][0] != kind or queue[0][1] > left:
+                want = queue[0] if queue else None
+                raise MMSpecError(
+                    f"the prompt's {kind} slot at token {start} has {n} {kind} tokens, which do not match the "
+                    f"{kind}s given ({'next expected: ' + str(want[1]) + ' ' + want[0] + ' tokens' if want else 'none left'}); "
+                    "build input_ids and the pixel inputs with the target's own processor, one image (or video) "
+                    "per placeholder, in order")
+            k, c = queue.pop(0)
+            pieces.append(len(kinds))
+            kinds.append(k)
+            left -= c
+        cursor = start + n
+    if cursor < input_ids.shape[0]:
+        pieces.append(input_ids[cursor:])
+    if queue:
+        raise MMSpecError(f"{len(queue)} more image/video input(s) were given than the prompt has slots for; "
+                          "give one per placeholder, in order")
+    return PromptLayout(pieces=pieces, kinds=kinds)
 
 
 @dataclass
@@ -141,8 +192,9 @@ def build_row(
     *,
     image_token_id: int | None,
     newline_id: int | None,
-    image_features: torch.Tensor | None = None,  # [n_img, n_tok, H] for M / P views
-    caption_ids: Sequence[torch.Tensor] | None = None,  # per image, [len] long, for C
+    image_features=None,  # per segment [n_tok_i, H] (a list, or a tensor [n_seg, n_tok, H]) for M / P views
+    caption_ids: Sequence[torch.Tensor] | None = None,  # per segment, [len] long, for C
+    video_token_id: int | None = None,  # the draft's placeholder for video segments
 ) -> ViewRow:
     ids: list[torch.Tensor] = []
     positions: list[torch.Tensor] = []
@@ -159,7 +211,9 @@ def build_row(
             seg = caption_ids[piece].long()
         else:
             f = image_features[piece]  # [n_tok, H]
-            seg = torch.full((f.shape[0],), image_token_id, dtype=torch.long)
+            kind = layout.kinds[piece] if piece < len(layout.kinds) else "image"
+            token = video_token_id if (kind == "video" and video_token_id is not None) else image_token_id
+            seg = torch.full((f.shape[0],), token, dtype=torch.long)
             positions.append(torch.arange(cursor, cursor + f.shape[0]))
             feats.append(f)
         ids.append(seg)

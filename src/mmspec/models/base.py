@@ -20,6 +20,9 @@ class ModelAdapter:
 
     has_vision: bool = False
     image_token_id: int | None = None
+    video_token_id: int | None = None
+    # the processor outputs this family reads (besides input_ids / attention_mask)
+    mm_keys: tuple[str, ...] = ("pixel_values",)
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -107,6 +110,39 @@ class ModelAdapter:
         from mmspec.models.cache import new_decode_cache
 
         return new_decode_cache(self.model.config, max_len, static=static)
+
+    # -- multimodal prompts: what differs per family -----------------------------------
+    def placeholders(self) -> dict[int, str]:
+        """Placeholder token id -> "image" / "video"."""
+        out = {}
+        if self.image_token_id is not None:
+            out[self.image_token_id] = "image"
+        if self.video_token_id is not None:
+            out[self.video_token_id] = "video"
+        return out
+
+    def segment_counts(self, input_ids: torch.Tensor, mm: dict) -> list[tuple[str, int]]:
+        """(kind, placeholder tokens) of every image / video given, in prompt order."""
+        raise MMSpecError(f"{type(self.model).__name__} reads no images")
+
+    def encode(self, mm: dict) -> dict[str, list[torch.Tensor]]:
+        """Vision inputs -> LM-space features per segment: {"image": [[n_i, H], ...], "video": [...]},
+        each list in prompt order, each tensor one placeholder run's embeddings."""
+        raise MMSpecError(f"{type(self.model).__name__} reads no images")
+
+    def pooled(self, mm: dict, n_tokens: int) -> dict[str, list[torch.Tensor]]:
+        """As :meth:`encode` with every segment's patch grid average-pooled to ``n_tokens``
+        (the P view: spatially, and over time for a video)."""
+        raise MMSpecError(f"{type(self.model).__name__} cannot pool its vision features")
+
+    def prefill_positions(self, input_ids: torch.Tensor, mm: dict, attention_mask: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Position ids of a prompt [B, L] (1-D RoPE: the count of real tokens before each) and the
+        position of the NEXT token per row [B]. Families with multimodal RoPE (Qwen2-VL) return
+        their 3-D ids [3, B, L]; after the prompt, text positions are 1-D again: ``next + i``."""
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        pos = (mask.long().cumsum(-1) - 1).clamp_min(0)  # [B, L]
+        return pos, pos[:, -1] + 1
 
     # -- vision side (VLM families) ----------------------------------------------------
     def vision_hidden(self, pixel_values: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,26 @@ class LlavaAdapter(ModelAdapter):
     def project(self, patch_features: torch.Tensor) -> torch.Tensor:
         return self._core.multi_modal_projector(patch_features)
 
+    # -- the family interface (models/base.py) ----------------------------------------
+    def segment_counts(self, input_ids: torch.Tensor, mm: dict) -> list[tuple[str, int]]:
+        pv = mm.get("pixel_values")
+        n = 0 if pv is None else int(pv.shape[0])
+        return [("image", self.tokens_per_image)] * n
+
+    def encode(self, mm: dict) -> dict[str, list[torch.Tensor]]:
+        pv = mm.get("pixel_values")
+        if pv is None:
+            return {"image": []}
+        return {"image": list(self.project(self.vision_hidden(pv)))}
+
+    def pooled(self, mm: dict, n_tokens: int) -> dict[str, list[torch.Tensor]]:
+        from mmspec.models.pooling import pool_patch_grid
+
+        pv = mm.get("pixel_values")
+        if pv is None:
+            return {"image": []}
+        return {"image": list(self.project(pool_patch_grid(self.vision_hidden(pv), n_tokens)))}
+
     def vision_key(self) -> tuple:
         layers = self.feature_layer if isinstance(self.feature_layer, int) else tuple(self.feature_layer)
         return (layers, self.select_strategy, self.patch_grid)
