@@ -222,7 +222,9 @@ class SpecDecoder:
                     "the caption view needs a captioner: pass captioner=HFCaptioner.from_pretrained(...)"
                     " (e.g. a BLIP or Florence-2 directory) or --captioner on the command line"
                 )
-            if v.kind == "pooled":
+            if v.kind == "pooled" and getattr(self.draft, "tokens_per_image", None) is None:
+                v = View("pooled", v.n_tokens or 16)  # dynamic resolution: any size (adaptive pooling)
+            elif v.kind == "pooled":
                 if self.draft.tokens_per_image != self.draft.patch_grid ** 2:
                     raise MMSpecError(
                         f"the pooled view pools the draft's patch grid, but the draft keeps the CLS token "
@@ -503,6 +505,7 @@ class SpecDecoder:
         t0 = time.perf_counter()
         target_feats: dict = {}
         draft_feats = None
+        self._mm_draft = None
         if layout.n_segments:
             vision_views = [v for v in self.views if v.needs_vision]
             if self.reuse_vision and vision_views:  # one pass of the shared tower: patches for both
@@ -512,7 +515,7 @@ class SpecDecoder:
             else:
                 target_feats = self.target.encode(mm)
                 if vision_views:
-                    mm_d = self._draft_inputs(mm, images)
+                    mm_d = self._mm_draft = self._draft_inputs(mm, images)
                     draft_feats = {v: (self.draft.encode(mm_d) if v.kind == "multimodal"
                                        else self.draft.pooled(mm_d, v.n_tokens)) for v in vision_views}
         sync(self.target.device)
@@ -574,8 +577,12 @@ class SpecDecoder:
         if view.needs_vision and draft_feats is not None:
             by_kind = {k: list(v) for k, v in draft_feats[view].items()}
             feats = [by_kind[kind].pop(0).to(self.draft.device) for kind in layout.kinds]  # prompt order
-        return build_row(layout, view, image_token_id=self.draft.image_token_id, newline_id=self.newline_id,
-                         image_features=feats, caption_ids=caption_ids, video_token_id=self.draft.video_token_id)
+        row = build_row(layout, view, image_token_id=self.draft.image_token_id, newline_id=self.newline_id,
+                        image_features=feats, caption_ids=caption_ids, video_token_id=self.draft.video_token_id)
+        if view.kind == "multimodal" and getattr(self.draft, "mrope", False) and self._mm_draft is not None:
+            # the draft reads its images with multimodal RoPE too: the row's own 3-D positions
+            row.position_ids = self.draft.prefill_positions(row.token_ids[None], self._mm_draft)[0][:, 0].cpu()
+        return row
 
     def _check_ids(self, input_ids, attention_mask) -> torch.Tensor:
         ids = torch.as_tensor(input_ids)

@@ -370,10 +370,19 @@ class EnsembleDrafter(TreeDrafter):
                 pos = (r.feature_positions + (L - lengths[b])).to(dev)
                 embeds[b, pos] = r.features.to(embeds.dtype)
         position_ids = (self.valid[:, :L].long().cumsum(-1) - 1).clamp_min(0)  # [B, L]
+        if any(r.position_ids is not None for r in rows):  # multimodal RoPE rows: their own 3-D ids
+            pos3 = position_ids[None].repeat(3, 1, 1)  # [3, B, L]
+            for b, r in enumerate(rows):
+                if r.position_ids is not None:
+                    pos3[:, b, L - lengths[b]:] = r.position_ids[:, : lengths[b]].to(dev)
+            next_pos = pos3.amax(dim=(0, 2)) + 1  # [B]: text after the prompt continues here
+            position_ids = pos3
+        else:
+            next_pos = position_ids[:, -1] + 1
         if self.step_fn is None:
             self.step_fn = self._eager_step
         self.length = self.committed = L
-        self.next_pos = position_ids[:, -1] + 1
+        self.next_pos = next_pos
         if L > 0:
             mask = self._prefill_mask(L) if self.static else self.valid[:, :L].long()
             self.adapter.forward(cache=self.cache, attention_mask=mask, position_ids=position_ids,

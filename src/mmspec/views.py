@@ -184,6 +184,7 @@ class ViewRow:
     token_ids: torch.Tensor  # [L] long
     feature_positions: torch.Tensor  # [n_feat] long: where features replace token embeddings
     features: torch.Tensor | None  # [n_feat, H] in the draft's LM space, or None
+    position_ids: torch.Tensor | None = None  # [3, L] multimodal-RoPE ids of the row (None: 0..L-1)
 
 
 def build_row(

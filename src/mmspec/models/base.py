@@ -180,8 +180,8 @@ def cache_argument(model: nn.Module) -> str:
 def same_vision(a: ModelAdapter, b: ModelAdapter) -> bool:
     """True when both adapters produce identical patch features for the same pixels: same
     feature selection and exactly equal vision-tower weights (or the very same module)."""
-    if not (a.has_vision and b.has_vision) or a.vision_key() != b.vision_key():
-        return False
+    if not (a.has_vision and b.has_vision) or a.vision_key() is None or a.vision_key() != b.vision_key():
+        return False  # (a family whose tower includes its projector has no key: never shared)
     ma, mb = a.vision_module, b.vision_module
     if ma is mb:
         return True
@@ -210,7 +210,7 @@ def register(model_type: str):
 def adapter_for(model: nn.Module) -> ModelAdapter:
     """Pick the adapter for a loaded HF model by its ``config.model_type``."""
     # Import the family modules so they register themselves (no import-time work beyond that).
-    from mmspec.models import causal_lm, llava  # noqa: F401
+    from mmspec.models import causal_lm, llava, qwen2_vl  # noqa: F401
 
     model_type = getattr(model.config, "model_type", None)
     if model_type in ADAPTERS:
