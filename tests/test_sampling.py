@@ -135,3 +135,13 @@ def test_siblings_tested_against_p_instead_of_the_residual_are_caught(setup, mon
     monkeypatch.setattr(verify, "remove_tokens", lambda p, removed: p)
     dec = SpecDecoder(target, draft, tok, views="MT", **TREE)
     assert min(pvalues(sampled(dec, ids, pv), exact)) < 1e-5
+
+
+def test_head_sampling_matches_target_distribution(setup):
+    """A feature-level head (EAGLE) with a branching tree samples the target's exact distribution."""
+    from mmspec.heads import build_head
+
+    target, _, tok, ids, pv = setup
+    exact = exact_sequence_probs(target, ids, pv)
+    dec = SpecDecoder(target, build_head(target, "eagle", seed=3), tok, **TREE)
+    assert min(pvalues(sampled(dec, ids, pv), exact)) > 1e-3

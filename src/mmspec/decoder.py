@@ -88,8 +88,10 @@ class SpecDecoder:
                  tree_budget: int | None = None, tree_children: str = "mixture", stop_below: float | None = None,
                  cuda_graphs="auto", static_cache: bool | None = None, draft_processor=None, acceptance: str = "exact",
                  relaxed_thresholds: tuple[float, float] = (0.6, 0.4), relaxed_window: int = 64):
-        from mmspec.models.loading import (check_same_vocabulary, load_model, load_processor, load_saved_tokenizer,
-                                           load_tokenizer, load_tokenizer_if_any)
+        from mmspec.models.loading import (check_same_vocabulary, compute_dtype, load_model, load_processor,
+                                           load_saved_tokenizer, load_tokenizer, load_tokenizer_if_any)
+
+        dtype = compute_dtype(dtype, "cpu")  # models given as paths load on the CPU: "auto" means float32 there
 
         if tokenizer is None and isinstance(target, (str, os.PathLike)):
             tokenizer = str(target)
