@@ -247,7 +247,7 @@ class TreeDrafter:
             logits = self._feed_nodes(node, tok[0], node - 1, d, block, causal=True)  # [B, 1, V]
         n = d + 1  # nodes, root included
         idx = torch.arange(n, device=dev)
-        fed = torch.cat([torch.tensor([root_slot], device=dev), base + idx[:-1]]) if n > 1 else idx[:1] + root_slot
+        fed = torch.cat([idx[:1] + root_slot, base + idx[:-1]]) if n > 1 else idx[:1] + root_slot  # no host->device copy
         fed[-1] = -1 if n > 1 else root_slot  # the deepest draft is never fed
         q_all = None
         if draw:
@@ -262,37 +262,50 @@ class TreeDrafter:
         """A Medusa-style static tree: node ``path`` is the ``path[-1]``-ranked child (by the
         mixture q) of node ``path[:-1]``; nodes with children are fed, one forward per depth."""
         dev = self.valid.device
+        st = self._static_plan(spec, dev)
+        tokens = torch.zeros(st["M"], dtype=torch.long, device=dev)
+        tokens[0] = root[0]
+        fed = torch.full((st["M"],), -1, dtype=torch.long, device=dev)
+        fed[0] = root_slot
+        for d, level in enumerate(st["levels"], start=1):
+            tok, _, _ = self._children(logits, level["R"], params, spec.children, None)  # [F, R] ranked children
+            tokens[level["idx"]] = tok[level["rows"], level["ranks"]]
+            if d == spec.max_depth:
+                break
+            fidx = level["frontier"]
+            fed[fidx] = self.length + level["arange"]
+            logits = self._feed_nodes(fidx, tokens[fidx], st["parents"][fidx], d, level["block"], causal=spec.is_chain)
+        keep = torch.arange(st["M"], device=dev)
+        return self._tree(keep, tokens, st["parents"], st["depth"], st["anc"], fed, None, spec.max_depth, spec.is_chain)
+
+    def _static_plan(self, spec: TreeSpec, dev) -> dict:
+        """The index tensors of a static tree, made once per tree and device (a block then copies
+        nothing from the host: each host->device copy would wait for the GPU)."""
+        plans = self.__dict__.setdefault("_static_plans", {})
+        key = (spec.paths, str(dev))
+        if key in plans:
+            return plans[key]
         par_l, dep_l, rank_l = static_structure(spec.paths)
         M = 1 + len(par_l)
         parents = torch.tensor([-1] + par_l, dtype=torch.long, device=dev)
-        depth = torch.tensor([0] + dep_l, dtype=torch.long, device=dev)
-        ranks = torch.tensor([0] + rank_l, dtype=torch.long, device=dev)
-        tokens = torch.zeros(M, dtype=torch.long, device=dev)
-        tokens[0] = root[0]
         anc = ancestors(parents, spec.max_depth)
-        fed = torch.full((M,), -1, dtype=torch.long, device=dev)
-        fed[0] = root_slot
-        has_kids = set(par_l)
-        frontier = [0]
-        fed_nodes: list[int] = []
+        has_kids, frontier, fed_nodes, levels = set(par_l), [0], [], []
         for d in range(1, spec.max_depth + 1):
             level = [i for i in range(1, M) if dep_l[i - 1] == d]
-            R = max(rank_l[i - 1] for i in level) + 1
-            tok, _, _ = self._children(logits, R, params, spec.children, None)  # [F, R] ranked children
             slot = {node: j for j, node in enumerate(frontier)}
-            rows = torch.tensor([slot[par_l[i - 1]] for i in level], device=dev)
-            idx = torch.tensor(level, device=dev)
-            tokens[idx] = tok[rows, ranks[idx]]
-            if d == spec.max_depth:
-                break
+            entry = {"idx": torch.tensor(level, device=dev), "R": max(rank_l[i - 1] for i in level) + 1,
+                     "rows": torch.tensor([slot[par_l[i - 1]] for i in level], device=dev),
+                     "ranks": torch.tensor([rank_l[i - 1] for i in level], device=dev)}
             frontier = [i for i in level if i in has_kids]
-            fidx = torch.tensor(frontier, device=dev)
-            fed[fidx] = self.length + torch.arange(len(frontier), device=dev)
-            fed_nodes += frontier
-            block = anc[fidx][:, torch.tensor(fed_nodes, device=dev)]
-            logits = self._feed_nodes(fidx, tokens[fidx], parents[fidx], d, block, causal=spec.is_chain)
-        keep = torch.arange(M, device=dev)
-        return self._tree(keep, tokens, parents, depth, anc, fed, None, spec.max_depth, spec.is_chain)
+            if frontier:
+                fed_nodes += frontier
+                fidx = torch.tensor(frontier, device=dev)
+                entry.update(frontier=fidx, arange=torch.arange(len(frontier), device=dev),
+                             block=anc[fidx][:, torch.tensor(fed_nodes, device=dev)])
+            levels.append(entry)
+        plans[key] = {"M": M, "parents": parents, "depth": torch.tensor([0] + dep_l, dtype=torch.long, device=dev),
+                      "anc": anc, "levels": levels}
+        return plans[key]
 
     def _tree(self, keep, tokens, parents, depth, anc, fed, q_all, max_depth: int, is_chain: bool) -> DraftTree:
         """Restrict the drafted nodes to ``keep`` [N] (ascending, root first) and renumber."""
