@@ -80,13 +80,17 @@ class SpecDecoder:
             for the captioner when ``images=`` is not passed to :meth:`generate`.
         draft_processor: a draft of another family than the target (same tokenizer) reads the
             images its own way: its processor, applied to the PIL ``images=`` of :meth:`generate`.
+        substitute: the draft's substitute encoder (:mod:`mmspec.models.substitute`, or its
+            directory from ``mmspec train align``) for the substitute view (E): the draft reads
+            each video as events (or fewer frames, lower resolution) instead of the frames.
     """
 
     def __init__(self, target, draft, tokenizer=None, *, views=("multimodal",), weights=None,
                  captioner=None, gamma: int = 5, processor=None, dtype="auto", draft_tokenizer=None,
                  tree=None, tree_depth: int | None = None, tree_topk: int | None = None,
                  tree_budget: int | None = None, tree_children: str = "mixture", stop_below: float | None = None,
-                 cuda_graphs="auto", static_cache: bool | None = None, draft_processor=None, acceptance: str = "exact",
+                 cuda_graphs="auto", static_cache: bool | None = None, draft_processor=None, substitute=None,
+                 acceptance: str = "exact",
                  relaxed_thresholds: tuple[float, float] = (0.6, 0.4), relaxed_window: int = 64):
         from mmspec.models.loading import (check_same_vocabulary, compute_dtype, load_model, load_processor,
                                            load_saved_tokenizer, load_tokenizer, load_tokenizer_if_any)
@@ -129,6 +133,11 @@ class SpecDecoder:
         if isinstance(draft_processor, (str, os.PathLike)):
             draft_processor = load_processor(str(draft_processor))
         self.draft_processor = draft_processor
+        if substitute is not None and not isinstance(substitute, torch.nn.Module):
+            from mmspec.models.substitute import load_substitute_encoder
+
+            substitute = load_substitute_encoder(substitute)
+        self.substitute = substitute
         if isinstance(captioner, (str, os.PathLike)):
             from mmspec.models.captioner import HFCaptioner
 
@@ -219,6 +228,14 @@ class SpecDecoder:
                     f"({type(self.draft_model).__name__}) has no vision tower; use the text or "
                     "caption views with a text-only draft"
                 )
+            if v.kind == "substitute":
+                if self.substitute is None:
+                    raise MMSpecError("the substitute view (E) needs the draft's substitute encoder: pass substitute=DIR "
+                                      "(made by mmspec train align) or a SubstituteEncoder")
+                if self.substitute.config.out_size != self.draft.model.get_input_embeddings().weight.shape[1]:
+                    raise MMSpecError(f"the substitute encoder gives {self.substitute.config.out_size}-wide tokens but the "
+                                      "draft's embeddings are of another width: align it to this draft "
+                                      "(mmspec train align --draft DIR)")
             if v.kind == "caption" and self.captioner is None:
                 raise MMSpecError(
                     "the caption view needs a captioner: pass captioner=HFCaptioner.from_pretrained(...)"
@@ -325,7 +342,8 @@ class SpecDecoder:
     def generate(self, input_ids, pixel_values=None, attention_mask=None, *, max_new_tokens: int = 128,
                  temperature: float = 0.0, seed: int | None = None, top_k: int | None = None,
                  top_p: float | None = None, images: Sequence | None = None,
-                 captions: Sequence[str] | None = None, **unused) -> GenerationResult:
+                 captions: Sequence[str] | None = None, videos: Sequence | None = None,
+                 substitutes: Sequence | None = None, **unused) -> GenerationResult:
         """Decode one prompt. Inputs are those of ``target.generate`` (the processor's output: for
         other families also ``image_sizes``, ``image_grid_thw``, ``pixel_values_videos``,
         ``video_grid_thw``, ``mm_token_type_ids``, ... as the target's family reads them)."""
@@ -358,8 +376,10 @@ class SpecDecoder:
 
         # 1) vision: each image / video encoded once (patches shared with the draft when towers match)
         target_feats, draft_feats = self._encode_vision(layout, mm, images, stats)
-        # 2) captions, once per image
+        # 2) captions, once per image; substitutes (events, ...), once per video
         caption_ids = self._caption_ids(layout, pixel_values, images, captions, stats)
+        if any(v.needs_substitute for v in self.views):
+            draft_feats = {**(draft_feats or {}), **self._substitute_feats(layout, videos, substitutes, stats)}
 
         # 3) target prefill on all but the last prompt token (it is the first pending token)
         t0 = time.perf_counter()
@@ -524,6 +544,27 @@ class SpecDecoder:
         stats.vision_s = time.perf_counter() - t0
         return target_feats, draft_feats
 
+    def _substitute_feats(self, layout, videos, substitutes, stats: GenerationStats) -> dict:
+        """{substitute view: {"video": [[n_tokens, H_d], ...]}}: each video's substitute (given, or
+        made from its frames) through the draft's substitute encoder; timed as substitute_s."""
+        from mmspec.substitutes import Substitute, make_substitute
+
+        t0 = time.perf_counter()
+        n = layout.n_videos
+        if substitutes is None and videos is None and n:
+            raise MMSpecError("the substitute view (E) reads each video's substitute: pass videos=[frames of each "
+                              "video] (PIL images) or substitutes=[Substitute...] (e.g. a recorded event stream) to generate()")
+        subs = list(substitutes) if substitutes is not None else [
+            make_substitute(frames, self.substitute.config.kind, **self.substitute.config.opts) for frames in (videos or [])]
+        if len(subs) != n:
+            raise MMSpecError(f"{len(subs)} substitutes (or videos) for {n} videos in the prompt; give one per <video>")
+        enc = self.substitute.to(self.draft.device)
+        feats = [enc(s.tensor.to(self.draft.device) if isinstance(s, Substitute) else s.to(self.draft.device)).to(self.draft.dtype)
+                 for s in subs]
+        sync(self.draft.device)
+        stats.substitute_s = time.perf_counter() - t0
+        return {v: {"video": feats, "image": []} for v in self.views if v.needs_substitute}
+
     def _draft_from_patches(self, patches, view: View) -> dict:
         p = patches if view.kind == "multimodal" else pool_patch_grid(patches, view.n_tokens)
         return {"image": list(self.draft.project(p.to(self.draft.device)))}
@@ -576,9 +617,10 @@ class SpecDecoder:
     # ------------------------------------------------------------------ helpers
     def _view_row(self, layout, view: View, draft_feats, caption_ids):
         feats = None
-        if view.needs_vision and draft_feats is not None:
+        if (view.needs_vision or view.needs_substitute) and draft_feats is not None and view in draft_feats:
             by_kind = {k: list(v) for k, v in draft_feats[view].items()}
-            feats = [by_kind[kind].pop(0).to(self.draft.device) for kind in layout.kinds]  # prompt order
+            feats = [by_kind[kind].pop(0).to(self.draft.device) if by_kind.get(kind) else None
+                     for kind in layout.kinds]  # prompt order
         row = build_row(layout, view, image_token_id=self.draft.image_token_id, newline_id=self.newline_id,
                         image_features=feats, caption_ids=caption_ids, video_token_id=self.draft.video_token_id)
         if view.kind == "multimodal" and getattr(self.draft, "mrope", False) and self._mm_draft is not None:

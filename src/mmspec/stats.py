@@ -41,6 +41,7 @@ class GenerationStats:
     blocks: list[BlockRecord] = field(default_factory=list)
     vision_s: float = 0.0  # image encoding (vision tower + projectors; shared when reused)
     caption_s: float = 0.0  # captioner, once per image, at prefill
+    substitute_s: float = 0.0  # substitute view: making each video's substitute (events, ...) and encoding it
     prefill_target_s: float = 0.0
     prefill_draft_s: float = 0.0
     total_s: float = 0.0

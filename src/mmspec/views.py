@@ -4,6 +4,9 @@
 * ``text`` (T): each image slot replaced by the newline token (Appendix C);
 * ``caption`` (C): each image slot replaced by the tokens of a caption of that image;
 * ``pooled:N`` (P): the draft's patch grid 2-D average-pooled to N tokens before its projector.
+* ``substitute`` (E): each VIDEO read from a cheaper stand-in (an event stream, fewer frames,
+  lower resolution: :mod:`mmspec.substitutes`) through the draft's substitute encoder and
+  alignment layer (:mod:`mmspec.models.substitute`); images in the prompt read as in T.
 
 This module parses view specs and turns the target's prompt (image tokens expanded, as the
 target's processor makes it) into one draft input row per view. It runs no draft forward:
@@ -19,9 +22,9 @@ import torch
 
 from mmspec.errors import MMSpecError
 
-VIEW_KINDS = ("multimodal", "text", "caption", "pooled")
-LETTERS = {"M": "multimodal", "T": "text", "C": "caption", "P": "pooled"}
-ALIASES = {"text-only": "text", "textonly": "text", "pool": "pooled"}
+VIEW_KINDS = ("multimodal", "text", "caption", "pooled", "substitute")
+LETTERS = {"M": "multimodal", "T": "text", "C": "caption", "P": "pooled", "E": "substitute"}
+ALIASES = {"text-only": "text", "textonly": "text", "pool": "pooled", "events": "substitute"}
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,10 @@ class View:
     def needs_vision(self) -> bool:
         return self.kind in ("multimodal", "pooled")
 
+    @property
+    def needs_substitute(self) -> bool:
+        return self.kind == "substitute"
+
 
 def _parse_one(token: str) -> list[View]:
     t = token.strip()
@@ -58,8 +65,8 @@ def _parse_one(token: str) -> list[View]:
     if t and all(c in LETTERS for c in t.upper()) and t.isupper():
         return [View(LETTERS[c]) for c in t]
     raise MMSpecError(
-        f"unknown view {token!r}: use multimodal, text, caption, pooled:N, or letters M, T, C, P "
-        "and combinations such as MTC"
+        f"unknown view {token!r}: use multimodal, text, caption, pooled:N, substitute (events), or letters "
+        "M, T, C, P, E and combinations such as MTC"
     )
 
 
@@ -206,14 +213,16 @@ def build_row(
             ids.append(piece)
             cursor += piece.shape[0]
             continue
-        if view.kind == "text":
+        kind = layout.kinds[piece] if piece < len(layout.kinds) else "image"
+        if view.kind == "text" or (view.kind == "substitute" and kind != "video"):
             seg = torch.tensor([newline_id], dtype=torch.long)
         elif view.kind == "caption":
             seg = caption_ids[piece].long()
         else:
             f = image_features[piece]  # [n_tok, H]
-            kind = layout.kinds[piece] if piece < len(layout.kinds) else "image"
             token = video_token_id if (kind == "video" and video_token_id is not None) else image_token_id
+            if token is None:  # a text-only draft reading substitute features: any id, its embedding is replaced
+                token = newline_id
             seg = torch.full((f.shape[0],), token, dtype=torch.long)
             positions.append(torch.arange(cursor, cursor + f.shape[0]))
             feats.append(f)

@@ -20,3 +20,7 @@ __all__ = ["train_app"]
 from mmspec.heads.cli import head as _head  # noqa: E402  isort: skip
 
 train_app.command("head")(_head)
+
+from mmspec.align import align_command as _align  # noqa: E402  isort: skip
+
+train_app.command("align")(_align)

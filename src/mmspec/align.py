@@ -1,0 +1,174 @@
+"""``mmspec train align``: fit a substitute encoder (:mod:`mmspec.models.substitute`) so that what it
+makes of a video's stand-in (events, fewer frames, lower resolution) looks, to the draft, like
+what the draft makes of the real frames.
+
+Owns the alignment targets and the training loop. Target of clip c: the draft's own features of
+its frames, pooled to ``n_tokens`` (its P-view pooling of the video when the draft reads videos;
+for a draft that reads images, each frame's pooled features averaged over the frames). Loss:
+mean squared error plus (1 - cosine similarity), per token. Data: the world's video clips
+(train split; :func:`mmspec.world.make_video_sample`), or any frames the caller passes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from mmspec.errors import MMSpecError
+
+
+def _opt(default, help_: str):
+    import typer
+
+    return typer.Option(default, help=help_)
+
+
+def _opt_required(help_: str):
+    import typer
+
+    return typer.Option(..., help=help_)
+
+
+@dataclass
+class AlignConfig:
+    kind: str = "events"
+    out: str = "runs/align"
+    n_tokens: int = 16
+    steps: int = 500
+    minutes: float | None = None
+    batch_size: int = 16
+    lr: float = 2e-3
+    hidden: int = 64
+    seed: int = 0
+    progress: bool = True
+    opts: dict = field(default_factory=dict)  # make_substitute options
+    notes: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from mmspec.substitutes import MAKERS
+
+        if self.kind not in MAKERS:
+            raise MMSpecError(f"unknown substitute kind {self.kind!r}; use one of {', '.join(MAKERS)}")
+        for name in ("n_tokens", "steps", "batch_size", "hidden"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise MMSpecError(f"--{name.replace('_', '-')} must be a whole number >= 1, got {v!r}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise MMSpecError(f"--lr must be a finite number > 0, got {self.lr}")
+
+
+@torch.no_grad()
+def draft_video_target(draft, frames: Sequence, n_tokens: int, processor=None) -> torch.Tensor:
+    """The draft's own features of a clip's frames, pooled to [n_tokens, H]."""
+    from mmspec.models.base import ModelAdapter, adapter_for
+
+    adapter = draft if isinstance(draft, ModelAdapter) else adapter_for(draft)
+    if processor is None:
+        raise MMSpecError("aligning to a draft needs its processor (to read the frames as it does)")
+    ip = getattr(processor, "image_processor", processor)
+    pv = ip(images=list(frames), return_tensors="pt")["pixel_values"].to(adapter.device, adapter.dtype)
+    per_frame = adapter.pooled({"pixel_values": pv}, n_tokens)["image"]  # each [n, H]
+    return torch.stack(per_frame).mean(0).float().cpu()  # [n, H]: averaged over time
+
+
+def align_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """pred, target [B, n, H] -> MSE + (1 - cosine) averaged over tokens."""
+    return F.mse_loss(pred, target) + (1 - F.cosine_similarity(pred, target, dim=-1)).mean()
+
+
+def train_align(subs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], cfg: AlignConfig,
+                log: Callable[[str], None] = print):
+    """Fit an encoder on (substitute [S, C, H, W], target [n, H]) pairs; saves it under ``cfg.out``."""
+    from tqdm.auto import tqdm
+
+    from mmspec.models.substitute import build_substitute_encoder
+
+    if not subs:
+        raise MMSpecError("no training clips for the substitute encoder")
+    out_size = targets[0].shape[-1]
+    enc = build_substitute_encoder(cfg.kind, subs[0], cfg.n_tokens, out_size, hidden=cfg.hidden, opts=cfg.opts,
+                                   seed=cfg.seed).train()
+    opt = torch.optim.AdamW(enc.parameters(), lr=cfg.lr)
+    rng = random.Random(cfg.seed)
+    x_all, y_all = torch.stack(list(subs)).float(), torch.stack(list(targets)).float()
+    history, t0 = [], time.perf_counter()
+    bar = tqdm(range(cfg.steps), desc=f"align {cfg.kind}", disable=not cfg.progress, mininterval=2.0)
+    for step in bar:
+        if cfg.minutes is not None and time.perf_counter() - t0 > 60 * cfg.minutes:
+            log(f"time budget of {cfg.minutes:g} min spent at step {step}")
+            break
+        idx = [rng.randrange(len(subs)) for _ in range(cfg.batch_size)]
+        for g in opt.param_groups:
+            g["lr"] = cfg.lr * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+        loss = align_loss(enc(x_all[idx]), y_all[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        history.append(float(loss.detach()))
+        bar.set_postfix(loss=f"{history[-1]:.4f}")
+    enc.eval()
+    enc.config.trained = {**cfg.notes, "steps": len(history), "final_loss": history[-1] if history else None,
+                          "first_loss": history[0] if history else None, "seconds": time.perf_counter() - t0}
+    enc.save(cfg.out)
+    Path(cfg.out, "train_log.json").write_text(json.dumps(history))
+    log(f"saved the {cfg.kind} substitute encoder to {cfg.out} ({len(history)} steps, loss "
+        f"{history[0] if history else float('nan'):.4f} -> {history[-1] if history else float('nan'):.4f})")
+    return enc
+
+
+def world_pairs(draft, processor, cfg: AlignConfig, families: Sequence[str], n: int, world_seed: int = 0):
+    """(substitutes, targets) for the world's train-split clips of ``families``."""
+    from mmspec.substitutes import make_substitute
+    from mmspec.world import make_video_sample
+
+    subs, targets = [], []
+    for fam in families:
+        for i in range(n):
+            s = make_video_sample(fam, "train", i, world_seed)
+            subs.append(make_substitute(s.frames, cfg.kind, **cfg.opts).tensor)
+            targets.append(draft_video_target(draft, s.frames, cfg.n_tokens, processor))
+    return subs, targets
+
+
+def align_command(
+    draft: Path = _opt_required("The draft model directory the encoder feeds (its processor is read from it)."),
+    out: Path = _opt_required("Where the encoder is saved."),
+    kind: str = _opt("events", "Substitute: events, low_fps or low_res."),
+    families: str = _opt("motion,order", "World video families to align on."),
+    samples: int = _opt(200, "Train-split clips per family."),
+    n_tokens: int = _opt(16, "Tokens per video the encoder gives the draft."),
+    steps: int = _opt(500, "Optimiser steps."),
+    minutes: float = _opt(None, "Time budget: stop and save when it is spent."),
+    batch_size: int = _opt(16, "Clips per step."),
+    lr: float = _opt(2e-3, "Peak learning rate (cosine decay)."),
+    world_seed: int = _opt(0, "World seed of the clips."),
+    threads: int = _opt(None, "CPU threads."),
+) -> None:
+    """Train the draft's substitute encoder + alignment layer (events -> the draft's video features)."""
+    from transformers import AutoProcessor
+
+    from mmspec.cli import _fail
+    from mmspec.models.loading import load_model
+    from mmspec.provenance import command_line
+
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        cfg = AlignConfig(kind=kind, out=str(out), n_tokens=n_tokens, steps=steps, minutes=minutes,
+                          batch_size=batch_size, lr=lr,
+                          notes={"command": command_line(), "families": families, "samples": samples,
+                                 "draft": str(draft), "world_seed": world_seed})
+        model = load_model(str(draft), dtype="float32")
+        processor = AutoProcessor.from_pretrained(str(draft))
+        subs, targets = world_pairs(model, processor, cfg, [f for f in families.split(",") if f], samples, world_seed)
+        train_align(subs, targets, cfg)
+    except MMSpecError as e:
+        _fail(e)
