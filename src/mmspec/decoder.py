@@ -21,7 +21,7 @@ from mmspec.errors import MMSpecError
 from mmspec.graphs import StepRunner, graph_mode
 from mmspec.models.base import adapter_for, same_vision
 from mmspec.models.cache import supports_trees
-from mmspec.models.pooling import pool_patch_grid, valid_pool_sizes
+from mmspec.models.pooling import valid_pool_sizes
 from mmspec.stats import GenerationStats
 from mmspec.timing import sync
 from mmspec.tree import TreeSpec, parse_tree
@@ -499,8 +499,8 @@ class SpecDecoder:
     def _encode_vision(self, layout, mm: dict, images, stats: GenerationStats):
         """-> (target features {kind: [[n_i, H_t], ...]}, draft features per view kind or None).
 
-        The draft's features: shared patch features projected by the draft when its vision tower is
-        the target's (LLaVA families), else the draft's own encoding of its own pixel inputs.
+        The draft's features: from the target's tower states (``vision_states``) when its vision
+        tower is the target's (LLaVA families), else the draft's own encoding of its own pixel inputs.
         """
         t0 = time.perf_counter()
         target_feats: dict = {}
@@ -508,10 +508,11 @@ class SpecDecoder:
         self._mm_draft = None
         if layout.n_segments:
             vision_views = [v for v in self.views if v.needs_vision]
-            if self.reuse_vision and vision_views:  # one pass of the shared tower: patches for both
-                patches = self.target.vision_hidden(mm["pixel_values"])  # [n_img, P, C]
-                target_feats = {"image": list(self.target.project(patches))}
-                draft_feats = {v: self._draft_from_patches(patches, v) for v in vision_views}
+            if self.reuse_vision and vision_views:  # one pass of the shared tower: its states for both
+                states = self.target.vision_states(mm)
+                target_feats = self.target.encode(mm, states)
+                draft_feats = {v: (self.draft.encode(mm, states) if v.kind == "multimodal"
+                                   else self.draft.pooled(mm, v.n_tokens, states)) for v in vision_views}
             else:
                 target_feats = self.target.encode(mm)
                 if vision_views:
@@ -521,10 +522,6 @@ class SpecDecoder:
         sync(self.target.device)
         stats.vision_s = time.perf_counter() - t0
         return target_feats, draft_feats
-
-    def _draft_from_patches(self, patches, view: View) -> dict:
-        p = patches if view.kind == "multimodal" else pool_patch_grid(patches, view.n_tokens)
-        return {"image": list(self.draft.project(p.to(self.draft.device)))}
 
     def _draft_inputs(self, mm: dict, images) -> dict:
         """The draft's own pixel inputs: the target's when the draft reads them the same way

@@ -125,15 +125,23 @@ class ModelAdapter:
         """(kind, placeholder tokens) of every image / video given, in prompt order."""
         raise MMSpecError(f"{type(self.model).__name__} reads no images")
 
-    def encode(self, mm: dict) -> dict[str, list[torch.Tensor]]:
+    def encode(self, mm: dict, states=None) -> dict[str, list[torch.Tensor]]:
         """Vision inputs -> LM-space features per segment: {"image": [[n_i, H], ...], "video": [...]},
-        each list in prompt order, each tensor one placeholder run's embeddings."""
+        each list in prompt order, each tensor one placeholder run's embeddings. ``states``: the
+        output of :meth:`vision_states` of a model with the same vision tower (``same_vision``),
+        reused instead of running the tower again."""
         raise MMSpecError(f"{type(self.model).__name__} reads no images")
 
-    def pooled(self, mm: dict, n_tokens: int) -> dict[str, list[torch.Tensor]]:
+    def pooled(self, mm: dict, n_tokens: int, states=None) -> dict[str, list[torch.Tensor]]:
         """As :meth:`encode` with every segment's patch grid average-pooled to ``n_tokens``
         (the P view: spatially, and over time for a video)."""
         raise MMSpecError(f"{type(self.model).__name__} cannot pool its vision features")
+
+    def vision_states(self, mm: dict):
+        """The vision tower's output for ``mm`` (before the projector), in the form this family's
+        :meth:`encode` / :meth:`pooled` take as ``states``: computed once and shared with a draft
+        whose :func:`same_vision` holds. Families without a :meth:`vision_key` never share."""
+        raise MMSpecError(f"{type(self.model).__name__} shares no vision features")
 
     def prefill_positions(self, input_ids: torch.Tensor, mm: dict, attention_mask: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
