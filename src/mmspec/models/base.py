@@ -204,6 +204,23 @@ def same_vision(a: ModelAdapter, b: ModelAdapter) -> bool:
     )
 
 
+def order_segments(input_ids: torch.Tensor, placeholders: dict[int, str],
+                   counts: dict[str, list[int]]) -> list[tuple[str, int]]:
+    """(kind, tokens) of every segment in prompt order, given each kind's counts in order: the
+    placeholder runs of ``input_ids`` [L] say which kind comes next (adjacent segments of one kind
+    share a run). Counts the prompt has no room for are appended, for the layout to refuse."""
+    from mmspec.views import _runs
+
+    queues = {kind: list(c) for kind, c in counts.items()}
+    out = []
+    for _, kind, n in _runs(input_ids.cpu(), placeholders):
+        while n > 0 and queues.get(kind):
+            c = queues[kind].pop(0)
+            out.append((kind, c))
+            n -= c
+    return out + [(kind, c) for kind, q in queues.items() for c in q]
+
+
 ADAPTERS: dict[str, Callable[[nn.Module], ModelAdapter]] = {}
 
 
@@ -218,7 +235,7 @@ def register(model_type: str):
 def adapter_for(model: nn.Module) -> ModelAdapter:
     """Pick the adapter for a loaded HF model by its ``config.model_type``."""
     # Import the family modules so they register themselves (no import-time work beyond that).
-    from mmspec.models import causal_lm, llava, qwen2_vl  # noqa: F401
+    from mmspec.models import causal_lm, llava, llava_next, llava_onevision, qwen2_vl, video_llava  # noqa: F401
 
     model_type = getattr(model.config, "model_type", None)
     if model_type in ADAPTERS:
