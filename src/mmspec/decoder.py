@@ -21,7 +21,7 @@ from mmspec.errors import MMSpecError
 from mmspec.graphs import StepRunner, graph_mode
 from mmspec.models.base import adapter_for, same_vision
 from mmspec.models.cache import supports_trees
-from mmspec.models.pooling import pool_patch_grid, valid_pool_sizes
+from mmspec.models.pooling import valid_pool_sizes
 from mmspec.stats import GenerationStats
 from mmspec.timing import sync
 from mmspec.tree import TreeSpec, parse_tree
@@ -346,13 +346,20 @@ class SpecDecoder:
                  substitutes: Sequence | None = None, **unused) -> GenerationResult:
         """Decode one prompt. Inputs are those of ``target.generate`` (the processor's output: for
         other families also ``image_sizes``, ``image_grid_thw``, ``pixel_values_videos``,
-        ``video_grid_thw``, ``mm_token_type_ids``, ... as the target's family reads them)."""
+        ``video_grid_thw``, ``mm_token_type_ids``, ... as the target's family reads them; Video-LLaVA's
+        ``pixel_values_images`` is taken as ``pixel_values``). ``images``: the PIL pictures, one per
+        image or video in prompt order (a video's: a frame of it), for the captioner, and one per
+        image for a draft with a processor of its own."""
         if unused.get("do_sample"):
             raise MMSpecError("pass temperature=... (> 0) for sampling instead of do_sample=True")
         mm = {k: v for k, v in unused.items() if k in self.target.mm_keys or k in MM_KEYS}
         unknown = set(unused) - {"do_sample"} - set(mm)
         if unknown:
             raise MMSpecError(f"unsupported generate() argument(s): {sorted(unknown)}")
+        if mm.get("pixel_values_images") is not None:  # Video-LLaVA's older name for its images
+            if pixel_values is not None:
+                raise MMSpecError("the images were given twice (pixel_values and pixel_values_images); pass them once")
+            pixel_values = mm.pop("pixel_values_images")
         mm["pixel_values"] = pixel_values
         t_start = time.perf_counter()
         dev = self.target.device
@@ -376,8 +383,8 @@ class SpecDecoder:
 
         # 1) vision: each image / video encoded once (patches shared with the draft when towers match)
         target_feats, draft_feats = self._encode_vision(layout, mm, images, stats)
-        # 2) captions, once per image; substitutes (events, ...), once per video
-        caption_ids = self._caption_ids(layout, pixel_values, images, captions, stats)
+        # 2) captions, once per image or video; substitutes (events, ...), once per video
+        caption_ids = self._caption_ids(layout, mm, images, captions, stats)
         if any(v.needs_substitute for v in self.views):
             draft_feats = {**(draft_feats or {}), **self._substitute_feats(layout, videos, substitutes, stats)}
 
@@ -390,7 +397,11 @@ class SpecDecoder:
         for token, kind in self.target.placeholders().items():  # each run of placeholders gets its features
             if target_feats.get(kind):
                 mask = (prefix == token).unsqueeze(-1)  # [1, L-1, 1]
-                embeds = embeds.masked_scatter(mask, torch.cat(target_feats[kind]).to(embeds.dtype))
+                feats = torch.cat(target_feats[kind])  # [n_tokens, H_t]
+                if feats.shape[0] != int(mask.sum()):  # masked_scatter would silently drop the surplus
+                    raise MMSpecError(f"the target's {kind} features ({feats.shape[0]}) do not fill its "
+                                      f"{int(mask.sum())} {kind} tokens: this family's adapter counted them wrong")
+                embeds = embeds.masked_scatter(mask, feats.to(embeds.dtype))
         if self.static:
             attn = torch.ones(L - 1, target_cache.max_len, dtype=torch.bool, device=dev).tril()[None, None]
         else:
@@ -436,7 +447,7 @@ class SpecDecoder:
         layout = self._layout(ids, mm)
         stats = self._new_stats()
         _, draft_feats = self._encode_vision(layout, mm, images, stats)
-        caption_ids = self._caption_ids(layout, pixel_values, images, captions, stats)
+        caption_ids = self._caption_ids(layout, mm, images, captions, stats)
         return self._prefill_draft(layout, draft_feats, caption_ids, max_new_tokens, stats, cache)
 
     def _new_stats(self) -> GenerationStats:
@@ -521,8 +532,8 @@ class SpecDecoder:
     def _encode_vision(self, layout, mm: dict, images, stats: GenerationStats):
         """-> (target features {kind: [[n_i, H_t], ...]}, draft features per view kind or None).
 
-        The draft's features: shared patch features projected by the draft when its vision tower is
-        the target's (LLaVA families), else the draft's own encoding of its own pixel inputs.
+        The draft's features: from the target's tower states (``vision_states``) when its vision
+        tower is the target's (LLaVA families), else the draft's own encoding of its own pixel inputs.
         """
         t0 = time.perf_counter()
         target_feats: dict = {}
@@ -530,14 +541,15 @@ class SpecDecoder:
         self._mm_draft = None
         if layout.n_segments:
             vision_views = [v for v in self.views if v.needs_vision]
-            if self.reuse_vision and vision_views:  # one pass of the shared tower: patches for both
-                patches = self.target.vision_hidden(mm["pixel_values"])  # [n_img, P, C]
-                target_feats = {"image": list(self.target.project(patches))}
-                draft_feats = {v: self._draft_from_patches(patches, v) for v in vision_views}
+            if self.reuse_vision and vision_views:  # one pass of the shared tower: its states for both
+                states = self.target.vision_states(mm)
+                target_feats = self.target.encode(mm, states)
+                draft_feats = {v: (self.draft.encode(mm, states) if v.kind == "multimodal"
+                                   else self.draft.pooled(mm, v.n_tokens, states)) for v in vision_views}
             else:
                 target_feats = self.target.encode(mm)
                 if vision_views:
-                    mm_d = self._mm_draft = self._draft_inputs(mm, images)
+                    mm_d = self._mm_draft = self._draft_inputs(mm, images, layout)
                     draft_feats = {v: (self.draft.encode(mm_d) if v.kind == "multimodal"
                                        else self.draft.pooled(mm_d, v.n_tokens)) for v in vision_views}
         sync(self.target.device)
@@ -565,31 +577,36 @@ class SpecDecoder:
         stats.substitute_s = time.perf_counter() - t0
         return {v: {"video": feats, "image": []} for v in self.views if v.needs_substitute}
 
-    def _draft_from_patches(self, patches, view: View) -> dict:
-        p = patches if view.kind == "multimodal" else pool_patch_grid(patches, view.n_tokens)
-        return {"image": list(self.draft.project(p.to(self.draft.device)))}
-
-    def _draft_inputs(self, mm: dict, images) -> dict:
+    def _draft_inputs(self, mm: dict, images, layout) -> dict:
         """The draft's own pixel inputs: the target's when the draft reads them the same way
-        (same family), else its processor's on the PIL images."""
+        (same family), else its processor's on the PIL images. Only its image processor runs: the
+        prompt is the target's, and a full processor refuses images without their placeholders."""
         if self.draft_processor is None:
             return {k: (v.to(self.draft.device) if isinstance(v, torch.Tensor) else v) for k, v in mm.items()}
-        if images is None:
-            raise MMSpecError("this draft has a processor of its own (draft_processor=...): pass images=[PIL images] "
-                              "to generate() so that it can read them its own way")
-        enc = self.draft_processor(text=["x"], images=list(images), return_tensors="pt")
+        if layout.n_videos:
+            raise MMSpecError("a draft with a processor of its own (draft_processor=...) reads images only, and this "
+                              "prompt has a video; use the text or caption view for it")
+        if images is None or len(images) != layout.n_images:
+            raise MMSpecError(f"this draft has a processor of its own (draft_processor=...): pass images=[PIL images], "
+                              f"one per image of the prompt ({layout.n_images}), to generate() so that it can read "
+                              "them its own way")
+        image_processor = getattr(self.draft_processor, "image_processor", None) or self.draft_processor
+        enc = image_processor(list(images), return_tensors="pt")
         return {k: v.to(self.draft.device) for k, v in enc.items()
                 if isinstance(v, torch.Tensor) and k in self.draft.mm_keys}
 
-    def _caption_ids(self, layout, pixel_values, images, captions, stats: GenerationStats):
-        """One token-id tensor per image for the caption view (None when no view needs them)."""
-        if not (any(v.kind == "caption" for v in self.views) and layout.n_images):
+    def _caption_ids(self, layout, mm: dict, images, captions, stats: GenerationStats):
+        """One token-id tensor per segment (image or video, in prompt order) for the caption view
+        (None when no view needs them)."""
+        if not (any(v.kind == "caption" for v in self.views) and layout.n_segments):
             return None
         t0 = time.perf_counter()
         caps = list(captions) if captions is not None else self.captioner.caption(
-            self._images_for_captioner(images, pixel_values))
-        if len(caps) != layout.n_images:
-            raise MMSpecError(f"{len(caps)} captions for {layout.n_images} images; give one caption per image")
+            self._images_for_captioner(images, layout, mm))
+        if len(caps) != layout.n_segments:
+            videos = f" and {layout.n_videos} videos" if layout.n_videos else ""
+            raise MMSpecError(f"{len(caps)} captions for {layout.n_images} images{videos}; give one caption per "
+                              f"image{' or video, in prompt order' if videos else ''}")
         caption_ids = [torch.tensor(self.tokenizer.encode(" " + c.strip(), add_special_tokens=False)
                                     or [self.newline_id], dtype=torch.long) for c in caps]
         stats.caption_s = time.perf_counter() - t0
@@ -681,7 +698,9 @@ class SpecDecoder:
                 "fewer image tokens (text, caption or pooled:N)"
             )
 
-    def _images_for_captioner(self, images, pixel_values):
+    def _images_for_captioner(self, images, layout, mm: dict):
+        """One picture per segment in prompt order: ``images`` as given, else rebuilt from the
+        normalised pixel inputs (an AnyRes image's base view; a video's middle frame)."""
         if images is not None:
             return list(images)
         from PIL import Image
@@ -689,8 +708,10 @@ class SpecDecoder:
         ip = getattr(self.processor, "image_processor", None)
         mean = torch.tensor(getattr(ip, "image_mean", None) or CLIP_MEAN).view(3, 1, 1)
         std = torch.tensor(getattr(ip, "image_std", None) or CLIP_STD).view(3, 1, 1)
+        frames = {"image": _caption_frames(mm.get("pixel_values"), "image"),
+                  "video": _caption_frames(mm.get("pixel_values_videos"), "video")}
         out = []
-        for pv in pixel_values.detach().float().cpu():  # [3, H, W] normalised
+        for pv in (frames[kind].pop(0).detach().float().cpu() for kind in layout.kinds):  # [3, H, W] normalised
             x = ((pv * std + mean).clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
             out.append(Image.fromarray(x))
         return out
@@ -720,6 +741,19 @@ def _generator(seed: int, device: torch.device) -> torch.Generator:
     gen = torch.Generator(device=device)
     gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=cpu)))
     return gen
+
+
+def _caption_frames(x: torch.Tensor | None, kind: str) -> list[torch.Tensor]:
+    """Normalised pictures [3, H, W] to caption: each image of [n, 3, H, W], the base view of each
+    AnyRes image of [n, views, 3, H, W], the middle frame of each video of [n, frames, 3, H, W]."""
+    if x is None:
+        return []
+    if kind == "image" and x.dim() == 4:
+        return list(x)
+    if x.dim() == 5:
+        return list(x[:, 0] if kind == "image" else x[:, x.shape[1] // 2])
+    raise MMSpecError(f"the caption view cannot turn these {kind} inputs (shape {tuple(x.shape)}) back into pictures; "
+                      "pass images=[PIL images] to generate(), one per image or video in prompt order")
 
 
 def _for_prefix(mm: dict, prefix: torch.Tensor) -> dict:

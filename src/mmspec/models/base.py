@@ -125,15 +125,23 @@ class ModelAdapter:
         """(kind, placeholder tokens) of every image / video given, in prompt order."""
         raise MMSpecError(f"{type(self.model).__name__} reads no images")
 
-    def encode(self, mm: dict) -> dict[str, list[torch.Tensor]]:
+    def encode(self, mm: dict, states=None) -> dict[str, list[torch.Tensor]]:
         """Vision inputs -> LM-space features per segment: {"image": [[n_i, H], ...], "video": [...]},
-        each list in prompt order, each tensor one placeholder run's embeddings."""
+        each list in prompt order, each tensor one placeholder run's embeddings. ``states``: the
+        output of :meth:`vision_states` of a model with the same vision tower (``same_vision``),
+        reused instead of running the tower again."""
         raise MMSpecError(f"{type(self.model).__name__} reads no images")
 
-    def pooled(self, mm: dict, n_tokens: int) -> dict[str, list[torch.Tensor]]:
+    def pooled(self, mm: dict, n_tokens: int, states=None) -> dict[str, list[torch.Tensor]]:
         """As :meth:`encode` with every segment's patch grid average-pooled to ``n_tokens``
         (the P view: spatially, and over time for a video)."""
         raise MMSpecError(f"{type(self.model).__name__} cannot pool its vision features")
+
+    def vision_states(self, mm: dict):
+        """The vision tower's output for ``mm`` (before the projector), in the form this family's
+        :meth:`encode` / :meth:`pooled` take as ``states``: computed once and shared with a draft
+        whose :func:`same_vision` holds. Families without a :meth:`vision_key` never share."""
+        raise MMSpecError(f"{type(self.model).__name__} shares no vision features")
 
     def prefill_positions(self, input_ids: torch.Tensor, mm: dict, attention_mask: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,6 +204,23 @@ def same_vision(a: ModelAdapter, b: ModelAdapter) -> bool:
     )
 
 
+def order_segments(input_ids: torch.Tensor, placeholders: dict[int, str],
+                   counts: dict[str, list[int]]) -> list[tuple[str, int]]:
+    """(kind, tokens) of every segment in prompt order, given each kind's counts in order: the
+    placeholder runs of ``input_ids`` [L] say which kind comes next (adjacent segments of one kind
+    share a run). Counts the prompt has no room for are appended, for the layout to refuse."""
+    from mmspec.views import _runs
+
+    queues = {kind: list(c) for kind, c in counts.items()}
+    out = []
+    for _, kind, n in _runs(input_ids.cpu(), placeholders):
+        while n > 0 and queues.get(kind):
+            c = queues[kind].pop(0)
+            out.append((kind, c))
+            n -= c
+    return out + [(kind, c) for kind, q in queues.items() for c in q]
+
+
 ADAPTERS: dict[str, Callable[[nn.Module], ModelAdapter]] = {}
 
 
@@ -210,7 +235,7 @@ def register(model_type: str):
 def adapter_for(model: nn.Module) -> ModelAdapter:
     """Pick the adapter for a loaded HF model by its ``config.model_type``."""
     # Import the family modules so they register themselves (no import-time work beyond that).
-    from mmspec.models import causal_lm, llava, qwen2_vl  # noqa: F401
+    from mmspec.models import causal_lm, llava, llava_next, llava_onevision, qwen2_vl, video_llava  # noqa: F401
 
     model_type = getattr(model.config, "model_type", None)
     if model_type in ADAPTERS:

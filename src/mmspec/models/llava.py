@@ -37,14 +37,8 @@ class LlavaAdapter(ModelAdapter):
         return int(vc.image_size // vc.patch_size)
 
     def vision_hidden(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        tower = self._core.vision_tower
-        pixel_values = pixel_values.to(device=self.device, dtype=tower.dtype)
-        out = tower(pixel_values, output_hidden_states=True, return_dict=True)
-        layers = [self.feature_layer] if isinstance(self.feature_layer, int) else self.feature_layer
-        hs = [out.hidden_states[i] for i in layers]  # each [n_img, 1 + n_patches, C] (CLS first)
-        if self.select_strategy == "default":
-            hs = [h[:, 1:] for h in hs]  # drop CLS
-        return torch.cat(hs, dim=-1)  # [n_img, tokens_per_image, C * len(layers)]
+        return tower_features(self._core.vision_tower, pixel_values.to(self.device), self.feature_layer,
+                              self.select_strategy)  # [n_img, tokens_per_image, C * len(layers)]
 
     def project(self, patch_features: torch.Tensor) -> torch.Tensor:
         return self._core.multi_modal_projector(patch_features)
@@ -55,19 +49,24 @@ class LlavaAdapter(ModelAdapter):
         n = 0 if pv is None else int(pv.shape[0])
         return [("image", self.tokens_per_image)] * n
 
-    def encode(self, mm: dict) -> dict[str, list[torch.Tensor]]:
-        pv = mm.get("pixel_values")
-        if pv is None:
-            return {"image": []}
-        return {"image": list(self.project(self.vision_hidden(pv)))}
+    def vision_states(self, mm: dict) -> torch.Tensor:
+        return self.vision_hidden(mm["pixel_values"])  # [n_img, P, C]
 
-    def pooled(self, mm: dict, n_tokens: int) -> dict[str, list[torch.Tensor]]:
+    def encode(self, mm: dict, states: torch.Tensor | None = None) -> dict[str, list[torch.Tensor]]:
+        pv = mm.get("pixel_values")
+        if states is None and pv is None:
+            return {"image": []}
+        patches = self.vision_hidden(pv) if states is None else states.to(self.device)
+        return {"image": list(self.project(patches))}
+
+    def pooled(self, mm: dict, n_tokens: int, states: torch.Tensor | None = None) -> dict[str, list[torch.Tensor]]:
         from mmspec.models.pooling import pool_patch_grid
 
         pv = mm.get("pixel_values")
-        if pv is None:
+        if states is None and pv is None:
             return {"image": []}
-        return {"image": list(self.project(pool_patch_grid(self.vision_hidden(pv), n_tokens)))}
+        patches = self.vision_hidden(pv) if states is None else states
+        return {"image": list(self.project(pool_patch_grid(patches, n_tokens).to(self.device)))}
 
     def vision_key(self) -> tuple:
         layers = self.feature_layer if isinstance(self.feature_layer, int) else tuple(self.feature_layer)
@@ -76,3 +75,28 @@ class LlavaAdapter(ModelAdapter):
     @property
     def vision_module(self) -> torch.nn.Module:
         return self._core.vision_tower
+
+
+# -- the LLaVA-style tower, shared by the LLaVA families (llava_next, llava_onevision, video_llava) --
+def tower_features(tower: torch.nn.Module, pixel_values: torch.Tensor, layer, strategy: str) -> torch.Tensor:
+    """pixel_values [n, 3, H, W] -> the tower's hidden state at ``layer`` (an int, or a list whose
+    states are concatenated) [n, T, C * n_layers]; the "default" strategy drops the first (CLS) token."""
+    out = tower(pixel_values.to(dtype=tower.dtype), output_hidden_states=True, return_dict=True)
+    layers = [layer] if isinstance(layer, int) else layer
+    hs = [out.hidden_states[i] for i in layers]  # each [n, 1 + n_patches, C] (CLS first) for CLIP
+    if strategy == "default":
+        hs = [h[:, 1:] for h in hs]  # drop CLS
+    return torch.cat(hs, dim=-1)
+
+
+def tower_tokens(tower: torch.nn.Module, grid: int, strategy: str) -> int:
+    """Tokens per image (or tile, or frame) that :func:`tower_features` yields: the tower's sequence
+    (``embeddings.num_positions``: patches, plus the CLS of a CLIP tower; a SigLIP tower has none)
+    less one for the "default" strategy."""
+    n = getattr(getattr(tower, "embeddings", None), "num_positions", None)
+    n = grid * grid + 1 if n is None else int(n)  # CLIP-like when the tower does not say
+    return n - (strategy == "default")
+
+
+def layers_key(layer) -> int | tuple:
+    return layer if isinstance(layer, int) else tuple(layer)

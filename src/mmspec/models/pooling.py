@@ -35,3 +35,17 @@ def pool_patch_grid(patches: torch.Tensor, n_tokens: int) -> torch.Tensor:
     x = patches.reshape(n_img, grid, grid, c).permute(0, 3, 1, 2)  # [n_img, C, grid, grid]
     x = F.avg_pool2d(x, kernel_size=grid // side)  # [n_img, C, side, side]
     return x.permute(0, 2, 3, 1).reshape(n_img, side * side, c)
+
+
+def pool_grid_to(patches: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """patches [n, grid*grid, C] (row-major square grids) -> [n, s*s, C], s = round(sqrt(n_tokens))
+    clipped to [1, grid], by adaptive average pooling: any n_tokens, for families whose P view
+    takes any size (the exact windows of :func:`pool_patch_grid` when s divides the grid)."""
+    n, n_patches, c = patches.shape
+    grid = math.isqrt(n_patches)
+    if grid * grid != n_patches:
+        raise MMSpecError(f"pooling needs a square patch grid, got {n_patches} patches per image")
+    side = max(1, min(grid, round(math.sqrt(n_tokens))))
+    x = patches.reshape(n, grid, grid, c).permute(0, 3, 1, 2)  # [n, C, grid, grid]
+    x = F.adaptive_avg_pool2d(x, (side, side))  # [n, C, side, side]
+    return x.permute(0, 2, 3, 1).reshape(n, side * side, c)
