@@ -1563,3 +1563,41 @@ def test_stage_minutes_alone_let_the_clock_decide(tmp_path, monkeypatch):
         r = CliRunner().invoke(app, base + extra + ["--out", str(tmp_path / f"m{len(seen)}")])
         assert r.exit_code == 0, r.output
         assert seen[-1] == want
+
+
+def test_run_pack_makes_every_role_and_distils_the_drafts_on_the_target_answers(tmp_path):
+    """The whole recipe on tiny sizes: four loadable roles sharing the target's tower, the draft's
+    stage 2 and the pooled draft trained on the saved target's own answers (recorded), the
+    target on captions and weighed facts as well."""
+    from mmspec.embedded import load_embedded
+    from mmspec.train.config import RecipeConfig
+    from mmspec.train.pack import run_pack
+
+    tiny = lambda name, trainable, **kw: StageConfig(name, trainable, lr=1e-3, steps=2, batch_size=4, **kw)
+    recipe = RecipeConfig(target_size="tiny", draft_size="tiny-draft", captioner_size="tiny-draft",
+                          n_train_per_family=2, n_eval_per_family=1, distill_per_family=1, max_answer_tokens=8,
+                          autocast_bf16=False,
+                          target_stages=(tiny("target-stage0", "all"),),
+                          draft_stages=(tiny("draft-stage1", "projector"), tiny("draft-stage2", "projector+lm")),
+                          pooled_stage=tiny("draft-pooled", "projector+lm", pooled_tokens=16),
+                          captioner_stages=(tiny("captioner-stage1", "projector"),))
+    logged: list[str] = []
+    report = run_pack(recipe, tmp_path, progress=False, log=logged.append)
+    names = [s["name"] for s in report["stages"]]
+    assert names == ["target-stage0", "target-answers", "draft-stage1", "draft-stage2", "draft-pooled",
+                     "captioner-stage1"]
+    answers = report["stages"][1]
+    assert answers["samples"] == 8 and answers["max_new_tokens"] == 8
+    from mmspec.train.distill import target_fingerprint
+
+    assert answers["target"] == target_fingerprint(tmp_path / "target")  # the saved weights answered
+    assert "target: 24 examples, 8 of them image -> caption; fact tokens weigh 4.0x" in "\n".join(logged)
+    pack = load_embedded(path=tmp_path)
+    tower = lambda m: m.model.vision_tower.state_dict()
+    for m in (pack.draft, pack.draft_pooled, pack.captioner_model):
+        assert all(torch.equal(v, tower(pack.target)[k]) for k, v in tower(m).items())
+    assert pack.pooled_tokens == 16
+    with pytest.raises(MMSpecError, match="distill_per_family"):
+        RecipeConfig(distill_per_family=-1)
+    with pytest.raises(MMSpecError, match="fact_weight"):
+        RecipeConfig(fact_weight=0)
