@@ -161,7 +161,8 @@ def test_lr_schedule():
 
 
 def test_save_load_roundtrip_offline(model, tokenizer, processor, tmp_path, monkeypatch):
-    from mmspec.train.checkpoint import read_sidecar, save_checkpoint
+    from mmspec.models.loading import read_sidecar
+    from mmspec.train.checkpoint import save_checkpoint
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     save_checkpoint(model, tmp_path / "m", processor=processor, half=False, meta={"role": "target"})

@@ -67,9 +67,7 @@ def load_embedded(dtype: torch.dtype = torch.float32, path: str | Path | None = 
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     from mmspec.models.captioner import recorded_prompt
-    from mmspec.train.checkpoint import read_sidecar
-
-    from mmspec.models.loading import resolve_device
+    from mmspec.models.loading import read_sidecar, resolve_device
 
     root = Path(path) if path is not None else default_path()
     for role in ("target", "draft", "captioner"):

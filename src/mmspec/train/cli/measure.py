@@ -83,7 +83,7 @@ def facts_cmd(
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     from mmspec.embedded import default_path
-    from mmspec.train.checkpoint import read_sidecar
+    from mmspec.models.loading import read_sidecar
     from mmspec.train.data import Encoder
     from mmspec.train.evaluate import model_fact_recall
     from mmspec.world import FAMILIES

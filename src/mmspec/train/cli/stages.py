@@ -113,7 +113,8 @@ def stage(
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     from mmspec.errors import MMSpecError
-    from mmspec.train.checkpoint import read_sidecar, save_checkpoint
+    from mmspec.models.loading import read_sidecar
+    from mmspec.train.checkpoint import save_checkpoint
     from mmspec.train.config import RecipeConfig, StageConfig, build_llava, model_size
     from mmspec.train.data import (CAPTIONER_PROMPT, Encoder, batch_stream, caption_examples, copy_examples,
                                    example_from_sample, mix_in_captions)
@@ -301,7 +302,8 @@ def grow(
     import torch
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    from mmspec.train.checkpoint import read_sidecar, save_checkpoint
+    from mmspec.models.loading import read_sidecar
+    from mmspec.train.checkpoint import save_checkpoint
     from mmspec.train.config import param_report
     from mmspec.train.grow import grow_lm_depth
 
