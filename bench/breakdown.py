@@ -3,8 +3,8 @@
 Owns one instrumented, untimed pass: the target / draft adapters' decode ``forward``, every
 cache's ``crop``, ``EnsembleDrafter._feed`` / ``.mixture`` and the verification functions the
 engine calls are wrapped with accumulating timers (synchronised on CUDA) for the duration of
-the pass and restored afterwards. Prefill pieces come from the decoder's own stats. Used by
-``bench/speed.py``; it changes no engine code.
+the pass and restored afterwards. Prefill pieces come from the decoder's own stats. A helper of
+``bench/speed.py`` (beside it, not in the package); it changes no engine code.
 """
 
 from __future__ import annotations
