@@ -94,18 +94,9 @@ def check_optimiser(name: str, lr: float, steps: int | None, max_seconds: float 
         raise MMSpecError(f"{name} needs a batch size >= 1; got {batch_size}")
 
 
-SCHEDULES = ("cosine", "constant")  # the learning rate after the warm-up (recipe.lr_at)
-
-
-def check_schedule_name(schedule: str, name: str = "stage") -> None:
-    if schedule not in SCHEDULES:
-        raise MMSpecError(f"{name}: unknown learning rate schedule {schedule!r}; use {' or '.join(SCHEDULES)}")
-
-
 @dataclass(frozen=True)
 class StageConfig:
-    """One optimisation stage: AdamW, linear warm-up then cosine decay to 0 (or a constant rate,
-    ``schedule``), grad clipping.
+    """One optimisation stage: AdamW, linear warm-up then cosine decay to 0, grad clipping.
 
     ``steps`` fixes the schedule length. With ``max_seconds`` the schedule runs on
     ``max(step/steps, elapsed/max_seconds)`` and the stage stops when either reaches 1, so a
@@ -127,19 +118,15 @@ class StageConfig:
     # pretraining, so a little of this keeps the T/C draft views in distribution.
     text_view_prob: float = 0.0
     caption_view_prob: float = 0.0
-    # "constant": the learning rate stays at lr after the warm-up. The one lookup practice that
-    # learned the chart lookup ran so; three under cosine decay did not
-    # (docs/results/lookup-target-2026-11-24/).
-    schedule: str = "cosine"  # one of SCHEDULES
 
     def __post_init__(self) -> None:
         check_optimiser(self.name, self.lr, self.steps, self.max_seconds, self.batch_size)
-        check_schedule_name(self.schedule, self.name)
 
 
 @dataclass(frozen=True)
 class RecipeConfig:
-    """The whole embedded pack: tokenizer -> target stage 0/1/2 -> draft 1/2 -> pooled -> captioner."""
+    """The whole embedded pack: tokenizer -> target stage 0/1/2 -> the target's answers -> draft 1/2 ->
+    pooled -> captioner (:func:`mmspec.train.pack.run_pack`)."""
 
     seed: int = 0
     device: str = "cpu"
