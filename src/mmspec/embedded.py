@@ -51,10 +51,9 @@ def _missing(path: Path, what: str) -> MMSpecError:
     return MMSpecError(
         f"embedded models not found: {what} is missing under {path}. "
         + ("mmspec ships them, so the install is damaged: reinstall mmspec. " if path == default_path() else "")
-        + f"To make a pack: `mmspec train embedded --out "
-        f"{path}` (CPU, ~40 min; a smaller recipe than the shipped pack's), or, from a source checkout, "
-        f"`bash scripts/train-embedded-pack.sh {path}` (the shipped recipe, docs/embedded-models.md); "
-        f"or pass path= to a directory that holds target/, draft/, draft_pooled/, captioner/.")
+        + f"To make a pack of the shipped shapes: `mmspec train embedded --out {path} --minutes-budget 55 "
+        f"--bf16` (a 2-core CPU, about an hour; docs/embedded-models.md says how close it gets to the "
+        f"shipped pack); or pass path= to a directory that holds target/, draft/, draft_pooled/, captioner/.")
 
 
 def _has_weights(d: Path) -> bool:
