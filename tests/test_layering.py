@@ -27,7 +27,8 @@ def imported(path: Path) -> set[str]:
 def test_layers_do_not_import_upwards(part, forbidden):
     files = sorted((SRC / part).rglob("*.py")) if (SRC / part).is_dir() else [SRC / part]
     assert files
-    bad = {f.relative_to(SRC).as_posix(): sorted(m for m in imported(f) if m == forbidden or m.startswith(forbidden + "."))
+    bad = {f.relative_to(SRC).as_posix(): sorted(m for m in imported(f)
+                                                 if m == forbidden or m.startswith(forbidden + "."))
            for f in files}
     assert not {f: m for f, m in bad.items() if m}, bad
 
