@@ -3,8 +3,9 @@
 Owns: :func:`load_embedded`, which loads ``src/mmspec/assets/embedded/{target,draft,
 draft_pooled,captioner}`` (fp16 safetensors on disk, upcast to ``dtype`` on load) into an
 :class:`EmbeddedModels`. The models are plain HF ``LlavaForConditionalGeneration``
-directories trained by ``mmspec train embedded`` on the synthetic world (see
-:mod:`mmspec.train`); this module only reads their ``mmspec.json`` sidecars.
+directories trained on the synthetic world; ``pack_report.json`` beside them records every
+stage that made them, and ``mmspec train embedded`` (:mod:`mmspec.train`) makes a pack of the
+same shapes from nothing. This module only reads their ``mmspec.json`` sidecars.
 """
 
 from __future__ import annotations
