@@ -47,7 +47,8 @@ def test_docs_and_docstrings_name_only_files_that_exist():
     files = [f for f in tracked() if f in ("README.md", "DEVELOPERS.md", "bench/README.md")
              or re.fullmatch(r"docs/[^/]+\.md", f) or (f.endswith(".py") and not f.startswith("docs/"))]
     assert "README.md" in files and "docs/embedded-models.md" in files
-    bad = {f: sorted(set(p)) for f in files if f not in NOT_YET and (p := missing_paths((ROOT / f).read_text()))}
+    checked = [f for f in files if f not in NOT_YET and f != "tests/test_docs.py"]  # this file names missing ones
+    bad = {f: sorted(set(p)) for f in checked if (p := missing_paths((ROOT / f).read_text()))}
     assert not bad, f"these name files that do not exist (name the commit that has them: COMMIT:PATH): {bad}"
 
 
