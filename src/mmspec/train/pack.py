@@ -7,7 +7,7 @@ model initialisation, one ``torch.Generator`` per data stream, all derived from
 ``RecipeConfig.seed``), an optional wall-clock budget split across stages, the held-out
 evaluation after each model, and ``out/pack_report.json``.
 
-Deviations from IbED Appendix A, all forced by having no pretrained CLIP / LLaMA here:
+Deviations from IbED Appendix A (the first three forced by having no pretrained CLIP / LLaMA here):
 - target "stage 0": the whole target (vision tower included) is trained end to end first, with
   caption examples mixed in (``RecipeConfig.caption_mix``) and the fact tokens weighed more;
 - the draft and the captioner copy the trained target's vision tower and keep it frozen (as
