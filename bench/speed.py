@@ -355,7 +355,7 @@ def measure_draft_step(cfg: SpeedConfig, models: SpeedModels, prompts: Sequence[
     """The engine's own draft step (feed + mix + pick) for ``cfg.step_views`` vs the M view alone,
     per prompt, interleaved (:mod:`mmspec.bench.draftstep`); the ratio is the IbED claim that an
     in-batch ensemble costs about one draft forward."""
-    from mmspec.bench.draftstep import draft_step_times
+    from draftstep import draft_step_times  # bench/draftstep.py, beside this script
     from mmspec.decoder import SpecDecoder
 
     views = cfg.step_views.upper()
@@ -460,7 +460,7 @@ def run(cfg: SpeedConfig, models: SpeedModels | None = None, prompts: Sequence[S
               "machine": machine_info(str(device)), "config": asdict(cfg), "models": models.source,
               "prompts": [p.name for p in prompts], "identical": not mismatches, "mismatches": mismatches,
               "summary": summary}
-    from mmspec.bench.breakdown import profile_breakdown
+    from breakdown import profile_breakdown  # bench/breakdown.py, beside this script
 
     log("latency probes (T_p, T_q, T_V) ...")
     result["engine"] = measure_engine(cfg, models, prompts, summary)

@@ -397,8 +397,13 @@ def test_vocabulary_check_ignores_added_tokens_and_missing_tokenizers(target, dr
     with pytest.warns(UserWarning, match="could not read the draft's tokenizer"):
         assert load_tokenizer_if_any(str(qwen)) is None
     assert load_tokenizer_if_any(str(tmp_path / "typo")) is None  # no warning: loading the weights says it
-    # a hub id not in the cache, offline (CI sets HF_HUB_OFFLINE): nothing to compare, no traceback
+    # a hub id not in the cache, offline (CI sets HF_HUB_OFFLINE): nothing to compare, no traceback.
+    # huggingface_hub reads the variable when it is imported, long before this line: set its
+    # constant too, or a run without the variable spends minutes retrying a network it lacks
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     assert load_tokenizer_if_any("someorg/no-such-draft") is None
 
 

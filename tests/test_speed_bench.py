@@ -21,7 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load(name: str):
-    """Import a script from bench/ (not a package) under a private module name."""
+    """Import a script from bench/ (not a package) under a private module name. bench/ goes on
+    sys.path, as it is for ``python bench/speed.py``: the script imports its helpers beside it."""
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.insert(0, str(ROOT / "bench"))
     mod_name = f"_mmspec_bench_{name}"
     if mod_name in sys.modules:
         return sys.modules[mod_name]
@@ -95,7 +98,7 @@ def test_profiling_wrappers_are_removed(speed):
     target = make_llava(0)
     models = speed.SpeedModels(target, noisy_copy(target, 1), make_tokenizer(), None, None, "tiny")
     dec = speed.build_decoders(speed.SpeedConfig(ensemble="M"), models)["mmspec_M"]
-    from mmspec.bench.breakdown import profile_breakdown
+    profile_breakdown = _load("breakdown").profile_breakdown
 
     profile_breakdown(dec, _tiny_prompts(speed, (1,)), 4, torch.device("cpu"))
     assert (EnsembleDrafter._run, EnsembleDrafter.mixture, engine.verify_tree_greedy) == before

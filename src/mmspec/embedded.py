@@ -3,8 +3,9 @@
 Owns: :func:`load_embedded`, which loads ``src/mmspec/assets/embedded/{target,draft,
 draft_pooled,captioner}`` (and finds the feature-level heads under ``heads/``) (fp16 safetensors on disk, upcast to ``dtype`` on load) into an
 :class:`EmbeddedModels`. The models are plain HF ``LlavaForConditionalGeneration``
-directories trained by ``mmspec train embedded`` on the synthetic world (see
-:mod:`mmspec.train`); this module only reads their ``mmspec.json`` sidecars.
+directories trained on the synthetic world; ``pack_report.json`` beside them records every
+stage that made them, and ``mmspec train embedded`` (:mod:`mmspec.train`) makes a pack of the
+same shapes from nothing. This module only reads their ``mmspec.json`` sidecars.
 """
 
 from __future__ import annotations
@@ -59,10 +60,9 @@ def _missing(path: Path, what: str) -> MMSpecError:
     return MMSpecError(
         f"embedded models not found: {what} is missing under {path}. "
         + ("mmspec ships them, so the install is damaged: reinstall mmspec. " if path == default_path() else "")
-        + f"To make a pack: `mmspec train embedded --out "
-        f"{path}` (CPU, ~40 min; a smaller recipe than the shipped pack's), or, from a source checkout, "
-        f"`bash scripts/train-embedded-pack.sh {path}` (the shipped recipe, docs/embedded-models.md); "
-        f"or pass path= to a directory that holds target/, draft/, draft_pooled/, captioner/.")
+        + f"To make a pack of the shipped shapes: `mmspec train embedded --out {path} --minutes-budget 55 "
+        f"--bf16` (a 2-core CPU, about an hour; docs/embedded-models.md says how close it gets to the "
+        f"shipped pack); or pass path= to a directory that holds target/, draft/, draft_pooled/, captioner/.")
 
 
 def _has_weights(d: Path) -> bool:
@@ -75,9 +75,7 @@ def load_embedded(dtype: torch.dtype = torch.float32, path: str | Path | None = 
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     from mmspec.models.captioner import recorded_prompt
-    from mmspec.train.checkpoint import read_sidecar
-
-    from mmspec.models.loading import resolve_device
+    from mmspec.models.loading import read_sidecar, resolve_device
 
     root = Path(path) if path is not None else default_path()
     for role in ("target", "draft", "captioner"):

@@ -1,6 +1,6 @@
 """Numbers from benchmark rows: block efficiency, acceptance, speed-ups, time split, losslessness.
 
-Owns every aggregation the report shows. Conventions (DESIGN.md / :mod:`mmspec.stats`):
+Owns every aggregation the report shows. Conventions (DEVELOPERS.md / :mod:`mmspec.stats`):
 
 - ``tau`` (block efficiency) = tokens produced per block *including* the bonus/recovered token
   from the target, pooled over all blocks of a dataset x method (sum tokens / sum blocks).

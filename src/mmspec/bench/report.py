@@ -87,8 +87,8 @@ def _lossless_section(metrics: list[MethodMetrics]) -> list[str]:
                  "**Greedy speculative outputs must equal the target's own greedy output token for "
                  "token. These cells do not:**", ""]
         lines += [f"- **{m.dataset} / {m.method}: {100 * m.identical_rate:.1f}% identical**" for m in bad]
-        return lines + ["", "(Near-tied logits in low precision can flip an argmax; see DESIGN.md "
-                        "'Numerics of exact'. Investigate before trusting these numbers.)", ""]
+        return lines + ["", "(Near-tied logits in low precision can flip an argmax; see README.md, "
+                        "'What \"lossless\" means here'. Investigate before trusting these numbers.)", ""]
     if not checked:
         return ["## Losslessness", "", "No baseline rows to compare with.", ""]
     n = sum(m.n_samples for m in checked)

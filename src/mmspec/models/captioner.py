@@ -23,7 +23,7 @@ class Captioner(Protocol):
 def recorded_prompt(name_or_path: str | Path) -> str | None:
     """The captioner prompt a checkpoint directory from ``mmspec train`` records in its
     ``mmspec.json`` (None for any other checkpoint or a hub name)."""
-    from mmspec.train.checkpoint import read_sidecar
+    from mmspec.models.loading import read_sidecar
 
     return read_sidecar(name_or_path).get("captioner_prompt") if Path(name_or_path).is_dir() else None
 

@@ -1,15 +1,27 @@
 """Loading models and tokenizers from a local directory or a hub id through transformers'
-Auto classes, with errors that say what to do instead of deep transformers stack traces."""
+Auto classes, with errors that say what to do instead of deep transformers stack traces; and
+:func:`read_sidecar`, the ``mmspec.json`` an ``mmspec train`` checkpoint keeps beside its weights."""
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 from pathlib import Path
 
 import torch
 
 from mmspec.errors import MMSpecError
+
+
+SIDECAR = "mmspec.json"  # written by mmspec.train.checkpoint.save_checkpoint
+
+
+def read_sidecar(directory: str | Path) -> dict:
+    """The ``mmspec.json`` of a checkpoint directory (role, pooled token count, captioner prompt,
+    training record); {} when absent."""
+    path = Path(directory) / SIDECAR
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:

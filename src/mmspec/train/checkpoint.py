@@ -4,7 +4,8 @@ Owns: :func:`save_half` (fp16 safetensors, the model in memory untouched) and
 :func:`save_checkpoint` (model + tokenizer + processor + ``mmspec.json``, our sidecar with the
 role, the pooled token count, the captioner prompt and the training summary). A directory
 written here loads offline with ``LlavaForConditionalGeneration.from_pretrained(dir)`` and
-``AutoProcessor.from_pretrained(dir)``.
+``AutoProcessor.from_pretrained(dir)``; :func:`mmspec.models.loading.read_sidecar` reads the sidecar
+back (the loaders need it without importing ``mmspec.train``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-SIDECAR = "mmspec.json"
+from mmspec.models.loading import SIDECAR  # read back by mmspec.models.loading.read_sidecar
 
 
 def save_half(model, directory: str | Path) -> Path:
@@ -45,9 +46,3 @@ def save_checkpoint(model, directory: str | Path, processor=None, tokenizer=None
         if path.is_file():
             path.chmod(0o644)
     return directory
-
-
-def read_sidecar(directory: str | Path) -> dict:
-    """The ``mmspec.json`` of a checkpoint directory ({} when absent)."""
-    path = Path(directory) / SIDECAR
-    return json.loads(path.read_text()) if path.exists() else {}

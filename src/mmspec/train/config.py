@@ -46,10 +46,11 @@ class ModelSize:
     tie_embeddings: bool = True
 
 
-# Presets. "target" is ~7.3M params in all (vision tower included); "draft" keeps LM + projector
-# under 2M and shares the target's vision tower (so the vision fields must match "target").
+# Presets: the shipped pack's shapes (docs/embedded-models.md). "target" is 10.57M params in all
+# (vision tower included); "draft" keeps LM + projector under 2M and shares the target's vision
+# tower (so the vision fields must match "target").
 _SIZES: dict[str, ModelSize] = {
-    "target": ModelSize("target", lm_hidden=256, lm_layers=6, lm_heads=4, lm_intermediate=768),
+    "target": ModelSize("target", lm_hidden=256, lm_layers=10, lm_heads=4, lm_intermediate=768),
     # One layer: at this scale a forward costs per layer, not per parameter (docs/perf.md §4);
     # the first pack's 4 x 128 draft cost a third of a target step, 1 x 192 costs a tenth.
     "draft": ModelSize("draft", lm_hidden=192, lm_layers=1, lm_heads=4, lm_intermediate=576),
@@ -93,18 +94,9 @@ def check_optimiser(name: str, lr: float, steps: int | None, max_seconds: float 
         raise MMSpecError(f"{name} needs a batch size >= 1; got {batch_size}")
 
 
-SCHEDULES = ("cosine", "constant")  # the learning rate after the warm-up (recipe.lr_at)
-
-
-def check_schedule_name(schedule: str, name: str = "stage") -> None:
-    if schedule not in SCHEDULES:
-        raise MMSpecError(f"{name}: unknown learning rate schedule {schedule!r}; use {' or '.join(SCHEDULES)}")
-
-
 @dataclass(frozen=True)
 class StageConfig:
-    """One optimisation stage: AdamW, linear warm-up then cosine decay to 0 (or a constant rate,
-    ``schedule``), grad clipping.
+    """One optimisation stage: AdamW, linear warm-up then cosine decay to 0, grad clipping.
 
     ``steps`` fixes the schedule length. With ``max_seconds`` the schedule runs on
     ``max(step/steps, elapsed/max_seconds)`` and the stage stops when either reaches 1, so a
@@ -126,19 +118,15 @@ class StageConfig:
     # pretraining, so a little of this keeps the T/C draft views in distribution.
     text_view_prob: float = 0.0
     caption_view_prob: float = 0.0
-    # "constant": the learning rate stays at lr after the warm-up. The one lookup practice that
-    # learned the chart lookup ran so; three under cosine decay did not
-    # (docs/results/lookup-target-2026-11-24/).
-    schedule: str = "cosine"  # one of SCHEDULES
 
     def __post_init__(self) -> None:
         check_optimiser(self.name, self.lr, self.steps, self.max_seconds, self.batch_size)
-        check_schedule_name(self.schedule, self.name)
 
 
 @dataclass(frozen=True)
 class RecipeConfig:
-    """The whole embedded pack: tokenizer -> target stage 0/1/2 -> draft 1/2 -> pooled -> captioner."""
+    """The whole embedded pack: tokenizer -> target stage 0/1/2 -> the target's answers -> draft 1/2 ->
+    pooled -> captioner (:func:`mmspec.train.pack.run_pack`)."""
 
     seed: int = 0
     device: str = "cpu"
@@ -151,6 +139,18 @@ class RecipeConfig:
     draft_size: str = "draft"
     captioner_size: str = "captioner"
     pooled_tokens: int = 16
+    # Every target stage: this many image -> caption examples per QA example (a caption states all
+    # of its image's facts in a few tokens: dense supervision for the vision tower), and the loss on
+    # the answer tokens that state a fact, or decide an existence answer, weighed this many times
+    # (``Encoder.fact_weight`` / ``cue_weight``). The shipped target's stages used 0.5-0.75 and 4 / 4.
+    caption_mix: float = 0.5
+    fact_weight: float = 4.0
+    cue_weight: float = 4.0
+    # Draft distillation: after draft stage 1 (the projector, on the reference answers), the draft's
+    # later stages and the pooled draft train on the trained target's own greedy answers to this many
+    # train samples per family (:mod:`mmspec.train.distill`), as the shipped drafts did. 0: they train
+    # on the world's reference answers.
+    distill_per_family: int = 200
     target_stages: tuple[StageConfig, ...] = field(default_factory=lambda: (
         StageConfig("target-stage0", "all", lr=1e-3, steps=1200, batch_size=8),
         StageConfig("target-stage1", "projector", lr=1e-3, steps=20, batch_size=8),
@@ -167,6 +167,18 @@ class RecipeConfig:
         StageConfig("captioner-stage1", "projector", lr=1e-3, steps=20, batch_size=16),
         StageConfig("captioner-stage2", "projector+lm", lr=1e-3, steps=300, batch_size=16),
     ))
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.caption_mix) and self.caption_mix >= 0):
+            raise MMSpecError(f"recipe: caption_mix must be a finite number >= 0; got {self.caption_mix}")
+        for name in ("fact_weight", "cue_weight"):
+            w = getattr(self, name)
+            if not (math.isfinite(w) and w > 0):
+                raise MMSpecError(f"recipe: {name} must be a finite number > 0 (1 weighs every answer token "
+                                  f"alike); got {w}")
+        if self.distill_per_family < 0:
+            raise MMSpecError(f"recipe: distill_per_family must be >= 0 (0: no distillation); got "
+                              f"{self.distill_per_family}")
 
     def scaled(self, factor: float) -> "RecipeConfig":
         """The same recipe with every stage's step count multiplied by ``factor`` (>= 1 step)."""

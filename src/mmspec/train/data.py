@@ -1,16 +1,14 @@
 """Training data: world samples -> token ids + labels -> right-padded batches.
 
 Owns: the training :class:`Example` (prompt with ``<image>`` markers, answer, images,
-captions), caption examples mixed into QA training, text-only copy / lookup / list /
-membership practice of random vocabulary words (:func:`copy_examples`), an example's
-encoding under a *view* (multimodal with 64 or pooled N image tokens per image, text with
-each image -> ``"\\n"``, caption with each image -> its caption), the label mask (-100 on
-prompt, image tokens and padding: loss only on the answer and the closing eos), optional
-per-token loss weights (more weight on the tokens that state the image's facts,
-``Encoder.fact_weight``, on the sentence that decides an existence answer,
-``Encoder.cue_weight``, and on a single-image answer's sentences after its first,
-``Encoder.answer_weight``), length-grouped shuffled batching and right-pad collation, in this
-process or in worker processes (:func:`worker_stream`, for a GPU that outruns one core).
+captions), caption examples mixed into QA training, an example's encoding under a *view*
+(multimodal with 64 or pooled N image tokens per image, text with each image -> ``"\\n"``,
+caption with each image -> its caption), the label mask (-100 on prompt, image tokens and
+padding: loss only on the answer and the closing eos), optional per-token loss weights (more
+weight on the tokens that state the image's facts, ``Encoder.fact_weight``, and on the sentence
+that decides an existence answer, ``Encoder.cue_weight``), length-grouped shuffled batching and
+right-pad collation, in this process or in worker processes (:func:`worker_stream`, for a GPU
+that outruns one core).
 
 A training sequence is ``prompt + " " + answer + eos``, tokenised as the prompt alone (as the
 engine tokenises it at inference) followed by the answer's own tokens, so training sees
@@ -25,8 +23,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
-import random
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Literal, Sequence
@@ -36,15 +32,10 @@ from PIL import Image
 
 from mmspec.embedded import DEFAULT_CAPTIONER_PROMPT
 from mmspec.errors import MMSpecError
-from mmspec.world import N_IMAGES
-from mmspec.world.core import SENTENCE_END
 
 IGNORE = -100
 CAPTIONER_PROMPT = DEFAULT_CAPTIONER_PROMPT  # the embedded captioner's, recorded in its mmspec.json
 View = Literal["multimodal", "text", "caption"]
-# The world's single-image QA families: their answers read the image out in the first sentence,
-# then answer the question from that reading (``Encoder.answer_weight`` weighs the second part).
-ANSWERED_FAMILIES = tuple(name for name, n in N_IMAGES.items() if n == 1)
 
 
 @dataclass(frozen=True)
@@ -89,196 +80,6 @@ def mix_in_captions(samples: Sequence, ratio: float, seed: int) -> list[Example]
     return [pool[i] for i in idx]
 
 
-def word_pool(tokenizer) -> list[str]:
-    """The vocabulary's whole words: alphanumeric tokens of a byte-level BPE that carry the
-    leading-space marker and that, written after a space, encode as exactly themselves (so a
-    text of them tokenises back to the same ids). Empty for tokenizers without the marker."""
-    words = []
-    for piece in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))):
-        if piece is None or not piece.startswith("\u0120") or not piece[1:].isalnum():
-            continue
-        w = piece[1:]
-        if len(tokenizer(" " + w, add_special_tokens=False)["input_ids"]) == 1:
-            words.append(w)
-    return words
-
-
-MEMBER_ITEMS = (1, 4)  # a membership list has as many pairs as a hallucination scene has objects
-
-
-def copy_examples(tokenizer, n: int, seed: int, min_items: int = 3, max_items: int = 12,
-                  lookup_share: float = 0.5, pool: Sequence[str] | None = None,
-                  list_share: float = 0.0, member_share: float = 0.0,
-                  reading_share: float = 0.0, reading_scenes: float = 0.5,
-                  scene_kinds: Sequence[str] | None = None) -> list[Example]:
-    """``n`` text-only practice examples for copying from the context, of five kinds:
-
-    * copy: ``USER: Repeat: w1 w2 ... wk ASSISTANT: w1 w2 ... wk`` (k = min_items..2 x max_items);
-    * lookup (``floor(lookup_share * n)`` of them, spread evenly):
-      ``USER: Pairs: k1 v1, k2 v2, ... What goes with k3? ASSISTANT: k3 goes with v3.``
-    * list (``floor(list_share * n)``, spread evenly, or one fewer where a lookup was due at the
-      same example): ``USER: Items: f1 k1 v1, f2 k2 v2, ...
-      List the pairs. ASSISTANT: k1 is v1, k2 is v2 and k3 is v3.`` The filler word before
-      each key is the layout of a chart caption ("brown tea 1, purple egg 5"), where
-      previous-token copying lands on the colour instead of the next label.
-    * member (``floor(member_share * n)``, spread evenly, or up to two fewer where a lookup or
-      list was due at the same example): ``USER: Is there a3 b3? Items: a1 b1, a2 b2.
-      ASSISTANT: Yes, a3 b3 is there.`` or ``No, a3 b3 is not there.`` with 1-4 pairs
-      (``MEMBER_ITEMS``) built from 2-4 first and 2-4 second words, as a scene's objects share
-      a few colours and shapes. Half the questions ask for a listed pair, half for a near miss
-      that keeps one word of a listed pair and takes the other from the same few words, where
-      possible (3 times in 4) one that is listed in another pair: only a pair-by-pair
-      comparison answers those. The verdict is the example's only fact. This is a
-      hallucination question's decision ("Is there a red star?" against "a red cross, a blue
-      star"), which the world's data alone never taught the target: it answered 0 of 35 "yes"
-      existence questions right (docs/embedded-models.md). The question comes first, as there,
-      so the comparison must be made while the list is read. (The world's existence answers
-      have since named the object again right before deciding, which moved the target's
-      verdicts within one CPU stage: docs/results/hallu-2026-11-23/.)
-    * reading (``floor(reading_share * n)``, spread evenly, or fewer where another kind was due
-      at the same example): a world lookup question with its image taken away
-      (:func:`reading_example`), the lookup in the world's own answer form; a share
-      ``reading_scenes`` of them (spread evenly) are vqav2 scene lookups, the rest chart values.
-      ``scene_kinds`` narrows the scene lookups to some of ``LOOKUP_ORDER``'s kinds (default all):
-      ``("position",)`` practises only the place of an object, whose key is two words.
-
-    Words are drawn uniformly from ``pool`` (default :func:`word_pool`), so no prior predicts
-    them: only copying or looking up in the prompt lowers the loss. The world's answers need exactly this (a
-    chart's labels and values, a sign's word, the asked-about object), and a small LM trained
-    on world data alone did not learn it: it states 6% of sign words even when the caption
-    that says them is in its prompt (docs/embedded-models.md)."""
-    shares = (lookup_share, list_share, member_share, reading_share)
-    if (n < 0 or not 1 <= min_items <= max_items or not (min(shares) >= 0 and sum(shares) <= 1)
-            or not 0 <= reading_scenes <= 1):
-        raise MMSpecError(f"copy_examples needs n >= 0, 1 <= min_items <= max_items, lookup, list, member and "
-                          f"reading shares >= 0 with a sum <= 1 and 0 <= reading_scenes <= 1; got {n}, "
-                          f"{min_items}, {max_items}, {shares}, {reading_scenes}")
-    scene_kinds = scene_kinds_checked(scene_kinds)
-    pool = list(word_pool(tokenizer) if pool is None else pool)
-    member_pool = sorted({w for w in pool if w.lower() not in ("yes", "no")})  # the verdicts stay unambiguous
-    if member_share > 0 and len(member_pool) < 8:
-        raise MMSpecError(f"membership practice needs at least 8 distinct words in the pool; got {len(member_pool)}")
-    if len(pool) < 2 * max_items:
-        raise MMSpecError(f"the tokenizer has only {len(pool)} whole-word tokens; copy practice needs {2 * max_items}")
-    rng = random.Random(seed)
-    out = []
-    n_lookup = n_list = n_member = n_reading = n_scenes = 0
-    for i in range(n):
-        m = rng.randint(min_items, max_items)
-        if n_lookup < math.floor(lookup_share * (i + 1) + 1e-9):  # each kind spread evenly, floor(share * n)
-            kind = "lookup"
-        elif n_list < math.floor(list_share * (i + 1) + 1e-9):
-            kind = "list"
-        elif n_member < math.floor(member_share * (i + 1) + 1e-9):
-            kind = "member"
-        elif n_reading < math.floor(reading_share * (i + 1) + 1e-9):
-            kind = "reading"
-        else:
-            kind = "copy"
-        if kind == "copy":
-            words = [rng.choice(pool) for _ in range(rng.randint(min_items, 2 * max_items))]
-            text = " ".join(words)
-            out.append(Example(f"USER: Repeat: {text} ASSISTANT:", text, (), (), "copy", tuple(words)))
-        elif kind == "list":
-            n_list += 1
-            keys = rng.sample(pool, m)
-            values = [rng.choice(pool) for _ in keys]
-            fillers = [rng.choice(pool) for _ in keys]
-            items = ", ".join(f"{f} {k} {v}" for f, k, v in zip(fillers, keys, values))
-            said = [f"{k} is {v}" for k, v in zip(keys, values)]
-            answer = (", ".join(said[:-1]) + " and " + said[-1]) if len(said) > 1 else said[0]
-            out.append(Example(f"USER: Items: {items}. List the pairs. ASSISTANT:", answer + ".", (), (), "list",
-                               tuple(keys + values)))
-        elif kind == "member":
-            n_member += 1
-            out.append(_member_example(rng, member_pool))
-        elif kind == "reading":
-            n_reading += 1
-            scene = n_scenes < math.floor(reading_scenes * n_reading + 1e-9)
-            n_scenes += scene
-            out.append(reading_example(rng, scene=scene, scene_kinds=scene_kinds))
-        else:
-            n_lookup += 1
-            keys = rng.sample(pool, m)
-            values = [rng.choice(pool) for _ in keys]
-            q = rng.randrange(m)
-            pairs = ", ".join(f"{k} {v}" for k, v in zip(keys, values))
-            out.append(Example(f"USER: Pairs: {pairs}. What goes with {keys[q]}? ASSISTANT:",
-                               f"{keys[q]} goes with {values[q]}.", (), (), "lookup", (values[q],)))
-    return out
-
-
-def scene_kinds_checked(kinds: Sequence[str] | None) -> tuple[str, ...]:
-    """``kinds`` checked against the vqav2 lookup kinds (``LOOKUP_ORDER``), repeats dropped; None:
-    all of them. Raises MMSpecError naming the known kinds."""
-    from mmspec.world.single import LOOKUP_ORDER
-
-    if kinds is None:
-        return tuple(LOOKUP_ORDER)
-    unknown = [k for k in kinds if k not in LOOKUP_ORDER]
-    if unknown or not kinds:
-        raise MMSpecError(f"scene lookup kinds must be some of {', '.join(LOOKUP_ORDER)}; got "
-                          f"{', '.join(kinds) or 'none'}")
-    return tuple(dict.fromkeys(kinds))
-
-
-def reading_example(rng: random.Random, scene: bool, scene_kinds: Sequence[str] | None = None) -> Example:
-    """A world lookup question with its image taken away: ``USER: What is the value of cup?
-    ASSISTANT: The chart has 3 bars: egg 4, cup 7 and box 8. So the asked bar is cup 7.``
-    (``scene``: a vqav2 lookup instead, "What colour is the star? ... star blue
-    top left, ... The answer is star blue."). The reading stands only in the answer and is random,
-    so the final value is predictable only by looking it up in what the answer has just written,
-    in the world's own answer form. A world stage alone did not teach that lookup in 50 CPU
-    minutes; practice in this form, then the world again, did (docs/results/lookup-form-2026-11-23/).
-    The one library practice that learned the chart lookup ran at a constant rate
-    (``StageConfig.schedule``); three under a cosine decay over 300-400 steps stayed near chance
-    on charts (31-38%), and a results-script practice at a constant rate learned it in a jump
-    between steps 150 and 200 (docs/results/lookup-target-2026-11-24/). Only specs the world puts in its train split are
-    drawn, so no test chart or scene is practised. The only fact is the asked value, which ends
-    the answer (:func:`mmspec.train.recipe.final_value_accuracy`). ``scene_kinds``: the scene
-    lookup kinds drawn (default all of ``LOOKUP_ORDER``)."""
-    from mmspec.world.core import fix_articles, split_of
-    from mmspec.world.single import draw_chart, draw_vqa, render_chart, render_vqa
-
-    kinds = scene_kinds_checked(scene_kinds)
-
-    while True:  # rejection: train-split specs of the kinds that look a value up by its key
-        family, spec = ("vqav2", draw_vqa(rng)) if scene else ("chartqa", draw_chart(rng))
-        if spec.kind in (kinds if scene else ("value",)) and split_of(family, spec) == "train":
-            draft = (render_vqa if scene else render_chart)(spec, rng)
-            break
-    value = str(next(iter(draft.facts.values())))  # the asked fact comes first
-    return Example(f"USER: {fix_articles(draft.question)} ASSISTANT:", fix_articles(draft.answer), (), (),
-                   "reading", (value,))
-
-
-def _member_example(rng: random.Random, pool: Sequence[str]) -> Example:
-    """One membership question (see :func:`copy_examples`): listed pair or near miss, 50/50.
-    ``pool`` holds at least 8 words, all distinct."""
-    words = rng.sample(pool, 8)
-    firsts, seconds = words[: rng.randint(2, 4)], words[4: 4 + rng.randint(2, 4)]
-    k = rng.randint(*MEMBER_ITEMS)  # <= 4 <= len(firsts) * len(seconds): the loop ends
-    pairs: list[tuple[str, str]] = []
-    while len(pairs) < k:
-        pair = (rng.choice(firsts), rng.choice(seconds))
-        if pair not in pairs:
-            pairs.append(pair)
-    if rng.random() < 0.5:
-        asked, verdict = rng.choice(pairs), "Yes"
-    else:
-        base, verdict = rng.choice(pairs), "No"
-        misses = [p for p in [(base[0], s) for s in seconds] + [(f, base[1]) for f in firsts] if p not in pairs]
-        # mostly both words listed (in other pairs): only a pair-by-pair comparison tells it apart
-        crossed = [p for p in misses if p[0] in {q[0] for q in pairs} and p[1] in {q[1] for q in pairs}]
-        if crossed and rng.random() < 0.75:
-            misses = crossed
-        asked = rng.choice(misses) if misses else (base[0], words[3])  # words[3]: never a second word
-    listed = ", ".join(f"{a} {b}" for a, b in pairs)
-    said = f"{asked[0]} {asked[1]}"
-    answer = f"Yes, {said} is there." if verdict == "Yes" else f"No, {said} is not there."
-    return Example(f"USER: Is there {said}? Items: {listed}. ASSISTANT:", answer, (), (), "member", (verdict,))
-
-
 @dataclass(frozen=True)
 class Encoded:
     """Token ids of one example under one view; ``images`` are those whose tokens are in ids."""
@@ -321,17 +122,6 @@ class Encoder:
     way: the whole sentence that decides an existence answer, the object it names included
     ("Looking for a red star: yes, it is in the top left."). A token in both a fact and a cue
     weighs the larger.
-
-    ``answer_weight`` > 1 weighs every answer token after the first sentence of a single-image
-    family's answer (``ANSWERED_FAMILIES``) that many times. The world's single-image answers first
-    read the whole image out ("The chart has 4 bars: cup 3, bus 6, ..."), then pick the
-    asked fact out of that reading ("The answer is bus 6."). The tower
-    reads well; the picking is an in-context lookup the LM gets wrong, and it is a handful of
-    tokens per answer, so a uniform loss barely asks for it. The split is at the first sentence
-    end, which is where the reading ends in every chart, scene and existence answer; one of the
-    three textvqa phrasings of a sign with a number reads it out in two sentences ("The image
-    shows a red sign. The top line says STOP and the bottom line shows 13."), and there the
-    second is weighed too. Needs a fast tokenizer (character offsets), as the other weights do.
     """
 
     tokenizer: object
@@ -339,18 +129,17 @@ class Encoder:
     max_answer_tokens: int | None = None
     fact_weight: float = 1.0
     cue_weight: float = 1.0
-    answer_weight: float = 1.0
     _newline: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self._newline = self.tokenizer("\n", add_special_tokens=False)["input_ids"]
         if self._weighing and not getattr(self.tokenizer, "is_fast", False):
-            raise MMSpecError("fact, cue and answer weighting need a fast tokenizer (character offsets); load it "
-                              "with use_fast=True or leave fact_weight, cue_weight and answer_weight at 1")
+            raise MMSpecError("fact and cue weighting need a fast tokenizer (character offsets); load it "
+                              "with use_fast=True or leave fact_weight and cue_weight at 1")
 
     @property
     def _weighing(self) -> bool:
-        return (self.fact_weight, self.cue_weight, self.answer_weight) != (1.0, 1.0, 1.0)
+        return (self.fact_weight, self.cue_weight) != (1.0, 1.0)
 
     def encode(self, ex: Example, view: View = "multimodal", tokens_per_image: int = 64) -> Encoded:
         if view not in ("multimodal", "text", "caption"):
@@ -378,10 +167,10 @@ class Encoder:
         if ex.answer_ids is not None:  # the ids as given: eos only where the answer ended
             ended = len(ex.answer_ids) > 0 and ex.answer_ids[-1] == eos
             answer_ids, answer_w = self._answer_ids(tuple(ex.answer_ids[:-1] if ended else ex.answer_ids),
-                                                    ex.facts, ex.cues, ex.family in ANSWERED_FAMILIES)
+                                                    ex.facts, ex.cues)
         else:
             ended = True
-            answer_ids, answer_w = self._answer(" " + ex.answer, ex.facts, ex.cues, ex.family in ANSWERED_FAMILIES)
+            answer_ids, answer_w = self._answer(" " + ex.answer, ex.facts, ex.cues)
         if self.max_answer_tokens is not None and len(answer_ids) > self.max_answer_tokens:
             answer_ids = answer_ids[: self.max_answer_tokens]  # cut: no eos, the answer goes on
             answer_w = None if answer_w is None else answer_w[: self.max_answer_tokens]
@@ -394,37 +183,28 @@ class Encoder:
         return Encoded(ids + answer_ids, labels, images, weights)
 
     def _answer(self, text: str, facts: Sequence[str], cues: Sequence[str] = (),
-                answered: bool = False) -> tuple[list[int], list[float] | None]:
+                ) -> tuple[list[int], list[float] | None]:
         """Token ids of ``text`` and, when weighing, per token the largest weight of the whole-word,
         case-blind occurrences of a fact value (``fact_weight``) or cue (``cue_weight``) it
-        overlaps, or of the text after the first sentence when ``answered`` (``answer_weight``),
-        else 1 (None: no weights)."""
-        spans = self._spans(text, facts, cues, answered)
+        overlaps, else 1 (None: no weights)."""
+        spans = self._spans(text, facts, cues)
         if not spans:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"], None
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         return enc["input_ids"], self._weights(spans, enc["offset_mapping"])
 
-    def _spans(self, text: str, facts: Sequence[str], cues: Sequence[str],
-               answered: bool = False) -> list[tuple[tuple[int, int], float]]:
-        """Character spans of the whole-word, case-blind fact and cue occurrences, and of the text
-        after the first sentence when ``answered``, with their weight."""
-        spans = [(m.span(), weight) for phrases, weight in ((facts, self.fact_weight), (cues, self.cue_weight))
-                 if weight != 1.0 for value in phrases
-                 for m in re.finditer(r"(?<!\w)" + re.escape(value.lower()) + r"(?!\w)", text.lower())]
-        if answered and self.answer_weight != 1.0:
-            lead = len(text) - len(text.lstrip())
-            first_end = SENTENCE_END.search(text, lead)  # the rule evaluate.final_sentence splits by
-            if first_end is not None:
-                spans.append(((first_end.end(), len(text)), self.answer_weight))
-        return spans
+    def _spans(self, text: str, facts: Sequence[str], cues: Sequence[str]) -> list[tuple[tuple[int, int], float]]:
+        """Character spans of the whole-word, case-blind fact and cue occurrences, with their weight."""
+        return [(m.span(), weight) for phrases, weight in ((facts, self.fact_weight), (cues, self.cue_weight))
+                if weight != 1.0 for value in phrases
+                for m in re.finditer(r"(?<!\w)" + re.escape(value.lower()) + r"(?!\w)", text.lower())]
 
     @staticmethod
     def _weights(spans, offsets) -> list[float]:
         return [max([w for (s2, e2), w in spans if s < e2 and s2 < e], default=1.0) for s, e in offsets]
 
     def _answer_ids(self, ids: tuple[int, ...], facts: Sequence[str], cues: Sequence[str] = (),
-                    answered: bool = False) -> tuple[list[int], list[float] | None]:
+                    ) -> tuple[list[int], list[float] | None]:
         """:meth:`_answer` for an answer given as ids: the same weights, found in the decoded text
         (each token's characters are where its prefix's decoding grows)."""
         ids = list(ids)
@@ -437,7 +217,7 @@ class Encoder:
         else:  # a token that is not whole characters on its own: decode growing prefixes
             prefixes = [self.tokenizer.decode(ids[:k + 1]) for k in range(len(ids))]
             ends, text = [len(p) for p in prefixes], prefixes[-1]
-        spans = self._spans(text, facts, cues, answered)
+        spans = self._spans(text, facts, cues)
         return ids, (self._weights(spans, list(zip([0, *ends[:-1]], ends))) if spans else None)
 
 
@@ -512,7 +292,7 @@ def worker_stream(make: Callable[[int], Iterator], workers: int) -> Iterator:
     """The items of ``make(0)``, ..., ``make(workers - 1)``, each iterator run in its own worker
     process (torch DataLoader), taken round-robin. ``make`` should be a picklable callable (a
     module-level function or a ``functools.partial`` of one). Used where a GPU step outruns one
-    core's data preparation: the training batches here and the reading pre-training's images."""
+    core's data preparation (the training batches of :func:`batch_stream`)."""
     if workers < 1:
         raise MMSpecError(f"worker_stream needs workers >= 1; got {workers}")
     return iter(torch.utils.data.DataLoader(_WorkerStreams(make), batch_size=None, num_workers=workers,

@@ -1,17 +1,21 @@
-"""The embedded pack, end to end: tokenizer -> target stage 0/1/2 -> draft stage 1/2 -> pooled
-draft -> captioner, each saved as an HF directory under ``out/{target,draft,draft_pooled,captioner}``.
+"""The embedded pack, end to end: tokenizer -> target stage 0/1/2 -> the target's own answers ->
+draft stage 1/2 -> pooled draft -> captioner, each saved as an HF directory under
+``out/{target,draft,draft_pooled,captioner}``, in the shipped pack's shapes (``config._SIZES``).
 
 Owns the order of the stages, which data each sees, the seeding (one ``torch.manual_seed`` for
 model initialisation, one ``torch.Generator`` per data stream, all derived from
 ``RecipeConfig.seed``), an optional wall-clock budget split across stages, the held-out
 evaluation after each model, and ``out/pack_report.json``.
 
-Deviations from IbED Appendix A, all forced by having no pretrained CLIP / LLaMA here:
-- target "stage 0": the whole target (vision tower included) is trained end to end first;
+Deviations from IbED Appendix A (the first three forced by having no pretrained CLIP / LLaMA here):
+- target "stage 0": the whole target (vision tower included) is trained end to end first, with
+  caption examples mixed in (``RecipeConfig.caption_mix``) and the fact tokens weighed more;
 - the draft and the captioner copy the trained target's vision tower and keep it frozen (as
   LLaVA-68M shares CLIP ViT-L with LLaVA-1.5-7B), so the engine encodes each image once;
 - draft stage 2 shows a share of examples through the text / caption views (the paper's draft
-  LM had text pretraining; ours does not).
+  LM had text pretraining; ours does not);
+- draft stage 2 and the pooled draft learn the target's own greedy answers (draft distillation,
+  :mod:`mmspec.train.distill`; ``RecipeConfig.distill_per_family``), not the world's references.
 """
 
 from __future__ import annotations
@@ -28,10 +32,12 @@ import torch
 from mmspec.train.checkpoint import save_checkpoint
 from mmspec.train.config import RecipeConfig, StageConfig, build_llava, model_size, param_report
 from mmspec.train.data import (CAPTIONER_PROMPT, Batch, Encoder, Example, batch_stream,
-                               caption_examples, example_from_sample, fixed_batches)
+                               caption_examples, example_from_sample, fixed_batches, mix_in_captions)
 from mmspec.train.recipe import eval_loss, fact_recall, train_stage
 
-# Share of the wall-clock budget per stage (the rest is data, evaluation and saving).
+# Share of the wall-clock budget per stage (the rest is data, evaluation and saving; the target's
+# answers for distillation are counted by samples, not minutes, and come on top: about 2 minutes
+# for the default 1,600 on a 2-core CPU).
 BUDGET_SHARES: dict[str, float] = {
     # The target gets the most: the first CPU run (shares 0.50/0.01/0.05 | 0.01/0.17/0.06 | 0.01/0.07)
     # left the draft (eval loss 0.60) better than the target (1.62), which must not happen.
@@ -78,15 +84,17 @@ class _Run:
         self._stream_id += 1
         return torch.Generator().manual_seed(self.recipe.seed * 1000 + self._stream_id)
 
-    def stream(self, examples: Sequence[Example], stage: StageConfig) -> Iterator[Batch]:
-        return batch_stream(examples, self.encoder, self.processor.image_processor, stage.batch_size,
+    def stream(self, examples: Sequence[Example], stage: StageConfig, encoder: Encoder | None = None
+               ) -> Iterator[Batch]:
+        return batch_stream(examples, encoder or self.encoder, self.processor.image_processor, stage.batch_size,
                             self.generator(), tokens_per_image=stage.pooled_tokens or 64,
                             text_view_prob=stage.text_view_prob, caption_view_prob=stage.caption_view_prob)
 
-    def train(self, model, stages: Sequence[StageConfig], examples: Sequence[Example]) -> list[dict]:
+    def train(self, model, stages: Sequence[StageConfig], examples: Sequence[Example],
+              encoder: Encoder | None = None) -> list[dict]:
         done = []
         for stage in stages:
-            res = train_stage(model, stage, self.stream(examples, stage), self.recipe.device,
+            res = train_stage(model, stage, self.stream(examples, stage, encoder), self.recipe.device,
                               self.recipe.autocast_bf16, self.progress)
             summary = res.summary()
             self.log(f"{stage.name}: {json.dumps(summary)}")
@@ -108,6 +116,32 @@ class _Run:
         result["eval_seconds"] = round(time.perf_counter() - t0, 1)
         self.log(f"{role} eval: {json.dumps(result)}")
         return result
+
+    def distil(self, target_dir: Path, samples: Sequence, examples: Sequence[Example]) -> list[Example]:
+        """``examples`` (made from ``samples``) answering with the saved target's own greedy answers,
+        generated from ``target_dir`` (its fp16 weights, as shipped) into a temporary answers file."""
+        import tempfile
+
+        from transformers import LlavaForConditionalGeneration
+
+        from mmspec.train.distill import (AnswerSource, generate_answers, read_answers, target_fingerprint,
+                                          tokenizer_fingerprint, with_answers)
+
+        t0 = time.perf_counter()
+        target = LlavaForConditionalGeneration.from_pretrained(target_dir, dtype=torch.float32)
+        target = target.to(self.recipe.device).eval()
+        source = AnswerSource(target_fingerprint(target_dir), tokenizer_fingerprint(self.tokenizer),
+                              self.recipe.seed, self.recipe.max_answer_tokens)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "answers.jsonl"
+            generate_answers(target, self.processor, samples, path, source, device=self.recipe.device,
+                             progress=self.progress)
+            answers = read_answers(path, source)
+        summary = {"name": "target-answers", "samples": len(samples), "target": source.target,
+                   "max_new_tokens": source.max_new_tokens, "seconds": round(time.perf_counter() - t0, 1)}
+        self.log(f"target answers: {json.dumps(summary)}")
+        self.report["stages"].append(summary)
+        return with_answers(examples, samples, answers)
 
     def save(self, role: str, model, processor, stages: list[dict], evals: dict, extra: dict) -> None:
         params = param_report(model)
@@ -142,18 +176,29 @@ def run_pack(recipe: RecipeConfig, out: str | Path, minutes_budget: float | None
 
     target = build_llava(model_size(recipe.target_size), run.tokenizer)
     log(f"target params {param_report(target)}")
-    stages = run.train(target, recipe.target_stages, train_ex)
+    target_ex = train_ex + (mix_in_captions(train_samples, recipe.caption_mix, recipe.seed)
+                            if recipe.caption_mix > 0 else [])
+    log(f"target: {len(target_ex)} examples, {len(target_ex) - len(train_ex)} of them image -> caption; fact "
+        f"tokens weigh {recipe.fact_weight}x, existence cues {recipe.cue_weight}x")
+    weighed = Encoder(run.tokenizer, max_answer_tokens=recipe.max_answer_tokens, fact_weight=recipe.fact_weight,
+                      cue_weight=recipe.cue_weight)
+    stages = run.train(target, recipe.target_stages, target_ex, weighed)
     run.save("target", target, run.processor, stages, run.evaluate("target", target, eval_ex, eval_samples), {})
 
     tower = target.model.vision_tower
     draft = build_llava(model_size(recipe.draft_size), run.tokenizer, vision_tower=tower)
     log(f"draft params {param_report(draft)}")
-    stages = run.train(draft, recipe.draft_stages, train_ex)
+    # stage 1 aligns the projector on the references; what follows learns the target's own answers
+    answer_ex = train_ex
+    if recipe.distill_per_family > 0:
+        distil_samples = _samples("train", recipe.distill_per_family, recipe.seed)
+        answer_ex = run.distil(out / "target", distil_samples, [example_from_sample(s) for s in distil_samples])
+    stages = run.train(draft, recipe.draft_stages[:1], train_ex) + run.train(draft, recipe.draft_stages[1:], answer_ex)
     run.save("draft", draft, run.processor, stages, run.evaluate("draft", draft, eval_ex, eval_samples), {})
 
     pooled = copy.deepcopy(draft)
     n = recipe.pooled_stage.pooled_tokens or recipe.pooled_tokens
-    stages = run.train(pooled, [replace(recipe.pooled_stage, pooled_tokens=n)], train_ex)
+    stages = run.train(pooled, [replace(recipe.pooled_stage, pooled_tokens=n)], answer_ex)
     run.save("draft_pooled", pooled, run.processor, stages,
              run.evaluate("draft_pooled", pooled, eval_ex, eval_samples, tokens_per_image=n),
              {"pooled_tokens": n})

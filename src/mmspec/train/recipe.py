@@ -1,11 +1,11 @@
 """The training loop of one stage of the LLaVA recipe, and the quick evaluations.
 
 Owns: which parameters a stage trains (:func:`set_trainable`), the learning-rate schedule
-(:func:`lr_at`: linear warm-up over ``warmup_ratio`` then cosine to 0, or constant), the loss of a batch
+(:func:`lr_at`: linear warm-up over ``warmup_ratio`` then cosine to 0), the loss of a batch
 (:func:`batch_loss` on :func:`batch_forward`, images through :mod:`pooling` so pooled and full
 grids share one code path), :func:`optimise` (the loop every stage shares: AdamW, the schedule
 on steps or the clock, grad clipping, progress bar), :func:`train_stage` and held-out metrics
-(:func:`eval_loss`, :func:`fact_recall`, :func:`token_accuracy`) and :func:`greedy_answer`.
+(:func:`eval_loss`, :func:`fact_recall`) and :func:`greedy_answer`.
 
 Stages (IbED Appendix A, after LLaVA-1.5): stage 1 = projector only (LM and vision frozen),
 stage 2 = projector + LM (vision frozen). Our deviation: the vision tower is not a pretrained
@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mmspec.errors import MMSpecError
-from mmspec.train.config import StageConfig, Trainable, check_schedule, check_schedule_name
+from mmspec.train.config import StageConfig, Trainable, check_schedule
 from mmspec.train.data import Batch, Encoder, Example, View
 from mmspec.train.pooling import embed_multimodal, pooled_image_features
 
@@ -54,15 +54,11 @@ def set_trainable(model, trainable: Trainable) -> list[torch.nn.Parameter]:
     return list(seen.values())
 
 
-def lr_at(progress: float, base_lr: float, warmup_ratio: float, schedule: str = "cosine") -> float:
-    """Learning rate at ``progress`` in [0, 1]: linear warm-up, then cosine decay to 0 or (``schedule``
-    ``"constant"``) ``base_lr`` to the end."""
-    check_schedule_name(schedule, "lr_at")
+def lr_at(progress: float, base_lr: float, warmup_ratio: float) -> float:
+    """Learning rate at ``progress`` in [0, 1]: linear warm-up, then cosine decay to 0."""
     progress = min(max(progress, 0.0), 1.0)
     if warmup_ratio > 0 and progress < warmup_ratio:
         return base_lr * progress / warmup_ratio
-    if schedule == "constant":
-        return base_lr
     rest = (progress - warmup_ratio) / max(1e-12, 1.0 - warmup_ratio)
     return base_lr * 0.5 * (1.0 + math.cos(math.pi * rest))
 
@@ -121,8 +117,7 @@ def bf16_autocast(device: str, enabled: bool):
 
 def optimise(name: str, params: list[torch.nn.Parameter], step_loss: Callable[[], tuple[torch.Tensor, int]],
              lr: float, steps: int | None, max_seconds: float | None, warmup_ratio: float,
-             weight_decay: float, grad_clip: float, progress: bool = True,
-             schedule: str = "cosine") -> StageResult:
+             weight_decay: float, grad_clip: float, progress: bool = True) -> StageResult:
     """The loop every stage shares: AdamW on ``params``, the learning rate from :func:`lr_at` at
     ``max(step / steps, elapsed / max_seconds)`` (either may be None, not both), gradient
     clipping, a progress bar. ``step_loss()`` computes one batch's loss and returns it with the
@@ -141,7 +136,7 @@ def optimise(name: str, params: list[torch.nn.Parameter], step_loss: Callable[[]
         if frac >= 1.0:
             break
         for group in opt.param_groups:
-            group["lr"] = lr_at(frac, lr, warmup_ratio, schedule)
+            group["lr"] = lr_at(frac, lr, warmup_ratio)
         loss, n = step_loss()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -171,7 +166,7 @@ def train_stage(model, stage: StageConfig, batches: Iterator[Batch], device: str
             return batch_loss(model, batch, train_vision), batch.input_ids.shape[0]
 
     result = optimise(stage.name, params, step_loss, stage.lr, stage.steps, stage.max_seconds,
-                      stage.warmup_ratio, stage.weight_decay, stage.grad_clip, progress, stage.schedule)
+                      stage.warmup_ratio, stage.weight_decay, stage.grad_clip, progress)
     for p in model.parameters():
         p.requires_grad_(False)
     model.eval()
@@ -190,55 +185,6 @@ def eval_loss(model, batches: Sequence[Batch], device: str = "cpu") -> float:
         total += float(batch_loss(model, batch, train_vision=False, weighted=False)) * n
         count += n
     return total / max(count, 1)
-
-
-@torch.no_grad()
-def token_accuracy(model, batches: Sequence[Batch], device: str = "cpu", facts_only: bool = False) -> float:
-    """Share of labelled tokens whose teacher-forced argmax prediction is right. ``facts_only``:
-    only the tokens the batch weighs above 1 (the fact tokens of an ``Encoder(fact_weight>1)``;
-    for copy practice the copied words, not the answer's fixed template)."""
-    model.eval()
-    hit = total = 0
-    for batch in batches:
-        batch = batch.to(device)
-        logits = batch_forward(model, batch).logits  # [B, T, V]
-        targets = batch.labels[:, 1:]  # [B, T-1]
-        mask = targets != -100
-        if facts_only:
-            if batch.loss_weights is None:
-                raise MMSpecError("facts_only needs batches encoded with fact_weight > 1 (no loss weights here)")
-            mask = mask & (batch.loss_weights[:, 1:] > 1)
-        hit += int(((logits[:, :-1].argmax(-1) == targets) & mask).sum())
-        total += int(mask.sum())
-    return hit / max(total, 1)
-
-
-@torch.no_grad()
-def final_value_accuracy(model, encoder, image_processor, examples: Sequence, device: str = "cpu",
-                         batch_size: int = 32) -> float:
-    """Share of ``examples`` whose answer's final value (its first fact, which ends the answer
-    right before "." and eos) is predicted right in all its tokens, teacher-forced: the lookup of
-    a :func:`mmspec.train.data.reading_example`, without the random reading that precedes it."""
-    from mmspec.train.data import collate
-
-    model.eval()
-    right = 0
-    tok = encoder.tokenizer
-    for i in range(0, len(examples), batch_size):
-        chunk = list(examples[i:i + batch_size])
-        enc = [encoder.encode(ex) for ex in chunk]
-        batch = collate(enc, tok.pad_token_id, image_processor, 64).to(device)
-        pred = batch_forward(model, batch).logits.argmax(-1)  # [B, T]: pred[:, t] guesses token t + 1
-        for b, (e, ex) in enumerate(zip(enc, chunk)):
-            if not ex.answer.endswith(f" {ex.facts[0]}."):
-                raise MMSpecError(f"final_value_accuracy needs answers that end on their first fact; got "
-                                  f"{ex.answer!r} with facts {ex.facts}")
-            want = tok(" " + ex.facts[0], add_special_tokens=False)["input_ids"]
-            at = len(e.input_ids) - 2 - len(want)  # the value's first token ("." and eos follow)
-            if list(e.input_ids[at:at + len(want)]) != want:
-                raise MMSpecError(f"the value {ex.facts[0]!r} does not tokenize the same at the end of {ex.answer!r}")
-            right += all(int(pred[b, at - 1 + j]) == want[j] for j in range(len(want)))
-    return right / max(len(examples), 1)
 
 
 @torch.no_grad()

@@ -1,7 +1,7 @@
 """The ``mmspec train`` typer app and what its commands share: options, step defaults and checks.
 
-The commands register on :data:`train_app` from :mod:`~mmspec.train.cli.stages`,
-:mod:`~mmspec.train.cli.practice` and :mod:`~mmspec.train.cli.measure`.
+The commands register on :data:`train_app` from :mod:`~mmspec.train.cli.stages` and
+:mod:`~mmspec.train.cli.measure`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ train_app = typer.Typer(help="Train the embedded target / draft / captioner on t
 _STEPS = typer.Option(None, help="optimiser steps (default: 1000, or as many as --minutes allow when it is given)")
 _MINUTES = typer.Option(None, help="wall-clock cap; the schedule then follows time")
 _BF16 = typer.Option(True, help="bf16 autocast")
-_HALF = typer.Option(False, help="save fp16 safetensors")
 
 
 def _default_steps(steps: Optional[int], minutes: Optional[float]) -> Optional[int]:

@@ -1,8 +1,7 @@
-"""``mmspec train evaluate | facts | probe``: the quality figures of trained models.
+"""``mmspec train evaluate | facts``: the quality figures of trained models.
 
 ``evaluate`` reads a benchmark run of the pack (:mod:`mmspec.train.evaluate`); ``facts`` measures a
-model's fact recall without one; ``probe`` asks whether the vision tower's features hold a fact
-at all (:mod:`mmspec.train.probe`).
+model's fact recall and questions answered right without one.
 """
 
 from __future__ import annotations
@@ -83,7 +82,7 @@ def facts_cmd(
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     from mmspec.embedded import default_path
-    from mmspec.train.checkpoint import read_sidecar
+    from mmspec.models.loading import read_sidecar
     from mmspec.train.data import Encoder
     from mmspec.train.evaluate import model_fact_recall
     from mmspec.world import FAMILIES
@@ -131,39 +130,3 @@ def _echo_fact_table(report: dict, extra=None) -> None:
         for truth, said in r.get("verdicts", {}).items():
             typer.echo(f"                {sum(said.values())} {truth}-questions end on: "
                        + ", ".join(f"{k} {c}" for k, c in said.items()))
-
-
-@train_app.command("probe")
-def probe_cmd(
-    model: Optional[Path] = typer.Option(None, help="HF LLaVA dir (default: the shipped target)"),
-    n_train: int = typer.Option(3000, help="train-split images per probe"),
-    n_test: int = typer.Option(500, help="test-split images per probe"),
-    threads: Optional[int] = typer.Option(None),
-    out: Optional[Path] = typer.Option(None, help="write the accuracies as JSON here"),
-) -> None:
-    """Linear probes on the vision tower's patch features (sign word, chart label, chart value).
-
-    A fact the probe reads but the target's answers miss is lost in the LM, not in the tower."""
-    import json
-
-    import torch
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-    from mmspec.embedded import default_path
-    from mmspec.train.probe import vision_probes
-
-    if n_train < 2 or n_test < 1:
-        raise typer.BadParameter("need --n-train >= 2 and --n-test >= 1")
-    if threads:
-        torch.set_num_threads(threads)
-    path = model or default_path() / "target"
-    _require_model_dir(path, "--model")
-    llava = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    results = vision_probes(llava, AutoProcessor.from_pretrained(path).image_processor, n_train, n_test)
-    typer.echo(f"{path}: linear probes on vision features, {n_train} train / {n_test} test images")
-    for r in results:
-        typer.echo(f"  {r.name:12s} test {r.test_acc:6.1%}  (train {r.train_acc:.1%}, chance {r.chance:.1%})")
-    if out is not None:
-        out.write_text(json.dumps({r.name: {"test_acc": r.test_acc, "train_acc": r.train_acc,
-                                            "n_classes": r.n_classes, "n_train": n_train, "n_test": n_test}
-                                   for r in results}, indent=2))

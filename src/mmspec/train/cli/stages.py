@@ -1,10 +1,9 @@
-"""``mmspec train embedded | stage | answers | grow``: the commands that make and change models.
+"""``mmspec train embedded | stage | answers``: the commands that make and change models.
 
-``embedded`` reproduces the whole pack (:mod:`mmspec.train.pack`); ``stage`` runs one stage of
-the recipe on one model directory, or on a fresh model of a size preset; ``answers`` writes a
-target's own greedy answers for draft distillation (:mod:`mmspec.train.distill`); ``grow`` adds
-LM layers computing the same function (:mod:`mmspec.train.grow`). Flags only map onto the typed
-configs.
+``embedded`` makes the whole pack (:mod:`mmspec.train.pack`); ``stage`` runs one stage of the
+recipe on one model directory, or on a fresh model of a size preset; ``answers`` writes a
+target's own greedy answers for draft distillation (:mod:`mmspec.train.distill`). Flags only map
+onto the typed configs.
 """
 
 from __future__ import annotations
@@ -27,17 +26,26 @@ def embedded(
     seed: int = typer.Option(0),
     threads: Optional[int] = typer.Option(None, help="torch.set_num_threads"),
     n_train_per_family: int = typer.Option(1500, help="training samples per task family"),
-    bf16: bool = typer.Option(False, help="bf16 autocast"),
+    bf16: bool = typer.Option(False, help="bf16 autocast (faster on a CPU with AVX512-BF16, and on a GPU)"),
+    distill_per_family: int = typer.Option(200, help="train the draft's stage 2 and the pooled draft on the "
+                                           "target's own greedy answers to this many train samples per family "
+                                           "(0: on the world's reference answers)"),
     quiet: bool = typer.Option(False, help="no progress bars"),
 ) -> None:
-    """Reproduce the whole pack: tokenizer -> target 0/1/2 -> draft 1/2 -> pooled draft -> captioner."""
+    """Make a pack of the shipped shapes from nothing.
+
+    Tokenizer -> target stage 0/1/2 -> the target's answers -> draft 1/2 -> pooled draft -> captioner."""
     from mmspec.embedded import default_path
     from mmspec.errors import MMSpecError
     from mmspec.train.config import RecipeConfig
     from mmspec.train.pack import run_pack, with_budget
 
-    recipe = RecipeConfig(seed=seed, device=device, threads=threads, autocast_bf16=bf16,
-                          n_train_per_family=n_train_per_family).scaled(steps_scale)
+    try:
+        recipe = RecipeConfig(seed=seed, device=device, threads=threads, autocast_bf16=bf16,
+                              n_train_per_family=n_train_per_family,
+                              distill_per_family=distill_per_family).scaled(steps_scale)
+    except MMSpecError as exc:
+        raise typer.BadParameter(str(exc)) from exc
     if minutes_budget is not None:
         try:
             with_budget(recipe, minutes_budget)  # the stages' schedules refuse a budget <= 0 here, before any work
@@ -60,19 +68,11 @@ def stage(
     captioner: bool = typer.Option(False, help="train on the caption task instead of the QA task"),
     caption_mix: float = typer.Option(0.0, help="QA training: add this many image->caption examples per QA "
                                       "example (fact-dense supervision for the vision tower)"),
-    copy_mix: float = typer.Option(0.0, help="QA training: add this many text-only copy / lookup practice "
-                                   "examples per QA example (random words: teaches the LM to copy from its context)"),
-    copy_member_share: float = typer.Option(0.0, help="share of the --copy-mix practice that are membership "
-                                            "questions (`train copy --member-share`); the rest stay half lookups, "
-                                            "half repeats"),
     cue_weight: float = typer.Option(1.0, help="QA training: weigh the loss on the sentence that decides an "
                                      "existence answer (the world's cues: \"Looking for a red star: no, there is "
                                      "none.\") this many times"),
     fact_weight: float = typer.Option(1.0, help="QA training: weigh the loss on answer tokens that state the "
                                       "image's facts this many times more than the other answer tokens"),
-    answer_weight: float = typer.Option(1.0, help="QA training: weigh the loss on a single-image answer after its "
-                                        "first sentence (the lookup that picks the asked fact out of the image's "
-                                        "reading) this many times"),
     text_view_prob: float = typer.Option(0.0, help="show an example through the text view (images -> newline)"),
     caption_view_prob: float = typer.Option(0.0, help="show an example through the caption view"),
     n_train_per_family: int = typer.Option(400),
@@ -104,26 +104,19 @@ def stage(
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     from mmspec.errors import MMSpecError
-    from mmspec.train.checkpoint import read_sidecar, save_checkpoint
+    from mmspec.models.loading import read_sidecar
+    from mmspec.train.checkpoint import save_checkpoint
     from mmspec.train.config import RecipeConfig, StageConfig, build_llava, model_size
-    from mmspec.train.data import (CAPTIONER_PROMPT, Encoder, batch_stream, caption_examples, copy_examples,
-                                   example_from_sample, mix_in_captions)
+    from mmspec.train.data import (CAPTIONER_PROMPT, Encoder, batch_stream, caption_examples, example_from_sample,
+                                   mix_in_captions)
     from mmspec.train.pack import _samples, world_tokenizer_and_processor
     from mmspec.train.recipe import train_stage
 
-    if not (math.isfinite(copy_mix) and copy_mix >= 0):
-        raise typer.BadParameter(f"--copy-mix must be a finite number >= 0; got {copy_mix}")
-    if not 0 <= copy_member_share <= 1:
-        raise typer.BadParameter(f"--copy-member-share must be in [0, 1]; got {copy_member_share}")
-    if copy_member_share > 0 and copy_mix == 0:
-        raise typer.BadParameter("--copy-member-share is a share of the --copy-mix practice; give --copy-mix too")
     if workers < 0:
         raise typer.BadParameter(f"--workers must be >= 0 (0 builds batches in this process); got {workers}")
     if init is not None and vision_from is not None:
         raise typer.BadParameter("--vision-from builds a new model on another's tower; --init continues a model "
                                  "with its own tower: give one of them")
-    if captioner and copy_mix > 0:
-        raise typer.BadParameter("--copy-mix adds QA-style practice and would change the captioner's task; drop one")
     if answers is not None and captioner:
         raise typer.BadParameter("--answers replaces QA answers and would do nothing with --captioner; drop one")
     if answers is not None and not answers.is_file():
@@ -134,8 +127,7 @@ def stage(
         raise typer.BadParameter(
             f"--caption-mix must be >= 0 and the view probabilities in [0, 1] with a sum <= 1; got "
             f"caption_mix={caption_mix}, text_view_prob={text_view_prob}, caption_view_prob={caption_view_prob}")
-    for flag, weight in (("--fact-weight", fact_weight), ("--cue-weight", cue_weight),
-                         ("--answer-weight", answer_weight)):
+    for flag, weight in (("--fact-weight", fact_weight), ("--cue-weight", cue_weight)):
         if not (math.isfinite(weight) and weight > 0):
             raise typer.BadParameter(f"{flag} must be a finite number > 0 (1 weighs every answer token alike); "
                                      f"got {weight}")
@@ -184,11 +176,8 @@ def stage(
         answers_meta = {"answers": {"file": answers.name, "rows": len(got), **answer_source(answers).__dict__}}
     if caption_mix > 0 and not captioner:
         examples += mix_in_captions(samples, caption_mix, seed)
-    if copy_mix > 0:
-        examples += copy_examples(tokenizer, round(copy_mix * len(samples)), seed,
-                                  lookup_share=0.5 * (1 - copy_member_share), member_share=copy_member_share)
     encoder = Encoder(tokenizer, max_answer_tokens=RecipeConfig.max_answer_tokens, fact_weight=fact_weight,
-                      cue_weight=cue_weight, answer_weight=answer_weight)
+                      cue_weight=cue_weight)
     try:
         stream = batch_stream(examples, encoder, processor.image_processor, batch_size,
                               torch.Generator().manual_seed(seed), tokens_per_image=pooled_tokens or 64,
@@ -198,10 +187,8 @@ def stage(
     res = train_stage(model, cfg, stream, device, autocast_bf16=bf16)
     meta = read_sidecar(init) if init is not None else {"role": "captioner" if captioner else "stage"}
     meta["stages"] = [*meta.get("stages", []), {**res.summary(), "lr": lr, "trainable": trainable,
-                                                 "caption_mix": caption_mix, "copy_mix": copy_mix,
-                                                 "copy_member_share": copy_member_share,
+                                                 "caption_mix": caption_mix,
                                                  "fact_weight": fact_weight, "cue_weight": cue_weight,
-                                                 "answer_weight": answer_weight,
                                                  "workers": workers,
                                                  "text_view_prob": text_view_prob,
                                                  "caption_view_prob": caption_view_prob,
@@ -276,35 +263,3 @@ def answers_cmd(
         raise typer.BadParameter(str(exc), param_hint="--out") from exc
     typer.echo(f"{counts['written']} answers written, {counts['already_there']} already there "
                f"(target {source.target}, seed {seed}) -> {out}")
-
-
-@train_app.command("grow")
-def grow(
-    init: Path = typer.Option(..., help="the HF LLaVA dir to grow"),
-    layers: int = typer.Option(..., help="number of LM decoder layers after growing"),
-    out: Path = typer.Option(..., help="where to save the grown model (HF dir)"),
-    half: bool = typer.Option(False, help="save fp16 safetensors"),
-) -> None:
-    """Grow the LM to --layers decoder layers (depth up-scaling).
-
-    The grown model computes exactly what --init computes until it is trained further with
-    `mmspec train stage --init OUT`."""
-    import torch
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-    from mmspec.train.checkpoint import read_sidecar, save_checkpoint
-    from mmspec.train.config import param_report
-    from mmspec.train.grow import grow_lm_depth
-
-    model = LlavaForConditionalGeneration.from_pretrained(init, dtype=torch.float32)
-    before = model.config.text_config.num_hidden_layers
-    try:
-        grown = grow_lm_depth(model, layers)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--layers") from exc
-    meta = read_sidecar(init)
-    meta["params"] = param_report(grown)
-    meta["stages"] = [*meta.get("stages", []), {"name": "grow-lm-depth", "from_layers": before, "to_layers": layers}]
-    meta.pop("eval", None)  # the grown model's figures are measured after its next stage
-    save_checkpoint(grown, out, processor=AutoProcessor.from_pretrained(init), half=half, meta=meta)
-    typer.echo(f"LM {before} -> {layers} layers, {meta['params']['total'] / 1e6:.2f}M parameters -> {out}")
