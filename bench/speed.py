@@ -22,8 +22,8 @@ Greedy outputs must be identical token for token to the target's; a mismatch is 
 loudly and the command exits with status 1 (the report is still written).
 
 This script knows nothing about the engine's internals beyond public attributes: the
-breakdown (:mod:`mmspec.bench.breakdown`) wraps callables from the outside for one extra,
-untimed pass; the draft-step ratio uses ``SpecDecoder.new_drafter`` (:mod:`mmspec.bench.draftstep`).
+breakdown (`bench/breakdown.py`) wraps callables from the outside for one extra,
+untimed pass; the draft-step ratio uses ``SpecDecoder.new_drafter`` (`bench/draftstep.py`).
 
 Run ``python bench/speed.py --help``. Tests call :func:`run` with tiny random models.
 """
@@ -353,7 +353,7 @@ def measure_engine(cfg: SpeedConfig, models: SpeedModels, prompts: Sequence[Spee
 
 def measure_draft_step(cfg: SpeedConfig, models: SpeedModels, prompts: Sequence[SpeedPrompt]) -> dict:
     """The engine's own draft step (feed + mix + pick) for ``cfg.step_views`` vs the M view alone,
-    per prompt, interleaved (:mod:`mmspec.bench.draftstep`); the ratio is the IbED claim that an
+    per prompt, interleaved (`bench/draftstep.py`); the ratio is the IbED claim that an
     in-batch ensemble costs about one draft forward."""
     from draftstep import draft_step_times  # bench/draftstep.py, beside this script
     from mmspec.decoder import SpecDecoder

@@ -1,6 +1,6 @@
 """Per-block records of a speculative generation, and the summary numbers derived from them.
 
-Conventions (DESIGN.md): a *block* is one draft-then-verify round. It yields the accepted draft
+Conventions (DEVELOPERS.md): a *block* is one draft-then-verify round. It yields the accepted draft
 tokens plus one token from the target: the *recovered* token after a rejection, or the *bonus*
 token when all gamma drafts are accepted. Block efficiency ``tau`` counts that target token
 (``1 <= tau <= gamma + 1``); ``mean_accepted_length = tau - 1`` does not. When the output is cut

@@ -1,6 +1,6 @@
 """Verification maths for speculative decoding: pure tensor functions, no model calls.
 
-Notation (DESIGN.md): ``p`` is the target distribution, ``q`` the draft distribution.
+Notation (DEVELOPERS.md, Conventions): ``p`` is the target distribution, ``q`` the draft distribution.
 A block proposes ``k`` draft tokens ``d_1..d_k`` (k <= gamma). The target scores them in one
 forward pass, giving ``p`` at ``k + 1`` positions: ``p[i]`` is the target's next-token
 distribution before ``d_{i+1}``, and ``p[k]`` follows the last draft token.
