@@ -42,6 +42,7 @@ class SweepConfig:
     views: str = "M"
     shapes: tuple[str, ...] = ("5x2x4", "5x2x8", "5x3x12", "6x4x16", "6x4x24", "6x8x32", "6x8x48", "7x8x64")  # depth x topk x budget
     children: tuple[str, ...] = ("mixture",)  # add "views" to compare an ensemble's proposals
+    chains: tuple[str, ...] = ()  # more chains: "8" (gamma 8), "8s0.3" (gamma 8, dynamic draft length stop_below 0.3)
     repeats: int = 3
     device: str | None = None
     dtype: str = "float32"
@@ -61,6 +62,11 @@ def decoders(cfg: SweepConfig, models) -> dict[str, object]:
     cap = models.captioner if "C" in cfg.views.upper() else None
     kw = dict(views=cfg.views, captioner=cap, processor=models.processor, gamma=cfg.gamma)
     out = {f"chain(γ={cfg.gamma})": SpecDecoder(models.target, models.draft, models.tokenizer, **kw)}
+    for c in cfg.chains:
+        g, _, stop = c.partition("s")
+        out[f"chain(γ={g}{', stop<' + stop if stop else ''})"] = SpecDecoder(
+            models.target, models.draft, models.tokenizer, **{**kw, "gamma": int(g)},
+            stop_below=float(stop) if stop else None)
     for shape in cfg.shapes:
         d, k, b = parse_shape(shape)
         for ch in cfg.children:
@@ -188,10 +194,10 @@ def parse_args(argv: Sequence[str] | None = None) -> SweepConfig:
         ap.add_argument("--" + name, default=getattr(d, name))
     for name in ("n_per_family", "max_new_tokens", "gamma", "repeats", "threads"):
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
-    for name in ("families", "shapes", "children"):
+    for name in ("families", "shapes", "children", "chains"):
         ap.add_argument("--" + name, default=",".join(getattr(d, name)))
     a = ap.parse_args(argv)
-    kw = vars(a) | {k: tuple(x for x in getattr(a, k).split(",") if x) for k in ("families", "shapes", "children")}
+    kw = vars(a) | {k: tuple(x for x in getattr(a, k).split(",") if x) for k in ("families", "shapes", "children", "chains")}
     for s in kw["shapes"]:
         try:
             parse_shape(s)

@@ -133,7 +133,9 @@ def method_metrics(rows: list[dict], dataset: str, method: str) -> MethodMetrics
     n_views = len(spec[0].get("views") or [method])
     lat = latency_of(rows, dataset)
     predicted = None
-    if lat is not None:
+    stats0 = spec[0].get("stats") or {}
+    chain = str(stats0.get("tree", "chain")).startswith("chain") and bool(spec[0].get("views"))
+    if lat is not None and chain:  # eq. 2 is the chain's formula, for a token-level draft
         tq = lat["draft_decode_s"].get(str(n_views)) or lat["draft_decode_s"].get("1")
         if tq is not None:
             predicted = predicted_speedup(tau, gamma, tq, lat["target_decode_s"], lat["target_verify_s"])

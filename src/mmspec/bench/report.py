@@ -127,9 +127,11 @@ def render_report(results_dir: Path, command: str | None = None) -> Path:
 
     gamma = max((len(m.acceptance_by_position) for m in metrics), default=0)
     lines += ["## Acceptance rate per draft position", "",
-              "P(position i accepted | drafted), pooled over blocks.", ""]
+              "P(position i accepted | drafted), pooled over blocks; for a tree, position i is depth i "
+              "(a tree drafts deeper than the chain's gamma).", ""]
     lines += _table(["dataset", "method"] + [f"pos {i + 1}" for i in range(gamma)], [
-        [m.dataset, m.method] + [_fmt(a) for a in m.acceptance_by_position] for m in metrics])
+        [m.dataset, m.method] + [_fmt(a) for a in m.acceptance_by_position]
+        + ["–"] * (gamma - len(m.acceptance_by_position)) for m in metrics])
 
     lines += ["", "## Time split (mean seconds per sample)", "", "Speculative methods:", ""]
     keys = ("vision_s", "caption_s", "prefill_target_s", "prefill_draft_s", "draft_s", "verify_s",
