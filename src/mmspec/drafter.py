@@ -411,9 +411,6 @@ class EnsembleDrafter(TreeDrafter):
         return mask
 
     # ------------------------------------------------------------------ one forward
-    def _eager_step(self, ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.adapter.forward(cache=self.cache, attention_mask=mask, position_ids=position_ids, input_ids=ids)
-
     def _eager_step(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return self.adapter.forward(cache=self.cache, attention_mask=mask, position_ids=pos, input_ids=ids)
 
