@@ -64,6 +64,7 @@ class SpeedConfig:
     gamma: int = 5
     ensemble: str = "MTC"
     trees: tuple[str, ...] = ("M+tree",)  # tree systems: VIEWS+tree[@BUDGET] (dynamic tree; empty: none)
+    heads: tuple[str, ...] = ()  # feature-level heads, VARIANT=DIR: systems mmspec_VARIANT and mmspec_VARIANT+tree
     eager: bool = True  # on a GPU, also run mmspec M without CUDA graphs
     step_views: str = "MTCP"  # the ensemble whose draft step is timed against one view (M)
     step_rounds: int = 30  # interleaved rounds of the draft-step timing
@@ -196,6 +197,11 @@ def build_decoders(cfg: SpeedConfig, models: SpeedModels) -> dict[str, Any]:
     for name in cfg.trees:
         views, budget = tree_system(name)
         out[f"mmspec_{name}"] = make(views, tree="dynamic", tree_budget=budget)
+    for spec in cfg.heads:
+        variant, _, path = spec.partition("=")
+        for suffix, kw in (("", {}), ("+tree", {"tree": "dynamic"})):
+            out[f"mmspec_{variant}{suffix}"] = SpecDecoder(models.target, path, models.tokenizer, gamma=cfg.gamma,
+                                                          processor=models.processor, **kw)
     if cfg.eager and next(models.target.parameters()).device.type == "cuda":
         out["mmspec_M(eager)"] = make("M", cuda_graphs=False)
     return out
@@ -304,12 +310,15 @@ def summarise(records: Sequence[RunRecord]) -> dict:
 
 # --------------------------------------------------------------------------- engine efficiency
 def n_views(system: str) -> int:
-    """Rows of the draft batch for ``mmspec_<letters>[+tree][(eager)]`` (one per view letter)."""
-    return len(system.removeprefix("mmspec_").split("+")[0].removesuffix("(eager)"))
+    """Rows of the draft batch for ``mmspec_<letters>[+tree][(eager)]`` (one per view letter; a head: 1)."""
+    name = system.removeprefix("mmspec_").split("+")[0].removesuffix("(eager)")
+    return 1 if name.startswith(("eagle", "msd")) else len(name)
 
 
 def is_chain(system: str) -> bool:
-    return "+tree" not in system
+    """A token-level chain (eq. 2's case): no tree, no head."""
+    name = system.removeprefix("mmspec_")
+    return "+tree" not in name and not name.startswith(("eagle", "msd"))
 
 
 def measure_engine(cfg: SpeedConfig, models: SpeedModels, prompts: Sequence[SpeedPrompt], summary: dict) -> dict:
@@ -465,7 +474,8 @@ def run(cfg: SpeedConfig, models: SpeedModels | None = None, prompts: Sequence[S
     log("latency probes (T_p, T_q, T_V) ...")
     result["engine"] = measure_engine(cfg, models, prompts, summary)
     if cfg.profile:
-        result["breakdown"] = {n: profile_breakdown(d, prompts, cfg.max_new_tokens, device) for n, d in decoders.items()}
+        result["breakdown"] = {n: profile_breakdown(d, prompts, cfg.max_new_tokens, device) for n, d in decoders.items()
+                               if d.head is None}  # the breakdown's timers wrap a draft model's pieces
     result["raw"] = [asdict(x) for x in records]
     jp, mp = write_report(result, cfg.out)
     log(markdown(result))
@@ -479,6 +489,7 @@ def run(cfg: SpeedConfig, models: SpeedModels | None = None, prompts: Sequence[S
 _HELP = {"target": "target checkpoint dir (default: the embedded pack)", "draft": "draft checkpoint dir",
          "trees": "tree systems, comma-separated: VIEWS+tree or VIEWS+tree@BUDGET (empty: none)",
          "eager": "on a GPU, also mmspec M without CUDA graphs",
+         "heads": "feature-level heads, comma-separated VARIANT=DIR (made by mmspec train head)",
          "captioner": "captioner dir (checkpoints; needed for C views)", "families": "comma-separated world families",
          "ensemble": "view letters of the ensemble system",
          "step_views": "views whose engine draft step is timed against M alone", "assisted": "matched | default",
@@ -506,7 +517,8 @@ def parse_args(argv: Sequence[str] | None = None) -> SpeedConfig:
     if a.dtype not in ("float32", "bfloat16", "float16"):
         ap.error(f"--dtype must be float32, bfloat16 or float16, got {a.dtype!r}")
     kw = vars(a) | {"families": tuple(x for x in a.families.split(",") if x),
-                    "trees": tuple(x for x in a.trees.split(",") if x)}
+                    "trees": tuple(x for x in a.trees.split(",") if x),
+                    "heads": tuple(x for x in a.heads.split(",") if x)}
     return SpeedConfig(**kw, command=" ".join(["python", "bench/speed.py", *(argv if argv is not None else sys.argv[1:])]))
 
 
