@@ -153,3 +153,18 @@ def test_profile_draft_step_runs_on_embedded_pack():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "preallocated cache:" in out.stdout and "DynamicCache:" in out.stdout
     assert out.stdout.count("aten::") >= 4  # a profile table for each cache
+
+
+def test_speed_run_with_a_head(speed, tmp_path):
+    from mmspec.heads import build_head
+
+    target = make_llava(0)
+    build_head(target, "eagle").save(tmp_path / "h")
+    models = speed.SpeedModels(target, noisy_copy(target, 1), make_tokenizer(), None, _Captioner(), "tiny")
+    cfg = speed.SpeedConfig(max_new_tokens=8, repeats=1, latency_repeats=1, device="cpu", out=str(tmp_path / "o"),
+                            command="test", step_rounds=1, ensemble="M", trees=(), heads=(f"eagle={tmp_path / 'h'}",),
+                            profile=False)
+    res = speed.run(cfg, models=models, prompts=_tiny_prompts(speed, (1,)), log=lambda s: None)
+    assert res["identical"], res["mismatches"]
+    assert {"mmspec_eagle", "mmspec_eagle+tree"} <= set(res["summary"]["systems"])
+    assert "predicted_speedup" not in res["engine"]["efficiency"]["mmspec_eagle"]  # eq. 2 is not a head's formula
