@@ -138,20 +138,24 @@ def tally_facts(answers) -> dict[str, dict]:
             for f, h in hits.items()}
 
 
-def answer_fact_recall(results_dir: str | Path) -> dict[str, dict]:
-    """:func:`tally_facts` of the target's greedy answers in a benchmark run (its baseline rows)."""
+def answer_fact_recall(results_dir: str | Path, method: str | None = None) -> dict[str, dict]:
+    """:func:`tally_facts` of the target's greedy answers in a benchmark run (its baseline rows),
+    or of one method's answers (``method``: e.g. a lossy ``+relaxed`` one, to compare)."""
     from mmspec.bench.store import iter_kind, merge_rows
     from mmspec.world import FAMILIES, make_sample
 
     rows, _ = merge_rows(Path(results_dir))
     answers = []
-    for row in iter_kind(rows, "baseline"):
+    picked = iter_kind(rows, "baseline") if method is None else (r for r in iter_kind(rows, "spec")
+                                                                 if r["method"] == method)
+    for row in picked:
         if row["dataset"] not in FAMILIES:
             continue
         family, split, index = _sample_index(row["uid"])
         answers.append((make_sample(family, split, index), row["text"]))
     if not answers:
-        raise MMSpecError(f"no world baseline rows in {results_dir}; run `mmspec bench run --out {results_dir}` first")
+        what = "baseline rows" if method is None else f"rows of method {method!r}"
+        raise MMSpecError(f"no world {what} in {results_dir}; run `mmspec bench run --out {results_dir}` first")
     return tally_facts(answers)
 
 

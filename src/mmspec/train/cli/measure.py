@@ -20,6 +20,8 @@ def evaluate_cmd(
     results: Path = typer.Option(..., help="a `mmspec bench run` results dir on the embedded world"),
     captions_per_family: int = typer.Option(50, help="test samples per family for the caption check (0: skip)"),
     out: Optional[Path] = typer.Option(None, help="write the figures as JSON here"),
+    method: Optional[list[str]] = typer.Option(None, "--method", help="also the fact recall of this method's "
+                                               "answers (e.g. a lossy +relaxed one) next to the target's; repeatable"),
 ) -> None:
     """Quality of the embedded pack on the test split, from a benchmark run.
 
@@ -44,6 +46,10 @@ def evaluate_cmd(
                 + (f"  captions {cap_rate:.1%}" if cap_rate is not None else ""))
 
     _echo_fact_table(report["answer_fact_recall"], tau_and_captions)
+    for m in method or []:
+        report.setdefault("method_fact_recall", {})[m] = answer_fact_recall(results, m)
+        typer.echo(f"\n{m} (its answers, not the target's):")
+        _echo_fact_table(report["method_fact_recall"][m], lambda family: "")
     if out is not None:
         out.write_text(json.dumps({"provenance": _provenance(results), **report}, indent=2))
 
