@@ -36,6 +36,20 @@ def test_answer_fact_recall_right_and_wrong(tmp_path):
     assert by["colour"]["recall"] == 0.0 and by["value"]["recall"] == 1.0 and by["label"]["recall"] == 1.0
 
 
+def test_a_methods_own_fact_recall_next_to_the_targets(tmp_path):
+    """For a lossy method (+relaxed): its answers are tallied apart from the target's."""
+    _write(tmp_path, [make_sample("chartqa", "test", i).answer for i in range(2)])
+    w = RowWriter(results_path(tmp_path, 1))
+    for i in range(2):
+        w.append({"kind": "spec", "dataset": "chartqa", "uid": f"chartqa-test-{i}", "method": "M+relaxed",
+                  "text": "I cannot tell.", "token_ids": [], "wall_s": 0.1})
+    w.close()
+    assert answer_fact_recall(tmp_path)["chartqa"]["recall"] == 1.0
+    assert answer_fact_recall(tmp_path, "M+relaxed")["chartqa"]["recall"] == 0.0
+    with pytest.raises(Exception, match="rows of method 'M'"):
+        answer_fact_recall(tmp_path, "M")
+
+
 def test_states_matches_whole_words_only():
     from mmspec.train.evaluate import states
 
