@@ -75,6 +75,9 @@ def draft_video_target(draft, frames: Sequence, n_tokens: int, processor=None) -
         raise MMSpecError("aligning to a draft needs its processor (to read the frames as it does)")
     ip = getattr(processor, "image_processor", processor)
     pv = ip(images=list(frames), return_tensors="pt")["pixel_values"].to(adapter.device, adapter.dtype)
+    if adapter.video_token_id is not None and "pixel_values_videos" in adapter.mm_keys:
+        # a draft that reads videos: its own pooled video features (its P view of the clip)
+        return adapter.pooled({"pixel_values_videos": pv[None]}, n_tokens)["video"][0].float().cpu()
     per_frame = adapter.pooled({"pixel_values": pv}, n_tokens)["image"]  # each [n, H]
     return torch.stack(per_frame).mean(0).float().cpu()  # [n, H]: averaged over time
 
@@ -153,7 +156,7 @@ def align_command(
     threads: int = _opt(None, "CPU threads."),
 ) -> None:
     """Train the draft's substitute encoder + alignment layer (events -> the draft's video features)."""
-    from transformers import AutoProcessor
+    from transformers import AutoImageProcessor, AutoProcessor
 
     from mmspec.cli import _fail
     from mmspec.models.loading import load_model
@@ -167,7 +170,10 @@ def align_command(
                           notes={"command": command_line(), "families": families, "samples": samples,
                                  "draft": str(draft), "world_seed": world_seed})
         model = load_model(str(draft), dtype="float32")
-        processor = AutoProcessor.from_pretrained(str(draft))
+        try:
+            processor = AutoProcessor.from_pretrained(str(draft))
+        except (OSError, ValueError, TypeError):  # a directory with an image processor only
+            processor = AutoImageProcessor.from_pretrained(str(draft))
         subs, targets = world_pairs(model, processor, cfg, [f for f in families.split(",") if f], samples, world_seed)
         train_align(subs, targets, cfg)
     except MMSpecError as e:

@@ -22,3 +22,7 @@ train_app.command("head")(_head)
 from mmspec.align import align_command as _align  # noqa: E402  isort: skip
 
 train_app.command("align")(_align)
+
+from mmspec.train.video import video_command as _video  # noqa: E402  isort: skip
+
+train_app.command("video")(_video)
