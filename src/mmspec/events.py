@@ -10,7 +10,7 @@ An event camera (DVS) reports per-pixel brightness *changes* instead of frames. 
   0 = OFF, the convention of Prophesee/Metavision, DSEC, N-MNIST and tonic) or
   :meth:`EventStream.from_structured` (a numpy structured array with fields ``t, x, y, p``, as
   those tools and the ``.npy`` files they write hold them);
-- :func:`simulate_dvs`: the DVS model of ``DESIGN.md`` applied to video frames. Per pixel, the
+- :func:`simulate_dvs`: the DVS model of the design notes (the brief's shared design document) applied to video frames. Per pixel, the
   log intensity ``L = log(luma + eps)``; a pixel emits +1 (or -1) each time ``L`` has risen (or
   fallen) by ``threshold`` from the level of its last event, so a change spanning several
   thresholds emits several events in one frame step, and a slow change accumulates over frames

@@ -281,7 +281,7 @@ def train_head(target, seqs: Sequence[Sequence_], cfg: HeadTrainConfig, *, head:
             step += 1
             history.append({"step": step, "loss": float(loss.detach()), **parts, "stage": "text" if text_stage else "multimodal"})
             bar.update(1)
-            bar.set_postfix(loss=f"{float(loss):.3f}")
+            bar.set_postfix(loss=f"{history[-1]['loss']:.3f}")
             if dist.main and step % cfg.checkpoint_every == 0 and step < cfg.steps:
                 _save(head, opt, step, history, ckpt, cfg)
     finally:
