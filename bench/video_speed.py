@@ -123,7 +123,7 @@ def markdown(r: dict) -> str:
     lines = [f"# Video pair: event view vs M, T and the target ({r['date']})", "", f"- command: `{r['command']}`",
              f"- machine: {r['machine']['platform']}, {r['machine']['cpu_count']} CPUs, torch {r['machine']['torch']}",
              f"- clips: {len(r['clips'])}; outputs identical to the target: **{'YES' if r['identical'] else 'NO'}**", "",
-             "| system | tokens/s | vs target | τ | draft vision s/clip | substitute s/clip |", "|---|---|---|---|---|---|"]
+             "| system | tokens/s | vs target | τ | vision encoding s/clip (target's; + draft's in M) | draft substitute s/clip |", "|---|---|---|---|---|---|"]
     for x in r["rows"]:
         tau = "-" if x["tau"] is None else f"{x['tau']:.2f}"
         lines.append(f"| {x['system']} | {x['tokens_per_s']:.1f} | {x['speedup_vs_target']:.2f}x | {tau} | "
