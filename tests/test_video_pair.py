@@ -47,5 +47,5 @@ def test_align_then_video_speed_on_the_pair(video_pair, tmp_path):
     assert res["identical"], res["mismatches"]
     assert [x["system"] for x in res["rows"]] == ["target", "mmspec_M", "mmspec_T", "mmspec_E", "mmspec_TE"]
     e = res["draft_encoding_s"]
-    assert e["video_tower_and_projector"] > 0 and e["events_encoder_only"] > 0
+    assert e["video_tower_and_projector"] > 0 and e["events_encoder_only"] > 0 and e["events_recorded_bin_encode"] > 0
     assert (tmp_path / "speed" / "video_speed.md").read_text().startswith("# Video pair")
