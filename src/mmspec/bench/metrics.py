@@ -101,7 +101,7 @@ class MethodMetrics:
     speedup_measured: float | None
     speedup_predicted: float | None
     identical_rate: float | None  # None when no baseline to compare with
-    lossless_expected: bool  # greedy run: identical_rate must be 1.0
+    lossless_expected: bool  # greedy run with exact acceptance: identical_rate must be 1.0 (relaxed is lossy)
     time_split: dict[str, float] = field(default_factory=dict)  # mean seconds per sample
 
     def to_dict(self) -> dict:
@@ -149,7 +149,8 @@ def method_metrics(rows: list[dict], dataset: str, method: str) -> MethodMetrics
         acceptance_by_position=_pooled_acceptance(spec, gamma),
         speedup_measured=measured, speedup_predicted=predicted,
         identical_rate=(sum(checked) / len(checked)) if checked else None,
-        lossless_expected=all(float(r.get("temperature", 0.0) or 0.0) <= 0 for r in spec),
+        lossless_expected=all(float(r.get("temperature", 0.0) or 0.0) <= 0
+                              and (r.get("stats") or {}).get("acceptance", "exact") == "exact" for r in spec),
         time_split=split,
     )
 

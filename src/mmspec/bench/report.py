@@ -91,11 +91,17 @@ def _lossless_section(metrics: list[MethodMetrics]) -> list[str]:
                         "'What \"lossless\" means here'. Investigate before trusting these numbers.)", ""]
     if not checked:
         return ["## Losslessness", "", "No baseline rows to compare with.", ""]
-    n = sum(m.n_samples for m in checked)
+    n = sum(m.n_samples for m in checked if m.lossless_expected)
     lossy = [m for m in checked if not m.lossless_expected]
-    note = (f" ({len(lossy)} sampling cells are not expected to match token for token)" if lossy else "")
-    return ["## Losslessness", "",
-            f"Identical to the target's output: **100%** of greedy outputs ({n} outputs checked){note}.", ""]
+    note = (f" ({len(lossy)} sampling or relaxed-acceptance cells are not expected to match token for token)"
+            if lossy else "")
+    lines = ["## Losslessness", "",
+             f"Identical to the target's output: **100%** of greedy outputs ({n} outputs checked){note}.", ""]
+    relaxed = [m for m in lossy if "relaxed" in m.method]
+    if relaxed:
+        lines += ["Relaxed acceptance is lossy by design (MSD); its outputs identical to the target's:", ""]
+        lines += [f"- {m.dataset} / {m.method}: {100 * m.identical_rate:.1f}%" for m in relaxed] + [""]
+    return lines
 
 
 def render_report(results_dir: Path, command: str | None = None) -> Path:
