@@ -150,8 +150,10 @@ def write_interleave(path: Path, rows: list[dict] | None = None, row_group_size:
 class FakeBackend:
     """Deterministic stand-in for HFBackend: counts calls; can raise after ``fail_after`` calls."""
 
-    def __init__(self, fail_after: int | None = None, gamma: int = 5, lossy_method: str | None = None):
+    def __init__(self, fail_after: int | None = None, gamma: int = 5, lossy_method: str | None = None,
+                 lossy_acceptance: str = "exact"):
         self.calls: list[tuple[str, str, str]] = []
+        self.lossy_acceptance = lossy_acceptance  # "relaxed (lossy)": the lossy method says it is lossy
         self.fail_after = fail_after
         self.gamma = gamma
         self.lossy_method = lossy_method
@@ -181,6 +183,7 @@ class FakeBackend:
         toks = self._tokens(sample)
         if method == self.lossy_method:
             toks = toks[:-1] + [99]
+            stats.acceptance = self.lossy_acceptance
         return Generation(toks, "text", 0.5, 10, stats.to_dict())
 
     def latency(self, sample: BenchSample) -> dict:

@@ -80,6 +80,10 @@ def test_more_methods_later_only_adds_them(tmp_path):
 def test_lossy_output_is_reported_at_run_time(tmp_path):
     s = run_bench(_cfg(tmp_path), backend=FakeBackend(lossy_method="T"), rank=RankInfo())
     assert len(s.lossless_failures) == 4 and all(f.endswith("/T") for f in s.lossless_failures)
+    # relaxed acceptance is lossy by design: its differences are not lossless failures
+    s = run_bench(_cfg(tmp_path / "relaxed"), backend=FakeBackend(lossy_method="T", lossy_acceptance="relaxed (lossy)"),
+                  rank=RankInfo())
+    assert s.lossless_failures == [] and s.written
 
 
 def test_changed_settings_refuse_to_mix(tmp_path):

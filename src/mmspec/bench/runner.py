@@ -173,7 +173,8 @@ def _run(cfg: BenchConfig, rank: RankInfo, writer: RowWriter, summary: RunSummar
                         row = _spec_row(sample, method, g, base, cfg, rank.rank)
                         writer.append(row)
                         summary.written += 1
-                        if row["identical"] is False and cfg.temperature <= 0 and g.stats.acceptance == "exact":
+                        if (row["identical"] is False and cfg.temperature <= 0
+                                and (g.stats or {}).get("acceptance", "exact") == "exact"):
                             summary.lossless_failures.append(f"{spec.name}/{sample.uid}/{method}")
                     prog.advance(task)
 
