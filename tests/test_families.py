@@ -347,3 +347,17 @@ def test_llava_family_input_errors(family_models, tok):
         dec.generate(ids, **mm, captions=["w10"], max_new_tokens=4)
     with pytest.raises(MMSpecError, match="batch_num_images"):
         dec.generate(ids, **{**mm, "batch_num_images": torch.tensor([2])}, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("family", ["llava_onevision", "video_llava"])
+def test_video_pixels_of_the_wrong_rank_are_refused_by_name(family_models, tok, family):
+    """pixel_values_videos must be [n_videos, frames, 3, H, W]: frames flattened into the batch
+    (a common slip) get an error that names the input and its shape, not a trace from inside."""
+    from mmspec import MMSpecError
+
+    target, draft = family_models(family)
+    ids, mm = family_inputs(family, target, 0, True, seed=3)
+    dec = SpecDecoder(target, draft, tok, views="M")
+    flat = mm["pixel_values_videos"].flatten(0, 1)  # [frames, 3, H, W]
+    with pytest.raises(MMSpecError, match=r"pixel_values_videos must be \[n_videos, frames, 3, H, W\]"):
+        dec.generate(ids, **{**mm, "pixel_values_videos": flat}, max_new_tokens=4)

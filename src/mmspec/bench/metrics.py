@@ -149,8 +149,7 @@ def method_metrics(rows: list[dict], dataset: str, method: str) -> MethodMetrics
         acceptance_by_position=_pooled_acceptance(spec, gamma),
         speedup_measured=measured, speedup_predicted=predicted,
         identical_rate=(sum(checked) / len(checked)) if checked else None,
-        lossless_expected=all(float(r.get("temperature", 0.0) or 0.0) <= 0
-                              and (r.get("stats") or {}).get("acceptance", "exact") == "exact" for r in spec),
+        lossless_expected=all(expects_identical(r) for r in spec),
         time_split=split,
     )
 
@@ -188,6 +187,13 @@ def groups(metrics: list[MethodMetrics]) -> dict[int, list[str]]:
         if m.dataset not in g[m.n_images]:
             g[m.n_images].append(m.dataset)
     return dict(sorted(g.items()))
+
+
+def expects_identical(row: dict) -> bool:
+    """Must this spec row equal the target's greedy output token for token? Yes for greedy decoding
+    with exact acceptance; not for sampling, nor for MSD's relaxed acceptance (lossy by design)."""
+    return (float(row.get("temperature", 0.0) or 0.0) <= 0
+            and (row.get("stats") or {}).get("acceptance", "exact") == "exact")
 
 
 def lossless_violations(metrics: list[MethodMetrics]) -> list[MethodMetrics]:

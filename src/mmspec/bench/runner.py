@@ -25,7 +25,7 @@ from typing import Callable
 from mmspec.bench.backend import Backend, HFBackend, load_models, pick_device
 from mmspec.bench.config import RESULT_KEYS, BenchConfig, RankInfo, method_views
 from mmspec.bench.datasets import BenchSample, load_dataset
-from mmspec.bench.metrics import accepted_flags
+from mmspec.bench.metrics import accepted_flags, expects_identical
 from mmspec.bench.preflight import preflight
 from mmspec.bench.store import RowWriter, append_run_meta, read_run_meta, results_path
 from mmspec.errors import MMSpecError
@@ -173,8 +173,7 @@ def _run(cfg: BenchConfig, rank: RankInfo, writer: RowWriter, summary: RunSummar
                         row = _spec_row(sample, method, g, base, cfg, rank.rank)
                         writer.append(row)
                         summary.written += 1
-                        if (row["identical"] is False and cfg.temperature <= 0
-                                and (g.stats or {}).get("acceptance", "exact") == "exact"):
+                        if row["identical"] is False and expects_identical(row):
                             summary.lossless_failures.append(f"{spec.name}/{sample.uid}/{method}")
                     prog.advance(task)
 

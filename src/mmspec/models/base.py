@@ -204,6 +204,14 @@ def same_vision(a: ModelAdapter, b: ModelAdapter) -> bool:
     )
 
 
+def video_pixels(mm: dict, family: str) -> torch.Tensor | None:
+    """``mm["pixel_values_videos"]`` checked to be [n_videos, frames, 3, H, W] (None when absent)."""
+    pvv = mm.get("pixel_values_videos")
+    if pvv is not None and pvv.dim() != 5:
+        raise MMSpecError(f"{family}'s pixel_values_videos must be [n_videos, frames, 3, H, W], got {tuple(pvv.shape)}")
+    return pvv
+
+
 def order_segments(input_ids: torch.Tensor, placeholders: dict[int, str],
                    counts: dict[str, list[int]]) -> list[tuple[str, int]]:
     """(kind, tokens) of every segment in prompt order, given each kind's counts in order: the

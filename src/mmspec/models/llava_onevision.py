@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from mmspec.errors import MMSpecError
-from mmspec.models.base import order_segments, register
+from mmspec.models.base import order_segments, register, video_pixels
 from mmspec.models.llava import tower_tokens
 from mmspec.models.llava_next import LlavaNextAdapter
 from mmspec.models.pooling import pool_grid_to
@@ -57,11 +57,7 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
 
     # -- videos ----------------------------------------------------------------------------
     def _videos(self, mm: dict) -> torch.Tensor | None:
-        pvv = mm.get("pixel_values_videos")
-        if pvv is not None and pvv.dim() != 5:
-            raise MMSpecError(f"{self.family}'s pixel_values_videos must be [n_videos, frames, 3, H, W], "
-                              f"got {tuple(pvv.shape)}")
-        return pvv
+        return video_pixels(mm, self.family)
 
     def _video_counts(self, mm: dict) -> list[int]:
         pvv = self._videos(mm)

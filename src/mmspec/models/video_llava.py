@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from mmspec.errors import MMSpecError
-from mmspec.models.base import ModelAdapter, order_segments, register
+from mmspec.models.base import ModelAdapter, order_segments, register, video_pixels
 from mmspec.models.llava import layers_key, tower_features, tower_tokens
 from mmspec.models.pooling import pool_grid_to
 
@@ -63,11 +63,7 @@ class VideoLlavaAdapter(ModelAdapter):
         return pv
 
     def _videos(self, mm: dict) -> torch.Tensor | None:
-        pvv = mm.get("pixel_values_videos")
-        if pvv is not None and pvv.dim() != 5:
-            raise MMSpecError(f"Video-LLaVA's pixel_values_videos must be [n_videos, frames, 3, H, W], "
-                              f"got {tuple(pvv.shape)}")
-        return pvv
+        return video_pixels(mm, "Video-LLaVA")
 
     # -- the family interface (models/base.py) ----------------------------------------
     def segment_counts(self, input_ids: torch.Tensor, mm: dict) -> list[tuple[str, int]]:
