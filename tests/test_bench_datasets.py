@@ -275,7 +275,7 @@ def test_runner_reads_each_datasets_split(tmp_path):
 def _run_cli(tmp_path, *dataset):
     from typer.testing import CliRunner
 
-    from mmspec.bench.cli import bench_app
+    from mmspec.cli.bench import bench_app
 
     args = ["run", "--out", str(tmp_path / "o"), "--no-progress", "--no-latency", "-m", "M", "-n", "1",
             "--backend", "fixtures_bench:make_fake_backend"]

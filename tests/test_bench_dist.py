@@ -11,7 +11,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from fixtures_bench import read_jsonl, write_chartqa
-from mmspec.bench.cli import bench_app
+from mmspec.cli.bench import bench_app
 
 TESTS = Path(__file__).parent
 
@@ -20,7 +20,7 @@ def _torchrun(out: Path, data: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "mmspec.bench.cli", "run", "--out", str(out), "--dataset", f"chartqa={data}",
+           "-m", "mmspec.cli.bench", "run", "--out", str(out), "--dataset", f"chartqa={data}",
            "--method", "M,T", "--n-samples", "5", "--no-progress",
            "--backend", "fixtures_bench:make_fake_backend"]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90)

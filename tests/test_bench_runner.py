@@ -127,7 +127,7 @@ def test_rank_from_env():
 def _cli(*args):
     from typer.testing import CliRunner
 
-    from mmspec.bench.cli import bench_app
+    from mmspec.cli.bench import bench_app
 
     return CliRunner().invoke(bench_app, ["run", "--no-progress", *map(str, args)])
 

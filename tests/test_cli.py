@@ -81,12 +81,12 @@ def _assert_pack_present():
 def test_demo_on_embedded_pack(monkeypatch):
     """The demo's speed-up is the ratio of medians over --repeats interleaved runs (one run each
     gave 87x and 0.18x on a loaded machine), and the table says so."""
-    import mmspec.cli
+    import mmspec.cli.demo
 
     _assert_pack_present()
     calls = []
-    baseline = mmspec.cli._baseline
-    monkeypatch.setattr(mmspec.cli, "_baseline", lambda *a: calls.append(1) or baseline(*a))
+    baseline = mmspec.cli.demo.baseline
+    monkeypatch.setattr(mmspec.cli.demo, "baseline", lambda *a: calls.append(1) or baseline(*a))
     r = runner.invoke(app, ["demo", "--families", "textvqa", "--methods", "M,TC", "--max-new-tokens", "8",
                             "--repeats", "2"])
     assert r.exit_code == 0, r.output
@@ -101,16 +101,17 @@ def test_default_example_is_answered_right(monkeypatch):
     answer's last sentence states the asked fact, and every fact it lists is the sample's."""
     from rich.console import Console
 
-    import mmspec.cli
+    import mmspec.cli.common
+    import mmspec.cli.generate
     from mmspec.train.evaluate import answers_question, states
     from mmspec.world import make_sample
 
     _assert_pack_present()
-    monkeypatch.setattr(mmspec.cli, "console", Console(width=400))  # the answer on one line
+    monkeypatch.setattr(mmspec.cli.common, "console", Console(width=400))  # the answer on one line
     r = runner.invoke(app, ["generate", "--no-compare"])
     assert r.exit_code == 0, r.output
     answer = next(line for line in r.output.splitlines() if line.startswith("Answer:"))[len("Answer:"):].strip()
-    sample = make_sample(*mmspec.cli.DEFAULT_EXAMPLE)
+    sample = make_sample(*mmspec.cli.generate.DEFAULT_EXAMPLE)
     assert answers_question(sample, answer), (sample.facts, answer)
     assert all(states(answer, v) for v in sample.facts.values()), (sample.facts, answer)
 
@@ -165,15 +166,16 @@ def test_generate_with_no_flags_uses_the_embedded_pack(monkeypatch):
     _assert_pack_present()
     from rich.console import Console
 
-    import mmspec.cli
+    import mmspec.cli.common
+    import mmspec.cli.generate
 
-    monkeypatch.setattr(mmspec.cli, "console", Console(width=200))  # a wide table, whatever $COLUMNS says
+    monkeypatch.setattr(mmspec.cli.common, "console", Console(width=200))  # a wide table, whatever $COLUMNS says
     r = runner.invoke(app, ["generate", "--max-new-tokens", "16"])
     assert r.exit_code == 0, r.output
     out = " ".join(r.output.replace("│", " ").split())  # undo rich's wrapping and table borders
     assert "Using the embedded tiny models: they only know mmspec's synthetic world" in out, out
     assert "No prompt given: a bundled chart-QA example" in out, out
-    assert make_sample(*mmspec.cli.DEFAULT_EXAMPLE).question in out, out
+    assert make_sample(*mmspec.cli.generate.DEFAULT_EXAMPLE).question in out, out
     assert "tokens 16 " in out, out  # the default max_new_tokens is 128: the flag reached the decoder
     assert "identical to target.generate yes" in out, out
 
@@ -237,10 +239,10 @@ def test_errors_print_token_text_literally(capsys):
     """Error text is not rich markup: a token such as [/INST] in a message prints as written."""
     import typer
 
-    from mmspec.cli import _fail
+    from mmspec.cli.common import fail
 
     with pytest.raises(typer.Exit):
-        _fail(MMSpecError("id 7 is '[/INST]' in the target's tokenizer but '[unused0]' in the draft's, then ':x:'"))
+        fail(MMSpecError("id 7 is '[/INST]' in the target's tokenizer but '[unused0]' in the draft's, then ':x:'"))
     err = " ".join(capsys.readouterr().err.split())
     assert "'[/INST]' in the target's tokenizer but '[unused0]' in the draft's, then ':x:'" in err
 

@@ -411,7 +411,7 @@ def _bench(*args, fake: bool = True):
     """`mmspec bench run ARGS`, by default on the fake backend of the bench tests (no models)."""
     from typer.testing import CliRunner
 
-    from mmspec.bench.cli import bench_app
+    from mmspec.cli.bench import bench_app
 
     backend = ["--backend", "fixtures_bench:make_fake_backend"] if fake else []
     return CliRunner().invoke(bench_app, ["run", "--no-progress", *backend, *map(str, args)])
@@ -446,7 +446,7 @@ def test_bench_bad_dataset_creates_nothing(tmp_path, spec, phrase):
 def test_report_refuses_a_directory_without_results(tmp_path):
     from typer.testing import CliRunner
 
-    from mmspec.bench.cli import bench_app
+    from mmspec.cli.bench import bench_app
     from mmspec.bench.config import BenchConfig, DatasetSpec, RankInfo
     from mmspec.bench.runner import run_bench
     from fixtures_bench import FakeBackend
@@ -571,10 +571,10 @@ def test_demo_checks_every_name_before_running(monkeypatch, args, phrase):
     checked before any model loads."""
     from typer.testing import CliRunner
 
-    import mmspec.cli
+    import mmspec.cli.demo
     from mmspec.cli import app
 
-    monkeypatch.setattr(mmspec.cli, "_load", lambda *a: pytest.fail("models loaded before the names were checked"))
+    monkeypatch.setattr(mmspec.cli.demo, "load_models", lambda *a: pytest.fail("models loaded before the names were checked"))
     r = CliRunner().invoke(app, ["demo", *args])
     assert r.exit_code == 2 and phrase in " ".join(r.output.split()), r.output
 

@@ -25,18 +25,6 @@ import torch.nn.functional as F
 from mmspec.errors import MMSpecError
 
 
-def _opt(default, help_: str):
-    import typer
-
-    return typer.Option(default, help=help_)
-
-
-def _opt_required(help_: str):
-    import typer
-
-    return typer.Option(..., help=help_)
-
-
 @dataclass
 class AlignConfig:
     kind: str = "events"
@@ -139,42 +127,3 @@ def world_pairs(draft, processor, cfg: AlignConfig, families: Sequence[str], n: 
             subs.append(make_substitute(s.frames, cfg.kind, **cfg.opts).tensor)
             targets.append(draft_video_target(draft, s.frames, cfg.n_tokens, processor))
     return subs, targets
-
-
-def align_command(
-    draft: Path = _opt_required("The draft model directory the encoder feeds (its processor is read from it)."),
-    out: Path = _opt_required("Where the encoder is saved."),
-    kind: str = _opt("events", "Substitute: events, low_fps or low_res."),
-    families: str = _opt("motion,order", "World video families to align on."),
-    samples: int = _opt(200, "Train-split clips per family."),
-    n_tokens: int = _opt(16, "Tokens per video the encoder gives the draft."),
-    steps: int = _opt(500, "Optimiser steps."),
-    minutes: float = _opt(None, "Time budget: stop and save when it is spent."),
-    batch_size: int = _opt(16, "Clips per step."),
-    lr: float = _opt(2e-3, "Peak learning rate (cosine decay)."),
-    world_seed: int = _opt(0, "World seed of the clips."),
-    threads: int = _opt(None, "CPU threads."),
-) -> None:
-    """Train the draft's substitute encoder + alignment layer (events -> the draft's video features)."""
-    from transformers import AutoImageProcessor, AutoProcessor
-
-    from mmspec.cli import _fail
-    from mmspec.models.loading import load_model
-    from mmspec.provenance import command_line
-
-    try:
-        if threads:
-            torch.set_num_threads(threads)
-        cfg = AlignConfig(kind=kind, out=str(out), n_tokens=n_tokens, steps=steps, minutes=minutes,
-                          batch_size=batch_size, lr=lr,
-                          notes={"command": command_line(), "families": families, "samples": samples,
-                                 "draft": str(draft), "world_seed": world_seed})
-        model = load_model(str(draft), dtype="float32")
-        try:
-            processor = AutoProcessor.from_pretrained(str(draft))
-        except (OSError, ValueError, TypeError):  # a directory with an image processor only
-            processor = AutoImageProcessor.from_pretrained(str(draft))
-        subs, targets = world_pairs(model, processor, cfg, [f for f in families.split(",") if f], samples, world_seed)
-        train_align(subs, targets, cfg)
-    except MMSpecError as e:
-        _fail(e)

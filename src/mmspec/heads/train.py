@@ -308,3 +308,86 @@ def _save(head: FeatureHead, opt, step: int, history: list, ckpt: Path, cfg: Hea
     head.save(ckpt)
     torch.save({"step": step, "optimizer": opt.state_dict(), "history": history, "config": asdict(cfg)},
                ckpt / "train_state.pt")
+
+
+# --- training sequences (``mmspec train head --data``) ---
+# Data (``--data``):
+# * ``world`` (default): the embedded world's train split, image families; each sequence is the
+#   prompt (through the target's processor) followed by the TARGET's own greedy answer from an
+#   answers file made by ``mmspec train answers`` (``--answers``), or, without one, the world's
+#   reference answer (the loss still follows the target's distribution at every position).
+# * ``llava-instruct:FILE.json`` with ``--image-dir DIR``: LLaVA-Instruct conversations (a JSON
+#   list of ``{"id", "image", "conversations": [{"from": "human", "value": "<image>\\n..."},
+#   {"from": "gpt", "value": "..."}]}``): the first turn in the LLaVA-1.5 format
+#   (``USER: <image>\\n{question} ASSISTANT:``) followed by the answer, images read from DIR.
+
+
+def _encode(processor, prompt: str, images, continuation_ids, image_token_id) -> Sequence_:
+    import torch
+
+    enc = processor(text=prompt, images=list(images) or None, return_tensors="pt")
+    cont = torch.as_tensor(list(continuation_ids), dtype=torch.long)
+    if image_token_id is not None:
+        cont = cont[cont != image_token_id]  # an answer never holds image slots
+    ids = torch.cat([enc["input_ids"][0], cont])
+    pv = enc.get("pixel_values")
+    text_prompt = prompt.replace("<image>\n", "").replace("<image>", "")
+    t_enc = processor.tokenizer(text_prompt, return_tensors="pt")
+    text_only = Sequence_(torch.cat([t_enc["input_ids"][0], cont]), None)
+    return Sequence_(ids, pv, text_only=text_only)
+
+
+def world_sequences(processor, families: list[str], n: int, seed: int, answers: Path | None,
+                    image_token_id) -> list[Sequence_]:
+    from mmspec.world import FAMILIES, make_sample
+
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        raise MMSpecError(f"unknown world family {unknown[0]!r}; use some of {', '.join(FAMILIES)}")
+    samples = [make_sample(f, "train", i, seed) for i in range(n) for f in families]
+    answer_ids = {}
+    if answers is not None:
+        from mmspec.train.distill import read_answers
+
+        answer_ids = read_answers(answers, seed=seed, prompts={s.uid: s.prompt for s in samples})
+        missing = [s.uid for s in samples if s.uid not in answer_ids]
+        if missing:
+            raise MMSpecError(f"{answers} lacks {len(missing)} of the {len(samples)} training samples (e.g. "
+                              f"{missing[0]}); make them with `mmspec train answers` for the same families, "
+                              "counts and world seed")
+    tok = processor.tokenizer
+    out = []
+    for s in samples:
+        cont = answer_ids.get(s.uid) or tok(" " + s.answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        out.append(_encode(processor, s.prompt, s.images, cont, image_token_id))
+    return out
+
+
+def llava_instruct_sequences(processor, path: Path, image_dir: Path, n: int, image_token_id) -> list[Sequence_]:
+    from PIL import Image
+
+    rows = json.loads(Path(path).read_text())
+    if not isinstance(rows, list):
+        raise MMSpecError(f"{path} is not a LLaVA-Instruct JSON list of conversations")
+    tok = processor.tokenizer
+    out = []
+    for row in rows[:n]:
+        conv = row.get("conversations") or []
+        if len(conv) < 2 or conv[0].get("from") != "human" or conv[1].get("from") != "gpt":
+            continue
+        question = conv[0]["value"]
+        images = []
+        if row.get("image"):
+            f = Path(image_dir) / row["image"]
+            if not f.exists():
+                raise MMSpecError(f"image {f} of conversation {row.get('id')} not found; --image-dir must hold "
+                                  "the images the JSON names (e.g. COCO train2017 for LLaVA-Instruct-150K)")
+            images = [Image.open(f).convert("RGB")]
+            if "<image>" not in question:
+                question = "<image>\n" + question
+        prompt = f"USER: {question} ASSISTANT:"
+        cont = tok(" " + conv[1]["value"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        out.append(_encode(processor, prompt, images, cont, image_token_id))
+    if not out:
+        raise MMSpecError(f"{path} has no usable conversations (a human turn followed by a gpt turn)")
+    return out

@@ -29,6 +29,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
+from mmspec.threads import apply_threads
 from mmspec.train.checkpoint import save_checkpoint
 from mmspec.train.config import RecipeConfig, StageConfig, build_llava, model_size, param_report
 from mmspec.train.data import (CAPTIONER_PROMPT, Batch, Encoder, Example, batch_stream,
@@ -159,7 +160,7 @@ def run_pack(recipe: RecipeConfig, out: str | Path, minutes_budget: float | None
     if minutes_budget is not None:
         recipe = with_budget(recipe, minutes_budget)
     if recipe.threads:
-        torch.set_num_threads(recipe.threads)
+        apply_threads(recipe.threads)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     run = _Run(recipe, out, log, progress)

@@ -24,12 +24,6 @@ import torch
 from mmspec.errors import MMSpecError
 
 
-def _opt(default, help_: str):
-    import typer
-
-    return typer.Option(default, help=help_)
-
-
 @dataclass
 class VideoTrainConfig:
     out: str = "runs/video"
@@ -181,63 +175,3 @@ def save_video_pair(model, tokenizer, image_processor, out: str | Path) -> Path:
     tokenizer.save_pretrained(out)
     image_processor.save_pretrained(out)
     return out
-
-
-def video_command(
-    out: Path = _opt(..., "Where the video target/ and draft/ are saved, with video_report.json."),
-    target: Path = _opt(None, "The image LLaVA the target is made from (default: the embedded target)."),
-    draft: Path = _opt(None, "The image LLaVA the draft is made from (default: the embedded draft)."),
-    n_frames: int = _opt(4, "Frames per clip the models read."),
-    samples: int = _opt(600, "Train clips per video family."),
-    minutes: float = _opt(30.0, "The target's training time budget."),
-    draft_minutes: float = _opt(10.0, "The draft's training time budget."),
-    steps: int = _opt(600, "Optimiser steps (the schedule's length; the budget may stop earlier)."),
-    batch_size: int = _opt(8, "Clips per step."),
-    lr: float = _opt(3e-4, "Peak learning rate."),
-    eval_samples: int = _opt(50, "Test clips per family for the key-fact check."),
-    threads: int = _opt(None, "CPU threads."),
-) -> None:
-    """Build the embedded video pair from an image pack and fine-tune it on the world's clips."""
-    import json
-
-    from mmspec.cli import _fail
-    from mmspec.provenance import command_line, stamp
-    from mmspec.world import make_video_sample
-
-    try:
-        if threads:
-            torch.set_num_threads(threads)
-        from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-        from mmspec.embedded import default_path
-
-        tdir = Path(target) if target else default_path() / "target"
-        ddir = Path(draft) if draft else default_path() / "draft"
-        processor = AutoProcessor.from_pretrained(tdir)
-        tok, ip = processor.tokenizer, processor.image_processor
-        img_t = LlavaForConditionalGeneration.from_pretrained(tdir, dtype=torch.float32)
-        img_d = LlavaForConditionalGeneration.from_pretrained(ddir, dtype=torch.float32)
-        vt, vid = build_video_llava(img_t, tok, n_frames)
-        vd, _ = build_video_llava(img_d, tok, n_frames)
-        grid = img_t.config.vision_config.image_size // img_t.config.vision_config.patch_size
-        per_frame = grid * grid + 1
-        cfg = VideoTrainConfig(out=str(out), n_frames=n_frames, samples=samples, steps=steps, minutes=minutes,
-                               batch_size=batch_size, lr=lr, notes={"command": command_line()})
-        train = [make_video_sample(f, "train", i) for i in range(samples) for f in cfg.families]
-        test = [make_video_sample(f, "test", i) for i in range(eval_samples) for f in cfg.families]
-        data = [clip_inputs(s, tok, ip, vid, n_frames, per_frame, answer=s.answer) for s in train]
-        report = {"provenance": stamp(), "n_frames": n_frames, "train_clips": len(train)}
-        report["target_before"] = key_fact_rate(vt, test, tok, ip, vid, n_frames, per_frame)
-        report["target_loss"] = train_video(vt, data, cfg, tok.pad_token_id)
-        report["target_after"] = key_fact_rate(vt, test, tok, ip, vid, n_frames, per_frame)
-        dcfg = VideoTrainConfig(**{**cfg.__dict__, "minutes": draft_minutes})
-        report["draft_loss"] = train_video(vd, data, dcfg, tok.pad_token_id)
-        report["draft_after"] = key_fact_rate(vd, test, tok, ip, vid, n_frames, per_frame)
-        for name, m in (("target", vt), ("draft", vd)):
-            save_video_pair(m.half(), tok, ip, Path(out) / name)
-        (Path(out) / "video_report.json").write_text(json.dumps(report, indent=1))
-        print(f"key motion fact stated: target {report['target_before']['rate']:.0%} -> "
-              f"{report['target_after']['rate']:.0%}, draft {report['draft_after']['rate']:.0%} "
-              f"({len(test)} test clips); saved to {out}")
-    except MMSpecError as e:
-        _fail(e)

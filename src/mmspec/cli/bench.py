@@ -1,4 +1,4 @@
-"""Typer commands ``run`` and ``report`` (mounted by ``mmspec.cli`` as ``mmspec bench`` / ``mmspec report``).
+"""``mmspec bench run`` and ``mmspec report`` (mounted by :mod:`mmspec.cli.app`).
 
 Owns only the mapping of flags onto :class:`~mmspec.bench.config.BenchConfig` and the printing
 of a short summary; the work is in :mod:`mmspec.bench.runner` and :mod:`mmspec.bench.report`.
@@ -146,5 +146,5 @@ def report_command(
                     "report.", fg="red", bold=True, err=True)
 
 
-if __name__ == "__main__":  # `python -m mmspec.bench.cli run ...` (used under torchrun)
+if __name__ == "__main__":  # `python -m mmspec.cli.bench run ...`
     bench_app()

@@ -13,11 +13,11 @@ from typing import Optional
 
 import typer
 
-from mmspec.train.cli.app import (_BF16, _MINUTES, _STEPS, _default_steps, _parse_family_samples,
-                                  _require_model_dir, train_app)
+from mmspec.cli.common import set_threads
+from mmspec.cli.train.common import (_BF16, _MINUTES, _STEPS, _default_steps, _parse_family_samples,
+                                  _require_model_dir)
 
 
-@train_app.command("embedded")
 def embedded(
     out: Path = typer.Option(None, help="output dir (default: the package assets/embedded)"),
     minutes_budget: Optional[float] = typer.Option(None, help="wall-clock budget; stages get shares of it"),
@@ -54,7 +54,6 @@ def embedded(
     run_pack(recipe, out or default_path(), minutes_budget=minutes_budget, progress=not quiet)
 
 
-@train_app.command("stage")
 def stage(
     out: Path = typer.Option(..., help="where to save the trained model (HF dir)"),
     init: Optional[Path] = typer.Option(None, help="start from this HF LLaVA dir"),
@@ -141,8 +140,7 @@ def stage(
         raise typer.BadParameter(str(exc)) from exc
     per_family = _parse_family_samples(family_samples, n_train_per_family)
     world_seed = seed if world_seed is None else world_seed
-    if threads:
-        torch.set_num_threads(threads)
+    set_threads(threads)
     torch.manual_seed(seed)
     # The token ids come from the model this one continues or borrows its tower from (a draft must
     # share its target's vocabulary), whatever the seeds; only a model from nothing gets a fresh tokenizer.
@@ -212,7 +210,6 @@ def stage(
     typer.echo(f"{res.summary()} -> {out}")
 
 
-@train_app.command("answers")
 def answers_cmd(
     out: Path = typer.Option(..., help="JSONL file to write (appended to: a rerun resumes, skipping samples "
                              "already answered)"),
@@ -251,8 +248,7 @@ def answers_cmd(
     path = target or default_path() / "target"
     _require_model_dir(path, "--target")
     per_family = _parse_family_samples(family_samples, n_train_per_family)
-    if threads:
-        torch.set_num_threads(threads)
+    set_threads(threads)
     llava = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval().to(device)
     processor = AutoProcessor.from_pretrained(path)
     source = AnswerSource(target_fingerprint(path), tokenizer_fingerprint(processor.tokenizer), seed, max_new_tokens)

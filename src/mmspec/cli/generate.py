@@ -1,30 +1,18 @@
-"""The ``mmspec`` command. It only maps flags onto library calls and prints results.
-
-Commands: ``generate`` (one prompt), ``demo`` (the embedded world end to end), ``bench`` /
-``report`` (:mod:`mmspec.bench`), ``train`` (:mod:`mmspec.train`).
-"""
+"""``mmspec generate``: one prompt, answered with speculative decoding, with its block statistics."""
 
 from __future__ import annotations
 
-import statistics
 import time
 from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
-from rich.text import Text
 
+from mmspec.cli import common
+from mmspec.cli.common import check_max_new_tokens, check_prompt, fail, graphs_flag, parse_weights
 from mmspec.errors import MMSpecError
-from mmspec.threads import apply_threads
-
-app = typer.Typer(help="Lossless speculative decoding for vision-language models (IbED).",
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  rich_markup_mode="markdown")  # markdown: docstring paragraphs reflow to the terminal
-console = Console()
-err_console = Console(stderr=True)
 
 # `mmspec generate` with no prompt: a world sample the embedded target answers right (checked by
 # tests/test_cli.py with the world's own fact check), not test sample 0, which it gets wrong
@@ -33,46 +21,7 @@ EMBEDDED_NOTE = ("[dim]Using the embedded tiny models: they only know mmspec's s
                  "(charts, signs, shapes, differences, edits, little stories), not real photos.[/dim]")
 
 
-def _fail(e: Exception) -> None:
-    err_console.print(Text.assemble(("error:", "bold red"), " ", str(e)))  # literal: "[/INST]", ":x:" as written
-    raise typer.Exit(code=2)
-
-
-def _check_max_new_tokens(n: int) -> None:
-    if n < 1:
-        raise MMSpecError(f"--max-new-tokens must be >= 1, got {n}")
-
-
-def _graphs_flag(text: str):
-    """--cuda-graphs auto|on|off -> SpecDecoder's cuda_graphs."""
-    flags = {"auto": "auto", "on": True, "off": False}
-    if text.lower() not in flags:
-        raise MMSpecError(f"--cuda-graphs must be auto, on or off, got {text!r}")
-    return flags[text.lower()]
-
-
-def _check_prompt(prompt: str | None) -> None:
-    if prompt is not None and not prompt.replace("<image>", "").strip():
-        raise MMSpecError(f"--prompt {prompt!r} has no text; say what to ask about the image(s), "
-                          "e.g. --prompt \"What is shown?\"")
-
-
-def _names(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
-def _parse_weights(weights: str | None) -> list[float] | None:
-    """--weights "1,0.5" -> [1.0, 0.5]; anything but comma-separated numbers is refused."""
-    if not weights:
-        return None
-    try:
-        return [float(x) for x in weights.split(",")]
-    except ValueError:
-        raise MMSpecError(f"--weights {weights!r} is not a comma-separated list of numbers; "
-                          "give one number per view, e.g. --views MT --weights 1,0.5") from None
-
-
-def _load(target, draft, captioner, captioner_prompt, dtype, device):
+def load_models(target, draft, captioner, captioner_prompt, dtype, device):
     """Models for generate/demo: the given checkpoints, or the embedded pack."""
     from transformers.utils import logging as hf_logging
 
@@ -108,7 +57,7 @@ def _load(target, draft, captioner, captioner_prompt, dtype, device):
     return t, d, tok, processor, cap, False
 
 
-def _stats_table(title: str, res, baseline_s: float | None = None, identical: bool | None = None) -> Table:
+def stats_table(title: str, res, baseline_s: float | None = None, identical: bool | None = None) -> Table:
     st = res.stats
     tab = Table(title=title, show_header=False, title_justify="left")
     tab.add_row("tokens", str(st.n_tokens))
@@ -129,7 +78,7 @@ def _stats_table(title: str, res, baseline_s: float | None = None, identical: bo
     return tab
 
 
-def _baseline(target, inputs, max_new_tokens):
+def baseline(target, inputs, max_new_tokens):
     import torch
 
     t0 = time.perf_counter()
@@ -138,7 +87,6 @@ def _baseline(target, inputs, max_new_tokens):
     return out[0, inputs["input_ids"].shape[1]:].tolist(), time.perf_counter() - t0
 
 
-@app.command()
 def generate(
     prompt: Optional[str] = typer.Option(None, help="Prompt text; `<image>` marks each image (added in front if missing)."),
     image: List[Path] = typer.Option([], "--image", "-i", help="Image file; repeat for several images, in slot order."),
@@ -181,31 +129,31 @@ def generate(
         from mmspec.tree import parse_tree
         from mmspec.verify import SamplingParams
 
-        _check_max_new_tokens(max_new_tokens)
+        check_max_new_tokens(max_new_tokens)
         tree_kw = dict(tree=tree, tree_depth=tree_depth, tree_topk=tree_topk, tree_budget=tree_budget,
-                       tree_children=tree_children, stop_below=stop_below, cuda_graphs=_graphs_flag(cuda_graphs))
+                       tree_children=tree_children, stop_below=stop_below, cuda_graphs=graphs_flag(cuda_graphs))
         if isinstance(gamma, bool) or gamma < 1:
             raise MMSpecError(f"--gamma must be a whole number >= 1, got {gamma}")
         parse_tree(tree, gamma=gamma, device_type=device.split(":")[0], depth=tree_depth, topk=tree_topk,
                    budget=tree_budget, children=tree_children, stop_below=stop_below)  # refused before loading models
         SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)  # refused before loading models
-        w = _parse_weights(weights)
-        _check_prompt(prompt)
-        apply_threads(threads)
+        w = parse_weights(weights)
+        check_prompt(prompt)
+        common.set_threads(threads)
         if prompt is None and image:  # prompt checks first: before loading any model
             raise MMSpecError("--image was given without --prompt; say what to ask about the image(s)")
         if prompt is None and target is not None:
             raise MMSpecError("pass --prompt (and --image for each image)")
         images = load_images(image) if image else []  # an unreadable image fails before loading too
-        t, d, tok, proc, cap, embedded = _load(target, draft, captioner, captioner_prompt, dtype, device)
+        t, d, tok, proc, cap, embedded = load_models(target, draft, captioner, captioner_prompt, dtype, device)
         if embedded:
-            console.print(EMBEDDED_NOTE)
+            common.console.print(EMBEDDED_NOTE)
         if prompt is None:
             from mmspec.world import make_sample
 
             sample = make_sample(*DEFAULT_EXAMPLE)
             prompt_text, images = sample.prompt, sample.images
-            console.print("[dim]No prompt given: a bundled chart-QA example from the synthetic world.[/dim]")
+            common.console.print("[dim]No prompt given: a bundled chart-QA example from the synthetic world.[/dim]")
         else:
             prompt_text = frame_prompt(prompt, len(images))
         view_list = [v for v in views.split(",") if v]
@@ -218,111 +166,12 @@ def generate(
                            seed=seed, images=images)
         base_s = identical = None
         if compare and temperature == 0:
-            ref, base_s = _baseline(t, inputs, max_new_tokens)
+            ref, base_s = baseline(t, inputs, max_new_tokens)
             identical = ref == res.token_ids
-        console.print(f"[bold]Prompt:[/bold] {escape(prompt_text)}")  # user text: "[/INST]" is not markup
-        console.print(f"[bold]Answer:[/bold] {escape(res.text)}")
-        console.print(_stats_table(f"{dec.method}: {dec.tree.label}, {dec.engine} engine", res, base_s, identical))
+        common.console.print(f"[bold]Prompt:[/bold] {escape(prompt_text)}")  # user text: "[/INST]" is not markup
+        common.console.print(f"[bold]Answer:[/bold] {escape(res.text)}")
+        common.console.print(stats_table(f"{dec.method}: {dec.tree.label}, {dec.engine} engine", res, base_s, identical))
         if identical is False:
             raise MMSpecError("the speculative output differs from target.generate; please report this")
     except MMSpecError as e:
-        _fail(e)
-
-
-@app.command()
-def demo(
-    methods: str = typer.Option("M,T,C,P,MT,MTC,MTCP,M+tree", help="Drafting methods to compare, comma-separated "
-                                "(+tree: a dynamic token tree, e.g. M+tree, MTC+tree@16)."),
-    families: str = typer.Option("chartqa,textvqa,spot_the_diff,pororosv", help="World families (1, 2 and 5 images)."),
-    max_new_tokens: int = typer.Option(64),
-    gamma: int = typer.Option(5),
-    repeats: int = typer.Option(3, help="Runs of the target alone and of each method per family, interleaved; "
-                                "the speed-up is the ratio of their medians."),
-    threads: Optional[int] = typer.Option(None, help="CPU threads for torch (default: torch's choice)."),
-):
-    """Run every drafting method on a few synthetic-world samples with the embedded models.
-
-    Prints, per method, whether the output is identical to the target's, the block efficiency
-    and the speed-up over the target alone (medians of `--repeats` interleaved runs)."""
-    try:
-        from mmspec.bench.config import parse_method
-        from mmspec.decoder import SpecDecoder
-        from mmspec.inputs import processor_inputs
-        from mmspec.views import parse_views
-        from mmspec.world import FAMILIES, make_sample
-
-        _check_max_new_tokens(max_new_tokens)
-        if repeats < 1:
-            raise MMSpecError(f"--repeats must be >= 1, got {repeats}")
-        fams, meths = _names(families), _names(methods)  # every name checked before any model runs
-        unknown = [f for f in fams if f not in FAMILIES]
-        if unknown or not fams:
-            raise MMSpecError(f"--families: unknown family {', '.join(map(repr, unknown)) or '(none given)'}; "
-                              f"use some of {', '.join(FAMILIES)}")
-        if not meths:
-            raise MMSpecError("--methods is empty; give drafting methods such as M,T,MT")
-        for m in meths:
-            try:
-                views_m, kw_m = parse_method(m)
-                if "head" in kw_m:
-                    raise MMSpecError(f"{m!r} drafts with a trained head; the demo compares the pack's views "
-                                      "(use mmspec bench run -m for head methods)")
-                parse_views(views_m)
-            except MMSpecError as e:
-                raise MMSpecError(f"--methods: {e}") from None
-        apply_threads(threads)
-        t, d, tok, proc, cap, _ = _load(None, None, None, None, "auto", "cpu")
-        console.print(EMBEDDED_NOTE)
-        decs = {m: SpecDecoder(t, d, tok, views=parse_method(m)[0], captioner=cap, gamma=gamma, processor=proc,
-                               **parse_method(m)[1]) for m in meths}
-        tab = Table(title=f"mmspec demo (embedded models, CPU, gamma={gamma}, greedy, {max_new_tokens} new tokens)")
-        for col in ["family", "images", "method", "tau", "accepted len", f"speed-up (median of {repeats})", "identical"]:
-            tab.add_column(col)
-        mismatches = []
-        for fam in fams:
-            s = make_sample(fam, "test", 0)
-            inputs = processor_inputs(proc, s.prompt, s.images)
-            base_s: list[float] = []
-            runs: dict[str, list] = {m: [] for m in decs}
-            for _ in range(repeats):  # interleaved: a burst of load hits the target and the methods alike
-                ref, secs = _baseline(t, inputs, max_new_tokens)
-                base_s.append(secs)
-                for m, dec in decs.items():
-                    runs[m].append(dec.generate(inputs["input_ids"], inputs.get("pixel_values"),
-                                                inputs.get("attention_mask"), max_new_tokens=max_new_tokens,
-                                                images=s.images))
-            console.print(f"[bold]{fam}[/bold] — {escape(s.question or s.prompt[:80])}\n"
-                          f"  target: {escape(tok.decode(ref, skip_special_tokens=True))}")
-            for m, results in runs.items():
-                st = results[0].stats
-                same = all(r.token_ids == ref for r in results)
-                if not same:
-                    mismatches.append(f"{fam}/{m}")
-                speedup = statistics.median(base_s) / statistics.median(r.stats.total_s for r in results)
-                tab.add_row(fam, str(len(s.images)), m, f"{st.tau:.2f}", f"{st.mean_accepted_length:.2f}",
-                            f"{speedup:.2f}x", "[green]yes[/green]" if same else "[red]NO[/red]")
-        console.print(tab)
-        console.print(f"[dim]tau = tokens per block incl. the bonus/recovered token; speed-up = median time of the "
-                      f"target alone / median time of the method over {repeats} interleaved run(s) of one sample "
-                      "on this machine: other load on it moves the figure (see `mmspec bench` for medians over "
-                      "100 samples).[/dim]")
-        if mismatches:
-            raise MMSpecError(f"output differs from target.generate for {', '.join(mismatches)}; "
-                              "greedy speculative decoding must be exact, please report this")
-    except MMSpecError as e:
-        _fail(e)
-
-
-def _mount() -> None:
-    from mmspec.bench.cli import bench_app, report_command
-    from mmspec.train.cli import train_app
-
-    app.add_typer(bench_app, name="bench")
-    app.command("report", help="Render report.md + plots from a bench results directory.")(report_command)
-    app.add_typer(train_app, name="train")
-
-
-_mount()
-
-if __name__ == "__main__":  # pragma: no cover
-    app()
+        fail(e)

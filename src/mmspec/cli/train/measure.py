@@ -11,11 +11,11 @@ from typing import Optional
 
 import typer
 
+from mmspec.cli.common import set_threads
 from mmspec.bench.datasets import SINGLE_IMAGE  # the fact-recall goal's families; `facts` defaults to them
-from mmspec.train.cli.app import _require_model_dir, train_app
+from mmspec.cli.train.common import _require_model_dir
 
 
-@train_app.command("evaluate")
 def evaluate_cmd(
     results: Path = typer.Option(..., help="a `mmspec bench run` results dir on the embedded world"),
     captions_per_family: int = typer.Option(50, help="test samples per family for the caption check (0: skip)"),
@@ -67,7 +67,6 @@ def _provenance(results: Optional[Path] = None) -> dict:
     return out
 
 
-@train_app.command("facts")
 def facts_cmd(
     model: Optional[Path] = typer.Option(None, help="HF LLaVA dir (default: the shipped target)"),
     n: int = typer.Option(100, help="test samples per family (the split's first N, as the benchmark takes them)"),
@@ -107,8 +106,7 @@ def facts_cmd(
         raise typer.BadParameter(f"{out.parent} does not exist; create it or write elsewhere", param_hint="--out")
     path = model or default_path() / "target"
     _require_model_dir(path, "--model")
-    if threads:
-        torch.set_num_threads(threads)
+    set_threads(threads)
     families = list(dict.fromkeys(family))
     tokens_per_image = read_sidecar(path).get("pooled_tokens") or 64  # a pooled draft reads N tokens per image
     llava = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval().to(device)

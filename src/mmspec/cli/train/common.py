@@ -1,8 +1,4 @@
-"""The ``mmspec train`` typer app and what its commands share: options, step defaults and checks.
-
-The commands register on :data:`train_app` from :mod:`~mmspec.train.cli.stages` and
-:mod:`~mmspec.train.cli.measure`.
-"""
+"""What the ``mmspec train`` commands share: options, step defaults and checks."""
 
 from __future__ import annotations
 
@@ -10,9 +6,6 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-
-train_app = typer.Typer(help="Train the embedded target / draft / captioner on the synthetic world.",
-                        no_args_is_help=True)
 
 # options that several commands share, declared once
 _STEPS = typer.Option(None, help="optimiser steps (default: 1000, or as many as --minutes allow when it is given)")

@@ -1,0 +1,11 @@
+"""The ``mmspec`` command line: the only package that imports typer.
+
+One module per command (``generate``, ``demo``, ``bench`` with ``report``, ``train/`` with one
+module per training command); :mod:`.common` holds what they share (consoles, the one-line error
+exit, ``--threads``). Commands map flags onto the library's typed configs and print results;
+the work is in the library, which never imports this package (``tests/test_layering.py``).
+"""
+
+from mmspec.cli.app import app
+
+__all__ = ["app"]

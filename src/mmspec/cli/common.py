@@ -1,0 +1,64 @@
+"""What every ``mmspec`` command shares: the consoles, the one-line error exit, the ``--threads``
+option and the small flag checks. Nothing outside :mod:`mmspec.cli` imports this module.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+from mmspec.errors import MMSpecError
+from mmspec.threads import apply_threads
+
+console = Console()
+err_console = Console(stderr=True)
+
+THREADS = typer.Option(None, help="CPU threads for torch (default: torch's choice); give each of several runs "
+                       "side by side a share of the cores.")
+
+
+def fail(e: Exception) -> None:
+    err_console.print(Text.assemble(("error:", "bold red"), " ", str(e)))  # literal: "[/INST]", ":x:" as written
+    raise typer.Exit(code=2)
+
+
+def check_max_new_tokens(n: int) -> None:
+    if n < 1:
+        raise MMSpecError(f"--max-new-tokens must be >= 1, got {n}")
+
+
+def graphs_flag(text: str):
+    """--cuda-graphs auto|on|off -> SpecDecoder's cuda_graphs."""
+    flags = {"auto": "auto", "on": True, "off": False}
+    if text.lower() not in flags:
+        raise MMSpecError(f"--cuda-graphs must be auto, on or off, got {text!r}")
+    return flags[text.lower()]
+
+
+def check_prompt(prompt: str | None) -> None:
+    if prompt is not None and not prompt.replace("<image>", "").strip():
+        raise MMSpecError(f"--prompt {prompt!r} has no text; say what to ask about the image(s), "
+                          "e.g. --prompt \"What is shown?\"")
+
+
+def names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def parse_weights(weights: str | None) -> list[float] | None:
+    """--weights "1,0.5" -> [1.0, 0.5]; anything but comma-separated numbers is refused."""
+    if not weights:
+        return None
+    try:
+        return [float(x) for x in weights.split(",")]
+    except ValueError:
+        raise MMSpecError(f"--weights {weights!r} is not a comma-separated list of numbers; "
+                          "give one number per view, e.g. --views MT --weights 1,0.5") from None
+
+
+def set_threads(threads: Optional[int]) -> None:
+    """--threads: torch's CPU threads for this process (one place: :func:`mmspec.threads.apply_threads`)."""
+    apply_threads(threads)

@@ -1,0 +1,98 @@
+"""``mmspec demo``: every drafting method on a few synthetic-world samples with the embedded models."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from mmspec.cli import common
+from mmspec.cli.common import check_max_new_tokens, fail, names
+from mmspec.cli.generate import EMBEDDED_NOTE, baseline, load_models
+from mmspec.errors import MMSpecError
+
+
+def demo(
+    methods: str = typer.Option("M,T,C,P,MT,MTC,MTCP,M+tree", help="Drafting methods to compare, comma-separated "
+                                "(+tree: a dynamic token tree, e.g. M+tree, MTC+tree@16)."),
+    families: str = typer.Option("chartqa,textvqa,spot_the_diff,pororosv", help="World families (1, 2 and 5 images)."),
+    max_new_tokens: int = typer.Option(64),
+    gamma: int = typer.Option(5),
+    repeats: int = typer.Option(3, help="Runs of the target alone and of each method per family, interleaved; "
+                                "the speed-up is the ratio of their medians."),
+    threads: Optional[int] = typer.Option(None, help="CPU threads for torch (default: torch's choice)."),
+):
+    """Run every drafting method on a few synthetic-world samples with the embedded models.
+
+    Prints, per method, whether the output is identical to the target's, the block efficiency
+    and the speed-up over the target alone (medians of `--repeats` interleaved runs)."""
+    try:
+        from mmspec.bench.config import parse_method
+        from mmspec.decoder import SpecDecoder
+        from mmspec.inputs import processor_inputs
+        from mmspec.views import parse_views
+        from mmspec.world import FAMILIES, make_sample
+
+        check_max_new_tokens(max_new_tokens)
+        if repeats < 1:
+            raise MMSpecError(f"--repeats must be >= 1, got {repeats}")
+        fams, meths = names(families), names(methods)  # every name checked before any model runs
+        unknown = [f for f in fams if f not in FAMILIES]
+        if unknown or not fams:
+            raise MMSpecError(f"--families: unknown family {', '.join(map(repr, unknown)) or '(none given)'}; "
+                              f"use some of {', '.join(FAMILIES)}")
+        if not meths:
+            raise MMSpecError("--methods is empty; give drafting methods such as M,T,MT")
+        for m in meths:
+            try:
+                views_m, kw_m = parse_method(m)
+                if "head" in kw_m:
+                    raise MMSpecError(f"{m!r} drafts with a trained head; the demo compares the pack's views "
+                                      "(use mmspec bench run -m for head methods)")
+                parse_views(views_m)
+            except MMSpecError as e:
+                raise MMSpecError(f"--methods: {e}") from None
+        common.set_threads(threads)
+        t, d, tok, proc, cap, _ = load_models(None, None, None, None, "auto", "cpu")
+        common.console.print(EMBEDDED_NOTE)
+        decs = {m: SpecDecoder(t, d, tok, views=parse_method(m)[0], captioner=cap, gamma=gamma, processor=proc,
+                               **parse_method(m)[1]) for m in meths}
+        tab = Table(title=f"mmspec demo (embedded models, CPU, gamma={gamma}, greedy, {max_new_tokens} new tokens)")
+        for col in ["family", "images", "method", "tau", "accepted len", f"speed-up (median of {repeats})", "identical"]:
+            tab.add_column(col)
+        mismatches = []
+        for fam in fams:
+            s = make_sample(fam, "test", 0)
+            inputs = processor_inputs(proc, s.prompt, s.images)
+            base_s: list[float] = []
+            runs: dict[str, list] = {m: [] for m in decs}
+            for _ in range(repeats):  # interleaved: a burst of load hits the target and the methods alike
+                ref, secs = baseline(t, inputs, max_new_tokens)
+                base_s.append(secs)
+                for m, dec in decs.items():
+                    runs[m].append(dec.generate(inputs["input_ids"], inputs.get("pixel_values"),
+                                                inputs.get("attention_mask"), max_new_tokens=max_new_tokens,
+                                                images=s.images))
+            common.console.print(f"[bold]{fam}[/bold] — {escape(s.question or s.prompt[:80])}\n"
+                          f"  target: {escape(tok.decode(ref, skip_special_tokens=True))}")
+            for m, results in runs.items():
+                st = results[0].stats
+                same = all(r.token_ids == ref for r in results)
+                if not same:
+                    mismatches.append(f"{fam}/{m}")
+                speedup = statistics.median(base_s) / statistics.median(r.stats.total_s for r in results)
+                tab.add_row(fam, str(len(s.images)), m, f"{st.tau:.2f}", f"{st.mean_accepted_length:.2f}",
+                            f"{speedup:.2f}x", "[green]yes[/green]" if same else "[red]NO[/red]")
+        common.console.print(tab)
+        common.console.print(f"[dim]tau = tokens per block incl. the bonus/recovered token; speed-up = median time of the "
+                      f"target alone / median time of the method over {repeats} interleaved run(s) of one sample "
+                      "on this machine: other load on it moves the figure (see `mmspec bench` for medians over "
+                      "100 samples).[/dim]")
+        if mismatches:
+            raise MMSpecError(f"output differs from target.generate for {', '.join(mismatches)}; "
+                              "greedy speculative decoding must be exact, please report this")
+    except MMSpecError as e:
+        fail(e)
