@@ -1,8 +1,8 @@
 """The docs and docstrings name only files that exist, and nothing under docs/ is code.
 
-A path into the repository (``docs/...``, ``bench/...``, ``src/...``, ``tests/...``,
-``scripts/...``) or a top-level ``*.md`` named in README.md, DEVELOPERS.md, docs/*.md,
-bench/README.md or a Python file must exist. A file that left the tree is named with the commit
+A path into the repository (``docs/...``, ``perf/...``, ``src/...``, ``tests/...``,
+``scripts/...``) or a top-level ``*.md`` named in README.md,
+DEVELOPERS.md, docs/*.md, perf/README.md or a Python file must exist. A file that left the tree is named with the commit
 that has it (``e735698:scripts/train-embedded-pack.sh``, as ``git show`` takes it) or on a line
 that checks that commit out. The reports under docs/results/ are records of their day and say
 at their top where the files they name went; they are not checked here.
@@ -18,10 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # a path ends where a name does; one with a shell pattern in it ({2,3}, *) names several and is not checked
-PATH = re.compile(r"(?<![\w:/.-])((?:docs|scripts|bench|tests|src)/[\w./-]*\w(?![\w./{*-])|(?<![\w/])[A-Z][A-Z_]+\.md)")
-# Files others are rewriting as this check lands; each cites a DESIGN.md the repository never had
-# (the conventions are DEVELOPERS.md's). Remove an entry when its file is mended.
-NOT_YET: set[str] = set()
+PATH = re.compile(r"(?<![\w:/.-])((?:docs|scripts|perf|tests|src)/[\w./-]*\w(?![\w./{*-])|(?<![\w/])[A-Z][A-Z_]+\.md)")
 
 
 def tracked() -> list[str]:
@@ -44,10 +41,10 @@ def missing_paths(text: str) -> list[str]:
 
 
 def test_docs_and_docstrings_name_only_files_that_exist():
-    files = [f for f in tracked() if f in ("README.md", "DEVELOPERS.md", "bench/README.md")
+    files = [f for f in tracked() if f in ("README.md", "DEVELOPERS.md", "perf/README.md")
              or re.fullmatch(r"docs/[^/]+\.md", f) or (f.endswith(".py") and not f.startswith("docs/"))]
     assert "README.md" in files and "docs/embedded-models.md" in files
-    checked = [f for f in files if f not in NOT_YET and f != "tests/test_docs.py"]  # this file names missing ones
+    checked = [f for f in files if f != "tests/test_docs.py"]  # this file names missing ones
     bad = {f: sorted(set(p)) for f in checked if (p := missing_paths((ROOT / f).read_text()))}
     assert not bad, f"these name files that do not exist (name the commit that has them: COMMIT:PATH): {bad}"
 

@@ -8,8 +8,8 @@ def test_command_line_as_typed(monkeypatch):
     assert command_line() == "mmspec bench run --out 'my runs'"
     monkeypatch.setattr("sys.argv", ["/venv/lib/python3.11/site-packages/mmspec/__main__.py", "report", "r"])
     assert command_line() == "mmspec report r"  # python -m mmspec
-    monkeypatch.setattr("sys.argv", ["bench/speed.py", "--threads", "1"])  # not the mmspec CLI: as given
-    assert command_line() == "bench/speed.py --threads 1"
+    monkeypatch.setattr("sys.argv", ["perf/speed.py", "--threads", "1"])  # not the mmspec CLI: as given
+    assert command_line() == "perf/speed.py --threads 1"
 
 
 def test_stamp_has_command_date_and_machine(monkeypatch):

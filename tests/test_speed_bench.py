@@ -1,4 +1,5 @@
-"""The speed scripts (bench/speed.py, bench/gpu_shapes.py) on tiny random models, on CPU.
+"""The speed scripts (perf/speed.py, perf/gpu_shapes.py, perf/video_speed.py's report) on tiny
+random models, on CPU.
 
 These check code paths and report files, not speed: timings of tiny models under a test runner
 mean nothing.
@@ -15,24 +16,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import make_llava, make_prompt, make_tokenizer, noisy_copy
+from tiny import make_llava, make_processor, make_prompt, make_tokenizer, noisy_copy, swapped_tokenizer
+
+from mmspec.bench.backend import BenchModels
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load(name: str):
-    """Import a script from bench/ (not a package) under a private module name. bench/ goes on
-    sys.path, as it is for ``python bench/speed.py``: the script imports its helpers beside it."""
-    if str(ROOT / "bench") not in sys.path:
-        sys.path.insert(0, str(ROOT / "bench"))
-    mod_name = f"_mmspec_bench_{name}"
-    if mod_name in sys.modules:
-        return sys.modules[mod_name]
-    spec = importlib.util.spec_from_file_location(mod_name, ROOT / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = mod  # dataclasses resolve their module through sys.modules
-    spec.loader.exec_module(mod)
-    return mod
+    """Import a script from perf/ (not a package) by its path, under the name the scripts use
+    for each other (``speed.sibling``), so a helper is loaded once; no ``sys.path`` change."""
+    mod_name = f"_mmspec_perf_{name}"
+    if mod_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(mod_name, ROOT / "perf" / f"{name}.py")
+        sys.modules[mod_name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up there
+        spec.loader.exec_module(sys.modules[mod_name])
+    return sys.modules[mod_name]
 
 
 class _Captioner:
@@ -56,7 +55,7 @@ def _tiny_prompts(speed, n_images=(1, 2)):
 
 def test_speed_run_on_tiny_models(speed, tmp_path):
     target = make_llava(0)
-    models = speed.SpeedModels(target, noisy_copy(target, 1), make_tokenizer(), None, _Captioner(), "tiny")
+    models = BenchModels(target, noisy_copy(target, 1), make_tokenizer(), None, _Captioner(), source="tiny")
     cfg = speed.SpeedConfig(max_new_tokens=10, repeats=2, latency_repeats=1, device="cpu", out=str(tmp_path),
                             command="test", step_rounds=2)
     res = speed.run(cfg, models=models, prompts=_tiny_prompts(speed), log=lambda s: None)
@@ -82,33 +81,76 @@ def test_speed_run_on_tiny_models(speed, tmp_path):
         assert x["ratio"] == pytest.approx(x["step_s"]["MTCP"] / x["step_s"]["M"])
         assert set(x["dynamic_cache_step_s"]) == {"M", "MTCP"}
     assert eng["draft_step_views_over_1"] == pytest.approx(statistics.median(x["ratio"] for x in step["per_prompt"]))
-    parts = res["breakdown"]["mmspec_MTC"]["parts_s"]
-    assert parts["draft_forward"] > 0 and parts["target_forward"] > 0 and parts["verify_maths"] > 0
-    assert res["breakdown"]["mmspec_MTC"]["calls"]["cache_crop"] > 0
+    b = res["breakdown"]["mmspec_MTC"]
+    parts = b["parts_s"]
+    assert parts["draft_forward"] > 0 and parts["target_forward"] > 0 and parts["verify_other"] > 0
+    assert b["calls"]["draft_forward"] > 0 and b["calls"]["target_forward"] > 0
+    # the forwards are inside the clock's phases, and the pieces add up to generate's total
+    assert parts["draft_forward"] <= b["phases_s"]["draft"] and parts["target_forward"] <= b["phases_s"]["verify"]
+    assert sum(parts.values()) == pytest.approx(b["total_s"], rel=1e-6)
     saved = json.loads((tmp_path / "speed.json").read_text())
     assert saved["machine"]["torch"] == torch.__version__ and saved["config"]["command"] == "test"
     assert "tokens/s" in (tmp_path / "speed.md").read_text()
 
 
-def test_profiling_wrappers_are_removed(speed):
+def test_breakdown_hooks_are_removed_and_nothing_is_patched(speed):
     from mmspec.drafter import EnsembleDrafter
     import mmspec.engine as engine
 
-    before = (EnsembleDrafter._run, EnsembleDrafter.mixture, engine.verify_tree_greedy)
+    before = (dict(vars(EnsembleDrafter)), dict(vars(engine)))
     target = make_llava(0)
-    models = speed.SpeedModels(target, noisy_copy(target, 1), make_tokenizer(), None, None, "tiny")
+    models = BenchModels(target, noisy_copy(target, 1), make_tokenizer(), None, source="tiny")
     dec = speed.build_decoders(speed.SpeedConfig(ensemble="M"), models)["mmspec_M"]
     profile_breakdown = _load("breakdown").profile_breakdown
 
-    profile_breakdown(dec, _tiny_prompts(speed, (1,)), 4, torch.device("cpu"))
-    assert (EnsembleDrafter._run, EnsembleDrafter.mixture, engine.verify_tree_greedy) == before
+    seen = profile_breakdown(dec, _tiny_prompts(speed, (1,)), 4, torch.device("cpu"))["calls"]
+    assert seen["draft_forward"] > 0 and seen["target_forward"] > 0
+    assert (dict(vars(EnsembleDrafter)), dict(vars(engine))) == before
+    for model in (dec.target.model, dec.draft.model):
+        assert not model._forward_pre_hooks and not model._forward_hooks
     assert "forward" not in vars(dec.target) and "new_cache" not in vars(dec.draft)
+
+
+def test_breakdown_ranges_show_in_a_profiler(speed):
+    """Each hooked forward runs in a record_function range a profiler taken around it lists."""
+    target = make_llava(0)
+    models = BenchModels(target, noisy_copy(target, 1), make_tokenizer(), None, source="tiny")
+    dec = speed.build_decoders(speed.SpeedConfig(ensemble="M"), models)["mmspec_M"]
+    bd = _load("breakdown")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        calls = bd.profile_breakdown(dec, _tiny_prompts(speed, (1,)), 4, torch.device("cpu"))["calls"]
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert counts.get(bd.TARGET_RANGE) == calls["target_forward"] and counts.get(bd.DRAFT_RANGE) == calls["draft_forward"]
+
+
+def test_speed_refuses_a_draft_without_a_target_before_loading(speed, capsys):
+    assert speed.main(["--draft", "/nonexistent/draft", "--out", "/nonexistent/out"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--draft needs --target" in err[0]
+    assert not Path("/nonexistent/out").exists()
+
+
+def test_speed_refuses_a_draft_of_another_vocabulary_before_loading(speed, tmp_path, capsys):
+    """perf/speed.py loads checkpoints through the library (mmspec.bench.backend): a draft whose
+    tokenizer maps ids to other words is refused by name, before any weights load (the
+    directories here hold a config and a processor, no weights)."""
+    tok = make_tokenizer()
+    target = make_llava(0)
+    for name, t in (("target", tok), ("draft", swapped_tokenizer(tok, "w5", "w6"))):
+        target.config.save_pretrained(tmp_path / name)
+        make_processor(t).save_pretrained(tmp_path / name)
+    out = tmp_path / "out"
+    assert speed.main(["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
+                       "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "different vocabularies: id 5 is 'w5'" in err[0], err
+    assert not out.exists()
 
 
 def test_speed_flags_map_onto_config(speed):
     cfg = speed.parse_args(["--threads", "2", "--gamma", "4", "--families", "vist,iedit", "--no-profile"])
     assert (cfg.threads, cfg.gamma, cfg.families, cfg.profile, cfg.warmup) == (2, 4, ("vist", "iedit"), False, True)
-    assert cfg.command.startswith("python bench/speed.py --threads 2")
+    assert cfg.command.startswith("python perf/speed.py --threads 2")
 
 
 def test_mismatch_is_reported(speed):
@@ -142,13 +184,13 @@ def test_gpu_shapes_small_cpu(tmp_path):
 
 @pytest.mark.parametrize("script", ["speed", "gpu_shapes"])
 def test_help(script):
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py"), "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, str(ROOT / "perf" / f"{script}.py"), "--help"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and "--out" in out.stdout
 
 
 def test_profile_draft_step_runs_on_embedded_pack():
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_draft_step.py"), "--family", "chartqa",
+    out = subprocess.run([sys.executable, str(ROOT / "perf" / "profile_draft_step.py"), "--family", "chartqa",
                           "--steps", "2", "--top", "3"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "preallocated cache:" in out.stdout and "DynamicCache:" in out.stdout
@@ -160,7 +202,7 @@ def test_speed_run_with_a_head(speed, tmp_path):
 
     target = make_llava(0)
     build_head(target, "eagle").save(tmp_path / "h")
-    models = speed.SpeedModels(target, noisy_copy(target, 1), make_tokenizer(), None, _Captioner(), "tiny")
+    models = BenchModels(target, noisy_copy(target, 1), make_tokenizer(), None, _Captioner(), source="tiny")
     cfg = speed.SpeedConfig(max_new_tokens=8, repeats=1, latency_repeats=1, device="cpu", out=str(tmp_path / "o"),
                             command="test", step_rounds=1, ensemble="M", trees=(), heads=(f"eagle={tmp_path / 'h'}",),
                             profile=False)
@@ -168,3 +210,22 @@ def test_speed_run_with_a_head(speed, tmp_path):
     assert res["identical"], res["mismatches"]
     assert {"mmspec_eagle", "mmspec_eagle+tree"} <= set(res["summary"]["systems"])
     assert "predicted_speedup" not in res["engine"]["efficiency"]["mmspec_eagle"]  # eq. 2 is not a head's formula
+
+
+def test_video_speed_report_units_and_the_target_row():
+    """The table's header names the unit its cells show (ms per clip), and a figure the target
+    has none of reads '-', not 0.0 ms."""
+    vs = _load("video_speed")
+    row = {"tokens_per_s": 10.0, "speedup_vs_target": 1.0}
+    r = {"date": "d", "command": "c", "machine": {"platform": "p", "cpu_count": 2, "torch": "t"}, "clips": ["a"],
+         "identical": True,
+         "rows": [{**row, "system": "target", "tau": None, "vision_s_per_clip": 0.0123, "substitute_s_per_clip": None},
+                  {**row, "system": "mmspec_E", "tau": 2.5, "vision_s_per_clip": 0.004, "substitute_s_per_clip": 0.002}],
+         "draft_encoding_s": {k: 0.001 for k in ("video_tower_and_projector", "events_simulate_bin_encode",
+                                                 "events_recorded_bin_encode", "events_encoder_only")}
+         | {k: 1.0 for k in ("ratio_events_over_video", "ratio_recorded_over_video", "ratio_encoder_over_video")}}
+    lines = vs.markdown(r).splitlines()
+    header = next(x for x in lines if x.startswith("| system"))
+    assert "ms/clip" in header and " s/clip" not in header
+    assert "| target | 10.0 | 1.00x | - | 12.3 | - |" in lines
+    assert "| mmspec_E | 10.0 | 1.00x | 2.50 | 4.0 | 2.0 |" in lines

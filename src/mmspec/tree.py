@@ -39,7 +39,7 @@ KINDS = ("chain", "static", "dynamic")
 CHILDREN = ("mixture", "views")
 
 # Dynamic-tree defaults per device type (depth, topk, budget). CPU: the best tokens/s of the
-# budget sweep in docs/perf.md §8 (bench/tree_sweep.py on the embedded pack, 2026-11-25: tau
+# budget sweep in docs/perf.md §8 (perf/tree_sweep.py on the embedded pack, 2026-11-25: tau
 # 8.17 against the chain's 4.45; a CPU verify over many nodes is not free, so tokens/s gains
 # stay small). CUDA: not measured yet (no GPU was lent); EAGLE-2's order of magnitude, since on
 # a GPU extra tree tokens are nearly free (T_V(8)/T_p ~ 1.2 at 7B shapes, docs/perf.md §5).

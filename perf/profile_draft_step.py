@@ -3,7 +3,7 @@
 Shows where a batched ensemble step spends CPU time, for the preallocated cache the engine uses
 and for a growing ``DynamicCache`` (the engine before docs/perf.md §2's change):
 
-    python bench/profile_draft_step.py --family vist --views MTCP --steps 200
+    python perf/profile_draft_step.py --family vist --views MTCP --steps 200
 
 Prints, per cache, the per-step self CPU time of the top operators (``torch.profiler``).
 """

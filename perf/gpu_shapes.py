@@ -31,7 +31,7 @@ heads, intermediate 11008, vocab 32064); draft = LLaVA-68M-shaped (Llama hidden 
 12 heads, intermediate 3072, same vocab and vision tower). ``--small`` swaps in tiny configs in
 float32 so the same code path runs on CPU in seconds (tests; graphs are emulated there).
 
-Run ``python bench/gpu_shapes.py --help``.
+Run ``python perf/gpu_shapes.py --help``.
 """
 
 from __future__ import annotations
@@ -503,7 +503,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ShapesConfig:
         ap.error(f"--modes takes eager and/or graph, got {a.modes}")
     kw = vars(a) | {"gammas": _ints(a.gammas), "trees": _ints(a.trees), "batches": _ints(a.batches), "modes": modes,
                     "engine_noise": tuple(float(x) for x in a.engine_noise.split(",") if x)}
-    return ShapesConfig(**kw, command=" ".join(["python", "bench/gpu_shapes.py",
+    return ShapesConfig(**kw, command=" ".join(["python", "perf/gpu_shapes.py",
                                                  *(argv if argv is not None else sys.argv[1:])]))
 
 

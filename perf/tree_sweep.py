@@ -6,13 +6,14 @@ children drawn from the views' mixture against each view's own top tokens (``--v
 Every output is checked against the target's greedy output. Writes ``tree_sweep.json``,
 ``tree_sweep.md`` and ``tree_sweep.png`` (tau and tokens/s against the number of tree nodes).
 
-Models and prompts are those of ``bench/speed.py`` (the embedded pack by default; ``--target``
-/ ``--draft`` for checkpoints). Run ``python bench/tree_sweep.py --help``.
+Models and prompts are those of ``perf/speed.py`` (the embedded pack by default; ``--target``
+/ ``--draft`` for checkpoints). Run ``python perf/tree_sweep.py --help``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -23,11 +24,22 @@ from typing import Callable, Sequence
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import speed  # noqa: E402  (bench/speed.py: models, prompts, device choice)
+from mmspec.provenance import machine_info, now
+from mmspec.timing import sync
 
-from mmspec.provenance import machine_info, now  # noqa: E402
-from mmspec.timing import sync  # noqa: E402
+
+def _load_speed():
+    """``perf/speed.py`` (models, prompts, device choice), beside this script, imported by its
+    path under the name its own :func:`sibling` uses (perf/ is not a package)."""
+    name = "_mmspec_perf_speed"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("speed.py"))
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+speed = _load_speed()
 
 
 @dataclass
@@ -203,7 +215,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SweepConfig:
             parse_shape(s)
         except ValueError:
             ap.error(f"--shapes takes DEPTHxTOPKxBUDGET items such as 6x4x16, got {s!r}")
-    return SweepConfig(**kw, command=" ".join(["python", "bench/tree_sweep.py", *(argv if argv is not None else sys.argv[1:])]))
+    return SweepConfig(**kw, command=" ".join(["python", "perf/tree_sweep.py", *(argv if argv is not None else sys.argv[1:])]))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -21,17 +21,20 @@ repeats of per-repeat aggregates (tokens over all prompts / wall over all prompt
 Greedy outputs must be identical token for token to the target's; a mismatch is printed
 loudly and the command exits with status 1 (the report is still written).
 
-This script knows nothing about the engine's internals beyond public attributes: the
-breakdown (`bench/breakdown.py`) wraps callables from the outside for one extra,
-untimed pass; the draft-step ratio uses ``SpecDecoder.new_drafter`` (`bench/draftstep.py`).
+This script knows nothing about the engine's internals beyond public attributes: models load
+through the library's own loaders (``mmspec.bench.backend.load_models``, the vocabulary check
+included); the breakdown (`perf/breakdown.py`) reads the decoder's own stats clock for one
+extra, untimed pass; the draft-step ratio uses ``SpecDecoder.new_drafter`` (`perf/draftstep.py`).
+Both helpers are imported by their path, beside this file (:func:`sibling`).
 
-Run ``python bench/speed.py --help``. Tests call :func:`run` with tiny random models.
+Run ``python perf/speed.py --help``. Tests call :func:`run` with tiny random models.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import statistics
 import sys
@@ -42,10 +45,23 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from mmspec.bench.backend import BenchModels
 from mmspec.provenance import machine_info, now
 from mmspec.timing import sync
 
 SYSTEM_TARGET, SYSTEM_ASSISTED = "target", "assisted"
+
+
+def sibling(name: str):
+    """The script ``perf/<name>.py`` beside this one, imported by its path (perf/ is not a
+    package and goes on no ``sys.path``), once per process."""
+    mod_name = f"_mmspec_perf_{name}"
+    if mod_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(mod_name, Path(__file__).with_name(f"{name}.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = mod  # dataclasses resolve their module through sys.modules
+        spec.loader.exec_module(mod)
+    return sys.modules[mod_name]
 
 
 # --------------------------------------------------------------------------- configuration
@@ -81,18 +97,6 @@ class SpeedConfig:
 
 
 @dataclass
-class SpeedModels:
-    """The models of a run. ``captioner`` has ``caption(images) -> list[str]`` or is None."""
-
-    target: Any
-    draft: Any
-    tokenizer: Any
-    processor: Any = None
-    captioner: Any = None
-    source: str = "embedded"
-
-
-@dataclass
 class SpeedPrompt:
     name: str
     inputs: dict[str, torch.Tensor]  # processor output: input_ids [1, L], pixel_values [n, 3, H, W]
@@ -122,31 +126,24 @@ def pick_device(cfg: SpeedConfig) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def load_models(cfg: SpeedConfig, device: torch.device) -> SpeedModels:
-    """The embedded pack unless ``--target/--draft`` are given."""
-    from mmspec.models.captioner import HFCaptioner
+def load_models(cfg: SpeedConfig, device: torch.device) -> BenchModels:
+    """The embedded pack unless ``--target/--draft`` are given: the library's loading
+    (:func:`mmspec.bench.backend.load_models`: flag checks, the vocabulary check, dtype names),
+    then everything moved to ``device``."""
+    from mmspec.bench.backend import load_models as load_bench_models
+    from mmspec.bench.config import BenchConfig
 
-    if cfg.target is None and cfg.draft is None:
-        from mmspec.embedded import load_embedded
-
-        e = load_embedded(device=device)
-        cap = e.captioner()
-        return SpeedModels(e.target, e.draft, e.tokenizer, e.processor, cap, "embedded")
-    if cfg.target is None or cfg.draft is None:
-        raise SystemExit("pass both --target and --draft (or neither for the embedded pack)")
-    from mmspec.models.loading import load_model, load_processor
-
-    dtype = getattr(torch, cfg.dtype)
-    processor = load_processor(cfg.target)
-    cap = None
-    if cfg.captioner:
-        cap = HFCaptioner.from_pretrained(cfg.captioner, prompt=cfg.captioner_prompt, dtype=dtype)
-        cap.model.to(device)
-    return SpeedModels(load_model(cfg.target, dtype=dtype).to(device), load_model(cfg.draft, dtype=dtype).to(device),
-                       getattr(processor, "tokenizer", processor), processor, cap, "checkpoints")
+    dtype = "float32" if cfg.target is None and cfg.draft is None else cfg.dtype  # the pack loads float32
+    bench = BenchConfig(target=cfg.target, draft=cfg.draft, captioner=cfg.captioner,
+                        captioner_prompt=cfg.captioner_prompt, dtype=dtype)  # refuses bad flags before loading
+    models = load_bench_models(bench)
+    for mod in (models.target, models.draft, getattr(models.captioner, "model", None)):
+        if mod is not None:
+            mod.to(device).eval()
+    return models
 
 
-def load_prompts(cfg: SpeedConfig, models: SpeedModels, device: torch.device) -> list[SpeedPrompt]:
+def load_prompts(cfg: SpeedConfig, models: BenchModels, device: torch.device) -> list[SpeedPrompt]:
     """World samples ``family/split/i`` through the target's processor."""
     from mmspec.world import make_sample
 
@@ -183,7 +180,7 @@ def _assistant_config(draft, mode: str, gamma: int) -> Iterator[None]:
         draft.generation_config = saved
 
 
-def build_decoders(cfg: SpeedConfig, models: SpeedModels) -> dict[str, Any]:
+def build_decoders(cfg: SpeedConfig, models: BenchModels) -> dict[str, Any]:
     """``mmspec_M``, ``mmspec_<ensemble>``, the tree systems, and on a GPU ``mmspec_M(eager)``
     (SpecDecoders built once, reused: their CUDA graphs are captured in the warm-up pass)."""
     from mmspec.decoder import SpecDecoder
@@ -216,7 +213,7 @@ def tree_system(name: str) -> tuple[str, int | None]:
     return views, int(budget) if budget else None
 
 
-def make_systems(cfg: SpeedConfig, models: SpeedModels, decoders: dict[str, Any],
+def make_systems(cfg: SpeedConfig, models: BenchModels, decoders: dict[str, Any],
                  device: torch.device) -> dict[str, Callable[[SpeedPrompt], tuple[list[int], dict | None]]]:
     """name -> fn(prompt) -> (new token ids, mmspec stats dict or None). Untimed wrappers."""
 
@@ -321,7 +318,7 @@ def is_chain(system: str) -> bool:
     return "+tree" not in name and not name.startswith(("eagle", "msd"))
 
 
-def measure_engine(cfg: SpeedConfig, models: SpeedModels, prompts: Sequence[SpeedPrompt], summary: dict) -> dict:
+def measure_engine(cfg: SpeedConfig, models: BenchModels, prompts: Sequence[SpeedPrompt], summary: dict) -> dict:
     """T_p, T_q(batch), T_V(gamma) per prompt (medians), eq.-2 prediction and engine efficiency."""
     from mmspec.bench.latency import measure_latency, predicted_speedup
 
@@ -360,11 +357,11 @@ def measure_engine(cfg: SpeedConfig, models: SpeedModels, prompts: Sequence[Spee
             "per_prompt": lat}
 
 
-def measure_draft_step(cfg: SpeedConfig, models: SpeedModels, prompts: Sequence[SpeedPrompt]) -> dict:
+def measure_draft_step(cfg: SpeedConfig, models: BenchModels, prompts: Sequence[SpeedPrompt]) -> dict:
     """The engine's own draft step (feed + mix + pick) for ``cfg.step_views`` vs the M view alone,
-    per prompt, interleaved (`bench/draftstep.py`); the ratio is the IbED claim that an
+    per prompt, interleaved (`perf/draftstep.py`); the ratio is the IbED claim that an
     in-batch ensemble costs about one draft forward."""
-    from draftstep import draft_step_times  # bench/draftstep.py, beside this script
+    draft_step_times = sibling("draftstep").draft_step_times
     from mmspec.decoder import SpecDecoder
 
     views = cfg.step_views.upper()
@@ -451,7 +448,7 @@ def write_report(result: dict, out: str | Path) -> tuple[Path, Path]:
 
 
 # --------------------------------------------------------------------------- entry points
-def run(cfg: SpeedConfig, models: SpeedModels | None = None, prompts: Sequence[SpeedPrompt] | None = None,
+def run(cfg: SpeedConfig, models: BenchModels | None = None, prompts: Sequence[SpeedPrompt] | None = None,
         log: Callable[[str], None] = print) -> dict:
     """One full measurement; writes ``speed.json`` and ``speed.md`` under ``cfg.out``."""
     if cfg.threads:
@@ -469,13 +466,12 @@ def run(cfg: SpeedConfig, models: SpeedModels | None = None, prompts: Sequence[S
               "machine": machine_info(str(device)), "config": asdict(cfg), "models": models.source,
               "prompts": [p.name for p in prompts], "identical": not mismatches, "mismatches": mismatches,
               "summary": summary}
-    from breakdown import profile_breakdown  # bench/breakdown.py, beside this script
-
     log("latency probes (T_p, T_q, T_V) ...")
     result["engine"] = measure_engine(cfg, models, prompts, summary)
     if cfg.profile:
+        profile_breakdown = sibling("breakdown").profile_breakdown
         result["breakdown"] = {n: profile_breakdown(d, prompts, cfg.max_new_tokens, device) for n, d in decoders.items()
-                               if d.head is None}  # the breakdown's timers wrap a draft model's pieces
+                               if d.head is None}  # a head has no draft model to hook
     result["raw"] = [asdict(x) for x in records]
     jp, mp = write_report(result, cfg.out)
     log(markdown(result))
@@ -519,11 +515,17 @@ def parse_args(argv: Sequence[str] | None = None) -> SpeedConfig:
     kw = vars(a) | {"families": tuple(x for x in a.families.split(",") if x),
                     "trees": tuple(x for x in a.trees.split(",") if x),
                     "heads": tuple(x for x in a.heads.split(",") if x)}
-    return SpeedConfig(**kw, command=" ".join(["python", "bench/speed.py", *(argv if argv is not None else sys.argv[1:])]))
+    return SpeedConfig(**kw, command=" ".join(["python", "perf/speed.py", *(argv if argv is not None else sys.argv[1:])]))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    result = run(parse_args(argv))
+    from mmspec.errors import MMSpecError
+
+    try:
+        result = run(parse_args(argv))
+    except MMSpecError as e:  # a bad flag or checkpoint: one line, before anything is timed
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0 if result["identical"] else 1
 
 

@@ -2,7 +2,7 @@
 verify latency of random-weight Llama LMs (latency does not depend on weight values), for
 the embedded target/draft and candidate replacements.
 
-    python bench/cpu_shapes.py            # 1 thread, ~30 s; run on a quiet machine
+    python perf/cpu_shapes.py            # 1 thread, ~30 s; run on a quiet machine
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ different lengths, the preallocated cache, the mixture), not on a bare model for
 Protocol: one prefilled drafter per view set; each timed unit is ``n_steps`` steps, each
 followed by a one-position roll-back so every step sees the same context; units of all view
 sets are interleaved round-robin (``rounds`` times) so machine noise hits them alike; the
-result is the median over rounds of the per-step mean. A helper of ``bench/speed.py`` (beside
+result is the median over rounds of the per-step mean. A helper of ``perf/speed.py`` (beside
 it, not in the package).
 """
 
