@@ -137,8 +137,9 @@ def test_plots_start_bars_at_zero_and_keep_equal_lines_visible(tmp_path, monkeyp
     from mmspec.bench import plots
 
     figs = []
-    close = plots.plt.close
-    monkeypatch.setattr(plots.plt, "close", lambda fig: figs.append(fig) or close(fig))
+    plt = plots.pyplot()  # matplotlib is imported on first use
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: figs.append(fig) or close(fig))
     metrics = all_metrics(rows())
     plots.block_efficiency_bars(metrics, ["chartqa", "iedit"], ["M", "T", "MT"], tmp_path / "b.png")
     ax = figs[-1].axes[0]

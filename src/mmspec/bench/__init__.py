@@ -6,5 +6,5 @@ baseline into per-rank JSONL files (:mod:`.runner`, :mod:`.store`), timing T_p /
 (:mod:`.latency`), aggregating rows into numbers (:mod:`.metrics`) and rendering ``report.md``
 with plots (:mod:`.report`, :mod:`.plots`). It knows nothing about how decoding works inside:
 it drives ``SpecDecoder.generate`` and reads ``GenerationStats``. The wall-clock speed scripts
-and their profiling helpers live outside the package, in the repository's ``bench/``.
+and their profiling helpers live outside the package, in the repository's ``perf/``.
 """

@@ -13,18 +13,22 @@ from __future__ import annotations
 from itertools import combinations
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # no display; safe under torchrun / CI  # noqa: E402
-import matplotlib.pyplot as plt  # noqa: E402
-
-from mmspec.bench.metrics import MethodMetrics  # noqa: E402
+from mmspec.bench.metrics import MethodMetrics
+from mmspec.bench.optional import require
 
 
 LINE_STYLES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (1, 2)), (0, (8, 2, 2, 2)))
 
 
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (no display; safe under torchrun / CI), imported
+    on first use: without matplotlib, one line naming the extra to install."""
+    require("matplotlib", "mmspec report's plots").use("Agg")
+    return require("matplotlib.pyplot", "mmspec report's plots")
+
+
 def _save(fig, path: Path) -> Path:
+    plt = pyplot()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -34,6 +38,7 @@ def _save(fig, path: Path) -> Path:
 def block_efficiency_bars(metrics: list[MethodMetrics], datasets: list[str], methods: list[str],
                           path: Path) -> Path:
     """Grouped bars: x = dataset, one bar per method, height = tau (bonus token included)."""
+    plt = pyplot()
     cell = {(m.dataset, m.method): m.tau for m in metrics}
     fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(datasets) + 2), 3.8))
     width = 0.8 / max(1, len(methods))
@@ -66,6 +71,7 @@ def upset_counts(sets: dict[str, set]) -> list[tuple[tuple[str, ...], int]]:
 
 def upset_plot(sets: dict[str, set], total: int, path: Path, title: str = "") -> Path:
     """UpSet plot: bars of exclusive intersection sizes over a dot matrix of members."""
+    plt = pyplot()
     names = list(sets)
     inter = upset_counts(sets)
     fig = plt.figure(figsize=(max(6.0, 0.45 * len(inter) + 3.0), 4.4))
@@ -110,6 +116,7 @@ def upset_plot(sets: dict[str, set], total: int, path: Path, title: str = "") ->
 
 def accepted_over_time_plot(hists: dict[str, dict[str, list[int]]], path: Path) -> Path:
     """Fig. 11: one panel per dataset; per method, accepted tokens per normalised-time bin."""
+    plt = pyplot()
     datasets = list(hists)
     cols = min(4, max(1, len(datasets)))
     rows = -(-len(datasets) // cols)
@@ -139,6 +146,7 @@ def accepted_over_time_plot(hists: dict[str, dict[str, list[int]]], path: Path) 
 
 def draft_latency_plot(latency: dict[str, dict], path: Path) -> Path:
     """Fig. 9 (per batch size): draft per-step decode latency in ms, one line per dataset."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     for d, lat in latency.items():
         bs = sorted(lat["draft_decode_s"], key=int)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from mmspec.bench.optional import require
 from mmspec.errors import MMSpecError
 
 _SHARD = re.compile(r"^(?P<split>.+?)-\d+-of-\d+")
@@ -61,7 +62,7 @@ def split_files(path: Path, split: str, name: str) -> list[Path]:
 
 def open_parquet(f: Path):
     """A ``pyarrow.parquet.ParquetFile``, or a clear error for a file that is not parquet."""
-    import pyarrow.parquet as pq
+    pq = require("pyarrow.parquet", "reading a benchmark's parquet files")
 
     try:
         return pq.ParquetFile(f)
@@ -140,7 +141,7 @@ def open_rows(path: Path, split: str, name: str) -> RowSource:
 
 
 def _saved_rows(path: Path, split: str, name: str) -> RowSource:
-    import datasets
+    datasets = require("datasets", "reading a datasets.save_to_disk folder")
 
     ds = datasets.load_from_disk(str(path))
     label = str(path)
