@@ -10,7 +10,10 @@ An event camera (DVS) reports per-pixel brightness *changes* instead of frames. 
   0 = OFF, the convention of Prophesee/Metavision, DSEC, N-MNIST and tonic) or
   :meth:`EventStream.from_structured` (a numpy structured array with fields ``t, x, y, p``, as
   those tools and the ``.npy`` files they write hold them);
-- :func:`simulate_dvs`: the DVS model of the design notes (the brief's shared design document) applied to video frames. Per pixel, the
+- :func:`simulate_dvs`: the standard DVS pixel model (Lichtsteiner, Posch and Delbruck, "A
+  128x128 120 dB 15 us latency asynchronous temporal contrast vision sensor", IEEE JSSC 2008),
+  simulated from video frames as the ESIM (Rebecq, Gehrig and Scaramuzza, CoRL 2018) and v2e
+  (Hu, Liu and Delbruck, CVPR workshops 2021) simulators do. Per pixel, the
   log intensity ``L = log(luma + eps)``; a pixel emits +1 (or -1) each time ``L`` has risen (or
   fallen) by ``threshold`` from the level of its last event, so a change spanning several
   thresholds emits several events in one frame step, and a slow change accumulates over frames

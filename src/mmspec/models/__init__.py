@@ -1,10 +1,17 @@
 """Model adapters: thin, stateless views over Hugging Face models.
 
-Each family (LLaVA, a plain causal LM, ...) has one module that says how to encode images,
-project patch features, embed tokens and run a forward pass with a caller-owned KV cache.
-Adding LLaVA-NeXT, LLaVA-OneVision or Qwen2-VL means adding one module and one line in
-:data:`mmspec.models.base.ADAPTERS`. Adapters never keep state on the model: the engine owns
-the caches.
+Each family has one module that says how to encode images (and videos), project patch
+features, embed tokens and run a forward pass with a caller-owned KV cache: ``llava``
+(LLaVA-1.5), ``llava_next`` (AnyRes tiles), ``llava_onevision`` (images and video),
+``video_llava``, ``qwen2_vl`` (Qwen2-VL and Qwen2.5-VL: dynamic resolution, multimodal RoPE,
+video) and ``causal_lm`` (any text-only LM, as a draft). Each registers itself by
+``config.model_type`` (``@register``, into :data:`mmspec.models.base.ADAPTERS`); a new family is
+one module and its name in :func:`~mmspec.models.base.adapter_for`'s import line. Adapters never
+keep state on the model: the engine owns the caches.
+
+Beside them: ``loading`` (checkpoints, tokenizers, the vocabulary check), ``cache``
+(preallocated KV caches), ``captioner`` (the C view's image-to-text models), ``pooling`` (the P
+view) and ``substitute`` (the E view's encoders).
 """
 
 from mmspec.models.base import ModelAdapter, adapter_for
