@@ -515,7 +515,8 @@ def parse_args(argv: Sequence[str] | None = None) -> SpeedConfig:
     kw = vars(a) | {"families": tuple(x for x in a.families.split(",") if x),
                     "trees": tuple(x for x in a.trees.split(",") if x),
                     "heads": tuple(x for x in a.heads.split(",") if x)}
-    return SpeedConfig(**kw, command=" ".join(["python", "perf/speed.py", *(argv if argv is not None else sys.argv[1:])]))
+    argv = list(argv) if argv is not None else sys.argv[1:]
+    return SpeedConfig(**kw, command=" ".join(["python", "perf/speed.py", *argv]))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -114,7 +114,8 @@ def run(args) -> dict:
         t_encoder = median_time(lambda s=make_substitute(frames, enc.config.kind, **enc.config.opts).tensor: enc(s),
                                 torch.device("cpu"), 20, 3)
     stats = event_stats(stream, n_frames=len(frames))
-    result = {"date": now(), "machine": machine_info("cpu"), "command": " ".join(["python", "perf/video_speed.py", *sys.argv[1:]]),
+    result = {"date": now(), "machine": machine_info("cpu"),
+              "command": " ".join(["python", "perf/video_speed.py", *sys.argv[1:]]),
               "clips": [c.uid for c in clips], "identical": not bad, "mismatches": bad[:20], "rows": rows,
               "draft_encoding_s": {"video_tower_and_projector": t_video, "events_simulate_bin_encode": t_events,
                                    "events_encoder_only": t_encoder,

@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import make_llava, make_processor, make_prompt, make_tokenizer, noisy_copy, swapped_tokenizer
+from tiny import (
+    make_llava,
+    make_processor,
+    make_prompt,
+    make_tokenizer,
+    noisy_copy,
+    swapped_tokenizer,
+)
 
 from mmspec.bench.backend import BenchModels
 
@@ -94,8 +101,8 @@ def test_speed_run_on_tiny_models(speed, tmp_path):
 
 
 def test_breakdown_hooks_are_removed_and_nothing_is_patched(speed):
-    from mmspec.drafter import EnsembleDrafter
     import mmspec.engine as engine
+    from mmspec.drafter import EnsembleDrafter
 
     before = (dict(vars(EnsembleDrafter)), dict(vars(engine)))
     target = make_llava(0)
@@ -120,7 +127,8 @@ def test_breakdown_ranges_show_in_a_profiler(speed):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         calls = bd.profile_breakdown(dec, _tiny_prompts(speed, (1,)), 4, torch.device("cpu"))["calls"]
     counts = {e.key: e.count for e in prof.key_averages()}
-    assert counts.get(bd.TARGET_RANGE) == calls["target_forward"] and counts.get(bd.DRAFT_RANGE) == calls["draft_forward"]
+    assert counts.get(bd.TARGET_RANGE) == calls["target_forward"]
+    assert counts.get(bd.DRAFT_RANGE) == calls["draft_forward"]
 
 
 def test_speed_refuses_a_draft_without_a_target_before_loading(speed, capsys):
@@ -219,8 +227,10 @@ def test_video_speed_report_units_and_the_target_row():
     row = {"tokens_per_s": 10.0, "speedup_vs_target": 1.0}
     r = {"date": "d", "command": "c", "machine": {"platform": "p", "cpu_count": 2, "torch": "t"}, "clips": ["a"],
          "identical": True,
-         "rows": [{**row, "system": "target", "tau": None, "vision_s_per_clip": 0.0123, "substitute_s_per_clip": None},
-                  {**row, "system": "mmspec_E", "tau": 2.5, "vision_s_per_clip": 0.004, "substitute_s_per_clip": 0.002}],
+         "rows": [{**row, "system": "target", "tau": None, "vision_s_per_clip": 0.0123,
+                   "substitute_s_per_clip": None},
+                  {**row, "system": "mmspec_E", "tau": 2.5, "vision_s_per_clip": 0.004,
+                   "substitute_s_per_clip": 0.002}],
          "draft_encoding_s": {k: 0.001 for k in ("video_tower_and_projector", "events_simulate_bin_encode",
                                                  "events_recorded_bin_encode", "events_encoder_only")}
          | {k: 1.0 for k in ("ratio_events_over_video", "ratio_recorded_over_video", "ratio_encoder_over_video")}}

@@ -16,7 +16,6 @@ from pathlib import Path
 from mmspec.bench.metrics import MethodMetrics
 from mmspec.bench.optional import require
 
-
 LINE_STYLES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (1, 2)), (0, (8, 2, 2, 2)))
 
 
