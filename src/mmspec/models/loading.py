@@ -261,8 +261,47 @@ def check_same_vocabulary(target_tok, draft_tok) -> None:
                 "the target's tokenizer; pick a draft trained with it")
 
 
+# families whose processor imports torchvision (their video processor): the extra that brings it
+TORCHVISION_FAMILIES = {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"}
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "image_processor_config.json")
+
+
+def _model_type(path: str) -> str:
+    try:
+        return str(json.loads((Path(path) / "config.json").read_text()).get("model_type", ""))
+    except (OSError, ValueError, AttributeError):
+        return ""
+
+
 def load_processor(name_or_path: str):
-    return _load_auto("AutoProcessor", "processor", name_or_path)
+    """The target's processor (tokenizer + image/video processors). A local directory without
+    one, and a processor that needs torchvision where it is missing, are refused in one line."""
+    import transformers
+
+    name_or_path = locate(str(name_or_path))
+    local = Path(name_or_path).is_dir()
+    fix = ("save the target's processor beside its weights (processor.save_pretrained(DIR)), or copy its "
+           "files from the original checkpoint")
+    if local:
+        has_tok = _has_tokenizer_files(name_or_path)
+        has_proc = any((Path(name_or_path) / f).is_file() for f in PROCESSOR_FILES)
+        if not (has_tok or has_proc):
+            raise MMSpecError(f"{name_or_path!r} has no processor or tokenizer (none of {', '.join(PROCESSOR_FILES)}, "
+                              f"{', '.join(TOKENIZER_FILES[:3])}, ...); {fix}")
+        if not has_tok:
+            raise MMSpecError(f"{name_or_path!r} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); {fix}")
+        if not has_proc:
+            raise MMSpecError(f"{name_or_path!r} has no image processor ({' or '.join(PROCESSOR_FILES)}); {fix}")
+    try:
+        return transformers.AutoProcessor.from_pretrained(name_or_path)
+    except ImportError as e:
+        if "torchvision" in str(e).lower():
+            family = TORCHVISION_FAMILIES.get(_model_type(name_or_path) if local else "", "this model")
+            raise MMSpecError(f"{family}'s processor needs torchvision: pip install 'mmspec[qwen]' "
+                              "(or torchvision)") from None
+        raise MMSpecError(f"could not load a processor from {name_or_path!r}: {_first_line(e)}") from None
+    except (OSError, ValueError, TypeError) as e:
+        raise MMSpecError(f"could not load a processor from {name_or_path!r}: {_first_line(e)}; {fix}") from None
 
 
 def check_model_flags(target: str | None, draft: str | None, captioner: str | None,

@@ -1,0 +1,214 @@
+"""Every option of ``generate``, ``demo`` and ``bench run`` checked in ONE place per command, before
+any model loads or any file is written: numbers and their ranges, paths (existence and kind),
+the tree notation, and the combinations the docs rule out (a head with views, a video for an
+image-only target, ``--stop-below`` with a tree, ...). Each check raises an MMSpecError that
+names the flag in CLI words and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mmspec.errors import MMSpecError
+
+# the model_type of every family that reads videos (models/*.py)
+VIDEO_FAMILIES = ("llava_onevision", "video_llava", "qwen2_vl", "qwen2_5_vl")
+
+
+def at_least(flag: str, value, low: int = 1) -> None:
+    """A whole-number option's range (``--gamma``, ``--repeats``, ``-n``, ...)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+        raise MMSpecError(f"{flag} must be >= {low} (a whole number), got {value!r}")
+
+
+def check_sampling(temperature: float, top_k: int | None = None, top_p: float | None = None) -> None:
+    from mmspec.verify import SamplingParams
+
+    if not math.isfinite(temperature) or temperature < 0:
+        raise MMSpecError(f"--temperature: temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    if temperature == 0 and (top_k is not None or top_p is not None):
+        flag = "--top-k" if top_k is not None else "--top-p"
+        raise MMSpecError(f"{flag} filters sampling; with --temperature 0 (greedy) it would be ignored: add "
+                          f"--temperature > 0, or drop {flag}")
+    SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+def check_threads(threads: int | None) -> None:
+    if threads is not None and (isinstance(threads, bool) or threads < 1):
+        raise MMSpecError(f"--threads must be >= 1, got {threads}; or leave it out for torch's choice")
+
+
+def check_device(device: str | None) -> None:
+    """A device this machine has (``--device cuda`` on a CPU-only torch: "use --device cpu")."""
+    from mmspec.models.loading import resolve_device
+
+    if device is not None:
+        resolve_device(device)
+
+
+def head_variant(path: str) -> str:
+    """The variant of a head directory, the directory checked readable first (config and the
+    weights' header) without loading its weights."""
+    from mmspec.heads.model import check_head_dir
+
+    return check_head_dir(path).variant
+
+
+def model_type_of(name: str) -> str:
+    """``config.json``'s model_type of a checkpoint directory or hub id (no weights read)."""
+    import json
+
+    from mmspec.models.loading import locate
+
+    path = Path(locate(name, "--target"))
+    try:
+        return str(json.loads((path / "config.json").read_text()).get("model_type", ""))
+    except (OSError, ValueError, AttributeError):
+        return ""
+
+
+# ------------------------------------------------------------------------------- generate
+@dataclass
+class GenerateOptions:
+    """``mmspec generate``'s flags; :func:`check_generate` fills the derived fields."""
+
+    prompt: str | None = None
+    image: list = field(default_factory=list)
+    video: list = field(default_factory=list)
+    frames: int = 8
+    target: str | None = None
+    draft: str | None = None
+    head: str | None = None
+    captioner: str | None = None
+    captioner_prompt: str | None = None
+    views: str = "M"
+    weights: str | None = None
+    gamma: int | None = None
+    tree: str | None = None
+    tree_depth: int | None = None
+    tree_topk: int | None = None
+    tree_budget: int | None = None
+    tree_children: str = "mixture"
+    stop_below: float | None = None
+    cuda_graphs: str = "auto"
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    threads: int | None = None
+    # derived by check_generate
+    view_list: list = field(default_factory=list)
+    weight_list: list | None = None
+    graphs: object = "auto"
+
+
+def check_generate(o: GenerateOptions) -> GenerateOptions:
+    """All of ``generate``'s options; returns ``o`` with the head found and the derived fields set."""
+    from mmspec.cli.common import check_prompt, graphs_flag, parse_weights
+    from mmspec.inputs import check_video_path
+    from mmspec.models.loading import check_model_flags, locate, resolve_dtype
+    from mmspec.tree import parse_tree
+
+    # numbers
+    at_least("--max-new-tokens", o.max_new_tokens)
+    at_least("--gamma", o.gamma)
+    at_least("--frames", o.frames)
+    check_threads(o.threads)
+    check_sampling(o.temperature, o.top_k, o.top_p)
+    tree_given = o.tree is not None and o.tree.strip().lower() != "chain"
+    if o.gamma is not None and tree_given:
+        raise MMSpecError("--gamma is a chain's length; a tree's shape is --tree's (DEPTHxTOPKxBUDGET, or "
+                          "--tree dynamic with --tree-depth/--tree-topk/--tree-budget): drop --gamma")
+    o.gamma = 5 if o.gamma is None else o.gamma
+    parse_tree(o.tree, gamma=o.gamma, device_type=o.device.split(":")[0], depth=o.tree_depth, topk=o.tree_topk,
+               budget=o.tree_budget, children=o.tree_children, stop_below=o.stop_below, spelling="cli")
+    o.graphs = graphs_flag(o.cuda_graphs)
+    o.weight_list = parse_weights(o.weights)
+    o.view_list = [v.strip() for v in o.views.split(",") if v.strip()]
+    resolve_dtype(o.dtype)
+    check_device(o.device)
+    # the prompt and its inputs
+    check_prompt(o.prompt)
+    if o.prompt is None and (o.image or o.video):
+        raise MMSpecError(f"{'--image' if o.image else '--video'} was given without --prompt; say what to ask "
+                          "about the image(s) or video(s)")
+    if o.prompt is None and o.target is not None:
+        raise MMSpecError("pass --prompt (and --image for each image, --video for each video)")
+    for p in o.image:
+        if not Path(p).is_file():
+            raise MMSpecError(f"image file not found: {str(p)!r}; check the path given to --image")
+    for v in o.video:
+        check_video_path(v)
+    # the draft: a model, or a head
+    _check_draft(o)
+    check_model_flags(o.target, o.draft if o.head is None else (o.head if o.target else None), o.captioner,
+                      o.captioner_prompt)
+    for flag, name in (("--target", o.target), ("--draft", o.draft), ("--captioner", o.captioner)):
+        if name is not None:
+            locate(name, flag)  # local directories first; a hub id that cannot be had fails in one line
+    if o.video:
+        family = "llava" if o.target is None else model_type_of(o.target)
+        if family not in VIDEO_FAMILIES:
+            what = "the embedded target (LLaVA-1.5)" if o.target is None else f"the target ({family or 'unknown'})"
+            raise MMSpecError(f"--video: {what} reads images only; a video needs a target of a video family "
+                              f"({', '.join(VIDEO_FAMILIES)}), or pass its frames as --image")
+    return o
+
+
+def _check_draft(o: GenerateOptions) -> None:
+    """``--draft HEAD_DIR`` is ``--head HEAD_DIR``; a head takes no views, weights or captioner."""
+    from mmspec.heads.model import is_head_dir
+
+    if o.draft is not None and is_head_dir(o.draft):
+        if o.head is not None:
+            raise MMSpecError("--draft and --head both give the draft; pass one of them")
+        o.head, o.draft = o.draft, None
+    if o.head is None:
+        return
+    if o.draft is not None:
+        raise MMSpecError("--draft and --head both give the draft; pass one of them (a head drafts alone)")
+    if not Path(o.head).is_dir():
+        raise MMSpecError(f"--head {o.head!r} is not a directory; pass a head directory made by mmspec train head")
+    head_variant(o.head)
+    letters = o.views.replace(",", "").strip()
+    if letters.upper() not in ("M", "MULTIMODAL"):
+        raise MMSpecError(f"--views {o.views} does not apply to a head: it drafts from the target's own hidden "
+                          "states (one view). Drop --views, or pass --draft MODEL_DIR for the views")
+    for flag, value in (("--weights", o.weights), ("--captioner", o.captioner)):
+        if value is not None:
+            raise MMSpecError(f"{flag} does not apply to a head (it drafts from the target's own hidden states); "
+                              f"drop {flag}")
+
+
+# ------------------------------------------------------------------------------- demo
+def check_demo(methods: list[str], families: list[str], max_new_tokens: int, gamma: int, repeats: int,
+               threads: int | None) -> None:
+    """``mmspec demo``: numbers, family names, and every method (with its tree) in bench notation."""
+    from mmspec.bench.config import parse_method
+    from mmspec.views import parse_views
+    from mmspec.world import FAMILIES
+
+    at_least("--max-new-tokens", max_new_tokens)
+    at_least("--gamma", gamma)
+    at_least("--repeats", repeats)
+    check_threads(threads)
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown or not families:
+        raise MMSpecError(f"--families: unknown family {', '.join(map(repr, unknown)) or '(none given)'}; "
+                          f"use some of {', '.join(FAMILIES)}")
+    if not methods:
+        raise MMSpecError("--methods is empty; give drafting methods such as M,T,MT")
+    for m in methods:
+        try:
+            views_m, kw_m = parse_method(m)
+            if "head" in kw_m:
+                raise MMSpecError(f"{m!r} drafts with a trained head; the demo compares the pack's views "
+                                  "(use mmspec generate --head DIR or mmspec bench run -m for head methods)")
+            parse_views(views_m)
+        except MMSpecError as e:
+            raise MMSpecError(f"--methods: {e}") from None
