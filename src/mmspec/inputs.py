@@ -120,8 +120,9 @@ def _check_counts(text: str, n_images: int, n_videos: int) -> None:
                           f"{VIDEO_MARKER} in the prompt for each --video (in order), or pass {n} video(s)")
 
 
-def _with_markers(text: str, n_images: int, n_videos: int) -> str:
-    """The user's text with its markers, or one per image and video in front when it has none."""
+def with_markers(text: str, n_images: int, n_videos: int = 0) -> str:
+    """The user's text with its markers, or one per image and video in front when it has none;
+    markers that do not match the images and videos given are refused."""
     text = text.strip()
     if IMAGE_MARKER not in text and VIDEO_MARKER not in text and (n_images or n_videos):
         text = " ".join([IMAGE_MARKER] * n_images + [VIDEO_MARKER] * n_videos) + " " + text
@@ -131,7 +132,7 @@ def _with_markers(text: str, n_images: int, n_videos: int) -> str:
 
 def frame_prompt(text: str, n_images: int, n_videos: int = 0) -> str:
     """LLaVA-1.5's frame: markers added when the user left them out, then ``USER: ... ASSISTANT:``."""
-    text = _with_markers(text, n_images, n_videos)
+    text = with_markers(text, n_images, n_videos)
     if not text.startswith("USER:"):
         text = f"USER: {text} ASSISTANT:"
     return text
@@ -141,7 +142,7 @@ def chat_prompt(processor, text: str, n_images: int = 0, n_videos: int = 0) -> s
     """The prompt as the target expects it: the processor's chat template where it has one (image
     and video content parts where the markers are), else :func:`frame_prompt`. A prompt already
     framed (``USER: ...``) is kept as written."""
-    marked = _with_markers(text, n_images, n_videos)
+    marked = with_markers(text, n_images, n_videos)
     template = getattr(processor, "chat_template", None)
     if marked.startswith("USER:") or not template:
         text = frame_prompt(marked, n_images, n_videos)

@@ -110,7 +110,7 @@ class GenerateOptions:
 def check_generate(o: GenerateOptions) -> GenerateOptions:
     """All of ``generate``'s options; returns ``o`` with the head found and the derived fields set."""
     from mmspec.cli.common import check_prompt, graphs_flag, parse_weights
-    from mmspec.inputs import check_video_path
+    from mmspec.inputs import check_video_path, with_markers
     from mmspec.models.loading import check_model_flags, locate, resolve_dtype
     from mmspec.tree import parse_tree
 
@@ -144,6 +144,8 @@ def check_generate(o: GenerateOptions) -> GenerateOptions:
             raise MMSpecError(f"image file not found: {str(p)!r}; check the path given to --image")
     for v in o.video:
         check_video_path(v)
+    if o.prompt is not None:
+        with_markers(o.prompt, len(o.image), len(o.video))  # slots against images and videos
     # the draft: a model, or a head
     _check_draft(o)
     check_model_flags(o.target, o.draft if o.head is None else (o.head if o.target else None), o.captioner,

@@ -1,0 +1,369 @@
+"""Every feature reachable from `mmspec generate`: heads (`--head`, `--draft HEAD_DIR`), the one tree
+notation (`--tree 6x4x16`), other families with the processor's whole output and chat template,
+`--video`; and every bad option refused in one line before any model loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+from typer.testing import CliRunner
+
+from mmspec import MMSpecError
+from mmspec.cli import app
+from tiny import make_processor, noisy_copy
+
+runner = CliRunner()
+V, IMAGE, VIDEO = 96, 3, 6
+
+
+def invoke(*args):
+    r = runner.invoke(app, ["generate", *map(str, args)], env={"COLUMNS": "250"})
+    return r, " ".join(r.output.replace("│", " ").split())
+
+
+def refused(args, phrase):
+    r, out = invoke(*args)
+    assert r.exit_code == 2 and phrase in out and "Traceback" not in out, r.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, target, draft_shared, tok):
+    """A tiny LLaVA-1.5 target + draft with its processor, two images, an eagle and an eagle3 head."""
+    from mmspec.heads import build_head
+
+    root = tmp_path_factory.mktemp("feat")
+    proc = make_processor(tok)
+    for name, model in (("target", target), ("draft", draft_shared)):
+        model.save_pretrained(root / name)
+        proc.save_pretrained(root / name)
+    for i, colour in enumerate([(255, 0, 0), (0, 0, 255)]):
+        Image.new("RGB", (40, 40), colour).save(root / f"img{i}.png")
+    build_head(target, "eagle", seed=1).save(root / "eagle")
+    build_head(target, "eagle3", seed=2).save(root / "eagle3")
+    return root
+
+
+def base(ckpt, *extra):
+    return ["--target", ckpt / "target", "--image", ckpt / "img0.png", "--prompt", "w5 w6 w7",
+            "--max-new-tokens", "10", "--dtype", "float64", *extra]
+
+
+# ------------------------------------------------------------------------------------ heads
+@pytest.mark.parametrize("flag", ["--head", "--draft"])
+def test_generate_drafts_with_a_head_directory(ckpt, flag):
+    r, out = invoke(*base(ckpt, flag, ckpt / "eagle", "--tree", "3x2x4"))
+    assert r.exit_code == 0, r.output
+    assert "identical to target.generate yes" in out and "dynamic(depth 3, top-2, 4 nodes" in out
+
+
+def test_help_says_a_head_is_a_draft():
+    out = " ".join(runner.invoke(app, ["generate", "--help"], env={"COLUMNS": "200"}).output.split())
+    assert "--head" in out and "mmspec train head" in out and "--draft HEAD_DIR" in out
+
+
+@pytest.mark.parametrize("extra, phrase", [
+    (["--views", "MT"], "--views MT does not apply to a head"),
+    (["--captioner", "x"], "--captioner does not apply to a head"),
+    (["--weights", "1"], "--weights does not apply to a head"),
+])
+def test_a_head_takes_no_views_or_captioner(ckpt, extra, phrase):
+    refused(base(ckpt, "--head", ckpt / "eagle", *extra), phrase)
+
+
+def test_draft_and_head_together_are_refused(ckpt):
+    refused(base(ckpt, "--head", ckpt / "eagle", "--draft", ckpt / "draft"), "--draft and --head both give the draft")
+
+
+@pytest.mark.parametrize("damage, phrase", [
+    ("json", "is not valid JSON"),
+    ("incomplete", "missing hidden_size"),
+    ("unknown", "unknown colour"),
+    ("safetensors", "cannot read"),
+    ("noweights", "has no model.safetensors"),
+])
+def test_a_damaged_head_directory_is_one_clear_error(ckpt, tmp_path, target, damage, phrase):
+    import shutil
+
+    from mmspec.heads import load_head
+
+    head = tmp_path / "h"
+    shutil.copytree(ckpt / "eagle", head)
+    cfg = head / "mmspec_head.json"
+    raw = json.loads(cfg.read_text())
+    if damage == "json":
+        cfg.write_text(cfg.read_text()[:40])
+    elif damage == "incomplete":
+        cfg.write_text(json.dumps({k: v for k, v in raw.items() if k != "hidden_size"}))
+    elif damage == "unknown":
+        cfg.write_text(json.dumps({**raw, "colour": "red"}))
+    elif damage == "safetensors":
+        (head / "model.safetensors").write_bytes(b"not safetensors at all")
+    else:
+        (head / "model.safetensors").unlink()
+    out = refused(base(ckpt, "--head", head), phrase)
+    assert "mmspec train head" in out
+    with pytest.raises(MMSpecError, match=phrase):
+        load_head(head, target)
+
+
+# ------------------------------------------------------------------------------------ trees
+def test_specdecoder_takes_the_shape_notation(target, draft_shared, tok):
+    from mmspec import SpecDecoder
+    from mmspec.tree import TreeSpec
+
+    dec = SpecDecoder(target, draft_shared, tok, tree="6x4x16")
+    assert dec.tree == TreeSpec("dynamic", depth=6, topk=4, budget=16)
+
+
+@pytest.mark.parametrize("args, phrase", [
+    (["--tree", "dynamic", "--stop-below", "0.3"], "--stop-below (dynamic draft length) applies to chains only"),
+    (["--tree", "dynamic", "--tree-depth", "0"], "--tree-depth must be a whole number >= 1"),
+    (["--tree", "dynamic", "--tree-budget", "0"], "--tree-budget must be a whole number >= 1"),
+    (["--tree", "dynamic", "--tree-topk", "0"], "--tree-topk must be a whole number >= 1"),
+    (["--tree", "0x4x16"], "the depth in tree '0x4x16' must be >= 1"),
+    (["--tree-depth", "4"], "--tree-depth needs --tree dynamic"),
+    (["--tree-budget", "8"], "--tree-budget needs --tree dynamic"),
+    (["--tree-children", "views"], "--tree-children 'views' shapes a tree's children"),
+    (["--tree", "6x4x16", "--tree-depth", "3"], "--tree 6x4x16 already sets depth, top-k and budget"),
+    (["--tree", "[[0],[1]]", "--tree-topk", "2"], "a static tree's paths fix its shape"),
+    (["--tree", "dynamic", "--gamma", "3"], "--gamma is a chain's length"),
+    (["--tree", "bushy"], "DEPTHxTOPKxBUDGET such as '6x4x16'"),
+])
+def test_tree_options_are_never_silently_ignored(args, phrase):
+    out = refused(["--max-new-tokens", "2", *args], phrase)
+    assert "None" not in out and "tree_" not in out  # CLI words, not Python's
+
+
+# ------------------------------------------------------------------------ numbers, paths, devices
+@pytest.mark.parametrize("args, phrase", [
+    (["--gamma", "0"], "--gamma must be >= 1"),
+    (["--frames", "0"], "--frames must be >= 1"),
+    (["--threads", "0"], "--threads must be >= 1"),
+    (["--top-k", "5"], "--top-k filters sampling"),
+    (["--temperature", "1", "--top-k", "-1"], "top_k must be a whole number >= 0"),
+    (["--temperature", "nan"], "temperature must be a finite number"),
+    (["--prompt", "w5", "--image", "nope.png"], "image file not found: 'nope.png'"),
+    (["--prompt", "w5", "--video", "nope"], "video not found: 'nope'"),
+    (["--prompt", "w5", "--head", "nope"], "--head 'nope' is not a directory"),
+])
+def test_bad_numbers_and_paths_are_refused_before_loading(args, phrase, monkeypatch):
+    import mmspec.cli.generate as gen
+
+    monkeypatch.setattr(gen, "load_models", lambda *a, **k: pytest.fail("a model loaded for a bad option"))
+    refused(["--max-new-tokens", "2", *args], phrase)
+
+
+def test_cuda_on_a_cpu_only_torch_is_refused_before_loading(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    refused(["--device", "cuda", "--max-new-tokens", "2"], "has no CUDA GPU; use --device cpu")
+
+
+def test_a_target_without_a_processor_is_one_clear_error(ckpt, tmp_path, target, monkeypatch):
+    import mmspec.models.loading as loading
+
+    target.save_pretrained(tmp_path / "bare")
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("weights loaded without a processor"))
+    out = refused(["--target", tmp_path / "bare", "--draft", ckpt / "draft", "--prompt", "w5"],
+                  "has no processor or tokenizer")
+    assert "processor.save_pretrained" in out
+
+
+def test_qwen_without_torchvision_says_which_extra(tmp_path, monkeypatch):
+    """Qwen2-VL's video processor imports torchvision: one line naming the extra, not an ImportError."""
+    import transformers
+
+    from mmspec.models.loading import load_processor
+    from tiny import make_tokenizer
+
+    d = tmp_path / "qwen"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
+    (d / "preprocessor_config.json").write_text("{}")
+    make_tokenizer().save_pretrained(d)
+
+    def no_torchvision(*a, **k):
+        raise ImportError("Qwen2VLVideoProcessor requires the Torchvision library but it was not found")
+
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", no_torchvision)
+    with pytest.raises(MMSpecError) as e:
+        load_processor(str(d))
+    assert str(e.value) == "Qwen2-VL's processor needs torchvision: pip install 'mmspec[qwen]' (or torchvision)"
+    r, out = invoke("--target", d, "--draft", d, "--prompt", "w5")
+    assert r.exit_code == 2 and "pip install 'mmspec[qwen]'" in out and "Traceback" not in out
+
+
+# ------------------------------------------------------------------------ other families, video
+def _llava_next(seed=0):
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = LlavaNextForConditionalGeneration(LlavaNextConfig(
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       image_size=16, patch_size=4),
+        text_config=LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        image_token_index=IMAGE, vision_feature_layer=-2, vision_feature_select_strategy="default",
+        image_grid_pinpoints=[[16, 32], [32, 16], [32, 32]]))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 2, 0
+    return model.double().eval()
+
+
+CHAT = ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image> "
+        "{% elif c['type'] == 'video' %}<video> {% else %}{{ c['text'] }} {% endif %}{% endfor %}{% endfor %}w40")
+
+
+@pytest.fixture(scope="module")
+def next_ckpt(tmp_path_factory, tok):
+    """A tiny LLaVA-NeXT target and draft (AnyRes: its processor adds image_sizes), with a chat template."""
+    from transformers import LlavaNextImageProcessorPil, LlavaNextProcessor
+
+    root = tmp_path_factory.mktemp("next")
+    target = _llava_next()
+    draft = noisy_copy(target, 1)
+    ip = LlavaNextImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16},
+                                    image_grid_pinpoints=[[16, 32], [32, 16], [32, 32]])
+    proc = LlavaNextProcessor(image_processor=ip, tokenizer=tok, patch_size=4, vision_feature_select_strategy="default",
+                              image_token="<image>", num_additional_image_tokens=1, chat_template=CHAT)
+    for name, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(root / name)
+        proc.save_pretrained(root / name)
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for i, size in enumerate([(20, 40), (30, 30)]):
+        Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(root / f"img{i}.png")
+    return root
+
+
+def test_llava_next_with_two_images_uses_the_whole_processor_output_and_chat_template(next_ckpt):
+    r, out = invoke("--target", next_ckpt / "target", "--draft", next_ckpt / "draft", "--image",
+                    next_ckpt / "img0.png", "--image", next_ckpt / "img1.png", "--prompt", "w5 <image> w6 <image> w7",
+                    "--max-new-tokens", "12", "--dtype", "float64", "--views", "MT", "--tree", "3x2x4")
+    assert r.exit_code == 0, r.output
+    assert "identical to target.generate yes" in out
+    assert "Prompt: w5 <image> w6 <image> w7 w40" in out  # the checkpoint's chat template, markers in place
+
+
+def test_chat_prompt_parts_follow_the_markers(tok):
+    from mmspec.inputs import chat_prompt
+
+    class Proc:
+        chat_template = "x"
+
+        def apply_chat_template(self, messages, **kw):
+            self.messages = messages
+            return "rendered"
+
+    p = Proc()
+    assert chat_prompt(p, "describe", 1, 1) == "rendered"
+    assert [c["type"] for c in p.messages[0]["content"]] == ["image", "video", "text"]
+    chat_prompt(p, "a <video> b <image>", 1, 1)
+    assert [c.get("text", c["type"]) for c in p.messages[0]["content"]] == ["a", "video", "b", "image"]
+    assert chat_prompt(make_processor(tok), "w5", 2) == "USER: <image> <image> w5 ASSISTANT:"  # no template
+
+
+def _video_llava(seed=0):
+    from transformers import CLIPVisionConfig, LlamaConfig, VideoLlavaConfig, VideoLlavaForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = VideoLlavaForConditionalGeneration(VideoLlavaConfig(
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       image_size=16, patch_size=4),
+        text_config=LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        image_token_index=IMAGE, video_token_index=VIDEO, vision_feature_layer=-2,
+        vision_feature_select_strategy="default"))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 2, 0
+    return model.double().eval()
+
+
+class FramesProcessor:
+    """Video-LLaVA's processor as far as the CLI sees it (transformers' video processors need
+    torchvision, absent here): <video> -> one token per frame patch, frames -> pixel_values_videos."""
+
+    chat_template = None
+    image_token, video_token = "<image>", "<video>"
+
+    def __init__(self, tok, per_frame: int):
+        self.tokenizer, self.per_frame, self.seen = tok, per_frame, []
+
+    def __call__(self, text, images=None, videos=None, return_tensors="pt"):
+        import numpy as np
+
+        self.seen.append(text)
+        ids = [1]
+        for w in text.split():
+            ids += [VIDEO] * (self.per_frame * len(videos[0])) if w == "<video>" else [self.tokenizer.convert_tokens_to_ids(w)]
+        clips = [np.stack([np.asarray(f.resize((16, 16)), dtype=np.float32).transpose(2, 0, 1) / 255 for f in v])
+                 for v in videos]
+        ids_t = torch.tensor([ids])
+        return {"input_ids": ids_t, "attention_mask": torch.ones_like(ids_t),
+                "pixel_values_videos": torch.tensor(np.stack(clips))}
+
+
+@pytest.fixture(scope="module")
+def video_ckpt(tmp_path_factory):
+    from mmspec.heads import build_head
+
+    root = tmp_path_factory.mktemp("video")
+    target = _video_llava()
+    noisy = noisy_copy(target, 1, lm_only=False)
+    noisy.model.video_tower.load_state_dict(target.model.video_tower.state_dict())
+    noisy.model.image_tower.load_state_dict(target.model.image_tower.state_dict())
+    target.save_pretrained(root / "target")
+    noisy.save_pretrained(root / "draft")
+    build_head(target, "eagle").save(root / "head")
+    frames = root / "frames"
+    frames.mkdir()
+    for i in range(3):
+        Image.new("RGB", (24, 24), (60 * i, 100, 255 - 60 * i)).save(frames / f"{i:03d}.png")
+    (root / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 not really a video")
+    (root / "empty").mkdir()
+    return root
+
+
+@pytest.mark.parametrize("draft", ["draft", "head"])
+def test_video_from_a_frames_directory_matches_the_target(video_ckpt, tok, monkeypatch, draft):
+    import mmspec.models.loading as loading
+
+    proc = FramesProcessor(tok, per_frame=17)  # 4x4 patches + CLS per frame
+    monkeypatch.setattr(loading, "load_processor", lambda *a, **k: proc)
+    r, out = invoke("--target", video_ckpt / "target", "--draft", video_ckpt / draft, "--video",
+                    video_ckpt / "frames", "--prompt", "w9 w10", "--max-new-tokens", "10", "--dtype", "float64")
+    assert r.exit_code == 0, r.output
+    assert "identical to target.generate yes" in out and proc.seen == ["USER: <video> w9 w10 ASSISTANT:"]
+
+
+def test_video_errors(video_ckpt, ckpt):
+    refused(["--target", ckpt / "target", "--draft", ckpt / "draft", "--video", video_ckpt / "frames", "--prompt", "w5"],
+            "--video: the target (llava) reads images only")
+    refused(["--video", video_ckpt / "frames", "--prompt", "w5"], "the embedded target (LLaVA-1.5) reads images only")
+    refused(["--target", video_ckpt / "target", "--draft", video_ckpt / "draft", "--video", video_ckpt / "empty",
+             "--prompt", "w5"], "is a directory without frame images")
+    refused(["--target", video_ckpt / "target", "--draft", video_ckpt / "draft", "--video", video_ckpt / "frames",
+             "--prompt", "<video> <video> w5"], "2 <video> slot(s) but 1 video(s)")
+
+
+def test_a_video_file_without_a_reader_says_to_pass_frames(video_ckpt):
+    import importlib.util
+
+    from mmspec.inputs import load_video
+
+    if importlib.util.find_spec("av") or importlib.util.find_spec("cv2"):
+        with pytest.raises(MMSpecError, match="cannot read"):
+            load_video(video_ckpt / "clip.mp4")
+    else:
+        with pytest.raises(MMSpecError, match=r"needs a video reader \(pip install av\); or pass --video a directory"):
+            load_video(video_ckpt / "clip.mp4")
+    frames = load_video(video_ckpt / "frames", n_frames=2)
+    assert len(frames) == 2 and frames[1].getpixel((0, 0)) == (120, 100, 135)  # first and last, in name order
