@@ -367,3 +367,11 @@ def test_a_video_file_without_a_reader_says_to_pass_frames(video_ckpt):
             load_video(video_ckpt / "clip.mp4")
     frames = load_video(video_ckpt / "frames", n_frames=2)
     assert len(frames) == 2 and frames[1].getpixel((0, 0)) == (120, 100, 135)  # first and last, in name order
+
+
+def test_demo_takes_the_same_method_notation():
+    """demo's methods are bench's: static trees (commas inside brackets), shapes, suffixes in any order."""
+    r = runner.invoke(app, ["demo", "--families", "textvqa", "--methods", "M+tree:[[0],[1],[0,0]],M+relaxed+tree:3x2x4",
+                            "--max-new-tokens", "4", "--repeats", "1"], env={"COLUMNS": "250"})
+    assert r.exit_code == 0, r.output
+    assert "M+tree:[[0],[1],[0,0]]" in r.output and "M+relaxed+tree:3x2x4" in r.output

@@ -65,11 +65,12 @@ def demo(
             for m, results in runs.items():
                 st = results[0].stats
                 same = all(r.token_ids == ref for r in results)
-                if not same:
+                lossy = parse_method(m)[1].get("acceptance") == "relaxed"  # +relaxed: lossy by design
+                if not same and not lossy:
                     mismatches.append(f"{fam}/{m}")
                 speedup = statistics.median(base_s) / statistics.median(r.stats.total_s for r in results)
                 tab.add_row(fam, str(len(s.images)), m, f"{st.tau:.2f}", f"{st.mean_accepted_length:.2f}",
-                            f"{speedup:.2f}x", "[green]yes[/green]" if same else "[red]NO[/red]")
+                            f"{speedup:.2f}x", "[green]yes[/green]" if same else ("no (relaxed: lossy)" if lossy else "[red]NO[/red]"))
         common.console.print(tab)
         common.console.print(f"[dim]tau = tokens per block incl. the bonus/recovered token; speed-up = median time of the "
                       f"target alone / median time of the method over {repeats} interleaved run(s) of one sample "
