@@ -375,3 +375,12 @@ def test_demo_takes_the_same_method_notation():
                             "--max-new-tokens", "4", "--repeats", "1"], env={"COLUMNS": "250"})
     assert r.exit_code == 0, r.output
     assert "M+tree:[[0],[1],[0,0]]" in r.output and "M+relaxed+tree:3x2x4" in r.output
+
+
+def test_a_draft_of_another_family_reads_the_images_through_its_own_processor(next_ckpt, ckpt):
+    """LLaVA-NeXT target, LLaVA-1.5 draft (same tokenizer): the draft's processor makes its pixels."""
+    r, out = invoke("--target", next_ckpt / "target", "--draft", ckpt / "draft", "--image", next_ckpt / "img0.png",
+                    "--image", next_ckpt / "img1.png", "--prompt", "w5 w6", "--max-new-tokens", "10",
+                    "--dtype", "float64", "--views", "MP")
+    assert r.exit_code == 0, r.output
+    assert "identical to target.generate yes" in out

@@ -102,6 +102,7 @@ class GenerateOptions:
     device: str = "cpu"
     threads: int | None = None
     # derived by check_generate
+    draft_reads_own_images: bool = False  # a VLM draft of another family: its own processor reads the images
     view_list: list = field(default_factory=list)
     weight_list: list | None = None
     graphs: object = "auto"
@@ -153,6 +154,11 @@ def check_generate(o: GenerateOptions) -> GenerateOptions:
     for flag, name in (("--target", o.target), ("--draft", o.draft), ("--captioner", o.captioner)):
         if name is not None:
             locate(name, flag)  # local directories first; a hub id that cannot be had fails in one line
+    if o.target is not None and o.draft is not None:
+        o.draft_reads_own_images = _other_vision_family(o.target, o.draft)
+        if o.draft_reads_own_images and o.video:
+            raise MMSpecError("--video: a draft of another family than the target reads images only (through its "
+                              "own processor); pass a draft of the target's family, a text-only draft, or a head")
     if o.video:
         family = "llava" if o.target is None else model_type_of(o.target)
         if family not in VIDEO_FAMILIES:
@@ -160,6 +166,22 @@ def check_generate(o: GenerateOptions) -> GenerateOptions:
             raise MMSpecError(f"--video: {what} reads images only; a video needs a target of a video family "
                               f"({', '.join(VIDEO_FAMILIES)}), or pass its frames as --image")
     return o
+
+
+def _other_vision_family(target: str, draft: str) -> bool:
+    """The draft is a vision-language model of another family than the target, with a processor
+    of its own saved beside it (then it reads the PIL images through it: ``draft_processor``)."""
+    import json
+
+    from mmspec.models.loading import PROCESSOR_FILES, locate
+
+    path = Path(locate(draft, "--draft"))
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    own = any((path / f).is_file() for f in PROCESSOR_FILES)
+    return own and "vision_config" in cfg and cfg.get("model_type") != model_type_of(target)
 
 
 def _check_draft(o: GenerateOptions) -> None:

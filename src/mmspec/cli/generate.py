@@ -174,8 +174,13 @@ def _run(o, compare: bool) -> None:
         common.console.print("[dim]No prompt given: a bundled chart-QA example from the synthetic world.[/dim]")
     else:
         prompt_text = chat_prompt(proc, o.prompt, len(images), len(clips))
+    draft_proc = None
+    if o.draft_reads_own_images:  # a draft of another family reads the PIL images its own way
+        from mmspec.models.loading import load_processor
+
+        draft_proc = load_processor(o.draft)
     dec = SpecDecoder(t, d, tok, views=o.view_list, weights=o.weight_list, captioner=cap, gamma=o.gamma,
-                      processor=proc, tree=o.tree, tree_depth=o.tree_depth, tree_topk=o.tree_topk,
+                      processor=proc, draft_processor=draft_proc, tree=o.tree, tree_depth=o.tree_depth, tree_topk=o.tree_topk,
                       tree_budget=o.tree_budget, tree_children=o.tree_children, stop_below=o.stop_below,
                       cuda_graphs=o.graphs)
     inputs = to_target(processor_inputs(proc, prompt_text, images, clips), o.device, t.dtype)  # the whole output
