@@ -384,3 +384,67 @@ def test_a_draft_of_another_family_reads_the_images_through_its_own_processor(ne
                     "--dtype", "float64", "--views", "MP")
     assert r.exit_code == 0, r.output
     assert "identical to target.generate yes" in out
+
+
+def _qwen2_5_vl(seed=0):
+    """A tiny Qwen2.5-VL (as tests/test_families.py builds it): 4 px patches merged 2x2, float64."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    text = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, in_channels=3, out_hidden_size=64, window_size=16, fullatt_block_indexes=[1])
+    model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=7,
+        vision_end_token_id=8))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 2, 0
+    return model.double().eval()
+
+
+class QwenProcessor:
+    """Qwen2.5-VL's processor as far as the CLI sees it (the real one needs torchvision, absent
+    here): its own image marker, and image_grid_thw / mm_token_type_ids beside the pixels."""
+
+    chat_template = None
+    image_token = "<|image_pad|>"
+
+    def __init__(self, tok):
+        self.tokenizer, self.seen = tok, []
+
+    def __call__(self, text, images=None, videos=None, return_tensors="pt"):
+        import numpy as np
+
+        self.seen.append(text)
+        ids, pixels = [1], []
+        for w in text.split():
+            if w == self.image_token:
+                ids += [7] + [IMAGE] * 4 + [8]  # a 4x4 patch grid, merged 2x2
+                a = np.asarray(images[len(pixels)].resize((16, 16)), dtype=np.float64) / 255
+                pixels.append(torch.tensor(np.concatenate([a, a], -1).reshape(16, 96)))
+            else:
+                ids.append(self.tokenizer.convert_tokens_to_ids(w))
+        ids_t = torch.tensor([ids])
+        return {"input_ids": ids_t, "attention_mask": torch.ones_like(ids_t), "pixel_values": torch.cat(pixels),
+                "image_grid_thw": torch.tensor([[1, 4, 4]] * len(pixels)), "mm_token_type_ids": (ids_t == IMAGE).int()}
+
+
+def test_qwen2_5_vl_target_with_a_text_only_draft(tmp_path, ckpt, tok, monkeypatch):
+    """The Qwen2.5-VL route of the README: a text-only LM (same tokenizer) drafts views T; the
+    processor's image_grid_thw and mm_token_type_ids reach both SpecDecoder and target.generate."""
+    import mmspec.models.loading as loading
+    from tiny import make_llama
+
+    _qwen2_5_vl().save_pretrained(tmp_path / "qwen")
+    make_llama(11).save_pretrained(tmp_path / "lm")
+    proc = QwenProcessor(tok)
+    monkeypatch.setattr(loading, "load_processor", lambda *a, **k: proc)
+    r, out = invoke("--target", tmp_path / "qwen", "--draft", tmp_path / "lm", "--views", "T", "--image",
+                    ckpt / "img0.png", "--image", ckpt / "img1.png", "--prompt", "w9 w10", "--max-new-tokens", "10",
+                    "--dtype", "float64", "--tree", "dynamic")
+    assert r.exit_code == 0, r.output
+    assert "identical to target.generate yes" in out
+    assert proc.seen == ["USER: <|image_pad|> <|image_pad|> w9 w10 ASSISTANT:"]
