@@ -194,6 +194,9 @@ def test_qwen_without_torchvision_says_which_extra(tmp_path, monkeypatch):
     assert str(e.value) == "Qwen2-VL's processor needs torchvision: pip install 'mmspec[qwen]' (or torchvision)"
     r, out = invoke("--target", d, "--draft", d, "--prompt", "w5")
     assert r.exit_code == 2 and "pip install 'mmspec[qwen]'" in out and "Traceback" not in out
+    (d / "config.json").write_text(json.dumps({"model_type": "llava_onevision"}))
+    with pytest.raises(MMSpecError, match=r"LLaVA-OneVision's processor needs torchvision: pip install 'mmspec\[video\]'"):
+        load_processor(str(d))
 
 
 # ------------------------------------------------------------------------ other families, video

@@ -261,8 +261,9 @@ def check_same_vocabulary(target_tok, draft_tok) -> None:
                 "the target's tokenizer; pick a draft trained with it")
 
 
-# families whose processor imports torchvision (their video processor): the extra that brings it
-TORCHVISION_FAMILIES = {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"}
+# families whose processor imports torchvision (their video processor): (name, the extra that brings it)
+TORCHVISION_FAMILIES = {"qwen2_vl": ("Qwen2-VL", "qwen"), "qwen2_5_vl": ("Qwen2.5-VL", "qwen"),
+                        "llava_onevision": ("LLaVA-OneVision", "video"), "video_llava": ("Video-LLaVA", "video")}
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "image_processor_config.json")
 
 
@@ -296,8 +297,8 @@ def load_processor(name_or_path: str):
         return transformers.AutoProcessor.from_pretrained(name_or_path)
     except ImportError as e:
         if "torchvision" in str(e).lower():
-            family = TORCHVISION_FAMILIES.get(_model_type(name_or_path) if local else "", "this model")
-            raise MMSpecError(f"{family}'s processor needs torchvision: pip install 'mmspec[qwen]' "
+            family, extra = TORCHVISION_FAMILIES.get(_model_type(name_or_path) if local else "", ("this model", "video"))
+            raise MMSpecError(f"{family}'s processor needs torchvision: pip install 'mmspec[{extra}]' "
                               "(or torchvision)") from None
         raise MMSpecError(f"could not load a processor from {name_or_path!r}: {_first_line(e)}") from None
     except (OSError, ValueError, TypeError) as e:
