@@ -214,6 +214,8 @@ def heads(tmp_path_factory):
     (["-m", "M", "--latency-repeats", "0"], "--latency-repeats) must be >= 1"),
     (["-m", "M", "-n", "0"], "n_samples must be >= 1"),
     (["-m", "M,M"], "listed twice"),
+    (["-m", "M,M+relaxed", "--temperature", "0.7"], "+relaxed (MSD's relaxed acceptance) is defined for greedy"),
+    (["-m", "M,MT", "--pool-tokens", "4"], "--pool-tokens 4 sets the pooled view (P), which no method uses"),
 ])
 def test_bad_bench_options_are_refused_and_leave_no_file(tmp_path, heads, args, phrase):
     r = _cli("--out", tmp_path / "out", "-d", "chartqa", *[str(a).replace("HEADS", str(heads)) for a in args])

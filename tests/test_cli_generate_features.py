@@ -19,6 +19,16 @@ runner = CliRunner()
 V, IMAGE, VIDEO = 96, 3, 6
 
 
+@pytest.fixture(autouse=True)
+def wide_console(monkeypatch):
+    """Tables and titles in full, whatever the terminal the tests run in."""
+    from rich.console import Console
+
+    import mmspec.cli.common
+
+    monkeypatch.setattr(mmspec.cli.common, "console", Console(width=400))
+
+
 def invoke(*args):
     r = runner.invoke(app, ["generate", *map(str, args)], env={"COLUMNS": "250"})
     return r, " ".join(r.output.replace("│", " ").split())
@@ -72,6 +82,11 @@ def test_help_says_a_head_is_a_draft():
 ])
 def test_a_head_takes_no_views_or_captioner(ckpt, extra, phrase):
     refused(base(ckpt, "--head", ckpt / "eagle", *extra), phrase)
+
+
+def test_a_captioner_without_a_caption_view_is_refused(ckpt):
+    refused(base(ckpt, "--draft", ckpt / "draft", "--views", "MT", "--captioner", ckpt / "draft"),
+            "--captioner is read by the caption view (C) only")
 
 
 def test_draft_and_head_together_are_refused(ckpt):
@@ -149,6 +164,10 @@ def test_tree_options_are_never_silently_ignored(args, phrase):
     (["--prompt", "w5", "--image", "nope.png"], "image file not found: 'nope.png'"),
     (["--prompt", "w5", "--video", "nope"], "video not found: 'nope'"),
     (["--prompt", "w5", "--head", "nope"], "--head 'nope' is not a directory"),
+    (["--seed", "3"], "--seed seeds sampling"),
+    (["--views", "MT", "--weights", "1,2,3"], "--weights gives 3 weight(s) for 2 view(s)"),
+    (["--views", "MX"], "--views MX:"),
+    (["--frames", "4"], "--frames sets the frames taken from each --video; there is none"),
 ])
 def test_bad_numbers_and_paths_are_refused_before_loading(args, phrase, monkeypatch):
     import mmspec.cli.generate as gen

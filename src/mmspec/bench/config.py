@@ -222,13 +222,19 @@ class BenchConfig:
             raise MMSpecError(f"latency_repeats (--latency-repeats) must be >= 1, got {self.latency_repeats}")
         if not self.methods:
             raise MMSpecError("no methods given; pass -m with drafting methods such as M,MT or eagle+tree")
+        trees = [method_tree(m) for m in self.methods]
+        if self.temperature > 0 and any(t.get("acceptance") == "relaxed" for t in trees):
+            raise MMSpecError("+relaxed (MSD's relaxed acceptance) is defined for greedy decoding only; drop the "
+                              "+relaxed methods or use --temperature 0")
+        if self.pool_tokens is not None and not any(v == "P" or v.split(":")[0] == "pooled"
+                                                    for m in self.methods for v in method_views(m)):
+            raise MMSpecError(f"--pool-tokens {self.pool_tokens} sets the pooled view (P), which no method uses; add "
+                              "a P method (e.g. -m P,MTCP) or drop --pool-tokens")
         if len(set(self.methods)) != len(self.methods):
             raise MMSpecError(f"a method is listed twice in {', '.join(self.methods)}; list each once")
         from mmspec.verify import SamplingParams
 
         SamplingParams(temperature=float(self.temperature))  # refuses a negative or non-finite one
-        for m in self.methods:
-            method_views(m)
         from mmspec.models.loading import check_model_flags
 
         check_model_flags(self.target, self.draft, self.captioner, self.captioner_prompt)

@@ -102,6 +102,7 @@ class GenerateOptions:
     device: str = "cpu"
     threads: int | None = None
     # derived by check_generate
+    caption_view: bool = False  # --views has C
     draft_reads_own_images: bool = False  # a VLM draft of another family: its own processor reads the images
     view_list: list = field(default_factory=list)
     weight_list: list | None = None
@@ -128,9 +129,13 @@ def check_generate(o: GenerateOptions) -> GenerateOptions:
     o.gamma = 5 if o.gamma is None else o.gamma
     parse_tree(o.tree, gamma=o.gamma, device_type=o.device.split(":")[0], depth=o.tree_depth, topk=o.tree_topk,
                budget=o.tree_budget, children=o.tree_children, stop_below=o.stop_below, spelling="cli")
+    if o.seed is not None and o.temperature == 0:
+        raise MMSpecError("--seed seeds sampling; with --temperature 0 (greedy) the output is the same without it: "
+                          "add --temperature > 0, or drop --seed")
     o.graphs = graphs_flag(o.cuda_graphs)
     o.weight_list = parse_weights(o.weights)
     o.view_list = [v.strip() for v in o.views.split(",") if v.strip()]
+    _check_views(o)
     resolve_dtype(o.dtype)
     check_device(o.device)
     # the prompt and its inputs
@@ -145,12 +150,17 @@ def check_generate(o: GenerateOptions) -> GenerateOptions:
             raise MMSpecError(f"image file not found: {str(p)!r}; check the path given to --image")
     for v in o.video:
         check_video_path(v)
+    if o.frames != 8 and not o.video:
+        raise MMSpecError("--frames sets the frames taken from each --video; there is none: drop --frames or add --video")
     if o.prompt is not None:
         with_markers(o.prompt, len(o.image), len(o.video))  # slots against images and videos
     # the draft: a model, or a head
     _check_draft(o)
     check_model_flags(o.target, o.draft if o.head is None else (o.head if o.target else None), o.captioner,
                       o.captioner_prompt)
+    if o.captioner is not None and not o.caption_view and o.head is None:
+        raise MMSpecError(f"--captioner is read by the caption view (C) only, and --views {o.views} has none: "
+                          "add C to --views, or drop --captioner")
     for flag, name in (("--target", o.target), ("--draft", o.draft), ("--captioner", o.captioner)):
         if name is not None:
             locate(name, flag)  # local directories first; a hub id that cannot be had fails in one line
@@ -182,6 +192,20 @@ def _other_vision_family(target: str, draft: str) -> bool:
         return False
     own = any((path / f).is_file() for f in PROCESSOR_FILES)
     return own and "vision_config" in cfg and cfg.get("model_type") != model_type_of(target)
+
+
+def _check_views(o: GenerateOptions) -> None:
+    """Views that exist, one weight per view, a captioner only where a caption view reads it."""
+    from mmspec.views import parse_views
+
+    try:
+        kinds = [v.kind for v in parse_views(o.view_list)]
+    except MMSpecError as e:
+        raise MMSpecError(f"--views {o.views}: {e}") from None
+    if o.weight_list is not None and len(o.weight_list) != len(kinds):
+        raise MMSpecError(f"--weights gives {len(o.weight_list)} weight(s) for {len(kinds)} view(s) ({o.views}); "
+                          "give one per view, e.g. --views MT --weights 1,0.5")
+    o.caption_view = "caption" in kinds
 
 
 def _check_draft(o: GenerateOptions) -> None:
