@@ -241,3 +241,13 @@ def test_resuming_with_another_head_names_the_setting_and_both_values(tmp_path, 
     with pytest.raises(MMSpecError, match=r"different settings \(gamma: 5 there, 3 now"):
         run_bench(_cfg(tmp_path, methods=("M", "eagle"), heads=(("eagle", a),), gamma=3), backend=FakeBackend(),
                   rank=RankInfo())
+
+
+def test_bench_help_says_every_head_method_needs_a_head():
+    from typer.testing import CliRunner
+
+    from mmspec.cli.bench import bench_app
+
+    out = " ".join(CliRunner().invoke(bench_app, ["run", "--help"], env={"COLUMNS": "300"}).output.split())
+    assert "none ships with the embedded pack" in out and "found without" not in out
+    assert "+tree:DEPTHxTOPKxBUDGET" in out and "Token trees" in out
