@@ -216,7 +216,7 @@ def read_head_config(path: str | Path) -> HeadConfig:
         raise MMSpecError(f"'{file}' is not a head config this mmspec reads ({what}); {_DAMAGED}")
     for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size",
                  "target_num_layers", "num_layers", "max_position_embeddings"):
-        v = raw[name] if name in raw else 1
+        v = raw.get(name, 1)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise MMSpecError(f"'{file}': {name} must be a whole number >= 1, got {v!r}; {_DAMAGED}")
     layers = raw["feature_layers"]
