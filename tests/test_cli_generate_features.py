@@ -470,3 +470,14 @@ def test_qwen2_5_vl_target_with_a_text_only_draft(tmp_path, ckpt, tok, monkeypat
     assert r.exit_code == 0, r.output
     assert "identical to target.generate yes" in out
     assert proc.seen == ["USER: <|image_pad|> <|image_pad|> w9 w10 ASSISTANT:"]
+
+
+def test_a_head_for_the_embedded_target(tmp_path):
+    """`--head DIR` alone drafts for the embedded target (the bundled example)."""
+    from mmspec.embedded import load_embedded
+    from mmspec.heads import build_head
+
+    build_head(load_embedded().target, "eagle").save(tmp_path / "head")
+    r, out = invoke("--head", tmp_path / "head", "--max-new-tokens", "8", "--tree", "dynamic")
+    assert r.exit_code == 0, r.output
+    assert "identical to target.generate yes" in out and "eagle+tree" in out

@@ -264,7 +264,7 @@ def test_one_tree_notation_and_options_never_silently_ignored():
                     (dict(tree="dynamic", budget=0), "tree_budget must be"),
                     (dict(tree="dynamic", topk=0), "tree_topk must be"),
                     (dict(tree="0x4x16"), "the depth in tree '0x4x16' must be >= 1"),
-                    (dict(tree=None, depth=4), "tree_depth needs tree= dynamic"),
+                    (dict(tree=None, depth=4), "tree_depth needs tree=.dynamic. \\(a chain.s length is gamma\\)"),
                     (dict(tree="chain", children="views"), "shapes a tree's children"),
                     (dict(tree="6x4x16", budget=3), "already sets depth, top-k and budget"),
                     (dict(tree=[[0]], topk=2), "a static tree's paths fix its shape"),

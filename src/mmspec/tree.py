@@ -164,9 +164,9 @@ def _check_paths(paths) -> None:
 
 # How the tree options are spelled in messages: SpecDecoder's keywords, or the CLI's flags.
 SPELLINGS: dict[str, dict[str, str]] = {
-    "python": {"tree": "tree=", "depth": "tree_depth", "topk": "tree_topk", "budget": "tree_budget",
+    "python": {"tree": "tree=", "dynamic": "tree='dynamic'", "depth": "tree_depth", "topk": "tree_topk", "budget": "tree_budget",
                "children": "tree_children", "stop_below": "stop_below", "gamma": "gamma"},
-    "cli": {"tree": "--tree", "depth": "--tree-depth", "topk": "--tree-topk", "budget": "--tree-budget",
+    "cli": {"tree": "--tree", "dynamic": "--tree dynamic", "depth": "--tree-depth", "topk": "--tree-topk", "budget": "--tree-budget",
             "children": "--tree-children", "stop_below": "--stop-below", "gamma": "--gamma"},
 }
 NOTATION = ("'chain', 'dynamic' (the device's measured defaults), DEPTHxTOPKxBUDGET such as '6x4x16' "
@@ -218,11 +218,11 @@ def parse_tree(tree, *, gamma: int, device_type: str = "cpu", depth: int | None 
     if chain:
         if given:
             flag = n[next(iter(given))]
-            raise MMSpecError(f"{flag} needs {n['tree']} dynamic (a chain's length is {n['gamma']}); "
-                              f"add {n['tree']} dynamic, or drop {flag}")
+            raise MMSpecError(f"{flag} needs {n['dynamic']} (a chain's length is {n['gamma']}); "
+                              f"add {n['dynamic']}, or drop {flag}")
         if children != "mixture":
             raise MMSpecError(f"{n['children']} {children!r} shapes a tree's children; a chain has one per "
-                              f"node: add {n['tree']} dynamic (or DEPTHxTOPKxBUDGET, or a static tree), or drop it")
+                              f"node: add {n['dynamic']} (or DEPTHxTOPKxBUDGET, or a static tree), or drop it")
         return TreeSpec("chain", depth=gamma, stop_below=stop_below)
     if isinstance(tree, str) and tree.strip().lower() == "dynamic":
         d0, k0, b0 = DYNAMIC_DEFAULTS.get(device_type, DYNAMIC_DEFAULTS["cpu"])
@@ -231,8 +231,9 @@ def parse_tree(tree, *, gamma: int, device_type: str = "cpu", depth: int | None 
     if isinstance(tree, str) and _SHAPE.match(tree):
         d, k, b = (int(x) for x in _SHAPE.match(tree).groups())
         if given:
-            raise MMSpecError(f"{n['tree']} {tree.strip()} already sets depth, top-k and budget; drop "
-                              f"{'/'.join(n[k] for k in given)}, or write {n['tree']} dynamic with them")
+            shape = f"{n['tree']} {tree.strip()}" if spelling == "cli" else f"tree={tree.strip()!r}"
+            raise MMSpecError(f"{shape} already sets depth, top-k and budget; drop "
+                              f"{'/'.join(n[k] for k in given)}, or write {n['dynamic']} with them")
         for what, v in (("depth", d), ("top-k", k), ("budget", b)):
             if v < 1:
                 raise MMSpecError(f"the {what} in tree {tree.strip()!r} must be >= 1 (DEPTHxTOPKxBUDGET, "

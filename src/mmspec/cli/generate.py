@@ -98,7 +98,7 @@ def generate(
     video: List[Path] = typer.Option([], "--video", help="A video for the video families (LLaVA-OneVision, "
                                      "Video-LLaVA, Qwen2-VL, Qwen2.5-VL): a directory of its frames (PNG/JPEG, "
                                      "name order) or a video file (needs PyAV: pip install av). Repeatable."),
-    frames: int = typer.Option(8, help="Frames taken from each --video, evenly spaced (default 8)."),
+    frames: int = typer.Option(8, help="Frames taken from each --video, evenly spaced."),
     target: Optional[str] = typer.Option(None, help="Target VLM: local directory or hub id (default: embedded)."),
     draft: Optional[str] = typer.Option(None, help="Draft model: local directory or hub id; or a draft head "
                                         "directory (as --head)."),
