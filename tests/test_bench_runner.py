@@ -216,10 +216,13 @@ def heads(tmp_path_factory):
     (["-m", "M,M"], "listed twice"),
     (["-m", "M,M+relaxed", "--temperature", "0.7"], "+relaxed (MSD's relaxed acceptance) is defined for greedy"),
     (["-m", "M,MT", "--pool-tokens", "4"], "--pool-tokens 4 sets the pooled view (P), which no method uses"),
+    (["-m", "M", "--target", "HEADS/eagle_a", "--draft", "HEADS"], "--target 'HEADS/eagle_a' is a draft head directory"),
+    (["-m", "M", "--target", "HEADS", "--draft", "HEADS"], "--target 'HEADS' is not a model directory (no config.json)"),
 ])
 def test_bad_bench_options_are_refused_and_leave_no_file(tmp_path, heads, args, phrase):
     r = _cli("--out", tmp_path / "out", "-d", "chartqa", *[str(a).replace("HEADS", str(heads)) for a in args])
     out = " ".join(r.output.split())
+    phrase = phrase.replace("HEADS", str(heads))
     assert r.exit_code == 2 and phrase in out and "Traceback" not in out, r.output
     assert not (tmp_path / "out").exists()
 

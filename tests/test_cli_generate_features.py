@@ -89,6 +89,14 @@ def test_a_captioner_without_a_caption_view_is_refused(ckpt):
             "--captioner is read by the caption view (C) only")
 
 
+def test_model_flags_name_a_head_or_a_directory_without_a_model(ckpt, tmp_path):
+    refused(["--target", ckpt / "eagle", "--draft", ckpt / "draft", "--prompt", "w5"],
+            "--target '" + str(ckpt / "eagle") + "' is a draft head directory (mmspec_head.json), not a model; pass it as --head")
+    (tmp_path / "nothing").mkdir()
+    refused(["--target", ckpt / "target", "--draft", tmp_path / "nothing", "--prompt", "w5"],
+            "is not a model directory (no config.json); pass the directory save_pretrained() wrote, or a draft head")
+
+
 def test_draft_and_head_together_are_refused(ckpt):
     refused(base(ckpt, "--head", ckpt / "eagle", "--draft", ckpt / "draft"), "--draft and --head both give the draft")
 
@@ -159,7 +167,7 @@ def test_tree_options_are_never_silently_ignored(args, phrase):
     (["--frames", "0"], "--frames must be >= 1"),
     (["--threads", "0"], "--threads must be >= 1"),
     (["--top-k", "5"], "--top-k filters sampling"),
-    (["--temperature", "1", "--top-k", "-1"], "top_k must be a whole number >= 0"),
+    (["--temperature", "1", "--top-k", "-1"], "--top-k: top_k must be a whole number >= 0"),
     (["--temperature", "nan"], "temperature must be a finite number"),
     (["--prompt", "w5", "--image", "nope.png"], "image file not found: 'nope.png'"),
     (["--prompt", "w5", "--video", "nope"], "video not found: 'nope'"),
@@ -168,6 +176,10 @@ def test_tree_options_are_never_silently_ignored(args, phrase):
     (["--views", "MT", "--weights", "1,2,3"], "--weights gives 3 weight(s) for 2 view(s)"),
     (["--views", "MX"], "--views MX:"),
     (["--frames", "4"], "--frames sets the frames taken from each --video; there is none"),
+    (["--stop-below", "1.5"], "--stop-below must be a probability in (0, 1)"),
+    (["--temperature", "1", "--seed", "-1"], "--seed must be >= 0"),
+    (["--views", "MT", "--weights", "1,-1"], "each weight must be a finite number >= 0"),
+    (["--prompt", "w5", "--image", "."], "--image '.' is a directory, not an image file"),
 ])
 def test_bad_numbers_and_paths_are_refused_before_loading(args, phrase, monkeypatch):
     import mmspec.cli.generate as gen

@@ -211,6 +211,8 @@ def parse_tree(tree, *, gamma: int, device_type: str = "cpu", depth: int | None 
                               "[[0], [1], [0, 0]]") from None
         if not isinstance(tree, list):
             raise MMSpecError(f"a static tree is a list of child-rank paths such as [[0], [1], [0, 0]], got {tree!r}")
+    if stop_below is not None and not (isinstance(stop_below, (int, float)) and 0.0 < float(stop_below) < 1.0):
+        raise MMSpecError(f"{n['stop_below']} must be a probability in (0, 1), got {stop_below!r}")
     chain = tree is None or (isinstance(tree, str) and tree.strip().lower() == "chain")
     if not chain and stop_below is not None:
         raise MMSpecError(f"{n['stop_below']} (dynamic draft length) applies to chains only; a tree already "

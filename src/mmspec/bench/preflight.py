@@ -50,11 +50,19 @@ def check_datasets(cfg: BenchConfig) -> None:
 
 def check_models(cfg: BenchConfig) -> None:
     """Each model path is a local directory or a hub id this machine can get, found fast."""
+    from mmspec.heads.model import is_head_dir
     from mmspec.models.loading import locate
 
     for flag, name in (("--target", cfg.target), ("--draft", cfg.draft), ("--captioner", cfg.captioner)):
-        if name is not None:
-            locate(name, flag)
+        if name is None:
+            continue
+        if is_head_dir(name):
+            raise MMSpecError(f"{flag} {name!r} is a draft head directory, not a model; pass it as --head "
+                              f"VARIANT={name} with a head method (-m eagle, ...)")
+        path = Path(locate(name, flag))
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise MMSpecError(f"{flag} {name!r} is not a model directory (no config.json); pass the directory "
+                              "save_pretrained() wrote")
 
 
 def embedded_heads() -> dict[str, str]:

@@ -32,7 +32,11 @@ def check_sampling(temperature: float, top_k: int | None = None, top_p: float | 
         flag = "--top-k" if top_k is not None else "--top-p"
         raise MMSpecError(f"{flag} filters sampling; with --temperature 0 (greedy) it would be ignored: add "
                           f"--temperature > 0, or drop {flag}")
-    SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    try:
+        SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    except MMSpecError as e:
+        flag = "--top-k" if "top_k" in str(e) else "--top-p" if "top_p" in str(e) else "--temperature"
+        raise MMSpecError(f"{flag}: {e}") from None
 
 
 def check_threads(threads: int | None) -> None:
@@ -54,6 +58,23 @@ def head_variant(path: str) -> str:
     from mmspec.heads.model import check_head_dir
 
     return check_head_dir(path).variant
+
+
+def check_model_dir(name: str | None, flag: str) -> None:
+    """A model flag names a directory save_pretrained() wrote (config.json), or a hub id this
+    machine can get; a draft head directory given where a model belongs is named as such."""
+    from mmspec.heads.model import is_head_dir
+    from mmspec.models.loading import locate
+
+    if name is None:
+        return
+    if is_head_dir(name):
+        raise MMSpecError(f"{flag} {name!r} is a draft head directory (mmspec_head.json), not a model; pass it "
+                          f"as --head {name}" + (" (bench: --head VARIANT=DIR)" if flag != "--draft" else ""))
+    path = Path(locate(name, flag))
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise MMSpecError(f"{flag} {name!r} is not a model directory (no config.json); pass the directory "
+                          "save_pretrained() wrote" + (", or a draft head directory" if flag == "--draft" else ""))
 
 
 def model_type_of(name: str) -> str:
@@ -113,7 +134,7 @@ def check_generate(o: GenerateOptions) -> GenerateOptions:
     """All of ``generate``'s options; returns ``o`` with the head found and the derived fields set."""
     from mmspec.cli.common import check_prompt, graphs_flag, parse_weights
     from mmspec.inputs import check_video_path, with_markers
-    from mmspec.models.loading import check_model_flags, locate, resolve_dtype
+    from mmspec.models.loading import check_model_flags, resolve_dtype
     from mmspec.tree import parse_tree
 
     # numbers
@@ -133,7 +154,11 @@ def check_generate(o: GenerateOptions) -> GenerateOptions:
         raise MMSpecError("--seed seeds sampling; with --temperature 0 (greedy) the output is the same without it: "
                           "add --temperature > 0, or drop --seed")
     o.graphs = graphs_flag(o.cuda_graphs)
+    at_least("--seed", o.seed, 0)
     o.weight_list = parse_weights(o.weights)
+    if o.weight_list is not None and (not all(math.isfinite(w) and w >= 0 for w in o.weight_list)
+                                      or sum(o.weight_list) <= 0):
+        raise MMSpecError(f"--weights {o.weights}: each weight must be a finite number >= 0, and one > 0")
     o.view_list = [v.strip() for v in o.views.split(",") if v.strip()]
     _check_views(o)
     resolve_dtype(o.dtype)
@@ -146,6 +171,9 @@ def check_generate(o: GenerateOptions) -> GenerateOptions:
     if o.prompt is None and o.target is not None:
         raise MMSpecError("pass --prompt (and --image for each image, --video for each video)")
     for p in o.image:
+        if Path(p).is_dir():
+            raise MMSpecError(f"--image {str(p)!r} is a directory, not an image file; pass one file per --image "
+                              "(a directory of a video's frames goes to --video)")
         if not Path(p).is_file():
             raise MMSpecError(f"image file not found: {str(p)!r}; check the path given to --image")
     for v in o.video:
@@ -162,8 +190,7 @@ def check_generate(o: GenerateOptions) -> GenerateOptions:
         raise MMSpecError(f"--captioner is read by the caption view (C) only, and --views {o.views} has none: "
                           "add C to --views, or drop --captioner")
     for flag, name in (("--target", o.target), ("--draft", o.draft), ("--captioner", o.captioner)):
-        if name is not None:
-            locate(name, flag)  # local directories first; a hub id that cannot be had fails in one line
+        check_model_dir(name, flag)  # local directories first; a hub id that cannot be had fails in one line
     if o.target is not None and o.draft is not None:
         o.draft_reads_own_images = _other_vision_family(o.target, o.draft)
         if o.draft_reads_own_images and o.video:
