@@ -254,3 +254,14 @@ def test_bench_help_says_every_head_method_needs_a_head():
     out = " ".join(CliRunner().invoke(bench_app, ["run", "--help"], env={"COLUMNS": "300"}).output.split())
     assert "none ships with the embedded pack" in out and "found without" not in out
     assert "+tree:DEPTHxTOPKxBUDGET" in out and "Token trees" in out
+
+
+def test_a_target_without_a_processor_is_refused_before_the_results_directory(tmp_path):
+    from tiny import make_llava
+
+    make_llava(0, dtype=torch.float32).save_pretrained(tmp_path / "bare")
+    r = _cli("--out", tmp_path / "out", "-d", "chartqa", "-m", "M", "--target", tmp_path / "bare", "--draft",
+             tmp_path / "bare")
+    out = " ".join(r.output.split())
+    assert r.exit_code == 2 and "has no processor or tokenizer" in out and "processor.save_pretrained" in out, r.output
+    assert not (tmp_path / "out").exists()

@@ -345,8 +345,14 @@ class FramesProcessor:
                 "pixel_values_videos": torch.tensor(np.stack(clips))}
 
 
+def _processor_files(directory, tok):
+    """The files a saved processor leaves (the stand-in processors are handed over in memory)."""
+    tok.save_pretrained(directory)
+    (directory / "preprocessor_config.json").write_text("{}")
+
+
 @pytest.fixture(scope="module")
-def video_ckpt(tmp_path_factory):
+def video_ckpt(tmp_path_factory, tok):
     from mmspec.heads import build_head
 
     root = tmp_path_factory.mktemp("video")
@@ -356,6 +362,7 @@ def video_ckpt(tmp_path_factory):
     noisy.model.image_tower.load_state_dict(target.model.image_tower.state_dict())
     target.save_pretrained(root / "target")
     noisy.save_pretrained(root / "draft")
+    _processor_files(root / "target", tok)
     build_head(target, "eagle").save(root / "head")
     frames = root / "frames"
     frames.mkdir()
@@ -473,6 +480,7 @@ def test_qwen2_5_vl_target_with_a_text_only_draft(tmp_path, ckpt, tok, monkeypat
     from tiny import make_llama
 
     _qwen2_5_vl().save_pretrained(tmp_path / "qwen")
+    _processor_files(tmp_path / "qwen", tok)
     make_llama(11).save_pretrained(tmp_path / "lm")
     proc = QwenProcessor(tok)
     monkeypatch.setattr(loading, "load_processor", lambda *a, **k: proc)

@@ -51,7 +51,7 @@ def check_datasets(cfg: BenchConfig) -> None:
 def check_models(cfg: BenchConfig) -> None:
     """Each model path is a local directory or a hub id this machine can get, found fast."""
     from mmspec.heads.model import is_head_dir
-    from mmspec.models.loading import locate
+    from mmspec.models.loading import check_processor_files, locate
 
     for flag, name in (("--target", cfg.target), ("--draft", cfg.draft), ("--captioner", cfg.captioner)):
         if name is None:
@@ -63,6 +63,8 @@ def check_models(cfg: BenchConfig) -> None:
         if path.is_dir() and not (path / "config.json").is_file():
             raise MMSpecError(f"{flag} {name!r} is not a model directory (no config.json); pass the directory "
                               "save_pretrained() wrote")
+        if flag != "--draft":
+            check_processor_files(str(path))  # the target's and captioner's processors load from their directories
 
 
 def embedded_heads() -> dict[str, str]:

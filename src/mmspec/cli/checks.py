@@ -64,7 +64,7 @@ def check_model_dir(name: str | None, flag: str) -> None:
     """A model flag names a directory save_pretrained() wrote (config.json), or a hub id this
     machine can get; a draft head directory given where a model belongs is named as such."""
     from mmspec.heads.model import is_head_dir
-    from mmspec.models.loading import locate
+    from mmspec.models.loading import check_processor_files, locate
 
     if name is None:
         return
@@ -75,6 +75,8 @@ def check_model_dir(name: str | None, flag: str) -> None:
     if path.is_dir() and not (path / "config.json").is_file():
         raise MMSpecError(f"{flag} {name!r} is not a model directory (no config.json); pass the directory "
                           "save_pretrained() wrote" + (", or a draft head directory" if flag == "--draft" else ""))
+    if flag != "--draft":
+        check_processor_files(str(path))  # the target's and captioner's processors load from their directories
 
 
 def model_type_of(name: str) -> str:

@@ -274,6 +274,26 @@ def _model_type(path: str) -> str:
         return ""
 
 
+_PROCESSOR_FIX = ("save the target's processor beside its weights (processor.save_pretrained(DIR)), or copy its "
+                  "files from the original checkpoint")
+
+
+def check_processor_files(path: str) -> None:
+    """A local checkpoint directory holds a processor: tokenizer files and an image processor's
+    config (a hub id is left to transformers). Reads no file, loads nothing."""
+    if not Path(path).is_dir():
+        return
+    has_tok = _has_tokenizer_files(path)
+    has_proc = any((Path(path) / f).is_file() for f in PROCESSOR_FILES)
+    if not (has_tok or has_proc):
+        raise MMSpecError(f"{path!r} has no processor or tokenizer (none of {', '.join(PROCESSOR_FILES)}, "
+                          f"{', '.join(TOKENIZER_FILES[:3])}, ...); {_PROCESSOR_FIX}")
+    if not has_tok:
+        raise MMSpecError(f"{path!r} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); {_PROCESSOR_FIX}")
+    if not has_proc:
+        raise MMSpecError(f"{path!r} has no image processor ({' or '.join(PROCESSOR_FILES)}); {_PROCESSOR_FIX}")
+
+
 def load_processor(name_or_path: str):
     """The target's processor (tokenizer + image/video processors). A local directory without
     one, and a processor that needs torchvision where it is missing, are refused in one line."""
@@ -281,18 +301,7 @@ def load_processor(name_or_path: str):
 
     name_or_path = locate(str(name_or_path))
     local = Path(name_or_path).is_dir()
-    fix = ("save the target's processor beside its weights (processor.save_pretrained(DIR)), or copy its "
-           "files from the original checkpoint")
-    if local:
-        has_tok = _has_tokenizer_files(name_or_path)
-        has_proc = any((Path(name_or_path) / f).is_file() for f in PROCESSOR_FILES)
-        if not (has_tok or has_proc):
-            raise MMSpecError(f"{name_or_path!r} has no processor or tokenizer (none of {', '.join(PROCESSOR_FILES)}, "
-                              f"{', '.join(TOKENIZER_FILES[:3])}, ...); {fix}")
-        if not has_tok:
-            raise MMSpecError(f"{name_or_path!r} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); {fix}")
-        if not has_proc:
-            raise MMSpecError(f"{name_or_path!r} has no image processor ({' or '.join(PROCESSOR_FILES)}); {fix}")
+    check_processor_files(name_or_path)
     try:
         return transformers.AutoProcessor.from_pretrained(name_or_path)
     except ImportError as e:
@@ -302,7 +311,7 @@ def load_processor(name_or_path: str):
                               "(or torchvision)") from None
         raise MMSpecError(f"could not load a processor from {name_or_path!r}: {_first_line(e)}") from None
     except (OSError, ValueError, TypeError) as e:
-        raise MMSpecError(f"could not load a processor from {name_or_path!r}: {_first_line(e)}; {fix}") from None
+        raise MMSpecError(f"could not load a processor from {name_or_path!r}: {_first_line(e)}; {_PROCESSOR_FIX}") from None
 
 
 def check_model_flags(target: str | None, draft: str | None, captioner: str | None,
