@@ -180,6 +180,7 @@ def test_tree_options_are_never_silently_ignored(args, phrase):
     (["--temperature", "1", "--seed", "-1"], "--seed must be >= 0"),
     (["--views", "MT", "--weights", "1,-1"], "each weight must be a finite number >= 0"),
     (["--prompt", "w5", "--image", "."], "--image '.' is a directory, not an image file"),
+    (["--cuda-graphs", "on"], "--cuda-graphs on needs a CUDA device (--device cuda), not 'cpu'"),
 ])
 def test_bad_numbers_and_paths_are_refused_before_loading(args, phrase, monkeypatch):
     import mmspec.cli.generate as gen

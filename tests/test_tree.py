@@ -274,6 +274,9 @@ def test_one_tree_notation_and_options_never_silently_ignored():
             parse_tree(gamma=4, **kw)
     with pytest.raises(MMSpecError, match="--tree-budget needs --tree dynamic .* --gamma"):
         parse_tree(None, gamma=4, budget=8, spelling="cli")
+    assert parse_tree("[[0],[1],[2],[0,0]]", gamma=4).width == 3 and parse_tree("6x4x16", gamma=4).width == 4
+    with pytest.raises(MMSpecError, match="up to 4 children per node, more than the 3 tokens"):
+        parse_tree("6x4x16", gamma=4).check_vocab(3)
 
 
 def test_decoder_refuses_trees_on_models_with_sliding_windows(tok):

@@ -122,6 +122,22 @@ class TreeSpec:
         return all(p[-1] == 0 for p in self.paths)
 
     @property
+    def width(self) -> int:
+        """The most children a node takes from one distribution (ranks 0..width-1)."""
+        if self.kind == "chain":
+            return 1
+        if self.kind == "dynamic":
+            return self.topk
+        return 1 + max(p[-1] for p in self.paths)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse a tree whose nodes take more children than the vocabulary has tokens (for the
+        decoder to call once the target's vocabulary size is known)."""
+        if self.width > vocab_size:
+            raise MMSpecError(f"this {self.kind} tree takes up to {self.width} children per node, more than the "
+                              f"{vocab_size} tokens of the vocabulary; use a narrower tree")
+
+    @property
     def label(self) -> str:
         if self.kind == "chain":
             return f"chain(γ={self.depth}{f', stop<{self.stop_below:g}' if self.stop_below else ''})"

@@ -156,6 +156,9 @@ def check_generate(o: GenerateOptions) -> GenerateOptions:
         raise MMSpecError("--seed seeds sampling; with --temperature 0 (greedy) the output is the same without it: "
                           "add --temperature > 0, or drop --seed")
     o.graphs = graphs_flag(o.cuda_graphs)
+    if o.graphs is True and not o.device.startswith("cuda"):
+        raise MMSpecError(f"--cuda-graphs on needs a CUDA device (--device cuda), not {o.device!r}; use "
+                          "--cuda-graphs auto or off")
     at_least("--seed", o.seed, 0)
     o.weight_list = parse_weights(o.weights)
     if o.weight_list is not None and (not all(math.isfinite(w) and w >= 0 for w in o.weight_list)
