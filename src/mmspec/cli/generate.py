@@ -156,6 +156,7 @@ def generate(
 
 
 def _run(o, compare: bool) -> None:
+    """Load, decode and print; ``o`` is the checked GenerateOptions."""
     from mmspec.decoder import SpecDecoder
     from mmspec.inputs import chat_prompt, load_images, load_video, processor_inputs, to_target
 
@@ -180,9 +181,9 @@ def _run(o, compare: bool) -> None:
 
         draft_proc = load_processor(o.draft)
     dec = SpecDecoder(t, d, tok, views=o.view_list, weights=o.weight_list, captioner=cap, gamma=o.gamma,
-                      processor=proc, draft_processor=draft_proc, tree=o.tree, tree_depth=o.tree_depth, tree_topk=o.tree_topk,
-                      tree_budget=o.tree_budget, tree_children=o.tree_children, stop_below=o.stop_below,
-                      cuda_graphs=o.graphs)
+                      processor=proc, draft_processor=draft_proc, tree=o.tree, tree_depth=o.tree_depth,
+                      tree_topk=o.tree_topk, tree_budget=o.tree_budget, tree_children=o.tree_children,
+                      stop_below=o.stop_below, cuda_graphs=o.graphs)
     inputs = to_target(processor_inputs(proc, prompt_text, images, clips), o.device, t.dtype)  # the whole output
     res = dec.generate(**inputs, max_new_tokens=o.max_new_tokens, temperature=o.temperature, top_k=o.top_k,
                        top_p=o.top_p, seed=o.seed, images=images if not clips else None, videos=clips or None)
