@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from fixtures_bench import FakeBackend, read_jsonl, write_chartqa, write_interleave
 from mmspec.bench.config import BenchConfig, DatasetSpec, RankInfo
@@ -171,3 +172,96 @@ def test_threads_default_and_flag(tmp_path, monkeypatch):
     assert read_run_meta(tmp_path / "out")[0]["config"]["extra"] == {"threads": 3}
     r = _cli("--out", tmp_path / "out", "--threads", "0")
     assert r.exit_code == 2 and "--threads must be >= 1" in r.output, r.output
+
+
+# ------------------------------------------------------------------ methods, heads, bad options
+def test_method_notation_suffixes_in_any_order_and_the_old_form_named():
+    from mmspec.bench.config import parse_method, split_methods
+
+    assert parse_method("eagle+relaxed+tree") == parse_method("eagle+tree+relaxed") == \
+        ((), {"acceptance": "relaxed", "tree": "dynamic", "head": "eagle"})
+    assert parse_method("MT+tree:6x4x16") == (("M", "T"), {"tree": "6x4x16"})
+    assert parse_method("M+relaxed+tree:[[0],[1],[0,0]]")[1]["tree"] == "[[0],[1],[0,0]]"
+    assert split_methods(["M,M+tree:[[0],[1]]", "eagle3+tree"]) == ("M", "M+tree:[[0],[1]]", "eagle3+tree")
+    for bad, msg in [("M+tree@16", "old tree@BUDGET form; give the whole shape as \\+tree:DEPTHxTOPKxBUDGET"),
+                     ("M+tree:0x4x16", "the depth in tree '0x4x16' must be >= 1"),
+                     ("M+tree:[[0],[2]]", "skips rank 1"),
+                     ("M+tree+tree:6x4x16", "two tree parts"),
+                     ("tree", "has no views")]:
+        with pytest.raises(MMSpecError, match=msg):
+            parse_method(bad)
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory):
+    from mmspec.heads import build_head
+    from tiny import make_llava
+
+    root = tmp_path_factory.mktemp("heads")
+    target = make_llava(0, dtype=torch.float32)
+    for name, variant, seed in (("eagle_a", "eagle", 1), ("eagle_b", "eagle", 2), ("eagle3", "eagle3", 3)):
+        build_head(target, variant, seed=seed).save(root / name)
+    return root
+
+
+@pytest.mark.parametrize("args, phrase", [
+    (["-m", "eagle", "--head", "eagle=HEADS/eagle3"], "holds an eagle3 head, not an eagle one"),
+    (["-m", "eagle"], "-m eagle needs --head eagle=DIR (no head ships with the embedded pack"),
+    (["-m", "M", "--head", "eagle=HEADS/eagle_a"], "--head eagle=... is given but no method drafts with it"),
+    (["-m", "eagle", "--head", "eagle=HEADS"], "is not a draft head directory"),
+    (["-m", "M+tree@16"], "old tree@BUDGET form"),
+    (["-m", "M", "--threads", "0"], "--threads must be >= 1"),
+    (["-m", "M", "--latency-repeats", "0"], "--latency-repeats) must be >= 1"),
+    (["-m", "M", "-n", "0"], "n_samples must be >= 1"),
+    (["-m", "M,M"], "listed twice"),
+    (["-m", "M,M+relaxed", "--temperature", "0.7"], "+relaxed (MSD's relaxed acceptance) is defined for greedy"),
+    (["-m", "M,MT", "--pool-tokens", "4"], "--pool-tokens 4 sets the pooled view (P), which no method uses"),
+    (["-m", "M", "--target", "HEADS/eagle_a", "--draft", "HEADS"], "--target 'HEADS/eagle_a' is a draft head directory"),
+    (["-m", "M", "--target", "HEADS", "--draft", "HEADS"], "--target 'HEADS' is not a model directory (no config.json)"),
+])
+def test_bad_bench_options_are_refused_and_leave_no_file(tmp_path, heads, args, phrase):
+    r = _cli("--out", tmp_path / "out", "-d", "chartqa", *[str(a).replace("HEADS", str(heads)) for a in args])
+    out = " ".join(r.output.split())
+    phrase = phrase.replace("HEADS", str(heads))
+    assert r.exit_code == 2 and phrase in out and "Traceback" not in out, r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_cuda_on_a_cpu_only_torch_is_refused_by_bench(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    r = _cli("--out", tmp_path / "out", "-d", "chartqa", "-m", "M", "--device", "cuda")
+    assert r.exit_code == 2 and "has no CUDA GPU; use --device cpu" in " ".join(r.output.split()), r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_resuming_with_another_head_names_the_setting_and_both_values(tmp_path, heads):
+    a, b = str(heads / "eagle_a"), str(heads / "eagle_b")
+    run_bench(_cfg(tmp_path, methods=("M", "eagle"), heads=(("eagle", a),)), backend=FakeBackend(), rank=RankInfo())
+    with pytest.raises(MMSpecError) as e:
+        run_bench(_cfg(tmp_path, methods=("M", "eagle"), heads=(("eagle", b),)), backend=FakeBackend(), rank=RankInfo())
+    msg = str(e.value)
+    assert "different settings (heads: " in msg and a in msg and b in msg, msg
+    with pytest.raises(MMSpecError, match=r"different settings \(gamma: 5 there, 3 now"):
+        run_bench(_cfg(tmp_path, methods=("M", "eagle"), heads=(("eagle", a),), gamma=3), backend=FakeBackend(),
+                  rank=RankInfo())
+
+
+def test_bench_help_says_every_head_method_needs_a_head():
+    from typer.testing import CliRunner
+
+    from mmspec.cli.bench import bench_app
+
+    out = " ".join(CliRunner().invoke(bench_app, ["run", "--help"], env={"COLUMNS": "300"}).output.split())
+    assert "none ships with the embedded pack" in out and "found without" not in out
+    assert "+tree:DEPTHxTOPKxBUDGET" in out and "Token trees" in out
+
+
+def test_a_target_without_a_processor_is_refused_before_the_results_directory(tmp_path):
+    from tiny import make_llava
+
+    make_llava(0, dtype=torch.float32).save_pretrained(tmp_path / "bare")
+    r = _cli("--out", tmp_path / "out", "-d", "chartqa", "-m", "M", "--target", tmp_path / "bare", "--draft",
+             tmp_path / "bare")
+    out = " ".join(r.output.split())
+    assert r.exit_code == 2 and "has no processor or tokenizer" in out and "processor.save_pretrained" in out, r.output
+    assert not (tmp_path / "out").exists()

@@ -565,6 +565,10 @@ def test_model_path_that_is_a_file(tmp_path, target):
     (["--methods", "M,XY"], "--methods: unknown method 'XY'"),
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--threads", "0"], "--threads must be >= 1"),
+    (["--gamma", "0"], "--gamma must be >= 1"),
+    (["--methods", "M,MTC+tree@16"], "--methods: 'tree@16' in method 'MTC+tree@16' is the old tree@BUDGET form"),
+    (["--methods", "M+tree:6x0x16"], "the top-k in tree '6x0x16' must be >= 1"),
+    (["--methods", "eagle+tree"], "drafts with a trained head"),
 ])
 def test_demo_checks_every_name_before_running(monkeypatch, args, phrase):
     """`demo --families chartqa,nosuch` ran all of chartqa before refusing nosuch: every name is

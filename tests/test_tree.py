@@ -252,6 +252,33 @@ def test_tree_specs_parse_and_refuse_bad_ones():
         TreeSpec("dynamic", budget=0)
 
 
+def test_one_tree_notation_and_options_never_silently_ignored():
+    """chain, dynamic, DxKxB, static JSON; a zero, a shape flag without a dynamic tree, stop_below
+    with a tree, children for a chain: refused, in SpecDecoder's words or the CLI's."""
+    assert parse_tree("6x4x16", gamma=4) == TreeSpec("dynamic", depth=6, topk=4, budget=16)
+    assert parse_tree("chain", gamma=3, stop_below=0.5) == TreeSpec("chain", depth=3, stop_below=0.5)
+    assert parse_tree("dynamic", gamma=4, budget=7).budget == 7
+    assert parse_tree("[[0],[1]]", gamma=4, children="views").children == "views"
+    for kw, msg in [(dict(tree="dynamic", stop_below=0.3), "stop_below .* applies to chains only"),
+                    (dict(tree="dynamic", depth=0), "tree_depth must be a whole number >= 1"),
+                    (dict(tree="dynamic", budget=0), "tree_budget must be"),
+                    (dict(tree="dynamic", topk=0), "tree_topk must be"),
+                    (dict(tree="0x4x16"), "the depth in tree '0x4x16' must be >= 1"),
+                    (dict(tree=None, depth=4), "tree_depth needs tree=.dynamic. \\(a chain.s length is gamma\\)"),
+                    (dict(tree="chain", children="views"), "shapes a tree's children"),
+                    (dict(tree="6x4x16", budget=3), "already sets depth, top-k and budget"),
+                    (dict(tree=[[0]], topk=2), "a static tree's paths fix its shape"),
+                    (dict(tree=[["a"]]), "child ranks >= 0"),
+                    (dict(tree="bushy"), "DEPTHxTOPKxBUDGET such as '6x4x16'")]:
+        with pytest.raises(MMSpecError, match=msg):
+            parse_tree(gamma=4, **kw)
+    with pytest.raises(MMSpecError, match="--tree-budget needs --tree dynamic .* --gamma"):
+        parse_tree(None, gamma=4, budget=8, spelling="cli")
+    assert parse_tree("[[0],[1],[2],[0,0]]", gamma=4).width == 3 and parse_tree("6x4x16", gamma=4).width == 4
+    with pytest.raises(MMSpecError, match="up to 4 children per node, more than the 3 tokens"):
+        parse_tree("6x4x16", gamma=4).check_vocab(3)
+
+
 def test_decoder_refuses_trees_on_models_with_sliding_windows(tok):
     from transformers import LlamaConfig, LlamaForCausalLM
 

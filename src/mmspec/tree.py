@@ -28,6 +28,7 @@ This module owns those shapes and the pure tensor helpers on them; the drafter b
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -121,6 +122,22 @@ class TreeSpec:
         return all(p[-1] == 0 for p in self.paths)
 
     @property
+    def width(self) -> int:
+        """The most children a node takes from one distribution (ranks 0..width-1)."""
+        if self.kind == "chain":
+            return 1
+        if self.kind == "dynamic":
+            return self.topk
+        return 1 + max(p[-1] for p in self.paths)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse a tree whose nodes take more children than the vocabulary has tokens (for the
+        decoder to call once the target's vocabulary size is known)."""
+        if self.width > vocab_size:
+            raise MMSpecError(f"this {self.kind} tree takes up to {self.width} children per node, more than the "
+                              f"{vocab_size} tokens of the vocabulary; use a narrower tree")
+
+    @property
     def label(self) -> str:
         if self.kind == "chain":
             return f"chain(γ={self.depth}{f', stop<{self.stop_below:g}' if self.stop_below else ''})"
@@ -161,15 +178,46 @@ def _check_paths(paths) -> None:
                               "ranks 0, 1, ... without gaps (the likeliest first)")
 
 
-def parse_tree(tree, *, gamma: int, device_type: str = "cpu", depth: int | None = None, topk: int | None = None,
-               budget: int | None = None, children: str = "mixture", stop_below: float | None = None) -> TreeSpec:
-    """``SpecDecoder(tree=...)`` -> TreeSpec.
+# How the tree options are spelled in messages: SpecDecoder's keywords, or the CLI's flags.
+SPELLINGS: dict[str, dict[str, str]] = {
+    "python": {"tree": "tree=", "dynamic": "tree='dynamic'", "depth": "tree_depth", "topk": "tree_topk", "budget": "tree_budget",
+               "children": "tree_children", "stop_below": "stop_below", "gamma": "gamma"},
+    "cli": {"tree": "--tree", "dynamic": "--tree dynamic", "depth": "--tree-depth", "topk": "--tree-topk", "budget": "--tree-budget",
+            "children": "--tree-children", "stop_below": "--stop-below", "gamma": "--gamma"},
+}
+NOTATION = ("'chain', 'dynamic' (the device's measured defaults), DEPTHxTOPKxBUDGET such as '6x4x16' "
+            "(a dynamic tree of that shape), or a static tree as JSON child-rank paths such as '[[0], [1], [0, 0]]'")
+_SHAPE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
-    ``None`` / ``"chain"``: gamma drafts in a chain. ``"dynamic"``: EAGLE-2 with the measured
-    per-device defaults of :data:`DYNAMIC_DEFAULTS` unless ``depth``/``topk``/``budget`` are given.
-    A list of child-rank paths (or its JSON text): a static tree. A TreeSpec: as it is.
+
+def parse_tree(tree, *, gamma: int, device_type: str = "cpu", depth: int | None = None, topk: int | None = None,
+               budget: int | None = None, children: str = "mixture", stop_below: float | None = None,
+               spelling: str = "python") -> TreeSpec:
+    """``SpecDecoder(tree=...)`` (or ``mmspec generate --tree``) -> TreeSpec. One notation
+    (README, "Token trees"):
+
+    * ``None`` / ``"chain"``: gamma drafts in a chain (``stop_below`` applies to chains only);
+    * ``"dynamic"``: EAGLE-2 with the measured per-device defaults of :data:`DYNAMIC_DEFAULTS`,
+      each replaced by ``depth`` / ``topk`` / ``budget`` when given;
+    * ``"DxKxB"`` such as ``"6x4x16"``: a dynamic tree of depth D, top-k K and budget B;
+    * a list of child-rank paths, or its JSON text ``"[[0], [1], [0, 0]]"``: a static tree;
+    * a TreeSpec: as it is.
+
+    Options that would be ignored or silently replaced are refused (a depth without a dynamic
+    tree, a zero budget, ``stop_below`` with a tree). ``spelling`` names the options in messages:
+    ``"python"`` (SpecDecoder's keywords) or ``"cli"`` (``--tree-depth``, ...).
     """
+    n = SPELLINGS[spelling]
+    given = {k: v for k, v in (("depth", depth), ("topk", topk), ("budget", budget)) if v is not None}
+    for key, v in given.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise MMSpecError(f"{n[key]} must be a whole number >= 1, got {v!r}; leave it out for the "
+                              "device's measured default")
+    shape_flags = "/".join(n[k] for k in ("depth", "topk", "budget"))
     if isinstance(tree, TreeSpec):
+        if given or stop_below is not None or children != "mixture":
+            raise MMSpecError(f"a TreeSpec carries its own shape; drop {shape_flags}, {n['children']} and "
+                              f"{n['stop_below']} (or set them in the TreeSpec)")
         return tree
     if isinstance(tree, str) and tree.strip().startswith("["):
         try:
@@ -177,17 +225,46 @@ def parse_tree(tree, *, gamma: int, device_type: str = "cpu", depth: int | None 
         except json.JSONDecodeError as e:
             raise MMSpecError(f"cannot read the static tree {tree!r} as JSON ({e.msg}); write it like "
                               "[[0], [1], [0, 0]]") from None
-    if tree is None or (isinstance(tree, str) and tree.strip().lower() == "chain"):
+        if not isinstance(tree, list):
+            raise MMSpecError(f"a static tree is a list of child-rank paths such as [[0], [1], [0, 0]], got {tree!r}")
+    if stop_below is not None and not (isinstance(stop_below, (int, float)) and 0.0 < float(stop_below) < 1.0):
+        raise MMSpecError(f"{n['stop_below']} must be a probability in (0, 1), got {stop_below!r}")
+    chain = tree is None or (isinstance(tree, str) and tree.strip().lower() == "chain")
+    if not chain and stop_below is not None:
+        raise MMSpecError(f"{n['stop_below']} (dynamic draft length) applies to chains only; a tree already "
+                          f"spends its nodes where the draft is confident: drop {n['stop_below']} or the tree")
+    if chain:
+        if given:
+            flag = n[next(iter(given))]
+            raise MMSpecError(f"{flag} needs {n['dynamic']} (a chain's length is {n['gamma']}); "
+                              f"add {n['dynamic']}, or drop {flag}")
+        if children != "mixture":
+            raise MMSpecError(f"{n['children']} {children!r} shapes a tree's children; a chain has one per "
+                              f"node: add {n['dynamic']} (or DEPTHxTOPKxBUDGET, or a static tree), or drop it")
         return TreeSpec("chain", depth=gamma, stop_below=stop_below)
     if isinstance(tree, str) and tree.strip().lower() == "dynamic":
         d0, k0, b0 = DYNAMIC_DEFAULTS.get(device_type, DYNAMIC_DEFAULTS["cpu"])
-        spec = TreeSpec("dynamic", depth=depth or d0, topk=topk or k0, budget=budget or b0, children=children)
-        return spec
+        return TreeSpec("dynamic", depth=given.get("depth", d0), topk=given.get("topk", k0),
+                        budget=given.get("budget", b0), children=children)
+    if isinstance(tree, str) and _SHAPE.match(tree):
+        d, k, b = (int(x) for x in _SHAPE.match(tree).groups())
+        if given:
+            shape = f"{n['tree']} {tree.strip()}" if spelling == "cli" else f"tree={tree.strip()!r}"
+            raise MMSpecError(f"{shape} already sets depth, top-k and budget; drop "
+                              f"{'/'.join(n[k] for k in given)}, or write {n['dynamic']} with them")
+        for what, v in (("depth", d), ("top-k", k), ("budget", b)):
+            if v < 1:
+                raise MMSpecError(f"the {what} in tree {tree.strip()!r} must be >= 1 (DEPTHxTOPKxBUDGET, "
+                                  "e.g. 6x4x16)")
+        return TreeSpec("dynamic", depth=d, topk=k, budget=b, children=children)
     if isinstance(tree, (list, tuple)):
+        if given:
+            raise MMSpecError(f"{shape_flags} shape a dynamic tree; a static tree's paths fix its shape: "
+                              f"drop {'/'.join(n[k] for k in given)}")
         paths = tuple(tuple(p) if isinstance(p, (list, tuple)) else (p,) for p in tree)
+        _check_paths(paths)  # before sorting: a rank that is not a number cannot be ordered
         return TreeSpec("static", paths=tuple(sorted(paths, key=lambda p: (len(p), p))), children=children)
-    raise MMSpecError(f"unknown tree {tree!r}; use None or 'chain', 'dynamic', or a static tree as a list "
-                      "of child-rank paths such as [[0], [1], [0, 0], [0, 1]]")
+    raise MMSpecError(f"unknown tree {tree!r}; use {NOTATION}")
 
 
 # --------------------------------------------------------------------------- the drafted tree

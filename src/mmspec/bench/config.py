@@ -42,54 +42,103 @@ HEAD_VARIANTS = ("eagle", "eagle3", "msd")
 def parse_method(method: str) -> tuple[tuple[str, ...], dict]:
     """One method name -> (views, SpecDecoder keywords).
 
-    ``"MTC"`` -> (("M", "T", "C"), {}); ``"M+pooled:36"`` -> views as split. Suffixes, in this
-    order: ``tree`` asks for the dynamic token tree (the device's measured defaults): ``"M+tree"``,
-    ``"MTC+tree"``; ``tree@16`` sets its budget, ``tree:6x4x16`` depth x topk x budget; then
-    ``relaxed``: MSD's relaxed acceptance (LOSSY). A head variant in place of the views (``eagle``,
-    ``eagle3+tree``, ``msd+tree+relaxed``) drafts with that trained head: {"head": variant}.
+    ``"MTC"`` -> (("M", "T", "C"), {}); ``"M+pooled:36"`` -> views as split. Suffixes, in any
+    order (README, "Token trees"): ``tree`` asks for the dynamic token tree with the device's
+    measured defaults, ``tree:DxKxB`` (``tree:6x4x16``) one of depth D, top-k K and budget B,
+    ``tree:[[0],[1],[0,0]]`` a static tree; ``relaxed``: MSD's relaxed acceptance (LOSSY). A head
+    variant in place of the views (``eagle``, ``eagle3+tree``, ``msd+relaxed+tree``) drafts with
+    that trained head: {"head": variant}. Each tree is checked here (a zero depth is refused).
     """
     method = method.strip()
     if not method:
         raise MMSpecError("empty method name; use letters such as M, T, C, P, MT, MTC (add +tree for a token tree)")
-    parts = [p.strip() for p in method.split("+") if p.strip()]
+    parts = [p.strip() for p in _split_plus(method) if p.strip()]
     kw: dict = {}
-    if parts and parts[-1].lower() == "relaxed":
-        parts.pop()
-        kw["acceptance"] = "relaxed"
-    if parts and parts[-1].lower().startswith("tree"):
-        kw.update(_tree_part(parts.pop(), method))
-    if not parts:
+    views = []
+    for part in parts:
+        low = part.lower()
+        if low == "relaxed":
+            if "acceptance" in kw:
+                raise MMSpecError(f"method {method!r} says +relaxed twice; say it once")
+            kw["acceptance"] = "relaxed"
+        elif low == "tree" or low.startswith(("tree:", "tree@")):
+            if "tree" in kw:
+                raise MMSpecError(f"method {method!r} has two tree parts; give one (+tree or +tree:6x4x16)")
+            kw["tree"] = _tree_part(part, method)
+        else:
+            views.append(part)
+    if not views:
         raise MMSpecError(f"method {method!r} has no views; write the views first, e.g. M+tree or MTC+tree")
-    if len(parts) == 1 and parts[0].lower() in HEAD_VARIANTS:
-        return (), {**kw, "head": parts[0].lower()}
-    tree = kw
-    body = "+".join(parts)
-    if len(parts) > 1 or ":" in body or body.lower() in ("multimodal", "text", "caption", "pooled"):
-        return tuple(parts), tree
+    if len(views) == 1 and views[0].lower() in HEAD_VARIANTS:
+        return (), {**kw, "head": views[0].lower()}
+    body = "+".join(views)
+    if len(views) > 1 or ":" in body or body.lower() in ("multimodal", "text", "caption", "pooled"):
+        return tuple(views), kw
     if set(body) <= _LETTERS:
-        return tuple(body), tree
+        return tuple(body), kw
     raise MMSpecError(
         f"unknown method {method!r}; use letters from M (multimodal), T (text), C (caption), "
         "P (pooled) such as 'MTC', or view names joined by '+' such as 'multimodal+pooled:36'; "
-        "add '+tree' for a token tree (e.g. 'M+tree', 'M+tree@16', 'M+tree:6x4x16'); a trained head: "
-        "'eagle', 'eagle3+tree', 'msd+tree'"
+        "add '+tree' for a token tree (e.g. 'M+tree', 'M+tree:6x4x16', 'M+tree:[[0],[1],[0,0]]'); a trained "
+        "head: 'eagle', 'eagle3+tree', 'msd+tree'"
     )
 
 
-def _tree_part(text: str, method: str) -> dict:
+TREE_FIX = ("write +tree (the device's measured defaults), +tree:DEPTHxTOPKxBUDGET such as M+tree:6x4x16, or "
+            "+tree:[[0],[1],[0,0]] (a static tree); README, \"Token trees\"")
+
+
+def _split_plus(method: str) -> list[str]:
+    """Split at '+' outside brackets (a static tree's JSON never holds one, but be exact)."""
+    out, depth, cur = [], 0, ""
+    for ch in method:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "+" and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return out + [cur]
+
+
+def split_methods(values) -> tuple[str, ...]:
+    """``["M,MT+tree", "M+tree:[[0],[1]]"]`` -> each method; commas inside a static tree's
+    brackets do not split."""
+    out = []
+    for v in values:
+        depth, cur = 0, ""
+        for ch in v:
+            depth += ch == "["
+            depth -= ch == "]"
+            if ch == "," and depth == 0:
+                out.append(cur)
+                cur = ""
+            else:
+                cur += ch
+        out.append(cur)
+    return tuple(x.strip() for x in out if x.strip())
+
+
+def _tree_part(text: str, method: str) -> str:
+    """``tree`` -> "dynamic"; ``tree:6x4x16`` -> "6x4x16"; ``tree:[[0],[1]]`` -> its JSON. The
+    shape is checked with :func:`mmspec.tree.parse_tree` (device-independent parts)."""
+    from mmspec.tree import parse_tree
+
     low = text.lower()
-    fix = "write tree, tree@BUDGET or tree:DEPTHxTOPKxBUDGET, e.g. M+tree@16 or M+tree:6x4x16"
+    if low.startswith("tree@"):
+        raise MMSpecError(f"{text!r} in method {method!r} is the old tree@BUDGET form; give the whole "
+                          "shape as +tree:DEPTHxTOPKxBUDGET, e.g. M+tree:9x3x16 (README, \"Token trees\")")
+    if low == "tree":
+        return "dynamic"
+    shape = text[5:].strip()
+    if shape.lower() in ("dynamic", "chain") or not shape:
+        raise MMSpecError(f"bad tree part {text!r} in method {method!r}; {TREE_FIX}")
     try:
-        if low == "tree":
-            return {"tree": "dynamic"}
-        if low.startswith("tree@"):
-            return {"tree": "dynamic", "tree_budget": int(low[5:])}
-        if low.startswith("tree:"):
-            d, k, b = (int(x) for x in low[5:].split("x"))
-            return {"tree": "dynamic", "tree_depth": d, "tree_topk": k, "tree_budget": b}
-    except ValueError:
-        pass
-    raise MMSpecError(f"bad tree part {text!r} in method {method!r}; {fix}")
+        parse_tree(shape, gamma=1)
+    except MMSpecError as e:
+        raise MMSpecError(f"bad tree part {text!r} in method {method!r}: {e}") from None
+    return shape
 
 
 def method_views(method: str) -> tuple[str, ...]:
@@ -98,8 +147,8 @@ def method_views(method: str) -> tuple[str, ...]:
 
 
 def method_tree(method: str) -> dict:
-    """SpecDecoder keywords of a method beyond its views: tree, acceptance ({} for a plain chain),
-    and "head" (a head variant) for head methods."""
+    """SpecDecoder keywords of a method beyond its views: tree (in :func:`mmspec.tree.parse_tree`'s
+    notation), acceptance ({} for a plain chain), and "head" (a head variant) for head methods."""
     return parse_method(method)[1]
 
 
@@ -169,11 +218,23 @@ class BenchConfig:
             raise MMSpecError(f"pool_tokens must be >= 1 (or unset for the default), got {self.pool_tokens}")
         if self.max_new_tokens < 1:
             raise MMSpecError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.latency_repeats < 1:
+            raise MMSpecError(f"latency_repeats (--latency-repeats) must be >= 1, got {self.latency_repeats}")
+        if not self.methods:
+            raise MMSpecError("no methods given; pass -m with drafting methods such as M,MT or eagle+tree")
+        trees = [method_tree(m) for m in self.methods]
+        if self.temperature > 0 and any(t.get("acceptance") == "relaxed" for t in trees):
+            raise MMSpecError("+relaxed (MSD's relaxed acceptance) is defined for greedy decoding only; drop the "
+                              "+relaxed methods or use --temperature 0")
+        if self.pool_tokens is not None and not any(v == "P" or v.split(":")[0] == "pooled"
+                                                    for m in self.methods for v in method_views(m)):
+            raise MMSpecError(f"--pool-tokens {self.pool_tokens} sets the pooled view (P), which no method uses; add "
+                              "a P method (e.g. -m P,MTCP) or drop --pool-tokens")
+        if len(set(self.methods)) != len(self.methods):
+            raise MMSpecError(f"a method is listed twice in {', '.join(self.methods)}; list each once")
         from mmspec.verify import SamplingParams
 
         SamplingParams(temperature=float(self.temperature))  # refuses a negative or non-finite one
-        for m in self.methods:
-            method_views(m)
         from mmspec.models.loading import check_model_flags
 
         check_model_flags(self.target, self.draft, self.captioner, self.captioner_prompt)

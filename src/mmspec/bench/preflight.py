@@ -1,7 +1,8 @@
 """Checks of a benchmark run's arguments that need the disk, done before anything is created.
 
 Owns :func:`preflight`: the ``--out`` path (a directory, or one that can be made), every
-dataset (its name, its path and schema, by loading its first usable sample), the model paths
+dataset (its name, its path and schema, by loading its first usable sample), the head
+directories (readable, of the variant named, one for each head method), the model paths
 (local directories, or hub ids this machine can get: :func:`mmspec.models.loading.locate`) and
 the device. A run refused here leaves no results directory or empty results file behind.
 :class:`~mmspec.bench.config.BenchConfig` checks what needs no disk (numbers, flags).
@@ -49,16 +50,72 @@ def check_datasets(cfg: BenchConfig) -> None:
 
 def check_models(cfg: BenchConfig) -> None:
     """Each model path is a local directory or a hub id this machine can get, found fast."""
-    from mmspec.models.loading import locate
+    from mmspec.heads.model import is_head_dir
+    from mmspec.models.loading import check_processor_files, locate
 
     for flag, name in (("--target", cfg.target), ("--draft", cfg.draft), ("--captioner", cfg.captioner)):
-        if name is not None:
-            locate(name, flag)
+        if name is None:
+            continue
+        if is_head_dir(name):
+            raise MMSpecError(f"{flag} {name!r} is a draft head directory, not a model; pass it as --head "
+                              f"VARIANT={name} with a head method (-m eagle, ...)")
+        path = Path(locate(name, flag))
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise MMSpecError(f"{flag} {name!r} is not a model directory (no config.json); pass the directory "
+                              "save_pretrained() wrote")
+        if flag != "--draft":
+            check_processor_files(str(path))  # the target's and captioner's processors load from their directories
+
+
+def embedded_heads() -> dict[str, str]:
+    """Heads shipped in the embedded pack's ``heads/`` folder (variant -> directory); none today."""
+    from mmspec.embedded import default_path
+    from mmspec.heads.model import is_head_dir
+
+    root = default_path() / "heads"
+    return {d.name: str(d) for d in sorted(root.iterdir()) if is_head_dir(d)} if root.is_dir() else {}
+
+
+def check_heads(cfg: BenchConfig) -> None:
+    """Each ``--head VARIANT=DIR`` is a readable head directory of that variant (its results are
+    labelled with it) used by some method; each head method has its head."""
+    from mmspec.bench.config import method_tree
+    from mmspec.heads.model import check_head_dir, is_head_dir
+
+    given: dict[str, str] = {}
+    for name, path in cfg.heads:
+        if name in given:
+            raise MMSpecError(f"--head gives two {name} heads; give one per variant")
+        if not is_head_dir(path):
+            raise MMSpecError(f"--head {name}={path}: {path!r} is not a draft head directory (no mmspec_head.json); "
+                              "make one with mmspec train head")
+        variant = check_head_dir(path).variant
+        if variant != name:
+            raise MMSpecError(f"--head {name}={path}: that directory holds an {variant} head, not an {name} one "
+                              f"(its results would be labelled {name}); write --head {variant}={path} and "
+                              f"-m {variant}...")
+        given[name] = path
+    wanted: dict[str, str] = {}  # head variant -> the first method drafting with it
+    for m in cfg.methods:
+        variant = method_tree(m).get("head")
+        if variant:
+            wanted.setdefault(variant, m)
+    shipped = embedded_heads() if cfg.target is None else {}
+    for variant, method in wanted.items():
+        if variant not in given and variant not in shipped:
+            where = "no head ships with the embedded pack" if cfg.target is None else "train one for this target"
+            raise MMSpecError(f"-m {method} needs --head {variant}=DIR ({where}; make one with mmspec train head "
+                              f"--variant {variant})")
+    unused = sorted(set(given) - set(wanted))
+    if unused:
+        raise MMSpecError(f"--head {unused[0]}=... is given but no method drafts with it; add -m {unused[0]} (or "
+                          f"{unused[0]}+tree), or drop that --head")
 
 
 def preflight(cfg: BenchConfig, rank: RankInfo, default_backend: bool = True) -> None:
     """All checks above; the model and device checks only where the run builds real models."""
     check_out_dir(cfg.out_dir)
+    check_heads(cfg)
     if default_backend:
         from mmspec.bench.backend import pick_device
 

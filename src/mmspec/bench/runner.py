@@ -57,15 +57,22 @@ class BenchInterrupted(KeyboardInterrupt):
 
 
 def _check_fingerprint(cfg: BenchConfig) -> None:
+    import json
+
+    def norm(v):  # tuples read back from JSON as lists
+        return json.dumps(v, sort_keys=True, default=str)
+
     for meta in read_run_meta(cfg.out_dir):
         fp = meta.get("fingerprint")
         if fp and fp != cfg.fingerprint():
             old = meta.get("config", {})
             old = {**old, "split": old.get("split") or "test"}  # unset = test, as in result_values()
-            now_values = cfg.result_values()
-            diff = [k for k in RESULT_KEYS if str(old.get(k)) != str(now_values[k])]
+            now_values = {**cfg.result_values(), "heads": [list(h) for h in cfg.heads]}
+            old_values = {**{k: old.get(k) for k in RESULT_KEYS}, "heads": [list(h) for h in old.get("heads") or []]}
+            diff = [f"{k}: {old_values[k]!r} there, {now_values[k]!r} now" for k in (*RESULT_KEYS, "heads")
+                    if norm(old_values[k]) != norm(now_values[k])]
             raise MMSpecError(
-                f"{cfg.out_dir} holds results made with different settings ({', '.join(diff)}); "
+                f"{cfg.out_dir} holds results made with different settings ({'; '.join(diff) or 'the fingerprint'}); "
                 "resuming would mix them. Use a new --out directory, or the original settings."
             )
 

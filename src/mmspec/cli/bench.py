@@ -39,18 +39,16 @@ def _split_list(values: list[str] | None, default: tuple[str, ...]) -> tuple[str
 
 
 def _parse_heads(specs: Optional[list[str]]) -> tuple[tuple[str, str], ...]:
-    """``["eagle=runs/h"]`` -> (("eagle", "runs/h"),), each a head directory."""
+    """``["eagle=runs/h"]`` -> (("eagle", "runs/h"),). The directories are checked (readable, of
+    the named variant, used by a method) with the other paths: :func:`mmspec.bench.preflight.check_heads`."""
     from mmspec.bench.config import HEAD_VARIANTS
-    from mmspec.heads.model import is_head_dir
 
     out = []
     for spec in specs or []:
         name, sep, path = spec.partition("=")
-        if not sep or name not in HEAD_VARIANTS:
+        if not sep or name not in HEAD_VARIANTS or not path.strip():
             raise MMSpecError(f"--head {spec!r}: write VARIANT=DIR with VARIANT one of {', '.join(HEAD_VARIANTS)}")
-        if not is_head_dir(path):
-            raise MMSpecError(f"--head {spec!r}: {path} is not a draft head directory (make one with mmspec train head)")
-        out.append((name, path))
+        out.append((name, path.strip()))
     return tuple(out)
 
 
@@ -64,7 +62,7 @@ def _factory(spec: str):
 @bench_app.command("run")
 def run_command(
     out: Path = typer.Option(Path("bench_results"), "--out", "-o", help="Results directory (resumable)."),
-    method: Optional[list[str]] = typer.Option(None, "--method", "-m", help=f"Drafting method(s), repeat or comma-separate. Default: {','.join(DEFAULT_METHODS)}."),
+    method: Optional[list[str]] = typer.Option(None, "--method", "-m", help=f"Drafting method(s), repeat or comma-separate: views (M, MTC, ...) or a head variant (eagle, eagle3, msd), then in any order +tree, +tree:DEPTHxTOPKxBUDGET (6x4x16), +tree:[[0],[1]] (README, \"Token trees\"), +relaxed (lossy). Default: {','.join(DEFAULT_METHODS)}."),
     dataset: Optional[list[str]] = typer.Option(None, "--dataset", "-d", help="NAME (embedded world) or NAME=PATH[:SPLIT] (real benchmark: a parquet file, a directory of parquet files such as a hub snapshot, of which only SPLIT's files are read, or a save_to_disk dir; SPLIT defaults to the benchmark's own: chartqa test, textvqa and vqav2 validation, hallusionbench image, the interleave tasks test; relative image paths in it are read from its directory, then the working directory). Repeat or comma-separate. Default: the 8 IbED families, embedded."),
     n_samples: int = typer.Option(100, "--n-samples", "-n", help="Samples per dataset."),
     gamma: int = typer.Option(5, help="Draft tokens per block."),
@@ -76,9 +74,10 @@ def run_command(
     captioner: Optional[str] = typer.Option(None, help="Captioner checkpoint (needed by C methods)."),
     captioner_prompt: Optional[str] = typer.Option(None, help="Prompt for the captioner (default: the one an `mmspec train` captioner records)."),
     pool_tokens: Optional[int] = typer.Option(None, help="Tokens per image of the P (pooled) view, e.g. 144."),
-    head: Optional[list[str]] = typer.Option(None, "--head", help="VARIANT=DIR: a trained feature-level head for the "
-                                             "head methods (eagle, eagle3+tree, ...); the embedded pack's own are found "
-                                             "without it. Repeat for several."),
+    head: Optional[list[str]] = typer.Option(None, "--head", help="VARIANT=DIR: a trained feature-level head (made by "
+                                             "`mmspec train head`) for the head methods (eagle, eagle3+tree, ...); "
+                                             "every head method needs one (none ships with the embedded pack). "
+                                             "Repeat for several."),
     split: Optional[str] = typer.Option(None, help="Split of every dataset that names none (NAME=PATH:SPLIT). Default: the embedded world's test; a real benchmark's own split (see --dataset)."),
     device: Optional[str] = typer.Option(None, help="Default: cuda:LOCAL_RANK if available, else cpu."),
     dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 (the embedded models too)."),
@@ -95,15 +94,19 @@ def run_command(
     from mmspec.threads import apply_threads
 
     try:
-        n_threads = apply_threads(threads)
+        from mmspec.bench.config import split_methods
+        from mmspec.cli.checks import check_threads
+
+        check_threads(threads)
         cfg = BenchConfig(
-            out_dir=out, methods=_split_list(method, DEFAULT_METHODS),
+            out_dir=out, methods=split_methods(method) if method else DEFAULT_METHODS,
             datasets=tuple(DatasetSpec.parse(d) for d in _split_list(dataset, DEFAULT_DATASETS)),
             n_samples=n_samples, gamma=gamma, max_new_tokens=max_new_tokens,
             temperature=temperature, seed=seed, target=target, draft=draft, captioner=captioner,
             captioner_prompt=captioner_prompt, pool_tokens=pool_tokens, split=split, device=device, dtype=dtype,
-            heads=_parse_heads(head), latency=latency, latency_repeats=latency_repeats, progress=progress, extra={"threads": n_threads},
+            heads=_parse_heads(head), latency=latency, latency_repeats=latency_repeats, progress=progress,
         )
+        cfg.extra["threads"] = apply_threads(threads)  # after every check: nothing is set for a refused run
         summary = run_bench(cfg, backend_factory=_factory(backend) if backend else None,
                             command=command_line())
     except MMSpecError as e:

@@ -25,11 +25,6 @@ def fail(e: Exception) -> None:
     raise typer.Exit(code=2)
 
 
-def check_max_new_tokens(n: int) -> None:
-    if n < 1:
-        raise MMSpecError(f"--max-new-tokens must be >= 1, got {n}")
-
-
 def graphs_flag(text: str):
     """--cuda-graphs auto|on|off -> SpecDecoder's cuda_graphs."""
     flags = {"auto": "auto", "on": True, "off": False}

@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from mmspec.cli import common
-from mmspec.cli.common import check_max_new_tokens, check_prompt, fail, graphs_flag, parse_weights
+from mmspec.cli.common import fail
 from mmspec.errors import MMSpecError
 
 # `mmspec generate` with no prompt: a world sample the embedded target answers right (checked by
@@ -21,18 +21,19 @@ EMBEDDED_NOTE = ("[dim]Using the embedded tiny models: they only know mmspec's s
                  "(charts, signs, shapes, differences, edits, little stories), not real photos.[/dim]")
 
 
-def load_models(target, draft, captioner, captioner_prompt, dtype, device):
-    """Models for generate/demo: the given checkpoints, or the embedded pack."""
+def load_models(target, draft, captioner, captioner_prompt, dtype, device, head=None):
+    """Models for generate/demo: the given checkpoints, or the embedded pack. With ``head`` (a
+    head directory, checked already) the draft is that directory: SpecDecoder loads the head
+    against the target."""
     from transformers.utils import logging as hf_logging
 
     from mmspec.models.captioner import HFCaptioner
 
     hf_logging.disable_progress_bar()  # weight-loading bars would bury the answer
 
-    from mmspec.models.loading import (check_model_flags, check_same_vocabulary, compute_dtype, load_model,
-                                       load_processor, load_tokenizer_if_any, locate, resolve_device)
+    from mmspec.models.loading import (check_same_vocabulary, compute_dtype, load_model, load_processor,
+                                       load_tokenizer_if_any, resolve_device)
 
-    check_model_flags(target, draft, captioner, captioner_prompt)
     device = str(resolve_device(device))
     dtype = compute_dtype(dtype, device)  # auto: float32 on the CPU, the checkpoint's own on a GPU
     if target is None:
@@ -42,15 +43,13 @@ def load_models(target, draft, captioner, captioner_prompt, dtype, device):
 
         e = load_embedded(dtype=torch.float32 if dtype == "auto" else dtype, device=device)  # saved in fp16
         cap = e.captioner()
-        return e.target, e.draft, e.tokenizer, e.processor, cap, True
-    for flag, name in (("--target", target), ("--draft", draft), ("--captioner", captioner)):
-        if name is not None:
-            locate(name, flag)  # local directories first; a hub id that cannot be had fails in one line
+        return e.target, (str(head) if head else e.draft), e.tokenizer, e.processor, cap, True
     processor = load_processor(target)
     tok = getattr(processor, "tokenizer", processor)
-    check_same_vocabulary(tok, load_tokenizer_if_any(draft))  # before the weights load
+    if head is None:
+        check_same_vocabulary(tok, load_tokenizer_if_any(draft))  # before the weights load
     t = load_model(target, dtype=dtype, device=device)
-    d = load_model(draft, dtype=dtype, device=device)
+    d = str(head) if head is not None else load_model(draft, dtype=dtype, device=device)
     cap = HFCaptioner.from_pretrained(captioner, prompt=captioner_prompt, dtype=dtype) if captioner else None
     if cap is not None:
         cap.model.to(device)
@@ -87,33 +86,46 @@ def baseline(target, inputs, max_new_tokens):
     return out[0, inputs["input_ids"].shape[1]:].tolist(), time.perf_counter() - t0
 
 
+HEAD_HELP = ("A feature-level draft head directory (made by `mmspec train head`): it drafts from the "
+             "target's own hidden states, so --views and --captioner do not apply. `--draft HEAD_DIR` works too.")
+
+
 def generate(
-    prompt: Optional[str] = typer.Option(None, help="Prompt text; `<image>` marks each image (added in front if missing)."),
+    prompt: Optional[str] = typer.Option(None, help="Prompt text; `<image>` / `<video>` mark where each image / "
+                                         "video goes (one each in front if missing). Framed by the target's chat "
+                                         "template where it has one, else as `USER: ... ASSISTANT:`."),
     image: List[Path] = typer.Option([], "--image", "-i", help="Image file; repeat for several images, in slot order."),
+    video: List[Path] = typer.Option([], "--video", help="A video for the video families (LLaVA-OneVision, "
+                                     "Video-LLaVA, Qwen2-VL, Qwen2.5-VL): a directory of its frames (PNG/JPEG, "
+                                     "name order) or a video file (needs PyAV: pip install av). Repeatable."),
+    frames: int = typer.Option(8, help="Frames taken from each --video, evenly spaced."),
     target: Optional[str] = typer.Option(None, help="Target VLM: local directory or hub id (default: embedded)."),
-    draft: Optional[str] = typer.Option(None, help="Draft model: local directory or hub id."),
+    draft: Optional[str] = typer.Option(None, help="Draft model: local directory or hub id; or a draft head "
+                                        "directory (as --head)."),
+    head: Optional[str] = typer.Option(None, "--head", help=HEAD_HELP),
     captioner: Optional[str] = typer.Option(None, help="Captioner (HF image-to-text) for the caption view."),
     captioner_prompt: Optional[str] = typer.Option(None, help="Task prompt for the captioner, e.g. `<CAPTION>` for Florence-2 (default: the one an `mmspec train` captioner records)."),
     views: str = typer.Option("M", help="Drafting views: letters M,T,C,P or names, comma-separated (pooled:36); "
                               "several = the in-batch ensemble (e.g. MT, MTC). M is the fastest measured "
                               "with the embedded pair (docs/perf.md)."),
     weights: Optional[str] = typer.Option(None, help="Ensemble weights, comma-separated, one per view (default equal)."),
-    gamma: int = typer.Option(5, help="Draft tokens per block (the chain's length)."),
-    tree: Optional[str] = typer.Option(None, help="Block shape: chain (default), dynamic (EAGLE-2 token tree with "
-                                       "the device's measured defaults), or a static tree as JSON child-rank paths, "
-                                       "e.g. '[[0],[1],[0,0]]'."),
-    tree_depth: Optional[int] = typer.Option(None, help="Dynamic tree: expansion steps."),
-    tree_topk: Optional[int] = typer.Option(None, help="Dynamic tree: children per node and nodes expanded per depth."),
-    tree_budget: Optional[int] = typer.Option(None, help="Dynamic tree: nodes verified per block (root excluded)."),
+    gamma: Optional[int] = typer.Option(None, help="Draft tokens per block of a chain (default 5); a tree's "
+                                        "shape is --tree's."),
+    tree: Optional[str] = typer.Option(None, help="Block shape (README, \"Token trees\"): chain (default), dynamic "
+                                       "(EAGLE-2 with the device's measured defaults), DEPTHxTOPKxBUDGET such as "
+                                       "6x4x16, or a static tree as JSON child-rank paths, e.g. '[[0],[1],[0,0]]'."),
+    tree_depth: Optional[int] = typer.Option(None, help="With --tree dynamic: expansion steps."),
+    tree_topk: Optional[int] = typer.Option(None, help="With --tree dynamic: children per node and nodes expanded per depth."),
+    tree_budget: Optional[int] = typer.Option(None, help="With --tree dynamic: nodes verified per block (root excluded)."),
     tree_children: str = typer.Option("mixture", help="Tree children from the views' mixture, or 'views': each "
-                                      "view's own top tokens."),
-    stop_below: Optional[float] = typer.Option(None, help="Chains: stop drafting a block when the draft's "
+                                      "view's own top tokens (trees only)."),
+    stop_below: Optional[float] = typer.Option(None, help="Chains only: stop drafting a block when the draft's "
                                                "probability of its proposal falls below this (lossless)."),
     cuda_graphs: str = typer.Option("auto", help="auto (on for a CUDA device), on, off."),
     max_new_tokens: int = typer.Option(128),
     temperature: float = typer.Option(0.0, help="0 = greedy (exactly the target's greedy output)."),
-    top_k: Optional[int] = typer.Option(None),
-    top_p: Optional[float] = typer.Option(None),
+    top_k: Optional[int] = typer.Option(None, help="Sampling only (--temperature > 0): keep the k likeliest tokens."),
+    top_p: Optional[float] = typer.Option(None, help="Sampling only (--temperature > 0): nucleus filter."),
     seed: Optional[int] = typer.Option(None, help="Seed for sampling (same seed, same output)."),
     compare: bool = typer.Option(True, help="Also run target.generate and report speed-up and identity (greedy)."),
     dtype: str = typer.Option("auto", help="auto, float32, bfloat16, float16 (auto: float32 on the CPU, where "
@@ -122,56 +134,65 @@ def generate(
     threads: Optional[int] = typer.Option(None, help="CPU threads for torch (default: torch's choice); give "
                                           "each of several runs side by side a share of the cores."),
 ):
-    """Answer one prompt with speculative decoding and print the block statistics."""
+    """Answer one prompt with speculative decoding and print the block statistics.
+
+    The draft is a model (`--draft DIR`, drafting views `--views`) or a trained feature-level
+    head (`--head DIR`, or `--draft HEAD_DIR`). Other families (LLaVA-NeXT, OneVision,
+    Video-LLaVA, Qwen2-VL, Qwen2.5-VL) get the processor's whole output; `--video` gives
+    the video families a clip."""
+    from mmspec.cli.checks import GenerateOptions, check_generate
+
     try:
-        from mmspec.decoder import SpecDecoder
-        from mmspec.inputs import frame_prompt, load_images, processor_inputs
-        from mmspec.tree import parse_tree
-        from mmspec.verify import SamplingParams
-
-        check_max_new_tokens(max_new_tokens)
-        tree_kw = dict(tree=tree, tree_depth=tree_depth, tree_topk=tree_topk, tree_budget=tree_budget,
-                       tree_children=tree_children, stop_below=stop_below, cuda_graphs=graphs_flag(cuda_graphs))
-        if isinstance(gamma, bool) or gamma < 1:
-            raise MMSpecError(f"--gamma must be a whole number >= 1, got {gamma}")
-        parse_tree(tree, gamma=gamma, device_type=device.split(":")[0], depth=tree_depth, topk=tree_topk,
-                   budget=tree_budget, children=tree_children, stop_below=stop_below)  # refused before loading models
-        SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)  # refused before loading models
-        w = parse_weights(weights)
-        check_prompt(prompt)
-        common.set_threads(threads)
-        if prompt is None and image:  # prompt checks first: before loading any model
-            raise MMSpecError("--image was given without --prompt; say what to ask about the image(s)")
-        if prompt is None and target is not None:
-            raise MMSpecError("pass --prompt (and --image for each image)")
-        images = load_images(image) if image else []  # an unreadable image fails before loading too
-        t, d, tok, proc, cap, embedded = load_models(target, draft, captioner, captioner_prompt, dtype, device)
-        if embedded:
-            common.console.print(EMBEDDED_NOTE)
-        if prompt is None:
-            from mmspec.world import make_sample
-
-            sample = make_sample(*DEFAULT_EXAMPLE)
-            prompt_text, images = sample.prompt, sample.images
-            common.console.print("[dim]No prompt given: a bundled chart-QA example from the synthetic world.[/dim]")
-        else:
-            prompt_text = frame_prompt(prompt, len(images))
-        view_list = [v for v in views.split(",") if v]
-        dec = SpecDecoder(t, d, tok, views=view_list, weights=w, captioner=cap, gamma=gamma, processor=proc, **tree_kw)
-        inputs = {k: v.to(device) for k, v in processor_inputs(proc, prompt_text, images).items()}
-        if "pixel_values" in inputs:
-            inputs["pixel_values"] = inputs["pixel_values"].to(t.dtype)
-        res = dec.generate(inputs["input_ids"], inputs.get("pixel_values"), inputs.get("attention_mask"),
-                           max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                           seed=seed, images=images)
-        base_s = identical = None
-        if compare and temperature == 0:
-            ref, base_s = baseline(t, inputs, max_new_tokens)
-            identical = ref == res.token_ids
-        common.console.print(f"[bold]Prompt:[/bold] {escape(prompt_text)}")  # user text: "[/INST]" is not markup
-        common.console.print(f"[bold]Answer:[/bold] {escape(res.text)}")
-        common.console.print(stats_table(f"{dec.method}: {dec.tree.label}, {dec.engine} engine", res, base_s, identical))
-        if identical is False:
-            raise MMSpecError("the speculative output differs from target.generate; please report this")
+        opts = check_generate(GenerateOptions(
+            prompt=prompt, image=list(image), video=list(video), frames=frames, target=target, draft=draft,
+            head=head, captioner=captioner, captioner_prompt=captioner_prompt, views=views, weights=weights,
+            gamma=gamma, tree=tree, tree_depth=tree_depth, tree_topk=tree_topk, tree_budget=tree_budget,
+            tree_children=tree_children, stop_below=stop_below, cuda_graphs=cuda_graphs,
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+            dtype=dtype, device=device, threads=threads))  # every option, before any model loads
+        _run(opts, compare)
     except MMSpecError as e:
         fail(e)
+
+
+def _run(o, compare: bool) -> None:
+    """Load, decode and print; ``o`` is the checked GenerateOptions."""
+    from mmspec.decoder import SpecDecoder
+    from mmspec.inputs import chat_prompt, load_images, load_video, processor_inputs, to_target
+
+    common.set_threads(o.threads)
+    images = load_images(o.image) if o.image else []  # an unreadable image fails before loading too
+    clips = [load_video(v, o.frames) for v in o.video]
+    t, d, tok, proc, cap, embedded = load_models(o.target, o.draft, o.captioner, o.captioner_prompt, o.dtype,
+                                                 o.device, head=o.head)
+    if embedded:
+        common.console.print(EMBEDDED_NOTE)
+    if o.prompt is None:
+        from mmspec.world import make_sample
+
+        sample = make_sample(*DEFAULT_EXAMPLE)
+        prompt_text, images = sample.prompt, sample.images
+        common.console.print("[dim]No prompt given: a bundled chart-QA example from the synthetic world.[/dim]")
+    else:
+        prompt_text = chat_prompt(proc, o.prompt, len(images), len(clips))
+    draft_proc = None
+    if o.draft_reads_own_images:  # a draft of another family reads the PIL images its own way
+        from mmspec.models.loading import load_processor
+
+        draft_proc = load_processor(o.draft)
+    dec = SpecDecoder(t, d, tok, views=o.view_list, weights=o.weight_list, captioner=cap, gamma=o.gamma,
+                      processor=proc, draft_processor=draft_proc, tree=o.tree, tree_depth=o.tree_depth,
+                      tree_topk=o.tree_topk, tree_budget=o.tree_budget, tree_children=o.tree_children,
+                      stop_below=o.stop_below, cuda_graphs=o.graphs)
+    inputs = to_target(processor_inputs(proc, prompt_text, images, clips), o.device, t.dtype)  # the whole output
+    res = dec.generate(**inputs, max_new_tokens=o.max_new_tokens, temperature=o.temperature, top_k=o.top_k,
+                       top_p=o.top_p, seed=o.seed, images=images if not clips else None, videos=clips or None)
+    base_s = identical = None
+    if compare and o.temperature == 0:
+        ref, base_s = baseline(t, inputs, o.max_new_tokens)
+        identical = ref == res.token_ids
+    common.console.print(f"[bold]Prompt:[/bold] {escape(prompt_text)}")  # user text: "[/INST]" is not markup
+    common.console.print(f"[bold]Answer:[/bold] {escape(res.text)}")
+    common.console.print(stats_table(f"{dec.method}: {dec.tree.label}, {dec.engine} engine", res, base_s, identical))
+    if identical is False:
+        raise MMSpecError("the speculative output differs from target.generate; please report this")

@@ -185,20 +185,93 @@ def build_head(target, variant: str = "eagle", *, num_layers: int = 1, feature_l
     return head.to(device=adapter.device, dtype=adapter.dtype).eval()
 
 
+_DAMAGED = "the head directory is damaged or incomplete: train it again (mmspec train head) or re-save it with FeatureHead.save()"
+
+
+def read_head_config(path: str | Path) -> HeadConfig:
+    """The :class:`HeadConfig` of a head directory, checked without building the head: the JSON
+    parses, every field is there (and no unknown one), sizes are positive whole numbers. Reads
+    nothing else; every problem is an MMSpecError naming the file and the fix."""
+    path = Path(path)
+    file = path / CONFIG_NAME
+    if not file.is_file():
+        raise MMSpecError(f"'{path}' is not a draft head directory (no {CONFIG_NAME}); make one with "
+                          "mmspec train head (or FeatureHead.save())")
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MMSpecError(f"'{file}' is not valid JSON ({getattr(e, 'msg', e.__class__.__name__)}); {_DAMAGED}") from None
+    if not isinstance(raw, dict):
+        raise MMSpecError(f"'{file}' holds {type(raw).__name__}, not a head config object; {_DAMAGED}")
+    import dataclasses
+
+    fields = {f.name: f for f in dataclasses.fields(HeadConfig)}
+    required = [n for n, f in fields.items()
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [n for n in required if n not in raw]
+    unknown = sorted(set(raw) - set(fields))
+    if missing or unknown:
+        what = "; ".join(x for x in (f"missing {', '.join(missing)}" if missing else "",
+                                     f"unknown {', '.join(unknown)}" if unknown else "") if x)
+        raise MMSpecError(f"'{file}' is not a head config this mmspec reads ({what}); {_DAMAGED}")
+    for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size",
+                 "target_num_layers", "num_layers", "max_position_embeddings"):
+        v = raw.get(name, 1)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise MMSpecError(f"'{file}': {name} must be a whole number >= 1, got {v!r}; {_DAMAGED}")
+    layers = raw["feature_layers"]
+    if (not isinstance(layers, list) or not layers
+            or any(isinstance(i, bool) or not isinstance(i, int) for i in layers)):
+        raise MMSpecError(f"'{file}': feature_layers must be a non-empty list of layer numbers, got {layers!r}; "
+                          f"{_DAMAGED}")
+    if raw.get("variant") not in VARIANTS:
+        raise MMSpecError(f"'{file}': unknown head variant {raw.get('variant')!r} (one of {', '.join(VARIANTS)}); "
+                          f"{_DAMAGED}")
+    return HeadConfig(**raw)
+
+
+def check_head_dir(path: str | Path) -> HeadConfig:
+    """A head directory as far as it can be checked without building the head: its config
+    (:func:`read_head_config`) and its weights file's safetensors header. Returns the config."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    cfg = read_head_config(path)
+    weights = path / WEIGHTS_NAME
+    if not weights.is_file():
+        raise MMSpecError(f"'{path}' has no {WEIGHTS_NAME}; the head's weights are missing ({_DAMAGED})")
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            f.keys()
+    except (SafetensorError, OSError, ValueError) as e:
+        raise MMSpecError(f"cannot read '{weights}' as safetensors ({_first_line(e)}); {_DAMAGED}") from None
+    return cfg
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [e.__class__.__name__])[0]
+
+
 def load_head(path: str | Path, target=None) -> FeatureHead:
     """A head saved with :meth:`FeatureHead.save`; checked against ``target`` when given."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path)
-    if not (path / CONFIG_NAME).is_file():
-        raise MMSpecError(f"'{path}' is not a draft head directory (no {CONFIG_NAME}); save one with "
-                          "mmspec train head or FeatureHead.save()")
-    raw = json.loads((path / CONFIG_NAME).read_text())
-    cfg = HeadConfig(**raw)
+    cfg = read_head_config(path)
+    weights = path / WEIGHTS_NAME
+    if not weights.is_file():
+        raise MMSpecError(f"'{path}' has no {WEIGHTS_NAME}; the head's weights are missing ({_DAMAGED})")
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise MMSpecError(f"cannot read '{weights}' as safetensors ({_first_line(e)}); {_DAMAGED}") from None
     head = FeatureHead(cfg)
-    if not (path / WEIGHTS_NAME).is_file():
-        raise MMSpecError(f"'{path}' has no {WEIGHTS_NAME}; the head's weights are missing")
-    missing, unexpected = head.load_state_dict(load_file(str(path / WEIGHTS_NAME)), strict=False)
+    try:
+        missing, unexpected = head.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a tensor of another shape than the config says
+        raise MMSpecError(f"the weights in '{weights}' do not fit its {CONFIG_NAME} ({str(e).splitlines()[-1].strip()}); "
+                          f"{_DAMAGED}") from None
     if missing or unexpected:
         raise MMSpecError(f"the head in '{path}' does not match its config (missing {missing[:3]}, "
                           f"unexpected {unexpected[:3]}); re-save it with this mmspec version")
@@ -223,7 +296,7 @@ def check_head_fits(head: FeatureHead, target) -> None:
         problems.append(f"width {cfg.hidden_size} vs the target's {tc.hidden_size}")
     if cfg.vocab_size != adapter.vocab_size:
         problems.append(f"vocabulary {cfg.vocab_size} vs the target's {adapter.vocab_size}")
-    if any(i >= adapter.num_layers for i in cfg.feature_layers):
+    if any(i >= adapter.num_layers or i < -1 for i in cfg.feature_layers):
         problems.append(f"it reads layers {cfg.feature_layers} of a target with {adapter.num_layers}")
     if problems:
         raise MMSpecError("this draft head was made for another target (" + "; ".join(problems)

@@ -261,8 +261,57 @@ def check_same_vocabulary(target_tok, draft_tok) -> None:
                 "the target's tokenizer; pick a draft trained with it")
 
 
+# families whose processor imports torchvision (their video processor): (name, the extra that brings it)
+TORCHVISION_FAMILIES = {"qwen2_vl": ("Qwen2-VL", "qwen"), "qwen2_5_vl": ("Qwen2.5-VL", "qwen"),
+                        "llava_onevision": ("LLaVA-OneVision", "video"), "video_llava": ("Video-LLaVA", "video")}
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "image_processor_config.json")
+
+
+def _model_type(path: str) -> str:
+    try:
+        return str(json.loads((Path(path) / "config.json").read_text()).get("model_type", ""))
+    except (OSError, ValueError, AttributeError):
+        return ""
+
+
+_PROCESSOR_FIX = ("save the target's processor beside its weights (processor.save_pretrained(DIR)), or copy its "
+                  "files from the original checkpoint")
+
+
+def check_processor_files(path: str) -> None:
+    """A local checkpoint directory holds a processor: tokenizer files and an image processor's
+    config (a hub id is left to transformers). Reads no file, loads nothing."""
+    if not Path(path).is_dir():
+        return
+    has_tok = _has_tokenizer_files(path)
+    has_proc = any((Path(path) / f).is_file() for f in PROCESSOR_FILES)
+    if not (has_tok or has_proc):
+        raise MMSpecError(f"{path!r} has no processor or tokenizer (none of {', '.join(PROCESSOR_FILES)}, "
+                          f"{', '.join(TOKENIZER_FILES[:3])}, ...); {_PROCESSOR_FIX}")
+    if not has_tok:
+        raise MMSpecError(f"{path!r} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); {_PROCESSOR_FIX}")
+    if not has_proc:
+        raise MMSpecError(f"{path!r} has no image processor ({' or '.join(PROCESSOR_FILES)}); {_PROCESSOR_FIX}")
+
+
 def load_processor(name_or_path: str):
-    return _load_auto("AutoProcessor", "processor", name_or_path)
+    """The target's processor (tokenizer + image/video processors). A local directory without
+    one, and a processor that needs torchvision where it is missing, are refused in one line."""
+    import transformers
+
+    name_or_path = locate(str(name_or_path))
+    local = Path(name_or_path).is_dir()
+    check_processor_files(name_or_path)
+    try:
+        return transformers.AutoProcessor.from_pretrained(name_or_path)
+    except ImportError as e:
+        if "torchvision" in str(e).lower():
+            family, extra = TORCHVISION_FAMILIES.get(_model_type(name_or_path) if local else "", ("this model", "video"))
+            raise MMSpecError(f"{family}'s processor needs torchvision: pip install 'mmspec[{extra}]' "
+                              "(or torchvision)") from None
+        raise MMSpecError(f"could not load a processor from {name_or_path!r}: {_first_line(e)}") from None
+    except (OSError, ValueError, TypeError) as e:
+        raise MMSpecError(f"could not load a processor from {name_or_path!r}: {_first_line(e)}; {_PROCESSOR_FIX}") from None
 
 
 def check_model_flags(target: str | None, draft: str | None, captioner: str | None,
