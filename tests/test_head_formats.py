@@ -332,3 +332,20 @@ def test_cli_export_head(deep, tmp_path):
     assert bad.exit_code == 2 and "--format must be one of eagle3, eagle" in said(bad)
     e1 = runner.invoke(app, ["export", "head", str(tmp_path / "mine"), "--format", "eagle", "--out", str(tmp_path / "q")])
     assert e1.exit_code == 2 and "pass --target DIR" in said(e1) and not (tmp_path / "q").exists()
+
+
+def test_a_head_saved_before_layer_kinds_still_loads(deep, tmp_path):
+    """An mmspec_head.json without "layer" was written when eagle heads ran plain Llama layers."""
+    old = build_head(deep, "eagle", layer="llama", seed=4)
+    old.save(tmp_path / "old")
+    raw = json.loads((tmp_path / "old" / "mmspec_head.json").read_text())
+    del raw["layer"]
+    (tmp_path / "old" / "mmspec_head.json").write_text(json.dumps(raw))
+    back = load_head(tmp_path / "old", deep)
+    assert back.config.layer == "llama"
+    feats, embeds = _inputs(deep, old)
+    assert torch.equal(_draft_logits(old, deep, feats, embeds), _draft_logits(back, deep, feats, embeds))
+    raw["variant"] = "eagle3"
+    (tmp_path / "old" / "mmspec_head.json").write_text(json.dumps(raw))
+    with pytest.raises(MMSpecError, match="saved before mmspec used EAGLE-3's own first layer"):
+        load_head(tmp_path / "old", deep)

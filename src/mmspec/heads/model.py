@@ -97,6 +97,17 @@ def default_feature_layers(variant: str, n_layers: int) -> tuple[int, ...]:
     return (-1,)
 
 
+def saved_layer(raw: dict) -> dict:
+    """A saved ``mmspec_head.json`` with its ``layer`` named: one written before heads had layer
+    kinds (no ``layer`` key) used plain Llama layers; such an eagle3 head cannot be rebuilt."""
+    if "layer" in raw:
+        return raw
+    if raw.get("variant") == "eagle3":
+        raise MMSpecError("this eagle3 head was saved before mmspec used EAGLE-3's own first layer, which its "
+                          "weights do not fit; retrain it with mmspec train head --variant eagle3")
+    return {**raw, "layer": "llama"}
+
+
 class Eagle3Layer(nn.Module):
     """EAGLE-3's first decoder layer, from transformers' public Llama modules (H: the width).
 
@@ -305,7 +316,7 @@ def load_head(path: str | Path, target=None) -> FeatureHead:
         raise MMSpecError(f"'{path}' is not a draft head directory (no {CONFIG_NAME}); save one with "
                           "mmspec train head or FeatureHead.save()")
     raw = json.loads((path / CONFIG_NAME).read_text())
-    cfg = HeadConfig(**raw)
+    cfg = HeadConfig(**saved_layer(raw))
     head = FeatureHead(cfg)
     if not (path / WEIGHTS_NAME).is_file():
         raise MMSpecError(f"'{path}' has no {WEIGHTS_NAME}; the head's weights are missing")
