@@ -12,13 +12,13 @@ import math
 import pytest
 import torch
 from safetensors.torch import save_file
+from tiny import make_llava, make_prompt
 from typer.testing import CliRunner
 
 from mmspec import SpecDecoder
 from mmspec.errors import MMSpecError
 from mmspec.heads import build_head, load_head
 from mmspec.heads.formats import detect_format, export_head, load_external_head
-from tiny import make_llava, make_prompt
 
 H, NH, NKV, HD, FF, V, N_LAYERS = 64, 4, 2, 16, 128, 96, 8  # tiny.make_llava(layers=8)'s text model
 
@@ -138,7 +138,7 @@ def _llama_cfg(**extra):
 
 
 def _layer_weights(g, prefix: str, width_in: int, input_norm: bool = True) -> dict:
-    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64) * 0.2  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64) * 0.2
     w = {prefix + "self_attn.q_proj.weight": r(NH * HD, width_in), prefix + "self_attn.k_proj.weight": r(NKV * HD, width_in),
          prefix + "self_attn.v_proj.weight": r(NKV * HD, width_in), prefix + "self_attn.o_proj.weight": r(H, NH * HD),
          prefix + "mlp.gate_proj.weight": r(FF, H), prefix + "mlp.up_proj.weight": r(FF, H),
@@ -326,7 +326,7 @@ def test_cli_export_head(deep, tmp_path):
     assert r.exit_code == 0, r.output
     assert detect_format(tmp_path / "o") == "eagle3"
     again = runner.invoke(app, ["export", "head", str(tmp_path / "mine"), "--out", str(tmp_path / "o")])
-    said = lambda r: " ".join(r.output.split())  # noqa: E731 - the console wraps long lines
+    said = lambda r: " ".join(r.output.split())
     assert again.exit_code == 2 and "exists and is not empty" in said(again)
     bad = runner.invoke(app, ["export", "head", str(tmp_path / "mine"), "--format", "medusa", "--out", str(tmp_path / "p")])
     assert bad.exit_code == 2 and "--format must be one of eagle3, eagle" in said(bad)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import tempfile
 from pathlib import Path
@@ -82,7 +83,7 @@ def _tensor_names(path: Path) -> set[str]:
 def _load_bin(f: Path) -> dict:
     try:
         return torch.load(str(f), map_location="cpu", weights_only=True)
-    except Exception as e:  # a pickle with code in it, or a broken file
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:  # code in the pickle, or a broken file
         raise MMSpecError(f"cannot read '{f}' as plain tensors ({type(e).__name__}); "
                           "convert it to model.safetensors") from None
 
@@ -182,12 +183,12 @@ def _check_fits(kind: str, path: Path, cfg: dict, *, hidden: int, vocab: int, la
 
 
 def _common(cfg: dict, tc) -> dict:
-    return dict(hidden_size=int(cfg["hidden_size"]), num_attention_heads=int(cfg["num_attention_heads"]),
-                num_key_value_heads=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
-                intermediate_size=int(cfg["intermediate_size"]), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_parameters=_rope_parameters(cfg),
-                max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
-                head_dim=cfg.get("head_dim"))
+    return {"hidden_size": int(cfg["hidden_size"]), "num_attention_heads": int(cfg["num_attention_heads"]),
+            "num_key_value_heads": int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
+            "intermediate_size": int(cfg["intermediate_size"]), "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+            "rope_parameters": _rope_parameters(cfg),
+            "max_position_embeddings": int(cfg.get("max_position_embeddings") or 4096),
+            "head_dim": cfg.get("head_dim")}
 
 
 def _refuse_extras(kind: str, path: Path, cfg: dict, state: dict, allowed) -> None:

@@ -122,7 +122,11 @@ class Eagle3Layer(nn.Module):
         super().__init__()
         import copy
 
-        from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
+        from transformers.models.llama.modeling_llama import (
+            LlamaAttention,
+            LlamaMLP,
+            LlamaRMSNorm,
+        )
 
         H = lcfg.hidden_size
         wide = copy.deepcopy(lcfg)  # q/k/v read 2H; heads keep their width
