@@ -14,7 +14,9 @@ Two processes, because speculators pins transformers <= 5.19 while mmspec runs o
    ``output_hidden_states`` at speculators' layer ids, and the heads' logits.
 
 The venv: ``python -m venv /tmp/specvenv && /tmp/specvenv/bin/pip install torch==2.13.0
-speculators==0.9.0 transformers==5.19.0 && /tmp/specvenv/bin/pip install --no-deps eagle-llm``.
+speculators==0.9.0 transformers==5.19.0 && /tmp/specvenv/bin/pip install --no-deps eagle-llm``;
+then ``/tmp/specvenv/bin/pip uninstall -y torchvision torchaudio``: the torchvision it pulls in is
+built for another torch and breaks ``import transformers`` (``torchvision::nms does not exist``).
 Writes ``check.json`` (and prints it) into ``--out``.
 """
 
