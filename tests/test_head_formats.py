@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 from safetensors.torch import save_file
-from tiny import make_llava, make_prompt
+from tiny import make_llama, make_llava, make_prompt
 from typer.testing import CliRunner
 
 from mmspec import SpecDecoder
@@ -349,3 +349,11 @@ def test_a_head_saved_before_layer_kinds_still_loads(deep, tmp_path):
     (tmp_path / "old" / "mmspec_head.json").write_text(json.dumps(raw))
     with pytest.raises(MMSpecError, match="saved before mmspec used EAGLE-3's own first layer"):
         load_head(tmp_path / "old", deep)
+
+
+def test_a_model_directory_is_not_taken_for_a_head(tmp_path):
+    """Drafts and targets are directories with a config.json and weights too: not heads."""
+    make_llava(3).save_pretrained(tmp_path / "vlm")
+    assert detect_format(tmp_path / "vlm") is None
+    make_llama(4).save_pretrained(tmp_path / "lm")
+    assert detect_format(tmp_path / "lm") is None

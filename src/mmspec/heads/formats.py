@@ -76,13 +76,13 @@ def _tensor_names(path: Path) -> set[str]:
             with safe_open(str(f), framework="pt") as h:
                 names.update(h.keys())
         else:
-            names.update(_load_bin(f).keys())
+            names.update(_load_bin(f, mmap=True).keys())  # names only: nothing is read in
     return names
 
 
-def _load_bin(f: Path) -> dict:
+def _load_bin(f: Path, mmap: bool = False) -> dict:
     try:
-        return torch.load(str(f), map_location="cpu", weights_only=True)
+        return torch.load(str(f), map_location="cpu", weights_only=True, mmap=mmap)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:  # code in the pickle, or a broken file
         raise MMSpecError(f"cannot read '{f}' as plain tensors ({type(e).__name__}); "
                           "convert it to model.safetensors") from None
@@ -110,8 +110,12 @@ def detect_format(path) -> str | None:
     arch = " ".join(cfg.get("architectures") or [])
     if cfg.get("speculators_model_type") == "eagle3" or "Eagle3Speculator" in arch:
         return "speculators-eagle3"
+    if "Eagle3" in arch:
+        return "eagle3"
+    if "text_config" in cfg or "vision_config" in cfg or int(cfg.get("num_hidden_layers") or 0) > 4:
+        return None  # a model, not a head: its tensors are not scanned
     names = _tensor_names(path)
-    if "Eagle3" in arch or any(n.startswith("midlayer.") for n in names):
+    if any(n.startswith("midlayer.") for n in names):
         return "eagle3"
     if "fc.weight" in names and any(n.startswith("layers.0.") for n in names):
         return "eagle"
