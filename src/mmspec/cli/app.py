@@ -6,6 +6,7 @@ import typer
 
 from mmspec.cli.bench import bench_app, report_command
 from mmspec.cli.demo import demo
+from mmspec.cli.export import export_app
 from mmspec.cli.generate import generate
 from mmspec.cli.train import train_app
 
@@ -18,3 +19,4 @@ app.command()(demo)
 app.add_typer(bench_app, name="bench")
 app.command("report", help="Render report.md + plots from a bench results directory.")(report_command)
 app.add_typer(train_app, name="train")
+app.add_typer(export_app, name="export")

@@ -75,7 +75,7 @@ class HeadDrafter(TreeDrafter):
 
     # ------------------------------------------------------------------ TreeDrafter hooks
     def _begin_block(self, n_nodes: int) -> None:
-        self.hnode = torch.zeros(n_nodes, self.head.config.hidden_size, dtype=self.head.fc.weight.dtype,
+        self.hnode = torch.zeros(n_nodes, self.head.config.hidden_size, dtype=self.head.dtype,
                                  device=self.valid.device)
 
     def _feed_pending(self, pending: torch.Tensor, feats: torch.Tensor | None) -> torch.Tensor:

@@ -7,19 +7,26 @@ image positions carry the image: that is how the vision reaches the head (SpecVL
 Three variants (``HeadConfig.variant``):
 
 * ``eagle`` (EAGLE-1/2): the target's last (post-norm) hidden state + the token embedding,
-  fused by one linear layer; scored with the target's frozen LM head.
-* ``eagle3`` (EAGLE-3): a low, a middle and a high layer of the target fused into one feature
-  (then as eagle); its own LM head over a draft vocabulary with a draft -> target id map; trained
-  with training-time test (it learns from its own predicted features: :mod:`mmspec.heads.train`).
+  fused by one linear layer (with a bias) into EAGLE-1/2's decoder: its first layer has no input
+  norm and there is no final norm; scored with the target's frozen LM head.
+* ``eagle3`` (EAGLE-3): a low, a middle and a high layer of the target fused into one feature by
+  ``fc``, then EAGLE-3's own first layer (:class:`Eagle3Layer`: attention over
+  [input_norm(token embedding); hidden_norm(feature)], twice the width, the feature alone as the
+  residual); a final norm and its own LM head over a draft vocabulary with a draft -> target id
+  map; trained with training-time test (it learns from its own predicted features).
 * ``msd`` (MSD, decoupled modality): as eagle, but at positions whose token is an image
   placeholder the head reads the target's feature alone (the placeholder's embedding carries
-  nothing), through a projection of its own; trained text-first, then multimodal.
+  nothing), through a projection of its own; trained text-first, then multimodal. Its decoder is
+  plain Llama layers (``layer="llama"``: input norms and a final norm).
 
 The head's decoder is ``num_layers`` Llama layers at the target's width (transformers' own
-``LlamaModel``, fed ``inputs_embeds``; its token embedding is a 1-row stub). It keeps its own KV
-cache, driven by :class:`mmspec.heads.drafter.HeadDrafter` through the engine's drafter
+``LlamaModel``, fed ``inputs_embeds``; its token embedding is a 1-row stub); the layer kind
+(``HeadConfig.layer``) swaps in EAGLE's first layer, so a checkpoint of SafeAILab's EAGLE, of
+SpecForge, SGLang or vLLM maps onto it tensor for tensor (:mod:`mmspec.heads.formats`). It keeps
+its own KV cache, driven by :class:`mmspec.heads.drafter.HeadDrafter` through the engine's drafter
 interface. A head saves as a directory (``mmspec_head.json`` + ``model.safetensors``) holding
-only its own weights; the target's embedding and LM head are borrowed at run time.
+only its own weights; the target's embedding (and, but for eagle3, its LM head) are borrowed at
+run time.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ from torch import nn
 from mmspec.errors import MMSpecError
 
 VARIANTS = ("eagle", "eagle3", "msd")
+LAYERS = ("eagle", "eagle3", "llama")  # the decoder's first layer (HeadConfig.layer)
+DEFAULT_LAYER = {"eagle": "eagle", "eagle3": "eagle3", "msd": "llama"}
 CONFIG_NAME = "mmspec_head.json"
 WEIGHTS_NAME = "model.safetensors"
 
@@ -48,7 +57,7 @@ class HeadConfig:
     num_key_value_heads: int
     intermediate_size: int
     vocab_size: int  # the target's vocabulary (scores are over it)
-    feature_layers: tuple[int, ...]  # target decoder layers read (-1: the final, post-norm one)
+    feature_layers: tuple[int, ...]  # target decoder layers read (their outputs; -1: the final, post-norm one)
     target_num_layers: int
     num_layers: int = 1
     rms_norm_eps: float = 1e-6
@@ -58,11 +67,20 @@ class HeadConfig:
     image_token_id: int | None = None  # msd: positions holding this token read the feature alone
     target_model_type: str = ""
     trained: dict = field(default_factory=dict)  # the recipe that trained it (train head records it)
+    layer: str = ""  # "eagle" (EAGLE-1/2's), "eagle3" (EAGLE-3's), "llama" (plain); "": the variant's own
+    head_dim: int | None = None  # attention head width; None: hidden_size // num_attention_heads
+    source: dict = field(default_factory=dict)  # an imported head: the format and path it came from
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
             raise MMSpecError(f"unknown head variant {self.variant!r}; use one of {', '.join(VARIANTS)}")
         self.feature_layers = tuple(int(i) for i in self.feature_layers)
+        self.layer = self.layer or DEFAULT_LAYER[self.variant]
+        if self.layer not in LAYERS:
+            raise MMSpecError(f"unknown head layer {self.layer!r}; use one of {', '.join(LAYERS)}")
+        if (self.layer == "eagle3") != (self.variant == "eagle3"):
+            raise MMSpecError(f"a {self.variant} head cannot use the {self.layer} layer: only eagle3 heads "
+                              "(and all of them) use EAGLE-3's layer")
 
     @property
     def feature_size(self) -> int:
@@ -70,11 +88,99 @@ class HeadConfig:
 
 
 def default_feature_layers(variant: str, n_layers: int) -> tuple[int, ...]:
-    """eagle / msd: the target's final (post-norm) state. eagle3: a low, middle and high layer
-    (decoder-layer outputs), as EAGLE-3 fuses them."""
+    """eagle / msd: the target's final (post-norm) state. eagle3: the outputs of decoder layers
+    1, N/2 - 1 and N - 4 of an N-layer target, EAGLE-3's low, middle and high layer (SpecForge's,
+    SGLang's and vLLM's default), clamped into a shallow target."""
     if variant == "eagle3":
-        return (min(1, n_layers - 1), n_layers // 2, max(n_layers - 2, 0))
+        last = n_layers - 1
+        return (min(1, last), min(max(n_layers // 2 - 1, 0), last), min(max(n_layers - 4, 0), last))
     return (-1,)
+
+
+def saved_layer(raw: dict) -> dict:
+    """A saved ``mmspec_head.json`` with its ``layer`` named: one written before heads had layer
+    kinds (no ``layer`` key) used plain Llama layers; such an eagle3 head cannot be rebuilt."""
+    if "layer" in raw:
+        return raw
+    if raw.get("variant") == "eagle3":
+        raise MMSpecError("this eagle3 head was saved before mmspec used EAGLE-3's own first layer, which its "
+                          "weights do not fit; retrain it with mmspec train head --variant eagle3")
+    return {**raw, "layer": "llama"}
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's first decoder layer, from transformers' public Llama modules (H: the width).
+
+    residual = f (the fused feature, [B, n, H]); x = [input_layernorm(e); hidden_norm(f)] [B, n, 2H]
+    (e: the next token's embedding); h = f + o_proj(attention(x)) with q/k/v over 2H;
+    out = h + mlp(post_attention_layernorm(h)) [B, n, H]. Parameter names are EAGLE-3's
+    (``midlayer.*`` in SpecForge / SGLang checkpoints). Called by ``LlamaModel`` in place of its
+    first layer, with [e; f] as its ``inputs_embeds``: the layer splits it back.
+    """
+
+    def __init__(self, lcfg):
+        super().__init__()
+        import copy
+
+        from transformers.models.llama.modeling_llama import (
+            LlamaAttention,
+            LlamaMLP,
+            LlamaRMSNorm,
+        )
+
+        H = lcfg.hidden_size
+        wide = copy.deepcopy(lcfg)  # q/k/v read 2H; heads keep their width
+        wide.hidden_size, wide.head_dim = 2 * H, lcfg.head_dim
+        self.hidden_size = H
+        self.self_attn = LlamaAttention(wide, layer_idx=0)
+        self.self_attn.o_proj = nn.Linear(lcfg.num_attention_heads * lcfg.head_dim, H, bias=False)  # back to H
+        self.mlp = LlamaMLP(lcfg)
+        self.input_layernorm = LlamaRMSNorm(H, eps=lcfg.rms_norm_eps)  # on the token embedding
+        self.hidden_norm = LlamaRMSNorm(H, eps=lcfg.rms_norm_eps)  # on the fused feature
+        self.post_attention_layernorm = LlamaRMSNorm(H, eps=lcfg.rms_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_embeddings=None,
+                **kwargs) -> torch.Tensor:
+        """hidden_states [B, n, 2H] = [embedding; fused feature] -> [B, n, H]."""
+        e, f = hidden_states.split(self.hidden_size, dim=-1)  # each [B, n, H]
+        x = torch.cat([self.input_layernorm(e), self.hidden_norm(f)], dim=-1)  # [B, n, 2H]
+        kwargs.pop("position_ids", None)
+        kwargs.pop("use_cache", None)
+        a, _ = self.self_attn(hidden_states=x, position_embeddings=position_embeddings,
+                              attention_mask=attention_mask, **kwargs)
+        h = f + a  # [B, n, H]: the feature alone is the residual
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DraftLMHead(nn.Module):
+    """EAGLE-3's output: the final norm, then a linear map onto the draft vocabulary."""
+
+    def __init__(self, hidden_size: int, n: int, eps: float):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        self.norm = LlamaRMSNorm(hidden_size, eps=eps)
+        self.linear = nn.Linear(hidden_size, n, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., H] (pre-norm, as the head's forward returns it) -> draft-vocabulary logits [..., V_draft]."""
+        return self.linear(self.norm(h))
+
+
+def llama_config(cfg: HeadConfig):
+    """The transformers ``LlamaConfig`` of the head's decoder (also its KV cache's shape)."""
+    from transformers import LlamaConfig
+
+    lcfg = LlamaConfig(vocab_size=1, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                       hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                       num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
+                       num_key_value_heads=cfg.num_key_value_heads, rms_norm_eps=cfg.rms_norm_eps,
+                       max_position_embeddings=cfg.max_position_embeddings,
+                       head_dim=cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads)
+    if cfg.rope_parameters:
+        lcfg.rope_parameters = dict(cfg.rope_parameters)
+    lcfg._attn_implementation = "sdpa"
+    return lcfg
 
 
 class FeatureHead(nn.Module):
@@ -82,46 +188,54 @@ class FeatureHead(nn.Module):
 
     def __init__(self, cfg: HeadConfig):
         super().__init__()
-        from transformers import LlamaConfig, LlamaModel
+        from transformers import LlamaModel
 
         self.config = cfg
         H = cfg.hidden_size
-        self.fuse = nn.Linear(cfg.feature_size, H, bias=False) if len(cfg.feature_layers) > 1 else nn.Identity()
-        self.fc = nn.Linear(2 * H, H, bias=False)  # [feature; embedding of the next token] -> H
-        self.fc_image = nn.Linear(H, H, bias=False) if cfg.variant == "msd" else None
-        lcfg = LlamaConfig(vocab_size=1, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                           hidden_size=H, intermediate_size=cfg.intermediate_size,
-                           num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
-                           num_key_value_heads=cfg.num_key_value_heads, rms_norm_eps=cfg.rms_norm_eps,
-                           max_position_embeddings=cfg.max_position_embeddings)
-        if cfg.rope_parameters:
-            lcfg.rope_parameters = dict(cfg.rope_parameters)
-        lcfg._attn_implementation = "sdpa"
+        lcfg = llama_config(cfg)
         self.decoder = LlamaModel(lcfg)
         self.decoder.embed_tokens.weight.requires_grad_(False)  # a 1-row stub: the head is fed inputs_embeds
+        self.fc_image = nn.Linear(H, H, bias=False) if cfg.variant == "msd" else None
         self.lm_head = None
-        if cfg.variant == "eagle3":
+        if cfg.layer == "eagle3":
+            self.fc = nn.Linear(cfg.feature_size, H, bias=False)  # EAGLE-3's fc: [low; mid; high] -> H
+            self.decoder.layers[0] = Eagle3Layer(lcfg)
+            self.decoder.norm = nn.Identity()  # the final norm is applied for the logits only (DraftLMHead)
             n = cfg.draft_vocab_size or cfg.vocab_size
-            self.lm_head = nn.Linear(H, n, bias=False)
+            self.lm_head = DraftLMHead(H, n, cfg.rms_norm_eps)
             self.register_buffer("d2t", torch.arange(n), persistent=True)  # draft id -> target id
+        else:
+            self.fuse = nn.Linear(cfg.feature_size, H, bias=False) if len(cfg.feature_layers) > 1 else nn.Identity()
+            self.fc = nn.Linear(2 * H, H, bias=cfg.layer == "eagle")  # [feature; embedding of the next token] -> H
+            if cfg.layer == "eagle":  # EAGLE-1/2: no norm before the first attention, none at the end
+                self.decoder.layers[0].input_layernorm = nn.Identity()
+                self.decoder.norm = nn.Identity()
         from mmspec.models.base import cache_argument
 
         self._cache_kw = cache_argument(self.decoder)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
     # ------------------------------------------------------------------ forward
     def fused(self, target_features: torch.Tensor) -> torch.Tensor:
         """The target's features [..., F] -> the head's feature space [..., H]."""
-        return self.fuse(target_features)
+        return self.fc(target_features) if self.config.layer == "eagle3" else self.fuse(target_features)
 
     def forward(self, feats: torch.Tensor, embeds: torch.Tensor, image: torch.Tensor | None = None, *,
                 cache=None, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """feats [B, n, H] (fused target features, or the head's own predictions), embeds
         [B, n, H] (embeddings of the tokens that follow them), image [B, n] bool (msd: the
-        following token is an image placeholder) -> predicted next features [B, n, H]."""
-        x = self.fc(torch.cat([feats, embeds], dim=-1))
-        if self.fc_image is not None and image is not None:
-            x = torch.where(image[..., None], self.fc_image(feats), x)
+        following token is an image placeholder) -> predicted next features [B, n, H]
+        (eagle3: before the final norm, as EAGLE-3 feeds them back)."""
+        if self.config.layer == "eagle3":
+            x = torch.cat([embeds, feats], dim=-1)  # [B, n, 2H]: Eagle3Layer splits it back
+        else:
+            x = self.fc(torch.cat([feats, embeds], dim=-1))
+            if self.fc_image is not None and image is not None:
+                x = torch.where(image[..., None], self.fc_image(feats), x)
         kw = {self._cache_kw: cache} if cache is not None else {}
         out = self.decoder(inputs_embeds=x, attention_mask=attention_mask, position_ids=position_ids,
                            use_cache=cache is not None, **kw)
@@ -129,8 +243,8 @@ class FeatureHead(nn.Module):
 
     def logits(self, h: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
         """Predicted features [..., H] -> logits over the TARGET's vocabulary [..., V].
-        eagle / msd: the target's own LM head; eagle3: its own head over the draft vocabulary,
-        placed at the target ids of ``d2t`` (every other id -inf)."""
+        eagle / msd: the target's own LM head; eagle3: its own norm and head over the draft
+        vocabulary, placed at the target ids of ``d2t`` (every other id -inf)."""
         if self.lm_head is None:
             return target_lm_head(h)
         small = self.lm_head(h)  # [..., V_draft]
@@ -155,13 +269,17 @@ class FeatureHead(nn.Module):
 
 
 def is_head_dir(path) -> bool:
-    return isinstance(path, (str, Path)) and (Path(path) / CONFIG_NAME).is_file()
+    """A directory saved by mmspec, or an EAGLE / EAGLE-3 head (:mod:`mmspec.heads.formats`)."""
+    from mmspec.heads.formats import is_external_head_dir
+
+    return isinstance(path, (str, Path)) and ((Path(path) / CONFIG_NAME).is_file() or is_external_head_dir(path))
 
 
 def build_head(target, variant: str = "eagle", *, num_layers: int = 1, feature_layers=None,
-               draft_vocab: torch.Tensor | None = None, seed: int = 0) -> FeatureHead:
+               draft_vocab: torch.Tensor | None = None, seed: int = 0, layer: str = "") -> FeatureHead:
     """An untrained head for a loaded target (an HF model or an adapter), at the target's width,
-    on its device and in its dtype. ``draft_vocab`` (eagle3): target ids of the draft vocabulary."""
+    on its device and in its dtype. ``draft_vocab`` (eagle3): target ids of the draft vocabulary;
+    ``layer``: the decoder's first layer ("": the variant's own, see :class:`HeadConfig`)."""
     from mmspec.models.base import ModelAdapter, adapter_for
 
     adapter = target if isinstance(target, ModelAdapter) else adapter_for(target)
@@ -176,7 +294,8 @@ def build_head(target, variant: str = "eagle", *, num_layers: int = 1, feature_l
         rope_parameters=dict(getattr(tc, "rope_parameters", None) or {}) or None,
         max_position_embeddings=getattr(tc, "max_position_embeddings", 4096),
         draft_vocab_size=None if draft_vocab is None else int(draft_vocab.numel()),
-        image_token_id=adapter.image_token_id, target_model_type=str(getattr(adapter.model.config, "model_type", "")))
+        image_token_id=adapter.image_token_id, target_model_type=str(getattr(adapter.model.config, "model_type", "")),
+        layer=layer, head_dim=getattr(tc, "head_dim", None))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         head = FeatureHead(cfg)
@@ -227,7 +346,7 @@ def read_head_config(path: str | Path) -> HeadConfig:
     if raw.get("variant") not in VARIANTS:
         raise MMSpecError(f"'{file}': unknown head variant {raw.get('variant')!r} (one of {', '.join(VARIANTS)}); "
                           f"{_DAMAGED}")
-    return HeadConfig(**raw)
+    return HeadConfig(**saved_layer(raw))
 
 
 def check_head_dir(path: str | Path) -> HeadConfig:
@@ -253,11 +372,18 @@ def _first_line(e: BaseException) -> str:
 
 
 def load_head(path: str | Path, target=None) -> FeatureHead:
-    """A head saved with :meth:`FeatureHead.save`; checked against ``target`` when given."""
+    """A head saved with :meth:`FeatureHead.save` (checked against ``target`` when given), or an
+    EAGLE-1/2 / EAGLE-3 head directory, imported against ``target`` (:mod:`mmspec.heads.formats`)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    from mmspec.heads.formats import is_external_head_dir, load_external_head
+
     path = Path(path)
+    if not (path / CONFIG_NAME).is_file() and is_external_head_dir(path):
+        if target is None:
+            raise MMSpecError(f"'{path}' is an EAGLE head: it is read against its target; pass the target")
+        return load_external_head(path, target)
     cfg = read_head_config(path)
     weights = path / WEIGHTS_NAME
     if not weights.is_file():
