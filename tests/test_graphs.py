@@ -13,8 +13,10 @@ import torch
 from mmspec import SpecDecoder
 from mmspec.errors import MMSpecError
 from mmspec.graphs import StepRunner, graph_mode
+from mmspec.models.base import adapter_for
+from mmspec.tree import tree_attention_mask
 from test_exact_greedy import captions, reference
-from tiny import make_llava, make_prompt, noisy_copy
+from tiny import VOCAB, make_llava, make_prompt, noisy_copy
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -59,6 +61,46 @@ def test_capture_failure_falls_back_to_eager_with_one_warning(target, draft_shar
     msgs = [str(w.message) for w in caught if "CUDA graph" in str(w.message)]
     assert len(msgs) == 2 and "running it eagerly" in msgs[0]  # one per model (target, draft), not per step
     assert all(r.failed for _, r in dec._static_pool.values())
+
+
+@pytest.mark.parametrize("where", ["layers.1", "norm"])
+@torch.inference_mode()
+def test_capture_failing_part_way_leaves_the_cache_as_it_was(target, where):
+    """A REAL capture (emulated on the CPU) that raises part-way: after the first layer wrote
+    ("layers.1": the cursor not yet moved) or after every layer wrote ("norm": the cursor moved
+    too). The eager fallback must start from the cache the attempt found: its logits are the
+    target's, and every layer's length and the device cursor count exactly the new tokens."""
+    adapter = adapter_for(target)
+    cache = adapter.new_cache(64, static=True)
+
+    def forward(ids, pos, mask):
+        return adapter.forward(cache=cache, attention_mask=mask, position_ids=pos, input_ids=ids)
+
+    ids = torch.randint(5, VOCAB, (1, 14), generator=torch.Generator().manual_seed(4))
+    L = 8
+    chain = lambda n: torch.ones(n, n, dtype=torch.bool).tril()
+    forward(ids[:, :L], torch.arange(L)[None], tree_attention_mask(chain(L), 0, 64))  # prefill, eagerly
+    runner = StepRunner(forward, cache, mode="emulate", name="target")
+    armed = {"on": True}
+
+    def fail_once(module, args):
+        if armed.pop("on", False):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    hook = target.model.language_model.get_submodule(where).register_forward_pre_hook(fail_once)
+    try:
+        with pytest.warns(RuntimeWarning, match="running it eagerly"):
+            first = runner(ids=ids[:, L:L + 3], pos=torch.arange(L, L + 3)[None], mask=tree_attention_mask(chain(3), L, 64))
+    finally:
+        hook.remove()
+    assert not armed and runner.failed  # the capture did fail part-way
+    assert cache.length == L + 3 and {layer.length for layer in cache.layers} == {L + 3}
+    assert int(cache.store.cursor) == L + 3
+    second = runner(ids=ids[:, L + 3:L + 6], pos=torch.arange(L + 3, L + 6)[None],
+                    mask=tree_attention_mask(chain(3), L + 3, 64))
+    full = target(input_ids=ids[:, :L + 6]).logits  # [1, L + 6, V]
+    torch.testing.assert_close(torch.cat([first, second], 1), full[:, L:L + 6])
+    assert cache.length == L + 6 and int(cache.store.cursor) == L + 6
 
 
 @cuda

@@ -121,7 +121,7 @@ def split_prompt(input_ids: torch.Tensor, image_token_id: int, tokens_per_image:
     """input_ids [L] with each image expanded to ``tokens_per_image`` image tokens (LLaVA-1.5
     layout). Text pieces are kept on the CPU; the drafter moves the finished rows to its device."""
     input_ids = input_ids.cpu()
-    runs = _runs(input_ids, {image_token_id: "image"})
+    runs = placeholder_runs(input_ids, {image_token_id: "image"})
     counts = []
     for _, kind, n in runs:
         if n % tokens_per_image:
@@ -134,7 +134,7 @@ def split_prompt(input_ids: torch.Tensor, image_token_id: int, tokens_per_image:
     return split_segments(input_ids, {image_token_id: "image"}, counts)
 
 
-def _runs(input_ids: torch.Tensor, placeholders: dict[int, str]) -> list[tuple[int, str, int]]:
+def placeholder_runs(input_ids: torch.Tensor, placeholders: dict[int, str]) -> list[tuple[int, str, int]]:
     """Maximal runs of one placeholder token: (start, kind, length)."""
     out, i, L = [], 0, input_ids.shape[0]
     ids = input_ids.tolist()
@@ -159,7 +159,7 @@ def split_segments(input_ids: torch.Tensor, placeholders: dict[int, str],
     kinds: list[str] = []
     queue = list(counts)
     cursor = 0
-    for start, kind, n in _runs(input_ids, placeholders):
+    for start, kind, n in placeholder_runs(input_ids, placeholders):
         if start > cursor:
             pieces.append(input_ids[cursor:start])
         left = n
