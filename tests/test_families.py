@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mmspec import SpecDecoder
+from mmspec.stats import GenerationStats
 from tiny import make_llama, noisy_copy
 
 V = 96
@@ -318,7 +319,8 @@ def test_llava_15_draft_with_its_own_processor_for_a_llava_next_target(family_mo
         dec = SpecDecoder(target, draft, tok, views=views, tree=tree, draft_processor=make_processor(tok, patch=16),
                           captioner=segment_captions(2))
         res = dec.generate(ids, **mm, attention_mask=enc["attention_mask"], images=images, max_new_tokens=20)
-        assert dec._mm_draft["pixel_values"].shape == (2, 3, 32, 32)  # the draft's own processor's output
+        prepared = dec.mm.encode(dec.mm.layout(ids[0], mm), mm, GenerationStats(gamma=5, views=()), images=images)
+        assert prepared.draft_inputs["pixel_values"].shape == (2, 3, 32, 32)  # the draft's own processor's output
         assert res.token_ids == family_reference(target, ids, mm, 20)
 
 
