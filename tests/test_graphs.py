@@ -6,13 +6,14 @@ bookkeeping with an emulated capture."""
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from mmspec import SpecDecoder
 from mmspec.errors import MMSpecError
-from mmspec.graphs import StepRunner, graph_mode
+from mmspec.graphs import StaticPool, StepRunner, graph_mode
 from mmspec.models.base import adapter_for
 from mmspec.tree import tree_attention_mask
 from test_exact_greedy import captions, reference
@@ -61,6 +62,19 @@ def test_capture_failure_falls_back_to_eager_with_one_warning(target, draft_shar
     msgs = [str(w.message) for w in caught if "CUDA graph" in str(w.message)]
     assert len(msgs) == 2 and "running it eagerly" in msgs[0]  # one per model (target, draft), not per step
     assert all(r.failed for _, r in dec._static_pool.values())
+
+
+def test_static_pool_keeps_one_cache_per_role_rows_and_power_of_two_capacity():
+    made = []
+
+    def get(needed, role="draft", rows=2):
+        return pool.get(role, rows, needed, lambda n: made.append(n) or SimpleNamespace(length=0, max_len=n),
+                        lambda cache: (lambda **inputs: None))
+
+    pool = StaticPool("emulate")
+    a, b, c, d = get(100), get(512), get(513), get(513, rows=3)
+    assert a is b and a[0].max_len == 512 and c[0].max_len == 1024 and d is not c and made == [512, 1024, 1024]
+    assert get(600, role="target") is not c and all(r.mode == "emulate" for _, r in pool.values())
 
 
 @pytest.mark.parametrize("where", ["layers.1", "norm"])

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+from PIL import Image
 
 from mmspec.errors import MMSpecError
 from mmspec.models.base import ModelAdapter
@@ -216,8 +217,6 @@ class MultimodalPrompt:
         normalised pixel inputs (an AnyRes image's base view; a video's middle frame)."""
         if images is not None:
             return list(images)
-        from PIL import Image  # lazily: only the caption view without images= rebuilds pictures
-
         ip = getattr(self.processor, "image_processor", None)
         mean = torch.tensor(getattr(ip, "image_mean", None) or CLIP_MEAN).view(3, 1, 1)
         std = torch.tensor(getattr(ip, "image_std", None) or CLIP_STD).view(3, 1, 1)
