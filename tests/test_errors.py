@@ -698,3 +698,26 @@ def test_more_silently_ignored_or_traceback_constructor_arguments(target, draft_
 def test_max_new_tokens_not_a_whole_number(target, draft_shared, tok, n):
     with pytest.raises(MMSpecError, match="max_new_tokens must be >= 1"):
         SpecDecoder(target, draft_shared, tok).generate(*make_prompt(1, 16), max_new_tokens=n)
+
+
+@pytest.mark.parametrize("kw, msg", [(dict(seed=1.5, temperature=1.0), "seed must be a whole number"),
+                                     (dict(seed="7", temperature=1.0), "seed must be a whole number"),
+                                     (dict(temperature="hot"), "temperature must be a number >= 0"),
+                                     (dict(images=Image.new("RGB", (8, 8))), "images= takes a list of PIL images"),
+                                     (dict(captions="a red square"), "captions= takes a list of strings"),
+                                     (dict(captions=[3]), "captions= takes a list of strings")])
+def test_more_generate_arguments_of_the_wrong_type(target, draft_shared, tok, kw, msg):
+    dec = SpecDecoder(target, draft_shared, tok, views="MC", captioner=FixedCaptioner(["x"]))
+    with pytest.raises(MMSpecError, match=msg):
+        dec.generate(*make_prompt(1, 16), max_new_tokens=4, **kw)
+
+
+def test_pixel_values_without_their_batch_dimension(target, draft_shared, tok):
+    ids, pv = make_prompt(1, 16)
+    with pytest.raises(MMSpecError, match=r"pixel_values must be a tensor \[n_images, 3, H, W\].*got \(3, 32, 32\)"):
+        SpecDecoder(target, draft_shared, tok).generate(ids, pv[0], max_new_tokens=4)
+
+
+def test_draft_processor_that_no_view_reads(target, draft_shared, tok):
+    with pytest.raises(MMSpecError, match="draft_processor= was given but no view reads the draft's images"):
+        SpecDecoder(target, draft_shared, tok, views="T", draft_processor=object())

@@ -48,6 +48,12 @@ def check_head_arguments(views, weights, captioner, draft_processor, substitute)
                               f"token-level draft views only: leave it out (or pass a draft model)")
 
 
+def check_draft_processor_is_read(views) -> None:
+    if not any(v.needs_vision for v in parse_views(views)):
+        raise MMSpecError("draft_processor= was given but no view reads the draft's images (multimodal or pooled); "
+                          "add one (e.g. views='MT') or leave draft_processor out")
+
+
 def check_dtype(dtype, target, draft, head_given: bool) -> None:
     """``dtype`` converts models given as paths; with loaded models it would be ignored."""
     if isinstance(dtype, str) and dtype == "auto":
@@ -235,6 +241,38 @@ def check_max_new_tokens(max_new_tokens) -> int:
     if n is None or isinstance(max_new_tokens, bool) or n < 1:
         raise MMSpecError(f"max_new_tokens must be >= 1 (a whole number), got {max_new_tokens!r}")
     return n
+
+
+def check_seed(seed) -> int | None:
+    if seed is None:
+        return None
+    if not isinstance(seed, bool):
+        try:
+            return operator.index(seed)  # ints, numpy ints; not 1.5 or "7"
+        except TypeError:
+            pass
+    raise MMSpecError(f"seed must be a whole number (or None: a fresh one), got {seed!r}")
+
+
+def check_temperature(temperature) -> float:
+    if isinstance(temperature, (bool, str, bytes)):
+        raise MMSpecError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
+    try:
+        return float(temperature)
+    except (TypeError, ValueError):
+        raise MMSpecError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}") from None
+
+
+def check_images_and_captions(images, captions) -> None:
+    """``images=`` is a list of PIL pictures (one per image or video), never one picture alone;
+    ``captions=`` a list of strings, never one string (it would be read letter by letter)."""
+    if images is not None and (isinstance(images, (str, bytes)) or not isinstance(images, Sequence)):
+        raise MMSpecError(f"images= takes a list of PIL images, one per image (or video) of the prompt in order, "
+                          f"got a {type(images).__name__}; wrap a single one in a list")
+    if captions is not None and (isinstance(captions, str) or not isinstance(captions, Sequence)
+                                 or not all(isinstance(c, str) for c in captions)):
+        raise MMSpecError(f"captions= takes a list of strings, one per image or video in prompt order, got "
+                          f"{captions!r:.80}")
 
 
 def check_video_inputs(target: ModelAdapter, mm: dict, videos, substitutes) -> None:

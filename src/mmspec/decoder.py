@@ -108,6 +108,8 @@ class SpecDecoder:
         head_given = isinstance(draft, FeatureHead) or is_head_dir(draft)
         if head_given:
             checks.check_head_arguments(views, weights, captioner, draft_processor, substitute)
+        elif draft_processor is not None:
+            checks.check_draft_processor_is_read(views)
         acceptance_cfg = AcceptanceConfig.parse(acceptance, relaxed_thresholds, relaxed_window)
         self.gamma = checks.check_gamma(gamma)
         checks.check_dtype(dtype, target, draft, head_given)
@@ -254,13 +256,17 @@ class SpecDecoder:
         mm = self._mm_inputs(pixel_values, unused)
         ids = checks.check_ids(input_ids, attention_mask)  # [L] on CPU
         max_new_tokens = checks.check_max_new_tokens(max_new_tokens)
-        params = SamplingParams(temperature=float(temperature), top_k=top_k, top_p=top_p)
+        params = SamplingParams(temperature=checks.check_temperature(temperature), top_k=top_k, top_p=top_p)
         if self.acceptance is not None and not params.greedy:
             raise MMSpecError("acceptance='relaxed' is defined for greedy decoding only; use temperature=0 "
                               "or the exact (lossless) acceptance for sampling")
         checks.check_video_inputs(self.target, mm, videos, substitutes)
-        seed = None if params.greedy else (int(seed) if seed is not None
-                                           else int.from_bytes(os.urandom(8), "little") >> 1)
+        checks.check_images_and_captions(images, captions)
+        seed = checks.check_seed(seed)
+        if params.greedy:
+            seed = None  # greedy decoding draws nothing
+        elif seed is None:
+            seed = int.from_bytes(os.urandom(8), "little") >> 1
         generator = None if seed is None else _generator(seed, self.target.device)
 
         layout = self.mm.layout(ids, mm)
@@ -297,6 +303,7 @@ class SpecDecoder:
         if self.head is not None:
             raise MMSpecError("new_drafter times token-level drafters; a head drafts inside generate()")
         ids = checks.check_ids(input_ids, None)
+        checks.check_images_and_captions(images, captions)
         mm = {"pixel_values": pixel_values}
         layout = self.mm.layout(ids, mm)
         stats = self._new_stats()

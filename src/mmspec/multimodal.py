@@ -78,6 +78,10 @@ class MultimodalPrompt:
                     and (i == 0 or int(ids[i - 1]) != t))
         if hasattr(self.target, "tokens_per_image") and self.target.placeholders() == {self.target.image_token_id: "image"}:
             layout = split_prompt(ids, self.target.image_token_id, self.target.tokens_per_image)  # LLaVA-1.5 layout
+            if pv is not None and (not isinstance(pv, torch.Tensor) or pv.dim() != 4):
+                shape = tuple(pv.shape) if isinstance(pv, torch.Tensor) else type(pv).__name__
+                raise MMSpecError(f"pixel_values must be a tensor [n_images, 3, H, W] for this target, got {shape}; "
+                                  "pass the processor's pixel_values (one image: add its batch dimension, pv[None])")
             n_pix = 0 if pv is None else int(pv.shape[0])
             if layout.n_images != n_pix:
                 raise MMSpecError(
