@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -30,11 +30,23 @@ from mmspec.heads.model import FeatureHead, check_head_fits, is_head_dir, load_h
 from mmspec.models.base import adapter_for, same_vision
 from mmspec.models.cache import supports_trees
 from mmspec.models.captioner import HFCaptioner
-from mmspec.models.loading import (check_same_vocabulary, compute_dtype, load_model, load_processor,
-                                   load_saved_tokenizer, load_tokenizer, load_tokenizer_if_any)
+from mmspec.models.loading import (
+    check_same_vocabulary,
+    compute_dtype,
+    load_model,
+    load_processor,
+    load_saved_tokenizer,
+    load_tokenizer,
+    load_tokenizer_if_any,
+)
 from mmspec.models.substitute import load_substitute_encoder
 from mmspec.multimodal import EncodedPrompt, MultimodalPrompt, for_prefix
-from mmspec.options import AcceptanceConfig, EngineMode, EngineOptions, RelaxedAcceptance
+from mmspec.options import (
+    AcceptanceConfig,
+    EngineMode,
+    EngineOptions,
+    RelaxedAcceptance,
+)
 from mmspec.stats import GenerationStats
 from mmspec.timing import sync
 from mmspec.tree import parse_tree
@@ -95,7 +107,6 @@ class SpecDecoder:
             directory from ``mmspec train align``) for the substitute view (E): the draft reads
             each video as events (or fewer frames, lower resolution) instead of the frames.
     """
-
 
     def __init__(self, target, draft, tokenizer=None, *, views=("multimodal",), weights=None,
                  captioner=None, gamma: int = 5, processor=None, dtype="auto", draft_tokenizer=None,

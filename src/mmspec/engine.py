@@ -21,18 +21,24 @@ and reads back the tokens and the block records; verification comes back as a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 
 from mmspec.drafter import TreeDrafter
 from mmspec.models.cache import DecodeCache, set_cache_length
-from mmspec.options import EngineOptions, RelaxedAcceptance  # noqa: F401  (RelaxedAcceptance: its old home)
+from mmspec.options import EngineOptions, RelaxedAcceptance
 from mmspec.stats import BlockRecord, GenerationStats
 from mmspec.timing import BlockClock
 from mmspec.tree import DraftTree, tree_attention_mask
-from mmspec.verify import TreeOutcome, logits_to_probs, uniforms, verify_tree_greedy, verify_tree_sampling
+from mmspec.verify import (
+    TreeOutcome,
+    logits_to_probs,
+    uniforms,
+    verify_tree_greedy,
+    verify_tree_sampling,
+)
 
 # target_step(ids [1, N], pos [1, N], mask) -> logits [1, N, V], or (logits, hidden [1, N, F])
 StepFn = Callable[..., object]
@@ -159,7 +165,7 @@ def _on(tree: DraftTree, dev: torch.device) -> DraftTree:
     """The tree with its tensors on the target's device (itself when they are there already)."""
     if tree.tokens.device == dev:
         return tree
-    move = lambda t: None if t is None else t.to(dev)  # noqa: E731
+    move = lambda t: None if t is None else t.to(dev)
     return replace(tree, tokens=move(tree.tokens), parents=move(tree.parents), depth=move(tree.depth),
                    anc=move(tree.anc), fed=move(tree.fed), q=move(tree.q), sampled=move(tree.sampled))
 

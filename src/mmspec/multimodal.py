@@ -12,8 +12,8 @@ encoder); it runs no decoding and knows nothing of caches, trees or acceptance.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from PIL import Image
@@ -23,7 +23,14 @@ from mmspec.models.base import ModelAdapter
 from mmspec.stats import GenerationStats
 from mmspec.substitutes import Substitute, make_substitute
 from mmspec.timing import sync
-from mmspec.views import PromptLayout, View, ViewRow, build_row, split_prompt, split_segments
+from mmspec.views import (
+    PromptLayout,
+    View,
+    ViewRow,
+    build_row,
+    split_prompt,
+    split_segments,
+)
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
