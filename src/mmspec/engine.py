@@ -32,13 +32,7 @@ from mmspec.options import EngineOptions, RelaxedAcceptance
 from mmspec.stats import BlockRecord, GenerationStats
 from mmspec.timing import BlockClock
 from mmspec.tree import DraftTree, tree_attention_mask
-from mmspec.verify import (
-    TreeOutcome,
-    logits_to_probs,
-    uniforms,
-    verify_tree_greedy,
-    verify_tree_sampling,
-)
+from mmspec.verify import TreeOutcome, logits_to_probs, uniforms, verify_tree_greedy, verify_tree_sampling
 
 # target_step(ids [1, N], pos [1, N], mask) -> logits [1, N, V], or (logits, hidden [1, N, F])
 StepFn = Callable[..., object]
