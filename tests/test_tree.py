@@ -300,7 +300,7 @@ def test_relaxed_acceptance_is_opt_in_named_lossy_and_accepts_more(tok):
 
 
 def test_relaxed_thresholds_follow_the_modality_of_the_context():
-    from mmspec.engine import RelaxedAcceptance
+    from mmspec.options import RelaxedAcceptance
 
     r = RelaxedAcceptance(vision=0.6, text=0.4, window=10, last_image_pos=20)
     assert r.threshold(25) == 0.6 and r.threshold(31) == 0.4

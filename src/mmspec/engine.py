@@ -28,7 +28,7 @@ import torch
 
 from mmspec.drafter import TreeDrafter
 from mmspec.models.cache import DecodeCache, set_cache_length
-from mmspec.options import EngineOptions, RelaxedAcceptance
+from mmspec.options import EngineOptions
 from mmspec.stats import BlockRecord, GenerationStats
 from mmspec.timing import BlockClock
 from mmspec.tree import DraftTree, tree_attention_mask
@@ -159,7 +159,10 @@ def _on(tree: DraftTree, dev: torch.device) -> DraftTree:
     """The tree with its tensors on the target's device (itself when they are there already)."""
     if tree.tokens.device == dev:
         return tree
-    move = lambda t: None if t is None else t.to(dev)
+
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(dev)
+
     return replace(tree, tokens=move(tree.tokens), parents=move(tree.parents), depth=move(tree.depth),
                    anc=move(tree.anc), fed=move(tree.fed), q=move(tree.q), sampled=move(tree.sampled))
 

@@ -69,7 +69,7 @@ class StepRunner:
             t0 = time.perf_counter()
             try:
                 g = self._capture(inputs)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - any capture failure: say it once, run eagerly
                 self.failed = f"{type(e).__name__}: {str(e)[:200]}"
                 warnings.warn(f"mmspec: could not capture the {self.name}'s decode step as a CUDA graph "
                               f"({self.failed}); running it eagerly instead (same tokens, slower)",
