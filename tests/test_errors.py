@@ -721,3 +721,42 @@ def test_pixel_values_without_their_batch_dimension(target, draft_shared, tok):
 def test_draft_processor_that_no_view_reads(target, draft_shared, tok):
     with pytest.raises(MMSpecError, match="draft_processor= was given but no view reads the draft's images"):
         SpecDecoder(target, draft_shared, tok, views="T", draft_processor=object())
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(views=None), "views must be view names or letters"), (dict(views=3), "views must be view names or letters"),
+    (dict(tree_children="x"), r"tree_children must be one of \('mixture', 'views'\)"),
+    (dict(tree="dynamic", tree_budget=0), "tree_budget must be a whole number >= 1"),
+    (dict(tree="dynamic", tree_depth=2.5), "tree_depth must be a whole number >= 1"),
+    (dict(tree_topk=4), "tree_topk do\\(es\\) not apply to a chain tree"),
+    (dict(tree_children="views"), "tree_children do\\(es\\) not apply to a chain tree"),
+    (dict(tree="dynamic", stop_below=0.5), "stop_below do\\(es\\) not apply to a dynamic tree"),
+    (dict(tree=[[0], [1]], tree_depth=3), "tree_depth do\\(es\\) not apply to a static tree"),
+])
+def test_tree_and_view_keywords_that_would_be_ignored_or_crash(target, draft_shared, tok, kw, msg):
+    with pytest.raises(MMSpecError, match=msg):
+        SpecDecoder(target, draft_shared, tok, **kw)
+
+
+def test_tree_keywords_that_apply_are_accepted(target, draft_shared, tok):
+    SpecDecoder(target, draft_shared, tok, tree="dynamic", tree_depth=2, tree_topk=2, tree_budget=3, tree_children="views")
+    SpecDecoder(target, draft_shared, tok, stop_below=0.3)
+    SpecDecoder(target, draft_shared, tok, tree=[[0], [1]], tree_children="views")
+
+
+def test_prompt_ids_and_pixels_the_target_cannot_read(target, draft_shared, tok):
+    ids, pv = make_prompt(1, 16)
+    dec = SpecDecoder(target, draft_shared, tok)
+    far = ids.clone()
+    far[0, -1] = VOCAB + 7
+    for bad_ids, msg in ((far, f"input_ids holds the id {VOCAB + 7}, outside the target's vocabulary of {VOCAB}"),
+                         (-ids, "outside the target's vocabulary"),
+                         ("hello", "input_ids must be token ids"), (ids.float(), "input_ids must be token ids")):
+        with pytest.raises(MMSpecError, match=msg):
+            dec.generate(bad_ids, pv, max_new_tokens=4)
+    for bad_pv, shape in ((pv[:, :1], "1 x 32 x 32"), (torch.randn(1, 3, 64, 64, dtype=torch.float64), "3 x 64 x 64")):
+        with pytest.raises(MMSpecError, match=f"pixel_values holds images of {shape} but this target's vision tower "
+                                              "reads 3 x 32 x 32"):
+            dec.generate(ids, bad_pv, max_new_tokens=4)
+    with pytest.raises(MMSpecError, match=r"image_sizes given, but the target's family \(llava, .*\) does not read it"):
+        dec.generate(ids, pv, image_sizes=torch.tensor([[32, 32]]), max_new_tokens=4)

@@ -17,7 +17,7 @@ import torch
 from mmspec.errors import MMSpecError
 from mmspec.models.base import ModelAdapter, video_families
 from mmspec.models.pooling import valid_pool_sizes
-from mmspec.tree import TreeSpec
+from mmspec.tree import CHILDREN, TreeSpec
 from mmspec.views import View, parse_views
 
 DEFAULT_VIEWS = ("multimodal",)
@@ -68,6 +68,35 @@ def check_gamma(gamma) -> int:
     if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
         raise MMSpecError(f"gamma must be a whole number >= 1, got {gamma!r}")
     return gamma
+
+
+# the tree keywords each tree kind reads (the rest would be silently ignored)
+TREE_KEYWORDS = {"chain": {"stop_below"}, "dynamic": {"tree_depth", "tree_topk", "tree_budget", "tree_children"},
+                 "static": {"tree_children"}}
+
+
+def check_tree_arguments(depth, topk, budget, children) -> None:
+    """Before the tree is parsed: ``tree_children`` is a known rule and the dynamic tree's sizes
+    are whole numbers >= 1 (a 0 would silently mean "the default")."""
+    if children not in CHILDREN:
+        raise MMSpecError(f"tree_children must be one of {CHILDREN}, got {children!r}")
+    for name, v in (("tree_depth", depth), ("tree_topk", topk), ("tree_budget", budget)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise MMSpecError(f"{name} must be a whole number >= 1 (or None: the measured default), got {v!r}")
+
+
+def check_tree_keywords_apply(spec: TreeSpec, depth, topk, budget, children, stop_below, given_spec: bool) -> None:
+    """Tree keywords the parsed tree does not read would be silently ignored: refused."""
+    given = {name for name, v in (("tree_depth", depth), ("tree_topk", topk), ("tree_budget", budget),
+                                  ("stop_below", stop_below)) if v is not None}
+    if children != "mixture":
+        given.add("tree_children")
+    ignored = sorted(given if given_spec else given - TREE_KEYWORDS.get(spec.kind, set()))
+    if ignored:
+        what = "a TreeSpec given whole" if given_spec else f"a {spec.kind} tree"
+        raise MMSpecError(f"{', '.join(ignored)} do(es) not apply to {what}: tree_depth / tree_topk / tree_budget "
+                          "shape tree='dynamic', tree_children a dynamic or static tree, stop_below a chain; "
+                          "leave them out or pick the tree they shape")
 
 
 # ---------------------------------------------------------------------- once the models are known
@@ -206,7 +235,13 @@ def check_generation_config(model) -> None:
 # ---------------------------------------------------------------------- per generate() call
 def check_ids(input_ids, attention_mask) -> torch.Tensor:
     """-> the prompt [L] long on the CPU, left padding removed."""
-    ids = torch.as_tensor(input_ids)
+    try:
+        ids = torch.as_tensor(input_ids)
+    except (TypeError, ValueError, RuntimeError):
+        ids = None
+    if ids is None or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise MMSpecError(f"input_ids must be token ids (an integer tensor or list of ints from the processor), "
+                          f"got {type(input_ids).__name__}{'' if ids is None else ' of ' + str(ids.dtype)}")
     if ids.dim() == 2:
         if ids.shape[0] != 1:
             raise MMSpecError(
@@ -231,6 +266,15 @@ def check_ids(input_ids, attention_mask) -> torch.Tensor:
         raise MMSpecError(f"the prompt has {ids.shape[0]} token; speculative decoding needs at least 2 "
                           "(build it with the processor: the bos token, the chat template and the text)")
     return ids.long().cpu()
+
+
+def check_ids_in_vocab(ids: torch.Tensor, vocab: int) -> None:
+    """Every prompt id must be one the target embeds (an id past it fails deep inside the model)."""
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab:
+        bad = lo if lo < 0 else hi
+        raise MMSpecError(f"input_ids holds the id {bad}, outside the target's vocabulary of {vocab} tokens "
+                          "(0..{}); build the prompt with the target's own tokenizer or processor".format(vocab - 1))
 
 
 def check_max_new_tokens(max_new_tokens) -> int:
@@ -276,13 +320,18 @@ def check_images_and_captions(images, captions) -> None:
 
 
 def check_video_inputs(target: ModelAdapter, mm: dict, videos, substitutes) -> None:
-    """Video inputs given to a target whose family reads images only would be silently ignored."""
-    if target.video_token_id is not None:
-        return
-    given = [k for k in VIDEO_INPUTS if mm.get(k) is not None]
-    given += [name for name, v in (("videos", videos), ("substitutes", substitutes)) if v is not None]
-    if given:
-        family = f"{target.model.config.model_type}, {type(target.model).__name__}"
-        raise MMSpecError(f"{', '.join(given)} given, but the target ({family}) reads images only: its prompts "
-                          f"have no video slots. Video families: {', '.join(video_families())}; pass one of "
-                          "them as the target, or give the video's frames as images")
+    """Inputs the target's family does not read would be silently ignored: video inputs given to
+    a family that reads images only, or another family's processor outputs (``image_sizes`` for
+    LLaVA-1.5, ...)."""
+    family = f"{target.model.config.model_type}, {type(target.model).__name__}"
+    if target.video_token_id is None:
+        given = [k for k in VIDEO_INPUTS if mm.get(k) is not None]
+        given += [name for name, v in (("videos", videos), ("substitutes", substitutes)) if v is not None]
+        if given:
+            raise MMSpecError(f"{', '.join(given)} given, but the target ({family}) reads images only: its prompts "
+                              f"have no video slots. Video families: {', '.join(video_families())}; pass one of "
+                              "them as the target, or give the video's frames as images")
+    unread = sorted(k for k, v in mm.items() if v is not None and k != "pixel_values" and k not in target.mm_keys)
+    if unread:
+        raise MMSpecError(f"{', '.join(unread)} given, but the target's family ({family}) does not read it; it reads "
+                          f"{', '.join(target.mm_keys)}: pass that family's processor output (or drop the rest)")

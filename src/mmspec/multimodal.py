@@ -82,6 +82,12 @@ class MultimodalPrompt:
                 shape = tuple(pv.shape) if isinstance(pv, torch.Tensor) else type(pv).__name__
                 raise MMSpecError(f"pixel_values must be a tensor [n_images, 3, H, W] for this target, got {shape}; "
                                   "pass the processor's pixel_values (one image: add its batch dimension, pv[None])")
+            vc = self.target.model.config.vision_config
+            want = (getattr(vc, "num_channels", 3), vc.image_size, vc.image_size)
+            if pv is not None and tuple(pv.shape[1:]) != want:
+                raise MMSpecError(f"pixel_values holds images of {' x '.join(map(str, pv.shape[1:]))} but this target's "
+                                  f"vision tower reads {' x '.join(map(str, want))} (channels x height x width); "
+                                  "pass the target's own processor's pixel_values")
             n_pix = 0 if pv is None else int(pv.shape[0])
             if layout.n_images != n_pix:
                 raise MMSpecError(

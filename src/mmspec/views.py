@@ -15,8 +15,8 @@ the :mod:`mmspec.drafter` batches the rows.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 
@@ -72,6 +72,9 @@ def _parse_one(token: str) -> list[View]:
 
 def parse_views(spec: str | Iterable[str]) -> list[View]:
     """'MTC' | 'multimodal' | 'pooled:36' | ['M', 'text', 'pooled:9'] -> [View, ...]."""
+    if not isinstance(spec, str) and not (isinstance(spec, Iterable) and all(isinstance(x, str) for x in spec)):
+        raise MMSpecError(f"views must be view names or letters (e.g. 'MTC', 'multimodal' or ['M', 'pooled:36']), "
+                          f"got {spec!r}")
     items = [spec] if isinstance(spec, str) else list(spec)
     views: list[View] = []
     for item in items:
