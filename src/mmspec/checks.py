@@ -56,7 +56,7 @@ def check_draft_processor_is_read(views) -> None:
 
 def check_dtype(dtype, target, draft, head_given: bool) -> None:
     """``dtype`` converts models given as paths; with loaded models it would be ignored."""
-    if isinstance(dtype, str) and dtype == "auto":
+    if dtype is None or (isinstance(dtype, str) and dtype == "auto"):
         return
     if not (is_path(target) or (is_path(draft) and not head_given)):
         raise MMSpecError(f"dtype={dtype!r} applies to models given as paths (it loads them in that dtype), but "
