@@ -60,8 +60,9 @@ class SpecDecoder:
     Args:
         target, draft: loaded HF models, or local directories / hub ids. The draft may also be a
             feature-level head (:mod:`mmspec.heads`: a ``FeatureHead`` or a directory saved by
-            ``mmspec train head``), which drafts from the target's own hidden states; ``views``
-            and ``weights`` do not apply to it.
+            ``mmspec train head``), which drafts from the target's own hidden states alone:
+            ``views`` (other than the default), ``weights``, ``captioner``, ``draft_processor``
+            and ``substitute`` do not apply to it and are refused.
         tokenizer: the target's tokenizer (or a path); the draft must share its vocabulary.
         draft_tokenizer: the draft's own tokenizer (or a path), compared id by id with the
             target's base vocabulary; by default the one saved with a draft given as a path, if
@@ -86,7 +87,8 @@ class SpecDecoder:
             relaxed acceptance: a drafted token is also accepted when the target's probability of
             it reaches ``relaxed_thresholds[0]`` (blocks within ``relaxed_window`` positions
             after the prompt's last image) or ``[1]`` (elsewhere). Greedy only; the output is no
-            longer the target's: benchmarks report how often it still is.
+            longer the target's: benchmarks report how often it still is. ``relaxed_thresholds``
+            and ``relaxed_window`` are refused with the exact acceptance.
         processor: the target's processor; only used to turn pixel_values back into images
             for the captioner when ``images=`` is not passed to :meth:`generate`.
         draft_processor: a draft of another family than the target (same tokenizer) reads the
