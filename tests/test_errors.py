@@ -729,13 +729,14 @@ def test_draft_processor_that_no_view_reads(target, draft_shared, tok):
 
 @pytest.mark.parametrize("kw, msg", [
     (dict(views=None), "views must be view names or letters"), (dict(views=3), "views must be view names or letters"),
-    (dict(tree_children="x"), r"tree_children must be one of \('mixture', 'views'\)"),
+    (dict(tree_children="x"), "tree_children 'x' shapes a tree's children; a chain has one per node"),
+    (dict(tree="dynamic", tree_children="x"), r"tree children must be one of \('mixture', 'views'\)"),
     (dict(tree="dynamic", tree_budget=0), "tree_budget must be a whole number >= 1"),
     (dict(tree="dynamic", tree_depth=2.5), "tree_depth must be a whole number >= 1"),
-    (dict(tree_topk=4), "tree_topk do\\(es\\) not apply to a chain tree"),
-    (dict(tree_children="views"), "tree_children do\\(es\\) not apply to a chain tree"),
-    (dict(tree="dynamic", stop_below=0.5), "stop_below do\\(es\\) not apply to a dynamic tree"),
-    (dict(tree=[[0], [1]], tree_depth=3), "tree_depth do\\(es\\) not apply to a static tree"),
+    (dict(tree_topk=4), "tree_topk needs tree='dynamic'"),
+    (dict(tree_children="views"), "tree_children 'views' shapes a tree's children; a chain has one per node"),
+    (dict(tree="dynamic", stop_below=0.5), "stop_below .dynamic draft length. applies to chains only"),
+    (dict(tree=[[0], [1]], tree_depth=3), "a static tree's paths fix its shape: drop tree_depth"),
 ])
 def test_tree_and_view_keywords_that_would_be_ignored_or_crash(target, draft_shared, tok, kw, msg):
     with pytest.raises(MMSpecError, match=msg):

@@ -17,7 +17,7 @@ import torch
 from mmspec.errors import MMSpecError
 from mmspec.models.base import ModelAdapter, video_families
 from mmspec.models.pooling import valid_pool_sizes
-from mmspec.tree import CHILDREN, TreeSpec
+from mmspec.tree import TreeSpec
 from mmspec.views import View, parse_views
 
 DEFAULT_VIEWS = ("multimodal",)
@@ -71,34 +71,6 @@ def check_gamma(gamma) -> int:
 
 
 # the tree keywords each tree kind reads (the rest would be silently ignored)
-TREE_KEYWORDS = {"chain": {"stop_below"}, "dynamic": {"tree_depth", "tree_topk", "tree_budget", "tree_children"},
-                 "static": {"tree_children"}}
-
-
-def check_tree_arguments(depth, topk, budget, children) -> None:
-    """Before the tree is parsed: ``tree_children`` is a known rule and the dynamic tree's sizes
-    are whole numbers >= 1 (a 0 would silently mean "the default")."""
-    if children not in CHILDREN:
-        raise MMSpecError(f"tree_children must be one of {CHILDREN}, got {children!r}")
-    for name, v in (("tree_depth", depth), ("tree_topk", topk), ("tree_budget", budget)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise MMSpecError(f"{name} must be a whole number >= 1 (or None: the measured default), got {v!r}")
-
-
-def check_tree_keywords_apply(spec: TreeSpec, depth, topk, budget, children, stop_below, given_spec: bool) -> None:
-    """Tree keywords the parsed tree does not read would be silently ignored: refused."""
-    given = {name for name, v in (("tree_depth", depth), ("tree_topk", topk), ("tree_budget", budget),
-                                  ("stop_below", stop_below)) if v is not None}
-    if children != "mixture":
-        given.add("tree_children")
-    ignored = sorted(given if given_spec else given - TREE_KEYWORDS.get(spec.kind, set()))
-    if ignored:
-        what = "a TreeSpec given whole" if given_spec else f"a {spec.kind} tree"
-        raise MMSpecError(f"{', '.join(ignored)} do(es) not apply to {what}: tree_depth / tree_topk / tree_budget "
-                          "shape tree='dynamic', tree_children a dynamic or static tree, stop_below a chain; "
-                          "leave them out or pick the tree they shape")
-
-
 # ---------------------------------------------------------------------- once the models are known
 def check_tree_fits_vocab(tree: TreeSpec, vocab: int) -> None:
     """A static tree's child ranks (or a dynamic tree's top-k) must be below the vocabulary size:

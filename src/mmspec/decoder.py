@@ -37,7 +37,7 @@ from mmspec.multimodal import EncodedPrompt, MultimodalPrompt, for_prefix
 from mmspec.options import AcceptanceConfig, EngineMode, EngineOptions, RelaxedAcceptance
 from mmspec.stats import GenerationStats
 from mmspec.timing import sync
-from mmspec.tree import TreeSpec, parse_tree
+from mmspec.tree import parse_tree
 from mmspec.verify import SamplingParams
 from mmspec.views import View, ViewRow, ensemble_name, parse_views
 
@@ -112,7 +112,6 @@ class SpecDecoder:
         elif draft_processor is not None:
             checks.check_draft_processor_is_read(views)
         acceptance_cfg = AcceptanceConfig.parse(acceptance, relaxed_thresholds, relaxed_window)
-        checks.check_tree_arguments(tree_depth, tree_topk, tree_budget, tree_children)
         self.gamma = checks.check_gamma(gamma)
         checks.check_dtype(dtype, target, draft, head_given)
         dtype = compute_dtype(dtype, "cpu")  # models given as paths load on the CPU: "auto" means float32 there
@@ -159,8 +158,6 @@ class SpecDecoder:
                               "(the draft may be text-only)")
         self.tree = parse_tree(tree, gamma=gamma, device_type=self.target.device.type, depth=tree_depth,
                                topk=tree_topk, budget=tree_budget, children=tree_children, stop_below=stop_below)
-        checks.check_tree_keywords_apply(self.tree, tree_depth, tree_topk, tree_budget, tree_children, stop_below,
-                                         given_spec=isinstance(tree, TreeSpec))
         draft_vocab = self.target.vocab_size if self.draft is None else self.draft.vocab_size
         checks.check_tree_fits_vocab(self.tree, min(self.target.vocab_size, draft_vocab))
         self.mode = self._engine_mode(cuda_graphs, static_cache)
