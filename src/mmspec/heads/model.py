@@ -10,7 +10,7 @@ Three variants (``HeadConfig.variant``):
   fused by one linear layer; scored with the target's frozen LM head.
 * ``eagle3`` (EAGLE-3): a low, a middle and a high layer of the target fused into one feature
   (then as eagle); its own LM head over a draft vocabulary with a draft -> target id map; trained
-  with training-time test (it learns from its own predicted features: :mod:`mmspec.heads.train`).
+  with training-time test (it learns from its own predicted features: :mod:`mmspec.train.head`).
 * ``msd`` (MSD, decoupled modality): as eagle, but at positions whose token is an image
   placeholder the head reads the target's feature alone (the placeholder's embedding carries
   nothing), through a projection of its own; trained text-first, then multimodal.
