@@ -130,4 +130,4 @@ def check_head_options(cfg: HeadTrainConfig, target: Path, data: str, image_dir:
     out = Path(cfg.out)
     check_out(out)
     if cfg.resume:
-        read_checkpoint(out / CHECKPOINT, head_settings(cfg), cfg.steps, cfg.minutes, f"a {cfg.variant} head")
+        read_checkpoint(out / CHECKPOINT, head_settings(cfg), cfg.steps, cfg.minutes, f"the {cfg.variant} head")
