@@ -393,3 +393,39 @@ def test_the_video_pairs_processor(tmp_path, monkeypatch):
     x = got(text=s.prompt, videos=[[s.frames[i] for i in idx]], return_tensors="pt")
     assert torch.equal(x["input_ids"][0], want["input_ids"])
     torch.testing.assert_close(x["pixel_values_videos"], want["pixel_values_videos"])
+
+
+def test_train_embedded_ctrl_c_keeps_the_finished_stages_and_resumes(tmp_path, monkeypatch):
+    """An interrupted pack keeps each stage's checkpoint; the rerun restores the finished stages
+    (nothing trained again), resumes the interrupted one, and clears out/checkpoints when done."""
+    import mmspec.train.recipe as recipe
+    from mmspec.train.config import RecipeConfig, StageConfig
+    from mmspec.train.pack import run_pack
+
+    tiny = lambda name, trainable, **kw: StageConfig(name, trainable, lr=1e-3, steps=2, batch_size=2, **kw)  # noqa: E731
+    cfg = RecipeConfig(target_size="tiny", draft_size="tiny-draft", captioner_size="tiny-draft",
+                       n_train_per_family=1, n_eval_per_family=1, distill_per_family=0, max_answer_tokens=8,
+                       autocast_bf16=False, target_stages=(tiny("target-stage0", "all"),),
+                       draft_stages=(tiny("draft-stage1", "projector"),),
+                       pooled_stage=tiny("draft-pooled", "projector+lm", pooled_tokens=16),
+                       captioner_stages=(tiny("captioner-stage1", "projector"),))
+    real, calls = recipe.batch_loss, []
+
+    def interrupted(model, batch, *a, **k):
+        if model.training:
+            calls.append(1)
+            if len(calls) == 4:  # the draft's second step
+                raise KeyboardInterrupt
+        return real(model, batch, *a, **k)
+
+    out = tmp_path / "pack"
+    monkeypatch.setattr(recipe, "batch_loss", interrupted)
+    with pytest.raises(TrainingInterrupted, match="draft-stage1 kept step 1 of 2"):
+        run_pack(cfg, out, progress=False, log=lambda s: None)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["draft-stage1.pt", "target-stage0.pt"]
+    monkeypatch.setattr(recipe, "batch_loss", real)
+    logs = []
+    run_pack(cfg, out, progress=False, log=logs.append)
+    assert any("target-stage0" in x and "finished already" in x for x in logs), logs
+    assert any("resuming draft-stage1" in x and "at step 1 of 2" in x for x in logs), logs
+    assert not (out / "checkpoints").exists() and (out / "captioner" / "config.json").exists()
