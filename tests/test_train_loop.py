@@ -240,7 +240,12 @@ BAD = [
     (["train", "align", "--draft", "{D}", "--families", "chartqa"], r"unknown video family 'chartqa'"),
     # train stage / embedded
     (["train", "stage", "--size", "tiny", "--threads", "0"], r"--threads must be >= 1"),
+    (["train", "stage", "--size", "tiny", "--pooled-tokens", "0"], r"--pooled-tokens must be a whole number >= 1"),
+    (["train", "stage", "--size", "tiny", "--device", "gpu"], r"--device 'gpu' is not a device"),
     (["train", "embedded", "--threads", "0"], r"--threads must be >= 1"),
+    (["train", "embedded", "--steps-scale", "0"], r"--steps-scale must be a finite number > 0"),
+    (["train", "embedded", "--n-train-per-family", "0"], r"--n-train-per-family must be a whole number >= 1"),
+    (["train", "embedded", "--device", "gpu"], r"--device 'gpu' is not a device"),
 ]
 
 

@@ -34,7 +34,8 @@ from mmspec.train.checkpoint import save_checkpoint
 from mmspec.train.config import RecipeConfig, StageConfig, build_llava, model_size, param_report
 from mmspec.train.data import (CAPTIONER_PROMPT, Batch, Encoder, Example, batch_stream,
                                caption_examples, example_from_sample, fixed_batches, mix_in_captions)
-from mmspec.train.recipe import eval_loss, fact_recall, train_stage
+from mmspec.train.loop import read_checkpoint
+from mmspec.train.recipe import eval_loss, fact_recall, stage_settings, train_stage
 
 # Share of the wall-clock budget per stage (the rest is data, evaluation and saving; the target's
 # answers for distillation are counted by samples, not minutes, and come on top: about 2 minutes
@@ -177,9 +178,14 @@ def run_pack(recipe: RecipeConfig, out: str | Path, minutes_budget: float | None
     restored from their checkpoints instead of trained again); the folder goes when the pack is done."""
     if minutes_budget is not None:
         recipe = with_budget(recipe, minutes_budget)
+    out = Path(out)
+    if resume:  # an interrupted run's checkpoints must match this recipe: refused before any work
+        for stage in (*recipe.target_stages, *recipe.draft_stages, recipe.pooled_stage, *recipe.captioner_stages):
+            read_checkpoint(out / CHECKPOINTS / f"{stage.name}.pt", {**stage_settings(stage), **recipe_settings(recipe)},
+                            stage.steps, None if stage.max_seconds is None else stage.max_seconds / 60,
+                            f"stage {stage.name}")
     if recipe.threads:
         apply_threads(recipe.threads)
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     run = _Run(recipe, out, log, progress, resume)
     t_start = time.perf_counter()

@@ -68,6 +68,30 @@ def check_threads(threads: Optional[int]) -> None:
                           "per process")
 
 
+def check_device(device: str) -> None:
+    """``--device``: cpu, cuda or cuda:N that this torch can use."""
+    import torch
+
+    from mmspec.errors import MMSpecError
+
+    if device == "cpu":
+        return
+    if not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
+        raise MMSpecError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise MMSpecError(f"--device {device}: this torch sees no CUDA device; use --device cpu")
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        raise MMSpecError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
+def check_count(value, option: str, least: int = 1) -> None:
+    """A whole-number option that must be >= ``least``."""
+    from mmspec.errors import MMSpecError
+
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise MMSpecError(f"{option} must be a whole number >= {least}, got {value!r}")
+
+
 def check_model_dir(path: Optional[Path], option: str, what: str = "a model") -> None:
     """``path`` must be a model directory (config.json): refused otherwise, before anything loads."""
     from mmspec.errors import MMSpecError

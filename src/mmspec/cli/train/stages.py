@@ -15,7 +15,8 @@ import typer
 
 from mmspec.cli.common import set_threads
 from mmspec.cli.train.common import (_BF16, _MINUTES, _STEPS, _default_steps, _parse_family_samples,
-                                    _require_model_dir, check_out, check_threads, training_errors)
+                                    _require_model_dir, check_count, check_device, check_out, check_threads,
+                                    training_errors)
 
 
 def embedded(
@@ -36,12 +37,25 @@ def embedded(
 ) -> None:
     """Make a pack of the shipped shapes from nothing.
 
-    Tokenizer -> target stage 0/1/2 -> the target's answers -> draft 1/2 -> pooled draft -> captioner."""
+    Tokenizer -> target stage 0/1/2 -> the target's answers -> draft 1/2 -> pooled draft -> captioner.
+    Ctrl-C keeps each stage's finished steps (OUT/checkpoints/); the same command resumes them."""
+    import math
+
     from mmspec.embedded import default_path
     from mmspec.errors import MMSpecError
     from mmspec.train.config import RecipeConfig
     from mmspec.train.pack import run_pack, with_budget
 
+    with training_errors():
+        check_threads(threads)
+        check_device(device)
+        check_count(n_train_per_family, "--n-train-per-family")
+        check_count(distill_per_family, "--distill-per-family", 0)
+        if not (math.isfinite(steps_scale) and steps_scale > 0):
+            raise MMSpecError(f"--steps-scale must be a finite number > 0, got {steps_scale}")
+        if minutes_budget is not None and not (math.isfinite(minutes_budget) and minutes_budget > 0):
+            raise MMSpecError(f"--minutes-budget must be a finite number > 0 (a time budget), got {minutes_budget}")
+        check_out(out or default_path())
     try:
         recipe = RecipeConfig(seed=seed, device=device, threads=threads, autocast_bf16=bf16,
                               n_train_per_family=n_train_per_family,
@@ -54,8 +68,6 @@ def embedded(
         except MMSpecError as exc:
             raise typer.BadParameter(str(exc), param_hint="--minutes-budget") from exc
     with training_errors():
-        check_threads(threads)
-        check_out(out or default_path())
         run_pack(recipe, out or default_path(), minutes_budget=minutes_budget, progress=not quiet, resume=not fresh)
 
 
@@ -159,6 +171,10 @@ def stage(
                 "answers": str(answers) if answers else None}
     with training_errors():
         check_threads(threads)
+        check_device(device)
+        check_count(n_train_per_family, "--n-train-per-family", 0)
+        if pooled_tokens is not None:
+            check_count(pooled_tokens, "--pooled-tokens")
         check_out(out)
         if init is None:
             model_size(size)
