@@ -434,3 +434,30 @@ def test_train_embedded_ctrl_c_keeps_the_finished_stages_and_resumes(tmp_path, m
     assert any("target-stage0" in x and "finished already" in x for x in logs), logs
     assert any("resuming draft-stage1" in x and "at step 1 of 2" in x for x in logs), logs
     assert not (out / "checkpoints").exists() and (out / "captioner" / "config.json").exists()
+
+
+def test_a_real_sigint_during_a_save_waits_for_the_save(tmp_path):
+    """Ctrl-C (a real SIGINT) that lands while a checkpoint is written is held until the file
+    is whole, then raised; one that lands in a step stops training with the steps kept."""
+    import os
+    import signal
+
+    path = tmp_path / "ck.pt"
+
+    def save(tmp):
+        os.kill(os.getpid(), signal.SIGINT)  # delivered now, acted on after the save
+        torch.save({"step": 2}, tmp)
+
+    with pytest.raises(KeyboardInterrupt):
+        write_atomically(path, save)
+    assert torch.load(path, weights_only=False) == {"step": 2}
+
+    def signalled(model, info):
+        if info.step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return _step(model, info)
+
+    cfg = FitConfig(label="toy", steps=6, lr=0.05, checkpoint=tmp_path / "real.pt", progress=False)
+    with pytest.raises(TrainingInterrupted) as e:
+        fit(_toy(), signalled, cfg, log=lambda s: None)
+    assert e.value.step in (2, 3) and torch.load(tmp_path / "real.pt", weights_only=False)["step"] == e.value.step
