@@ -192,8 +192,9 @@ def test_train_head_resume_refuses_other_settings(tmp_path):
 def test_msd_text_stage_is_a_share_of_the_time_budget_when_it_ends_training(target, tmp_path):
     """A --minutes budget that ends training long before --steps: the text-only stage takes its
     share of the budget (it used to be a third of --steps, so the run never saw an image)."""
-    from mmspec.train.head import HeadTrainConfig, Sequence_, train_head
     from tiny import IMG, make_prompt
+
+    from mmspec.train.head import HeadTrainConfig, Sequence_, train_head
 
     seqs = []
     for i in range(4):
@@ -332,9 +333,9 @@ def test_train_align_ctrl_c_and_resume(tmp_path, monkeypatch):
 
 
 def test_train_video_ctrl_c_resumes_and_labels_each_role(tmp_path, monkeypatch):
-    import mmspec.train.video as tv
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
+    import mmspec.train.video as tv
     from mmspec.train.video import VideoTrainConfig, build_video_llava, clip_inputs, train_video
     from mmspec.world import make_video_sample
 
@@ -378,9 +379,9 @@ def test_the_video_pairs_processor(tmp_path, monkeypatch):
     """With torchvision, the pair's saved processor is Video-LLaVA's: AutoProcessor gives one whose
     ``videos=`` makes what clip_inputs makes; without it, a one-line error names torchvision and
     clip_inputs stays the way in."""
-    import mmspec.train.video as tv
     from transformers import AutoProcessor
 
+    import mmspec.train.video as tv
     from mmspec.world import make_video_sample
     from mmspec.world.tokenizer import add_video_token
 

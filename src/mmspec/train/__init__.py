@@ -16,6 +16,6 @@ Modules (each docstring says what it owns):
 - ``video``      the embedded Video-LLaVA pair (``train video``)
 
 The command line is :mod:`mmspec.cli.train`. Nothing is imported here, so ``import mmspec.train``
-stays cheap. ``train`` may use ``bench`` (its JSONL store and metrics); the decoder side (``models/``, ``embedded.py``) and ``bench``
-never import ``train``.
+stays cheap. ``train`` may use ``bench`` (its JSONL store and metrics); the decoder side
+(``models/``, ``embedded.py``) and ``bench`` never import ``train``.
 """

@@ -2,8 +2,8 @@
 makes of a video's stand-in (events, fewer frames, lower resolution) looks, to the draft, like
 what the draft makes of the real frames.
 
-Owns the alignment targets and the loss; the loop is :func:`mmspec.train.loop.fit`. Target of clip c: the draft's own features of
-its frames, pooled to ``n_tokens`` (its P-view pooling of the video when the draft reads videos;
+Owns the alignment targets and the loss; the loop is :func:`mmspec.train.loop.fit`. Target of
+clip c: the draft's own features of its frames, pooled to ``n_tokens`` (its P-view pooling of the video when the draft reads videos;
 for a draft that reads images, each frame's pooled features averaged over the frames). Loss:
 mean squared error plus (1 - cosine similarity), per token. Data: the world's video clips
 (train split; :func:`mmspec.world.make_video_sample`), or any frames the caller passes.

@@ -41,8 +41,7 @@ import torch.nn.functional as F
 
 from mmspec.errors import MMSpecError
 from mmspec.heads.model import VARIANTS, FeatureHead, build_head
-from mmspec.train.loop import (FitConfig, FitResult, StepInfo, TrainingInterrupted, fit, fmt_loss,
-                               write_atomically)
+from mmspec.train.loop import FitConfig, FitResult, StepInfo, TrainingInterrupted, fit, fmt_loss, write_atomically
 
 
 @dataclass

@@ -32,8 +32,17 @@ import torch
 from mmspec.threads import apply_threads
 from mmspec.train.checkpoint import save_checkpoint
 from mmspec.train.config import RecipeConfig, StageConfig, build_llava, model_size, param_report
-from mmspec.train.data import (CAPTIONER_PROMPT, Batch, Encoder, Example, batch_stream,
-                               caption_examples, example_from_sample, fixed_batches, mix_in_captions)
+from mmspec.train.data import (
+    CAPTIONER_PROMPT,
+    Batch,
+    Encoder,
+    Example,
+    batch_stream,
+    caption_examples,
+    example_from_sample,
+    fixed_batches,
+    mix_in_captions,
+)
 from mmspec.train.loop import read_checkpoint
 from mmspec.train.recipe import eval_loss, fact_recall, stage_settings, train_stage
 
@@ -112,10 +121,10 @@ class _Run:
         done = []
         for stage in stages:
             res = train_stage(model, stage, self.stream(examples, stage, encoder), self.recipe.device,
-                              self.recipe.autocast_bf16, self.progress, checkpoint=self.checkpoints / f"{stage.name}.pt",
-                              settings=recipe_settings(self.recipe), resume=self.resume, log=self.log)
+                              self.recipe.autocast_bf16, self.progress, resume=self.resume, log=self.log,
+                              checkpoint=self.checkpoints / f"{stage.name}.pt", settings=recipe_settings(self.recipe))
             summary = res.summary()
-            self.log(f"{stage.name}: {json.dumps(summary)}")
+            self.log(res.line())
             self.report["stages"].append(summary)
             done.append(summary)
         return done
@@ -142,8 +151,14 @@ class _Run:
 
         from transformers import LlavaForConditionalGeneration
 
-        from mmspec.train.distill import (AnswerSource, generate_answers, read_answers, target_fingerprint,
-                                          tokenizer_fingerprint, with_answers)
+        from mmspec.train.distill import (
+            AnswerSource,
+            generate_answers,
+            read_answers,
+            target_fingerprint,
+            tokenizer_fingerprint,
+            with_answers,
+        )
 
         t0 = time.perf_counter()
         target = LlavaForConditionalGeneration.from_pretrained(target_dir, dtype=torch.float32)
@@ -181,8 +196,8 @@ def run_pack(recipe: RecipeConfig, out: str | Path, minutes_budget: float | None
     out = Path(out)
     if resume:  # an interrupted run's checkpoints must match this recipe: refused before any work
         for stage in (*recipe.target_stages, *recipe.draft_stages, recipe.pooled_stage, *recipe.captioner_stages):
-            read_checkpoint(out / CHECKPOINTS / f"{stage.name}.pt", {**stage_settings(stage), **recipe_settings(recipe)},
-                            stage.steps, None if stage.max_seconds is None else stage.max_seconds / 60,
+            read_checkpoint(out / CHECKPOINTS / f"{stage.name}.pt",
+                            {**stage_settings(stage), **recipe_settings(recipe)}, stage.steps, None if stage.max_seconds is None else stage.max_seconds / 60,
                             f"stage {stage.name}")
     if recipe.threads:
         apply_threads(recipe.threads)

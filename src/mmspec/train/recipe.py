@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import torch
+
 from mmspec.errors import MMSpecError
 from mmspec.train.config import StageConfig, Trainable, check_schedule
 from mmspec.train.data import Batch, Encoder, Example, View
-from mmspec.train.loop import FitConfig, fit
+from mmspec.train.loop import FitConfig, fit, fmt_loss
 from mmspec.train.pooling import embed_multimodal, pooled_image_features
 
 
@@ -100,6 +101,12 @@ class StageResult:
     def final_loss(self) -> float:
         tail = self.losses[-max(1, len(self.losses) // 10):]
         return sum(tail) / len(tail) if tail else float("nan")
+
+    def line(self) -> str:
+        """One line for people: steps, seconds, samples and the loss to 4 significant digits."""
+        first = self.losses[0] if self.losses else None
+        return (f"{self.name}: {self.steps} steps, {self.seconds:.1f} s, {self.samples} samples, loss "
+                f"{fmt_loss(first)} -> {fmt_loss(self.final_loss if self.losses else None)}")
 
     def summary(self) -> dict:
         return {"name": self.name, "steps": self.steps, "seconds": round(self.seconds, 1),

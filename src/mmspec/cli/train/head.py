@@ -120,7 +120,7 @@ def check_head_options(cfg: HeadTrainConfig, target: Path, data: str, image_dir:
         if not path.is_file():
             raise MMSpecError(f"--data {data}: {path} not found; give a LLaVA-Instruct JSON file")
         if image_dir is None or not image_dir.is_dir():
-            raise MMSpecError(f"--data llava-instruct:FILE needs --image-dir, the folder of the JSON's images"
+            raise MMSpecError("--data llava-instruct:FILE needs --image-dir, the folder of the JSON's images"
                               + (f"; {image_dir} is not a folder" if image_dir is not None else ""))
         if answers is not None:
             raise MMSpecError("--answers holds the target's answers to the world's prompts; with --data llava-instruct "

@@ -14,9 +14,19 @@ from typing import Optional
 import typer
 
 from mmspec.cli.common import set_threads
-from mmspec.cli.train.common import (_BF16, _MINUTES, _STEPS, _default_steps, _parse_family_samples,
-                                    _require_model_dir, check_count, check_device, check_out, check_threads,
-                                    training_errors)
+from mmspec.cli.train.common import (
+    _BF16,
+    _MINUTES,
+    _STEPS,
+    _default_steps,
+    _parse_family_samples,
+    _require_model_dir,
+    check_count,
+    check_device,
+    check_out,
+    check_threads,
+    training_errors,
+)
 
 
 def embedded(
@@ -126,11 +136,16 @@ def stage(
     from mmspec.models.loading import read_sidecar
     from mmspec.train.checkpoint import save_checkpoint
     from mmspec.train.config import RecipeConfig, StageConfig, build_llava, model_size
-    from mmspec.train.data import (CAPTIONER_PROMPT, Encoder, batch_stream, caption_examples, example_from_sample,
-                                   mix_in_captions)
-    from mmspec.train.pack import _samples, world_tokenizer_and_processor
+    from mmspec.train.data import (
+        CAPTIONER_PROMPT,
+        Encoder,
+        batch_stream,
+        caption_examples,
+        example_from_sample,
+        mix_in_captions,
+    )
     from mmspec.train.loop import read_checkpoint
-    from mmspec.train.pack import CHECKPOINTS
+    from mmspec.train.pack import CHECKPOINTS, _samples, world_tokenizer_and_processor
     from mmspec.train.recipe import stage_settings, train_stage
 
     if workers < 0:
@@ -250,7 +265,7 @@ def stage(
                                     tokens_per_image=pooled_tokens or 64, facts=not captioner)
     save_checkpoint(model, out, processor=processor, half=half, meta=meta)
     shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)  # the model is saved: the stage is done
-    typer.echo(f"{res.summary()} -> {out}")
+    typer.echo(f"{res.line()} -> {out}")
 
 
 def answers_cmd(

@@ -15,8 +15,15 @@ import typer
 from mmspec.cli.common import set_threads
 from mmspec.cli.train.common import check_model_dir, check_model_type, check_out, check_threads, training_errors
 from mmspec.errors import MMSpecError
-from mmspec.train.video import (VideoTrainConfig, build_video_llava, clip_inputs, key_fact_rate, save_video_pair,
-                                train_video, video_settings)
+from mmspec.train.video import (
+    VideoTrainConfig,
+    build_video_llava,
+    clip_inputs,
+    key_fact_rate,
+    save_video_pair,
+    train_video,
+    video_settings,
+)
 
 
 def video_command(
