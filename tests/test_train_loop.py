@@ -466,3 +466,23 @@ def test_a_real_sigint_during_a_save_waits_for_the_save(tmp_path):
     with pytest.raises(TrainingInterrupted) as e:
         fit(_toy(), signalled, cfg, log=lambda s: None)
     assert e.value.step in (2, 3) and torch.load(tmp_path / "real.pt", weights_only=False)["step"] == e.value.step
+
+
+def test_the_head_loss_log_grows_with_each_checkpoint(target, tmp_path, monkeypatch):
+    """train_log.jsonl is written at every checkpoint, not only at the end."""
+    import mmspec.train.head as th
+    from mmspec.train.head import HeadTrainConfig, Sequence_, train_head
+    from tiny import make_prompt
+
+    seqs = [Sequence_(make_prompt(1, 16, seed=i)[0][0], make_prompt(1, 16, seed=i)[1]) for i in range(2)]
+    real, seen = th.head_loss, []
+
+    def watch(*a, **k):
+        log = tmp_path / "train_log.jsonl"
+        seen.append(len(log.read_text().splitlines()) if log.exists() else 0)
+        return real(*a, **k)
+
+    monkeypatch.setattr(th, "head_loss", watch)
+    train_head(target, seqs, HeadTrainConfig(out=str(tmp_path), steps=5, batch_size=2, checkpoint_every=2,
+                                             resume=False, progress=False), log=lambda s: None)
+    assert seen == [0, 0, 2, 2, 4]

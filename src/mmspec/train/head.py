@@ -286,7 +286,8 @@ def train_head(target, seqs: Sequence[Sequence_], cfg: HeadTrainConfig, *, head:
                         checkpoint_every=cfg.checkpoint_every, resume=cfg.resume, settings=head_settings(cfg),
                         progress=cfg.progress, ddp=True, find_unused_parameters=cfg.variant == "msd")
     try:
-        res = fit(head, step_loss, fit_cfg, log=log if dist.main else (lambda s: None))
+        res = fit(head, step_loss, fit_cfg, log=log if dist.main else (lambda s: None),
+                  on_save=lambda step, history: _write_log(out, history))
     except TrainingInterrupted as e:
         if dist.main and e.step > 0:  # the finished steps make a usable head too
             _write_head(head, _partial(fit_cfg), out, cfg, dist, lambda s: None)
@@ -311,6 +312,12 @@ def _summary(res: FitResult, dist: Dist) -> dict:
             "text_steps": sum(h.get("stage") == "text" for h in res.history), "stopped": res.stopped}
 
 
+def _write_log(out: Path, history: list[dict]) -> None:
+    """``out/train_log.jsonl``: one line per finished step (rewritten at each checkpoint)."""
+    write_atomically(out / "train_log.jsonl",
+                     lambda tmp: tmp.write_text("".join(json.dumps(h) + "\n" for h in history)))
+
+
 def _write_head(head: FeatureHead, res: FitResult, out: Path, cfg: HeadTrainConfig, dist: Dist,
                 log: Callable[[str], None]) -> dict:
     """The trained head under ``out`` with its ``trained`` record, and its loss history."""
@@ -322,8 +329,7 @@ def _write_head(head: FeatureHead, res: FitResult, out: Path, cfg: HeadTrainConf
     was_training = head.training
     head.eval().save(out)
     head.train(was_training)
-    write_atomically(out / "train_log.jsonl",
-                     lambda tmp: tmp.write_text("".join(json.dumps(h) + "\n" for h in res.history)))
+    _write_log(out, res.history)
     log(f"saved the {cfg.variant} head to {out} ({res.steps} steps, loss {fmt_loss(summary['final_loss'])})")
     return summary
 

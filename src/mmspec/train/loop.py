@@ -252,11 +252,12 @@ def _wrap(model: torch.nn.Module, cfg: FitConfig) -> torch.nn.Module:
 
 def fit(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, StepInfo], tuple[torch.Tensor, dict]],
         cfg: FitConfig, *, params: list[torch.nn.Parameter] | None = None,
-        log: Callable[[str], None] = print) -> FitResult:
+        log: Callable[[str], None] = print, on_save: Callable[[int, list[dict]], None] | None = None) -> FitResult:
     """Train ``params`` (default: ``model``'s parameters that require grad) on ``step_loss`` until
     ``cfg.steps`` or ``cfg.minutes`` is reached, resuming from ``cfg.checkpoint`` when it exists.
     On Ctrl-C: saves the finished steps and raises :class:`TrainingInterrupted`; when the time
-    budget is spent: saves and returns (``stopped == "budget"``)."""
+    budget is spent: saves and returns (``stopped == "budget"``). ``on_save(step, history)`` runs
+    after each checkpoint (the main rank's), e.g. to write the loss log as it grows."""
     from tqdm.auto import tqdm
 
     main = _rank() == 0
@@ -316,6 +317,8 @@ def fit(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, StepInfo],
             if main and ckpt and cfg.checkpoint_every and step % cfg.checkpoint_every == 0 \
                     and (cfg.steps is None or step < cfg.steps):
                 _save(ckpt, model, opt, step, seconds(), history, cfg)
+                if on_save is not None:
+                    on_save(step, history)
     except KeyboardInterrupt:
         bar.close()
         if main and ckpt is not None:
