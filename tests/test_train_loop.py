@@ -225,6 +225,8 @@ BAD = [
     (["train", "head", "--target", "{T}", "--minutes", "-1"], r"--minutes must be a finite number > 0"),
     (["train", "head", "--target", "{tmp}/nope"], r"--target .*nope not found"),
     (["train", "head", "--target", "{NEXT}"], r"is a 'llava_next' model; .*LLaVA-1\.5"),
+    (["train", "head", "--target", "{BARE}"], r"--target .* lacks an image processor .* and tokenizer files"),
+    (["train", "video", "--target", "{BARE}"], r"--target .* lacks an image processor"),
     (["train", "head", "--target", "{T}", "--families", "motion"], r"unknown world family 'motion'"),
     (["train", "head", "--target", "{T}", "--samples", "0"], r"--samples must be >= 1"),
     (["train", "head", "--target", "{T}", "--data", "llava-instruct:{tmp}/x.json"], r"x\.json not found"),
@@ -237,6 +239,7 @@ BAD = [
     (["train", "video", "--draft-minutes", "0"], r"--draft-minutes must be a finite number > 0"),
     (["train", "video", "--target", "{tmp}/nope"], r"--target .*nope not found"),
     (["train", "video", "--draft", "{NEXT}"], r"--draft .* is a 'llava_next' model"),
+    (["train", "align", "--draft", "{BARE}"], r"--draft .* lacks an image processor"),
     (["train", "video", "--eval-samples", "0"], r"--eval-samples must be >= 1"),
     # train align
     (["train", "align", "--draft", "{D}", "--samples", "0"], r"--samples must be >= 1"),
@@ -262,6 +265,8 @@ def test_bad_train_options_are_refused_before_anything_is_written(tmp_path, args
     subs = {"{T}": str(EMBEDDED / "target"), "{D}": str(EMBEDDED / "draft"), "{tmp}": str(tmp_path)}
     if any("{NEXT}" in a for a in args):
         subs["{NEXT}"] = str(_fake_model(tmp_path, "llava_next"))
+    if any("{BARE}" in a for a in args):  # a LLaVA config, no processor
+        subs["{BARE}"] = str(_fake_model(tmp_path, "llava"))
     args = [a for a in args]
     for k, v in subs.items():
         args = [a.replace(k, v) for a in args]

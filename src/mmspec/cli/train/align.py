@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 
 from mmspec.cli.common import set_threads
-from mmspec.cli.train.common import check_model_dir, check_out, check_threads, training_errors
+from mmspec.cli.train.common import check_model_dir, check_out, check_processor, check_threads, training_errors
 from mmspec.errors import MMSpecError
 from mmspec.train.align import AlignConfig, train_align, world_pairs
 
@@ -75,6 +75,7 @@ def check_align_options(cfg: AlignConfig, draft: Path, families: str, samples: i
         raise MMSpecError(f"--families {families!r}: unknown video family {unknown[0] if unknown else '(none)'!r}; "
                           f"use some of {', '.join(VIDEO_FAMILIES)}")
     check_model_dir(draft, "--draft", "a draft model")
+    check_processor(draft, "--draft", tokenizer=False)
     check_out(Path(cfg.out))
     if cfg.resume:
         read_checkpoint(Path(cfg.out) / CHECKPOINT, align_settings(cfg), cfg.steps, cfg.minutes,

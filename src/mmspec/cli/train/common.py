@@ -118,6 +118,19 @@ def check_model_type(path: Path, option: str, want: str, why: str) -> None:
         raise MMSpecError(f"{option} {path} is a {got!r} model; {why} (model_type {want!r})")
 
 
+def check_processor(path: Path, option: str, tokenizer: bool = True) -> None:
+    """``path`` must hold an image processor (and, with ``tokenizer``, tokenizer files) to read."""
+    from mmspec.errors import MMSpecError
+
+    image = any((path / f).is_file() for f in ("preprocessor_config.json", "processor_config.json"))
+    tok = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    if not image or (tokenizer and not tok):
+        missing = " and ".join(n for n, ok in (("an image processor (preprocessor_config.json)", image),
+                                               ("tokenizer files (tokenizer.json)", tok or not tokenizer)) if not ok)
+        raise MMSpecError(f"{option} {path} lacks {missing}; save the processor beside the weights "
+                          "(processor.save_pretrained(DIR))")
+
+
 def check_out(out: Path, option: str = "--out") -> None:
     """``out`` must be a directory or not exist yet (it is made once the inputs are checked)."""
     from mmspec.errors import MMSpecError

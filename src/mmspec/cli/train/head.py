@@ -11,9 +11,15 @@ from typing import Optional
 import typer
 
 from mmspec.cli.common import set_threads
-from mmspec.cli.train.common import check_model_dir, check_model_type, check_out, check_threads, training_errors
+from mmspec.cli.train.common import (check_device, check_model_dir, check_model_type, check_out, check_processor,
+                                     check_threads, training_errors)
 from mmspec.errors import MMSpecError
-from mmspec.train.head import HeadTrainConfig, llava_instruct_sequences, train_head, world_sequences
+from mmspec.train.head import (
+    HeadTrainConfig,
+    llava_instruct_sequences,
+    train_head,
+    world_sequences,
+)
 
 
 def head(
@@ -88,8 +94,6 @@ def check_head_options(cfg: HeadTrainConfig, target: Path, data: str, image_dir:
                        answers: Optional[Path], families: str, samples: int, threads: Optional[int]) -> None:
     """Every `train head` option, before anything is loaded or written (the numbers of the
     config itself are checked by :class:`HeadTrainConfig`)."""
-    import torch
-
     from mmspec.train.head import CHECKPOINT, head_settings
     from mmspec.train.loop import read_checkpoint
     from mmspec.world import FAMILIES
@@ -97,13 +101,11 @@ def check_head_options(cfg: HeadTrainConfig, target: Path, data: str, image_dir:
     check_threads(threads)
     if isinstance(samples, bool) or samples < 1:
         raise MMSpecError(f"--samples must be >= 1, got {samples}")
-    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
-        raise MMSpecError(f"--device {cfg.device}: this torch sees no CUDA device; use --device cpu")
-    if not cfg.device.startswith(("cpu", "cuda", "mps")):
-        raise MMSpecError(f"--device {cfg.device!r} is not a device; use cpu, cuda or cuda:N")
+    check_device(cfg.device)
     check_model_dir(target, "--target", "a target model")
     check_model_type(target, "--target", "llava", "`train head` builds its training sequences in LLaVA-1.5's prompt "
                      "and image format (the world's data and llava-instruct both): give a LLaVA-1.5 target")
+    check_processor(target, "--target")
     if data == "world":
         unknown = [f for f in names(families) if f not in FAMILIES]
         if unknown or not names(families):

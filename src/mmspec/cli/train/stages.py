@@ -14,19 +14,8 @@ from typing import Optional
 import typer
 
 from mmspec.cli.common import set_threads
-from mmspec.cli.train.common import (
-    _BF16,
-    _MINUTES,
-    _STEPS,
-    _default_steps,
-    _parse_family_samples,
-    _require_model_dir,
-    check_count,
-    check_device,
-    check_out,
-    check_threads,
-    training_errors,
-)
+from mmspec.cli.train.common import (_BF16, _MINUTES, _STEPS, _default_steps, _parse_family_samples, _require_model_dir,
+                                     check_count, check_device, check_out, check_threads, training_errors)
 
 
 def embedded(

@@ -13,7 +13,8 @@ import torch
 import typer
 
 from mmspec.cli.common import set_threads
-from mmspec.cli.train.common import check_model_dir, check_model_type, check_out, check_threads, training_errors
+from mmspec.cli.train.common import (check_model_dir, check_model_type, check_out, check_processor, check_threads,
+                                     training_errors)
 from mmspec.errors import MMSpecError
 from mmspec.train.video import (
     VideoTrainConfig,
@@ -105,6 +106,8 @@ def check_video_options(cfg: VideoTrainConfig, dcfg: VideoTrainConfig, target: O
         if path is None and not (default_path() / flag[2:] / "config.json").is_file():
             raise MMSpecError(f"the embedded {flag[2:]} is missing ({default_path() / flag[2:]}); give {flag} DIR or "
                               "make the pack with `mmspec train embedded`")
+        if flag == "--target":  # the pair's tokenizer and image processor come from the target
+            check_processor(path or default_path() / "target", flag)
         check_model_type(path or default_path() / flag[2:], flag, "llava",
                          "the video pair is built from an image LLaVA-1.5 (its tower, projector and LM)")
     check_out(Path(cfg.out))
