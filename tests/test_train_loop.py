@@ -491,3 +491,11 @@ def test_the_head_loss_log_grows_with_each_checkpoint(target, tmp_path, monkeypa
     train_head(target, seqs, HeadTrainConfig(out=str(tmp_path), steps=5, batch_size=2, checkpoint_every=2,
                                              resume=False, progress=False), log=lambda s: None)
     assert seen == [0, 0, 2, 2, 4]
+
+
+def test_a_head_checkpoint_of_the_older_layout_is_named_not_ignored(tmp_path):
+    out = tmp_path / "head"
+    (out / "checkpoint").mkdir(parents=True)
+    (out / "checkpoint" / "train_state.pt").write_bytes(b"old")
+    r = CliRunner().invoke(app, HEAD + ["--out", str(out)])
+    assert r.exit_code == 2 and "oldermmspec" in _flat(r.output) and "--fresh" in _flat(r.output), r.output

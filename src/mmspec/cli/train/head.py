@@ -132,4 +132,7 @@ def check_head_options(cfg: HeadTrainConfig, target: Path, data: str, image_dir:
     out = Path(cfg.out)
     check_out(out)
     if cfg.resume:
+        if (out / "checkpoint" / "train_state.pt").is_file() and not (out / CHECKPOINT).is_file():
+            raise MMSpecError(f"{out / 'checkpoint'} is a checkpoint of an older mmspec, which this one cannot resume; "
+                              "add --fresh to start over (the head saved in --out stays usable meanwhile)")
         read_checkpoint(out / CHECKPOINT, head_settings(cfg), cfg.steps, cfg.minutes, f"the {cfg.variant} head")
