@@ -17,7 +17,7 @@ import torch
 from mmspec import SpecDecoder
 from mmspec.errors import MMSpecError
 from mmspec.heads import VARIANTS, build_head, load_head
-from mmspec.heads.train import HeadTrainConfig, Sequence_, train_head
+from mmspec.train.head import HeadTrainConfig, Sequence_, train_head
 from test_exact_greedy import reference
 from tiny import IMG, make_llava, make_prompt
 

@@ -107,7 +107,7 @@ def test_align_fits_the_encoder_to_the_drafts_video_features(tmp_path):
     frames; a short fit lowers the loss."""
     import json
 
-    from mmspec.align import AlignConfig, train_align, world_pairs
+    from mmspec.train.align import AlignConfig, train_align, world_pairs
     from mmspec.embedded import load_embedded
 
     e = load_embedded()

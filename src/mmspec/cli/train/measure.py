@@ -11,8 +11,8 @@ from typing import Optional
 
 import typer
 
-from mmspec.cli.common import set_threads
 from mmspec.bench.datasets import SINGLE_IMAGE  # the fact-recall goal's families; `facts` defaults to them
+from mmspec.cli.common import set_threads
 from mmspec.cli.train.common import _require_model_dir
 
 
