@@ -275,8 +275,10 @@ def test_one_tree_notation_and_options_never_silently_ignored():
     with pytest.raises(MMSpecError, match="--tree-budget needs --tree dynamic .* --gamma"):
         parse_tree(None, gamma=4, budget=8, spelling="cli")
     assert parse_tree("[[0],[1],[2],[0,0]]", gamma=4).width == 3 and parse_tree("6x4x16", gamma=4).width == 4
-    with pytest.raises(MMSpecError, match="up to 4 children per node, more than the 3 tokens"):
-        parse_tree("6x4x16", gamma=4).check_vocab(3)
+    from mmspec.checks import check_tree_fits_vocab
+
+    with pytest.raises(MMSpecError, match="tree_topk=4 is more children per node than the draft's 3 tokens"):
+        check_tree_fits_vocab(parse_tree("6x4x16", gamma=4), 3)
 
 
 def test_decoder_refuses_trees_on_models_with_sliding_windows(tok):
