@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # a path ends where a name does; one with a shell pattern in it ({2,3}, *) names several and is not checked
-PATH = re.compile(r"(?<![\w:/.-])((?:docs|scripts|perf|tests|src)/[\w./-]*\w(?![\w./{*-])|(?<![\w/])[A-Z][A-Z_]+\.md)")
+PATH = re.compile(r"(?<![\w:/.-])((?:docs|scripts|perf|bench|tests|src)/[\w./-]*\w(?![\w./{*-])|(?<![\w/])[A-Z][A-Z_]+\.md)")
 
 
 def tracked() -> list[str]:
