@@ -20,7 +20,7 @@ from mmspec.train.config import build_llava, model_size
 from mmspec.train.data import Encoder, Example, example_from_sample
 from mmspec.train.distill import (AnswerSource, generate_answers, read_answers, tokenizer_fingerprint,
                                   with_answers)
-from mmspec.train.pack import _samples, world_tokenizer_and_processor
+from mmspec.train.pack import world_samples, world_tokenizer_and_processor
 from mmspec.world import FAMILIES
 
 FEW = {f: 0 for f in FAMILIES} | {"chartqa": 5, "hallusionbench": 5, "spot_the_diff": 3}
@@ -48,7 +48,7 @@ def test_answer_ids_encode_like_the_answer_text():
     tok, _ = world_tokenizer_and_processor(0)
     enc = Encoder(tok, fact_weight=4.0, cue_weight=3.0, max_answer_tokens=96)
     checked = 0
-    for s in _samples("train", FEW, 0):
+    for s in world_samples("train", FEW, 0):
         ex = example_from_sample(s)
         ids = tuple(tok(" " + ex.answer, add_special_tokens=False)["input_ids"]) + (tok.eos_token_id,)
         want = enc.encode(ex, "multimodal")
@@ -56,7 +56,7 @@ def test_answer_ids_encode_like_the_answer_text():
         assert (got.input_ids, got.labels, got.weights) == (want.input_ids, want.labels, want.weights)
         checked += want.weights is not None and max(want.weights) > 1
     assert checked >= 10  # the weights were really compared, not None == None
-    ex = example_from_sample(_samples("train", FEW, 0)[0])
+    ex = example_from_sample(world_samples("train", FEW, 0)[0])
     eos = tok.eos_token_id
     open_ended = enc.encode(Example(ex.prompt, "", ex.images, answer_ids=(7, 8, 9)), "text")
     assert open_ended.labels[-3:] == [7, 8, 9] and eos not in open_ended.labels
@@ -98,7 +98,7 @@ def shipped():
 
 def test_batched_answers_are_lone_generate_and_a_rerun_resumes(shipped, tmp_path):
     model, proc = shipped
-    samples = _samples("train", FEW, 0)
+    samples = world_samples("train", FEW, 0)
     lengths = {s.uid: proc(text=s.prompt, images=list(s.images), return_tensors="pt")["input_ids"].shape[1]
                for s in samples}
     saved_eos = model.generation_config.eos_token_id
@@ -131,8 +131,8 @@ def test_batched_answers_are_lone_generate_and_a_rerun_resumes(shipped, tmp_path
         with pytest.raises(MMSpecError, match="tokenizer 'v0', not 'v1': the ids are tokens of another"):
             read_answers(path, tokenizer="v1")
         with pytest.raises(MMSpecError, match="lacks 1 of"):
-            with_answers([example_from_sample(s) for s in samples + _samples("val", {"vqav2": 1}, 0)],
-                         samples + _samples("val", {"vqav2": 1}, 0), got)
+            with_answers([example_from_sample(s) for s in samples + world_samples("val", {"vqav2": 1}, 0)],
+                         samples + world_samples("val", {"vqav2": 1}, 0), got)
         rows = [json.loads(line) for line in path.read_text().splitlines()]
         first = rows[0]
         no_vocab = {k: v for k, v in first.items() if k != "tokenizer"}
@@ -152,7 +152,7 @@ def test_batched_answers_are_lone_generate_and_a_rerun_resumes(shipped, tmp_path
 
 
 def test_with_answers_gives_each_example_its_own_samples_ids():
-    samples = _samples("train", FEW, 0)
+    samples = world_samples("train", FEW, 0)
     answers = {s.uid: (100 + i, 200 + i) for i, s in enumerate(samples)}
     out = with_answers([example_from_sample(s) for s in samples], samples, answers)
     assert [(ex.prompt, ex.answer_ids) for ex in out] == [(s.prompt, answers[s.uid]) for s in samples]
@@ -191,7 +191,7 @@ def test_answers_cli_then_stage_trains_on_the_file(world, tmp_path, monkeypatch)
 
     seen = {}
     real_stream = data.batch_stream
-    prompts = {s.uid: s.prompt for s in _samples("train", 1, 0)}
+    prompts = {s.uid: s.prompt for s in world_samples("train", 1, 0)}
 
     def spy(examples, *a, **k):
         seen.update({ex.prompt: ex.answer_ids for ex in examples})

@@ -77,7 +77,7 @@ def world_tokenizer_and_processor(seed: int = 0):
     return tokenizer, build_processor(tokenizer)
 
 
-def _samples(split: str, n_per_family: int | Mapping[str, int], seed: int) -> list:
+def world_samples(split: str, n_per_family: int | Mapping[str, int], seed: int) -> list:
     from mmspec.world import iter_all
 
     return list(iter_all(split, n_per_family, seed=seed))
@@ -93,7 +93,7 @@ def recipe_settings(recipe: RecipeConfig) -> dict:
     return {("bf16" if k == "autocast_bf16" else k): getattr(recipe, k) for k in keys}
 
 
-class _Run:
+class PackRun:
     """State of one pack run: data, encoder, generators, logging, reports."""
 
     def __init__(self, recipe: RecipeConfig, out: Path, log: Callable[[str], None], progress: bool,
@@ -202,14 +202,14 @@ def run_pack(recipe: RecipeConfig, out: str | Path, minutes_budget: float | None
     if recipe.threads:
         apply_threads(recipe.threads)
     out.mkdir(parents=True, exist_ok=True)
-    run = _Run(recipe, out, log, progress, resume)
+    run = PackRun(recipe, out, log, progress, resume)
     t_start = time.perf_counter()
     torch.manual_seed(recipe.seed)
 
     run.tokenizer, run.processor = world_tokenizer_and_processor(recipe.seed)
     run.encoder = Encoder(run.tokenizer, max_answer_tokens=recipe.max_answer_tokens)
-    train_samples = _samples("train", recipe.n_train_per_family, recipe.seed)
-    eval_samples = _samples("val", recipe.n_eval_per_family, recipe.seed)
+    train_samples = world_samples("train", recipe.n_train_per_family, recipe.seed)
+    eval_samples = world_samples("val", recipe.n_eval_per_family, recipe.seed)
     train_ex = [example_from_sample(s) for s in train_samples]
     eval_ex = [example_from_sample(s) for s in eval_samples]
     log(f"data: {len(train_ex)} train / {len(eval_ex)} val examples, vocab {len(run.tokenizer)}")
@@ -231,7 +231,7 @@ def run_pack(recipe: RecipeConfig, out: str | Path, minutes_budget: float | None
     # stage 1 aligns the projector on the references; what follows learns the target's own answers
     answer_ex = train_ex
     if recipe.distill_per_family > 0:
-        distil_samples = _samples("train", recipe.distill_per_family, recipe.seed)
+        distil_samples = world_samples("train", recipe.distill_per_family, recipe.seed)
         answer_ex = run.distil(out / "target", distil_samples, [example_from_sample(s) for s in distil_samples])
     stages = run.train(draft, recipe.draft_stages[:1], train_ex) + run.train(draft, recipe.draft_stages[1:], answer_ex)
     run.save("draft", draft, run.processor, stages, run.evaluate("draft", draft, eval_ex, eval_samples), {})

@@ -9,22 +9,22 @@ from typing import Optional
 import typer
 
 # options that several commands share, declared once
-_STEPS = typer.Option(None, help="optimiser steps (default: 1000, or as many as --minutes allow when it is given)")
-_MINUTES = typer.Option(None, help="wall-clock cap; the schedule then follows time")
-_BF16 = typer.Option(True, help="bf16 autocast")
+STEPS = typer.Option(None, help="optimiser steps (default: 1000, or as many as --minutes allow when it is given)")
+MINUTES = typer.Option(None, help="wall-clock cap; the schedule then follows time")
+BF16 = typer.Option(True, help="bf16 autocast")
 
 
-def _default_steps(steps: Optional[int], minutes: Optional[float]) -> Optional[int]:
+def default_steps(steps: Optional[int], minutes: Optional[float]) -> Optional[int]:
     """--steps as given; unset, 1000 without --minutes and None (the clock decides) with it."""
     return steps if steps is not None or minutes is not None else 1000
 
 
-def _require_model_dir(path: Path, option: str) -> None:
+def require_model_dir(path: Path, option: str) -> None:
     if not (path / "config.json").exists():
         raise typer.BadParameter(f"{path} is not an HF LLaVA model directory (no config.json)", param_hint=option)
 
 
-def _parse_family_samples(specs: list[str], default: int) -> dict[str, int]:
+def parse_family_samples(specs: list[str], default: int) -> dict[str, int]:
     """``["chartqa=4000", ...]`` -> training samples per family (every family; ``default`` unless named)."""
     from mmspec.world import FAMILIES
 

@@ -14,7 +14,7 @@ from typing import Optional
 import typer
 
 from mmspec.cli.common import set_threads
-from mmspec.cli.train.common import (_BF16, _MINUTES, _STEPS, _default_steps, _parse_family_samples, _require_model_dir,
+from mmspec.cli.train.common import (BF16, MINUTES, STEPS, default_steps, parse_family_samples, require_model_dir,
                                      check_count, check_device, check_out, check_threads, training_errors)
 
 
@@ -77,7 +77,7 @@ def stage(
     vision_from: Optional[Path] = typer.Option(None, help="copy this HF LLaVA dir's vision tower"),
     trainable: str = typer.Option("projector+lm", help="all | projector | projector+lm"),
     lr: float = typer.Option(2e-5),
-    steps: Optional[int] = _STEPS,
+    steps: Optional[int] = STEPS,
     batch_size: int = typer.Option(16),
     pooled_tokens: Optional[int] = typer.Option(None, help="train with pooling to N tokens/image"),
     captioner: bool = typer.Option(False, help="train on the caption task instead of the QA task"),
@@ -93,8 +93,8 @@ def stage(
     n_train_per_family: int = typer.Option(400),
     family_samples: list[str] = typer.Option([], help="FAMILY=N: train on N samples of this family instead of "
                                              "--n-train-per-family (repeatable; 0 drops the family)"),
-    minutes: Optional[float] = _MINUTES,
-    bf16: bool = _BF16,
+    minutes: Optional[float] = MINUTES,
+    bf16: bool = BF16,
     half: bool = typer.Option(False, help="save fp16 safetensors (the embedded pack's format)"),
     evaluate: bool = typer.Option(False, "--eval", help="held-out loss and fact recall after training"),
     device: str = typer.Option("cpu"),
@@ -134,7 +134,7 @@ def stage(
         mix_in_captions,
     )
     from mmspec.train.loop import read_checkpoint
-    from mmspec.train.pack import CHECKPOINTS, _samples, world_tokenizer_and_processor
+    from mmspec.train.pack import CHECKPOINTS, world_samples, world_tokenizer_and_processor
     from mmspec.train.recipe import stage_settings, train_stage
 
     if workers < 0:
@@ -159,12 +159,12 @@ def stage(
         if captioner and weight != 1.0:
             raise typer.BadParameter(f"{flag} weighs QA answers and would do nothing with --captioner; drop one")
     try:
-        cfg = StageConfig(f"stage-{trainable}", trainable, lr=lr, steps=_default_steps(steps, minutes),
+        cfg = StageConfig(f"stage-{trainable}", trainable, lr=lr, steps=default_steps(steps, minutes),
                           batch_size=batch_size, pooled_tokens=pooled_tokens,
                           max_seconds=None if minutes is None else 60.0 * minutes)
     except MMSpecError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    per_family = _parse_family_samples(family_samples, n_train_per_family)
+    per_family = parse_family_samples(family_samples, n_train_per_family)
     world_seed = seed if world_seed is None else world_seed
     ckpt = out / CHECKPOINTS / "stage.pt"
     settings = {"init": str(init) if init else None, "size": None if init else size,
@@ -190,7 +190,7 @@ def stage(
     # share its target's vocabulary), whatever the seeds; only a model from nothing gets a fresh tokenizer.
     source = init if init is not None else vision_from
     if source is not None:
-        _require_model_dir(source, "--init" if init is not None else "--vision-from")
+        require_model_dir(source, "--init" if init is not None else "--vision-from")
         processor = AutoProcessor.from_pretrained(source)
         tokenizer = processor.tokenizer
     else:
@@ -202,7 +202,7 @@ def stage(
         if vision_from is not None:
             tower = LlavaForConditionalGeneration.from_pretrained(vision_from, dtype=torch.float32).model.vision_tower
         model = build_llava(model_size(size), tokenizer, vision_tower=tower)
-    samples = _samples("train", per_family, world_seed)
+    samples = world_samples("train", per_family, world_seed)
     examples = ([ex for s in samples for ex in caption_examples(s)] if captioner
                 else [example_from_sample(s) for s in samples])
     answers_meta = {}
@@ -244,11 +244,11 @@ def stage(
     if pooled_tokens:
         meta["pooled_tokens"] = pooled_tokens
     if evaluate:
-        from mmspec.train.pack import _Run
+        from mmspec.train.pack import PackRun
 
-        run = _Run(RecipeConfig(device=device), out, typer.echo, progress=False)
+        run = PackRun(RecipeConfig(device=device), out, typer.echo, progress=False)
         run.tokenizer, run.processor, run.encoder = tokenizer, processor, encoder
-        val = _samples("val", 4, world_seed)
+        val = world_samples("val", 4, world_seed)
         val_ex = [ex for s in val for ex in caption_examples(s)][:64] if captioner else [example_from_sample(s) for s in val]
         meta["eval"] = run.evaluate(meta.get("role", "stage"), model, val_ex, [] if captioner else val,
                                     tokens_per_image=pooled_tokens or 64, facts=not captioner)
@@ -283,7 +283,7 @@ def answers_cmd(
     from mmspec.errors import MMSpecError
     from mmspec.train.config import RecipeConfig
     from mmspec.train.distill import AnswerSource, generate_answers, target_fingerprint, tokenizer_fingerprint
-    from mmspec.train.pack import _samples
+    from mmspec.train.pack import world_samples
 
     max_new_tokens = RecipeConfig.max_answer_tokens if max_new_tokens is None else max_new_tokens
     if max_new_tokens < 1:
@@ -293,14 +293,14 @@ def answers_cmd(
     if not out.parent.is_dir():
         raise typer.BadParameter(f"{out.parent} does not exist; create it or write elsewhere", param_hint="--out")
     path = target or default_path() / "target"
-    _require_model_dir(path, "--target")
-    per_family = _parse_family_samples(family_samples, n_train_per_family)
+    require_model_dir(path, "--target")
+    per_family = parse_family_samples(family_samples, n_train_per_family)
     set_threads(threads)
     llava = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval().to(device)
     processor = AutoProcessor.from_pretrained(path)
     source = AnswerSource(target_fingerprint(path), tokenizer_fingerprint(processor.tokenizer), seed, max_new_tokens)
     try:
-        counts = generate_answers(llava, processor, _samples("train", per_family, seed), out, source,
+        counts = generate_answers(llava, processor, world_samples("train", per_family, seed), out, source,
                                   batch_size=batch_size, device=device, progress=not quiet)
     except MMSpecError as exc:
         raise typer.BadParameter(str(exc), param_hint="--out") from exc
