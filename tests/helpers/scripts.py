@@ -1,9 +1,9 @@
-"""The repository's speed scripts (top-level ``perf/``, or ``bench/`` before its rename), imported
+"""The repository's speed scripts (top-level ``perf/``), imported
 by path for the tests that call their functions on tiny models.
 
 A script is registered as ``_mmspec_<folder>_<name>``, the name perf/speed.py's ``sibling()``
 gives the scripts it loads, so each is imported once. A script that imports a helper beside it by
-plain name (``from draftstep import ...``, as running ``python bench/speed.py`` allows) gets that
+plain name (``from draftstep import ...``, as running ``python perf/speed.py`` allows) gets that
 sibling loaded by path first under its plain name, so nothing edits ``sys.path``. A scripts folder
 that is a package is imported as one.
 """
@@ -21,11 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def scripts_dir() -> Path:
-    """The folder of the speed scripts: ``perf/`` (its name from now on) or ``bench/``."""
-    for name in ("perf", "bench"):
-        if any((ROOT / name).glob("*.py")):
-            return ROOT / name
-    raise FileNotFoundError(f"no perf/ or bench/ folder of scripts under {ROOT}")
+    """The folder of the speed scripts, ``perf/``."""
+    if any((ROOT / "perf").glob("*.py")):
+        return ROOT / "perf"
+    raise FileNotFoundError(f"no perf/ folder of scripts under {ROOT}")
 
 
 def load_script(name: str) -> ModuleType:
