@@ -215,6 +215,7 @@ class BatchScheduler:
     def has_work(self) -> bool:
         return bool(self._queue or self._active)
 
+    @torch.inference_mode()
     def cancel(self, rid: int) -> None:
         """Drop a queued or active request (its rows freed); unknown or finished ids are ignored."""
         self._queue = deque(q for q in self._queue if q[0] != rid)
