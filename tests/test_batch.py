@@ -5,12 +5,22 @@ the target's exact distribution. Continuous batching: joins, cancels, failures a
 
 import pytest
 import torch
+from tiny import (
+    BOS,
+    IMG,
+    exact_sequence_probs,
+    make_llava,
+    make_prompt,
+    make_qwen,
+    make_tokenizer,
+    noisy_copy,
+    pvalues,
+    qwen_inputs,
+)
 
 from mmspec import MMSpecError, SpecDecoder
 from mmspec.batch import BatchScheduler, SpeculationPolicy
 from mmspec.models.captioner import FixedCaptioner
-from tiny import (BOS, IMG, exact_sequence_probs, make_llava, make_prompt, make_qwen, make_tokenizer, noisy_copy,
-                  pvalues, qwen_inputs)
 
 
 def reference(target, ids, pv, n, **mm):
