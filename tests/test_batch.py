@@ -238,8 +238,9 @@ def drain(sched, events=None):
 def test_join_mid_decode_and_one_target_forward_per_block(target, draft_shared, tok, refs):
     dec = SpecDecoder(target, draft_shared, tok, views="MT")
     reqs = requests(4)
-    calls = []
+    calls, draft_calls = [], []
     hook = target.model.language_model.register_forward_hook(lambda *a: calls.append(1))
+    dhook = draft_shared.model.language_model.register_forward_hook(lambda *a: draft_calls.append(1))
     try:
         sched = BatchScheduler(dec, max_batch=3)
         rids = [sched.submit(reqs[0]), sched.submit(reqs[1])]
@@ -253,7 +254,10 @@ def test_join_mid_decode_and_one_target_forward_per_block(target, draft_shared, 
             n_steps += 1
     finally:
         hook.remove()
+        dhook.remove()
     assert len(calls) == 4 + n_steps  # one prefill each, then ONE shared target forward per block
+    # the draft too: its forwards are merged over the requests (gamma per block at most), not per request
+    assert len(draft_calls) <= 4 + n_steps * dec.gamma
     out = {rid: [] for rid in rids}
     for ev in events:
         out[ev.rid] += ev.new_token_ids

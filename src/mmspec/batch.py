@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 import torch
 
 from mmspec import checks
-from mmspec.batch_engine import RequestRun, score_batch
+from mmspec.batch_engine import DraftLockstep, RequestRun, score_batch
 from mmspec.errors import MMSpecError
 from mmspec.models.cache import DecodeCache
-from mmspec.models.ragged import RaggedCache
+from mmspec.models.ragged import RaggedCache, RowGroup
 from mmspec.options import EngineMode
 from mmspec.verify import SamplingParams
 
@@ -198,7 +198,12 @@ class BatchScheduler:
         self.decoder = decoder
         self.max_batch = max_batch
         self.policy = speculate if isinstance(speculate, SpeculationPolicy) else SpeculationPolicy(speculate)
-        self.cache = RaggedCache(decoder.target_model.config.get_text_config(decoder=True).num_hidden_layers)
+        self.cache = RaggedCache(_n_layers(decoder.target_model))  # row b: _active[b]'s target cache
+        # token-level drafters share their draft forwards: every view of every request a row here
+        self.draft_cache = None if decoder.head is not None else RaggedCache(_n_layers(decoder.draft_model))
+        self.lockstep = None if self.draft_cache is None else DraftLockstep(decoder.draft, self.draft_cache)
+        self._draft_rows: dict[int, list[int]] = {}  # rid -> its rows of draft_cache
+        self._row_owner: list[int] = []  # draft_cache row -> rid
         self._queue: deque = deque()  # (rid, Prepared, t_submit)
         self._active: list[_Active] = []  # row b of the cache is _active[b]
         self._next_rid = 0
@@ -234,12 +239,20 @@ class BatchScheduler:
         dec = self.decoder
         t0 = time.perf_counter()
         speculate = self.policy.decide(len(self._active))
-        for b in reversed(range(len(self._active))):  # each request drafts on its own drafter
+        if speculate and self.lockstep is not None:  # each request drafts its own tree, forwards merged
+            errors = self.lockstep.run([(a.rid, lambda a=a: a.run.draft_block(True)) for a in self._active],
+                                       self._draft_lengths)
+        else:  # a head drafts on its own cache; no drafting: the roots alone
+            errors = {}
+            for a in self._active:
+                try:
+                    a.run.draft_block(speculate)
+                except Exception as e:  # noqa: BLE001 - one request's failure must not end the others
+                    errors[a.rid] = e
+        for b in reversed(range(len(self._active))):
             a = self._active[b]
-            try:
-                a.run.draft_block(speculate)
-            except Exception as e:  # noqa: BLE001 - one request's failure must not end the others
-                events.append(StepEvent(a.rid, [], "", True, None, error=_message(e)))
+            if a.rid in errors:
+                events.append(StepEvent(a.rid, [], "", True, None, error=_message(errors[a.rid])))
                 self._remove(b)
         if not self._active:
             return events
@@ -277,13 +290,43 @@ class BatchScheduler:
             rid, prep, t_submit = self._queue.popleft()
             try:
                 run, solo, length, room = start_request(self.decoder, prep)
+                if self.draft_cache is not None:
+                    self._join_draft(rid, run.drafter)
                 self.cache.join(solo, length, room)
             except Exception as e:  # noqa: BLE001 - reported on the request, the others go on
+                self._leave_draft(rid)
                 events.append(StepEvent(rid, [], "", True, None, error=_message(e)))
                 continue
             self._active.append(_Active(rid, run, prep.seed, t_submit))
 
+    def _join_draft(self, rid: int, drafter) -> None:
+        """The drafter's prefilled rows join the shared draft cache; its forwards go through the lockstep."""
+        rows = self.draft_cache.join(drafter.cache, drafter.length, drafter.capacity + self.decoder.tree.n_nodes + 1)
+        self._draft_rows[rid] = rows
+        self._row_owner.extend([rid] * len(rows))
+        get_rows = lambda rid=rid: self._draft_rows[rid]  # noqa: E731 - rows move as others leave
+        drafter.cache = RowGroup(self.draft_cache, get_rows, drafter.length)
+        drafter.step_fn = self.lockstep.step_fn(rid, get_rows, drafter)
+
+    def _leave_draft(self, rid: int) -> None:
+        rows = self._draft_rows.get(rid)
+        while rows:
+            row = max(rows)
+            rows.remove(row)
+            moved = self.draft_cache.remove(row)
+            if moved is not None:  # the last row now lives at `row`
+                owner = self._row_owner[moved]
+                self._draft_rows[owner][self._draft_rows[owner].index(moved)] = row
+                self._row_owner[row] = owner
+            self._row_owner.pop()
+        self._draft_rows.pop(rid, None)
+
+    def _draft_lengths(self) -> list[int]:
+        drafters = {a.rid: a.run.drafter for a in self._active}
+        return [drafters[rid].length if rid in drafters else 0 for rid in self._row_owner]
+
     def _remove(self, b: int) -> None:
+        self._leave_draft(self._active[b].rid)
         moved = self.cache.remove(b)
         if moved is not None:
             self._active[b] = self._active[moved]
@@ -295,6 +338,10 @@ class BatchScheduler:
         st = a.run.stats
         st.total_s = time.perf_counter() - a.t_start
         return GenerationResult(token_ids=list(a.run.tokens), text=a.text, stats=st, seed=a.seed)
+
+
+def _n_layers(model) -> int:
+    return model.config.get_text_config(decoder=True).num_hidden_layers
 
 
 def _message(e: Exception) -> str:

@@ -19,6 +19,7 @@ generator), lossless by construction; the pending tokens then wait for the next 
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -136,3 +137,115 @@ def score_batch(adapter, cache: RaggedCache, runs: list[RequestRun], hidden_laye
     cache.begin_forward()
     out = adapter.forward(cache=cache, attention_mask=mask, position_ids=pos, input_ids=ids, hidden=hidden_layers)
     return (out[0], out[1]) if hidden_layers else (out, None)
+
+
+class DraftLockstep:
+    """Every request's drafting of a block in its own thread, their draft forwards merged into
+    ONE forward of the draft model over a shared :class:`RaggedCache` (token-level drafters).
+
+    A drafter's ``step_fn`` (its forward hook, :class:`~mmspec.drafter.TreeDrafter`) submits its
+    rows' tokens, positions and mask and waits; when every request still drafting has submitted,
+    the main thread runs the merged forward (rows of requests that are done or not drafting
+    this round take part as padding: they see only themselves and write past their slots) and
+    hands each its logits. Drafting stays each request's own code and draws: only where its
+    forward runs changes. A request's failure ends its thread alone."""
+
+    def __init__(self, adapter, cache: RaggedCache):
+        self.adapter = adapter
+        self.cache = cache
+        self.cond = threading.Condition()
+        self.submitted: dict[int, tuple] = {}
+        self.results: dict[int, torch.Tensor] = {}
+        self.live: set[int] = set()
+
+    def step_fn(self, key: int, rows, drafter):
+        """The drafter's forward, as it calls it: (ids [B_r, n], pos [B_r, n], mask) -> logits."""
+        def fn(ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            with self.cond:
+                write = drafter.length - ids.shape[1]  # the drafter claimed the slots already
+                self.submitted[key] = (rows(), write, ids, pos, mask)
+                self.cond.notify_all()
+                self.cond.wait_for(lambda: key in self.results)
+                out = self.results.pop(key)
+            if isinstance(out, BaseException):
+                raise _Failed(out)
+            return out
+        return fn
+
+    def run(self, jobs: list[tuple[int, object]], lengths) -> dict[int, BaseException]:
+        """Run ``jobs`` [(key, fn)] to completion, merging their forwards; ``lengths()`` gives
+        every active row's current draft length (padding rows write there). -> errors by key."""
+        errors: dict[int, BaseException] = {}
+        self.live = {k for k, _ in jobs}
+
+        def work(key, fn):
+            with torch.inference_mode():
+                try:
+                    fn()
+                except BaseException as e:  # noqa: BLE001 - reported for this request alone
+                    errors[key] = e
+                finally:
+                    with self.cond:
+                        self.live.discard(key)
+                        self.cond.notify_all()
+
+        threads = [threading.Thread(target=work, args=job, daemon=True) for job in jobs]
+        for t in threads:
+            t.start()
+        with self.cond:
+            while True:
+                self.cond.wait_for(lambda: self.live <= set(self.submitted))
+                if not self.live:
+                    break
+                batch = {k: self.submitted.pop(k) for k in sorted(self.live)}
+                try:
+                    outs = self._forward(batch, lengths())
+                except BaseException as e:  # noqa: BLE001 - the merged forward failed: all of them
+                    outs = {k: e for k in batch}
+                for k, out in outs.items():
+                    self.results[k] = out
+                self.cond.notify_all()
+        for t in threads:
+            t.join()
+        for k, e in list(errors.items()):
+            if isinstance(e, _Failed):
+                errors[k] = e.cause
+        return errors
+
+    def _forward(self, batch: dict, lengths: list[int]) -> dict:
+        dev = next(iter(batch.values()))[2].device
+        n_max = max(v[2].shape[1] for v in batch.values())
+        R = len(lengths)
+        write = list(lengths)
+        for rows, w, *_ in batch.values():
+            for r in rows:
+                write[r] = w
+        span = max(write) + n_max
+        ids = torch.zeros(R, n_max, dtype=torch.long, device=dev)
+        pos = torch.zeros(R, n_max, dtype=torch.long, device=dev)
+        mask = torch.zeros(R, 1, n_max, span, dtype=torch.bool, device=dev)
+        eye = torch.eye(n_max, dtype=torch.bool, device=dev)
+        for r in range(R):  # padding: every query sees itself only
+            mask[r, 0, :, write[r]:write[r] + n_max] = eye
+        for rows, w, i, p, m in batch.values():
+            n = i.shape[1]
+            idx = torch.tensor(rows, device=dev)
+            ids[idx, :n] = i
+            pos[idx, :n] = p
+            pos[idx, n:] = p[:, -1:]
+            if m.dim() == 2:  # all ones: causal over every filled slot
+                m4 = torch.ones(n, w + n, dtype=torch.bool, device=dev).tril(w)[None, None].expand(len(rows), 1, n, w + n)
+            else:
+                m4 = m
+            mask[idx, :, :n, :] = False
+            mask[idx, :, :n, :m4.shape[-1]] = m4
+        self.cache.set_lengths(write)
+        self.cache.begin_forward()
+        logits = self.adapter.forward(cache=self.cache, attention_mask=mask, position_ids=pos, input_ids=ids)
+        return {k: logits[torch.tensor(v[0], device=dev), :v[2].shape[1]] for k, v in batch.items()}
+
+
+class _Failed(Exception):
+    def __init__(self, cause: BaseException):
+        super().__init__(str(cause))
+        self.cause = cause
