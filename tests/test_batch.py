@@ -322,3 +322,29 @@ def test_generate_batch_checks_every_request_first(target, draft_shared, tok):
     assert calls == []  # nothing decoded
     with pytest.raises(MMSpecError, match="requests must be a list"):
         dec.generate_batch(reqs[0])
+
+
+def test_a_request_failing_while_drafting_fails_alone(target, draft_shared, tok, refs, monkeypatch):
+    dec = SpecDecoder(target, draft_shared, tok, views="MT")
+    reqs = requests(3)
+    sched = BatchScheduler(dec)
+    rids = [sched.submit(r) for r in reqs]
+    sched.step()
+    broken = sched._active[0].run.drafter
+    monkeypatch.setattr(broken, "_feed_pending", lambda *a: (_ for _ in ()).throw(RuntimeError("draft broke")))
+    events = drain(sched)
+    errors = {ev.rid: ev.error for ev in events if ev.error}
+    assert list(errors) == [rids[0]] and "draft broke" in errors[rids[0]]
+    done = {ev.rid: ev.result.token_ids for ev in events if ev.finished and ev.result}
+    assert done == {rids[1]: refs[1]}  # (request 2 ended in the first block: one token)
+    assert sched.cache.active == 0 and sched.cache.store.kv is None and sched.draft_cache.store.kv is None
+
+
+def test_static_cache_decoder_batches_eagerly(target, draft_shared, tok, refs):
+    """A decoder set up for fixed shapes (static caches / CUDA graphs) decodes batches eagerly,
+    and its own generate still runs on its static caches afterwards."""
+    dec = SpecDecoder(target, draft_shared, tok, views="MT", static_cache=True)
+    assert [r.token_ids for r in dec.generate_batch(requests(4))] == refs[:4]
+    assert dec.static
+    r = requests(1)[0]
+    assert dec.generate(**r).token_ids == refs[0]

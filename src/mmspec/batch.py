@@ -159,7 +159,6 @@ def start_request(dec, prep: Prepared):
     from mmspec.decoder import _generator
 
     stats = dec._new_stats()
-    stats.engine = "eager (batch)"
     with _eager(dec):
         enc = dec.mm.encode(prep.layout, prep.mm, stats, **prep.extra)
         state, feats = dec._prefill_target(prep.ids, prep.mm, enc, prep.max_new_tokens, stats)
@@ -331,6 +330,10 @@ class BatchScheduler:
         if moved is not None:
             self._active[b] = self._active[moved]
         self._active.pop()
+        if not self._active:  # idle: the shared caches' memory goes back
+            for cache in (self.cache, self.draft_cache):
+                if cache is not None and not cache.active:
+                    cache.release()
 
     def _result(self, a: _Active):
         from mmspec.decoder import GenerationResult

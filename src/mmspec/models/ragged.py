@@ -122,6 +122,13 @@ class RaggedCache(Cache):
         st.lengths.pop()
         return moved
 
+    def release(self) -> None:
+        """Free the buffer (no active rows left): the next join allocates again."""
+        if self.active:
+            raise RuntimeError(f"release() with {self.active} active rows")
+        self.store.kv = None
+        self.store.write = None
+
     def set_row_length(self, row: int, length: int) -> None:
         """Keep the first ``length`` positions of ``row`` (O(1))."""
         self.store.lengths[row] = int(length)
