@@ -198,9 +198,13 @@ class BatchScheduler:
         self.max_batch = max_batch
         self.policy = speculate if isinstance(speculate, SpeculationPolicy) else SpeculationPolicy(speculate)
         self.cache = RaggedCache(_n_layers(decoder.target_model))  # row b: _active[b]'s target cache
-        # token-level drafters share their draft forwards: every view of every request a row here
-        self.draft_cache = None if decoder.head is not None else RaggedCache(_n_layers(decoder.draft_model))
-        self.lockstep = None if self.draft_cache is None else DraftLockstep(decoder.draft, self.draft_cache)
+        # the draft forwards are shared too: every view of every request (or its head) a row here
+        if decoder.head is not None:
+            self.draft_cache = RaggedCache(decoder.head.decoder.config.num_hidden_layers)
+            self.lockstep = DraftLockstep.for_head(decoder.head, self.draft_cache)
+        else:
+            self.draft_cache = RaggedCache(_n_layers(decoder.draft_model))
+            self.lockstep = DraftLockstep.for_tokens(decoder.draft, self.draft_cache)
         self._draft_rows: dict[int, list[int]] = {}  # rid -> its rows of draft_cache
         self._row_owner: list[int] = []  # draft_cache row -> rid
         self._queue: deque = deque()  # (rid, Prepared, t_submit)
@@ -238,10 +242,10 @@ class BatchScheduler:
         dec = self.decoder
         t0 = time.perf_counter()
         speculate = self.policy.decide(len(self._active))
-        if speculate and self.lockstep is not None:  # each request drafts its own tree, forwards merged
+        if speculate:  # each request drafts its own tree, forwards merged
             errors = self.lockstep.run([(a.rid, lambda a=a: a.run.draft_block(True)) for a in self._active],
                                        self._draft_lengths)
-        else:  # a head drafts on its own cache; no drafting: the roots alone
+        else:  # no drafting: the roots alone
             errors = {}
             for a in self._active:
                 try:
@@ -289,8 +293,7 @@ class BatchScheduler:
             rid, prep, t_submit = self._queue.popleft()
             try:
                 run, solo, length, room = start_request(self.decoder, prep)
-                if self.draft_cache is not None:
-                    self._join_draft(rid, run.drafter)
+                self._join_draft(rid, run.drafter)
                 self.cache.join(solo, length, room)
             except Exception as e:  # noqa: BLE001 - reported on the request, the others go on
                 self._leave_draft(rid)
@@ -300,6 +303,9 @@ class BatchScheduler:
 
     def _join_draft(self, rid: int, drafter) -> None:
         """The drafter's prefilled rows join the shared draft cache; its forwards go through the lockstep."""
+        if not getattr(drafter.cache.layers[0], "is_initialized", False):
+            raise MMSpecError("a head drafts nothing from a 2-token prompt, so it cannot join a batch; decode this "
+                              "request with generate() or give the prompt more tokens")
         rows = self.draft_cache.join(drafter.cache, drafter.length, drafter.capacity + self.decoder.tree.n_nodes + 1)
         self._draft_rows[rid] = rows
         self._row_owner.extend([rid] * len(rows))
@@ -332,7 +338,7 @@ class BatchScheduler:
         self._active.pop()
         if not self._active:  # idle: the shared caches' memory goes back
             for cache in (self.cache, self.draft_cache):
-                if cache is not None and not cache.active:
+                if not cache.active:
                     cache.release()
 
     def _result(self, a: _Active):

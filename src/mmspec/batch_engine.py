@@ -150,20 +150,32 @@ class DraftLockstep:
     hands each its logits. Drafting stays each request's own code and draws: only where its
     forward runs changes. A request's failure ends its thread alone."""
 
-    def __init__(self, adapter, cache: RaggedCache):
-        self.adapter = adapter
+    def __init__(self, forward, cache: RaggedCache):
+        self.forward = forward  # (cache, inputs {name: [R, n, ...]}, pos [R, n], mask) -> [R, n, ...]
         self.cache = cache
         self.cond = threading.Condition()
         self.submitted: dict[int, tuple] = {}
         self.results: dict[int, torch.Tensor] = {}
         self.live: set[int] = set()
 
+    @classmethod
+    def for_tokens(cls, adapter, cache: RaggedCache) -> DraftLockstep:
+        """Token-level drafters: ``step_fn(ids=, pos=, mask=)``, the draft model's forward."""
+        return cls(lambda c, x, pos, mask: adapter.forward(cache=c, attention_mask=mask, position_ids=pos,
+                                                           input_ids=x["ids"]), cache)
+
+    @classmethod
+    def for_head(cls, head, cache: RaggedCache) -> DraftLockstep:
+        """Feature-level heads: ``step_fn(feats=, embeds=, pos=, mask=)``, the head's forward."""
+        return cls(lambda c, x, pos, mask: head(x["feats"], x["embeds"], cache=c, position_ids=pos,
+                                                attention_mask=mask), cache)
+
     def step_fn(self, key: int, rows, drafter):
-        """The drafter's forward, as it calls it: (ids [B_r, n], pos [B_r, n], mask) -> logits."""
-        def fn(ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The drafter's forward, as it calls it: (its inputs [B_r, n, ...], pos [B_r, n], mask) -> outputs."""
+        def fn(pos: torch.Tensor, mask: torch.Tensor, **inputs) -> torch.Tensor:
             with self.cond:
-                write = drafter.length - ids.shape[1]  # the drafter claimed the slots already
-                self.submitted[key] = (rows(), write, ids, pos, mask)
+                write = drafter.length - pos.shape[-1]  # the drafter claimed the slots already
+                self.submitted[key] = (rows(), write, inputs, pos, mask)
                 self.cond.notify_all()
                 self.cond.wait_for(lambda: key in self.results)
                 out = self.results.pop(key)
@@ -213,36 +225,38 @@ class DraftLockstep:
         return errors
 
     def _forward(self, batch: dict, lengths: list[int]) -> dict:
-        dev = next(iter(batch.values()))[2].device
-        n_max = max(v[2].shape[1] for v in batch.values())
+        """The merged forward: every active row, the submitted ones with their inputs, the
+        others as padding. -> each submission's outputs [B_r, n_r, ...]."""
+        first = next(iter(batch.values()))
+        dev = first[3].device
+        n_max = max(v[3].shape[-1] for v in batch.values())
         R = len(lengths)
         write = list(lengths)
         for rows, w, *_ in batch.values():
             for r in rows:
                 write[r] = w
         span = max(write) + n_max
-        ids = torch.zeros(R, n_max, dtype=torch.long, device=dev)
+        inputs = {name: torch.zeros(R, n_max, *t.shape[2:], dtype=t.dtype, device=dev) for name, t in first[2].items()}
         pos = torch.zeros(R, n_max, dtype=torch.long, device=dev)
         mask = torch.zeros(R, 1, n_max, span, dtype=torch.bool, device=dev)
         eye = torch.eye(n_max, dtype=torch.bool, device=dev)
         for r in range(R):  # padding: every query sees itself only
             mask[r, 0, :, write[r]:write[r] + n_max] = eye
-        for rows, w, i, p, m in batch.values():
-            n = i.shape[1]
+        for rows, w, x, p, m in batch.values():
+            n = p.shape[-1]
             idx = torch.tensor(rows, device=dev)
-            ids[idx, :n] = i
+            for name, t in x.items():
+                inputs[name][idx, :n] = t
             pos[idx, :n] = p
             pos[idx, n:] = p[:, -1:]
             if m.dim() == 2:  # all ones: causal over every filled slot
-                m4 = torch.ones(n, w + n, dtype=torch.bool, device=dev).tril(w)[None, None].expand(len(rows), 1, n, w + n)
-            else:
-                m4 = m
+                m = torch.ones(n, w + n, dtype=torch.bool, device=dev).tril(w)[None, None].expand(len(rows), 1, n, w + n)
             mask[idx, :, :n, :] = False
-            mask[idx, :, :n, :m4.shape[-1]] = m4
+            mask[idx, :, :n, :m.shape[-1]] = m
         self.cache.set_lengths(write)
         self.cache.begin_forward()
-        logits = self.adapter.forward(cache=self.cache, attention_mask=mask, position_ids=pos, input_ids=ids)
-        return {k: logits[torch.tensor(v[0], device=dev), :v[2].shape[1]] for k, v in batch.items()}
+        out = self.forward(self.cache, inputs, pos, mask)
+        return {k: out[torch.tensor(v[0], device=dev), :v[3].shape[-1]] for k, v in batch.items()}
 
 
 class _Failed(Exception):
