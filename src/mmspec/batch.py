@@ -276,7 +276,7 @@ class BatchScheduler:
                 continue
             emitted += len(kept)
             text = dec.tokenizer.decode(a.run.tokens, skip_special_tokens=True)
-            delta = text[len(a.text):] if text.startswith(a.text) else text
+            delta = text.removeprefix(a.text)
             a.text = text
             result = self._result(a) if a.run.done else None
             events.append(StepEvent(a.rid, kept, delta, a.run.done, result))
@@ -309,7 +309,7 @@ class BatchScheduler:
         rows = self.draft_cache.join(drafter.cache, drafter.length, drafter.capacity + self.decoder.tree.n_nodes + 1)
         self._draft_rows[rid] = rows
         self._row_owner.extend([rid] * len(rows))
-        get_rows = lambda rid=rid: self._draft_rows[rid]  # noqa: E731 - rows move as others leave
+        get_rows = lambda rid=rid: self._draft_rows[rid]  # rows move as others leave
         drafter.cache = RowGroup(self.draft_cache, get_rows, drafter.length)
         drafter.step_fn = self.lockstep.step_fn(rid, get_rows, drafter)
 
