@@ -356,3 +356,18 @@ def test_static_cache_decoder_batches_eagerly(target, draft_shared, tok, refs):
     assert dec.static
     r = requests(1)[0]
     assert dec.generate(**r).token_ids == refs[0]
+
+
+def test_auto_policy_decodes_plainly_where_drafting_was_measured_slower(target, draft_shared, tok, refs):
+    pol = SpeculationPolicy("auto", probe_every=1000)
+    for b in range(1, 4):  # measured: plain steps 100x faster than drafted blocks at every batch size here
+        pol.record(b, True, tokens=1, seconds=1.0)
+        pol.record(b, False, tokens=100, seconds=1.0)
+    sched = BatchScheduler(SpecDecoder(target, draft_shared, tok, views="MT"), speculate=pol)
+    rids = [sched.submit(r) for r in [requests(8)[i] for i in (0, 5, 3)]]
+    events = drain(sched)
+    res = {ev.rid: ev.result for ev in events if ev.finished}
+    assert [res[r].token_ids for r in rids] == [refs[0], refs[5], refs[3]]
+    blocks = [b for r in res.values() for b in r.stats.blocks]
+    plain = sum(b.n_drafted == 0 for b in blocks)
+    assert plain >= 0.8 * len(blocks)  # only the first block at each batch size probes drafting
