@@ -371,3 +371,19 @@ def test_auto_policy_decodes_plainly_where_drafting_was_measured_slower(target, 
     blocks = [b for r in res.values() for b in r.stats.blocks]
     plain = sum(b.n_drafted == 0 for b in blocks)
     assert plain >= 0.8 * len(blocks)  # only the first block at each batch size probes drafting
+
+
+def test_a_failed_shared_forward_ends_its_requests_and_the_scheduler_goes_on(target, draft_shared, tok, refs,
+                                                                              monkeypatch):
+    import mmspec.batch as batch
+
+    sched = BatchScheduler(SpecDecoder(target, draft_shared, tok, views="M"))
+    first = [sched.submit(r) for r in requests(2)]
+    with monkeypatch.context() as m:
+        m.setattr(batch, "score_batch", lambda *a: (_ for _ in ()).throw(RuntimeError("out of memory")))
+        events = sched.step()
+    assert sorted(ev.rid for ev in events if ev.error) == first and "out of memory" in events[0].error
+    assert not sched.has_work() and sched.cache.active == 0
+    later = sched.submit(requests(1)[0])
+    done = {ev.rid: ev.result.token_ids for ev in drain(sched) if ev.finished}
+    assert done == {later: refs[0]}

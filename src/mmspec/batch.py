@@ -261,7 +261,13 @@ class BatchScheduler:
             return events
         runs = [a.run for a in self._active]
         t1 = time.perf_counter()
-        logits, hidden = score_batch(dec.target, self.cache, runs, dec._hidden_layers)
+        try:
+            logits, hidden = score_batch(dec.target, self.cache, runs, dec._hidden_layers)
+        except Exception as e:  # noqa: BLE001 - the shared forward failed: every request in it ends, the scheduler goes on
+            for b in reversed(range(len(self._active))):
+                events.append(StepEvent(self._active[b].rid, [], "", True, None, error=_message(e)))
+                self._remove(b)
+            return events
         verify_s = time.perf_counter() - t1
         emitted = 0
         finished: list[int] = []
