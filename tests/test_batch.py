@@ -321,6 +321,8 @@ def test_generate_batch_checks_every_request_first(target, draft_shared, tok):
             dec.generate_batch([reqs[0], reqs[1], dict(reqs[2], pixel_values=reqs[0]["pixel_values"])])
         with pytest.raises(MMSpecError, match=r"^request 1: unsupported generate\(\) argument"):
             dec.generate_batch([reqs[0], dict(reqs[1], colour="red")])
+        with pytest.raises(MMSpecError, match=r"^request 1: input_ids has batch size 2; .*generate_batch"):
+            dec.generate_batch([reqs[0], dict(reqs[0], input_ids=reqs[0]["input_ids"].repeat(2, 1))])
         with pytest.raises(MMSpecError, match=r"^request 0: the request has no input_ids"):
             dec.generate_batch([{}])
         with pytest.raises(MMSpecError, match=r"^request 1: top_p must be in"):
