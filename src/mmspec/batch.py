@@ -17,9 +17,17 @@ other policies keep the exact distribution but draw a different sequence of unif
 per second the batch measured, per batch size, with and without drafting.
 
 What runs batched: every view and ensemble, chains, static and dynamic trees, feature-level
-heads, greedy and sampling. The target's verify forward is shared; each request's draft
-forwards run on its own drafter (the draft is the small model). Eager only: a decoder set up
-for static caches / CUDA graphs prefills and decodes its batches eagerly.
+heads, greedy and sampling. The target's verify forward is shared, and so are the draft
+forwards: each request drafts its own tree (its own code path and draws) in a thread of its
+own, and :class:`~mmspec.batch_engine.DraftLockstep` merges their forwards into one over a
+shared draft cache. Eager only: a decoder set up for static caches / CUDA graphs prefills and
+decodes its batches eagerly (its ``generate`` keeps its static caches and graphs).
+
+Exactness is per row: in float64 (the tests) a request's tokens never depend on its
+neighbours; in float32 / half precision a batched matrix product may round the last bit
+differently from a one-row one, so a near-tie can flip (what issue 37's half-precision audit
+measures). A result's ``stats.total_s`` counts from :meth:`BatchScheduler.submit` (queueing
+included: the request's latency); its blocks' ``verify_s`` is the shared forward's time.
 """
 
 from __future__ import annotations
