@@ -294,6 +294,20 @@ class SpecDecoder:
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         return GenerationResult(token_ids=tokens, text=text, stats=stats, seed=seed)
 
+    def generate_batch(self, requests: list[dict], *, max_batch: int = 16, speculate: str = "always",
+                       **defaults) -> list[GenerationResult]:
+        """Decode many prompts together (:mod:`mmspec.batch`): each request a dict of what
+        :meth:`generate` takes for one prompt (``input_ids``, ``pixel_values``, the family's processor
+        outputs, ``images``, ``captions``, ...) plus its own ``max_new_tokens``, ``temperature``,
+        ``top_k``, ``top_p``, ``seed`` overriding ``defaults``. Every request is checked before any
+        decoding ("request N: ..."); results come back in input order, each one what ``generate``
+        returns for that request alone (greedy: the target's tokens; a seed: the same draws).
+        ``speculate``: "always", "never" (plain batched target steps) or "auto"
+        (:class:`~mmspec.batch.SpeculationPolicy`); ``max_batch``: requests decoded at once."""
+        from mmspec.batch import generate_batch
+
+        return generate_batch(self, requests, max_batch=max_batch, speculate=speculate, **defaults)
+
     # ------------------------------------------------------------------ pieces of generate
     @torch.inference_mode()
     def new_drafter(self, input_ids, pixel_values=None, *, max_new_tokens: int = 128,

@@ -189,3 +189,6 @@ def block_network():
         mp.setattr(socket, "create_connection", lambda address, *a, **k: refuse("socket.create_connection", address))
         mp.setattr(socket, "getaddrinfo", lambda host, port, *a, **k: refuse("socket.getaddrinfo", (host, port)))
         yield
+
+
+# ---------------------------------------------------------------- exact-distribution tests
