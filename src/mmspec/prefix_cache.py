@@ -32,7 +32,8 @@ from mmspec.models.cache import DecodeCache, set_cache_length
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [1, H_kv, n, D]
 _MASK62 = (1 << 62) - 1
-PREFIX_CACHE_MB = 256.0  # SpecDecoder's default budget (docs/perf.md, "Prefix caching")
+PREFIX_CACHE_MB = 1024.0  # SpecDecoder's default budget (docs/perf.md, "Prefix caching"): ~2,000 tokens of a
+# 7B LLaVA's fp16 KV (512 KiB a token); the embedded pack's conversations take well under 1 MiB each
 
 
 def check_budget(mb) -> float:
