@@ -364,7 +364,7 @@ class SpecDecoder:
         prompt that extends it (no-op when prefix caching is off)."""
         if pre.keys is not None:
             entry = entry_after_decode(pre.keys, pre.encoded, pre.state.cache, pre.drafter, tokens,
-                                       head=self.head is not None)
+                                       head=self.head is not None, copy=self.static)  # eager: caches of this decode alone
             if entry is not None:
                 self.prefix_cache.store(entry)
 

@@ -137,7 +137,7 @@ class RowPrefix:
 
     @property
     def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv)
+        return _storage_bytes(t for pair in self.kv for t in pair)
 
 
 @dataclass
@@ -150,8 +150,10 @@ class PrefixEntry:
 
     @property
     def nbytes(self) -> int:
-        n = self.target.nbytes + sum(r.nbytes for r in self.rows) + (self.head.nbytes if self.head else 0)
-        return n + _encoded_bytes(self.encoded)
+        """Bytes held: the storages its keys/values live in (a whole decode buffer when the entry
+        took it over instead of copying), each counted once, and the encoded images."""
+        parts = [self.target, *self.rows] + ([self.head] if self.head else [])
+        return _storage_bytes(t for p in parts for pair in p.kv for t in pair) + _encoded_bytes(self.encoded)
 
 
 @dataclass
@@ -246,13 +248,16 @@ class PrefixCache:
 
 
 # ----------------------------------------------------------------------------------- copying KV
-def snapshot(cache, row: int, start: int, n: int) -> KV | None:
-    """A copy of slots ``start .. start + n - 1`` of row ``row`` of a decode cache, per layer
-    [1, H, n, D] (None for a cache other than a :class:`DecodeCache`: not stored)."""
+def snapshot(cache, row: int, start: int, n: int, copy: bool = True) -> KV | None:
+    """Slots ``start .. start + n - 1`` of row ``row`` of a decode cache, per layer [1, H, n, D]:
+    copies, or (``copy=False``, for a cache no decode will write again: the caller's promise)
+    views of its buffer, which the entry then keeps alive. None for a cache other than a
+    :class:`DecodeCache` (not stored)."""
     if not isinstance(cache, DecodeCache) or n <= 0 or not all(layer.is_initialized for layer in cache.layers):
         return None
-    return [(layer.keys[row:row + 1, :, start:start + n].clone(), layer.values[row:row + 1, :, start:start + n].clone())
-            for layer in cache.layers]
+    out = [(layer.keys[row:row + 1, :, start:start + n], layer.values[row:row + 1, :, start:start + n])
+           for layer in cache.layers]
+    return [(k.clone(), v.clone()) for k, v in out] if copy else out
 
 
 def write_kv(cache: DecodeCache, kv: KV, row: int = 0, start: int = 0, n_rows: int = 1) -> None:
@@ -287,6 +292,14 @@ def restore_rows(cache: DecodeCache, kvs: list[KV | None], pads: list[int]) -> i
                 layer.values[b, :, :min(p, start)] = 0
     set_cache_length(cache, start)
     return start
+
+
+def _storage_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[(st.device.type, st.data_ptr())] = st.nbytes()
+    return sum(seen.values())
 
 
 def _encoded_bytes(enc) -> int:
@@ -353,27 +366,29 @@ def prompt_keys(ids: torch.Tensor, placeholders: dict, enc, rows: list, views: l
 
 
 def entry_after_decode(keys: PromptKeys, enc, target_cache, drafter, tokens: list[int],
-                       head: bool) -> PrefixEntry | None:
+                       head: bool, copy: bool = True) -> PrefixEntry | None:
     """What a finished decode leaves to reuse: the target's cache (prompt and the committed new
     tokens it holds), each draft row's (its prompt row and the tokens the draft has seen; rows
-    are left-padded to the longest) or the head's slots, copied (None: a cache not kept)."""
+    are left-padded to the longest) or the head's slots (None: a cache not kept). ``copy``:
+    copy them (caches that later decodes reuse: a static pool's, a batch's rows) or take the
+    buffers over (caches made for this decode alone: nothing is copied)."""
     new = torch.tensor(tokens, dtype=torch.long)
     seq = torch.cat([keys.target, new])
     n = min(getattr(target_cache, "length", 0), seq.shape[0])
-    kv = snapshot(target_cache, 0, 0, n)
+    kv = snapshot(target_cache, 0, 0, n, copy)
     if kv is None:
         return None
     entry = PrefixEntry(target=RowPrefix(seq[:n], kv), digests=keys.digests, encoded=enc)
     if head:
         n_h = drafter.committed
-        kv_h = snapshot(drafter.cache, 0, 0, n_h)
+        kv_h = snapshot(drafter.cache, 0, 0, n_h, copy)
         entry.head = None if kv_h is None else RowPrefix(seq[:n_h + 1], kv_h)
         return entry
     width = max(k.shape[0] - 1 for k in keys.rows)  # the drafter's prompt slots (rows less their pending token)
     for b, rk in enumerate(keys.rows):
         pad = width - (rk.shape[0] - 1)
         n_b = drafter.committed - pad
-        kv_b = snapshot(drafter.cache, b, pad, n_b)
+        kv_b = snapshot(drafter.cache, b, pad, n_b, copy)
         if kv_b is None:
             entry.rows = []
             break
