@@ -99,7 +99,7 @@ def test_qwen_turn_two_text_only(qwen_pair, tok):
     target, draft = qwen_pair
     ids1, mm = qwen_inputs(2, True, seed=4)
     dec = SpecDecoder(target, draft, tok, views="MT")
-    r1, r2, ids2, held = two_turns(dec, ids1, **mm)
+    _, r2, ids2, held = two_turns(dec, ids1, **mm)
     assert r2.token_ids == reference(target, ids2, 16, **mm)
     assert r2.stats.prompt_tokens_reused == held
 
@@ -157,7 +157,7 @@ def test_stored_prefix_survives_a_decode_that_rolled_back(target, tok, static):
     ids1, pv = make_prompt(1, 16, seed=8)
     dec = SpecDecoder(target, draft, tok, views="M", static_cache=static)
     r1 = dec.generate(ids1, pv, max_new_tokens=10)
-    entry = list(dec.prefix_cache.entries.values())[0]
+    entry = next(iter(dec.prefix_cache.entries.values()))
     before = [t.clone() for kv in [entry.target.kv, *[r.kv for r in entry.rows]] for pair in kv for t in pair]
     r2 = dec.generate(next_turn(ids1, r1.token_ids), pv, max_new_tokens=20)
     assert any(b.n_accepted < b.n_drafted for b in r2.stats.blocks)  # something was rolled back
@@ -216,6 +216,6 @@ def test_decode_cache_is_what_is_stored(target, draft_shared, tok):
     dec = SpecDecoder(target, draft_shared, tok, views="M")
     ids1, pv = make_prompt(1, 16, seed=14)
     dec.generate(ids1, pv, max_new_tokens=4)
-    entry = list(dec.prefix_cache.entries.values())[0]
+    entry = next(iter(dec.prefix_cache.entries.values()))
     assert isinstance(dec.target.new_cache(8), DecodeCache)
     assert entry.target.kv[0][0].shape[-2] == entry.target.key.shape[0]
