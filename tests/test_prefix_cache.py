@@ -219,3 +219,16 @@ def test_decode_cache_is_what_is_stored(target, draft_shared, tok):
     entry = next(iter(dec.prefix_cache.entries.values()))
     assert isinstance(dec.target.new_cache(8), DecodeCache)
     assert entry.target.kv[0][0].shape[-2] == entry.target.key.shape[0]
+
+
+def test_seeded_sampling_turn_two_equals_a_fresh_decode(target, draft_shared, tok):
+    """Reuse changes no draw: a seeded turn 2 equals the same call on a decoder without the cache."""
+    ids1, pv = make_prompt(1, 16, seed=15)
+    dec = SpecDecoder(target, draft_shared, tok, views="MT")
+    fresh = SpecDecoder(target, draft_shared, tok, views="MT", prefix_cache_mb=0)
+    r1 = dec.generate(ids1, pv, max_new_tokens=10, temperature=0.8, seed=3)
+    assert r1.token_ids == fresh.generate(ids1, pv, max_new_tokens=10, temperature=0.8, seed=3).token_ids
+    ids2 = next_turn(ids1, r1.token_ids)
+    r2 = dec.generate(ids2, pv, max_new_tokens=16, temperature=0.8, seed=4)
+    assert r2.stats.prompt_tokens_reused > ids1.shape[1]
+    assert r2.token_ids == fresh.generate(ids2, pv, max_new_tokens=16, temperature=0.8, seed=4).token_ids

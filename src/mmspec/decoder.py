@@ -325,7 +325,8 @@ class SpecDecoder:
         """:meth:`generate` as an iterator of text pieces, at most one per block, that concatenate
         to ``generate(...).text`` (same arguments, ``streamer`` excepted); the result, stats
         included, is the iterator's ``result`` once it is exhausted. Errors (bad input included)
-        are raised by the iteration."""
+        are raised by the iteration. The decode runs in a worker thread: use the decoder for
+        nothing else until the stream has ended (or ``close()`` it)."""
         if "streamer" in kwargs:
             raise MMSpecError("stream() streams by itself; pass streamer= to generate() instead")
         return TextStream(self, (input_ids, pixel_values, attention_mask), kwargs)
