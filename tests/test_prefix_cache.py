@@ -58,12 +58,14 @@ def test_turn_two_equals_target_on_the_whole_conversation(target, draft_shared, 
     assert r2.stats.vision_s == 0.0  # the same images: encoded once
 
 
-@pytest.mark.parametrize("tree", [None, "dynamic"])
-def test_turn_two_with_a_head(target, tok, tree):
+@pytest.mark.parametrize("kw", [{}, {"tree": "dynamic"}, {"cuda_graphs": "emulate", "tree": "dynamic"}])
+def test_turn_two_with_a_head(target, tok, kw):
     ids1, pv = make_prompt(1, 16, seed=5)
-    dec = SpecDecoder(target, build_head(target, "eagle", seed=1), tok, tree=tree)
+    dec = SpecDecoder(target, build_head(target, "eagle", seed=1), tok, **kw)
     r1, r2, ids2, held = two_turns(dec, ids1, pixel_values=pv)
     assert r2.token_ids == reference(target, ids2, 16, pixel_values=pv)
+    again = dec.generate(ids2, pv, max_new_tokens=16)  # the same prompt again: all but one position reused
+    assert again.token_ids == r2.token_ids and again.stats.prompt_tokens_reused == ids2.shape[1] - 2
     # the head's slots need the target's features before them: the target prefills again from the
     # head's first missing slot (the last block's tokens were pending, never fed to the head)
     assert ids1.shape[1] + len(r1.token_ids) - 1 - (dec.gamma + 1) <= r2.stats.prompt_tokens_reused < held
