@@ -234,3 +234,26 @@ def test_seeded_sampling_turn_two_equals_a_fresh_decode(target, draft_shared, to
     r2 = dec.generate(ids2, pv, max_new_tokens=16, temperature=0.8, seed=4)
     assert r2.stats.prompt_tokens_reused > ids1.shape[1]
     assert r2.token_ids == fresh.generate(ids2, pv, max_new_tokens=16, temperature=0.8, seed=4).token_ids
+
+
+def test_the_batch_path_pieces(target, draft_shared, tok):
+    """What a batch admission calls: prefill_request (reusing the cache), remember(pre, []) right
+    after it (the prompt kept before its caches join the batch), and, at the end, make_entry on
+    the rows the batch holds (kv_rows of a one-buffer cache)."""
+    from mmspec.prefix_cache import kv_rows, make_entry, snapshot
+
+    dec = SpecDecoder(target, draft_shared, tok, views="MT")
+    ids1, pv = make_prompt(1, 16, seed=16)
+    mm = {"pixel_values": pv}
+    pre = dec.prefill_request(ids1[0], mm, dec.mm.layout(ids1[0], mm), 8, dec._new_stats())
+    dec.remember(pre, [], copy=True)  # the prompt alone: L - 1 target positions
+    assert stored_len(dec) == ids1.shape[1] - 1
+    cache = pre.state.cache
+    for (k, v), (k2, v2) in zip(kv_rows(cache.store.kv, 0, 0, 5), snapshot(cache, 0, 0, 5)):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+    entry = make_entry(pre.keys, pre.encoded, [7, 8], kv_rows(cache.store.kv, 0, 0, cache.length))
+    assert torch.equal(entry.target.key, pre.keys.target[:-1]) and not entry.rows
+    ids2 = next_turn(ids1, [9, 10])
+    r = dec.generate(ids2, pv, max_new_tokens=8)
+    assert r.stats.prompt_tokens_reused == ids1.shape[1] - 1
+    assert r.token_ids == reference(target, ids2, 8, pixel_values=pv)

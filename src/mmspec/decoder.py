@@ -360,12 +360,14 @@ class SpecDecoder:
             drafter = self._prefill_draft(rows, max_new_tokens, stats, prefix=prefix)
         return Prefilled(state=state, drafter=drafter, keys=keys, encoded=enc)
 
-    def remember(self, pre: Prefilled, tokens: list[int]) -> None:
+    def remember(self, pre: Prefilled, tokens: list[int], copy: bool | None = None) -> None:
         """Keep what a finished request's caches hold (its prompt and new tokens) for the next
-        prompt that extends it (no-op when prefix caching is off)."""
+        prompt that extends it (no-op when prefix caching is off). ``copy``: copy the caches
+        (default: only static ones, which later decodes reuse; an eager decode's are taken over);
+        pass True when anything may still write them (a batch that keeps using them)."""
         if pre.keys is not None:
             entry = entry_after_decode(pre.keys, pre.encoded, pre.state.cache, pre.drafter, tokens,
-                                       head=self.head is not None, copy=self.static)  # eager: caches of this decode alone
+                                       head=self.head is not None, copy=self.static if copy is None else copy)
             if entry is not None:
                 self.prefix_cache.store(entry)
 

@@ -372,25 +372,44 @@ def entry_after_decode(keys: PromptKeys, enc, target_cache, drafter, tokens: lis
     are left-padded to the longest) or the head's slots (None: a cache not kept). ``copy``:
     copy them (caches that later decodes reuse: a static pool's, a batch's rows) or take the
     buffers over (caches made for this decode alone: nothing is copied)."""
-    new = torch.tensor(tokens, dtype=torch.long)
-    seq = torch.cat([keys.target, new])
-    n = min(getattr(target_cache, "length", 0), seq.shape[0])
-    kv = snapshot(target_cache, 0, 0, n, copy)
-    if kv is None:
+    seq_len = keys.target.shape[0] + len(tokens)
+    target = snapshot(target_cache, 0, 0, min(getattr(target_cache, "length", 0), seq_len), copy)
+    if target is None:
         return None
-    entry = PrefixEntry(target=RowPrefix(seq[:n], kv), digests=keys.digests, encoded=enc)
     if head:
-        n_h = drafter.committed
-        kv_h = snapshot(drafter.cache, 0, 0, n_h, copy)
-        entry.head = None if kv_h is None else RowPrefix(seq[:n_h + 1], kv_h)
-        return entry
+        return make_entry(keys, enc, tokens, target, head=snapshot(drafter.cache, 0, 0, drafter.committed, copy))
     width = max(k.shape[0] - 1 for k in keys.rows)  # the drafter's prompt slots (rows less their pending token)
+    rows = []
     for b, rk in enumerate(keys.rows):
         pad = width - (rk.shape[0] - 1)
-        n_b = drafter.committed - pad
-        kv_b = snapshot(drafter.cache, b, pad, n_b, copy)
-        if kv_b is None:
-            entry.rows = []
-            break
-        entry.rows.append(RowPrefix(torch.cat([rk, new])[:n_b], kv_b))
+        rows.append(snapshot(drafter.cache, b, pad, drafter.committed - pad, copy))
+    return make_entry(keys, enc, tokens, target, rows=None if any(r is None for r in rows) else rows)
+
+
+def kv_rows(kv: torch.Tensor, row: int, start: int, n: int, copy: bool = True) -> KV:
+    """Slots ``start .. start + n - 1`` of row ``row`` of a one-buffer cache ``kv`` [n_layers, 2,
+    rows, H, capacity, D] (a :class:`DecodeCache`'s ``store.kv``, a batch's ragged rows), per
+    layer [1, H, n, D]: copies unless ``copy=False``."""
+    out = [(kv[i, 0, row:row + 1, :, start:start + n], kv[i, 1, row:row + 1, :, start:start + n])
+           for i in range(kv.shape[0])]
+    return [(k.clone(), v.clone()) for k, v in out] if copy else out
+
+
+def make_entry(keys: PromptKeys, enc, tokens: list[int], target: KV, rows: list[KV] | None = None,
+               head: KV | None = None) -> PrefixEntry:
+    """An entry from a request's keys, its new ``tokens`` and the keys/values its caches hold
+    (already copied: each KV's length says how many positions it keeps): ``target`` [1, H, n, D]
+    per layer holds the prompt + new tokens' first n positions; ``rows[b]`` draft row b's (its
+    prompt row, then the new tokens); ``head`` a head's slots (slot t: feature t, token t + 1)."""
+    new = torch.tensor(tokens, dtype=torch.long)
+    seq = torch.cat([keys.target, new])
+    entry = PrefixEntry(target=RowPrefix(seq[:_n(target)], target), digests=keys.digests, encoded=enc)
+    if head is not None:
+        entry.head = RowPrefix(seq[:_n(head) + 1], head)
+    for rk, kv in zip(keys.rows, rows or []):
+        entry.rows.append(RowPrefix(torch.cat([rk, new])[:_n(kv)], kv))
     return entry
+
+
+def _n(kv: KV) -> int:
+    return kv[0][0].shape[-2]
