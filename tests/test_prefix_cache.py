@@ -237,7 +237,7 @@ def test_seeded_sampling_turn_two_equals_a_fresh_decode(target, draft_shared, to
 
 
 def test_the_batch_path_pieces(target, draft_shared, tok):
-    """What a batch admission calls: prefill_request (reusing the cache), remember(pre, []) right
+    """What a batch admission calls: prefill_request (reusing the cache), remember(pre, [], copy=True) right
     after it (the prompt kept before its caches join the batch), and, at the end, make_entry on
     the rows the batch holds (kv_rows of a one-buffer cache)."""
     from mmspec.prefix_cache import kv_rows, make_entry, snapshot
