@@ -97,9 +97,9 @@ def run(args) -> dict:
 
 
 def table(res: dict) -> str:
-    lines = ["| sample | turn-2 prompt | reused | target prefill, reuse (ms) | fresh (ms) | ratio | "
-             "turn 1 total, cache on / off (ms) | keying + storing (ms) | cache held (MiB) | same output |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    head = ("| sample | turn-2 prompt | reused | target prefill, reuse (ms) | fresh (ms) | ratio | "
+            "turn 1 total, cache on / off (ms) | keying + storing (ms) | cache held (MiB) | same output |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         lines.append(f"| {r['uid']} | {r['turn2_len']} | {r['reused']} | {r['prefill_reuse_ms']:.1f} | "
                      f"{r['prefill_fresh_ms']:.1f} | {r['ratio']:.3f} | {r['turn1_total_on_ms']:.0f} / "
