@@ -188,7 +188,7 @@ def build_decoders(cfg: SpeedConfig, models: BenchModels) -> dict[str, Any]:
     def make(views: str, **kw):
         cap = models.captioner if "C" in views.upper() else None
         return SpecDecoder(models.target, models.draft, models.tokenizer, views=views, captioner=cap, gamma=cfg.gamma,
-                           processor=models.processor, **kw)
+                           processor=models.processor, prefix_cache_mb=0, **kw)  # repeats: no reuse
 
     out = {f"mmspec_{views}": make(views) for views in dict.fromkeys(["M", cfg.ensemble])}
     for name in cfg.trees:
@@ -198,7 +198,7 @@ def build_decoders(cfg: SpeedConfig, models: BenchModels) -> dict[str, Any]:
         variant, _, path = spec.partition("=")
         for suffix, kw in (("", {}), ("+tree", {"tree": "dynamic"})):
             out[f"mmspec_{variant}{suffix}"] = SpecDecoder(models.target, path, models.tokenizer, gamma=cfg.gamma,
-                                                          processor=models.processor, **kw)
+                                                          processor=models.processor, prefix_cache_mb=0, **kw)
     if cfg.eager and next(models.target.parameters()).device.type == "cuda":
         out["mmspec_M(eager)"] = make("M", cuda_graphs=False)
     return out
@@ -374,7 +374,8 @@ def measure_draft_step(cfg: SpeedConfig, models: BenchModels, prompts: Sequence[
     if "C" in views and models.captioner is None and not all(p.captions for p in prompts):
         views = views.replace("C", "")  # no captioner: time the views that need none
     decs = {v: SpecDecoder(models.target, models.draft, models.tokenizer, views=v, gamma=cfg.gamma,
-                           captioner=models.captioner if "C" in v else None, processor=models.processor)
+                           captioner=models.captioner if "C" in v else None, processor=models.processor,
+                           prefix_cache_mb=0)
             for v in dict.fromkeys(["M", views])}
     per = []
     for p in prompts:
