@@ -187,3 +187,17 @@ def test_cut_at_eos():
     assert cut_at_eos([5, 6, 2, 0, 0], 2) == [5, 6, 2]
     assert cut_at_eos([5, 6, 7], [2, 9]) == [5, 6, 7] and cut_at_eos([5, 9, 2], [2, 9]) == [5, 9]
     assert cut_at_eos([5], None) == [5]
+
+
+def test_goal_lines_use_the_solo_baseline_when_b1_is_not_swept(tmp_path):
+    cfg = _cfg(tmp_path, batch_sizes=(4,), n_samples=8)
+    run_bench(cfg, backend=BatchFake(), rank=RankInfo())
+    text = render_report(cfg.out_dir).read_text()
+    # no B = 8 here: no goal line; B = 4 rows only
+    assert "| 4 | target | 8 |" in text and "goal at B = 8" not in text
+    cfg8 = _cfg(tmp_path / "b", batch_sizes=(8,), n_samples=8)
+    run_bench(cfg8, backend=BatchFake(), rank=RankInfo())
+    text = render_report(cfg8.out_dir).read_text()
+    # M at B = 8: 96 tokens / 1.3 s vs the target's 96 / 3.0 s -> 2.31x; p50 1.300 s vs solo baseline wall 1.000 s
+    assert ("- goal at B = 8, M: throughput ×target 2.31 (goal ≥ 1.50: met); p50 1.300 s vs the target's p50 at "
+            "B = 1 1.000 s (goal ≤: NOT met)") in text
