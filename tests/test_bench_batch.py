@@ -201,3 +201,12 @@ def test_goal_lines_use_the_solo_baseline_when_b1_is_not_swept(tmp_path):
     # M at B = 8: 96 tokens / 1.3 s vs the target's 96 / 3.0 s -> 2.31x; p50 1.300 s vs solo baseline wall 1.000 s
     assert ("- goal at B = 8, M: throughput ×target 2.31 (goal ≥ 1.50: met); p50 1.300 s vs the target's p50 at "
             "B = 1 1.000 s (goal ≤: NOT met)") in text
+
+
+def test_auto_suffix_is_the_batched_speculation_policy():
+    from mmspec.bench.config import method_tree, method_views
+
+    assert method_tree("M+auto") == {"speculate": "auto"} and method_views("MT+auto") == ("M", "T")
+    assert method_tree("M+tree+auto") == {"tree": "dynamic", "speculate": "auto"}
+    with pytest.raises(MMSpecError, match="twice"):
+        method_tree("M+auto+auto")

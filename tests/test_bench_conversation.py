@@ -122,6 +122,9 @@ def test_spec_batch_sends_one_request_per_sample(tmp_path):
     dec = be._decoders["M"] = Dec()
     gens, wall = be.spec_batch(samples, "M")
     assert [g.token_ids for g in gens] == [[5, 6, 0], [5, 6, 1]] and all(isinstance(g, Generation) for g in gens)
-    assert dec.defaults == {"max_new_tokens": 7, "temperature": 0.0, "seed": 0}
+    assert dec.defaults == {"max_new_tokens": 7, "temperature": 0.0, "seed": 0, "max_batch": 2, "speculate": "always"}
+    be._decoders["M+auto"] = dec
+    be.spec_batch(samples[:1], "M+auto")
+    assert dec.defaults["speculate"] == "auto" and dec.defaults["max_batch"] == 1
     for s, q in zip(samples, dec.requests):
         assert q["input_ids"].shape[0] == 1 and q["pixel_values"].shape[0] == 1 and q["images"] == s.images

@@ -120,6 +120,7 @@ class HFBackend:
 
             views = self.resolve_views(method)
             kw = method_tree(method)
+            kw.pop("speculate", None)  # generate_batch's, not the decoder's (spec_batch passes it)
             draft = self.m.draft
             if "head" in kw:
                 variant = kw.pop("head")
@@ -222,8 +223,9 @@ class HFBackend:
             reqs.append({**inputs, "images": s.images})
         sync(self.device)
         t0 = time.perf_counter()
-        results = dec.generate_batch(reqs, max_new_tokens=self.cfg.max_new_tokens,
-                                     temperature=self.cfg.temperature, seed=self.cfg.seed)
+        speculate = method_tree(method).get("speculate", "always")
+        results = dec.generate_batch(reqs, max_new_tokens=self.cfg.max_new_tokens, max_batch=len(reqs),
+                                     speculate=speculate, temperature=self.cfg.temperature, seed=self.cfg.seed)
         sync(self.device)
         wall = time.perf_counter() - t0
         return [Generation(list(r.token_ids), r.text, wall, int(q["input_ids"].shape[-1]), r.stats.to_dict())

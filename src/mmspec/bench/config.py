@@ -45,7 +45,9 @@ def parse_method(method: str) -> tuple[tuple[str, ...], dict]:
     ``"MTC"`` -> (("M", "T", "C"), {}); ``"M+pooled:36"`` -> views as split. Suffixes, in any
     order (README, "Token trees"): ``tree`` asks for the dynamic token tree with the device's
     measured defaults, ``tree:DxKxB`` (``tree:6x4x16``) one of depth D, top-k K and budget B,
-    ``tree:[[0],[1],[0,0]]`` a static tree; ``relaxed``: MSD's relaxed acceptance (LOSSY). A head
+    ``tree:[[0],[1],[0,0]]`` a static tree; ``relaxed``: MSD's relaxed acceptance (LOSSY); ``auto``:
+    the batched pass decodes with ``generate_batch(speculate="auto")`` (drafts only where measured to
+    pay; :class:`mmspec.batch.SpeculationPolicy`), the one-prompt rows as the method without it. A head
     variant in place of the views (``eagle``, ``eagle3+tree``, ``msd+relaxed+tree``) drafts with
     that trained head: {"head": variant}. Each tree is checked here (a zero depth is refused).
     """
@@ -57,7 +59,11 @@ def parse_method(method: str) -> tuple[tuple[str, ...], dict]:
     views = []
     for part in parts:
         low = part.lower()
-        if low == "relaxed":
+        if low == "auto":
+            if "speculate" in kw:
+                raise MMSpecError(f"method {method!r} says +auto twice; say it once")
+            kw["speculate"] = "auto"
+        elif low == "relaxed":
             if "acceptance" in kw:
                 raise MMSpecError(f"method {method!r} says +relaxed twice; say it once")
             kw["acceptance"] = "relaxed"
