@@ -7,13 +7,19 @@ import json
 
 import pytest
 import torch
-
 from fixtures_bench import FakeBackend, read_jsonl
-from mmspec.bench.audit import NEAR_TIE_TOLERANCE, audit_difference, classify, first_difference, margin_from_logits
+from tiny import make_llava, make_prompt
+
+from mmspec.bench.audit import (
+    NEAR_TIE_TOLERANCE,
+    audit_difference,
+    classify,
+    first_difference,
+    margin_from_logits,
+)
 from mmspec.bench.config import BenchConfig, DatasetSpec, RankInfo
 from mmspec.bench.report import render_report
 from mmspec.bench.runner import run_bench
-from tiny import make_llava, make_prompt
 
 
 def test_first_difference():
@@ -115,8 +121,9 @@ def test_bfloat16_tiny_models_differ_only_at_near_ties():
     """A bfloat16 run of tiny models on CPU: where mmspec's greedy output leaves the target's own
     (flat logits make bf16 ties likely: on the machine this was written on, prompts 6 and 9 of these
     differ), the target's margin there is within bfloat16's tolerance: a near-tie, not a bug."""
-    from mmspec.decoder import SpecDecoder
     from tiny import make_tokenizer, noisy_copy
+
+    from mmspec.decoder import SpecDecoder
 
     target = make_llava(0, dtype=torch.float32)
     with torch.no_grad():

@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import pytest
+from fixtures_bench import FakeBackend, read_jsonl
 from typer.testing import CliRunner
 
-from fixtures_bench import FakeBackend, read_jsonl
 from mmspec.bench.backend import Generation
 from mmspec.bench.batch_report import batch_metrics, percentile, stops_paying
 from mmspec.bench.batched import cut_at_eos
@@ -55,8 +55,8 @@ class BatchFake(FakeBackend):
 
 
 def _cfg(tmp_path, **kw) -> BenchConfig:
-    base = dict(out_dir=tmp_path / "out", methods=METHODS, n_samples=5, progress=False, latency=False,
-                datasets=(DatasetSpec("chartqa"),), max_new_tokens=12)
+    base = {"out_dir": tmp_path / "out", "methods": METHODS, "n_samples": 5, "progress": False, "latency": False,
+            "datasets": (DatasetSpec("chartqa"),), "max_new_tokens": 12}
     base.update(kw)
     return BenchConfig(**base)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from fixtures_bench import FakeBackend, read_jsonl, write_chartqa
+
 from mmspec.bench.backend import Generation, HFBackend
 from mmspec.bench.config import BenchConfig, DatasetSpec, RankInfo
 from mmspec.bench.datasets import BenchSample, load_dataset
@@ -68,10 +68,10 @@ def test_bench_runs_turn_two_from_the_targets_answer(tmp_path):
 
 
 def tiny_models():
+    from tiny import make_llava, make_tokenizer, noisy_copy
     from transformers import CLIPImageProcessor, LlavaProcessor
 
     from mmspec.bench.backend import BenchModels
-    from tiny import make_llava, make_tokenizer, noisy_copy
 
     tok = make_tokenizer()
     tok.add_tokens(["<image>"], special_tokens=True)
@@ -120,7 +120,7 @@ def test_spec_batch_sends_one_request_per_sample(tmp_path):
     samples, _ = load_dataset("chartqa", data, 2)
     be = HFBackend(models, cfg, torch.device("cpu"))
     dec = be._decoders["M"] = Dec()
-    gens, wall = be.spec_batch(samples, "M")
+    gens, _ = be.spec_batch(samples, "M")
     assert [g.token_ids for g in gens] == [[5, 6, 0], [5, 6, 1]] and all(isinstance(g, Generation) for g in gens)
     assert dec.defaults == {"max_new_tokens": 7, "temperature": 0.0, "seed": 0, "max_batch": 2, "speculate": "always"}
     be._decoders["M+auto"] = dec

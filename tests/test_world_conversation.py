@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from mmspec.errors import MMSpecError
-from mmspec.world import FAMILIES, MULTI_TURN, generate_conversations, generate_samples, make_conversation
+from mmspec.world import (
+    FAMILIES,
+    MULTI_TURN,
+    generate_conversations,
+    generate_samples,
+    make_conversation,
+)
 from mmspec.world.conversation import BASE_FAMILIES
 from mmspec.world.core import SPLITS
 

@@ -92,18 +92,18 @@ def batch_section(rows: list[dict]) -> list[str]:
     if not ms:
         return []
     lines = ["## Batches: mmspec vs the target's batched greedy generate", "",
-             "Same prompts, same run. throughput = new tokens of the whole batch / its wall time (pooled over "
+             ("Same prompts, same run. throughput = new tokens of the whole batch / its wall time (pooled over "
              "batches and datasets); latency = per request, from its batch's start until its result returns (a "
              "static batch returns all together); ×target = throughput ÷ the target's at the same B. "
-             "identical = outputs equal to the target's **solo** greedy output.", ""]
+             "identical = outputs equal to the target's **solo** greedy output."), ""]
     lines += _table(["B", "decoder", "requests", "tokens/s", "×target", "p50 latency s", "p90 latency s", "τ",
                      "identical to solo"],
                     [[str(m["batch_size"]), m["method"], str(m["n_requests"]), _f(m["tokens_per_s"], 1),
                       _f(m["vs_target"]), _f(m["p50_s"], 3), _f(m["p90_s"], 3), _f(m["tau"]),
                       f"{m['identical_to_solo']}/{m['checked']}"] for m in ms])
     stop = stops_paying(ms)
-    lines += ["", f"Drafting stops paying (best method below the target's throughput) at: "
-              f"**{'B = ' + str(stop) if stop else 'no B of this run'}**."]
+    lines += ["", (f"Drafting stops paying (best method below the target's throughput) at: "
+              f"**{'B = ' + str(stop) if stop else 'no B of this run'}**.")]
     by = {(m["batch_size"], m["method"]): m for m in ms}
     t1 = by.get((1, TARGET))
     if t1 is None:  # B = 1 not in the sweep: the solo baseline rows are the target at batch 1
@@ -123,6 +123,16 @@ def batch_section(rows: list[dict]) -> list[str]:
     return lines + [""]
 
 
+def tau(rows: list[dict]) -> float | None:
+    """Pooled block efficiency of spec rows (tokens / blocks, the bonus token included)."""
+    blocks = [b for r in rows for b in r["stats"]["blocks"]]
+    return sum(int(b["n_emitted"]) for b in blocks) / len(blocks) if blocks else None
+
+
+def mean(rows: list[dict], f) -> float | None:
+    return statistics.fmean(f(r) for r in rows) if rows else None
+
+
 def conversation_section(rows: list[dict]) -> list[str]:
     """τ per turn and the turn-2 prefill against a fresh one (empty without conversation rows)."""
     spec = [r for r in rows if r.get("kind") == "spec" and r.get("turn")]
@@ -130,26 +140,19 @@ def conversation_section(rows: list[dict]) -> list[str]:
         return []
     base = {(r["dataset"], r["uid"]): r for r in rows if r.get("kind") == "baseline"}
     lines = ["## Conversations (two turns)", "",
-             "Turn 2 = turn 1's prompt + the target's own turn-1 answer + a new question about the same image. "
+             ("Turn 2 = turn 1's prompt + the target's own turn-1 answer + a new question about the same image. "
              "τ per turn; reused = prompt tokens the decoder took from its cache of turn 1 "
              "(GenerationStats.prompt_tokens_reused); fresh prefill (est.) = turn 1's target prefill per prompt "
-             "token × turn 2's prompt length.", ""]
+             "token × turn 2's prompt length."), ""]
     table = []
     for (dataset, method) in sorted({(r["dataset"], r["method"]) for r in spec}):
         cell = [r for r in spec if r["dataset"] == dataset and r["method"] == method]
         t1, t2 = ([r for r in cell if r["turn"] == k] for k in (1, 2))
 
-        def tau(rs):
-            blocks = [b for r in rs for b in r["stats"]["blocks"]]
-            return sum(int(b["n_emitted"]) for b in blocks) / len(blocks) if blocks else None
-
-        def mean(rs, f):
-            return statistics.fmean(f(r) for r in rs) if rs else None
-
         pre1 = mean(t1, lambda r: float(r["stats"].get("prefill_target_s") or 0.0))
         per_tok = (sum(float(r["stats"].get("prefill_target_s") or 0.0) for r in t1)
                    / max(1, sum(int(r.get("input_len") or 0) for r in t1))) if t1 else None
-        fresh = mean(t2, lambda r: per_tok * int(r.get("input_len") or 0)) if per_tok is not None else None
+        fresh = mean(t2, lambda r, k=per_tok: k * int(r.get("input_len") or 0)) if per_tok is not None else None
         pre2 = mean(t2, lambda r: float(r["stats"].get("prefill_target_s") or 0.0))
         reused = mean(t2, lambda r: int(r["stats"].get("prompt_tokens_reused", 0) or 0))
         same = sum(r["token_ids"] == base[(r["dataset"], r["uid"])]["token_ids"] for r in t2
@@ -172,9 +175,9 @@ def audit_section(rows: list[dict]) -> list[str]:
     bugs = sum(v["bug"] + v["unaudited"] for v in mine.values())
     tol = ", ".join(f"{k} {v:.1e}" if v else f"{k} 0 (exact)" for k, v in NEAR_TIE_TOLERANCE.items())
     lines = [f"## {'⚠️ LOSSLESSNESS BUGS: ' + str(bugs) + ' difference(s) are not near-ties ⚠️' if bugs else 'Half-precision audit'}",
-             "", "Each greedy output unlike the target's own: the first differing position and the target's margin "
+             "", ("Each greedy output unlike the target's own: the first differing position and the target's margin "
              "p(own) − p(ours) there (its logits given the common prefix). A near-tie is |margin| ≤ the dtype's "
-             f"tolerance ({tol}; mmspec.bench.audit says why); anything else is a bug.", ""]
+             f"tolerance ({tol}; mmspec.bench.audit says why); anything else is a bug."), ""]
     for title, cells in (("mmspec", mine), ("the target's batched generate vs its solo output", theirs)):
         if not cells:
             continue

@@ -52,12 +52,12 @@ def chunks(samples: list[Any], size: int) -> list[list[Any]]:
     return [samples[i:i + size] for i in range(0, len(samples), size)]
 
 
-def batch_sizes_to_run(cfg: "BenchConfig") -> list[int]:
+def batch_sizes_to_run(cfg: BenchConfig) -> list[int]:
     """The B of the batched pass: all of ``cfg.batch_sizes`` once any is above 1, else none."""
     return sorted(cfg.batch_sizes) if max(cfg.batch_sizes) > 1 else []
 
 
-def run_batches(cfg: "BenchConfig", dataset: str, samples: list[BenchSample], loop: "_Loop") -> None:
+def run_batches(cfg: BenchConfig, dataset: str, samples: list[BenchSample], loop: _Loop) -> None:
     """Decode ``samples`` B at a time for each B of the run: the target's batched generate, then
     each method's ``generate_batch``; write the rows of each batch as it finishes."""
     for size in batch_sizes_to_run(cfg):
@@ -66,8 +66,8 @@ def run_batches(cfg: "BenchConfig", dataset: str, samples: list[BenchSample], lo
                 _one_batch(cfg, dataset, size, index, batch, who, loop)
 
 
-def _one_batch(cfg: "BenchConfig", dataset: str, size: int, index: int, batch: list[BenchSample], who: str,
-               loop: "_Loop") -> None:
+def _one_batch(cfg: BenchConfig, dataset: str, size: int, index: int, batch: list[BenchSample], who: str,
+               loop: _Loop) -> None:
     from mmspec.bench.metrics import accepted_flags
 
     writer, summary, rank = loop.writer, loop.summary, loop.rank.rank
@@ -107,7 +107,7 @@ def _one_batch(cfg: "BenchConfig", dataset: str, size: int, index: int, batch: l
     summary.written += len(rows) + 1
 
 
-def _audit_only(row: dict, sample: BenchSample, own: list[int], ours: list[int], loop: "_Loop") -> None:
+def _audit_only(row: dict, sample: BenchSample, own: list[int], ours: list[int], loop: _Loop) -> None:
     """The target's batched output unlike its solo one: the same audit, not counted as mmspec's."""
     from mmspec.bench.audit import classify
 
