@@ -94,7 +94,7 @@ class BenchSample:
     followup: str | None = None  # a conversation's turn-2 user question (turn 1 only)
     followup_reference: str | None = None  # the world's reference answer to it
 
-    def next_turn(self, answer: str) -> "BenchSample":
+    def next_turn(self, answer: str) -> BenchSample:
         """Turn 2 of a conversation: this prompt + ``answer`` (the target's own turn-1 output) + the
         follow-up question, same images; its uid is this uid + ``/t2``."""
         from mmspec.world.conversation import turn2_prompt
@@ -122,7 +122,7 @@ class LoadReport:
 # --------------------------------------------------------------------------- embedded world
 def load_embedded(name: str, n: int, split: str = EMBEDDED_SPLIT) -> list[BenchSample]:
     """``n`` samples of the synthetic world's family ``name`` (deterministic)."""
-    from mmspec.world import generate_conversations, generate_samples  # optional at import time
+    from mmspec.world import generate_conversations, generate_samples
 
     if name in MULTI_TURN:
         return [BenchSample(c.uid, name, c.prompt1, list(c.images), c.answer1, followup=c.question2,

@@ -39,8 +39,8 @@ from typing import Iterator, Mapping
 
 from mmspec.errors import MMSpecError
 from mmspec.world import clips, pairs, single, stories
-from mmspec.world.core import IMAGE_SIZE, SPLITS, Family, Sample, build_sample
 from mmspec.world.conversation import Conversation, generate_conversations, make_conversation
+from mmspec.world.core import IMAGE_SIZE, SPLITS, Family, Sample, build_sample
 from mmspec.world.video import N_FRAMES, VIDEO_FPS, VideoFamily, VideoSample, build_video_sample
 
 FAMILIES: dict[str, Family] = {
