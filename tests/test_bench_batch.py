@@ -170,7 +170,9 @@ def test_report_batch_numbers(tmp_path):
     assert m2["tau"] == pytest.approx(3.0) and m2["identical_to_solo"] == m2["checked"] == 5
     text = render_report(cfg.out_dir).read_text()
     assert "## Batches: mmspec vs the target's batched greedy generate" in text
-    assert "| 2 | M | 5 | 30.0 | 2.12 | 0.700 | 0.700 | 3.00 | 5/5 |" in text
+    assert m2["p50_finish_s"] == pytest.approx(0.5)  # the fake's GenerationStats.total_s
+    assert "| 2 | M | 5 | 30.0 | 2.12 | 0.700 | 0.700 | 0.500 | 3.00 | 5/5 |" in text
+    assert "| 2 | target | 5 | 14.1 | 1.00 | 1.500 | 1.500 | 1.500 | – | 5/5 |" in text
     assert "Drafting stops paying (best method below the target's throughput) at: **no B of this run**" in text
 
 

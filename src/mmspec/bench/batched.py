@@ -18,7 +18,10 @@ Rows (keys stay unique through the uid; every row carries ``batch_size``):
 - ``batch``: one per batch and decoder: ``uid`` = ``b{B}/{index}``, ``n_requests``, ``new_tokens``,
   ``wall_s``, ``tokens_per_s`` (new tokens of the whole batch / its wall time) and
   ``latency_s`` (per request: the time from the batch's start until its result is returned; a
-  static batch returns every result together, so each request's latency is the batch's wall).
+  static batch returns every result together, so each request's latency is the batch's wall);
+  ``finish_s`` (per request: when its last token was committed, ``GenerationStats.total_s`` of a
+  method's request, what a streaming client of :class:`mmspec.batch.BatchScheduler` would wait;
+  the batch's wall for the target, whose ``generate`` keeps finished rows to the end).
 
 Resumable as the rest: a batch whose ``batch`` row is on disk is skipped; its ``batch_out`` rows
 are written before its ``batch`` row.
@@ -103,7 +106,8 @@ def _one_batch(cfg: BenchConfig, dataset: str, size: int, index: int, batch: lis
     writer.append({"kind": "batch", "dataset": dataset, "uid": f"b{size}/{index}", "method": who,
                    "batch_size": size, "batch_index": index, "n_requests": len(batch), "new_tokens": new_tokens,
                    "wall_s": wall, "tokens_per_s": new_tokens / wall if wall > 0 else None,
-                   "latency_s": [wall] * len(batch), "rank": rank})
+                   "latency_s": [wall] * len(batch), "rank": rank,
+                   "finish_s": [float(g.stats["total_s"]) if g.stats and g.stats.get("total_s") else wall for g in gens]})
     summary.written += len(rows) + 1
 
 
