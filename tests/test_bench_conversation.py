@@ -128,3 +128,22 @@ def test_spec_batch_sends_one_request_per_sample(tmp_path):
     assert dec.defaults["speculate"] == "auto" and dec.defaults["max_batch"] == 1
     for s, q in zip(samples, dec.requests):
         assert q["input_ids"].shape[0] == 1 and q["pixel_values"].shape[0] == 1 and q["images"] == s.images
+
+
+def test_conversations_decode_on_a_decoder_that_keeps_its_cache(tmp_path, monkeypatch):
+    """A conversation's turns share one decoder with prefix caching on; every other prompt is timed
+    from scratch (prefix_cache_mb=0 where SpecDecoder has the option)."""
+    import mmspec.decoder
+
+    made = []
+
+    class FakeDecoder:
+        def __init__(self, *a, prefix_cache_mb=None, **kw):
+            made.append(prefix_cache_mb)
+
+    monkeypatch.setattr(mmspec.decoder, "SpecDecoder", FakeDecoder)
+    be = HFBackend(tiny_models(), BenchConfig(methods=("M",), progress=False), torch.device("cpu"))
+    plain = be._decoder("M")
+    assert be._decoder("M") is plain and made == [0]
+    talk = be._decoder("M", reuse=True)
+    assert talk is not plain and made == [0, None]  # None: the decoder's default budget

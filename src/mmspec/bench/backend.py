@@ -114,8 +114,14 @@ class HFBackend:
             raise MMSpecError("a caption (C) method needs a captioner: pass --captioner PATH")
         return self.m.captioner
 
-    def _decoder(self, method: str) -> Any:
-        if method not in self._decoders:
+    def _decoder(self, method: str, reuse: bool = False) -> Any:
+        """The method's decoder, built once. ``reuse``: a conversation's, which keeps its recent prompts'
+        caches (prefix caching) so turn 2 prefills only its new suffix; every other prompt is timed from
+        scratch, as the target's own generate runs it (``prefix_cache_mb=0`` where the decoder has one)."""
+        key = f"{method}\0reuse" if reuse else method
+        if key not in self._decoders:
+            import inspect
+
             from mmspec.decoder import SpecDecoder
 
             views = self.resolve_views(method)
@@ -130,12 +136,14 @@ class HFBackend:
                                       f"{sorted(self.m.heads) or 'none'}")
                 draft, views = str(self.m.heads[variant]), ("M",)
             needs_caption = any(v in ("C", "caption") for v in views)
-            self._decoders[method] = SpecDecoder(
+            if not reuse and "prefix_cache_mb" in inspect.signature(SpecDecoder.__init__).parameters:
+                kw["prefix_cache_mb"] = 0
+            self._decoders[key] = SpecDecoder(
                 self.m.target, draft, self.m.tokenizer, views=views,
                 captioner=self._get_captioner() if needs_caption else None,
                 gamma=self.cfg.gamma, processor=self.m.processor, **kw,
             )
-        return self._decoders[method]
+        return self._decoders[key]
 
     def resolve_views(self, method: str) -> tuple[str, ...]:
         """Method letters -> views; a bare P becomes ``pooled:N`` when N is known."""
@@ -163,7 +171,7 @@ class HFBackend:
 
     def spec(self, sample: BenchSample, method: str) -> Generation:
         inputs = self._inputs(sample)
-        dec = self._decoder(method)
+        dec = self._decoder(method, reuse=sample.turn > 1 or sample.followup is not None)
         sync(self.device)
         t0 = time.perf_counter()
         res = dec.generate(
