@@ -37,6 +37,8 @@ class Backend(Protocol):
     def spec(self, sample: BenchSample, method: str) -> Generation: ...
     def latency(self, sample: BenchSample) -> dict | None: ...
     def describe(self) -> dict: ...
+    # optional (getattr): audit(sample, own, ours) -> dict | None; target_batch(samples) and
+    # spec_batch(samples, method) -> (list[Generation], wall_s) for --batch-size B > 1
 
 
 @dataclass
@@ -112,12 +114,17 @@ class HFBackend:
             raise MMSpecError("a caption (C) method needs a captioner: pass --captioner PATH")
         return self.m.captioner
 
-    def _decoder(self, method: str) -> Any:
-        if method not in self._decoders:
+    def _decoder(self, method: str, reuse: bool = False) -> Any:
+        """The method's decoder, built once. ``reuse``: a conversation's, which keeps its recent prompts'
+        caches (prefix caching) so turn 2 prefills only its new suffix; every other prompt is timed from
+        scratch, as the target's own generate runs it (``prefix_cache_mb=0``)."""
+        key = f"{method}\0reuse" if reuse else method
+        if key not in self._decoders:
             from mmspec.decoder import SpecDecoder
 
             views = self.resolve_views(method)
             kw = method_tree(method)
+            kw.pop("speculate", None)  # generate_batch's, not the decoder's (spec_batch passes it)
             draft = self.m.draft
             if "head" in kw:
                 variant = kw.pop("head")
@@ -127,14 +134,14 @@ class HFBackend:
                                       f"{sorted(self.m.heads) or 'none'}")
                 draft, views = str(self.m.heads[variant]), ("M",)
             needs_caption = any(v in ("C", "caption") for v in views)
-            self._decoders[method] = SpecDecoder(
+            if not reuse:  # each prompt timed from scratch, as the target's own generate runs it
+                kw["prefix_cache_mb"] = 0
+            self._decoders[key] = SpecDecoder(
                 self.m.target, draft, self.m.tokenizer, views=views,
                 captioner=self._get_captioner() if needs_caption else None,
-                gamma=self.cfg.gamma, processor=self.m.processor,
-                prefix_cache_mb=0,  # each prompt timed from scratch, as the target's own generate runs it
-                **kw,
+                gamma=self.cfg.gamma, processor=self.m.processor, **kw,
             )
-        return self._decoders[method]
+        return self._decoders[key]
 
     def resolve_views(self, method: str) -> tuple[str, ...]:
         """Method letters -> views; a bare P becomes ``pooled:N`` when N is known."""
@@ -162,7 +169,7 @@ class HFBackend:
 
     def spec(self, sample: BenchSample, method: str) -> Generation:
         inputs = self._inputs(sample)
-        dec = self._decoder(method)
+        dec = self._decoder(method, reuse=sample.turn > 1 or sample.followup is not None)
         sync(self.device)
         t0 = time.perf_counter()
         res = dec.generate(
@@ -174,6 +181,59 @@ class HFBackend:
         wall = time.perf_counter() - t0
         return Generation(list(res.token_ids), res.text, wall, int(inputs["input_ids"].shape[1]),
                           res.stats.to_dict())
+
+    def audit(self, sample: BenchSample, own: list[int], ours: list[int]) -> dict | None:
+        """The target's margin where ``ours`` first leaves ``own`` (:func:`mmspec.bench.audit.audit_difference`)."""
+        from mmspec.bench.audit import audit_difference
+
+        return audit_difference(self.m.target, self._inputs(sample), own, ours)
+
+    @torch.inference_mode()
+    def target_batch(self, samples: list[BenchSample]) -> tuple[list[Generation], float]:
+        """The target's own batched greedy ``generate`` over ``samples`` (left-padded, one processor
+        call): each row's new tokens up to its first EOS, and the batch's wall time."""
+        from mmspec.bench.batched import cut_at_eos
+
+        tok = self.m.tokenizer
+        side = tok.padding_side
+        tok.padding_side = "left"
+        try:
+            images = [im for s in samples for im in s.images] or None
+            enc = self.m.processor(text=[s.prompt for s in samples], images=images, padding=True, return_tensors="pt")
+        finally:
+            tok.padding_side = side
+        dtype = next(self.m.target.parameters()).dtype
+        inputs = {k: v.to(self.device, dtype=dtype) if v.is_floating_point() else v.to(self.device)
+                  for k, v in enc.items() if isinstance(v, torch.Tensor)}
+        n_in = int(inputs["input_ids"].shape[1])
+        sync(self.device)
+        t0 = time.perf_counter()
+        out = self.m.target.generate(**inputs, do_sample=False, max_new_tokens=self.cfg.max_new_tokens)  # [B, n_in + n_new]
+        sync(self.device)
+        wall = time.perf_counter() - t0
+        eos = self.m.target.generation_config.eos_token_id
+        gens = []
+        for row, mask in zip(out[:, n_in:].tolist(), inputs["attention_mask"]):
+            new = cut_at_eos(row, eos)
+            gens.append(Generation(new, tok.decode(new, skip_special_tokens=True), wall, int(mask.sum())))
+        return gens, wall
+
+    def spec_batch(self, samples: list[BenchSample], method: str) -> tuple[list[Generation], float]:
+        """``SpecDecoder.generate_batch`` over ``samples`` (one request each), and the batch's wall time."""
+        dec = self._decoder(method)
+        reqs = []
+        for s in samples:
+            inputs = self._inputs(s)
+            reqs.append({**inputs, "images": s.images})
+        sync(self.device)
+        t0 = time.perf_counter()
+        speculate = method_tree(method).get("speculate", "always")
+        results = dec.generate_batch(reqs, max_new_tokens=self.cfg.max_new_tokens, max_batch=len(reqs),
+                                     speculate=speculate, temperature=self.cfg.temperature, seed=self.cfg.seed)
+        sync(self.device)
+        wall = time.perf_counter() - t0
+        return [Generation(list(r.token_ids), r.text, wall, int(q["input_ids"].shape[-1]), r.stats.to_dict())
+                for r, q in zip(results, reqs)], wall
 
     def latency(self, sample: BenchSample) -> dict | None:
         from mmspec.bench.latency import measure_latency

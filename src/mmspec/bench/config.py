@@ -45,7 +45,9 @@ def parse_method(method: str) -> tuple[tuple[str, ...], dict]:
     ``"MTC"`` -> (("M", "T", "C"), {}); ``"M+pooled:36"`` -> views as split. Suffixes, in any
     order (README, "Token trees"): ``tree`` asks for the dynamic token tree with the device's
     measured defaults, ``tree:DxKxB`` (``tree:6x4x16``) one of depth D, top-k K and budget B,
-    ``tree:[[0],[1],[0,0]]`` a static tree; ``relaxed``: MSD's relaxed acceptance (LOSSY). A head
+    ``tree:[[0],[1],[0,0]]`` a static tree; ``relaxed``: MSD's relaxed acceptance (LOSSY); ``auto``:
+    the batched pass decodes with ``generate_batch(speculate="auto")`` (drafts only where measured to
+    pay; :class:`mmspec.batch.SpeculationPolicy`), the one-prompt rows as the method without it. A head
     variant in place of the views (``eagle``, ``eagle3+tree``, ``msd+relaxed+tree``) drafts with
     that trained head: {"head": variant}. Each tree is checked here (a zero depth is refused).
     """
@@ -57,7 +59,11 @@ def parse_method(method: str) -> tuple[tuple[str, ...], dict]:
     views = []
     for part in parts:
         low = part.lower()
-        if low == "relaxed":
+        if low == "auto":
+            if "speculate" in kw:
+                raise MMSpecError(f"method {method!r} says +auto twice; say it once")
+            kw["speculate"] = "auto"
+        elif low == "relaxed":
             if "acceptance" in kw:
                 raise MMSpecError(f"method {method!r} says +relaxed twice; say it once")
             kw["acceptance"] = "relaxed"
@@ -152,6 +158,38 @@ def method_tree(method: str) -> dict:
     return parse_method(method)[1]
 
 
+BATCH_FIX = "give whole numbers >= 1, one or comma-separated, e.g. --batch-size 8 or --batch-size 1,2,4,8,16"
+
+
+def parse_batch_sizes(text: str | int) -> tuple[int, ...]:
+    """``"8"`` -> (8,); ``"1,2,4"`` -> (1, 2, 4); anything else (``0``, ``2.5``, ``x``, ``""``) is refused."""
+    parts = [p.strip() for p in str(text).split(",")]
+    out = []
+    for p in parts:
+        if not p.isdigit():
+            raise MMSpecError(f"--batch-size {text!r}: {p!r} is not a whole number; {BATCH_FIX}")
+        out.append(int(p))
+    return tuple(out)
+
+
+def check_batch_sizes(sizes: tuple[int, ...], n_samples: int, temperature: float) -> None:
+    """Each B >= 1, listed once, no larger than ``n_samples``; batches > 1 are greedy only (the
+    target's batched greedy generate is what they are compared with, token for token)."""
+    if not sizes:
+        raise MMSpecError(f"--batch-size is empty; {BATCH_FIX}")
+    for b in sizes:
+        if not isinstance(b, int) or isinstance(b, bool) or b < 1:
+            raise MMSpecError(f"--batch-size {b!r} is not a whole number >= 1; {BATCH_FIX}")
+    if len(set(sizes)) != len(sizes):
+        raise MMSpecError(f"--batch-size lists a size twice ({','.join(map(str, sizes))}); list each once")
+    if max(sizes) > n_samples:
+        raise MMSpecError(f"--batch-size {max(sizes)} is larger than --n-samples {n_samples}: no batch would be "
+                          f"full; raise --n-samples to at least {max(sizes)} or use smaller batches")
+    if max(sizes) > 1 and temperature > 0:
+        raise MMSpecError(f"--batch-size {max(sizes)} with --temperature {temperature}: batched runs are compared "
+                          "with the target's batched greedy generate, so they are greedy only; use --temperature 0")
+
+
 @dataclass(frozen=True)
 class DatasetSpec:
     """One dataset to run: its family name and, for a real benchmark, the local path and split."""
@@ -205,6 +243,7 @@ class BenchConfig:
     latency: bool = True  # measure T_p, T_q(batch 1..8), T_V(gamma) once per dataset
     latency_repeats: int = 5
     latency_batch_sizes: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
+    batch_sizes: tuple[int, ...] = (1,)  # --batch-size: 1 = one prompt at a time only; B > 1 adds a batched pass
     progress: bool = True
     extra: dict = field(default_factory=dict)  # free-form notes recorded in run metadata
 
@@ -220,6 +259,7 @@ class BenchConfig:
             raise MMSpecError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.latency_repeats < 1:
             raise MMSpecError(f"latency_repeats (--latency-repeats) must be >= 1, got {self.latency_repeats}")
+        check_batch_sizes(self.batch_sizes, self.n_samples, self.temperature)
         if not self.methods:
             raise MMSpecError("no methods given; pass -m with drafting methods such as M,MT or eagle+tree")
         trees = [method_tree(m) for m in self.methods]

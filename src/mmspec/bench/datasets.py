@@ -57,6 +57,10 @@ N_IMAGES: dict[str, int] = {  # images a sample of the embedded world's family h
     "chartqa": 1, "textvqa": 1, "vqav2": 1, "hallusionbench": 1,
     "spot_the_diff": 2, "iedit": 2, "pororosv": 5, "vist": 5,
 }
+# the embedded world's multi-turn family (mmspec.world.conversation): turn 1 is a sample of it, turn
+# 2 (BenchSample.followup) is built by the runner from the target's own turn-1 answer
+MULTI_TURN: dict[str, int] = {"conversation": 1}
+EMBEDDED_NAMES: tuple[str, ...] = (*N_IMAGES, *MULTI_TURN)
 SINGLE_IMAGE = ("chartqa", "textvqa", "vqav2", "hallusionbench")
 INTERLEAVE = ("spot_the_diff", "iedit", "pororosv", "vist")
 # the split each real benchmark is read from unless NAME=PATH:SPLIT names another (lmms-eval's)
@@ -86,6 +90,19 @@ class BenchSample:
     prompt: str  # full prompt text with one ``<image>`` per image, in order
     images: list[Image.Image] = field(default_factory=list)
     reference: str | None = None
+    turn: int = 1  # a conversation's turn (1 for every one-turn data set)
+    followup: str | None = None  # a conversation's turn-2 user question (turn 1 only)
+    followup_reference: str | None = None  # the world's reference answer to it
+
+    def next_turn(self, answer: str) -> BenchSample:
+        """Turn 2 of a conversation: this prompt + ``answer`` (the target's own turn-1 output) + the
+        follow-up question, same images; its uid is this uid + ``/t2``."""
+        from mmspec.world.conversation import turn2_prompt
+
+        if self.followup is None:
+            raise MMSpecError(f"{self.uid} has no follow-up question; only a conversation has a turn 2")
+        return BenchSample(f"{self.uid}/t2", self.dataset, turn2_prompt(self.prompt, answer, self.followup),
+                           list(self.images), self.followup_reference, turn=2)
 
     @property
     def n_images(self) -> int:
@@ -105,8 +122,11 @@ class LoadReport:
 # --------------------------------------------------------------------------- embedded world
 def load_embedded(name: str, n: int, split: str = EMBEDDED_SPLIT) -> list[BenchSample]:
     """``n`` samples of the synthetic world's family ``name`` (deterministic)."""
-    from mmspec.world import generate_samples  # the world package is optional at import time
+    from mmspec.world import generate_conversations, generate_samples
 
+    if name in MULTI_TURN:
+        return [BenchSample(c.uid, name, c.prompt1, list(c.images), c.answer1, followup=c.question2,
+                            followup_reference=c.answer2) for c in generate_conversations(split, n)]
     out = []
     for s in generate_samples(name, split, n):
         ref = getattr(s, "answer", None)
@@ -274,6 +294,9 @@ def _interleave(name: str, src: RowSource, n: int, report: LoadReport) -> list[B
 def load_real(name: str, path: Path, n: int, split: str | None = None) -> tuple[list[BenchSample], LoadReport]:
     """The first ``n`` usable samples of real benchmark ``name`` read from ``path``, from
     ``split`` (None: the benchmark's default, :data:`DEFAULT_SPLITS`)."""
+    if name in MULTI_TURN:
+        raise MMSpecError(f"{name!r} is the embedded world's multi-turn family, with no loader of local files; "
+                          f"write -d {name} (no =PATH)")
     if name not in N_IMAGES:
         raise MMSpecError(f"unknown benchmark {name!r}; choose from {sorted(N_IMAGES)}")
     split = split or DEFAULT_SPLITS[name]
@@ -299,7 +322,7 @@ def load_dataset(name: str, path: Path | None, n: int,
     """Embedded world when ``path`` is None (``split`` None: test), else the real benchmark
     from local files (``split`` None: its own default split, :data:`DEFAULT_SPLITS`)."""
     if path is None:
-        if name not in N_IMAGES:
-            raise MMSpecError(f"unknown dataset {name!r}; choose from {sorted(N_IMAGES)}")
+        if name not in EMBEDDED_NAMES:
+            raise MMSpecError(f"unknown dataset {name!r}; choose from {sorted(EMBEDDED_NAMES)}")
         return load_embedded(name, n, split or EMBEDDED_SPLIT), LoadReport()
     return load_real(name, path, n, split)

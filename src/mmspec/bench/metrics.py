@@ -25,7 +25,7 @@ from typing import Any, Iterable
 from mmspec.bench.latency import predicted_speedup
 
 DATASET_ORDER = ("chartqa", "textvqa", "vqav2", "hallusionbench", "spot_the_diff", "iedit",
-                 "pororosv", "vist")
+                 "pororosv", "vist", "conversation")
 METHOD_ORDER = ("M", "T", "C", "P", "MT", "MC", "MTC", "MTCP")
 SPEC_SPLIT_KEYS = ("vision_s", "caption_s", "prefill_target_s", "prefill_draft_s", "draft_s",
                    "verify_s", "total_s")

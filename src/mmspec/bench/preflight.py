@@ -36,13 +36,13 @@ def check_out_dir(out: Path) -> None:
 def check_datasets(cfg: BenchConfig) -> None:
     """Every dataset loads: a family of the embedded world and a split it has; or a real
     benchmark's path with the expected columns and a usable first row."""
-    from mmspec.bench.datasets import N_IMAGES, load_dataset
+    from mmspec.bench.datasets import EMBEDDED_NAMES, load_dataset
     from mmspec.world.core import check_split
 
     for spec in cfg.datasets:
         if spec.path is None:  # the world: checked by name, without rendering a sample
-            if spec.name not in N_IMAGES:
-                raise MMSpecError(f"unknown dataset {spec.name!r}; choose from {sorted(N_IMAGES)}")
+            if spec.name not in EMBEDDED_NAMES:
+                raise MMSpecError(f"unknown dataset {spec.name!r}; choose from {sorted(EMBEDDED_NAMES)}")
             check_split(spec.split or cfg.split or "test")  # the world's split when none is named
         else:
             load_dataset(spec.name, spec.path, 1, spec.split or cfg.split)
@@ -112,9 +112,21 @@ def check_heads(cfg: BenchConfig) -> None:
                           f"{unused[0]}+tree), or drop that --head")
 
 
+def check_batch_run(cfg: BenchConfig, rank: RankInfo, default_backend: bool) -> None:
+    """``--batch-size`` above 1: one process (throughput and latency of processes sharing a machine
+    are not the batch's), and a SpecDecoder with ``generate_batch`` when real models run."""
+    big = max(cfg.batch_sizes)
+    if big <= 1:
+        return
+    if rank.world_size > 1:
+        raise MMSpecError(f"--batch-size {big} under torchrun / accelerate (WORLD_SIZE={rank.world_size}): batched "
+                          "throughput and latency are measured by one process; run it without the launcher")
+
+
 def preflight(cfg: BenchConfig, rank: RankInfo, default_backend: bool = True) -> None:
     """All checks above; the model and device checks only where the run builds real models."""
     check_out_dir(cfg.out_dir)
+    check_batch_run(cfg, rank, default_backend)
     check_heads(cfg)
     if default_backend:
         from mmspec.bench.backend import pick_device

@@ -15,6 +15,13 @@ Row kinds (all carry ``kind``, ``dataset``, ``uid``, ``method``, ``rank``):
   ``accepted`` (per output position: 1 = accepted draft token, 0 = token from the target) and
   ``identical`` (token-for-token equal to this sample's baseline).
 - ``latency``: the :func:`mmspec.bench.latency.measure_latency` dict for the dataset.
+
+A conversation (the world's ``conversation`` family) adds ``turn`` (1 or 2) to its rows; its turn 2
+is built after turn 1's baseline, from the target's own turn-1 answer (uid ``{uid}/t2``). A greedy
+spec row unlike the baseline gets ``audit`` (first differing position, the target's margin there:
+:mod:`mmspec.bench.audit`), ``audit_class`` ("near-tie" or "bug") and ``dtype``. With
+``--batch-size`` B > 1, :mod:`mmspec.bench.batched` then decodes the dataset's samples B at a time
+(``batch_out`` rows per request, ``batch`` timing rows per batch).
 """
 
 from __future__ import annotations
@@ -44,7 +51,9 @@ class RunSummary:
     rows_on_disk: int = 0
     load_skips: dict[str, dict[str, int]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
-    lossless_failures: list[str] = field(default_factory=list)  # greedy outputs != target's
+    lossless_failures: list[str] = field(default_factory=list)  # greedy outputs != target's (not near-ties)
+    near_ties: list[str] = field(default_factory=list)  # half-precision differences the audit calls near-ties
+    target_batch_differs: list[str] = field(default_factory=list)  # the target's batched output != its solo one
     path: str = ""
 
 
@@ -95,8 +104,13 @@ def _spec_row(sample: BenchSample, method: str, gen, baseline: dict | None, cfg:
         "text": gen.text, "wall_s": gen.wall_s, "stats": gen.stats,
         "accepted": accepted_flags(blocks),
         "identical": None if baseline is None else gen.token_ids == baseline["token_ids"],
-        "rank": rank,
+        "rank": rank, **_turn(sample),
     }
+
+
+def _turn(sample: BenchSample) -> dict:
+    """``{"turn": 1 | 2}`` for a conversation's rows, nothing for one-turn data sets."""
+    return {"turn": sample.turn} if sample.turn > 1 or sample.followup is not None else {}
 
 
 def run_bench(cfg: BenchConfig, backend: Backend | None = None, rank: RankInfo | None = None,
@@ -122,67 +136,104 @@ def run_bench(cfg: BenchConfig, backend: Backend | None = None, rank: RankInfo |
 def _run(cfg: BenchConfig, rank: RankInfo, writer: RowWriter, summary: RunSummary, backend: Backend | None,
          backend_factory: Callable[[BenchConfig, RankInfo], Backend] | None, command: str | None) -> None:
     """The loop of :func:`run_bench`, writing through ``writer`` and counting into ``summary``."""
-    baselines = {(r["dataset"], r["uid"]): r for r in writer.rows if r["kind"] == "baseline"}
-    lat_done = {r["dataset"] for r in writer.rows if r["kind"] == "latency"}
-
-    def get_backend() -> Backend:
-        nonlocal backend
-        if backend is None:
-            backend = (backend_factory or default_backend)(cfg, rank)
-        return backend
-
+    loop = _Loop(cfg, rank, writer, summary, backend, backend_factory, command)
     per_sample = 1 + len(cfg.methods)
     total = len(cfg.datasets) * -(-cfg.n_samples // rank.world_size) * per_sample
-    meta_written = False
     with writer, _progress(cfg.progress, total, rank) as prog:
-        task = prog.add_task("bench", total=total)
+        loop.prog, loop.task = prog, prog.add_task("bench", total=total)
         for spec in cfg.datasets:
             samples, report = load_dataset(spec.name, spec.path, cfg.n_samples, spec.split or cfg.split)
             if report.skipped:
                 summary.load_skips[spec.name] = dict(report.skipped)
-            mine = rank.shard(samples)
-            prog.update(task, description=spec.name)
-            for i, sample in enumerate(mine):
-                todo = [("baseline", "")] + [("spec", m) for m in cfg.methods]
-                pending = [(k, m) for k, m in todo if (k, spec.name, sample.uid, m) not in writer]
-                need_lat = cfg.latency and i == 0 and spec.name not in lat_done
-                if cfg.latency and i == 0 and not need_lat:
-                    summary.skipped += 1  # its latency row is on disk
-                if (pending or need_lat) and not meta_written:
-                    be = get_backend()
-                    append_run_meta(cfg.out_dir, rank.rank, _meta(cfg, rank, be, command))
-                    meta_written = True
-                if need_lat:
-                    lat = get_backend().latency(sample)
-                    if lat is not None:
-                        writer.append({"kind": "latency", "dataset": spec.name,
-                                       "uid": f"rank{rank.rank}", "method": "",
-                                       "n_images": sample.n_images, "rank": rank.rank, **lat})
-                        summary.written += 1
-                        summary.latency_written += 1
-                    lat_done.add(spec.name)
-                for kind, method in todo:
-                    if (kind, spec.name, sample.uid, method) in writer:
-                        summary.skipped += 1
-                    elif kind == "baseline":
-                        g = get_backend().baseline(sample)
-                        row = {"kind": "baseline", "dataset": spec.name, "uid": sample.uid,
-                               "method": "", "n_images": sample.n_images, "input_len": g.input_len,
-                               "token_ids": g.token_ids, "text": g.text, "wall_s": g.wall_s,
-                               "reference": sample.reference, "prompt": sample.prompt,
-                               "rank": rank.rank}
-                        writer.append(row)
-                        baselines[(spec.name, sample.uid)] = row
-                        summary.written += 1
-                    else:
-                        g = get_backend().spec(sample, method)
-                        base = baselines.get((spec.name, sample.uid))
-                        row = _spec_row(sample, method, g, base, cfg, rank.rank)
-                        writer.append(row)
-                        summary.written += 1
-                        if row["identical"] is False and expects_identical(row):
-                            summary.lossless_failures.append(f"{spec.name}/{sample.uid}/{method}")
-                    prog.advance(task)
+            prog.update(loop.task, description=spec.name)
+            done: list[BenchSample] = []  # this shard's samples, turn 2 of each conversation included
+            for i, sample in enumerate(rank.shard(samples)):
+                loop.sample(sample, first=i == 0)
+                done.append(sample)
+                base = loop.baselines.get((spec.name, sample.uid))
+                if sample.followup is not None and base is not None:  # turn 2 from the target's own answer
+                    done.append(sample.next_turn(base["text"]))
+                    loop.sample(done[-1], first=False)
+            if any(b > 1 for b in cfg.batch_sizes):
+                from mmspec.bench.batched import run_batches
+
+                run_batches(cfg, spec.name, done, loop)
+
+
+class _Loop:
+    """The state of one rank's run: the writer, the baselines so far, the backend (built on first
+    need) and whether this invocation's metadata is recorded yet."""
+
+    def __init__(self, cfg: BenchConfig, rank: RankInfo, writer: RowWriter, summary: RunSummary,
+                 backend: Backend | None, factory: Callable[[BenchConfig, RankInfo], Backend] | None,
+                 command: str | None) -> None:
+        self.cfg, self.rank, self.writer, self.summary = cfg, rank, writer, summary
+        self._backend, self._factory, self._command = backend, factory, command
+        self.baselines = {(r["dataset"], r["uid"]): r for r in writer.rows if r["kind"] == "baseline"}
+        self.lat_done = {r["dataset"] for r in writer.rows if r["kind"] == "latency"}
+        self.meta_written = False
+        self.prog = self.task = None
+
+    def backend(self) -> Backend:
+        """The backend, built (and this invocation recorded in ``run.rank{R}.json``) on first need."""
+        if self._backend is None:
+            self._backend = (self._factory or default_backend)(self.cfg, self.rank)
+        if not self.meta_written:
+            append_run_meta(self.cfg.out_dir, self.rank.rank, _meta(self.cfg, self.rank, self._backend, self._command))
+            self.meta_written = True
+        return self._backend
+
+    def sample(self, sample: BenchSample, first: bool) -> None:
+        """The latency row (first sample of a dataset), the baseline row and one spec row per method."""
+        cfg, writer, summary, name = self.cfg, self.writer, self.summary, sample.dataset
+        todo = [("baseline", "")] + [("spec", m) for m in cfg.methods]
+        need_lat = cfg.latency and first and name not in self.lat_done
+        if cfg.latency and first and not need_lat:
+            summary.skipped += 1  # its latency row is on disk
+        if need_lat:
+            lat = self.backend().latency(sample)
+            if lat is not None:
+                writer.append({"kind": "latency", "dataset": name, "uid": f"rank{self.rank.rank}", "method": "",
+                               "n_images": sample.n_images, "rank": self.rank.rank, **lat})
+                summary.written += 1
+                summary.latency_written += 1
+            self.lat_done.add(name)
+        for kind, method in todo:
+            if (kind, name, sample.uid, method) in writer:
+                summary.skipped += 1
+            elif kind == "baseline":
+                g = self.backend().baseline(sample)
+                row = {"kind": "baseline", "dataset": name, "uid": sample.uid, "method": "",
+                       "n_images": sample.n_images, "input_len": g.input_len, "token_ids": g.token_ids,
+                       "text": g.text, "wall_s": g.wall_s, "reference": sample.reference, "prompt": sample.prompt,
+                       "rank": self.rank.rank, **_turn(sample)}
+                writer.append(row)
+                self.baselines[(name, sample.uid)] = row
+                summary.written += 1
+            else:
+                g = self.backend().spec(sample, method)
+                base = self.baselines.get((name, sample.uid))
+                row = _spec_row(sample, method, g, base, cfg, self.rank.rank)
+                if row["identical"] is False and expects_identical(row):
+                    self.audit(row, sample, base["token_ids"], g.token_ids)
+                writer.append(row)
+                summary.written += 1
+            self.prog.advance(self.task)
+
+    def audit(self, row: dict, sample: BenchSample, own: list[int], ours: list[int]) -> None:
+        """Add the audit of a greedy output unlike the target's own (:mod:`mmspec.bench.audit`) to
+        ``row`` and count it: a near-tie in half precision, or a lossless failure."""
+        from mmspec.bench.audit import classify
+
+        fn = getattr(self.backend(), "audit", None)
+        row["audit"] = fn(sample, own, ours) if fn is not None else None
+        row["audit_class"] = classify(row["audit"], self.cfg.dtype)
+        row["dtype"] = self.cfg.dtype
+        label = f"{row['dataset']}/{row['uid']}/{row.get('audit_label') or row['method']}"
+        if row["audit_class"] == "near-tie":
+            self.summary.near_ties.append(label)
+        else:
+            self.summary.lossless_failures.append(label)
 
 
 def default_backend(cfg: BenchConfig, rank: RankInfo) -> Backend:

@@ -24,6 +24,10 @@ determinism and split guarantees hold, and a clip belongs to one split whatever 
 (:mod:`.video`). Their event-camera stand-ins are made by :mod:`mmspec.events` and
 :mod:`mmspec.substitutes`.
 
+The multi-turn family ``conversation`` (:mod:`.conversation`, :func:`make_conversation`) is kept
+apart too (:data:`MULTI_TURN`): turn 1 is a single-image question, turn 2 another question about
+the same image, its prompt built from turn 1's prompt and whatever answer turn 1 got.
+
 This package owns the data, its tokenizer (:mod:`.tokenizer`) and its HF processor
 (:mod:`.processor`). It knows nothing about models, drafting or training loops.
 """
@@ -35,6 +39,7 @@ from typing import Iterator, Mapping
 
 from mmspec.errors import MMSpecError
 from mmspec.world import clips, pairs, single, stories
+from mmspec.world.conversation import Conversation, generate_conversations, make_conversation
 from mmspec.world.core import IMAGE_SIZE, SPLITS, Family, Sample, build_sample
 from mmspec.world.video import N_FRAMES, VIDEO_FPS, VideoFamily, VideoSample, build_video_sample
 
@@ -64,8 +69,11 @@ VIDEO_FAMILIES: dict[str, VideoFamily] = {
     )
 }
 
+# Multi-turn families (name -> images per conversation), kept out of FAMILIES as the video ones.
+MULTI_TURN: dict[str, int] = {"conversation": 1}
+
 __all__ = [
-    "FAMILIES", "IMAGE_SIZE", "N_FRAMES", "N_IMAGES", "SPLITS", "VIDEO_FAMILIES", "VIDEO_FPS",
+    "Conversation", "FAMILIES", "MULTI_TURN", "generate_conversations", "make_conversation", "IMAGE_SIZE", "N_FRAMES", "N_IMAGES", "SPLITS", "VIDEO_FAMILIES", "VIDEO_FPS",
     "Family", "Sample", "VideoFamily", "VideoSample",
     "bundled_examples", "generate_samples", "generate_video_samples", "iter_all", "iter_video",
     "make_sample", "make_video_sample",
