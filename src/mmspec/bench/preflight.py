@@ -112,7 +112,7 @@ def check_heads(cfg: BenchConfig) -> None:
                           f"{unused[0]}+tree), or drop that --head")
 
 
-def check_batch_run(cfg: BenchConfig, rank: RankInfo, default_backend: bool) -> None:
+def check_batch_run(cfg: BenchConfig, rank: RankInfo) -> None:
     """``--batch-size`` above 1: one process (throughput and latency of processes sharing a machine
     are not the batch's), and a SpecDecoder with ``generate_batch`` when real models run."""
     big = max(cfg.batch_sizes)
@@ -126,7 +126,7 @@ def check_batch_run(cfg: BenchConfig, rank: RankInfo, default_backend: bool) -> 
 def preflight(cfg: BenchConfig, rank: RankInfo, default_backend: bool = True) -> None:
     """All checks above; the model and device checks only where the run builds real models."""
     check_out_dir(cfg.out_dir)
-    check_batch_run(cfg, rank, default_backend)
+    check_batch_run(cfg, rank)
     check_heads(cfg)
     if default_backend:
         from mmspec.bench.backend import pick_device
