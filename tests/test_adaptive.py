@@ -4,6 +4,8 @@ eager and static), exactly the target's distribution when sampling (with a negat
 the weights following the view that predicts the target, the trajectory in the stats, the
 carry-over of a turn's weights, and bad input refused."""
 
+import copy
+
 import pytest
 import torch
 
@@ -145,6 +147,17 @@ def sampling_setup():
     return target, draft, make_tokenizer(SAMPLING_VOCAB), ids, pv
 
 
+def vivid(draft):
+    """The draft with its image projection scaled up, so its multimodal and text rows differ
+    enough (TV ~0.1 at the first position, ~0.02 before) for a weighting to matter."""
+    draft = copy.deepcopy(draft)
+    with torch.no_grad():
+        for w in draft.model.multi_modal_projector.parameters():
+            w.mul_(50.0)
+        draft.lm_head.weight.mul_(3.0)
+    return draft
+
+
 def sampled(dec, ids, pv, n: int = N_SAMPLES):
     return [tuple(dec.generate(ids, pv, max_new_tokens=SAMPLING_NEW, temperature=SAMPLING_TEMP, seed=s).token_ids)
             for s in range(n)]
@@ -153,15 +166,17 @@ def sampled(dec, ids, pv, n: int = N_SAMPLES):
 def test_adaptive_sampling_matches_target_distribution(sampling_setup):
     target, draft, tok, ids, pv = sampling_setup
     exact = exact_sequence_probs(target, ids, pv)
-    dec = SpecDecoder(target, draft, tok, views="MT", gamma=2,
-                      weights=AdaptiveWeights(temperature=0.25, initial=(0.9, 0.1)))
+    dec = SpecDecoder(target, vivid(draft), tok, views="MT", gamma=2,
+                      weights=AdaptiveWeights(temperature=0.25, initial=(0.99, 0.01)))
     assert min(sampling_pvalues(sampled(dec, ids, pv), exact)) > 1e-3
 
 
 def test_stale_q_under_adaptive_weights_is_caught(sampling_setup, monkeypatch):
-    """Negative control: drafting from the adapted mixture but handing verification the mixture
-    of the fixed initial weights (a stale q) biases the output; the same test must reject it."""
+    """Negative control: drafting from the adapted mixture but handing verification another
+    weighting's mixture (a stale q: here the text row's alone) biases the output; the same test
+    must reject it (with the same draft the lossless decoder passes: the test above)."""
     target, draft, tok, ids, pv = sampling_setup
+    draft = vivid(draft)
     exact = exact_sequence_probs(target, ids, pv)
     orig = drafter_mod.TreeDrafter._children
 
@@ -169,7 +184,7 @@ def test_stale_q_under_adaptive_weights_is_caught(sampling_setup, monkeypatch):
         tok_, s, q = orig(self, logits, k, params, children, u, need_scores)
         if q is not None:
             w = self.weights
-            self.weights = torch.tensor([0.5, 0.5], dtype=torch.float64)
+            self.weights = torch.tensor([0.0, 1.0], dtype=torch.float64)
             q = self.mixture(logits, params)
             self.weights = w
         return tok_, s, q
