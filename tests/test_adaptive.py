@@ -233,7 +233,10 @@ def test_bad_adaptive_arguments(target, draft_shared, tok):
 def test_bench_method_suffix():
     assert parse_method("MT+adaptive") == (("M", "T"), {"weights": "adaptive"})
     assert parse_method("MTC+tree+adaptive:loglik") == (("M", "T", "C"), {"tree": "dynamic", "weights": "adaptive:loglik"})
+    assert parse_method("MT+adaptive:tabed:0.25")[1] == {"weights": "adaptive:tabed:0.25"}
+    assert AdaptiveWeights.parse("adaptive:tabed:0.25") == AdaptiveWeights(temperature=0.25)
     for bad, match in (("M+adaptive", "two views or more"), ("eagle+adaptive", "head"),
-                       ("MT+adaptive+adaptive", "twice"), ("MT+adaptive:best", "unknown adaptive rule")):
+                       ("MT+adaptive+adaptive", "twice"), ("MT+adaptive:best", "unknown adaptive rule"),
+                       ("MT+adaptive:tabed:hot", "not a number"), ("MT+adaptive:tabed:0", "temperature")):
         with pytest.raises(MMSpecError, match=match):
             parse_method(bad)

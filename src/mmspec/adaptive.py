@@ -80,20 +80,33 @@ class AdaptiveWeights:
 
     @property
     def label(self) -> str:
-        """"adaptive" for the defaults, else "adaptive:RULE" (as the bench's method suffix says it)."""
+        """As the bench's method suffix says it: "adaptive" (TABED, temperature 1), else
+        "adaptive:RULE" or "adaptive:RULE:TEMPERATURE"."""
+        if self.temperature != 1.0:
+            return f"adaptive:{self.rule}:{self.temperature:g}"
         return "adaptive" if self.rule == "tabed" else f"adaptive:{self.rule}"
 
     @classmethod
     def parse(cls, spec) -> AdaptiveWeights | None:
-        """``"adaptive"`` / ``"adaptive:loglik"`` / an AdaptiveWeights -> itself; anything else None."""
+        """``"adaptive"``, ``"adaptive:loglik"``, ``"adaptive:tabed:0.2"`` (rule, temperature) or an
+        AdaptiveWeights -> an AdaptiveWeights; a list of numbers or None -> None (fixed weights)."""
         if isinstance(spec, AdaptiveWeights):
             return spec
-        if isinstance(spec, str) and spec.lower().startswith("adaptive"):
-            _, _, rule = spec.lower().partition(":")
-            return cls(rule=rule or "tabed")
+        if isinstance(spec, str) and spec.lower().split(":")[0] == "adaptive":
+            parts = spec.lower().split(":")
+            if len(parts) > 3:
+                raise MMSpecError(f"weights={spec!r}: write adaptive, adaptive:RULE or adaptive:RULE:TEMPERATURE")
+            temperature = 1.0
+            if len(parts) == 3:
+                try:
+                    temperature = float(parts[2])
+                except ValueError:
+                    raise MMSpecError(f"weights={spec!r}: the temperature {parts[2]!r} is not a number; "
+                                      "write e.g. adaptive:tabed:0.2") from None
+            return cls(rule=(parts[1] if len(parts) > 1 else "") or "tabed", temperature=temperature)
         if isinstance(spec, str):
-            raise MMSpecError(f"weights={spec!r}: give a list of numbers (one per view), 'adaptive' or "
-                              "'adaptive:loglik', or an AdaptiveWeights")
+            raise MMSpecError(f"weights={spec!r}: give a list of numbers (one per view), 'adaptive' (or "
+                              "'adaptive:loglik', 'adaptive:tabed:0.2'), or an AdaptiveWeights")
         return None
 
 
