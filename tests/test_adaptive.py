@@ -171,6 +171,15 @@ def test_adaptive_sampling_matches_target_distribution(sampling_setup):
     assert min(sampling_pvalues(sampled(dec, ids, pv), exact)) > 1e-3
 
 
+def test_adaptive_tree_sampling_matches_target_distribution(sampling_setup):
+    """Adaptive weights with a branching dynamic tree (siblings at both depths), sampled."""
+    target, draft, tok, ids, pv = sampling_setup
+    exact = exact_sequence_probs(target, ids, pv)
+    dec = SpecDecoder(target, vivid(draft), tok, views="MT", tree="dynamic", tree_depth=2, tree_topk=2,
+                      tree_budget=4, weights=AdaptiveWeights(rule="loglik", temperature=0.25))
+    assert min(sampling_pvalues(sampled(dec, ids, pv), exact)) > 1e-3
+
+
 def test_stale_q_under_adaptive_weights_is_caught(sampling_setup, monkeypatch):
     """Negative control: drafting from the adapted mixture but handing verification another
     weighting's mixture (a stale q: here the text row's alone) biases the output; the same test

@@ -2,7 +2,7 @@
 the eight world families and the scenario variants (mmspec.world.scenarios). Real decoding
 (SpecDecoder through the bench's HFBackend), greedy, gamma 5, max_new_tokens 128, one thread.
 
-    PYTHONPATH=src python docs/results/tabed-2026-11-25/measure.py OUT.jsonl N_FAMILY N_SCENARIO
+    PYTHONPATH=src python perf/tabed_measure.py OUT.jsonl N_FAMILY N_SCENARIO
 
 Writes one JSON row per (family, sample, method): tau, tokens, blocks, the weights' trajectory.
 The followup scenario also runs turn 1 (its vqav2 prompt) and turn 2 started from turn 1's
@@ -24,9 +24,8 @@ from mmspec.world import generate_samples  # noqa: E402
 from mmspec.world.scenarios import SCENARIOS, generate_scenario_samples  # noqa: E402
 
 FAMILIES = ["chartqa", "textvqa", "vqav2", "hallusionbench", "spot_the_diff", "iedit", "pororosv", "vist"]
-METHODS = ["M", "T", "C", "P", "MT", "MT+adaptive:tabed:0.1", "MTC", "MTC+adaptive:tabed:0.1", "MTCP",
-           "MTCP+adaptive", "MTCP+adaptive:tabed:0.25", "MTCP+adaptive:tabed:0.1", "MTCP+adaptive:loglik",
-           "M+tree", "T+tree", "C+tree", "MTCP+tree", "MTCP+adaptive+tree", "MTCP+adaptive:tabed:0.1+tree"]
+METHODS = ["M", "T", "C", "P", "MT", "MTCP", "MT+adaptive:tabed:0.1", "MTCP+adaptive", "MTCP+adaptive:tabed:0.1",
+           "MTCP+adaptive:loglik", "M+tree", "T+tree", "MTCP+tree", "MTCP+adaptive:tabed:0.1+tree"]
 
 
 def main(out: str, n: int, n_scenario: int) -> None:
