@@ -125,6 +125,25 @@ def test_weights_follow_the_view_that_is_the_target(target, tok):
         assert m_weight[-1] > least and m_weight == sorted(m_weight), (weights, tree, st.view_weights)
 
 
+def test_rows_survive_a_reused_output_buffer(target, tok, monkeypatch):
+    """A CUDA-graph replay hands back the same output tensor every time: the rows kept for the
+    weights' update must be copies, or every depth would read the last one's distributions."""
+    orig = drafter_mod.EnsembleDrafter._eager_step
+    buffers = {}
+
+    def replay_like(self, ids, pos, mask):
+        out = orig(self, ids, pos, mask)
+        buf = buffers.setdefault(tuple(out.shape), torch.empty_like(out))
+        return buf.copy_(out)
+
+    monkeypatch.setattr(drafter_mod.EnsembleDrafter, "_eager_step", replay_like)
+    ids, pv = make_prompt(1, 16, seed=23)
+    dec = SpecDecoder(target, target, tok, views="TM", weights="adaptive")
+    res = dec.generate(ids, pv, max_new_tokens=24)
+    assert res.token_ids == reference(target, ids, pv, 24)
+    assert res.stats.final_weights[1] > 0.99, res.stats.view_weights
+
+
 def test_initial_weights_carry_over_a_turn(target, draft_shared, tok):
     ids, pv = make_prompt(1, 16, seed=24)
     dec = SpecDecoder(target, draft_shared, tok, views="MT", weights="adaptive")
