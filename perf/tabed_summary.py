@@ -31,7 +31,7 @@ def main(rows_path: str, out_dir: str) -> None:
         tok[r["family"], r["method"]] += r["n_tokens"]
         blk[r["family"], r["method"]] += r["n_blocks"]
         if r["method"] != "MTCP+adaptive+carry":
-            outputs[r["uid"]].add(tuple(r["tokens"]))
+            outputs[r["uid"]].add(r["tokens_sha"] if "tokens_sha" in r else tuple(r["tokens"]))
     tau = {k: tok[k] / blk[k] for k in tok}
     methods = sorted({m for _, m in tau}, key=lambda m: ("tree" in m, len(m), m))
     families = sorted({f for f, _ in tau})
@@ -61,6 +61,13 @@ def main(rows_path: str, out_dir: str) -> None:
     # carry-over (followup): turn 2 fresh vs from turn 1's final weights
     carry = {m: tau.get(("followup", m)) for m in ("MTCP+adaptive", "MTCP+adaptive+carry")}
     summary["carry_over_followup"] = carry
+    # what adapting costs: wall time of the same prompts, adaptive vs equal weights (loaded machine: rough)
+    wall = defaultdict(float)
+    for r in rows:
+        wall[r["method"]] += r["wall_s"]
+    cost = {a: wall[a] / wall[b] for a, b in (("MTCP+adaptive", "MTCP"), ("MTCP+adaptive:tabed:0.1", "MTCP"),
+                                              ("MTCP+adaptive:tabed:0.1+tree", "MTCP+tree")) if wall[b]}
+    summary["wall_ratio_vs_equal_weights"] = cost
     out = Path(out_dir)
     (out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
     lines = ["| method | " + " | ".join(f"{f} ({n_samples[f]})" for f in families) + " |",
@@ -78,7 +85,9 @@ def main(rows_path: str, out_dir: str) -> None:
         per = ", ".join(f"{g} {100 * x:+.1f}%" for g, x in v["vs_best_single_by_group"].items())
         lines.append(f"| {k} | {per} | {v['within_2pct_every_group']} | {v['above_every_single_on_average']} |")
     lines += ["", f"carry-over (followup turn 2): fresh {carry['MTCP+adaptive']}, from turn 1's weights "
-              f"{carry['MTCP+adaptive+carry']}", f"identical outputs across methods: {summary['identical_outputs']} "
+              f"{carry['MTCP+adaptive+carry']}",
+              "wall time vs equal weights (same prompts, loaded machine): "
+              + ", ".join(f"{k} {v:.3f}x" for k, v in cost.items()), f"identical outputs across methods: {summary['identical_outputs']} "
               f"({summary['n_prompts']} prompts)"]
     (out / "tables.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -106,7 +115,7 @@ def plot(rows, path: Path) -> None:
         ax.set_title(f"{r['uid']} (tau {r['tau']:.2f})", fontsize=9)
         ax.set_xlabel("block")
     axes.flat[0].set_ylabel("weight")
-    axes.flat[0].legend()
+    next(ax for ax in axes.flat if ax.lines).legend()
     fig.suptitle(f"{method}: each view's weight before each block (last point: after the last block)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
