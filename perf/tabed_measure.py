@@ -17,11 +17,11 @@ import torch
 
 torch.set_num_threads(1)
 
-from mmspec.bench.backend import HFBackend, load_models  # noqa: E402
-from mmspec.bench.config import BenchConfig  # noqa: E402
-from mmspec.bench.datasets import BenchSample  # noqa: E402
-from mmspec.world import generate_samples  # noqa: E402
-from mmspec.world.scenarios import SCENARIOS, generate_scenario_samples  # noqa: E402
+from mmspec.bench.backend import HFBackend, load_models
+from mmspec.bench.config import BenchConfig
+from mmspec.bench.datasets import BenchSample
+from mmspec.world import generate_samples
+from mmspec.world.scenarios import SCENARIOS, generate_scenario_samples
 
 FAMILIES = ["chartqa", "textvqa", "vqav2", "hallusionbench", "spot_the_diff", "iedit", "pororosv", "vist"]
 METHODS = ["M", "T", "C", "P", "MT", "MTCP", "MT+adaptive:tabed:0.1", "MTCP+adaptive", "MTCP+adaptive:tabed:0.1",

@@ -22,7 +22,8 @@ ADAPTIVE_CHAIN = ["MTCP+adaptive", "MTCP+adaptive:tabed:0.1", "MTCP+adaptive:log
 
 
 def main(rows_path: str, out_dir: str) -> None:
-    rows = [json.loads(line) for line in open(rows_path)]
+    with open(rows_path) as fh:
+        rows = [json.loads(line) for line in fh]
     tok, blk = defaultdict(int), defaultdict(int)
     outputs = defaultdict(set)
     for r in rows:
@@ -84,11 +85,11 @@ def main(rows_path: str, out_dir: str) -> None:
     for k, v in goals.items():
         per = ", ".join(f"{g} {100 * x:+.1f}%" for g, x in v["vs_best_single_by_group"].items())
         lines.append(f"| {k} | {per} | {v['within_2pct_every_group']} | {v['above_every_single_on_average']} |")
-    lines += ["", f"carry-over (followup turn 2): fresh {carry['MTCP+adaptive']}, from turn 1's weights "
-              f"{carry['MTCP+adaptive+carry']}",
+    lines += ["", (f"carry-over (followup turn 2): fresh {carry['MTCP+adaptive']}, from turn 1's weights "
+                   f"{carry['MTCP+adaptive+carry']}"),
               "wall time vs equal weights (same prompts, loaded machine): "
-              + ", ".join(f"{k} {v:.3f}x" for k, v in cost.items()), f"identical outputs across methods: {summary['identical_outputs']} "
-              f"({summary['n_prompts']} prompts)"]
+              + ", ".join(f"{k} {v:.3f}x" for k, v in cost.items()),
+              f"identical outputs across methods: {summary['identical_outputs']} ({summary['n_prompts']} prompts)"]
     (out / "tables.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(rows, out / "weights.png")

@@ -225,15 +225,15 @@ def test_stale_q_under_adaptive_weights_is_caught(sampling_setup, monkeypatch):
 
 # ---------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("kw, match", [
-    (dict(rule="best"), "unknown adaptive rule"),
-    (dict(temperature=0), "temperature"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(decay=0), "decay"),
-    (dict(decay=1.5), "decay"),
-    (dict(window=-1), "window"),
-    (dict(window=2.5), "window"),
-    (dict(initial=(1, -1)), "initial weights"),
-    (dict(initial="MT"), "initial weights"),
+    ({"rule": "best"}, "unknown adaptive rule"),
+    ({"temperature": 0}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"decay": 0}, "decay"),
+    ({"decay": 1.5}, "decay"),
+    ({"window": -1}, "window"),
+    ({"window": 2.5}, "window"),
+    ({"initial": (1, -1)}, "initial weights"),
+    ({"initial": "MT"}, "initial weights"),
 ])
 def test_bad_adaptive_options(kw, match):
     with pytest.raises(MMSpecError, match=match):

@@ -1,8 +1,6 @@
 """Verification maths on hand-built distributions: perfect match, early mismatch, residual,
 bonus, filtering, and a seeded statistical test that speculative sampling reproduces p."""
 
-import math
-
 import torch
 
 from mmspec import verify

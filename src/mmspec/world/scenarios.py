@@ -23,8 +23,8 @@ those); their text is the families' own.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 from PIL import Image, ImageChops, ImageOps
 
