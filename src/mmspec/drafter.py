@@ -456,6 +456,7 @@ class EnsembleDrafter(TreeDrafter):
         (the cache is left as it was): repeated calls time the same work."""
         logits = self._run(torch.tensor([token], device=self.valid.device), 0, None, True)  # [B, 1, V]
         picked = int(self._children(logits, 1, params, "mixture", None, need_scores=False)[0][0, 0])
+        self._seen = []  # no block to adapt from: nothing kept across timing repeats
         self.length -= 1
         set_cache_length(self.cache, self.length)
         return picked
