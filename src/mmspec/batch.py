@@ -357,6 +357,8 @@ class BatchScheduler:
 
         st = a.run.stats
         st.total_s = time.perf_counter() - a.t_start
+        if getattr(a.run.drafter, "adaptive", None) is not None:  # the weights' trajectory, read once
+            st.view_weights, st.final_weights = a.run.drafter.adaptive.trajectory()
         return GenerationResult(token_ids=list(a.run.tokens), text=a.text, stats=st, seed=a.seed)
 
 

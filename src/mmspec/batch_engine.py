@@ -89,6 +89,9 @@ class RequestRun:
         self.past += n + 1
         cache.set_row_length(row, self.past)
         in_draft = self.drafter.commit(path_fed[1:], tree.fed, out.path) if self.drafted else 0
+        if self.drafted and self.drafter.adaptive is not None:  # as run_loop: adaptive ensemble weights
+            self.drafter.adapt(tree.fed, out.path[:n + 1], torch.cat([ids[out.path[1:n + 1]], out.next_token.view(1)]),
+                               logits, self.options.sampling)
 
         remaining = self.remaining
         kept = _cut_at_eos((path_tokens[1:] + [acc.next_token])[:remaining], self.options.eos_ids)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from mmspec.adaptive import check_initial
 from mmspec.errors import MMSpecError
 from mmspec.models.base import ModelAdapter, video_families
 from mmspec.models.pooling import valid_pool_sizes
@@ -150,6 +151,19 @@ def check_weights(weights, n_views: int) -> list[float]:
     if any(w < 0 for w in weights) or sum(weights) <= 0:
         raise MMSpecError(f"ensemble weights must be >= 0 with a positive sum, got {weights}")
     return weights
+
+
+def check_initial_weights(initial_weights, adaptive, n_views: int) -> tuple[float, ...] | None:
+    """generate(initial_weights=...): where adaptive weights start, one finite weight >= 0 per view."""
+    if initial_weights is None:
+        return None
+    if adaptive is None:
+        raise MMSpecError("initial_weights= is where adaptive weights start; build the SpecDecoder with "
+                          "weights='adaptive' (or give fixed weights= there instead)")
+    initial = check_initial(initial_weights)
+    if len(initial) != n_views:
+        raise MMSpecError(f"{len(initial)} initial weights for {n_views} views; give one per view")
+    return initial
 
 
 def check_vocab(target: ModelAdapter, draft: ModelAdapter, tokenizer) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from mmspec import checks
+from mmspec.adaptive import AdaptiveState, AdaptiveWeights
 from mmspec.drafter import EnsembleDrafter
 from mmspec.engine import TargetState, run_loop
 from mmspec.errors import MMSpecError
@@ -82,7 +83,13 @@ class SpecDecoder:
             target's base vocabulary; by default the one saved with a draft given as a path, if
             it has one.
         views: names ("multimodal", "text", "caption", "pooled:144") or letters ("M", "MTC").
-        weights: one non-negative weight per view for the ensemble mixture (default equal).
+        weights: one non-negative weight per view for the ensemble mixture (default equal); or
+            ``"adaptive"`` (TABED: per request, after every block, each view's weight follows how
+            well its own distribution predicted the tokens the target confirmed; lossless, as the
+            mixture is still the q verification uses), ``"adaptive:loglik"``, or an
+            :class:`~mmspec.adaptive.AdaptiveWeights` for the rule's options. The weights every
+            block drafted with are in ``stats.view_weights``; ``generate(initial_weights=...)``
+            starts a request from an earlier one's ``stats.final_weights`` (a conversation's turn).
         captioner: an object with ``caption(images) -> list[str]`` (or a path to an HF
             image-to-text model); required by the caption view.
         gamma: draft tokens proposed per block (the chain's length).
@@ -182,6 +189,7 @@ class SpecDecoder:
                                topk=tree_topk, budget=tree_budget, children=tree_children, stop_below=stop_below)
         draft_vocab = self.target.vocab_size if self.draft is None else self.draft.vocab_size
         checks.check_tree_fits_vocab(self.tree, min(self.target.vocab_size, draft_vocab))
+        self.adaptive = None if head_given else AdaptiveWeights.parse(weights)  # None: fixed weights
         self.mode = self._engine_mode(cuda_graphs, static_cache)
         self._static_pool = StaticPool(self.mode.graphs)  # (role, rows, capacity) -> (cache, runner)
         if self.head is not None:  # a head reads the target's features: no views, no draft model
@@ -189,7 +197,11 @@ class SpecDecoder:
         else:
             self.views = checks.resolve_views(parse_views(views), self.draft, type(self.draft_model).__name__,
                                               self.captioner, self.substitute)
-            self.weights = checks.check_weights(weights, len(self.views))
+            self.weights = checks.check_weights(None if self.adaptive else weights, len(self.views))
+            if self.adaptive is not None and self.adaptive.initial is not None \
+                    and len(self.adaptive.initial) != len(self.views):
+                raise MMSpecError(f"{len(self.adaptive.initial)} initial weights for {len(self.views)} views; "
+                                  "give one per view")
             checks.check_vocab(self.target, self.draft, self.tokenizer)
             newline = checks.newline_id(self.tokenizer, self.views)
         self.mm = MultimodalPrompt(
@@ -237,7 +249,8 @@ class SpecDecoder:
         """The views' short name (or the head's variant), with "+tree" when blocks are trees
         ("M", "MTC+tree", "eagle+tree")."""
         name = self.head.config.variant if self.head is not None else ensemble_name(self.views)
-        return name + ("" if self.tree.kind == "chain" else "+tree") + ("+relaxed" if self.acceptance else "")
+        return (name + (f"+{self.adaptive.label}" if self.adaptive else "")
+                + ("" if self.tree.kind == "chain" else "+tree") + ("+relaxed" if self.acceptance else ""))
 
     def _engine_mode(self, cuda_graphs, static_cache) -> EngineMode:
         """Decide eager / static / CUDA-graph decoding and check the tree fits the models."""
@@ -269,7 +282,8 @@ class SpecDecoder:
                  temperature: float = 0.0, seed: int | None = None, top_k: int | None = None,
                  top_p: float | None = None, images: Sequence | None = None,
                  captions: Sequence[str] | None = None, videos: Sequence | None = None,
-                 substitutes: Sequence | None = None, streamer=None, **unused) -> GenerationResult:
+                 substitutes: Sequence | None = None, streamer=None,
+                 initial_weights: Sequence[float] | None = None, **unused) -> GenerationResult:
         """Decode one prompt. Inputs are those of ``target.generate`` (the processor's output: for
         other families also ``image_sizes``, ``image_grid_thw``, ``pixel_values_videos``,
         ``video_grid_thw``, ``mm_token_type_ids``, ... as the target's family reads them; Video-LLaVA's
@@ -278,7 +292,9 @@ class SpecDecoder:
         image for a draft with a processor of its own. ``streamer``: transformers'
         ``TextStreamer`` / ``TextIteratorStreamer`` (or any object with ``put(ids)`` / ``end()``):
         it gets the prompt ids [1, L] first (``skip_prompt`` skips them), then each block's new
-        tokens [n], then ``end()``."""
+        tokens [n], then ``end()``. ``initial_weights``: with
+        adaptive weights, where this request's weights start (e.g. the previous turn's
+        ``stats.final_weights``)."""
         t_start = time.perf_counter()
         mm = self._mm_inputs(pixel_values, unused)
         ids = checks.check_ids(input_ids, attention_mask)  # [L] on CPU
@@ -291,6 +307,7 @@ class SpecDecoder:
         checks.check_video_inputs(self.target, mm, videos, substitutes)
         checks.check_images_and_captions(images, captions)
         seed = checks.check_seed(seed)
+        initial = checks.check_initial_weights(initial_weights, self.adaptive, len(self.views))
         if params.greedy:
             seed = None  # greedy decoding draws nothing
         elif seed is None:
@@ -304,7 +321,7 @@ class SpecDecoder:
         stats = self._new_stats()
         captured = self._static_pool.capture_s
         pre = self.prefill_request(ids, mm, layout, max_new_tokens, stats, images=images, captions=captions,
-                                   videos=videos, substitutes=substitutes)
+                                   videos=videos, substitutes=substitutes, initial=initial)
         img = (ids == self.target.image_token_id).nonzero()
         options = self.options.for_call(max_new_tokens, params, int(img[-1, 0]) if img.numel() else None)
         if streamer is not None:
@@ -316,6 +333,8 @@ class SpecDecoder:
             if streamer is not None:
                 streamer.end()
         self.remember(pre, tokens)
+        if pre.drafter.adaptive is not None:  # the weights' trajectory: one host read, at the end
+            stats.view_weights, stats.final_weights = pre.drafter.adaptive.trajectory()
         stats.capture_s = self._static_pool.capture_s - captured
         stats.total_s = time.perf_counter() - t_start
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -347,7 +366,7 @@ class SpecDecoder:
 
     # ------------------------------------------------------------------ one request's prefill
     def prefill_request(self, ids: torch.Tensor, mm: dict, layout, max_new_tokens: int, stats: GenerationStats,
-                        images=None, captions=None, videos=None, substitutes=None) -> Prefilled:
+                        images=None, captions=None, videos=None, substitutes=None, initial=None) -> Prefilled:
         """Encode (or reuse the encoded images of a stored prompt), then prefill the target and
         the drafter of ONE checked request on fresh caches of this decoder, each reusing what the
         prefix cache holds of its prompt (only the rest is prefilled). The batch path calls this
@@ -371,7 +390,7 @@ class SpecDecoder:
             drafter = self._prefill_head(feats, ids, max_new_tokens, stats, match)
         else:
             prefix = None if match is None else [match.row_kv(b) if n else None for b, n in enumerate(match.rows)]
-            drafter = self._prefill_draft(rows, max_new_tokens, stats, prefix=prefix)
+            drafter = self._prefill_draft(rows, max_new_tokens, stats, prefix=prefix, initial=initial)
         return Prefilled(state=state, drafter=drafter, keys=keys, encoded=enc)
 
     def remember(self, pre: Prefilled, tokens: list[int], copy: bool | None = None) -> None:
@@ -421,6 +440,7 @@ class SpecDecoder:
     def _new_stats(self) -> GenerationStats:
         return GenerationStats(gamma=self.tree.max_depth, views=tuple(v.name for v in self.views),
                                tree=self.tree.label, engine=self.engine,
+                               weighting=self.adaptive.label if self.adaptive else "fixed",
                                acceptance="exact" if self.acceptance is None else "relaxed (lossy)")
 
     def _room(self, max_new_tokens: int) -> int:
@@ -487,7 +507,8 @@ class SpecDecoder:
         return cache, runner
 
     def _prefill_draft(self, rows: list[ViewRow], max_new_tokens: int, stats: GenerationStats,
-                       cache=None, prefix: list | None = None) -> EnsembleDrafter:
+                       cache=None, prefix: list | None = None, initial: Sequence[float] | None = None
+                       ) -> EnsembleDrafter:
         """Every view one row of one batch, prefilled on the prompt less its pending last token."""
         t0 = time.perf_counter()
         for v, r in zip(self.views, rows):
@@ -502,6 +523,9 @@ class SpecDecoder:
                                                   lambda c: token_forward(self.draft, c))
         drafter = EnsembleDrafter(self.draft, self.weights, target_vocab=self.target.vocab_size, room=room,
                                   static=self.static, cache=cache, step_fn=runner)
+        if self.adaptive is not None:  # this request's weights, on the draft's device
+            drafter.adaptive = AdaptiveState(self.adaptive, len(rows), self.draft.device, initial)
+            drafter.weights = drafter.adaptive.weights
         drafter.prefill(rows, prefix)
         sync(self.draft.device)
         stats.prefill_draft_s = time.perf_counter() - t0

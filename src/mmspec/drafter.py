@@ -11,8 +11,10 @@ pending committed tokens and a frontier of tree nodes are fed (``_feed_pending``
 In-batch ensemble drafting (IbED Algorithm 1), as chains or token trees.
 
 Every view of the prompt is one row of ONE batched draft forward per depth; the rows'
-next-token distributions are mixed with fixed weights, and the mixture is what the draft
-proposes from (and the q that sampling verification uses). A single view is the ensemble of one.
+next-token distributions are mixed with weights (fixed, or adapting after every block to how
+well each view predicted the target's confirmed tokens: :meth:`TreeDrafter.adapt`,
+:mod:`mmspec.adaptive`), and the mixture is what the draft proposes from (and the q that
+sampling verification uses). A single view is the ensemble of one.
 
 Per block the drafter feeds the pending committed tokens, then drafts a tree (:mod:`mmspec.tree`)
 depth by depth: one forward per depth over the whole frontier, every frontier node attending
@@ -35,6 +37,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from mmspec.adaptive import AdaptiveState
 from mmspec.models.base import ModelAdapter
 from mmspec.models.cache import DecodeCache, set_cache_length
 from mmspec.prefix_cache import restore_rows
@@ -58,6 +61,7 @@ class TreeDrafter:
 
     needs_hidden: tuple[int, ...] = ()
     keeps_path: bool = True
+    adaptive: AdaptiveState | None = None  # weights that adapt per block (mmspec.adaptive); None: fixed
 
     def _init_slots(self, room: int, static: bool, cache) -> None:
         self.room = int(room)
@@ -68,6 +72,7 @@ class TreeDrafter:
         self.length = 0  # slots in use (left padding and in-block tree nodes included)
         self.committed = 0  # slots holding committed tokens (padding included)
         self.next_pos: torch.Tensor | None = None  # [B] position id of the next committed token
+        self._seen: list[torch.Tensor] = []  # adaptive weights: this block's row logits (draft)
 
     @property
     def capacity(self) -> int:
@@ -146,6 +151,8 @@ class TreeDrafter:
         when the children are drawn (``u`` [F] given: chains under sampling, k == 1). Without
         ``need_scores`` a greedy one-view chain takes the logits' argmax and scores are zeros.
         """
+        if self.adaptive is not None:  # kept for :meth:`adapt` (a copy: a graph replay reuses its output)
+            self._seen.append(logits.clone())
         if u is not None:  # sampling chain: one child drawn from the mixture
             q = self.mixture(logits, params)  # [F, V]
             tok = sample(q, u)  # [F]
@@ -175,6 +182,7 @@ class TreeDrafter:
         """
         n_p = pending.shape[0]
         self._begin_block(1 + spec.n_generated)
+        self._seen: list[torch.Tensor] = []  # [B, F, V] per depth: the root's, then each fed frontier's
         logits = self._feed_pending(pending, feats)  # [B, 1, V]
         self.committed += n_p
         self.valid[:, self.committed - n_p:self.committed] = True
@@ -321,6 +329,23 @@ class TreeDrafter:
                          fed=fed[keep], max_depth=max_depth, is_chain=is_chain,
                          q=None if q_all is None else q_all[keep], sampled=sampled)
 
+    def adapt(self, tree_fed: torch.Tensor, path: torch.Tensor, confirmed: torch.Tensor, target_logits: torch.Tensor,
+              params: SamplingParams) -> None:
+        """Adaptive weights, after verification: each view's distribution at the accepted path's
+        nodes, scored against the target's there and the tokens it confirmed; all on the device.
+
+        tree_fed: [N] the block's draft slots (``tree.fed``); path: [m] the accepted path, root
+        first (m = accepted + 1); confirmed: [m] the token the target confirmed after each path
+        node (the next accepted one, then its own next token); target_logits: [N, V].
+        """
+        dev = self.weights.device
+        rows = torch.cat(self._seen, 1)  # [B, S, V_draft]: index = slot - root slot (slot order)
+        path = path.to(dev)
+        slots = tree_fed[path]  # [m]; -1: a node never fed (no draft distribution after it)
+        q = logits_to_probs(rows[:, (slots - slots[0]).clamp_min(0)], params)  # [B, m, V_draft]
+        p = logits_to_probs(target_logits[path.to(target_logits.device)], params).to(dev)  # [m, V]
+        self.weights = self.adaptive.update(q, p, confirmed.to(dev), slots >= 0)
+
     def commit(self, fed_path: Sequence[int], tree_fed: torch.Tensor, path: torch.Tensor) -> int:
         """Keep the accepted nodes that were fed, drop every other tree slot.
 
@@ -435,6 +460,7 @@ class EnsembleDrafter(TreeDrafter):
         (the cache is left as it was): repeated calls time the same work."""
         logits = self._run(torch.tensor([token], device=self.valid.device), 0, None, True)  # [B, 1, V]
         picked = int(self._children(logits, 1, params, "mixture", None, need_scores=False)[0][0, 0])
+        self._seen = []  # no block to adapt from: nothing kept across timing repeats
         self.length -= 1
         set_cache_length(self.cache, self.length)
         return picked

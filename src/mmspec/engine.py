@@ -12,6 +12,7 @@ newest committed token is *pending*: it is the root (node 0) of the next block's
    sync, besides the opt-in dynamic draft length);
 4. the accepted path's keys/values are moved into place in both caches (O(path), nothing when
    the path is already contiguous, as in a chain) and the rest is dropped by moving the cursor;
+   adaptive ensemble weights are updated from the confirmed tokens, on the device;
 5. the accepted tokens and the target's are emitted, cut at EOS or the token limit.
 
 The decoder hands over typed objects (:class:`TargetState`, :class:`~mmspec.options.EngineOptions`)
@@ -104,6 +105,9 @@ def run_loop(target: TargetState, drafter: TreeDrafter, options: EngineOptions,
         set_cache_length(target.cache, past + n + 1)
         past += n + 1
         in_draft = drafter.commit(path_fed[1:], tree.fed, out.path) if block_spec is not None else 0
+        if drafter.adaptive is not None and block_spec is not None:  # each view scored on what the target confirmed
+            confirmed = torch.cat([ids[0][out.path[1:n + 1]], out.next_token.view(1)])  # [n + 1]
+            drafter.adapt(tree.fed, out.path[:n + 1], confirmed, logits, params)
         clock.mark()
 
         # 5. emit and stop: the accepted tokens and the target's, cut at EOS and the limit

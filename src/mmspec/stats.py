@@ -38,6 +38,9 @@ class GenerationStats:
     engine: str = "eager"  # "eager", "static" (fixed shapes) or "cuda-graphs"
     capture_s: float = 0.0  # CUDA-graph warm-up + capture inside this call (first calls of a shape)
     acceptance: str = "exact"  # "exact" (lossless) or "relaxed (lossy)"
+    weighting: str = "fixed"  # the ensemble's weights: "fixed", or the adaptive rule ("adaptive", "adaptive:loglik")
+    view_weights: list[list[float]] = field(default_factory=list)  # adaptive: the weights each drafted block mixed with
+    final_weights: list[float] | None = None  # adaptive: the weights after the last block (a next turn's start)
     blocks: list[BlockRecord] = field(default_factory=list)
     vision_s: float = 0.0  # image encoding (vision tower + projectors; shared when reused)
     caption_s: float = 0.0  # captioner, once per image, at prefill

@@ -47,7 +47,9 @@ def parse_method(method: str) -> tuple[tuple[str, ...], dict]:
     measured defaults, ``tree:DxKxB`` (``tree:6x4x16``) one of depth D, top-k K and budget B,
     ``tree:[[0],[1],[0,0]]`` a static tree; ``relaxed``: MSD's relaxed acceptance (LOSSY); ``auto``:
     the batched pass decodes with ``generate_batch(speculate="auto")`` (drafts only where measured to
-    pay; :class:`mmspec.batch.SpeculationPolicy`), the one-prompt rows as the method without it. A head
+    pay; :class:`mmspec.batch.SpeculationPolicy`), the one-prompt rows as the method without it;
+    ``adaptive`` (``adaptive:loglik``): ensemble weights that adapt per block (TABED;
+    :mod:`mmspec.adaptive`), {"weights": "adaptive"}, for two views or more. A head
     variant in place of the views (``eagle``, ``eagle3+tree``, ``msd+relaxed+tree``) drafts with
     that trained head: {"head": variant}. Each tree is checked here (a zero depth is refused).
     """
@@ -67,6 +69,12 @@ def parse_method(method: str) -> tuple[tuple[str, ...], dict]:
             if "acceptance" in kw:
                 raise MMSpecError(f"method {method!r} says +relaxed twice; say it once")
             kw["acceptance"] = "relaxed"
+        elif low == "adaptive" or low.startswith("adaptive:"):
+            if "weights" in kw:
+                raise MMSpecError(f"method {method!r} says +adaptive twice; say it once")
+            from mmspec.adaptive import AdaptiveWeights
+
+            kw["weights"] = AdaptiveWeights.parse(low).label  # an unknown rule is refused here
         elif low == "tree" or low.startswith(("tree:", "tree@")):
             if "tree" in kw:
                 raise MMSpecError(f"method {method!r} has two tree parts; give one (+tree or +tree:6x4x16)")
@@ -76,7 +84,11 @@ def parse_method(method: str) -> tuple[tuple[str, ...], dict]:
     if not views:
         raise MMSpecError(f"method {method!r} has no views; write the views first, e.g. M+tree or MTC+tree")
     if len(views) == 1 and views[0].lower() in HEAD_VARIANTS:
+        if "weights" in kw:
+            raise MMSpecError(f"method {method!r}: a head drafts alone, there is no ensemble to weigh; drop +adaptive")
         return (), {**kw, "head": views[0].lower()}
+    if "weights" in kw and len(views) == 1 and set(views[0]) <= _LETTERS and len(views[0]) < 2:
+        raise MMSpecError(f"method {method!r}: +adaptive weighs two views or more; use e.g. MT+adaptive")
     body = "+".join(views)
     if len(views) > 1 or ":" in body or body.lower() in ("multimodal", "text", "caption", "pooled"):
         return tuple(views), kw
