@@ -117,14 +117,19 @@ def create_app(service: Service) -> FastAPI:
 
 async def _collect(service: Service, job: Job, ticket: Ticket, answer: R.Answer, request: Request) -> Update | None:
     """Wait for the whole answer (None), or the update that ended it; a client gone is cancelled."""
+    checked = time.perf_counter()
     try:
         while True:
             try:
                 up = await ticket.get(POLL_S)
             except asyncio.TimeoutError:
+                up = None
+            if time.perf_counter() - checked >= POLL_S:
+                checked = time.perf_counter()
                 if await request.is_disconnected():
                     service.worker.cancel(job)
                     return Update("failed", message="the client disconnected", status=499)
+            if up is None:
                 continue
             if up.kind != "event":
                 return up
