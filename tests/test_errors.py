@@ -1,13 +1,20 @@
 """Each bad input gets a clear MMSpecError that names the problem and the fix."""
 
+import re
+
+import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from mmspec import MMSpecError, SpecDecoder
+from mmspec.heads import build_head
+from mmspec.models.substitute import build_substitute_encoder
+from mmspec.substitutes import Substitute, make_substitute
 from mmspec.inputs import frame_prompt, load_images
 from mmspec.models.captioner import FixedCaptioner
 from mmspec.views import parse_views
-from tiny import VOCAB, make_llava, make_prompt, make_tokenizer, swapped_tokenizer
+from tiny import VOCAB, make_llava, make_prompt, make_qwen, make_tokenizer, noisy_copy, qwen_inputs, swapped_tokenizer
 
 
 def test_wrong_number_of_images(target, draft_shared, tok):
@@ -600,3 +607,161 @@ def test_deprecated_transformers_arguments_fail_the_core_tests(target, draft_sha
     with pytest.raises(AssertionError, match="deprecated API used inside SpecDecoder.generate.*past_key_values"):
         dec.generate(ids, pv, max_new_tokens=4)
     assert isinstance(dec.target, ModelAdapter)
+
+
+# --------------------------------------------------------------------------- refused before decoding (issue 36)
+def _head(target):
+    return build_head(target, "eagle", seed=1)
+
+
+@pytest.mark.parametrize("kw, msg", [(dict(views="MTC"), "a head drafts alone"), (dict(views="T"), "a head drafts alone"),
+                                     (dict(weights=[1.0]), "weights= was given with a feature-level head"),
+                                     (dict(captioner=FixedCaptioner(["x"])), "captioner= was given with a feature-level head")])
+def test_head_with_token_level_draft_arguments(target, tok, kw, msg):
+    """A head drafts alone from the target's features: views, weights, a captioner would be ignored."""
+    with pytest.raises(MMSpecError, match=msg):
+        SpecDecoder(target, _head(target), tok, **kw)
+    assert SpecDecoder(target, _head(target), tok, views="M").method == "eagle"  # the default, spelled out: fine
+
+
+@pytest.mark.parametrize("bad", [(0.5,), 0.5, (0.6, 0.4, 0.3), "ab", ("x", "y"), (0.5, float("nan"))])
+def test_relaxed_thresholds_of_the_wrong_form(target, draft_shared, tok, bad):
+    with pytest.raises(MMSpecError, match=r"two probabilities in \(0, 1\], \(vision, text\), e.g. \(0.6, 0.4\)"):
+        SpecDecoder(target, draft_shared, tok, acceptance="relaxed", relaxed_thresholds=bad)
+
+
+def test_relaxed_settings_without_relaxed_acceptance(target, draft_shared, tok):
+    for kw in (dict(relaxed_thresholds=(0.9, 0.9)), dict(relaxed_window=8)):
+        with pytest.raises(MMSpecError, match="pass acceptance='relaxed' with them"):
+            SpecDecoder(target, draft_shared, tok, **kw)
+
+
+@pytest.mark.parametrize("tree, kw, msg", [([[r] for r in range(VOCAB + 1)], {},
+                                            f"child of rank {VOCAB} but the draft proposes from {VOCAB} tokens"),
+                                           ([[0]] + [[0, r] for r in range(VOCAB + 4)], {}, f"use child ranks below {VOCAB}"),
+                                           ("dynamic", dict(tree_topk=VOCAB + 1), f"tree_topk={VOCAB + 1} is more children")])
+def test_tree_wider_than_the_vocabulary(target, draft_shared, tok, tree, kw, msg):
+    with pytest.raises(MMSpecError, match=msg):
+        SpecDecoder(target, draft_shared, tok, tree=tree, **kw)
+
+
+@pytest.mark.parametrize("kw, names", [(dict(pixel_values_videos=torch.zeros(1, 4, 3, 32, 32)), "pixel_values_videos"),
+                                       (dict(videos=[[Image.new("RGB", (8, 8))] * 2]), "videos"),
+                                       (dict(substitutes=[torch.zeros(4, 2, 8, 8)]), "substitutes")])
+def test_video_given_to_an_image_only_family(target, draft_shared, tok, kw, names):
+    ids, pv = make_prompt(1, 16)
+    dec = SpecDecoder(target, draft_shared, tok)
+    with pytest.raises(MMSpecError, match=rf"{names} given, but the target \(llava, LlavaForConditionalGeneration\) "
+                                          r"reads images only.*Video families: .*qwen2_vl.*video_llava"):
+        dec.generate(ids, pv, max_new_tokens=4, **kw)
+
+
+def _video_pair():
+    target = make_qwen(0)
+    return target, noisy_copy(target, 1), qwen_inputs(0, True, seed=3)
+
+
+def _event_encoder(draft):
+    frames = [Image.fromarray(np.full((32, 32, 3), 40 * t, dtype=np.uint8)) for t in range(6)]
+    sub = make_substitute(frames, "events")
+    return build_substitute_encoder("events", sub.tensor, 6, draft.config.text_config.hidden_size).double(), sub, frames
+
+
+def test_substitutes_of_the_wrong_shape_kind_or_type(tok):
+    target, draft, (ids, mm) = _video_pair()
+    enc, sub, frames = _event_encoder(draft)
+    S, C = sub.tensor.shape[:2]
+    dec = SpecDecoder(target, draft, tok, views="ME", substitute=enc)
+    expected = rf"the draft's substitute encoder reads \[S, C, H, W\] = \[{S}, {C}, H, W\]"
+    for bad in (sub.tensor[0], sub.tensor[None], sub.tensor[:, :1], torch.zeros(S + 1, C, 8, 8)):
+        with pytest.raises(MMSpecError, match=rf"substitute 0 has shape {re.escape(str(tuple(bad.shape)))}; " + expected):
+            dec.generate(ids, **mm, substitutes=[bad], max_new_tokens=4)
+    with pytest.raises(MMSpecError, match="substitute 0 is a list; pass Substitute objects"):
+        dec.generate(ids, **mm, substitutes=[[1, 2, 3]], max_new_tokens=4)
+    with pytest.raises(MMSpecError, match="of kind 'low_fps' but the draft's substitute encoder reads 'events'"):
+        dec.generate(ids, **mm, substitutes=[Substitute("low_fps", sub.tensor, ())], max_new_tokens=4)
+    with pytest.raises(MMSpecError, match="takes a list, one entry per <video>"):
+        dec.generate(ids, **mm, substitutes=sub, max_new_tokens=4)
+    with pytest.raises(MMSpecError, match="both videos= and substitutes= were given"):
+        dec.generate(ids, **mm, substitutes=[sub], videos=[frames], max_new_tokens=4)
+    assert len(dec.generate(ids, **mm, substitutes=[sub], max_new_tokens=4).token_ids) == 4  # the right one decodes
+    with pytest.raises(MMSpecError, match="substitute= was given but no view reads it"):
+        SpecDecoder(target, draft, tok, views="M", substitute=enc)
+
+
+@pytest.mark.parametrize("kw, msg", [(dict(weights=1.0), "weights must be a list of numbers"),
+                                     (dict(weights=["a"]), "weights must be a list of numbers"),
+                                     (dict(dtype="float16"), "dtype='float16' applies to models given as paths"),
+                                     (dict(static_cache="yes"), "static_cache must be True, False or None")])
+def test_more_silently_ignored_or_traceback_constructor_arguments(target, draft_shared, tok, kw, msg):
+    with pytest.raises(MMSpecError, match=msg):
+        SpecDecoder(target, draft_shared, tok, **kw)
+
+
+@pytest.mark.parametrize("n", [2.5, "8", True])
+def test_max_new_tokens_not_a_whole_number(target, draft_shared, tok, n):
+    with pytest.raises(MMSpecError, match="max_new_tokens must be >= 1"):
+        SpecDecoder(target, draft_shared, tok).generate(*make_prompt(1, 16), max_new_tokens=n)
+
+
+@pytest.mark.parametrize("kw, msg", [(dict(seed=1.5, temperature=1.0), "seed must be a whole number"),
+                                     (dict(seed="7", temperature=1.0), "seed must be a whole number"),
+                                     (dict(temperature="hot"), "temperature must be a number >= 0"),
+                                     (dict(images=Image.new("RGB", (8, 8))), "images= takes a list of PIL images"),
+                                     (dict(captions="a red square"), "captions= takes a list of strings"),
+                                     (dict(captions=[3]), "captions= takes a list of strings")])
+def test_more_generate_arguments_of_the_wrong_type(target, draft_shared, tok, kw, msg):
+    dec = SpecDecoder(target, draft_shared, tok, views="MC", captioner=FixedCaptioner(["x"]))
+    with pytest.raises(MMSpecError, match=msg):
+        dec.generate(*make_prompt(1, 16), max_new_tokens=4, **kw)
+
+
+def test_pixel_values_without_their_batch_dimension(target, draft_shared, tok):
+    ids, pv = make_prompt(1, 16)
+    with pytest.raises(MMSpecError, match=r"pixel_values must be a tensor \[n_images, 3, H, W\].*got \(3, 32, 32\)"):
+        SpecDecoder(target, draft_shared, tok).generate(ids, pv[0], max_new_tokens=4)
+
+
+def test_draft_processor_that_no_view_reads(target, draft_shared, tok):
+    with pytest.raises(MMSpecError, match="draft_processor= was given but no view reads the draft's images"):
+        SpecDecoder(target, draft_shared, tok, views="T", draft_processor=object())
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(views=None), "views must be view names or letters"), (dict(views=3), "views must be view names or letters"),
+    (dict(tree_children="x"), "tree_children 'x' shapes a tree's children; a chain has one per node"),
+    (dict(tree="dynamic", tree_children="x"), r"tree children must be one of \('mixture', 'views'\)"),
+    (dict(tree="dynamic", tree_budget=0), "tree_budget must be a whole number >= 1"),
+    (dict(tree="dynamic", tree_depth=2.5), "tree_depth must be a whole number >= 1"),
+    (dict(tree_topk=4), "tree_topk needs tree='dynamic'"),
+    (dict(tree_children="views"), "tree_children 'views' shapes a tree's children; a chain has one per node"),
+    (dict(tree="dynamic", stop_below=0.5), "stop_below .dynamic draft length. applies to chains only"),
+    (dict(tree=[[0], [1]], tree_depth=3), "a static tree's paths fix its shape: drop tree_depth"),
+])
+def test_tree_and_view_keywords_that_would_be_ignored_or_crash(target, draft_shared, tok, kw, msg):
+    with pytest.raises(MMSpecError, match=msg):
+        SpecDecoder(target, draft_shared, tok, **kw)
+
+
+def test_tree_keywords_that_apply_are_accepted(target, draft_shared, tok):
+    SpecDecoder(target, draft_shared, tok, tree="dynamic", tree_depth=2, tree_topk=2, tree_budget=3, tree_children="views")
+    SpecDecoder(target, draft_shared, tok, stop_below=0.3)
+    SpecDecoder(target, draft_shared, tok, tree=[[0], [1]], tree_children="views")
+
+
+def test_prompt_ids_and_pixels_the_target_cannot_read(target, draft_shared, tok):
+    ids, pv = make_prompt(1, 16)
+    dec = SpecDecoder(target, draft_shared, tok)
+    far = ids.clone()
+    far[0, -1] = VOCAB + 7
+    for bad_ids, msg in ((far, f"input_ids holds the id {VOCAB + 7}, outside the target's vocabulary of {VOCAB}"),
+                         (-ids, "outside the target's vocabulary"),
+                         ("hello", "input_ids must be token ids"), (ids.float(), "input_ids must be token ids")):
+        with pytest.raises(MMSpecError, match=msg):
+            dec.generate(bad_ids, pv, max_new_tokens=4)
+    for bad_pv, shape in ((pv[:, :1], "1 x 32 x 32"), (torch.randn(1, 3, 64, 64, dtype=torch.float64), "3 x 64 x 64")):
+        with pytest.raises(MMSpecError, match=f"pixel_values holds images of {shape} but this target's vision tower "
+                                              "reads 3 x 32 x 32"):
+            dec.generate(ids, bad_pv, max_new_tokens=4)
+    with pytest.raises(MMSpecError, match=r"image_sizes given, but the target's family \(llava, .*\) does not read it"):
+        dec.generate(ids, pv, image_sizes=torch.tensor([[32, 32]]), max_new_tokens=4)

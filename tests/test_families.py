@@ -9,57 +9,9 @@ import pytest
 import torch
 
 from mmspec import SpecDecoder
-from tiny import make_llama, noisy_copy
-
-V = 96
-IMAGE, VIDEO, VSTART, VEND = 3, 6, 7, 8
-
-
-def make_qwen(seed: int, family: str = "qwen2_vl"):
-    """A tiny Qwen2-VL (or Qwen2.5-VL): 4 px patches merged 2x2, 2 decoder layers, float64."""
-    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
-                              Qwen2VLForConditionalGeneration)
-
-    torch.manual_seed(seed)
-    text = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
-    ids = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VSTART, vision_end_token_id=VEND)
-    if family == "qwen2_vl":
-        vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
-                      temporal_patch_size=2, in_channels=3)
-        model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(text_config=text, vision_config=vision, **ids))
-    else:
-        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
-                      temporal_patch_size=2, in_channels=3, out_hidden_size=64, window_size=16,
-                      fullatt_block_indexes=[1])
-        model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids))
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)  # sharp logits: no greedy near-ties
-    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 2, 0
-    return model.double().eval()
-
-
-def qwen_inputs(n_images: int, video: bool, seed: int = 0):
-    """input_ids [1, L] with <|vision_start|> <|image_pad|>* <|vision_end|> per image (4x4 or 4x8
-    patches: 4 or 8 tokens) and a 2x4x4 video (8 tokens), and the pixel inputs the processor makes."""
-    g = torch.Generator().manual_seed(seed)
-    ids, pvs, thw = [1, 10, 11], [], []
-    for k in range(n_images):
-        h, w = (4, 4) if k % 2 == 0 else (4, 8)
-        ids += [VSTART] + [IMAGE] * (h * w // 4) + [VEND, 20 + k]
-        pvs.append(torch.randn(h * w, 3 * 2 * 4 * 4, generator=g, dtype=torch.float64))
-        thw.append([1, h, w])
-    mm = {}
-    if n_images:
-        mm.update(pixel_values=torch.cat(pvs), image_grid_thw=torch.tensor(thw))
-    if video:
-        t, h, w = 2, 4, 4
-        ids += [VSTART] + [VIDEO] * (t * h * w // 4) + [VEND]
-        mm.update(pixel_values_videos=torch.randn(t * h * w, 96, generator=g, dtype=torch.float64),
-                  video_grid_thw=torch.tensor([[t, h, w]]))
-    ids += [12, 13, 14]
-    return torch.tensor([ids]), mm
+from mmspec.stats import GenerationStats
+from tiny import IMAGE, VIDEO, make_llama, make_qwen, noisy_copy, qwen_inputs  # noqa: F401 (re-exported)
+from tiny import VOCAB as V
 
 
 def qwen_reference(target, ids, mm, n):
@@ -318,7 +270,8 @@ def test_llava_15_draft_with_its_own_processor_for_a_llava_next_target(family_mo
         dec = SpecDecoder(target, draft, tok, views=views, tree=tree, draft_processor=make_processor(tok, patch=16),
                           captioner=segment_captions(2))
         res = dec.generate(ids, **mm, attention_mask=enc["attention_mask"], images=images, max_new_tokens=20)
-        assert dec._mm_draft["pixel_values"].shape == (2, 3, 32, 32)  # the draft's own processor's output
+        prepared = dec.mm.encode(dec.mm.layout(ids[0], mm), mm, GenerationStats(gamma=5, views=()), images=images)
+        assert prepared.draft_inputs["pixel_values"].shape == (2, 3, 32, 32)  # the draft's own processor's output
         assert res.token_ids == family_reference(target, ids, mm, 20)
 
 

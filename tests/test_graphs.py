@@ -6,15 +6,18 @@ bookkeeping with an emulated capture."""
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from mmspec import SpecDecoder
 from mmspec.errors import MMSpecError
-from mmspec.graphs import StepRunner, graph_mode
+from mmspec.graphs import StaticPool, StepRunner, graph_mode
+from mmspec.models.base import adapter_for
+from mmspec.tree import tree_attention_mask
 from test_exact_greedy import captions, reference
-from tiny import make_llava, make_prompt, noisy_copy
+from tiny import VOCAB, make_llava, make_prompt, noisy_copy
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -59,6 +62,68 @@ def test_capture_failure_falls_back_to_eager_with_one_warning(target, draft_shar
     msgs = [str(w.message) for w in caught if "CUDA graph" in str(w.message)]
     assert len(msgs) == 2 and "running it eagerly" in msgs[0]  # one per model (target, draft), not per step
     assert all(r.failed for _, r in dec._static_pool.values())
+
+
+def test_static_pool_keeps_one_cache_per_role_rows_and_power_of_two_capacity():
+    made = []
+
+    def get(needed, role="draft", rows=2):
+        return pool.get(role, rows, needed, lambda n: made.append(n) or SimpleNamespace(length=0, max_len=n),
+                        lambda cache: (lambda **inputs: None))
+
+    pool = StaticPool("emulate")
+    a, b, c, d = get(100), get(512), get(513), get(513, rows=3)
+    assert a is b and a[0].max_len == 512 and c[0].max_len == 1024 and d is not c and made == [512, 1024, 1024]
+    assert get(600, role="target") is not c and all(r.mode == "emulate" for _, r in pool.values())
+
+
+@pytest.mark.parametrize("mode, fail_at, where", [
+    ("emulate", 1, "layers.1"), ("emulate", 1, "norm"),
+    pytest.param("cuda", 1, "layers.1", marks=cuda),  # a warm-up run fails
+    pytest.param("cuda", 3, "layers.1", marks=cuda), pytest.param("cuda", 3, "norm", marks=cuda),  # the capture fails
+])
+@torch.inference_mode()
+def test_capture_failing_part_way_leaves_the_cache_as_it_was(target, mode, fail_at, where):
+    """A REAL capture (emulated on the CPU; on a GPU a warm-up or the capture itself) that raises
+    part-way: after the first layer wrote ("layers.1": the cursor not yet moved) or after every
+    layer wrote ("norm": the cursor moved too). The eager fallback must start from the cache the
+    attempt found: its logits are the target's, and every layer's length and the device cursor
+    count exactly the new tokens."""
+    model = target if mode == "emulate" else make_llava(0, dtype=torch.float32).cuda()
+    dev = next(model.parameters()).device
+    adapter = adapter_for(model)
+    cache = adapter.new_cache(64, static=True)
+
+    def forward(ids, pos, mask):
+        return adapter.forward(cache=cache, attention_mask=mask, position_ids=pos, input_ids=ids)
+
+    ids = torch.randint(5, VOCAB, (1, 14), generator=torch.Generator().manual_seed(4)).to(dev)
+    L = 8
+    chain = lambda n: torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+    at = lambda start, n: torch.arange(start, start + n, device=dev)[None]
+    forward(ids[:, :L], at(0, L), tree_attention_mask(chain(L), 0, 64))  # prefill, eagerly
+    runner = StepRunner(forward, cache, mode=mode, name="target")
+    calls = {"n": 0}
+
+    def fail_once(module, args):
+        calls["n"] += 1
+        if calls["n"] == fail_at:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    hook = model.model.language_model.get_submodule(where).register_forward_pre_hook(fail_once)
+    try:
+        with pytest.warns(RuntimeWarning, match="running it eagerly"):
+            first = runner(ids=ids[:, L:L + 3], pos=at(L, 3), mask=tree_attention_mask(chain(3), L, 64))
+    finally:
+        hook.remove()
+    assert calls["n"] > fail_at and runner.failed  # the capture did fail part-way (then ran eagerly)
+    assert cache.length == L + 3 and {layer.length for layer in cache.layers} == {L + 3}
+    assert int(cache.store.cursor) == L + 3
+    second = runner(ids=ids[:, L + 3:L + 6], pos=at(L + 3, 3), mask=tree_attention_mask(chain(3), L + 3, 64))
+    full = model(input_ids=ids[:, :L + 6]).logits  # [1, L + 6, V]
+    tol = {} if mode == "emulate" else dict(atol=1e-4, rtol=1e-4)  # float32 on a GPU: other kernels
+    torch.testing.assert_close(torch.cat([first, second], 1), full[:, L:L + 6], **tol)
+    assert cache.length == L + 6 and int(cache.store.cursor) == L + 6
 
 
 @cuda

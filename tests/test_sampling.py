@@ -7,8 +7,7 @@ import torch
 
 from mmspec import SpecDecoder, verify
 from mmspec.models.captioner import FixedCaptioner
-from test_verify import chi2_pvalue
-from tiny import BOS, IMG, make_llava, make_tokenizer
+from tiny import BOS, IMG, exact_sequence_probs, make_llava, make_tokenizer, pvalues  # noqa: F401
 
 V = 8  # <pad> <s> </s> <image> \n w5 w6 w7
 N_NEW, TEMP, N_SAMPLES = 3, 1.0, 1200
@@ -26,57 +25,9 @@ def setup():
     return target, draft, tok, ids, pv
 
 
-def exact_sequence_probs(target, ids, pv, eos=2):
-    """P(x1..x3) under the target at temperature TEMP, EOS ending a sequence early."""
-    seqs, probs = [], []
-
-    feats = torch.cat(list(target.get_image_features(pixel_values=pv).pooler_output))  # [16, H]
-
-    def next_probs(prefix):
-        # embeddings built by hand: a generated token may be the <image> id, which must not
-        # be treated as an image slot (generate() embeds it as a plain token too)
-        full = torch.cat([ids, torch.tensor([prefix], dtype=torch.long)], 1) if prefix else ids
-        emb = target.get_input_embeddings()(full)
-        emb[0, : ids.shape[1]][ids[0] == IMG] = feats
-        logits = target(inputs_embeds=emb).logits[0, -1]
-        return torch.softmax(logits / TEMP, -1)
-
-    with torch.no_grad():
-        frontier = [((), 1.0)]
-        for _ in range(N_NEW):
-            new = []
-            for prefix, pr in frontier:
-                p = next_probs(list(prefix))
-                for t in range(V):
-                    seq, q = prefix + (t,), pr * float(p[t])
-                    (seqs.append(seq), probs.append(q)) if (t == eos or len(seq) == N_NEW) else new.append((seq, q))
-            frontier = new
-    return {s: p for s, p in zip(seqs, probs)}
-
-
 def sampled(dec, ids, pv, n: int = N_SAMPLES):
     return [tuple(dec.generate(ids, pv, max_new_tokens=N_NEW, temperature=TEMP, seed=s).token_ids)
             for s in range(n)]
-
-
-def pvalues(samples, exact) -> list[float]:
-    """Chi-square p-values: the joint over whole sequences, and the marginal of each position
-    (category V = the sequence ended earlier). Marginals carry most of the power."""
-    seqs = list(exact)
-    probs = torch.tensor([exact[s] for s in seqs])
-    index = {s: i for i, s in enumerate(seqs)}
-    joint = torch.zeros(len(seqs))
-    for s in samples:
-        joint[index[s]] += 1
-    out = [chi2_pvalue(joint, probs)]
-    for pos in range(N_NEW):
-        m_exact, m_obs = torch.zeros(V + 1), torch.zeros(V + 1)
-        for s, pr in exact.items():
-            m_exact[s[pos] if len(s) > pos else V] += pr
-        for s in samples:
-            m_obs[s[pos] if len(s) > pos else V] += 1
-        out.append(chi2_pvalue(m_obs, m_exact))
-    return out
 
 
 def test_sampling_matches_target_distribution(setup):

@@ -327,8 +327,22 @@ def test_relaxed_acceptance_is_opt_in_named_lossy_and_accepts_more(tok):
 
 
 def test_relaxed_thresholds_follow_the_modality_of_the_context():
-    from mmspec.engine import RelaxedAcceptance
+    from mmspec.options import RelaxedAcceptance
 
     r = RelaxedAcceptance(vision=0.6, text=0.4, window=10, last_image_pos=20)
     assert r.threshold(25) == 0.6 and r.threshold(31) == 0.4
     assert RelaxedAcceptance(last_image_pos=None).threshold(5) == 0.4
+
+
+def test_outcome_is_read_once_and_unpacked_to_named_fields():
+    """The engine's one host read per block: packed() -> .tolist() -> unpack(), named fields cut
+    to the accepted path (no slicing by offsets in the loop)."""
+    from mmspec.verify import TreeOutcome
+
+    out = TreeOutcome(path=torch.tensor([0, 2, 5, 5]), n_accepted=torch.tensor(2), next_token=torch.tensor(9))
+    tokens, fed = torch.arange(10, 16), torch.tensor([3, -1, 4, -1, -1, -1])
+    acc = out.unpack(out.packed(tokens, fed).tolist())
+    assert (acc.n_accepted, acc.next_token, acc.path) == (2, 9, [0, 2, 5])
+    assert acc.along == ([10, 12, 15], [3, 4, -1]) and not acc.is_first_branch
+    chain = TreeOutcome(path=torch.tensor([0, 1, 1]), n_accepted=torch.tensor(1), next_token=torch.tensor(4))
+    assert chain.unpack(chain.packed().tolist()).is_first_branch

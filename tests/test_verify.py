@@ -1,13 +1,12 @@
 """Verification maths on hand-built distributions: perfect match, early mismatch, residual,
 bonus, filtering, and a seeded statistical test that speculative sampling reproduces p."""
 
-import math
-
 import torch
 
 from mmspec import verify
 from mmspec.verify import (SamplingParams, logits_to_probs, residual, verify_greedy,
                            verify_sampling)
+from tiny import chi2_pvalue  # noqa: F401 (test_tree imports it from here)
 
 
 def onehot_logits(tokens, V=6):
@@ -68,20 +67,6 @@ def test_filtering_applies_top_k_and_top_p():
     assert torch.allclose(p7, torch.tensor([2 / 3, 1 / 3, 0, 0]))
     hot = logits_to_probs(logits, SamplingParams(temperature=2.0))
     assert torch.allclose(hot, torch.softmax(logits / 2, -1))
-
-
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square p-value (Wilson-Hilferty normal approximation, cells pooled < 5)."""
-    n = counts.sum()
-    exp = probs * n
-    big = exp >= 5
-    c = torch.cat([counts[big], counts[~big].sum().view(1)])
-    e = torch.cat([exp[big], exp[~big].sum().view(1)])
-    keep = e > 0
-    stat = float(((c[keep] - e[keep]) ** 2 / e[keep]).sum())
-    dof = int(keep.sum()) - 1
-    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
-    return 0.5 * math.erfc(z / math.sqrt(2))
 
 
 def emitted_distribution(p, q, n_draws, seed):

@@ -4,6 +4,7 @@ tests itself. Shared by the test modules (import, not a fixture, so helpers can 
 from __future__ import annotations
 
 import contextlib
+import math
 import copy
 import socket
 
@@ -80,6 +81,57 @@ def make_llama(seed: int, *, hidden: int = 32, vocab: int = VOCAB, dtype=torch.f
     return LlamaForCausalLM(cfg).to(dtype).eval()
 
 
+# placeholder ids of the tiny multimodal families (IMAGE == IMG; Qwen2-VL's vision start / end)
+IMAGE, VIDEO, VSTART, VEND = 3, 6, 7, 8
+
+
+def make_qwen(seed: int, family: str = "qwen2_vl"):
+    """A tiny Qwen2-VL (or Qwen2.5-VL): 4 px patches merged 2x2, 2 decoder layers, float64."""
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration)
+
+    torch.manual_seed(seed)
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    ids = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VSTART, vision_end_token_id=VEND)
+    if family == "qwen2_vl":
+        vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
+                      temporal_patch_size=2, in_channels=3)
+        model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(text_config=text, vision_config=vision, **ids))
+    else:
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
+                      temporal_patch_size=2, in_channels=3, out_hidden_size=64, window_size=16,
+                      fullatt_block_indexes=[1])
+        model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)  # sharp logits: no greedy near-ties
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 2, 0
+    return model.double().eval()
+
+
+def qwen_inputs(n_images: int, video: bool, seed: int = 0):
+    """input_ids [1, L] with <|vision_start|> <|image_pad|>* <|vision_end|> per image (4x4 or 4x8
+    patches: 4 or 8 tokens) and a 2x4x4 video (8 tokens), and the pixel inputs the processor makes."""
+    g = torch.Generator().manual_seed(seed)
+    ids, pvs, thw = [1, 10, 11], [], []
+    for k in range(n_images):
+        h, w = (4, 4) if k % 2 == 0 else (4, 8)
+        ids += [VSTART] + [IMAGE] * (h * w // 4) + [VEND, 20 + k]
+        pvs.append(torch.randn(h * w, 3 * 2 * 4 * 4, generator=g, dtype=torch.float64))
+        thw.append([1, h, w])
+    mm = {}
+    if n_images:
+        mm.update(pixel_values=torch.cat(pvs), image_grid_thw=torch.tensor(thw))
+    if video:
+        t, h, w = 2, 4, 4
+        ids += [VSTART] + [VIDEO] * (t * h * w // 4) + [VEND]
+        mm.update(pixel_values_videos=torch.randn(t * h * w, 96, generator=g, dtype=torch.float64),
+                  video_grid_thw=torch.tensor([[t, h, w]]))
+    ids += [12, 13, 14]
+    return torch.tensor([ids]), mm
+
+
 def make_prompt(n_images: int, tokens_per_image: int, seed: int = 0, text_len: int = 6):
     """input_ids [1, L] with image tokens expanded, and pixel_values [n, 3, 32, 32]."""
     g = torch.Generator().manual_seed(seed)
@@ -126,3 +178,69 @@ def block_network():
         mp.setattr(socket, "create_connection", lambda address, *a, **k: refuse("socket.create_connection", address))
         mp.setattr(socket, "getaddrinfo", lambda host, port, *a, **k: refuse("socket.getaddrinfo", (host, port)))
         yield
+
+
+# ---------------------------------------------------------------- exact-distribution tests
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square p-value (Wilson-Hilferty normal approximation, cells pooled < 5)."""
+    n = counts.sum()
+    exp = probs * n
+    big = exp >= 5
+    c = torch.cat([counts[big], counts[~big].sum().view(1)])
+    e = torch.cat([exp[big], exp[~big].sum().view(1)])
+    keep = e > 0
+    stat = float(((c[keep] - e[keep]) ** 2 / e[keep]).sum())
+    dof = int(keep.sum()) - 1
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def exact_sequence_probs(target, ids, pv, eos=2, n_new: int = 3, temp: float = 1.0):
+    """P(x1..x_n_new) under the target at temperature ``temp``, EOS ending a sequence early
+    (exactly, by enumeration over a tiny vocabulary; ids [1, L] with one image pv [1, 3, H, W])."""
+    V, N_NEW, TEMP = target.config.text_config.vocab_size, n_new, temp
+    seqs, probs = [], []
+
+    feats = torch.cat(list(target.get_image_features(pixel_values=pv).pooler_output))  # [16, H]
+
+    def next_probs(prefix):
+        # embeddings built by hand: a generated token may be the <image> id, which must not
+        # be treated as an image slot (generate() embeds it as a plain token too)
+        full = torch.cat([ids, torch.tensor([prefix], dtype=torch.long)], 1) if prefix else ids
+        emb = target.get_input_embeddings()(full)
+        emb[0, : ids.shape[1]][ids[0] == IMG] = feats
+        logits = target(inputs_embeds=emb).logits[0, -1]
+        return torch.softmax(logits / TEMP, -1)
+
+    with torch.no_grad():
+        frontier = [((), 1.0)]
+        for _ in range(N_NEW):
+            new = []
+            for prefix, pr in frontier:
+                p = next_probs(list(prefix))
+                for t in range(V):
+                    seq, q = prefix + (t,), pr * float(p[t])
+                    (seqs.append(seq), probs.append(q)) if (t == eos or len(seq) == N_NEW) else new.append((seq, q))
+            frontier = new
+    return {s: p for s, p in zip(seqs, probs)}
+
+
+def pvalues(samples, exact, V: int = 8) -> list[float]:
+    """Chi-square p-values: the joint over whole sequences, and the marginal of each position
+    (category V = the sequence ended earlier). Marginals carry most of the power."""
+    seqs = list(exact)
+    N_NEW = max(len(s) for s in seqs)
+    probs = torch.tensor([exact[s] for s in seqs])
+    index = {s: i for i, s in enumerate(seqs)}
+    joint = torch.zeros(len(seqs))
+    for s in samples:
+        joint[index[s]] += 1
+    out = [chi2_pvalue(joint, probs)]
+    for pos in range(N_NEW):
+        m_exact, m_obs = torch.zeros(V + 1), torch.zeros(V + 1)
+        for s, pr in exact.items():
+            m_exact[s[pos] if len(s) > pos else V] += pr
+        for s in samples:
+            m_obs[s[pos] if len(s) > pos else V] += 1
+        out.append(chi2_pvalue(m_obs, m_exact))
+    return out

@@ -11,118 +11,109 @@ newest committed token is *pending*: it is the root (node 0) of the next block's
    target's next token, on the device; the packed outcome is read once (the block's only host
    sync, besides the opt-in dynamic draft length);
 4. the accepted path's keys/values are moved into place in both caches (O(path), nothing when
-   the path is already contiguous, as in a chain) and the rest is dropped by moving the cursor.
+   the path is already contiguous, as in a chain) and the rest is dropped by moving the cursor;
+5. the accepted tokens and the target's are emitted, cut at EOS or the token limit.
+
+The decoder hands over typed objects (:class:`TargetState`, :class:`~mmspec.options.EngineOptions`)
+and reads back the tokens and the block records; verification comes back as a
+:class:`~mmspec.verify.TreeOutcome`, read on the host as an :class:`~mmspec.verify.AcceptedPath`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
-from mmspec.drafter import EnsembleDrafter
-from mmspec.models.base import ModelAdapter
-from mmspec.models.cache import set_cache_length
+from mmspec.drafter import TreeDrafter
+from mmspec.models.cache import DecodeCache, set_cache_length
+from mmspec.options import EngineOptions
 from mmspec.stats import BlockRecord, GenerationStats
 from mmspec.timing import BlockClock
-from mmspec.tree import DraftTree, TreeSpec, tree_attention_mask
-from mmspec.verify import SamplingParams, logits_to_probs, uniforms, verify_tree_greedy, verify_tree_sampling
+from mmspec.tree import DraftTree, tree_attention_mask
+from mmspec.verify import TreeOutcome, logits_to_probs, uniforms, verify_tree_greedy, verify_tree_sampling
 
-# target_step(ids [1, N], position_ids [1, N], mask) -> logits [1, N, V]
-StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# target_step(ids [1, N], pos [1, N], mask) -> logits [1, N, V], or (logits, hidden [1, N, F])
+StepFn = Callable[..., object]
 
 
-def run_loop(
-    *,
-    target: ModelAdapter,
-    target_cache,
-    target_step: StepFn,
-    target_len: int,
-    drafter: EnsembleDrafter,
-    spec: TreeSpec,
-    first_pending: int,
-    max_new_tokens: int,
-    eos_ids: frozenset[int],
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    stats: GenerationStats,
-    static: bool = False,
-    first_feats: torch.Tensor | None = None,
-    relaxed: "RelaxedAcceptance | None" = None,
-    pos_offset: int = 0,
-) -> list[int]:
-    """Draft, verify, accept, compact, until EOS or max_new_tokens. Returns the new tokens.
+@dataclass
+class TargetState:
+    """The target's side of a decode as the decoder prefilled it, handed to :func:`run_loop`
+    (SGLang's eagle worker passes ``EagleVerifyInput``; this is its counterpart here)."""
+
+    cache: object  # a DecodeCache (or a DynamicCache: chains only) holding the prompt less its last token
+    step: StepFn  # the block forward on that cache: eager, or a CUDA-graph replay
+    length: int  # positions in the cache
+    pending: int  # the prompt's last token: committed, not yet in any cache (the first block's root)
+    device: torch.device
+    pos_offset: int = 0  # a token's position minus its cache slot after the prompt (multimodal-RoPE delta; else 0)
+    first_feats: torch.Tensor | None = None  # [1, F] for a head: the target's feature before ``pending``
+
+    @property
+    def static(self) -> bool:
+        """Fixed shapes: masks span the whole preallocated buffer."""
+        return isinstance(self.cache, DecodeCache) and self.cache.static
+
+
+def run_loop(target: TargetState, drafter: TreeDrafter, options: EngineOptions,
+             generator: torch.Generator | None, stats: GenerationStats) -> list[int]:
+    """Draft, verify, accept, compact, until EOS or ``options.max_new_tokens``; returns the new
+    tokens and appends one :class:`BlockRecord` per block to ``stats``.
 
     For a drafter that reads the target's hidden states (``drafter.needs_hidden``: heads),
-    ``target_step`` returns (logits, hidden) and ``first_feats`` [1, F] is the target's feature
-    before the first pending token (the last prefill position); after each block the features
-    before the new pending tokens are read from the verify forward's hidden states.
-
-    ``pos_offset``: the target's position of a token minus its cache slot after the prompt
-    (0 for 1-D RoPE; the multimodal-RoPE delta of Qwen2-VL-like families).
+    ``target.step`` returns (logits, hidden) and the features before the next block's pending
+    tokens are read from the verify forward's hidden states.
     """
     dev = target.device
     clock = BlockClock(dev)
+    params = options.sampling
     tokens: list[int] = []  # new tokens emitted so far
-    past = target_len  # tokens in the target cache
-    pending = torch.tensor([first_pending], device=dev)  # committed, not yet in the draft cache; [-1] is the root
-    feats = first_feats  # [n_pending, F]: the target's feature before each pending token (heads only)
-    hidden_wanted = bool(drafter.needs_hidden)
+    past = target.length  # tokens in the target cache
+    pending = torch.tensor([target.pending], device=dev)  # committed, not yet in the draft cache; [-1] is the root
+    feats = target.first_feats  # [n_pending, F]: the target's feature before each pending token (heads only)
     records: list[BlockRecord] = []
-    while len(tokens) < max_new_tokens:
-        remaining = max_new_tokens - len(tokens)
-        block_spec = spec.for_remaining(remaining)
+    while len(tokens) < options.max_new_tokens:
+        remaining = options.max_new_tokens - len(tokens)
+        block_spec = options.tree.for_remaining(remaining)
         clock.start()
-        if block_spec is None:  # one token left: no draft, the target's next token
+        # 1. draft: feed the pending tokens, draft the block's tree (one token left: the root alone)
+        if block_spec is None:
             tree = _root_only(pending[-1:])
         else:
             tree = drafter.draft(pending, block_spec, params, generator, feats=feats)
         clock.mark()
 
-        n_nodes = tree.size
-        ids = tree.tokens.to(dev)[None]  # [1, N]
-        depth = tree.depth.to(dev)
-        anc = tree.anc.to(dev)
-        position_ids = (past + pos_offset + depth)[None]  # [1, N]
-        if static:
-            mask = tree_attention_mask(anc, past, target_cache.max_len)  # [1, 1, N, capacity]
-        elif tree.is_chain:
-            mask = torch.ones(1, past + n_nodes, dtype=torch.long, device=dev)  # causal: SDPA's fast path
-        else:
-            mask = tree_attention_mask(anc, past, past + n_nodes)  # [1, 1, N, past + N]
-        out_t = target_step(ids=ids, pos=position_ids, mask=mask)
-        logits, hidden = (out_t[0][0], out_t[1][0]) if hidden_wanted else (out_t[0], None)  # [N, V], [N, F]
-        parents = tree.parents.to(dev)
-        if params.greedy:
-            thr = relaxed.threshold(past) if relaxed is not None else None
-            out = verify_tree_greedy(ids[0], parents, depth, anc, logits, tree.max_depth, relaxed=thr)
-        else:
-            p = logits_to_probs(logits, params)  # [N, V]
-            q = None if tree.q is None else tree.q.to(dev, p.dtype)
-            sampled = None if tree.sampled is None else tree.sampled.to(dev)
-            out = verify_tree_sampling(ids[0], parents, depth, anc, p, q, sampled,
-                                       uniforms(n_nodes + 1, generator, dev), tree.max_depth)
-        host = out.packed(ids[0], tree.fed.to(dev)).tolist()  # the block's one host sync
-        n, nxt, D1 = host[0], host[1], tree.max_depth + 1
-        path, path_tokens, path_fed = host[2:2 + D1][: n + 1], host[2 + D1:2 + 2 * D1][: n + 1], host[2 + 2 * D1:][: n + 1]
+        # 2. verify: the target scores every node in ONE forward; the outcome stays on the device
+        on_target = _on(tree, dev)
+        ids = on_target.tokens[None]  # [1, N]
+        logits, hidden = _score(target, on_target, ids, past, bool(drafter.needs_hidden))  # [N, V], [N, F] or None
+        out = _verify(on_target, ids[0], logits, options, past, generator)
 
-        if path != list(range(n + 1)):  # a branch other than the first: move its keys/values into place
-            target_cache.move(past + out.path[1:n + 1], past + 1)
-        set_cache_length(target_cache, past + n + 1)
+        # 3. accept: the packed outcome, read once (the block's one host sync)
+        acc = out.unpack(out.packed(ids[0], on_target.fed).tolist())
+        n = acc.n_accepted
+        path_tokens, path_fed = acc.along
+
+        # 4. compact / roll back: the accepted path's keys/values into place, the rest dropped
+        if not acc.is_first_branch:  # a branch other than the first: move its keys/values into place
+            target.cache.move(past + out.path[1:n + 1], past + 1)
+        set_cache_length(target.cache, past + n + 1)
         past += n + 1
         in_draft = drafter.commit(path_fed[1:], tree.fed, out.path) if block_spec is not None else 0
         clock.mark()
 
-        kept = _cut_at_eos((path_tokens[1:] + [nxt])[:remaining], eos_ids)
+        # 5. emit and stop: the accepted tokens and the target's, cut at EOS and the limit
+        kept = _cut_at_eos((path_tokens[1:] + [acc.next_token])[:remaining], options.eos_ids)
         tokens.extend(kept)
-        records.append(BlockRecord(n_drafted=n_nodes - 1, n_accepted=min(n, len(kept)), n_emitted=len(kept),
-                                   depth=tree.max_depth if n_nodes > 1 else 0))
-        if kept[-1] in eos_ids:
+        records.append(BlockRecord(n_drafted=tree.size - 1, n_accepted=min(n, len(kept)), n_emitted=len(kept),
+                                   depth=tree.max_depth if tree.size > 1 else 0))
+        if kept[-1] in options.eos_ids:
             break
-        # the accepted nodes the draft never saw, then the target's token
+        # the next block's pending tokens: the accepted nodes the draft never saw, then the target's token
         pending = torch.cat([ids[0][out.path[1 + in_draft:n + 1]], out.next_token.view(1)])
-        if hidden_wanted:  # the feature before each pending token: root and accepted nodes, as verified
+        if hidden is not None:  # the feature before each pending token: root and accepted nodes, as verified
             feats = hidden[out.path[in_draft:n + 1]]
     for rec, (draft_s, verify_s) in zip(records, clock.durations()):
         rec.draft_s, rec.verify_s = draft_s, verify_s
@@ -130,21 +121,50 @@ def run_loop(
     return tokens
 
 
-@dataclass(frozen=True)
-class RelaxedAcceptance:
-    """MSD's modality-aware relaxed acceptance (LOSSY, opt-in): a drafted token is also accepted
-    when the target's probability of it clears a threshold, ``vision`` for blocks that follow
-    vision context (their root within ``window`` positions of the prompt's last image token),
-    ``text`` otherwise. Greedy decoding only."""
+def _score(target: TargetState, tree: DraftTree, ids: torch.Tensor, past: int, hidden_wanted: bool):
+    """The target's forward over the tree's N nodes at ``past``: node i at position ``past +
+    depth[i]`` (+ the offset), seeing the committed tokens and its own ancestors.
+    -> logits [N, V] and, for a head, the hidden states [N, F] (else None)."""
+    dev = target.device
+    n_nodes = tree.size
+    anc = tree.anc
+    position_ids = (past + target.pos_offset + tree.depth)[None]  # [1, N]
+    if target.static:
+        mask = tree_attention_mask(anc, past, target.cache.max_len)  # [1, 1, N, capacity]
+    elif tree.is_chain:
+        mask = torch.ones(1, past + n_nodes, dtype=torch.long, device=dev)  # causal: SDPA's fast path
+    else:
+        mask = tree_attention_mask(anc, past, past + n_nodes)  # [1, 1, N, past + N]
+    out = target.step(ids=ids, pos=position_ids, mask=mask)
+    return (out[0][0], out[1][0]) if hidden_wanted else (out[0], None)
 
-    vision: float = 0.6
-    text: float = 0.4
-    window: int = 64
-    last_image_pos: int | None = None  # position of the prompt's last image token (None: no image)
 
-    def threshold(self, past: int) -> float:
-        near = self.last_image_pos is not None and past - self.last_image_pos <= self.window
-        return self.vision if near else self.text
+def _verify(tree: DraftTree, ids: torch.Tensor, logits: torch.Tensor, options: EngineOptions, past: int,
+            generator: torch.Generator | None) -> TreeOutcome:
+    """Greedy or sampling verification of the tree (ids [N], logits [N, V]) on the device."""
+    dev = logits.device
+    parents, depth, anc = tree.parents, tree.depth, tree.anc
+    params = options.sampling
+    if params.greedy:
+        return verify_tree_greedy(ids, parents, depth, anc, logits, tree.max_depth,
+                                  relaxed=options.acceptance.threshold(past))
+    p = logits_to_probs(logits, params)  # [N, V]
+    q = None if tree.q is None else tree.q.to(dev, p.dtype)
+    sampled = None if tree.sampled is None else tree.sampled.to(dev)
+    return verify_tree_sampling(ids, parents, depth, anc, p, q, sampled,
+                                uniforms(tree.size + 1, generator, dev), tree.max_depth)
+
+
+def _on(tree: DraftTree, dev: torch.device) -> DraftTree:
+    """The tree with its tensors on the target's device (itself when they are there already)."""
+    if tree.tokens.device == dev:
+        return tree
+
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(dev)
+
+    return replace(tree, tokens=move(tree.tokens), parents=move(tree.parents), depth=move(tree.depth),
+                   anc=move(tree.anc), fed=move(tree.fed), q=move(tree.q), sampled=move(tree.sampled))
 
 
 def _root_only(root: torch.Tensor) -> DraftTree:

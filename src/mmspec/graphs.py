@@ -15,18 +15,22 @@ capture costs milliseconds per shape where compiling costs tens of seconds per s
 engine needs a graph per verify size and per draft row count.
 
 Modes: ``"eager"`` (no capture), ``"cuda"`` (capture), ``"emulate"`` (CPU tests: the same
-buffer and cursor bookkeeping, the forward re-run instead of replayed). Anything that fails to
-capture falls back to eager with one clear warning: the tokens are the same, only slower.
+buffer and cursor bookkeeping; the capture runs the forward's Python side once, as a CUDA capture
+does, and each replay re-runs it). Anything that fails to capture falls back to eager with one
+clear warning, the cache restored to where the attempt found it: the tokens are the same, only
+slower. :class:`StaticPool` keeps a decoder's static caches and runners across calls.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
+
+from mmspec.errors import MMSpecError
 
 MODES = ("eager", "cuda", "emulate")
 
@@ -93,27 +97,78 @@ class StepRunner:
         return out
 
     def _capture(self, inputs: dict[str, torch.Tensor]) -> _Graph:
+        """Warm up and capture ``fn`` on fresh input buffers. Whatever happens, the cache is left
+        as it was found: a capture executes nothing, and an attempt that fails part-way has still
+        run the Python side of some layers (each advanced its host-side length; the last one, had
+        it run, the device cursor), which the eager fallback must not inherit."""
         g = _Graph(inputs={k: v.clone() for k, v in inputs.items()})
         start = self.cache.length
-        if self.mode == "emulate":
-            g.graph = "emulated"
-            return g
-        dev = next(iter(inputs.values())).device
+        try:
+            if self.mode == "emulate":  # the CPU stand-in: the capture's one run of the Python side
+                g.outputs = self.fn(**g.inputs)
+                g.graph = "emulated"
+            else:
+                g.graph, g.outputs = self._capture_cuda(g.inputs, start)
+        finally:
+            self.cache.set_length(start)  # every layer's host length and the device cursor
+        return g
+
+    def _capture_cuda(self, buffers: dict[str, torch.Tensor], start: int) -> tuple[object, object]:
+        dev = next(iter(buffers.values())).device
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup):  # kernels choose their algorithms outside the capture
-                self.fn(**g.inputs)
-                self.cache.set_length(start)
-        torch.cuda.current_stream(dev).wait_stream(side)
+        try:
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup):  # kernels choose their algorithms outside the capture
+                    self.fn(**buffers)
+                    self.cache.set_length(start)
+        finally:  # the eager fallback must not race a warm-up that is still running on the side stream
+            torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool):
-            g.outputs = self.fn(**g.inputs)
-        self.cache.set_length(start)  # the capture ran the Python side once; nothing executed
-        g.graph = graph
-        return g
+            outputs = self.fn(**buffers)
+        return graph, outputs
+
+
+class StaticPool:
+    """The static caches and their :class:`StepRunner` s a decoder keeps across calls, one per
+    ``(role, rows, capacity)``: role "target", "draft" or "head"; rows, the batch the cache holds
+    (the draft's views); capacity, a power of two (at least 512), so a slightly longer prompt
+    reuses the cache and the graphs captured on it."""
+
+    MIN_CAPACITY = 512
+
+    def __init__(self, mode: str):
+        self.mode = mode  # a MODES entry, for every runner
+        self.entries: dict[tuple[str, int, int], tuple[object, StepRunner]] = {}
+
+    @classmethod
+    def capacity(cls, needed: int) -> int:
+        return max(cls.MIN_CAPACITY, 1 << (needed - 1).bit_length())
+
+    def get(self, role: str, rows: int, needed: int, new_cache: Callable[[int], object],
+            forward: Callable[[object], Callable[..., object]], name: str | None = None):
+        """-> (cache, runner) of at least ``needed`` positions, made on first use:
+        ``new_cache(capacity)`` the static cache, ``forward(cache)`` the eager forward on it.
+        The cache comes back as it was left; callers reset it (or prefill it from 0)."""
+        key = (role, rows, self.capacity(needed))
+        if key not in self.entries:
+            cache = new_cache(key[2])
+            self.entries[key] = (cache, StepRunner(forward(cache), cache, mode=self.mode, name=name or role))
+        return self.entries[key]
+
+    def items(self):
+        return self.entries.items()
+
+    def values(self):
+        return self.entries.values()
+
+    @property
+    def capture_s(self) -> float:
+        """Seconds spent capturing so far, every runner together."""
+        return sum(r.capture_s for _, r in self.entries.values())
 
 
 def graph_mode(requested, *devices: torch.device) -> str:
@@ -122,8 +177,6 @@ def graph_mode(requested, *devices: torch.device) -> str:
     "auto": "cuda" when every model sits on one and the same CUDA device, else "eager".
     True: "cuda", refused without CUDA. False: "eager". "emulate": tests.
     """
-    from mmspec.errors import MMSpecError
-
     if requested == "emulate":
         return "emulate"
     if requested is False or requested is None:

@@ -130,13 +130,6 @@ class TreeSpec:
             return self.topk
         return 1 + max(p[-1] for p in self.paths)
 
-    def check_vocab(self, vocab_size: int) -> None:
-        """Refuse a tree whose nodes take more children than the vocabulary has tokens (for the
-        decoder to call once the target's vocabulary size is known)."""
-        if self.width > vocab_size:
-            raise MMSpecError(f"this {self.kind} tree takes up to {self.width} children per node, more than the "
-                              f"{vocab_size} tokens of the vocabulary; use a narrower tree")
-
     @property
     def label(self) -> str:
         if self.kind == "chain":

@@ -158,6 +158,29 @@ class TreeOutcome:
         return torch.cat([self.n_accepted.view(1), self.next_token.view(1), self.path,
                           *[t[self.path] for t in per_node]])
 
+    def unpack(self, host: list[int]) -> AcceptedPath:
+        """The host list of :meth:`packed` (its one ``.tolist()``) as named fields, cut to the
+        accepted path. Reads only shapes of this outcome: no further host sync."""
+        d1 = self.path.shape[0]  # D + 1
+        n = host[0]
+        rows = [host[2 + i * d1:2 + (i + 1) * d1][: n + 1] for i in range((len(host) - 2) // d1)]
+        return AcceptedPath(n_accepted=n, next_token=host[1], path=rows[0], along=tuple(rows[1:]))
+
+
+@dataclass(frozen=True)
+class AcceptedPath:
+    """One block's verification outcome on the host (:meth:`TreeOutcome.unpack`)."""
+
+    n_accepted: int  # accepted draft tokens
+    next_token: int  # the target's token after them: recovered (after a rejection) or bonus
+    path: list[int]  # [n_accepted + 1] tree indices: the root, then the accepted nodes
+    along: tuple[list[int], ...]  # each per-node tensor given to packed(), read along the path
+
+    @property
+    def is_first_branch(self) -> bool:
+        """The accepted nodes are 1..n in order (always, for a chain): nothing to move."""
+        return self.path == list(range(self.n_accepted + 1))
+
 
 def _path_of(leaf: torch.Tensor, anc: torch.Tensor, max_depth: int) -> torch.Tensor:
     """Tree indices root..leaf (parents-first order makes ascending index = ascending depth),

@@ -15,8 +15,8 @@ the :mod:`mmspec.drafter` batches the rows.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 
@@ -72,6 +72,9 @@ def _parse_one(token: str) -> list[View]:
 
 def parse_views(spec: str | Iterable[str]) -> list[View]:
     """'MTC' | 'multimodal' | 'pooled:36' | ['M', 'text', 'pooled:9'] -> [View, ...]."""
+    if not isinstance(spec, str) and not (isinstance(spec, Iterable) and all(isinstance(x, str) for x in spec)):
+        raise MMSpecError(f"views must be view names or letters (e.g. 'MTC', 'multimodal' or ['M', 'pooled:36']), "
+                          f"got {spec!r}")
     items = [spec] if isinstance(spec, str) else list(spec)
     views: list[View] = []
     for item in items:
@@ -121,7 +124,7 @@ def split_prompt(input_ids: torch.Tensor, image_token_id: int, tokens_per_image:
     """input_ids [L] with each image expanded to ``tokens_per_image`` image tokens (LLaVA-1.5
     layout). Text pieces are kept on the CPU; the drafter moves the finished rows to its device."""
     input_ids = input_ids.cpu()
-    runs = _runs(input_ids, {image_token_id: "image"})
+    runs = placeholder_runs(input_ids, {image_token_id: "image"})
     counts = []
     for _, kind, n in runs:
         if n % tokens_per_image:
@@ -134,7 +137,7 @@ def split_prompt(input_ids: torch.Tensor, image_token_id: int, tokens_per_image:
     return split_segments(input_ids, {image_token_id: "image"}, counts)
 
 
-def _runs(input_ids: torch.Tensor, placeholders: dict[int, str]) -> list[tuple[int, str, int]]:
+def placeholder_runs(input_ids: torch.Tensor, placeholders: dict[int, str]) -> list[tuple[int, str, int]]:
     """Maximal runs of one placeholder token: (start, kind, length)."""
     out, i, L = [], 0, input_ids.shape[0]
     ids = input_ids.tolist()
@@ -159,7 +162,7 @@ def split_segments(input_ids: torch.Tensor, placeholders: dict[int, str],
     kinds: list[str] = []
     queue = list(counts)
     cursor = 0
-    for start, kind, n in _runs(input_ids, placeholders):
+    for start, kind, n in placeholder_runs(input_ids, placeholders):
         if start > cursor:
             pieces.append(input_ids[cursor:start])
         left = n

@@ -13,6 +13,7 @@ from rich.table import Table
 from mmspec.cli import common
 from mmspec.cli.common import fail
 from mmspec.errors import MMSpecError
+from mmspec.views import parse_views
 
 # `mmspec generate` with no prompt: a world sample the embedded target answers right (checked by
 # tests/test_cli.py with the world's own fact check), not test sample 0, which it gets wrong
@@ -66,8 +67,9 @@ def build_decoder(o, target, draft, tokenizer, processor, captioner):
         from mmspec.models.loading import load_processor
 
         draft_proc = load_processor(o.draft)
-    return SpecDecoder(target, draft, tokenizer, views=o.view_list, weights=o.weight_list, captioner=captioner,
-                       gamma=o.gamma, processor=processor, draft_processor=draft_proc, tree=o.tree,
+    reads_captions = any(v.kind == "caption" for v in parse_views(o.view_list))  # a head: views are M only
+    return SpecDecoder(target, draft, tokenizer, views=o.view_list, weights=o.weight_list,
+                       captioner=captioner if reads_captions else None, gamma=o.gamma, processor=processor, draft_processor=draft_proc, tree=o.tree,
                        tree_depth=o.tree_depth, tree_topk=o.tree_topk, tree_budget=o.tree_budget,
                        tree_children=o.tree_children, stop_below=o.stop_below, cuda_graphs=o.graphs)
 

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from mmspec.errors import MMSpecError
+from mmspec.models.cache import new_decode_cache
+from mmspec.views import placeholder_runs
 
 
 class ModelAdapter:
@@ -107,8 +109,6 @@ class ModelAdapter:
         """A KV cache supporting ``crop(-n)``: preallocated for ``max_len`` positions when given
         (O(1) roll-back, O(path) tree compaction, no per-step copy; ``static``: fixed-shape for
         CUDA graphs; :mod:`mmspec.models.cache`), else a ``DynamicCache``."""
-        from mmspec.models.cache import new_decode_cache
-
         return new_decode_cache(self.model.config, max_len, static=static)
 
     # -- multimodal prompts: what differs per family -----------------------------------
@@ -217,11 +217,9 @@ def order_segments(input_ids: torch.Tensor, placeholders: dict[int, str],
     """(kind, tokens) of every segment in prompt order, given each kind's counts in order: the
     placeholder runs of ``input_ids`` [L] say which kind comes next (adjacent segments of one kind
     share a run). Counts the prompt has no room for are appended, for the layout to refuse."""
-    from mmspec.views import _runs
-
     queues = {kind: list(c) for kind, c in counts.items()}
     out = []
-    for _, kind, n in _runs(input_ids.cpu(), placeholders):
+    for _, kind, n in placeholder_runs(input_ids.cpu(), placeholders):
         while n > 0 and queues.get(kind):
             c = queues[kind].pop(0)
             out.append((kind, c))
@@ -240,11 +238,21 @@ def register(model_type: str):
     return deco
 
 
-def adapter_for(model: nn.Module) -> ModelAdapter:
-    """Pick the adapter for a loaded HF model by its ``config.model_type``."""
-    # Import the family modules so they register themselves (no import-time work beyond that).
+def video_families() -> list[str]:
+    """The registered model types whose adapters read videos (``pixel_values_videos``)."""
+    _register_families()
+    return sorted(k for k, cls in ADAPTERS.items() if "pixel_values_videos" in getattr(cls, "mm_keys", ()))
+
+
+def _register_families() -> None:
+    # Import the family modules so they register themselves (no import-time work beyond that);
+    # lazily, because each of them imports this module (a cycle at import time).
     from mmspec.models import causal_lm, llava, llava_next, llava_onevision, qwen2_vl, video_llava  # noqa: F401
 
+
+def adapter_for(model: nn.Module) -> ModelAdapter:
+    """Pick the adapter for a loaded HF model by its ``config.model_type``."""
+    _register_families()
     model_type = getattr(model.config, "model_type", None)
     if model_type in ADAPTERS:
         return ADAPTERS[model_type](model)

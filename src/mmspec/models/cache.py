@@ -15,9 +15,10 @@ per row once and writes each new key/value in place. Two modes:
   replayed (:mod:`mmspec.graphs`). The caller's 4-D mask hides slots not yet written.
 
 Both keep the host-side ``length`` (positions filled) the engine reasons with. Roll-back is
-``crop(-n)`` (a negative count, as in transformers 5); a token tree's accepted path is moved
-into place with :meth:`DecodeCache.move` (a gather of at most ``depth`` positions, never a
-re-prefill).
+:func:`set_cache_length` (``DecodeCache.set_length``: host ints and, in static mode, one
+``fill_`` of the cursor; ``crop(-n)`` also works, as in transformers 5); a token tree's accepted
+path is moved into place with :meth:`DecodeCache.move` (a gather of at most ``depth`` positions,
+never a re-prefill).
 
 Only full-attention layers are supported; :func:`new_decode_cache` falls back to a
 ``DynamicCache`` for anything else (sliding windows, linear attention, KV sharing); such a

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from mmspec.models.base import ModelAdapter, register
+from mmspec.models.pooling import pool_patch_grid
 
 
 @register("llava")
@@ -60,8 +61,6 @@ class LlavaAdapter(ModelAdapter):
         return {"image": list(self.project(patches))}
 
     def pooled(self, mm: dict, n_tokens: int, states: torch.Tensor | None = None) -> dict[str, list[torch.Tensor]]:
-        from mmspec.models.pooling import pool_patch_grid
-
         pv = mm.get("pixel_values")
         if states is None and pv is None:
             return {"image": []}

@@ -78,6 +78,7 @@ class LlavaNextAdapter(ModelAdapter):
 
     def _views(self, mm: dict, sizes: torch.Tensor) -> list[int]:
         """Views per image (the base view + its tiles), as the model counts them."""
+        # lazily: the modeling module is loaded only for a LLaVA-NeXT model, not at mmspec's import
         from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 
         return [image_size_to_num_patches(s, self.model.config.image_grid_pinpoints, self.tile_size) for s in sizes]

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from mmspec.models.base import ModelAdapter, register
+from mmspec.models.base import ModelAdapter, order_segments, register
 
 
 @register("qwen2_vl")
@@ -55,17 +55,8 @@ class Qwen2VLAdapter(ModelAdapter):
 
     def segment_counts(self, input_ids: torch.Tensor, mm: dict) -> list[tuple[str, int]]:
         """Images and videos in the order their placeholder runs appear in the prompt."""
-        queues = {"image": self._counts(mm.get("image_grid_thw")), "video": self._counts(mm.get("video_grid_thw"))}
-        from mmspec.views import _runs
-
-        out = []
-        for _, kind, n in _runs(input_ids.cpu(), self.placeholders()):
-            while n > 0 and queues[kind]:
-                c = queues[kind].pop(0)
-                out.append((kind, c))
-                n -= c
-        out += [("image", c) for c in queues["image"]] + [("video", c) for c in queues["video"]]  # extras: refused by the layout
-        return out
+        counts = {"image": self._counts(mm.get("image_grid_thw")), "video": self._counts(mm.get("video_grid_thw"))}
+        return order_segments(input_ids, self.placeholders(), counts)  # extras: refused by the layout
 
     def encode(self, mm: dict) -> dict[str, list[torch.Tensor]]:
         out: dict[str, list[torch.Tensor]] = {"image": [], "video": []}

@@ -1,0 +1,139 @@
+"""A KV cache shared by the requests of a batch, each request one row with its own length.
+
+:class:`RaggedCache` holds ``rows`` rows of ``capacity`` positions for every layer in ONE buffer
+([n_layers, 2, rows, H_kv, capacity, D]). Row ``b`` holds its request's committed tokens left-
+aligned in slots ``0 .. lengths[b] - 1``; a forward over ``n`` new tokens per row writes row b's
+at slots ``lengths[b] .. lengths[b] + n - 1`` (ragged: every row at its own place) and attends
+over the slots ``0 .. max(lengths) + n - 1``; the caller's 4-D mask says which of them each row's
+queries see (its own committed slots and its own tree nodes, never another row's padding).
+
+Only the first ``active`` rows take part in a forward; a request that leaves hands its row back
+by :meth:`RaggedCache.remove` (the last active row is copied into its place: rows stay compact).
+A newcomer is prefilled alone (on a :class:`~mmspec.models.cache.DecodeCache` of its own) and
+:meth:`RaggedCache.join` copies its keys/values into a free row. The host-side ``lengths`` are
+the truth; roll-back after verification is :meth:`set_row_length` (O(1)), and a tree's accepted
+path is moved into place in one row with :meth:`move_row` (O(path)).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Cache
+from transformers.cache_utils import DynamicLayer
+
+from mmspec.models.cache import DecodeCache
+
+
+class _RaggedStore:
+    def __init__(self, n_layers: int):
+        self.n_layers = n_layers
+        self.kv: torch.Tensor | None = None  # [n_layers, 2, rows, H_kv, capacity, D]
+        self.lengths: list[int] = []  # per active row, host side
+        self.write: torch.Tensor | None = None  # [active] long: this forward's first slot per row (device)
+
+
+class RaggedLayer(DynamicLayer):
+    """One layer's view of the shared buffer; writes every row at its own slot."""
+
+    def __init__(self, store: _RaggedStore, index: int):
+        super().__init__()
+        self.store = store
+        self.index = index
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key/value_states [B, H_kv, n, D] (B = the active rows) -> the keys/values to attend
+        over [B, H_kv, max(lengths) + n, D]."""
+        st = self.store
+        B, _, n, _ = key_states.shape
+        keys, values = st.kv[self.index, 0], st.kv[self.index, 1]  # [rows, H, cap, D]
+        slots = st.write[:, None] + torch.arange(n, device=keys.device)  # [B, n]
+        rows = torch.arange(B, device=keys.device)[:, None]  # [B, 1]
+        keys[rows, :, slots] = key_states.transpose(1, 2)  # indexed view [B, n, H, D]
+        values[rows, :, slots] = value_states.transpose(1, 2)
+        end = max(st.lengths) + n
+        return keys[:B, :, :end], values[:B, :, :end]
+
+    def get_seq_length(self) -> int:
+        return max(self.store.lengths) if self.store.lengths else 0
+
+    def get_max_length(self) -> int:
+        return -1 if self.store.kv is None else self.store.kv.shape[4]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("RaggedLayer holds one batch of decodes; beam search is not supported")
+
+    batch_select_indices = batch_repeat_interleave
+
+
+class RaggedCache(Cache):
+    """The target's cache for a batch of decodes (module docstring)."""
+
+    def __init__(self, n_layers: int):
+        store = _RaggedStore(n_layers)
+        super().__init__(layers=[RaggedLayer(store, i) for i in range(n_layers)])
+        self.store = store
+
+    # ------------------------------------------------------------------ rows
+    @property
+    def active(self) -> int:
+        return len(self.store.lengths)
+
+    @property
+    def lengths(self) -> list[int]:
+        return list(self.store.lengths)
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.store.kv is None else self.store.kv.shape[4]
+
+    def join(self, solo: DecodeCache, length: int, capacity: int) -> int:
+        """A new row holding the first ``length`` positions of a request's own prefilled cache
+        ``solo``, with room for ``capacity`` positions in all; returns its row index."""
+        st = self.store
+        k0 = solo.layers[0].keys  # [1, H, max_len, D]
+        need_rows, need_cap = self.active + 1, max(capacity, self.capacity)
+        if st.kv is None or need_rows > st.kv.shape[2] or need_cap > st.kv.shape[4]:
+            rows = max(need_rows, 2 * (0 if st.kv is None else st.kv.shape[2]), 1)
+            shape = (st.n_layers, 2, rows, k0.shape[1], need_cap, k0.shape[3])
+            kv = torch.zeros(shape, dtype=k0.dtype, device=k0.device)
+            if st.kv is not None:  # grown: the active rows carried over
+                kv[:, :, :self.active, :, :st.kv.shape[4]] = st.kv[:, :, :self.active]
+            st.kv = kv
+        row = self.active
+        for i, layer in enumerate(solo.layers):
+            st.kv[i, 0, row, :, :length] = layer.keys[0, :, :length]
+            st.kv[i, 1, row, :, :length] = layer.values[0, :, :length]
+        st.lengths.append(int(length))
+        return row
+
+    def remove(self, row: int) -> int | None:
+        """Hand back ``row``: the last active row moves into it. Returns the index that moved
+        (the old last row, now ``row``), or None when ``row`` was the last."""
+        st = self.store
+        last = self.active - 1
+        moved = None
+        if row != last:
+            st.kv[:, :, row] = st.kv[:, :, last]
+            st.lengths[row] = st.lengths[last]
+            moved = last
+        st.lengths.pop()
+        return moved
+
+    def set_row_length(self, row: int, length: int) -> None:
+        """Keep the first ``length`` positions of ``row`` (O(1))."""
+        self.store.lengths[row] = int(length)
+
+    def move_row(self, row: int, src: torch.Tensor, dst: int) -> None:
+        """Tree compaction in one row: positions ``src`` [m] (device long) to ``dst .. dst + m - 1``."""
+        kv = self.store.kv
+        m = src.shape[0]
+        kv[:, :, row, :, dst:dst + m] = kv[:, :, row].index_select(3, src)
+
+    def begin_forward(self) -> None:
+        """Before a forward: each row writes at its own length (one small host-to-device copy)."""
+        st = self.store
+        st.write = torch.tensor(st.lengths, dtype=torch.long, device=st.kv.device)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.store.lengths) if self.store.lengths else 0

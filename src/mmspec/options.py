@@ -1,0 +1,122 @@
+"""The decoding loop's typed settings: what :class:`mmspec.SpecDecoder` checks once from its
+keywords and :func:`mmspec.engine.run_loop` receives, so the engine never sees a loose parameter.
+
+* :class:`AcceptanceConfig`: exact (lossless, the default) or relaxed acceptance; the relaxed
+  thresholds live in :class:`RelaxedAcceptance` (LOSSY, opt-in).
+* :class:`EngineOptions`: the block's tree, the EOS ids, the token limit, the sampling
+  parameters and the acceptance of one decode.
+* :class:`EngineMode`: eager, static (fixed shapes) or CUDA-graph decoding.
+
+This module checks values and says what they mean; it runs no model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from mmspec.errors import MMSpecError
+from mmspec.tree import TreeSpec
+from mmspec.verify import SamplingParams
+
+ACCEPTANCES = ("exact", "relaxed")
+DEFAULT_THRESHOLDS = (0.6, 0.4)  # MSD's (vision, text)
+DEFAULT_WINDOW = 64
+
+
+@dataclass(frozen=True)
+class RelaxedAcceptance:
+    """MSD's modality-aware relaxed acceptance (LOSSY, opt-in): a drafted token is also accepted
+    when the target's probability of it clears a threshold, ``vision`` for blocks that follow
+    vision context (their root within ``window`` positions of the prompt's last image token),
+    ``text`` otherwise. Greedy decoding only."""
+
+    vision: float = 0.6
+    text: float = 0.4
+    window: int = 64
+    last_image_pos: int | None = None  # position of the prompt's last image token (None: no image)
+
+    def threshold(self, past: int) -> float:
+        near = self.last_image_pos is not None and past - self.last_image_pos <= self.window
+        return self.vision if near else self.text
+
+
+@dataclass(frozen=True)
+class AcceptanceConfig:
+    """How verification accepts a drafted token: exactly (``relaxed`` None: the output is the
+    target's) or also above a relaxed threshold (LOSSY)."""
+
+    relaxed: RelaxedAcceptance | None = None
+
+    @classmethod
+    def parse(cls, acceptance: str, thresholds=DEFAULT_THRESHOLDS, window: int = DEFAULT_WINDOW) -> AcceptanceConfig:
+        """SpecDecoder's ``acceptance``, ``relaxed_thresholds``, ``relaxed_window``, checked."""
+        if acceptance not in ACCEPTANCES:
+            raise MMSpecError(f"acceptance must be 'exact' (lossless) or 'relaxed' (lossy: MSD's relaxed "
+                              f"acceptance), got {acceptance!r}")
+        vision, text = _two_probabilities(thresholds)
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise MMSpecError(f"relaxed_window must be a whole number >= 0, got {window!r}")
+        if acceptance == "exact":
+            if (vision, text) != DEFAULT_THRESHOLDS or window != DEFAULT_WINDOW:  # would be silently ignored
+                raise MMSpecError("relaxed_thresholds and relaxed_window set the lossy relaxed acceptance; pass "
+                                  "acceptance='relaxed' with them, or leave them out for the exact (lossless) one")
+            return cls()
+        return cls(RelaxedAcceptance(vision=vision, text=text, window=window))
+
+    @property
+    def name(self) -> str:
+        return "exact" if self.relaxed is None else "relaxed"
+
+    def for_prompt(self, last_image_pos: int | None) -> AcceptanceConfig:
+        """The same settings with the prompt's last image position (relaxed acceptance reads it)."""
+        if self.relaxed is None:
+            return self
+        return AcceptanceConfig(replace(self.relaxed, last_image_pos=last_image_pos))
+
+    def threshold(self, past: int) -> float | None:
+        """The relaxed threshold of a block whose root sits at ``past``; None: exact."""
+        return None if self.relaxed is None else self.relaxed.threshold(past)
+
+
+def _two_probabilities(thresholds) -> tuple[float, float]:
+    """(vision, text) from ``relaxed_thresholds``, or a clear error naming the expected form."""
+    form = "relaxed_thresholds must be two probabilities in (0, 1], (vision, text), e.g. (0.6, 0.4)"
+    if isinstance(thresholds, (str, bytes)) or not hasattr(thresholds, "__len__") or len(thresholds) != 2:
+        raise MMSpecError(f"{form}; got {thresholds!r}")
+    try:
+        vision, text = (float(t) for t in thresholds)
+    except (TypeError, ValueError):
+        raise MMSpecError(f"{form}; got {thresholds!r}") from None
+    if not all(math.isfinite(t) and 0 < t <= 1 for t in (vision, text)):
+        raise MMSpecError(f"{form}; got {thresholds!r}")
+    return vision, text
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How :func:`mmspec.engine.run_loop` decodes: fixed per decoder (tree, EOS ids, acceptance),
+    completed per call (``max_new_tokens``, ``sampling``; the prompt's acceptance)."""
+
+    tree: TreeSpec  # the block's shape: a chain of gamma drafts is a tree with one branch
+    eos_ids: frozenset[int] = frozenset()
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
+
+    def for_call(self, max_new_tokens: int, sampling: SamplingParams, last_image_pos: int | None) -> EngineOptions:
+        return replace(self, max_new_tokens=max_new_tokens, sampling=sampling,
+                       acceptance=self.acceptance.for_prompt(last_image_pos))
+
+
+@dataclass(frozen=True)
+class EngineMode:
+    """Eager decoding, fixed shapes on static caches, or those shapes captured as CUDA graphs."""
+
+    graphs: str = "eager"  # a mmspec.graphs.MODES entry: "eager", "cuda" or "emulate" (CPU tests)
+    static: bool = False  # static caches, whole-buffer 4-D masks (always when graphs != "eager")
+
+    @property
+    def name(self) -> str:
+        """As GenerationStats.engine reports it: "eager", "static" or "cuda-graphs"."""
+        return "cuda-graphs" if self.graphs == "cuda" else ("static" if self.static else "eager")
