@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import os
 import signal
 import socket
@@ -27,85 +26,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 ROOT = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
 MODEL = "mmspec-embedded"
 START_S = 120  # bounded wait for /health (imports + the embedded models: ~10 s on a free core)
-
-
-# ----------------------------------------------------------------------- the scheduler stand-in
-@dataclass
-class FakeStepEvent:
-    rid: int
-    new_token_ids: list
-    text: str
-    finished: bool
-    result: object = None
-    error: str | None = None
-
-
-class SoloScheduler:
-    """Test double of ``mmspec.batch.BatchScheduler`` (notes/batch_api.md) until the batch branch
-    lands: each request is decoded alone by ``SpecDecoder.generate`` when it is admitted, and its
-    tokens are then handed out one real block per step, every active request in each step."""
-
-    def __init__(self, decoder, *, max_batch: int = 16):
-        self.dec, self.max_batch = decoder, max_batch
-        self.queue: list = []
-        self.active: dict = {}
-        self.next_rid = 0
-
-    def submit(self, request: dict, **defaults) -> int:
-        from mmspec.errors import MMSpecError
-
-        req = {**defaults, **request}
-        ids = self.dec._check_ids(req["input_ids"], req.get("attention_mask"))
-        try:
-            self.dec._check_context(ids.shape[0], req.get("max_new_tokens", 128))
-        except MMSpecError as e:
-            raise MMSpecError(f"request 0: {e}") from None
-        rid, self.next_rid = self.next_rid, self.next_rid + 1
-        self.queue.append((rid, req))
-        return rid
-
-    def step(self) -> list:
-        while self.queue and len(self.active) < self.max_batch:
-            rid, req = self.queue.pop(0)
-            res = self.dec.generate(**req)
-            blocks, at = [], 0
-            for n in res.stats.tokens_per_block:
-                blocks.append(res.token_ids[at:at + n])
-                at += n
-            self.active[rid] = (res, blocks, [])
-        events = []
-        for rid in list(self.active):
-            res, blocks, done = self.active[rid]
-            block = blocks.pop(0)
-            before = self.dec.tokenizer.decode(done, skip_special_tokens=True)
-            done += block
-            text = self.dec.tokenizer.decode(done, skip_special_tokens=True)[len(before):]
-            finished = not blocks
-            if finished:
-                del self.active[rid]
-            events.append(FakeStepEvent(rid, block, text, finished, res if finished else None))
-        return events
-
-    def cancel(self, rid: int) -> None:
-        self.queue = [(r, q) for r, q in self.queue if r != rid]
-        self.active.pop(rid, None)
-
-    def has_work(self) -> bool:
-        return bool(self.queue or self.active)
-
-
-def use_solo_scheduler() -> None:
-    """In a server process: serve through :class:`SoloScheduler` (until mmspec.batch exists)."""
-    import mmspec.serve.worker as worker
-
-    worker.make_scheduler = lambda dec, max_batch: SoloScheduler(dec, max_batch=max_batch)
-
-
-LAUNCH = ("import sys; sys.path.insert(0, {tests!r}); import test_serve; test_serve.use_solo_scheduler(); "
-          "from mmspec.cli import app; app(prog_name='mmspec')")
 
 
 # ----------------------------------------------------------------------- the server process
@@ -149,7 +71,7 @@ def start_server(tmp: Path, *args: str) -> Server:
     media.mkdir(exist_ok=True)
     log = tmp / f"serve-{port}.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-c", LAUNCH.format(tests=str(TESTS)), "serve", "--port", str(port), "--threads", "1",
+    cmd = [sys.executable, "-m", "mmspec", "serve", "--port", str(port), "--threads", "1",
            "--allowed-local-media-path", str(media), *args]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp)
@@ -301,10 +223,13 @@ def test_concurrent_clients_get_their_solo_answers(server, solo):
         barrier.wait(30)
         return ask(client, family, index, max_tokens, stream=stream, temperature=0)
 
+    steps = server.health()["steps"]
     with ThreadPoolExecutor(len(jobs)) as pool:
         answers = list(pool.map(run, jobs))
-    for (family, index, max_tokens, _), got in zip(jobs, answers):
+    for (family, index, max_tokens, _), got in zip(jobs, answers, strict=True):
         check_equal(solo, family, index, max_tokens, got)
+    blocks = sum(got[3]["blocks"] for got in answers)
+    assert server.health()["steps"] - steps < blocks  # the requests shared blocks: decoded as one batch
 
 
 def test_seeded_sampling_equals_solo_generate(server, solo):
@@ -415,7 +340,7 @@ def test_bad_requests_among_good_ones_change_nothing(server, solo):
 
     def run(k):
         if k % 3 == 2:
-            what, body, _ = bad[k % len(bad)]
+            _, body, _ = bad[k % len(bad)]
             kw = {"content": body} if isinstance(body, bytes) else {"json": body}
             return httpx.post(server.url + "/v1/chat/completions", timeout=60, **kw).status_code
         family, index, max_tokens = CASES[k % 4]
@@ -467,7 +392,10 @@ def test_sigterm_lets_running_requests_finish_and_exits_0(tmp_path, solo):
 
 
 def test_flags_are_checked_before_anything_loads(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    from typer.testing import CliRunner
+
+    from mmspec.cli import app
+
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -476,8 +404,6 @@ def test_flags_are_checked_before_anything_loads(tmp_path):
                              (["--max-batch", "0"], "--max-batch must be >= 1"),
                              (["--allowed-local-media-path", str(tmp_path / "nope")], "is not a directory"),
                              (["--target", str(tmp_path)], "--target was given without --draft")):
-            t0 = time.monotonic()
-            r = subprocess.run([sys.executable, "-m", "mmspec", "serve", *args], env=env, capture_output=True,
-                               text=True, timeout=120)
-            assert r.returncode == 2 and phrase in " ".join(r.stderr.split()), (args, r.stderr)
-            assert "Using the embedded" not in r.stdout
+            r = CliRunner().invoke(app, ["serve", *args])
+            assert r.exit_code == 2 and phrase in " ".join(r.output.split()), (args, r.output)
+            assert "Using the embedded" not in r.output

@@ -122,7 +122,7 @@ async def _collect(service: Service, job: Job, ticket: Ticket, answer: R.Answer,
         while True:
             try:
                 up = await ticket.get(POLL_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 up = None
             if time.perf_counter() - checked >= POLL_S:
                 checked = time.perf_counter()
