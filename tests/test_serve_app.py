@@ -253,3 +253,16 @@ def test_unknown_routes_get_openai_style_errors(app_server):
     url, _, _ = app_server
     r = httpx.get(url + "/v1/completions", timeout=10)
     assert r.status_code in (404, 405) and "POST /v1/chat/completions" in r.json()["error"]["message"]
+
+
+def test_serve_without_the_extra_is_one_line(monkeypatch):
+    import sys
+
+    from typer.testing import CliRunner
+
+    from mmspec.cli import app
+
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # as for a package that is not installed
+    r = CliRunner().invoke(app, ["serve"])
+    assert r.exit_code == 2 and "mmspec serve needs fastapi: pip install 'mmspec[serve]'" in r.output, r.output
+    assert "Traceback" not in r.output
