@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -184,7 +185,7 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    log = args.out / "server.log"
+    log = Path(tempfile.gettempdir()) / f"serve_load-{port}.log"  # not kept with the results (docs/results/README.md)
     t_start = time.perf_counter()
     proc = start_server(args, port, log)
     startup_s = time.perf_counter() - t_start
@@ -244,7 +245,7 @@ def main() -> None:
         "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
-        "server": {"args": ["--max-batch", args.max_batch, "--threads", args.threads, *args.serve_args],
+        "server": {"args": ["--max-batch", args.max_batch, "--threads", args.threads, *args.serve_args], "log": str(log),
                    "startup_s": round(startup_s, 1), "steps": health["steps"], "exit_code_on_sigterm": exit_code},
         "requests": len(results), "clients": args.clients, "good": len(good_res), "bad": len(bad_res),
         "distinct_good": len(goods), "streamed": sum(r.get("stream", False) for r in good_res),

@@ -266,3 +266,49 @@ def test_serve_without_the_extra_is_one_line(monkeypatch):
     r = CliRunner().invoke(app, ["serve"])
     assert r.exit_code == 2 and "mmspec serve needs fastapi: pip install 'mmspec[serve]'" in r.output, r.output
     assert "Traceback" not in r.output
+
+
+def test_the_worker_gives_memory_back_when_the_batch_empties(app_server, monkeypatch):
+    import mmspec.serve.worker as worker
+
+    calls = []
+    monkeypatch.setattr(worker, "release_memory", lambda: calls.append(1))
+    url, _, _ = app_server
+    assert httpx.post(url + "/v1/chat/completions", json=ask(url, 5), timeout=30).status_code == 200
+    assert wait_until(lambda: calls == [1]), calls  # once per burst, not per block
+
+
+def test_the_worker_renews_the_scheduler_when_the_batch_empties_and_a_stale_cancel_is_harmless(monkeypatch):
+    import mmspec.serve.worker as worker
+    from mmspec.serve.worker import Job, Worker
+
+    monkeypatch.setattr(worker, "release_memory", lambda: None)
+    made = [EndlessScheduler()]
+
+    def renew(old):
+        assert old is made[-1] and not old.has_work()
+        made.append(EndlessScheduler())
+        return made[-1]
+
+    w = Worker(made[0], renew=renew, idle_poll_s=0.02)
+    w.start()
+    try:
+        done: dict = {}
+
+        def run(name: str, n: int) -> Job:
+            ups: list = []
+            job = Job(request={"max_new_tokens": n}, sink=ups.append)
+            done[name] = ups
+            w.submit(job)
+            return job
+
+        first = run("first", 2)
+        assert wait_until(lambda: len(made) == 2)  # the burst ended: a fresh scheduler (its buffers gone)
+        assert [u.kind for u in done["first"]] == ["admitted", "event", "event"]
+        second = run("second", 50)  # the fresh scheduler gives it rid 0 again, as it gave the first
+        assert wait_until(lambda: second.rid == 0 and w.active == 1)
+        w.cancel(first)  # a late cancel of the finished first request must not touch the second
+        assert wait_until(lambda: done["second"][-1].event.finished), [u.kind for u in done["second"]]
+        assert made[1].cancelled == [] and len(done["second"]) == 51
+    finally:
+        w.stop()

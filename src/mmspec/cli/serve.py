@@ -22,6 +22,7 @@ from mmspec.cli.generate import HEAD_HELP
 from mmspec.errors import MMSpecError
 
 EMBEDDED_NAME = "mmspec-embedded"
+SPECULATE = ("always", "never", "auto")  # mmspec.batch.SPECULATE (not imported: it loads torch)
 
 
 def serve(
@@ -49,6 +50,9 @@ def serve(
     device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, ..."),
     threads: Optional[int] = common.THREADS,
     max_batch: int = typer.Option(16, help="Requests decoded together; more wait for a free row."),
+    speculate: str = typer.Option("always", help="always: draft every block; never: batched target steps "
+                                  "only; auto: per batch size, draft only while it measures faster (all lossless; "
+                                  "seeded sampling repeats solo generate's answer with always only)."),
     max_tokens: int = typer.Option(512, help="A request's max_tokens when it gives none (capped by the room "
                                    "left in the target's context)."),
     max_images: Optional[int] = typer.Option(None, help="Images per request (default: as many as the target's "
@@ -74,6 +78,8 @@ def serve(
             tree_budget=tree_budget, tree_children=tree_children, stop_below=stop_below, cuda_graphs=cuda_graphs,
             dtype=dtype, device=device, threads=threads))
         at_least("--max-batch", max_batch)
+        if speculate not in SPECULATE:
+            raise MMSpecError(f"--speculate must be one of {', '.join(SPECULATE)}, got {speculate!r}")
         at_least("--max-tokens", max_tokens)
         at_least("--max-images", max_images)
         if not math.isfinite(shutdown_timeout) or shutdown_timeout < 0:
@@ -83,7 +89,7 @@ def serve(
         sock = _bind(host, port)  # the port is ours before minutes of loading, or refused now
     except MMSpecError as e:
         fail(e)
-    _run(opts, sock, host, port, max_batch=max_batch, max_tokens=max_tokens, max_images=max_images, media=media,
+    _run(opts, sock, host, port, max_batch=max_batch, speculate=speculate, max_tokens=max_tokens, max_images=max_images, media=media,
          name=served_model_name, shutdown_timeout=shutdown_timeout)
 
 
@@ -122,7 +128,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _run(o, sock: socket.socket, host: str, port: int, *, max_batch: int, max_tokens: int,
+def _run(o, sock: socket.socket, host: str, port: int, *, max_batch: int, speculate: str, max_tokens: int,
          max_images: int | None, media: list, name: str | None, shutdown_timeout: float) -> None:
     import uvicorn
 
@@ -137,7 +143,7 @@ def _run(o, sock: socket.socket, host: str, port: int, *, max_batch: int, max_to
         common.console.print(EMBEDDED_NOTE)
     dec = build_decoder(o, t, d, tok, proc, cap)
     config = ServeConfig(model_name=name or (EMBEDDED_NAME if embedded else o.target), max_batch=max_batch,
-                         max_tokens=max_tokens, max_images=max_images, allowed_media=media,
+                         speculate=speculate, max_tokens=max_tokens, max_images=max_images, allowed_media=media,
                          shutdown_timeout_s=shutdown_timeout)
     service = Service(dec, proc, config)
     server = _server(uvicorn.Config(create_app(service), timeout_graceful_shutdown=shutdown_timeout + 5,

@@ -28,6 +28,7 @@ class ServeConfig:
 
     model_name: str = "mmspec"
     max_batch: int = 16  # requests decoded together
+    speculate: str = "always"  # BatchScheduler's policy: always, never, auto (drafting off where it loses)
     max_tokens: int = 512  # a request's max_tokens when it gives none (capped by the room in the context)
     max_images: int | None = None  # images per request; None: as many as the target's context holds
     allowed_media: list[Path] = field(default_factory=list)  # directories local image files may come from
@@ -57,7 +58,11 @@ class Service:
         self.tokens_per_image, base = self._probe_image_tokens()
         if config.max_images is None and self.context and self.tokens_per_image:
             config.max_images = max(1, (self.context - base - self.depth - 1) // self.tokens_per_image)
-        self.worker = Worker(scheduler if scheduler is not None else make_scheduler(decoder, config.max_batch))
+        renew = None
+        if scheduler is None:
+            scheduler = make_scheduler(decoder, config.max_batch, config.speculate)
+            renew = lambda old: make_scheduler(decoder, config.max_batch, old.policy)  # noqa: E731 - policy kept
+        self.worker = Worker(scheduler, renew=renew)
         self.started = time.time()
 
     def prepare(self, req: ChatRequest) -> Prepared:

@@ -13,6 +13,10 @@ else fails only the requests then in the batch (HTTP 500) and the thread keeps s
 
 Shutdown: :meth:`Worker.drain` (SIGTERM) refuses new jobs and gives the running ones until a
 deadline to finish; at the deadline each one left is told why (HTTP 503) and its rows freed.
+When the batch empties after a burst, the scheduler is renewed (a fresh one, the speculation
+policy's measurements carried over: the old one's batch cache, sized for the burst's peak, is
+freed) and the heap memory the burst freed goes back to the system (:func:`release_memory`), so
+the server's RSS returns near its idle level.
 This module knows nothing about HTTP, JSON or prompts.
 """
 
@@ -30,11 +34,12 @@ from mmspec.errors import MMSpecError
 log = logging.getLogger("mmspec.serve")
 
 
-def make_scheduler(decoder, max_batch: int):
-    """The continuous-batching scheduler over ``decoder`` (one place, so it can be swapped)."""
+def make_scheduler(decoder, max_batch: int, speculate="always"):
+    """The continuous-batching scheduler over ``decoder`` (one place, so it can be swapped);
+    ``speculate``: "always", "never", "auto" or a SpeculationPolicy (carried over on renewal)."""
     from mmspec.batch import BatchScheduler
 
-    return BatchScheduler(decoder, max_batch=max_batch)
+    return BatchScheduler(decoder, max_batch=max_batch, speculate=speculate)
 
 
 @dataclass
@@ -64,8 +69,9 @@ class Job:
 class Worker:
     """Drives one scheduler on one thread; every other thread talks to it through a queue."""
 
-    def __init__(self, scheduler, *, idle_poll_s: float = 0.1):
+    def __init__(self, scheduler, *, renew: Callable[[Any], Any] | None = None, idle_poll_s: float = 0.1):
         self.scheduler = scheduler
+        self._renew = renew  # old scheduler -> a fresh one, swapped in when the batch empties (its buffers freed)
         self._commands: queue.Queue = queue.Queue()
         self._jobs: dict[int, Job] = {}  # rid -> job, worker thread only
         self._idle_poll_s = idle_poll_s
@@ -116,12 +122,19 @@ class Worker:
 
     # ------------------------------------------------------------------ the worker thread
     def _run(self) -> None:
+        busy = False
         while not self._stop.is_set():
             self._take_commands(block=not self._jobs)
             if self._deadline is not None and time.perf_counter() >= self._deadline:
                 self._fail_all(503, self._why_stopping)
             if self._jobs and self.scheduler.has_work():
                 self._step()
+                busy = True
+            elif busy and not self._jobs:  # the burst is over: its memory goes back
+                busy = False
+                if self._renew is not None and not self.scheduler.has_work():
+                    self.scheduler = self._renew(self.scheduler)
+                release_memory()
         self._take_commands(block=False)
         self._fail_all(503, self._why_stopping)
 
@@ -155,8 +168,8 @@ class Worker:
             self._jobs[job.rid] = job
             self.active = len(self._jobs)
             job.sink(Update("admitted"))
-        elif what == "cancel" and job.rid is not None and job.rid in self._jobs:
-            self._forget(job.rid)
+        elif what == "cancel" and job.rid is not None and self._jobs.get(job.rid) is job:
+            self._forget(job.rid)  # (a renewed scheduler reuses ids: only this job's own)
 
     def _step(self) -> None:
         try:
@@ -191,6 +204,20 @@ class Worker:
         for rid, job in list(self._jobs.items()):
             self._forget(rid)
             job.sink(Update("failed", message=why, status=status))
+
+
+def release_memory() -> None:
+    """Hand the heap memory a burst of requests freed back to the system (glibc's ``malloc_trim``;
+    elsewhere nothing): freed CPU tensors otherwise stay in the allocator's arenas, and the
+    server's RSS would stay at its peak after a load has passed."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # not glibc
+        pass
 
 
 def _without_index(message: str) -> str:
