@@ -144,8 +144,9 @@ def one(client, url: str, model: str, job: dict) -> dict:
                 "latency_s": time.perf_counter() - t0}
 
 
-def solo_answers(goods: list[dict], serve_args: list[str]) -> dict:
-    """key -> (text, tokens) of a solo SpecDecoder.generate, built as the server builds the request."""
+def solo_answers(goods: list[dict], serve_args: list[str], threads: int | None) -> tuple[dict, dict]:
+    """key -> (text, tokens) of a solo SpecDecoder.generate, built as the server builds the request;
+    and the speed of those solo runs one after another (in this process, no HTTP): the baseline."""
     import torch
 
     from mmspec import SpecDecoder, load_embedded
@@ -153,15 +154,20 @@ def solo_answers(goods: list[dict], serve_args: list[str]) -> dict:
 
     if serve_args:
         raise SystemExit("solo references are built for the embedded models only")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if threads:
+        torch.set_num_threads(threads)  # the server's share, so the baseline runs as the server did
     e = load_embedded(dtype=torch.float32)
     dec = SpecDecoder(e.target, e.draft, e.tokenizer)
-    out = {}
+    out, tokens, seconds = {}, 0, 0.0
     for g in goods:
         inputs = processor_inputs(e.processor, chat_prompt(e.processor, g["prompt"], len(g["images"])), g["images"])
+        t0 = time.perf_counter()
         res = dec.generate(**inputs, max_new_tokens=g["max_tokens"], images=g["images"])
+        seconds += time.perf_counter() - t0
+        tokens += len(res.token_ids)
         out[g["key"]] = (res.text, len(res.token_ids))
-    return out
+    return out, {"requests": len(goods), "tokens_per_s": round(tokens / seconds, 1),
+                 "requests_per_s": round(len(goods) / seconds, 2), "mean_latency_s": round(seconds / len(goods), 3)}
 
 
 def main() -> None:
@@ -229,7 +235,7 @@ def main() -> None:
         proc.kill()
         exit_code = "killed after 120 s"
 
-    solo = solo_answers(goods, args.serve_args)
+    solo, solo_speed = solo_answers(goods, args.serve_args, args.threads)
     good_res = [r for r in results if "bad" not in r]
     bad_res = [r for r in results if "bad" in r]
     mismatches = [{"key": r["key"], "stream": r["stream"], "status": r["status"], "got": r.get("text"),
@@ -256,6 +262,7 @@ def main() -> None:
         "latency_s": {"p50": round(percentile(lat, 0.5), 3), "p90": round(percentile(lat, 0.9), 3),
                       "max": round(max(lat), 3)},
         "first_token_s_streamed": {"p50": round(percentile(ttft, 0.5), 3), "p90": round(percentile(ttft, 0.9), 3)},
+        "solo_sequential": solo_speed,
         "bad_latency_s_p50": round(percentile([r["latency_s"] for r in bad_res], 0.5), 4),
         "rss_mb": {"idle": round(rss_idle, 1), "peak": round(max(peak), 1), "after": round(rss_after, 1)},
         "mismatches": mismatches, "bad_not_400": not_400,

@@ -312,3 +312,19 @@ def test_the_worker_renews_the_scheduler_when_the_batch_empties_and_a_stale_canc
         assert made[1].cancelled == [] and len(done["second"]) == 51
     finally:
         w.stop()
+
+
+def test_the_serve_package_is_library_code():
+    """mmspec.serve imports neither typer nor mmspec.cli (the CLI maps flags onto it)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "src" / "mmspec" / "serve"
+    files = sorted(root.glob("*.py"))
+    assert len(files) >= 6
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            bad = [n for n in names if n == "typer" or n.startswith(("typer.", "mmspec.cli"))]
+            assert not bad, (f.name, bad)
