@@ -5,12 +5,22 @@ the target's exact distribution. Continuous batching: joins, cancels, failures a
 
 import pytest
 import torch
+from tiny import (
+    BOS,
+    IMG,
+    exact_sequence_probs,
+    make_llava,
+    make_prompt,
+    make_qwen,
+    make_tokenizer,
+    noisy_copy,
+    pvalues,
+    qwen_inputs,
+)
 
 from mmspec import MMSpecError, SpecDecoder
 from mmspec.batch import BatchScheduler, SpeculationPolicy
 from mmspec.models.captioner import FixedCaptioner
-from tiny import (BOS, IMG, exact_sequence_probs, make_llava, make_prompt, make_qwen, make_tokenizer, noisy_copy,
-                  pvalues, qwen_inputs)
 
 
 def reference(target, ids, pv, n, **mm):
@@ -80,7 +90,15 @@ def test_head_in_a_batch(target, tok, refs, variant):
 
     dec = SpecDecoder(target, build_head(target, variant, seed=1), tok, tree="dynamic", tree_depth=3, tree_topk=2,
                       tree_budget=6)
-    assert [r.token_ids for r in dec.generate_batch(requests(5))] == refs[:5]
+    calls = []
+    hook = dec.head.decoder.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        res = dec.generate_batch(requests(5))
+    finally:
+        hook.remove()
+    assert [r.token_ids for r in res] == refs[:5]
+    # the head's forwards are merged over the requests: 3 per block (pending, 2 frontiers), not per request
+    assert len(calls) <= 5 + 3 * max(r.stats.n_blocks for r in res) < sum(3 * r.stats.n_blocks for r in res)
     dec = SpecDecoder(target, build_head(target, variant, seed=1), tok, gamma=3)
     assert [r.token_ids for r in dec.generate_batch(requests(5), speculate="auto")] == refs[:5]
 
@@ -228,8 +246,9 @@ def drain(sched, events=None):
 def test_join_mid_decode_and_one_target_forward_per_block(target, draft_shared, tok, refs):
     dec = SpecDecoder(target, draft_shared, tok, views="MT")
     reqs = requests(4)
-    calls = []
+    calls, draft_calls = [], []
     hook = target.model.language_model.register_forward_hook(lambda *a: calls.append(1))
+    dhook = draft_shared.model.language_model.register_forward_hook(lambda *a: draft_calls.append(1))
     try:
         sched = BatchScheduler(dec, max_batch=3)
         rids = [sched.submit(reqs[0]), sched.submit(reqs[1])]
@@ -243,7 +262,10 @@ def test_join_mid_decode_and_one_target_forward_per_block(target, draft_shared, 
             n_steps += 1
     finally:
         hook.remove()
+        dhook.remove()
     assert len(calls) == 4 + n_steps  # one prefill each, then ONE shared target forward per block
+    # the draft too: its forwards are merged over the requests (gamma per block at most), not per request
+    assert len(draft_calls) <= 4 + n_steps * dec.gamma
     out = {rid: [] for rid in rids}
     for ev in events:
         out[ev.rid] += ev.new_token_ids
@@ -299,6 +321,8 @@ def test_generate_batch_checks_every_request_first(target, draft_shared, tok):
             dec.generate_batch([reqs[0], reqs[1], dict(reqs[2], pixel_values=reqs[0]["pixel_values"])])
         with pytest.raises(MMSpecError, match=r"^request 1: unsupported generate\(\) argument"):
             dec.generate_batch([reqs[0], dict(reqs[1], colour="red")])
+        with pytest.raises(MMSpecError, match=r"^request 1: input_ids has batch size 2; .*generate_batch"):
+            dec.generate_batch([reqs[0], dict(reqs[0], input_ids=reqs[0]["input_ids"].repeat(2, 1))])
         with pytest.raises(MMSpecError, match=r"^request 0: the request has no input_ids"):
             dec.generate_batch([{}])
         with pytest.raises(MMSpecError, match=r"^request 1: top_p must be in"):
@@ -308,3 +332,60 @@ def test_generate_batch_checks_every_request_first(target, draft_shared, tok):
     assert calls == []  # nothing decoded
     with pytest.raises(MMSpecError, match="requests must be a list"):
         dec.generate_batch(reqs[0])
+
+
+def test_a_request_failing_while_drafting_fails_alone(target, draft_shared, tok, refs, monkeypatch):
+    dec = SpecDecoder(target, draft_shared, tok, views="MT")
+    reqs = requests(3)
+    sched = BatchScheduler(dec)
+    rids = [sched.submit(r) for r in reqs]
+    sched.step()
+    broken = sched._active[0].run.drafter
+    monkeypatch.setattr(broken, "_feed_pending", lambda *a: (_ for _ in ()).throw(RuntimeError("draft broke")))
+    events = drain(sched)
+    errors = {ev.rid: ev.error for ev in events if ev.error}
+    assert list(errors) == [rids[0]] and "draft broke" in errors[rids[0]]
+    done = {ev.rid: ev.result.token_ids for ev in events if ev.finished and ev.result}
+    assert done == {rids[1]: refs[1]}  # (request 2 ended in the first block: one token)
+    assert sched.cache.active == 0 and sched.cache.store.kv is None and sched.draft_cache.store.kv is None
+
+
+def test_static_cache_decoder_batches_eagerly(target, draft_shared, tok, refs):
+    """A decoder set up for fixed shapes (static caches / CUDA graphs) decodes batches eagerly,
+    and its own generate still runs on its static caches afterwards."""
+    dec = SpecDecoder(target, draft_shared, tok, views="MT", static_cache=True)
+    assert [r.token_ids for r in dec.generate_batch(requests(4))] == refs[:4]
+    assert dec.static
+    r = requests(1)[0]
+    assert dec.generate(**r).token_ids == refs[0]
+
+
+def test_auto_policy_decodes_plainly_where_drafting_was_measured_slower(target, draft_shared, tok, refs):
+    pol = SpeculationPolicy("auto", probe_every=1000, smoothing=0.0)  # the seeded rates stay (no timing flakes)
+    for b in range(1, 4):  # measured: plain steps 100x faster than drafted blocks at every batch size here
+        pol.record(b, True, tokens=1, seconds=1.0)
+        pol.record(b, False, tokens=100, seconds=1.0)
+    sched = BatchScheduler(SpecDecoder(target, draft_shared, tok, views="MT"), speculate=pol)
+    rids = [sched.submit(r) for r in [requests(8)[i] for i in (0, 5, 3)]]
+    events = drain(sched)
+    res = {ev.rid: ev.result for ev in events if ev.finished}
+    assert [res[r].token_ids for r in rids] == [refs[0], refs[5], refs[3]]
+    blocks = [b for r in res.values() for b in r.stats.blocks]
+    plain = sum(b.n_drafted == 0 for b in blocks)
+    assert plain >= 0.8 * len(blocks)  # only the first block at each batch size probes drafting
+
+
+def test_a_failed_shared_forward_ends_its_requests_and_the_scheduler_goes_on(target, draft_shared, tok, refs,
+                                                                              monkeypatch):
+    from mmspec import batch
+
+    sched = BatchScheduler(SpecDecoder(target, draft_shared, tok, views="M"))
+    first = [sched.submit(r) for r in requests(2)]
+    with monkeypatch.context() as m:
+        m.setattr(batch, "score_batch", lambda *a: (_ for _ in ()).throw(RuntimeError("out of memory")))
+        events = sched.step()
+    assert sorted(ev.rid for ev in events if ev.error) == first and "out of memory" in events[0].error
+    assert not sched.has_work() and sched.cache.active == 0
+    later = sched.submit(requests(1)[0])
+    done = {ev.rid: ev.result.token_ids for ev in drain(sched) if ev.finished}
+    assert done == {later: refs[0]}

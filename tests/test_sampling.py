@@ -4,10 +4,10 @@ computed exactly by enumeration on a tiny vocabulary (seeded, so the test is det
 
 import pytest
 import torch
+from tiny import BOS, IMG, exact_sequence_probs, make_llava, make_tokenizer, pvalues
 
 from mmspec import SpecDecoder, verify
 from mmspec.models.captioner import FixedCaptioner
-from tiny import BOS, IMG, exact_sequence_probs, make_llava, make_tokenizer, pvalues  # noqa: F401
 
 V = 8  # <pad> <s> </s> <image> \n w5 w6 w7
 N_NEW, TEMP, N_SAMPLES = 3, 1.0, 1200

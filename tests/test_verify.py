@@ -2,11 +2,16 @@
 bonus, filtering, and a seeded statistical test that speculative sampling reproduces p."""
 
 import torch
+from tiny import chi2_pvalue
 
 from mmspec import verify
-from mmspec.verify import (SamplingParams, logits_to_probs, residual, verify_greedy,
-                           verify_sampling)
-from tiny import chi2_pvalue  # noqa: F401 (test_tree imports it from here)
+from mmspec.verify import (
+    SamplingParams,
+    logits_to_probs,
+    residual,
+    verify_greedy,
+    verify_sampling,
+)
 
 
 def onehot_logits(tokens, V=6):

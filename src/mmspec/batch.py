@@ -17,9 +17,17 @@ other policies keep the exact distribution but draw a different sequence of unif
 per second the batch measured, per batch size, with and without drafting.
 
 What runs batched: every view and ensemble, chains, static and dynamic trees, feature-level
-heads, greedy and sampling. The target's verify forward is shared; each request's draft
-forwards run on its own drafter (the draft is the small model). Eager only: a decoder set up
-for static caches / CUDA graphs prefills and decodes its batches eagerly.
+heads, greedy and sampling. The target's verify forward is shared, and so are the draft
+forwards: each request drafts its own tree (its own code path and draws) in a thread of its
+own, and :class:`~mmspec.batch_engine.DraftLockstep` merges their forwards into one over a
+shared draft cache. Eager only: a decoder set up for static caches / CUDA graphs prefills and
+decodes its batches eagerly (its ``generate`` keeps its static caches and graphs).
+
+Exactness is per row: in float64 (the tests) a request's tokens never depend on its
+neighbours; in float32 / half precision a batched matrix product may round the last bit
+differently from a one-row one, so a near-tie can flip (what issue 37's half-precision audit
+measures). A result's ``stats.total_s`` counts from :meth:`BatchScheduler.submit` (queueing
+included: the request's latency); its blocks' ``verify_s`` is the shared forward's time.
 """
 
 from __future__ import annotations
@@ -33,10 +41,10 @@ from dataclasses import dataclass, field
 import torch
 
 from mmspec import checks
-from mmspec.batch_engine import RequestRun, score_batch
+from mmspec.batch_engine import DraftLockstep, RequestRun, score_batch
 from mmspec.errors import MMSpecError
 from mmspec.models.cache import DecodeCache
-from mmspec.models.ragged import RaggedCache
+from mmspec.models.ragged import RaggedCache, RowGroup
 from mmspec.options import EngineMode
 from mmspec.verify import SamplingParams
 
@@ -159,7 +167,6 @@ def start_request(dec, prep: Prepared):
     from mmspec.decoder import _generator
 
     stats = dec._new_stats()
-    stats.engine = "eager (batch)"
     with _eager(dec):
         enc = dec.mm.encode(prep.layout, prep.mm, stats, **prep.extra)
         state, feats = dec._prefill_target(prep.ids, prep.mm, enc, prep.max_new_tokens, stats)
@@ -198,7 +205,16 @@ class BatchScheduler:
         self.decoder = decoder
         self.max_batch = max_batch
         self.policy = speculate if isinstance(speculate, SpeculationPolicy) else SpeculationPolicy(speculate)
-        self.cache = RaggedCache(decoder.target_model.config.get_text_config(decoder=True).num_hidden_layers)
+        self.cache = RaggedCache(_n_layers(decoder.target_model))  # row b: _active[b]'s target cache
+        # the draft forwards are shared too: every view of every request (or its head) a row here
+        if decoder.head is not None:
+            self.draft_cache = RaggedCache(decoder.head.decoder.config.num_hidden_layers)
+            self.lockstep = DraftLockstep.for_head(decoder.head, self.draft_cache)
+        else:
+            self.draft_cache = RaggedCache(_n_layers(decoder.draft_model))
+            self.lockstep = DraftLockstep.for_tokens(decoder.draft, self.draft_cache)
+        self._draft_rows: dict[int, list[int]] = {}  # rid -> its rows of draft_cache
+        self._row_owner: list[int] = []  # draft_cache row -> rid
         self._queue: deque = deque()  # (rid, Prepared, t_submit)
         self._active: list[_Active] = []  # row b of the cache is _active[b]
         self._next_rid = 0
@@ -234,18 +250,32 @@ class BatchScheduler:
         dec = self.decoder
         t0 = time.perf_counter()
         speculate = self.policy.decide(len(self._active))
-        for b in reversed(range(len(self._active))):  # each request drafts on its own drafter
+        if speculate:  # each request drafts its own tree, forwards merged
+            errors = self.lockstep.run([(a.rid, lambda a=a: a.run.draft_block(True)) for a in self._active],
+                                       self._draft_lengths)
+        else:  # no drafting: the roots alone
+            errors = {}
+            for a in self._active:
+                try:
+                    a.run.draft_block(speculate)
+                except Exception as e:  # noqa: BLE001 - one request's failure must not end the others
+                    errors[a.rid] = e
+        for b in reversed(range(len(self._active))):
             a = self._active[b]
-            try:
-                a.run.draft_block(speculate)
-            except Exception as e:  # noqa: BLE001 - one request's failure must not end the others
-                events.append(StepEvent(a.rid, [], "", True, None, error=_message(e)))
+            if a.rid in errors:
+                events.append(StepEvent(a.rid, [], "", True, None, error=_message(errors[a.rid])))
                 self._remove(b)
         if not self._active:
             return events
         runs = [a.run for a in self._active]
         t1 = time.perf_counter()
-        logits, hidden = score_batch(dec.target, self.cache, runs, dec._hidden_layers)
+        try:
+            logits, hidden = score_batch(dec.target, self.cache, runs, dec._hidden_layers)
+        except Exception as e:  # noqa: BLE001 - the shared forward failed: every request in it ends, the scheduler goes on
+            for b in reversed(range(len(self._active))):
+                events.append(StepEvent(self._active[b].rid, [], "", True, None, error=_message(e)))
+                self._remove(b)
+            return events
         verify_s = time.perf_counter() - t1
         emitted = 0
         finished: list[int] = []
@@ -260,7 +290,7 @@ class BatchScheduler:
                 continue
             emitted += len(kept)
             text = dec.tokenizer.decode(a.run.tokens, skip_special_tokens=True)
-            delta = text[len(a.text):] if text.startswith(a.text) else text
+            delta = text.removeprefix(a.text)
             a.text = text
             result = self._result(a) if a.run.done else None
             events.append(StepEvent(a.rid, kept, delta, a.run.done, result))
@@ -277,17 +307,53 @@ class BatchScheduler:
             rid, prep, t_submit = self._queue.popleft()
             try:
                 run, solo, length, room = start_request(self.decoder, prep)
+                self._join_draft(rid, run.drafter)
                 self.cache.join(solo, length, room)
             except Exception as e:  # noqa: BLE001 - reported on the request, the others go on
+                self._leave_draft(rid)
                 events.append(StepEvent(rid, [], "", True, None, error=_message(e)))
                 continue
             self._active.append(_Active(rid, run, prep.seed, t_submit))
 
+    def _join_draft(self, rid: int, drafter) -> None:
+        """The drafter's prefilled rows join the shared draft cache; its forwards go through the lockstep."""
+        if not getattr(drafter.cache.layers[0], "is_initialized", False):
+            raise MMSpecError("a head drafts nothing from a 2-token prompt, so it cannot join a batch; decode this "
+                              "request with generate() or give the prompt more tokens")
+        rows = self.draft_cache.join(drafter.cache, drafter.length, drafter.capacity + self.decoder.tree.n_nodes + 1)
+        self._draft_rows[rid] = rows
+        self._row_owner.extend([rid] * len(rows))
+        get_rows = lambda rid=rid: self._draft_rows[rid]  # rows move as others leave
+        drafter.cache = RowGroup(self.draft_cache, get_rows, drafter.length)
+        drafter.step_fn = self.lockstep.step_fn(rid, get_rows, drafter)
+
+    def _leave_draft(self, rid: int) -> None:
+        rows = self._draft_rows.get(rid)
+        while rows:
+            row = max(rows)
+            rows.remove(row)
+            moved = self.draft_cache.remove(row)
+            if moved is not None:  # the last row now lives at `row`
+                owner = self._row_owner[moved]
+                self._draft_rows[owner][self._draft_rows[owner].index(moved)] = row
+                self._row_owner[row] = owner
+            self._row_owner.pop()
+        self._draft_rows.pop(rid, None)
+
+    def _draft_lengths(self) -> list[int]:
+        drafters = {a.rid: a.run.drafter for a in self._active}
+        return [drafters[rid].length if rid in drafters else 0 for rid in self._row_owner]
+
     def _remove(self, b: int) -> None:
+        self._leave_draft(self._active[b].rid)
         moved = self.cache.remove(b)
         if moved is not None:
             self._active[b] = self._active[moved]
         self._active.pop()
+        if not self._active:  # idle: the shared caches' memory goes back
+            for cache in (self.cache, self.draft_cache):
+                if not cache.active:
+                    cache.release()
 
     def _result(self, a: _Active):
         from mmspec.decoder import GenerationResult
@@ -295,6 +361,10 @@ class BatchScheduler:
         st = a.run.stats
         st.total_s = time.perf_counter() - a.t_start
         return GenerationResult(token_ids=list(a.run.tokens), text=a.text, stats=st, seed=a.seed)
+
+
+def _n_layers(model) -> int:
+    return model.config.get_text_config(decoder=True).num_hidden_layers
 
 
 def _message(e: Exception) -> str:

@@ -19,6 +19,7 @@ generator), lossless by construction; the pending tokens then wait for the next 
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -136,3 +137,129 @@ def score_batch(adapter, cache: RaggedCache, runs: list[RequestRun], hidden_laye
     cache.begin_forward()
     out = adapter.forward(cache=cache, attention_mask=mask, position_ids=pos, input_ids=ids, hidden=hidden_layers)
     return (out[0], out[1]) if hidden_layers else (out, None)
+
+
+class DraftLockstep:
+    """Every request's drafting of a block in its own thread, their draft forwards merged into
+    ONE forward of the draft model over a shared :class:`RaggedCache` (token-level drafters).
+
+    A drafter's ``step_fn`` (its forward hook, :class:`~mmspec.drafter.TreeDrafter`) submits its
+    rows' tokens, positions and mask and waits; when every request still drafting has submitted,
+    the main thread runs the merged forward (rows of requests that are done or not drafting
+    this round take part as padding: they see only themselves and write past their slots) and
+    hands each its logits. Drafting stays each request's own code and draws: only where its
+    forward runs changes. A request's failure ends its thread alone."""
+
+    def __init__(self, forward, cache: RaggedCache):
+        self.forward = forward  # (cache, inputs {name: [R, n, ...]}, pos [R, n], mask) -> [R, n, ...]
+        self.cache = cache
+        self.cond = threading.Condition()
+        self.submitted: dict[int, tuple] = {}
+        self.results: dict[int, torch.Tensor] = {}
+        self.live: set[int] = set()
+
+    @classmethod
+    def for_tokens(cls, adapter, cache: RaggedCache) -> DraftLockstep:
+        """Token-level drafters: ``step_fn(ids=, pos=, mask=)``, the draft model's forward."""
+        return cls(lambda c, x, pos, mask: adapter.forward(cache=c, attention_mask=mask, position_ids=pos,
+                                                           input_ids=x["ids"]), cache)
+
+    @classmethod
+    def for_head(cls, head, cache: RaggedCache) -> DraftLockstep:
+        """Feature-level heads: ``step_fn(feats=, embeds=, pos=, mask=)``, the head's forward."""
+        return cls(lambda c, x, pos, mask: head(x["feats"], x["embeds"], cache=c, position_ids=pos,
+                                                attention_mask=mask), cache)
+
+    def step_fn(self, key: int, rows, drafter):
+        """The drafter's forward, as it calls it: (its inputs [B_r, n, ...], pos [B_r, n], mask) -> outputs."""
+        def fn(pos: torch.Tensor, mask: torch.Tensor, **inputs) -> torch.Tensor:
+            with self.cond:
+                write = drafter.length - pos.shape[-1]  # the drafter claimed the slots already
+                self.submitted[key] = (rows(), write, inputs, pos, mask)
+                self.cond.notify_all()
+                self.cond.wait_for(lambda: key in self.results)
+                out = self.results.pop(key)
+            if isinstance(out, BaseException):
+                raise _Failed(out)
+            return out
+        return fn
+
+    def run(self, jobs: list[tuple[int, object]], lengths) -> dict[int, BaseException]:
+        """Run ``jobs`` [(key, fn)] to completion, merging their forwards; ``lengths()`` gives
+        every active row's current draft length (padding rows write there). -> errors by key."""
+        errors: dict[int, BaseException] = {}
+        self.live = {k for k, _ in jobs}
+
+        def work(key, fn):
+            with torch.inference_mode():
+                try:
+                    fn()
+                except BaseException as e:  # noqa: BLE001 - reported for this request alone
+                    errors[key] = e
+                finally:
+                    with self.cond:
+                        self.live.discard(key)
+                        self.cond.notify_all()
+
+        threads = [threading.Thread(target=work, args=job, daemon=True) for job in jobs]
+        for t in threads:
+            t.start()
+        with self.cond:
+            while True:
+                self.cond.wait_for(lambda: self.live <= set(self.submitted))
+                if not self.live:
+                    break
+                batch = {k: self.submitted.pop(k) for k in sorted(self.live)}
+                try:
+                    outs = self._forward(batch, lengths())
+                except BaseException as e:  # noqa: BLE001 - the merged forward failed: all of them
+                    outs = {k: e for k in batch}
+                for k, out in outs.items():
+                    self.results[k] = out
+                self.cond.notify_all()
+        for t in threads:
+            t.join()
+        for k, e in list(errors.items()):
+            if isinstance(e, _Failed):
+                errors[k] = e.cause
+        return errors
+
+    def _forward(self, batch: dict, lengths: list[int]) -> dict:
+        """The merged forward: every active row, the submitted ones with their inputs, the
+        others as padding. -> each submission's outputs [B_r, n_r, ...]."""
+        first = next(iter(batch.values()))
+        dev = first[3].device
+        n_max = max(v[3].shape[-1] for v in batch.values())
+        R = len(lengths)
+        write = list(lengths)
+        for rows, w, *_ in batch.values():
+            for r in rows:
+                write[r] = w
+        span = max(write) + n_max
+        inputs = {name: torch.zeros(R, n_max, *t.shape[2:], dtype=t.dtype, device=dev) for name, t in first[2].items()}
+        pos = torch.zeros(R, n_max, dtype=torch.long, device=dev)
+        mask = torch.zeros(R, 1, n_max, span, dtype=torch.bool, device=dev)
+        eye = torch.eye(n_max, dtype=torch.bool, device=dev)
+        for r in range(R):  # padding: every query sees itself only
+            mask[r, 0, :, write[r]:write[r] + n_max] = eye
+        for rows, w, x, p, m in batch.values():
+            n = p.shape[-1]
+            idx = torch.tensor(rows, device=dev)
+            for name, t in x.items():
+                inputs[name][idx, :n] = t
+            pos[idx, :n] = p
+            pos[idx, n:] = p[:, -1:]
+            if m.dim() == 2:  # all ones: causal over every filled slot
+                m = torch.ones(n, w + n, dtype=torch.bool, device=dev).tril(w)[None, None].expand(len(rows), 1, n, w + n)
+            mask[idx, :, :n, :] = False
+            mask[idx, :, :n, :m.shape[-1]] = m
+        self.cache.set_lengths(write)
+        self.cache.begin_forward()
+        out = self.forward(self.cache, inputs, pos, mask)
+        return {k: out[torch.tensor(v[0], device=dev), :v[3].shape[-1]] for k, v in batch.items()}
+
+
+class _Failed(Exception):
+    def __init__(self, cause: BaseException):
+        super().__init__(str(cause))
+        self.cause = cause

@@ -217,8 +217,8 @@ def check_ids(input_ids, attention_mask) -> torch.Tensor:
     if ids.dim() == 2:
         if ids.shape[0] != 1:
             raise MMSpecError(
-                f"input_ids has batch size {ids.shape[0]}; SpecDecoder decodes one prompt at a "
-                "time (the batch dimension is used by the draft views). Loop over prompts."
+                f"input_ids has batch size {ids.shape[0]}; generate decodes one prompt at a time (input_ids "
+                "[1, L] or [L]); for many prompts pass one request dict per prompt to SpecDecoder.generate_batch"
             )
         ids = ids[0]
     if ids.dim() != 1 or ids.numel() == 0:

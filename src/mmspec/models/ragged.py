@@ -87,25 +87,27 @@ class RaggedCache(Cache):
     def capacity(self) -> int:
         return 0 if self.store.kv is None else self.store.kv.shape[4]
 
-    def join(self, solo: DecodeCache, length: int, capacity: int) -> int:
-        """A new row holding the first ``length`` positions of a request's own prefilled cache
-        ``solo``, with room for ``capacity`` positions in all; returns its row index."""
+    def join(self, solo: DecodeCache, length: int, capacity: int) -> list[int]:
+        """New rows holding the first ``length`` positions of every row of a request's own
+        prefilled cache ``solo`` (the target's: one row; a draft ensemble's: one per view), with
+        room for ``capacity`` positions in all; returns their row indices."""
         st = self.store
-        k0 = solo.layers[0].keys  # [1, H, max_len, D]
-        need_rows, need_cap = self.active + 1, max(capacity, self.capacity)
+        k0 = solo.layers[0].keys  # [n_rows, H, max_len, D]
+        n_new = k0.shape[0]
+        need_rows, need_cap = self.active + n_new, max(capacity, self.capacity)
         if st.kv is None or need_rows > st.kv.shape[2] or need_cap > st.kv.shape[4]:
-            rows = max(need_rows, 2 * (0 if st.kv is None else st.kv.shape[2]), 1)
+            rows = max(need_rows, 2 * (0 if st.kv is None else st.kv.shape[2]))
             shape = (st.n_layers, 2, rows, k0.shape[1], need_cap, k0.shape[3])
             kv = torch.zeros(shape, dtype=k0.dtype, device=k0.device)
             if st.kv is not None:  # grown: the active rows carried over
                 kv[:, :, :self.active, :, :st.kv.shape[4]] = st.kv[:, :, :self.active]
             st.kv = kv
-        row = self.active
+        first = self.active
         for i, layer in enumerate(solo.layers):
-            st.kv[i, 0, row, :, :length] = layer.keys[0, :, :length]
-            st.kv[i, 1, row, :, :length] = layer.values[0, :, :length]
-        st.lengths.append(int(length))
-        return row
+            st.kv[i, 0, first:first + n_new, :, :length] = layer.keys[:, :, :length]
+            st.kv[i, 1, first:first + n_new, :, :length] = layer.values[:, :, :length]
+        st.lengths.extend([int(length)] * n_new)
+        return list(range(first, first + n_new))
 
     def remove(self, row: int) -> int | None:
         """Hand back ``row``: the last active row moves into it. Returns the index that moved
@@ -119,6 +121,13 @@ class RaggedCache(Cache):
             moved = last
         st.lengths.pop()
         return moved
+
+    def release(self) -> None:
+        """Free the buffer (no active rows left): the next join allocates again."""
+        if self.active:
+            raise RuntimeError(f"release() with {self.active} active rows")
+        self.store.kv = None
+        self.store.write = None
 
     def set_row_length(self, row: int, length: int) -> None:
         """Keep the first ``length`` positions of ``row`` (O(1))."""
@@ -135,5 +144,32 @@ class RaggedCache(Cache):
         st = self.store
         st.write = torch.tensor(st.lengths, dtype=torch.long, device=st.kv.device)
 
+    def set_lengths(self, lengths: list[int]) -> None:
+        """Every active row's length at once (the draft side sets them before each forward)."""
+        if len(lengths) != self.active:
+            raise RuntimeError(f"{len(lengths)} lengths for {self.active} active rows")
+        self.store.lengths[:] = [int(x) for x in lengths]
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.store.lengths) if self.store.lengths else 0
+
+
+class RowGroup:
+    """A request's rows of a shared :class:`RaggedCache`, as its drafter sees its own cache: the
+    tree compaction (``move``) and the roll-back (``crop``, through ``set_cache_length``) of
+    :class:`~mmspec.drafter.TreeDrafter`. ``rows()`` gives the rows now (they move as others leave)."""
+
+    def __init__(self, cache: RaggedCache, rows, length: int):
+        self.cache = cache
+        self.rows = rows  # () -> list[int]
+        self.length = int(length)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def crop(self, n: int) -> None:
+        self.length = max(0, self.length + n)  # bookkeeping only: each forward says where rows write
+
+    def move(self, src: torch.Tensor, dst: int) -> None:
+        for row in self.rows():
+            self.cache.move_row(row, src, dst)
