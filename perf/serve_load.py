@@ -10,7 +10,7 @@ again after it has been idle a few seconds. Writes a JSON summary (requests/s, l
 tokens/s, RSS idle/peak/after, every mismatch) and stops the server with SIGTERM (exit code
 recorded).
 
-    python perf/serve_load.py --out docs/results/serve-DATE --requests 200 --clients 16 --bad 0.1
+    python perf/serve_load.py --out runs/serve-load --requests 200 --clients 16 --bad 0.1 --threads 1
 """
 
 from __future__ import annotations
