@@ -328,3 +328,31 @@ def test_the_serve_package_is_library_code():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             bad = [n for n in names if n == "typer" or n.startswith(("typer.", "mmspec.cli"))]
             assert not bad, (f.name, bad)
+
+
+def test_the_worker_outlives_a_broken_scheduler_call(monkeypatch):
+    import mmspec.serve.worker as worker
+    from mmspec.serve.worker import Job, Worker
+
+    monkeypatch.setattr(worker, "release_memory", lambda: None)
+
+    class Flaky(EndlessScheduler):
+        broken = 1
+
+        def has_work(self):
+            if self.broken and self.active:
+                self.broken -= 1
+                raise RuntimeError("has_work broke")
+            return super().has_work()
+
+    w = Worker(Flaky(), idle_poll_s=0.02)
+    w.start()
+    try:
+        first, second = [], []
+        w.submit(Job(request={"max_new_tokens": 3}, sink=first.append))
+        assert wait_until(lambda: first and first[-1].kind == "failed")
+        assert first[-1].status == 500 and "has_work broke" in first[-1].message
+        w.submit(Job(request={"max_new_tokens": 3}, sink=second.append))
+        assert wait_until(lambda: second and second[-1].kind == "event" and second[-1].event.finished)
+    finally:
+        w.stop()

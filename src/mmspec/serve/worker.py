@@ -124,19 +124,30 @@ class Worker:
     def _run(self) -> None:
         busy = False
         while not self._stop.is_set():
-            self._take_commands(block=not self._jobs)
-            if self._deadline is not None and time.perf_counter() >= self._deadline:
-                self._fail_all(503, self._why_stopping)
-            if self._jobs and self.scheduler.has_work():
-                self._step()
-                busy = True
-            elif busy and not self._jobs:  # the burst is over: its memory goes back
-                busy = False
-                if self._renew is not None and not self.scheduler.has_work():
-                    self.scheduler = self._renew(self.scheduler)
-                release_memory()
+            try:
+                busy = self._turn(busy)
+            except Exception as e:  # noqa: BLE001 - the thread must outlive any bug: fail what is running
+                log.exception("worker turn failed")
+                self._fail_all(500, f"internal error: {e.__class__.__name__}: {e}")
         self._take_commands(block=False)
         self._fail_all(503, self._why_stopping)
+
+    def _turn(self, busy: bool) -> bool:
+        """Take the commands, then run one block if there is work; returns whether a burst is on."""
+        self._take_commands(block=not self._jobs)
+        if self._deadline is not None and time.perf_counter() >= self._deadline:
+            self._fail_all(503, self._why_stopping)
+        if self._jobs and self.scheduler.has_work():
+            self._step()
+            return True
+        if self._jobs:  # admitted, yet the scheduler has nothing of theirs left: never leave them waiting
+            self._fail_all(500, "internal error: the scheduler lost this request; send it again")
+            return True
+        if busy and not self._jobs:  # the burst is over: its memory goes back
+            if self._renew is not None and not self.scheduler.has_work():
+                self.scheduler = self._renew(self.scheduler)
+            release_memory()
+        return False
 
     def _take_commands(self, block: bool) -> None:
         try:
