@@ -325,7 +325,7 @@ def engine_run(cfg: ShapesConfig, target, draft, result: dict, log) -> dict:
         for mode in cfg.modes:
             graphs = mode == "graph"
             for label, kw in (("chain", {}), ("tree", {"tree": "dynamic"})):
-                dec = SpecDecoder(target, draft, tok, views="M", gamma=cfg.engine_gamma,
+                dec = SpecDecoder(target, draft, tok, views="M", gamma=cfg.engine_gamma, prefix_cache_mb=0,
                                   cuda_graphs=("emulate" if dev.type != "cuda" else True) if graphs else False, **kw)
                 dec.generate(prompt, max_new_tokens=cfg.engine_new_tokens)  # warm-up: captures the graphs
                 runs = [dec.generate(prompt, max_new_tokens=cfg.engine_new_tokens) for _ in range(cfg.engine_repeats)]

@@ -10,7 +10,7 @@ prompts, and the engine-efficiency analysis (IbED eq. 2) with a per-piece time b
   ``--assisted default`` keeps transformers' defaults (what a user gets without tuning).
 - ``mmspec_M``: ``SpecDecoder(views="M")``; ``mmspec_<ENS>``: the ensemble (``--ensemble``);
   ``mmspec_M+tree``: the M view with the device's default dynamic token tree (``--trees``;
-  ``M+tree@16`` sets the budget). On a GPU the mmspec systems run with CUDA graphs (the default
+  ``M+tree:6x4x16`` sets its shape). On a GPU the mmspec systems run with CUDA graphs (the default
   there) and ``mmspec_M(eager)`` repeats M without them (``--no-eager``).
 
 Noise control: every repeat runs every prompt on every system back to back (round-robin), the
@@ -79,7 +79,7 @@ class SpeedConfig:
     max_new_tokens: int = 64
     gamma: int = 5
     ensemble: str = "MTC"
-    trees: tuple[str, ...] = ("M+tree",)  # tree systems: VIEWS+tree[@BUDGET] (dynamic tree; empty: none)
+    trees: tuple[str, ...] = ("M+tree",)  # tree systems: VIEWS+tree[:DxKxB] (dynamic tree; empty: none)
     heads: tuple[str, ...] = ()  # feature-level heads, VARIANT=DIR: systems mmspec_VARIANT and mmspec_VARIANT+tree
     eager: bool = True  # on a GPU, also run mmspec M without CUDA graphs
     step_views: str = "MTCP"  # the ensemble whose draft step is timed against one view (M)
@@ -188,29 +188,35 @@ def build_decoders(cfg: SpeedConfig, models: BenchModels) -> dict[str, Any]:
     def make(views: str, **kw):
         cap = models.captioner if "C" in views.upper() else None
         return SpecDecoder(models.target, models.draft, models.tokenizer, views=views, captioner=cap, gamma=cfg.gamma,
-                           processor=models.processor, **kw)
+                           processor=models.processor, prefix_cache_mb=0, **kw)  # repeats: no reuse
 
     out = {f"mmspec_{views}": make(views) for views in dict.fromkeys(["M", cfg.ensemble])}
     for name in cfg.trees:
-        views, budget = tree_system(name)
-        out[f"mmspec_{name}"] = make(views, tree="dynamic", tree_budget=budget)
+        views, kw = tree_system(name)
+        out[f"mmspec_{name}"] = make(",".join(views), **kw)
     for spec in cfg.heads:
         variant, _, path = spec.partition("=")
         for suffix, kw in (("", {}), ("+tree", {"tree": "dynamic"})):
             out[f"mmspec_{variant}{suffix}"] = SpecDecoder(models.target, path, models.tokenizer, gamma=cfg.gamma,
-                                                          processor=models.processor, **kw)
+                                                          processor=models.processor, prefix_cache_mb=0, **kw)
     if cfg.eager and next(models.target.parameters()).device.type == "cuda":
         out["mmspec_M(eager)"] = make("M", cuda_graphs=False)
     return out
 
 
-def tree_system(name: str) -> tuple[str, int | None]:
-    """``"MT+tree@16"`` -> ("MT", 16); ``"M+tree"`` -> ("M", None: the device's default budget)."""
-    views, sep, rest = name.partition("+tree")
-    if not sep or not views:
-        raise SystemExit(f"a tree system is VIEWS+tree or VIEWS+tree@BUDGET (e.g. M+tree@16), got {name!r}")
-    budget = rest.removeprefix("@")
-    return views, int(budget) if budget else None
+def tree_system(name: str) -> tuple[tuple[str, ...], dict]:
+    """A tree system in the bench's method notation (README, "Token trees"): ``"MT+tree:6x4x16"``
+    -> (("M", "T"), {"tree": "6x4x16"}); ``"M+tree"``: the device's measured dynamic tree."""
+    from mmspec.bench.config import parse_method
+    from mmspec.errors import MMSpecError
+
+    try:
+        views, kw = parse_method(name)
+    except MMSpecError as e:
+        raise SystemExit(f"--trees: {e}") from None
+    if "tree" not in kw or "head" in kw:
+        raise SystemExit(f"--trees: a tree system is VIEWS+tree or VIEWS+tree:DxKxB (e.g. M+tree:6x4x16), got {name!r}")
+    return views, kw
 
 
 def make_systems(cfg: SpeedConfig, models: BenchModels, decoders: dict[str, Any],
@@ -368,7 +374,8 @@ def measure_draft_step(cfg: SpeedConfig, models: BenchModels, prompts: Sequence[
     if "C" in views and models.captioner is None and not all(p.captions for p in prompts):
         views = views.replace("C", "")  # no captioner: time the views that need none
     decs = {v: SpecDecoder(models.target, models.draft, models.tokenizer, views=v, gamma=cfg.gamma,
-                           captioner=models.captioner if "C" in v else None, processor=models.processor)
+                           captioner=models.captioner if "C" in v else None, processor=models.processor,
+                           prefix_cache_mb=0)
             for v in dict.fromkeys(["M", views])}
     per = []
     for p in prompts:
@@ -483,7 +490,7 @@ def run(cfg: SpeedConfig, models: BenchModels | None = None, prompts: Sequence[S
 
 
 _HELP = {"target": "target checkpoint dir (default: the embedded pack)", "draft": "draft checkpoint dir",
-         "trees": "tree systems, comma-separated: VIEWS+tree or VIEWS+tree@BUDGET (empty: none)",
+         "trees": "tree systems, comma-separated: VIEWS+tree or VIEWS+tree:DxKxB (empty: none)",
          "eager": "on a GPU, also mmspec M without CUDA graphs",
          "heads": "feature-level heads, comma-separated VARIANT=DIR (made by mmspec train head)",
          "captioner": "captioner dir (checkpoints; needed for C views)", "families": "comma-separated world families",

@@ -72,7 +72,8 @@ def decoders(cfg: SweepConfig, models) -> dict[str, object]:
     from mmspec import SpecDecoder
 
     cap = models.captioner if "C" in cfg.views.upper() else None
-    kw = dict(views=cfg.views, captioner=cap, processor=models.processor, gamma=cfg.gamma)
+    kw = dict(views=cfg.views, captioner=cap, processor=models.processor, gamma=cfg.gamma,
+              prefix_cache_mb=0)  # repeats of a prompt are timed from scratch
     out = {f"chain(γ={cfg.gamma})": SpecDecoder(models.target, models.draft, models.tokenizer, **kw)}
     for c in cfg.chains:
         g, _, stop = c.partition("s")

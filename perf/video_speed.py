@@ -47,7 +47,8 @@ def run(args) -> dict:
     per_frame = target.config.video_seq_length // args.n_frames
     clips = [make_video_sample(f, "test", i) for f in args.families.split(",") for i in range(args.n)]
     inputs = [clip_inputs(s, tok, ip, vid, args.n_frames, per_frame) for s in clips]
-    decs = {v: SpecDecoder(target, draft, tok, views=v, gamma=args.gamma, substitute=enc if "E" in v else None)
+    decs = {v: SpecDecoder(target, draft, tok, views=v, gamma=args.gamma, substitute=enc if "E" in v else None,
+                           prefix_cache_mb=0)
             for v in args.views.split(",")}
 
     def target_alone(i):

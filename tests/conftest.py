@@ -1,14 +1,11 @@
-import os
-import sys
 import warnings
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-torch.set_num_threads(1)  # tiny models: threads only add contention
+from helpers.tiny import make_llama, make_llava, make_tokenizer, noisy_copy
 
-from tiny import make_llama, make_llava, make_tokenizer, noisy_copy  # noqa: E402
+torch.set_num_threads(1)  # tiny models: threads only add contention
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from tiny import make_llava, make_processor, make_tokenizer, noisy_copy  # noqa: E402
+from helpers.tiny import make_llava, make_processor, make_tokenizer, noisy_copy  # noqa: E402
 
 from mmspec.serve.responses import Answer  # noqa: E402
 from mmspec.serve.schema import RequestError, parse_request  # noqa: E402

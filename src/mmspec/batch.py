@@ -167,13 +167,10 @@ def start_request(dec, prep: Prepared):
     from mmspec.decoder import _generator
 
     stats = dec._new_stats()
-    with _eager(dec):
-        enc = dec.mm.encode(prep.layout, prep.mm, stats, **prep.extra)
-        state, feats = dec._prefill_target(prep.ids, prep.mm, enc, prep.max_new_tokens, stats)
-        if dec.head is not None:
-            drafter = dec._prefill_head(feats, prep.ids, prep.max_new_tokens, stats)
-        else:
-            drafter = dec._prefill_draft(dec.mm.rows(enc), prep.max_new_tokens, stats)
+    with _eager(dec):  # reuses what the prefix cache holds of this prompt; prefills only the rest
+        pre = dec.prefill_request(prep.ids, prep.mm, prep.layout, prep.max_new_tokens, stats, **prep.extra)
+        state, drafter = pre.state, pre.drafter
+        dec.remember(pre, [], copy=True)  # the prompt, for a later turn that extends it (the batch keeps writing)
     if not isinstance(state.cache, DecodeCache):
         raise MMSpecError("batched decoding needs a target whose layers are all full attention "
                           "(its rows are preallocated); decode this model's prompts one by one with generate()")

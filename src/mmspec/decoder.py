@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,14 +28,17 @@ from mmspec.graphs import StaticPool, graph_mode
 from mmspec.heads.drafter import HeadDrafter
 from mmspec.heads.model import FeatureHead, check_head_fits, is_head_dir, load_head
 from mmspec.models.base import adapter_for, same_vision
-from mmspec.models.cache import supports_trees
+from mmspec.models.cache import set_cache_length, supports_trees
 from mmspec.models.captioner import HFCaptioner
 from mmspec.models.loading import (check_same_vocabulary, compute_dtype, load_model, load_processor,
                                    load_saved_tokenizer, load_tokenizer, load_tokenizer_if_any)
 from mmspec.models.substitute import load_substitute_encoder
 from mmspec.multimodal import EncodedPrompt, MultimodalPrompt, for_prefix
 from mmspec.options import AcceptanceConfig, EngineMode, EngineOptions, RelaxedAcceptance
+from mmspec.prefix_cache import (PREFIX_CACHE_MB, PrefixCache, PrefixMatch, PromptKeys, check_budget,
+                                 entry_after_decode, prompt_keys, segment_digests, write_kv)
 from mmspec.stats import GenerationStats
+from mmspec.streaming import TextStream
 from mmspec.timing import sync
 from mmspec.tree import parse_tree
 from mmspec.verify import SamplingParams
@@ -44,6 +47,17 @@ from mmspec.views import View, ViewRow, ensemble_name, parse_views
 # processor outputs generate() passes on to the families that read them (models/*.py: mm_keys)
 MM_KEYS = ("image_sizes", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids",
            "second_per_grid_ts", "batch_num_images")
+
+
+@dataclass
+class Prefilled:
+    """One request after :meth:`SpecDecoder.prefill_request`: what the loop runs on, and what
+    :meth:`SpecDecoder.remember` keeps of it afterwards."""
+
+    state: TargetState
+    drafter: object  # an EnsembleDrafter or a HeadDrafter
+    keys: PromptKeys | None  # the prompt's content keys (None: prefix caching off)
+    encoded: EncodedPrompt
 
 
 @dataclass
@@ -96,6 +110,12 @@ class SpecDecoder:
         substitute: the draft's substitute encoder (:mod:`mmspec.models.substitute`, or its
             directory from ``mmspec train align``) for the substitute view (E): the draft reads
             each video as events (or fewer frames, lower resolution) instead of the frames.
+        prefix_cache_mb: memory (MiB, on the models' devices) for automatic prefix caching
+            (:mod:`mmspec.prefix_cache`): the target's, draft rows' and head's caches and the
+            encoded images of recent prompts are kept, least recently used evicted first, and a
+            prompt extending one (a conversation's next turn) prefills only its new suffix
+            (``stats.prompt_tokens_reused``). 0 turns it off. Not used with the substitute
+            view (E) or models with sliding-window layers.
     """
 
     def __init__(self, target, draft, tokenizer=None, *, views=("multimodal",), weights=None,
@@ -104,7 +124,8 @@ class SpecDecoder:
                  tree_budget: int | None = None, tree_children: str = "mixture", stop_below: float | None = None,
                  cuda_graphs="auto", static_cache: bool | None = None, draft_processor=None, substitute=None,
                  acceptance: str = "exact",
-                 relaxed_thresholds: tuple[float, float] = (0.6, 0.4), relaxed_window: int = 64):
+                 relaxed_thresholds: tuple[float, float] = (0.6, 0.4), relaxed_window: int = 64,
+                 prefix_cache_mb: float = PREFIX_CACHE_MB):
         # checks that need no model: before anything loads
         head_given = isinstance(draft, FeatureHead) or is_head_dir(draft)
         if head_given:
@@ -112,6 +133,7 @@ class SpecDecoder:
         elif draft_processor is not None:
             checks.check_draft_processor_is_read(views)
         acceptance_cfg = AcceptanceConfig.parse(acceptance, relaxed_thresholds, relaxed_window)
+        prefix_mb = check_budget(prefix_cache_mb)
         self.gamma = checks.check_gamma(gamma)
         checks.check_dtype(dtype, target, draft, head_given)
         dtype = compute_dtype(dtype, "cpu")  # models given as paths load on the CPU: "auto" means float32 there
@@ -176,6 +198,7 @@ class SpecDecoder:
             draft_processor=self.draft_processor, captioner=self.captioner, substitute=self.substitute)
         self.options = EngineOptions(tree=self.tree, eos_ids=checks.eos_ids(self.target_model, self.tokenizer),
                                      acceptance=acceptance_cfg)
+        self.prefix_cache = PrefixCache(prefix_mb)
         checks.check_generation_config(self.target_model)
 
     # ------------------------------------------------------------------ settings, as attributes
@@ -246,13 +269,16 @@ class SpecDecoder:
                  temperature: float = 0.0, seed: int | None = None, top_k: int | None = None,
                  top_p: float | None = None, images: Sequence | None = None,
                  captions: Sequence[str] | None = None, videos: Sequence | None = None,
-                 substitutes: Sequence | None = None, **unused) -> GenerationResult:
+                 substitutes: Sequence | None = None, streamer=None, **unused) -> GenerationResult:
         """Decode one prompt. Inputs are those of ``target.generate`` (the processor's output: for
         other families also ``image_sizes``, ``image_grid_thw``, ``pixel_values_videos``,
         ``video_grid_thw``, ``mm_token_type_ids``, ... as the target's family reads them; Video-LLaVA's
         ``pixel_values_images`` is taken as ``pixel_values``). ``images``: the PIL pictures, one per
         image or video in prompt order (a video's: a frame of it), for the captioner, and one per
-        image for a draft with a processor of its own."""
+        image for a draft with a processor of its own. ``streamer``: transformers'
+        ``TextStreamer`` / ``TextIteratorStreamer`` (or any object with ``put(ids)`` / ``end()``):
+        it gets the prompt ids [1, L] first (``skip_prompt`` skips them), then each block's new
+        tokens [n], then ``end()``."""
         t_start = time.perf_counter()
         mm = self._mm_inputs(pixel_values, unused)
         ids = checks.check_ids(input_ids, attention_mask)  # [L] on CPU
@@ -276,19 +302,20 @@ class SpecDecoder:
         if any(v.needs_substitute for v in self.views):
             self.mm.check_substitutes(layout, videos, substitutes)
         stats = self._new_stats()
-        # vision (each image / video once), captions, substitutes
-        enc = self.mm.encode(layout, mm, stats, images=images, captions=captions, videos=videos,
-                             substitutes=substitutes)
-        state, feats = self._prefill_target(ids, mm, enc, max_new_tokens, stats)
-        if self.head is not None:  # the head drafts over the target's features
-            drafter = self._prefill_head(feats, ids, max_new_tokens, stats)
-        else:
-            drafter = self._prefill_draft(self.mm.rows(enc), max_new_tokens, stats)
-
         captured = self._static_pool.capture_s
+        pre = self.prefill_request(ids, mm, layout, max_new_tokens, stats, images=images, captions=captions,
+                                   videos=videos, substitutes=substitutes)
         img = (ids == self.target.image_token_id).nonzero()
         options = self.options.for_call(max_new_tokens, params, int(img[-1, 0]) if img.numel() else None)
-        tokens = run_loop(state, drafter, options, generator, stats)
+        if streamer is not None:
+            streamer.put(ids[None])  # the prompt first, as transformers' generate does
+        try:
+            tokens = run_loop(pre.state, pre.drafter, options, generator, stats,
+                              on_block=None if streamer is None else lambda kept: streamer.put(torch.tensor(kept)))
+        finally:
+            if streamer is not None:
+                streamer.end()
+        self.remember(pre, tokens)
         stats.capture_s = self._static_pool.capture_s - captured
         stats.total_s = time.perf_counter() - t_start
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -307,6 +334,56 @@ class SpecDecoder:
         from mmspec.batch import generate_batch
 
         return generate_batch(self, requests, max_batch=max_batch, speculate=speculate, **defaults)
+
+    def stream(self, input_ids, pixel_values=None, attention_mask=None, **kwargs) -> TextStream:
+        """:meth:`generate` as an iterator of text pieces, at most one per block, that concatenate
+        to ``generate(...).text`` (same arguments, ``streamer`` excepted); the result, stats
+        included, is the iterator's ``result`` once it is exhausted. Errors (bad input included)
+        are raised by the iteration. The decode runs in a worker thread: use the decoder for
+        nothing else until the stream has ended (or ``close()`` it)."""
+        if "streamer" in kwargs:
+            raise MMSpecError("stream() streams by itself; pass streamer= to generate() instead")
+        return TextStream(self, (input_ids, pixel_values, attention_mask), kwargs)
+
+    # ------------------------------------------------------------------ one request's prefill
+    def prefill_request(self, ids: torch.Tensor, mm: dict, layout, max_new_tokens: int, stats: GenerationStats,
+                        images=None, captions=None, videos=None, substitutes=None) -> Prefilled:
+        """Encode (or reuse the encoded images of a stored prompt), then prefill the target and
+        the drafter of ONE checked request on fresh caches of this decoder, each reusing what the
+        prefix cache holds of its prompt (only the rest is prefilled). The batch path calls this
+        per request at admission, then :meth:`remember` when the request finishes."""
+        cache_on = self.prefix_cache.enabled and not any(v.needs_substitute for v in self.views)
+        digests = ((tuple(segment_digests(mm, layout.kinds)), None if captions is None else tuple(captions))
+                   if cache_on else ())
+        enc = self.prefix_cache.encoded_for(digests) if cache_on and layout.n_segments else None
+        if enc is not None:
+            enc = replace(enc, layout=layout)  # the same images: no vision tower, no captioner
+        else:  # vision (each image / video once), captions, substitutes
+            enc = self.mm.encode(layout, mm, stats, images=images, captions=captions, videos=videos,
+                                 substitutes=substitutes)
+        rows = self.mm.rows(enc) if self.head is None else []
+        keys, match = None, None
+        if cache_on:
+            keys = prompt_keys(ids, self.target.placeholders(), enc, rows, self.views, digests)
+            match = self.prefix_cache.match(keys.target[:-1], [k[:-1] for k in keys.rows], head=self.head is not None)
+        state, feats = self._prefill_target(ids, mm, enc, max_new_tokens, stats, match)
+        if self.head is not None:  # the head drafts over the target's features
+            drafter = self._prefill_head(feats, ids, max_new_tokens, stats, match)
+        else:
+            prefix = None if match is None else [match.row_kv(b) if n else None for b, n in enumerate(match.rows)]
+            drafter = self._prefill_draft(rows, max_new_tokens, stats, prefix=prefix)
+        return Prefilled(state=state, drafter=drafter, keys=keys, encoded=enc)
+
+    def remember(self, pre: Prefilled, tokens: list[int], copy: bool | None = None) -> None:
+        """Keep what a finished request's caches hold (its prompt and new tokens) for the next
+        prompt that extends it (no-op when prefix caching is off). ``copy``: copy the caches
+        (default: only static ones, which later decodes reuse; an eager decode's are taken over);
+        pass True when anything may still write them (a batch that keeps using them)."""
+        if pre.keys is not None:
+            entry = entry_after_decode(pre.keys, pre.encoded, pre.state.cache, pre.drafter, tokens,
+                                       head=self.head is not None, copy=self.static if copy is None else copy)
+            if entry is not None:
+                self.prefix_cache.store(entry)
 
     # ------------------------------------------------------------------ pieces of generate
     @torch.inference_mode()
@@ -356,14 +433,21 @@ class SpecDecoder:
         return self.head.config.feature_layers if self.head is not None else ()
 
     def _prefill_target(self, ids: torch.Tensor, mm: dict, enc: EncodedPrompt, max_new_tokens: int,
-                        stats: GenerationStats) -> tuple[TargetState, torch.Tensor | None]:
+                        stats: GenerationStats, match: PrefixMatch | None = None
+                        ) -> tuple[TargetState, torch.Tensor | None]:
         """The target's prefill on all but the last prompt token (it is the first pending token),
-        each run of placeholders filled with its features. -> the target's state and, for a head,
-        the target's features at every prompt position [1, L - 1, F], images included."""
+        each run of placeholders filled with its features; the first ``match.target`` positions
+        copied from the prefix cache instead. -> the target's state and, for a head, the target's
+        features at the prefilled positions [1, L - 1 - reused, F], images included."""
         t0 = time.perf_counter()
         dev = self.target.device
         L = ids.shape[0]
         cache, step = self._target_cache(L + self._room(max_new_tokens))
+        s = 0 if match is None else match.target  # positions reused
+        if s:
+            write_kv(cache, match.target_kv())
+            set_cache_length(cache, s)
+        stats.prompt_tokens_reused = s
         prefix = ids[:-1].to(dev)[None]  # [1, L-1], never empty: prompts have >= 2 tokens (check_ids)
         embeds = self.target.embed(prefix)  # [1, L-1, H_t]
         for token, kind in self.target.placeholders().items():  # each run of placeholders gets its features
@@ -375,15 +459,17 @@ class SpecDecoder:
                                       f"{int(mask.sum())} {kind} tokens: this family's adapter counted them wrong")
                 embeds = embeds.masked_scatter(mask, feats.to(embeds.dtype))
         if self.static:
-            attn = torch.ones(L - 1, cache.max_len, dtype=torch.bool, device=dev).tril()[None, None]
+            attn = torch.ones(L - 1, cache.max_len, dtype=torch.bool, device=dev).tril()[None, None, s:]
         else:
             attn = torch.ones_like(prefix)
-        positions, next_pos = self.target.prefill_positions(prefix, for_prefix(mm, prefix))
-        out = self.target.forward(cache=cache, attention_mask=attn, position_ids=positions,
-                                  inputs_embeds=embeds, logits_to_keep=1, hidden=self._hidden_layers)
+        positions, next_pos = self.target.prefill_positions(prefix, for_prefix(mm, prefix))  # M-RoPE: the suffix continues the prefix
+        out = None
+        if s < L - 1:
+            out = self.target.forward(cache=cache, attention_mask=attn, position_ids=positions[..., s:],
+                                      inputs_embeds=embeds[:, s:], logits_to_keep=1, hidden=self._hidden_layers)
         sync(dev)
         stats.prefill_target_s = time.perf_counter() - t0
-        feats = out[1] if self.head is not None else None  # [1, L - 1, F]
+        feats = out[1] if self.head is not None else None  # [1, L - 1 - s, F]
         state = TargetState(cache=cache, step=step, length=L - 1, pending=int(ids[-1]), device=dev,
                             pos_offset=int(next_pos[0]) - (L - 1),  # multimodal RoPE: text after the prompt is not at past + i
                             first_feats=None if feats is None else feats[0, -1:])  # [1, F] before the pending token
@@ -401,7 +487,7 @@ class SpecDecoder:
         return cache, runner
 
     def _prefill_draft(self, rows: list[ViewRow], max_new_tokens: int, stats: GenerationStats,
-                       cache=None) -> EnsembleDrafter:
+                       cache=None, prefix: list | None = None) -> EnsembleDrafter:
         """Every view one row of one batch, prefilled on the prompt less its pending last token."""
         t0 = time.perf_counter()
         for v, r in zip(self.views, rows):
@@ -416,14 +502,15 @@ class SpecDecoder:
                                                   lambda c: token_forward(self.draft, c))
         drafter = EnsembleDrafter(self.draft, self.weights, target_vocab=self.target.vocab_size, room=room,
                                   static=self.static, cache=cache, step_fn=runner)
-        drafter.prefill(rows)
+        drafter.prefill(rows, prefix)
         sync(self.draft.device)
         stats.prefill_draft_s = time.perf_counter() - t0
         return drafter
 
     def _prefill_head(self, feats: torch.Tensor, ids: torch.Tensor, max_new_tokens: int,
-                      stats: GenerationStats) -> HeadDrafter:
-        """The head over the target's features ``feats`` [1, L - 1, F] and the prompt ``ids`` [L]."""
+                      stats: GenerationStats, match: PrefixMatch | None = None) -> HeadDrafter:
+        """The head over the target's features ``feats`` [1, L - 1 - k, F] and the prompt ``ids``
+        [L], its first k = ``match.head`` slots copied from the prefix cache."""
         t0 = time.perf_counter()
         room = self._room(max_new_tokens)
         drafter = HeadDrafter(self.head, self.target, room, static=self.static)
@@ -431,7 +518,7 @@ class SpecDecoder:
             drafter.cache, drafter.step_fn = self._static_pool.get(
                 "head", 1, ids.shape[0] + room, lambda n: self.head.new_cache(n, static=True),
                 lambda c: head_forward(self.head, c), name="draft head")
-        drafter.prefill(feats, ids)
+        drafter.prefill(feats, ids, match.head_kv() if match is not None and match.head else None)
         sync(self.target.device)
         stats.prefill_draft_s = time.perf_counter() - t0
         return drafter

@@ -37,6 +37,7 @@ import torch
 
 from mmspec.models.base import ModelAdapter
 from mmspec.models.cache import DecodeCache, set_cache_length
+from mmspec.prefix_cache import restore_rows
 from mmspec.tree import DraftTree, TreeSpec, ancestors, best_prefix_closed, static_structure
 from mmspec.verify import SamplingParams, logits_to_probs, sample, uniforms
 from mmspec.views import ViewRow
@@ -359,8 +360,10 @@ class EnsembleDrafter(TreeDrafter):
         self._init_slots(room, static, cache)
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, rows: Sequence[ViewRow]) -> None:
-        """Run all rows (left-padded) through the draft once, filling the cache."""
+    def prefill(self, rows: Sequence[ViewRow], prefix: Sequence | None = None) -> None:
+        """Run all rows (left-padded) through the draft once, filling the cache. ``prefix``: per
+        row, a stored prefix of its keys/values to reuse (:mod:`mmspec.prefix_cache`; None: none);
+        the forward then starts at the first slot some row does not reuse."""
         dev = self.adapter.device
         lengths = [r.token_ids.shape[0] for r in rows]
         L, B = max(lengths), len(rows)
@@ -396,10 +399,11 @@ class EnsembleDrafter(TreeDrafter):
             self.step_fn = self._eager_step
         self.length = self.committed = L
         self.next_pos = next_pos
-        if L > 0:
-            mask = self._prefill_mask(L) if self.static else self.valid[:, :L].long()
-            self.adapter.forward(cache=self.cache, attention_mask=mask, position_ids=position_ids,
-                                 inputs_embeds=embeds, logits_to_keep=1)
+        start = 0 if prefix is None else restore_rows(self.cache, list(prefix), [L - n for n in lengths])
+        if L > start:
+            mask = self._prefill_mask(L)[:, :, start:] if self.static else self.valid[:, :L].long()
+            self.adapter.forward(cache=self.cache, attention_mask=mask, position_ids=position_ids[..., start:],
+                                 inputs_embeds=embeds[:, start:], logits_to_keep=1)
 
     def _prefill_mask(self, L: int) -> torch.Tensor:
         """[B, 1, L, capacity] bool: causal over the prompt, padding masked (static mode)."""

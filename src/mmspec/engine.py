@@ -58,9 +58,11 @@ class TargetState:
 
 
 def run_loop(target: TargetState, drafter: TreeDrafter, options: EngineOptions,
-             generator: torch.Generator | None, stats: GenerationStats) -> list[int]:
+             generator: torch.Generator | None, stats: GenerationStats,
+             on_block: Callable[[list[int]], None] | None = None) -> list[int]:
     """Draft, verify, accept, compact, until EOS or ``options.max_new_tokens``; returns the new
-    tokens and appends one :class:`BlockRecord` per block to ``stats``.
+    tokens and appends one :class:`BlockRecord` per block to ``stats``. ``on_block``: called
+    with each block's emitted tokens (host ints, already read: no extra sync), e.g. to stream.
 
     For a drafter that reads the target's hidden states (``drafter.needs_hidden``: heads),
     ``target.step`` returns (logits, hidden) and the features before the next block's pending
@@ -107,6 +109,8 @@ def run_loop(target: TargetState, drafter: TreeDrafter, options: EngineOptions,
         # 5. emit and stop: the accepted tokens and the target's, cut at EOS and the limit
         kept = _cut_at_eos((path_tokens[1:] + [acc.next_token])[:remaining], options.eos_ids)
         tokens.extend(kept)
+        if on_block is not None:
+            on_block(kept)
         records.append(BlockRecord(n_drafted=tree.size - 1, n_accepted=min(n, len(kept)), n_emitted=len(kept),
                                    depth=tree.max_depth if tree.size > 1 else 0))
         if kept[-1] in options.eos_ids:

@@ -10,7 +10,7 @@ on first use (after two warm-up runs on a side stream) and replayed for every la
 same shape, for as long as its :class:`StepRunner` lives (one per model, cache and decoder).
 
 Why explicit ``torch.cuda.CUDAGraph`` capture rather than ``torch.compile(mode="reduce-overhead")``:
-measured in ``bench/gpu_shapes.py`` (docs/perf.md, "GPU path"); the short version is that
+measured in ``perf/gpu_shapes.py`` (docs/perf.md, "GPU path"); the short version is that
 capture costs milliseconds per shape where compiling costs tens of seconds per shape, and the
 engine needs a graph per verify size and per draft row count.
 

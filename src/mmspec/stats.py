@@ -43,6 +43,7 @@ class GenerationStats:
     caption_s: float = 0.0  # captioner, once per image, at prefill
     substitute_s: float = 0.0  # substitute view: making each video's substitute (events, ...) and encoding it
     prefill_target_s: float = 0.0
+    prompt_tokens_reused: int = 0  # prompt positions the target did not prefill again (prefix caching)
     prefill_draft_s: float = 0.0
     total_s: float = 0.0
 

@@ -130,7 +130,9 @@ class HFBackend:
             self._decoders[method] = SpecDecoder(
                 self.m.target, draft, self.m.tokenizer, views=views,
                 captioner=self._get_captioner() if needs_caption else None,
-                gamma=self.cfg.gamma, processor=self.m.processor, **kw,
+                gamma=self.cfg.gamma, processor=self.m.processor,
+                prefix_cache_mb=0,  # each prompt timed from scratch, as the target's own generate runs it
+                **kw,
             )
         return self._decoders[method]
 

@@ -4,7 +4,7 @@ One module per command (``generate``, ``demo``, ``bench`` with ``report``, ``tra
 module per training command); :mod:`.common` holds what they share (consoles, the one-line error
 exit, ``--threads``); :mod:`.checks` checks every option of generate, demo and bench run in one
 place per command, before any model loads or file is written. Commands map flags onto the library's typed configs and print results;
-the work is in the library, which never imports this package (``tests/test_layering.py``).
+the work is in the library, which never imports this package (``tests/core/test_layering.py``).
 """
 
 from mmspec.cli.app import app

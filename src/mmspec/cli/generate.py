@@ -16,7 +16,7 @@ from mmspec.errors import MMSpecError
 from mmspec.views import parse_views
 
 # `mmspec generate` with no prompt: a world sample the embedded target answers right (checked by
-# tests/test_cli.py with the world's own fact check), not test sample 0, which it gets wrong
+# tests/cli/test_cli.py with the world's own fact check), not test sample 0, which it gets wrong
 DEFAULT_EXAMPLE = ("chartqa", "test", 10)
 EMBEDDED_NOTE = ("[dim]Using the embedded tiny models: they only know mmspec's synthetic world "
                  "(charts, signs, shapes, differences, edits, little stories), not real photos.[/dim]")

@@ -1,7 +1,7 @@
 """Feature-level draft heads (EAGLE, EAGLE-3, MSD) that draft from the target's hidden states.
 
 :mod:`.model` owns the head itself (config, weights, save/load, :func:`build_head`);
-:mod:`.drafter` drives it through the engine's drafter interface; :mod:`.train` trains it on
+:mod:`.drafter` drives it through the engine's drafter interface; :mod:`mmspec.train.head` trains it on
 the target's own answers (``mmspec train head``).
 """
 

@@ -18,6 +18,7 @@ from mmspec.drafter import StepFn, TreeDrafter
 from mmspec.heads.model import FeatureHead
 from mmspec.models.base import ModelAdapter
 from mmspec.models.cache import DecodeCache
+from mmspec.prefix_cache import restore_rows
 
 
 class HeadDrafter(TreeDrafter):
@@ -42,16 +43,19 @@ class HeadDrafter(TreeDrafter):
         return self.head(feats, embeds, cache=self.cache, position_ids=pos, attention_mask=mask)
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, features: torch.Tensor, token_ids: torch.Tensor) -> None:
+    def prefill(self, features: torch.Tensor, token_ids: torch.Tensor, prefix=None) -> None:
         """features: the target's features over the prompt less its last token [1, L - 1, F];
         token_ids: the whole prompt [L]. Feeds the pairs (feature t, token t + 1), t = 0..L - 3;
-        the last pair (feature L - 2, the pending token) opens the first block."""
+        the last pair (feature L - 2, the pending token) opens the first block. ``prefix``: the
+        keys/values of the first k slots, reused (:mod:`mmspec.prefix_cache`); ``features`` then
+        starts at position k: [1, L - 1 - k, F]."""
         dev = self.target.device
         n = token_ids.shape[0] - 2
         if isinstance(self.cache, DecodeCache) and self.cache.max_len >= n + self.room:
             self.cache.reset()
         else:
             self.cache = self.head.new_cache(n + self.room, static=self.static)
+        k = 0 if prefix is None else restore_rows(self.cache, [prefix], [0])
         self.valid = torch.zeros(1, self.cache.max_len, dtype=torch.bool, device=dev)
         self.valid[:, :n] = True
         self.padded = False
@@ -59,19 +63,19 @@ class HeadDrafter(TreeDrafter):
         self.next_pos = torch.full((1,), n, dtype=torch.long, device=dev)
         if self.step_fn is None:
             self.step_fn = self.eager_step
-        if n <= 0:
+        if n <= k:
             return
-        nxt = token_ids[1:n + 1].to(dev)[None]  # [1, n]
+        nxt = token_ids[k + 1:n + 1].to(dev)[None]  # [1, n - k]
         image = None
         if self.head.config.variant == "msd" and self.head.config.image_token_id is not None:
-            image = nxt == self.head.config.image_token_id  # [1, n]: the placeholder's embedding carries nothing
+            image = nxt == self.head.config.image_token_id  # [1, n - k]: the placeholder's embedding carries nothing
         if self.static:
-            mask = torch.zeros(1, 1, n, self.cache.max_len, dtype=torch.bool, device=dev)
-            mask[0, 0, :, :n] = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+            mask = torch.zeros(1, 1, n - k, self.cache.max_len, dtype=torch.bool, device=dev)
+            mask[0, 0, :, :n] = torch.ones(n, n, dtype=torch.bool, device=dev).tril()[k:]
         else:
             mask = torch.ones(1, n, dtype=torch.long, device=dev)
-        self.head(self.head.fused(features[:, :n]), self._embed(nxt), image, cache=self.cache,
-                  position_ids=torch.arange(n, device=dev)[None], attention_mask=mask)
+        self.head(self.head.fused(features[:, :n - k]), self._embed(nxt), image, cache=self.cache,
+                  position_ids=torch.arange(k, n, device=dev)[None], attention_mask=mask)
 
     # ------------------------------------------------------------------ TreeDrafter hooks
     def _begin_block(self, n_nodes: int) -> None:

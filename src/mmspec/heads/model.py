@@ -13,7 +13,8 @@ Three variants (``HeadConfig.variant``):
   ``fc``, then EAGLE-3's own first layer (:class:`Eagle3Layer`: attention over
   [input_norm(token embedding); hidden_norm(feature)], twice the width, the feature alone as the
   residual); a final norm and its own LM head over a draft vocabulary with a draft -> target id
-  map; trained with training-time test (it learns from its own predicted features).
+  map; trained with training-time test (it learns from its own predicted features:
+  :mod:`mmspec.train.head`).
 * ``msd`` (MSD, decoupled modality): as eagle, but at positions whose token is an image
   placeholder the head reads the target's feature alone (the placeholder's embedding carries
   nothing), through a projection of its own; trained text-first, then multimodal. Its decoder is

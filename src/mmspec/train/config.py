@@ -5,7 +5,7 @@ Owns: the model size presets (:class:`ModelSize`), the per-stage optimisation se
 :func:`build_llava`, which turns a size preset + tokenizer into a randomly initialised HF
 ``LlavaForConditionalGeneration`` (CLIP vision tower, Llama LM, image 96 px, patch 12).
 
-Does not know about data, training loops or files: see ``data.py``, ``recipe.py``, ``cli.py``.
+Does not know about data, training loops or files: see ``data.py``, ``recipe.py``, ``loop.py``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
 from mmspec.errors import MMSpecError
+from mmspec.train.loop import check_schedule  # noqa: F401 - the one schedule rule, re-exported
 
 IMAGE_SIZE = 96
 PATCH_SIZE = 12
@@ -72,18 +73,6 @@ def model_size(name: str) -> ModelSize:
     return _SIZES[name]
 
 
-def check_schedule(steps: int | None, max_seconds: float | None, name: str = "stage") -> None:
-    """Refuse a schedule that could not end or would divide by zero: the one rule every training
-    loop (:func:`mmspec.train.recipe.optimise`) and its configs share. ``steps`` (>= 1) and/or
-    ``max_seconds`` (> 0, finite) must be given."""
-    if steps is None and max_seconds is None:
-        raise MMSpecError(f"{name}: needs a step count or a time budget (minutes)")
-    if steps is not None and steps < 1:
-        raise MMSpecError(f"{name}: needs steps >= 1; got {steps}")
-    if max_seconds is not None and not (math.isfinite(max_seconds) and max_seconds > 0):
-        raise MMSpecError(f"{name}: needs a time budget > 0; got {max_seconds} s")
-
-
 def check_optimiser(name: str, lr: float, steps: int | None, max_seconds: float | None, batch_size: int) -> None:
     """What every optimisation config refuses when built, before any work: the schedule
     (:func:`check_schedule`), a learning rate that is not > 0, a batch size below 1."""
@@ -130,7 +119,7 @@ class RecipeConfig:
 
     seed: int = 0
     device: str = "cpu"
-    threads: int | None = None  # torch.set_num_threads; None leaves torch's default
+    threads: int | None = None  # CPU threads (mmspec.threads.apply_threads); None leaves torch's default
     autocast_bf16: bool = True  # measured 1.4x faster on an AVX512-BF16 CPU
     n_train_per_family: int = 1500  # generation is cheap; fresh data beats repeated epochs
     n_eval_per_family: int = 4

@@ -32,9 +32,19 @@ import torch
 from mmspec.threads import apply_threads
 from mmspec.train.checkpoint import save_checkpoint
 from mmspec.train.config import RecipeConfig, StageConfig, build_llava, model_size, param_report
-from mmspec.train.data import (CAPTIONER_PROMPT, Batch, Encoder, Example, batch_stream,
-                               caption_examples, example_from_sample, fixed_batches, mix_in_captions)
-from mmspec.train.recipe import eval_loss, fact_recall, train_stage
+from mmspec.train.data import (
+    CAPTIONER_PROMPT,
+    Batch,
+    Encoder,
+    Example,
+    batch_stream,
+    caption_examples,
+    example_from_sample,
+    fixed_batches,
+    mix_in_captions,
+)
+from mmspec.train.loop import read_checkpoint
+from mmspec.train.recipe import eval_loss, fact_recall, stage_settings, train_stage
 
 # Share of the wall-clock budget per stage (the rest is data, evaluation and saving; the target's
 # answers for distillation are counted by samples, not minutes, and come on top: about 2 minutes
@@ -67,19 +77,34 @@ def world_tokenizer_and_processor(seed: int = 0):
     return tokenizer, build_processor(tokenizer)
 
 
-def _samples(split: str, n_per_family: int | Mapping[str, int], seed: int) -> list:
+def world_samples(split: str, n_per_family: int | Mapping[str, int], seed: int) -> list:
     from mmspec.world import iter_all
 
     return list(iter_all(split, n_per_family, seed=seed))
 
 
-class _Run:
+CHECKPOINTS = "checkpoints"  # out/checkpoints/<stage>.pt while the pack runs; removed when it is done
+
+
+def recipe_settings(recipe: RecipeConfig) -> dict:
+    """The recipe's settings a resumed stage must share with its checkpoint (as `train embedded` flags)."""
+    keys = ("seed", "n_train_per_family", "distill_per_family", "autocast_bf16", "max_answer_tokens", "target_size",
+            "draft_size", "captioner_size", "pooled_tokens", "caption_mix", "fact_weight", "cue_weight")
+    return {("bf16" if k == "autocast_bf16" else k): getattr(recipe, k) for k in keys}
+
+
+class PackRun:
     """State of one pack run: data, encoder, generators, logging, reports."""
 
-    def __init__(self, recipe: RecipeConfig, out: Path, log: Callable[[str], None], progress: bool):
-        self.recipe, self.out, self.log, self.progress = recipe, out, log, progress
+    def __init__(self, recipe: RecipeConfig, out: Path, log: Callable[[str], None], progress: bool,
+                 resume: bool = True):
+        self.recipe, self.out, self.log, self.progress, self.resume = recipe, out, log, progress, resume
         self.report: dict = {"recipe": asdict(recipe), "stages": [], "models": {}}
         self._stream_id = 0
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.out / CHECKPOINTS
 
     def generator(self) -> torch.Generator:
         self._stream_id += 1
@@ -96,9 +121,10 @@ class _Run:
         done = []
         for stage in stages:
             res = train_stage(model, stage, self.stream(examples, stage, encoder), self.recipe.device,
-                              self.recipe.autocast_bf16, self.progress)
+                              self.recipe.autocast_bf16, self.progress, resume=self.resume, log=self.log,
+                              checkpoint=self.checkpoints / f"{stage.name}.pt", settings=recipe_settings(self.recipe))
             summary = res.summary()
-            self.log(f"{stage.name}: {json.dumps(summary)}")
+            self.log(res.line())
             self.report["stages"].append(summary)
             done.append(summary)
         return done
@@ -125,8 +151,14 @@ class _Run:
 
         from transformers import LlavaForConditionalGeneration
 
-        from mmspec.train.distill import (AnswerSource, generate_answers, read_answers, target_fingerprint,
-                                          tokenizer_fingerprint, with_answers)
+        from mmspec.train.distill import (
+            AnswerSource,
+            generate_answers,
+            read_answers,
+            target_fingerprint,
+            tokenizer_fingerprint,
+            with_answers,
+        )
 
         t0 = time.perf_counter()
         target = LlavaForConditionalGeneration.from_pretrained(target_dir, dtype=torch.float32)
@@ -155,22 +187,29 @@ class _Run:
 
 
 def run_pack(recipe: RecipeConfig, out: str | Path, minutes_budget: float | None = None,
-             progress: bool = True, log: Callable[[str], None] = print) -> dict:
-    """Train and save the whole embedded pack into ``out``; returns the report dict."""
+             progress: bool = True, log: Callable[[str], None] = print, resume: bool = True) -> dict:
+    """Train and save the whole embedded pack into ``out``; returns the report dict. Each stage
+    checkpoints into ``out/checkpoints/`` (kept on Ctrl-C; a rerun resumes, its finished stages
+    restored from their checkpoints instead of trained again); the folder goes when the pack is done."""
     if minutes_budget is not None:
         recipe = with_budget(recipe, minutes_budget)
+    out = Path(out)
+    if resume:  # an interrupted run's checkpoints must match this recipe: refused before any work
+        for stage in (*recipe.target_stages, *recipe.draft_stages, recipe.pooled_stage, *recipe.captioner_stages):
+            read_checkpoint(out / CHECKPOINTS / f"{stage.name}.pt",
+                            {**stage_settings(stage), **recipe_settings(recipe)}, stage.steps, None if stage.max_seconds is None else stage.max_seconds / 60,
+                            f"stage {stage.name}")
     if recipe.threads:
         apply_threads(recipe.threads)
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    run = _Run(recipe, out, log, progress)
+    run = PackRun(recipe, out, log, progress, resume)
     t_start = time.perf_counter()
     torch.manual_seed(recipe.seed)
 
     run.tokenizer, run.processor = world_tokenizer_and_processor(recipe.seed)
     run.encoder = Encoder(run.tokenizer, max_answer_tokens=recipe.max_answer_tokens)
-    train_samples = _samples("train", recipe.n_train_per_family, recipe.seed)
-    eval_samples = _samples("val", recipe.n_eval_per_family, recipe.seed)
+    train_samples = world_samples("train", recipe.n_train_per_family, recipe.seed)
+    eval_samples = world_samples("val", recipe.n_eval_per_family, recipe.seed)
     train_ex = [example_from_sample(s) for s in train_samples]
     eval_ex = [example_from_sample(s) for s in eval_samples]
     log(f"data: {len(train_ex)} train / {len(eval_ex)} val examples, vocab {len(run.tokenizer)}")
@@ -192,7 +231,7 @@ def run_pack(recipe: RecipeConfig, out: str | Path, minutes_budget: float | None
     # stage 1 aligns the projector on the references; what follows learns the target's own answers
     answer_ex = train_ex
     if recipe.distill_per_family > 0:
-        distil_samples = _samples("train", recipe.distill_per_family, recipe.seed)
+        distil_samples = world_samples("train", recipe.distill_per_family, recipe.seed)
         answer_ex = run.distil(out / "target", distil_samples, [example_from_sample(s) for s in distil_samples])
     stages = run.train(draft, recipe.draft_stages[:1], train_ex) + run.train(draft, recipe.draft_stages[1:], answer_ex)
     run.save("draft", draft, run.processor, stages, run.evaluate("draft", draft, eval_ex, eval_samples), {})
@@ -212,6 +251,9 @@ def run_pack(recipe: RecipeConfig, out: str | Path, minutes_budget: float | None
              run.evaluate("captioner", captioner, cap_eval, [], facts=False),
              {"captioner_prompt": CAPTIONER_PROMPT})
 
+    import shutil
+
+    shutil.rmtree(run.checkpoints, ignore_errors=True)
     run.report["total_seconds"] = round(time.perf_counter() - t_start, 1)
     (out / "pack_report.json").write_text(json.dumps(run.report, indent=2) + "\n")
     log(f"pack done in {run.report['total_seconds']} s -> {out}")

@@ -3,8 +3,9 @@
 Owns: which parameters a stage trains (:func:`set_trainable`), the learning-rate schedule
 (:func:`lr_at`: linear warm-up over ``warmup_ratio`` then cosine to 0), the loss of a batch
 (:func:`batch_loss` on :func:`batch_forward`, images through :mod:`pooling` so pooled and full
-grids share one code path), :func:`optimise` (the loop every stage shares: AdamW, the schedule
-on steps or the clock, grad clipping, progress bar), :func:`train_stage` and held-out metrics
+grids share one code path), :func:`optimise` (a stage on the one loop, :func:`mmspec.train.loop.fit`:
+AdamW, the schedule on steps or the clock, grad clipping, progress bar, checkpoints and resume),
+:func:`train_stage` and held-out metrics
 (:func:`eval_loss`, :func:`fact_recall`) and :func:`greedy_answer`.
 
 Stages (IbED Appendix A, after LLaVA-1.5): stage 1 = projector only (LM and vision frozen),
@@ -19,16 +20,16 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 from mmspec.errors import MMSpecError
 from mmspec.train.config import StageConfig, Trainable, check_schedule
 from mmspec.train.data import Batch, Encoder, Example, View
+from mmspec.train.loop import FitConfig, fit, fmt_loss
 from mmspec.train.pooling import embed_multimodal, pooled_image_features
 
 
@@ -101,6 +102,12 @@ class StageResult:
         tail = self.losses[-max(1, len(self.losses) // 10):]
         return sum(tail) / len(tail) if tail else float("nan")
 
+    def line(self) -> str:
+        """One line for people: steps, seconds, samples and the loss to 4 significant digits."""
+        first = self.losses[0] if self.losses else None
+        return (f"{self.name}: {self.steps} steps, {self.seconds:.1f} s, {self.samples} samples, loss "
+                f"{fmt_loss(first)} -> {fmt_loss(self.final_loss if self.losses else None)}")
+
     def summary(self) -> dict:
         return {"name": self.name, "steps": self.steps, "seconds": round(self.seconds, 1),
                 "samples": self.samples, "first_loss": self.losses[0] if self.losses else None,
@@ -117,59 +124,75 @@ def bf16_autocast(device: str, enabled: bool):
 
 def optimise(name: str, params: list[torch.nn.Parameter], step_loss: Callable[[], tuple[torch.Tensor, int]],
              lr: float, steps: int | None, max_seconds: float | None, warmup_ratio: float,
-             weight_decay: float, grad_clip: float, progress: bool = True) -> StageResult:
-    """The loop every stage shares: AdamW on ``params``, the learning rate from :func:`lr_at` at
-    ``max(step / steps, elapsed / max_seconds)`` (either may be None, not both), gradient
-    clipping, a progress bar. ``step_loss()`` computes one batch's loss and returns it with the
-    number of samples in the batch. Fills ``steps``, ``seconds``, ``samples`` and ``losses``."""
+             weight_decay: float, grad_clip: float, progress: bool = True, *, model: torch.nn.Module | None = None,
+             checkpoint: str | Path | None = None, settings: dict | None = None, resume: bool = True,
+             log: Callable[[str], None] = print) -> StageResult:
+    """A stage's optimisation on the one loop (:func:`mmspec.train.loop.fit`): AdamW on ``params``,
+    the learning rate from :func:`lr_at` at ``max(step / steps, elapsed / max_seconds)`` (either
+    may be None, not both), gradient clipping, a progress bar, and, with ``checkpoint``, the
+    finished steps kept on Ctrl-C and resumed. ``step_loss(step)`` computes one batch's loss and
+    returns it with the number of samples in the batch. Fills ``steps``, ``seconds``, ``samples``
+    and ``losses``."""
     check_schedule(steps, max_seconds, name)
-    opt = torch.optim.AdamW(params, lr=0.0, weight_decay=weight_decay)
-    result = StageResult(name)
-    start = time.perf_counter()
-    total = steps if max_seconds is None else None  # time-budgeted: count only
-    bar = tqdm(total=total, desc=name, disable=not progress, dynamic_ncols=True, mininterval=2.0)
-    step = 0
-    while True:
-        frac = 0.0 if steps is None else step / steps
-        if max_seconds is not None:
-            frac = max(frac, (time.perf_counter() - start) / max_seconds)
-        if frac >= 1.0:
-            break
-        for group in opt.param_groups:
-            group["lr"] = lr_at(frac, lr, warmup_ratio)
-        loss, n = step_loss()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        opt.step()
-        step += 1
-        result.losses.append(float(loss.detach()))
-        result.samples += n
-        bar.update(1)
-        bar.set_postfix(loss=f"{result.losses[-1]:.4f}", lr=f"{opt.param_groups[0]['lr']:.1e}")
-    bar.close()
-    result.steps = step
-    result.seconds = time.perf_counter() - start
-    return result
+    cfg = FitConfig(label=name, steps=steps, minutes=None if max_seconds is None else max_seconds / 60.0, lr=lr,
+                    warmup_ratio=warmup_ratio, clock_schedule=True, weight_decay=weight_decay, grad_clip=grad_clip,
+                    checkpoint=checkpoint, resume=resume, settings=dict(settings or {}), progress=progress)
+
+    def step(_model, info) -> tuple[torch.Tensor, dict]:
+        loss, n = step_loss(info.step) if _takes_step(step_loss) else step_loss()
+        return loss, {"samples": n}
+
+    holder = model if model is not None else torch.nn.ParameterList(params)
+    res = fit(holder, step, cfg, params=params, log=log)
+    return StageResult(name, res.losses, res.steps, res.seconds, sum(h.get("samples", 0) for h in res.history))
+
+
+def _takes_step(fn: Callable) -> bool:
+    import inspect
+
+    try:
+        return len(inspect.signature(fn).parameters) >= 1
+    except (TypeError, ValueError):
+        return False
+
+
+def stage_settings(stage: StageConfig) -> dict:
+    """What a resumed stage must share with its checkpoint (the step count and budget may grow)."""
+    return {f"stage {k}": getattr(stage, k) for k in ("trainable", "lr", "batch_size", "warmup_ratio",
+                                                      "weight_decay", "grad_clip", "pooled_tokens",
+                                                      "text_view_prob", "caption_view_prob")}
 
 
 def train_stage(model, stage: StageConfig, batches: Iterator[Batch], device: str = "cpu",
-                autocast_bf16: bool = False, progress: bool = True) -> StageResult:
-    """Run one stage on ``model`` (in place). ``batches`` must already match ``stage``'s view."""
+                autocast_bf16: bool = False, progress: bool = True, *, checkpoint: str | Path | None = None,
+                settings: dict | None = None, resume: bool = True,
+                log: Callable[[str], None] = print) -> StageResult:
+    """Run one stage on ``model`` (in place). ``batches`` must already match ``stage``'s view.
+    With ``checkpoint`` (a file), Ctrl-C keeps the finished steps and a rerun resumes them (the
+    stream is fast-forwarded to the step it stopped at)."""
     params = set_trainable(model, stage.trainable)
     train_vision = stage.trainable == "all"
     model.to(device).train()
+    drawn = [0]
 
-    def step_loss() -> tuple[torch.Tensor, int]:
+    def step_loss(step: int) -> tuple[torch.Tensor, int]:
+        while drawn[0] < step:  # a resumed run: skip the batches the finished steps saw
+            next(batches)
+            drawn[0] += 1
         batch = next(batches).to(device)
+        drawn[0] += 1
         with bf16_autocast(device, autocast_bf16):
             return batch_loss(model, batch, train_vision), batch.input_ids.shape[0]
 
-    result = optimise(stage.name, params, step_loss, stage.lr, stage.steps, stage.max_seconds,
-                      stage.warmup_ratio, stage.weight_decay, stage.grad_clip, progress)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    model.eval()
+    try:
+        result = optimise(stage.name, params, step_loss, stage.lr, stage.steps, stage.max_seconds,
+                          stage.warmup_ratio, stage.weight_decay, stage.grad_clip, progress, model=model,
+                          checkpoint=checkpoint, settings={**stage_settings(stage), **(settings or {})},
+                          resume=resume, log=log)
+    finally:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model.eval()
     return result
 
 

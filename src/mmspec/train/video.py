@@ -6,7 +6,8 @@ serves images and frames, its projector and LM carry over; the vocabulary gains 
 turning a world clip into the model's inputs (``n_frames`` evenly spaced frames; each frame
 keeps its CLS token, as Video-LLaVA's video path does: ``n_frames x (grid^2 + 1)`` placeholder
 tokens), teacher-forced fine-tuning of the projector and the LM on the clips' reference
-answers (the towers stay frozen), and the quality bar the embedded video target must clear:
+answers (the towers stay frozen; the step function of :func:`mmspec.train.loop.fit`), the pair's
+saved processor (Video-LLaVA's, :func:`video_processor`), and the quality bar the embedded video target must clear:
 its greedy answers state the clip's key motion fact (``VideoSample.key_fact``).
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 import torch
 
 from mmspec.errors import MMSpecError
+from mmspec.train.loop import FitConfig, StepInfo, fit
 
 
 @dataclass
@@ -36,7 +37,31 @@ class VideoTrainConfig:
     lr: float = 3e-4
     seed: int = 0
     progress: bool = True
+    role: str = "target"  # target or draft: its progress bar's label and checkpoint file
+    resume: bool = True  # continue from out/checkpoints/{role}.pt when it is there
     notes: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from mmspec.world import N_FRAMES, VIDEO_FAMILIES
+
+        for name in ("samples", "steps", "batch_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise MMSpecError(f"--{name.replace('_', '-')} must be a whole number >= 1, got {v!r}")
+        if isinstance(self.n_frames, bool) or not isinstance(self.n_frames, int) or not 1 <= self.n_frames <= N_FRAMES:
+            raise MMSpecError(f"--n-frames must be from 1 to {N_FRAMES} (the world's clips have {N_FRAMES} frames), "
+                              f"got {self.n_frames!r}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise MMSpecError(f"--lr must be a finite number > 0, got {self.lr}")
+        if self.minutes is not None and not (math.isfinite(self.minutes) and self.minutes > 0):
+            raise MMSpecError(f"--{'draft-' if self.role == 'draft' else ''}minutes must be a finite number > 0, "
+                              f"got {self.minutes}")
+        unknown = [f for f in self.families if f not in VIDEO_FAMILIES]
+        if unknown or not self.families:
+            raise MMSpecError(f"unknown video family {unknown[0] if unknown else '(none)'!r}; use some of "
+                              f"{', '.join(VIDEO_FAMILIES)}")
+        if self.role not in ("target", "draft"):
+            raise MMSpecError(f"role must be target or draft, got {self.role!r}")
 
 
 def build_video_llava(image_llava, tokenizer, n_frames: int):
@@ -110,39 +135,40 @@ def _batch(items: Sequence[dict], pad: int) -> dict:
             "pixel_values_videos": torch.cat([x["pixel_values_videos"] for x in items])}
 
 
+def video_settings(cfg: VideoTrainConfig) -> dict:
+    """What a resumed fine-tune must share with its checkpoint, by the `train video` flags."""
+    return {"n_frames": cfg.n_frames, "families": list(cfg.families), "samples": cfg.samples,
+            "batch_size": cfg.batch_size, "lr": cfg.lr, "seed": cfg.seed,
+            **{k: v for k, v in cfg.notes.items() if k != "command"}}
+
+
 def train_video(model, data: Sequence[dict], cfg: VideoTrainConfig, pad_id: int,
                 log: Callable[[str], None] = print) -> list[float]:
     """Teacher-forced fine-tuning of the projector and LM (towers frozen) on ``data`` (items of
-    :func:`clip_inputs` with labels). Returns the loss history."""
-    from tqdm.auto import tqdm
-
+    :func:`clip_inputs` with labels), on the one loop (:func:`mmspec.train.loop.fit`): Ctrl-C
+    keeps the finished steps in ``cfg.out/checkpoints/{role}.pt`` and a rerun resumes them.
+    Returns the loss history."""
     model.train()
     trainable = []
     for name, p in model.named_parameters():
         p.requires_grad_(not ("image_tower" in name or "video_tower" in name))
         if p.requires_grad:
             trainable.append(p)
-    opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=0.0)
-    rng = random.Random(cfg.seed)
-    hist, t0 = [], time.perf_counter()
-    bar = tqdm(range(cfg.steps), desc="train video target", disable=not cfg.progress, mininterval=2.0)
-    for step in bar:
-        if cfg.minutes is not None and time.perf_counter() - t0 > 60 * cfg.minutes:
-            log(f"time budget of {cfg.minutes:g} min spent at step {step}")
-            break
-        for g in opt.param_groups:
-            g["lr"] = cfg.lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+
+    def step_loss(m, info: StepInfo) -> tuple[torch.Tensor, dict]:
+        rng = random.Random(cfg.seed * 1_000_003 + info.step)  # the batch is a function of the step: resumable
         batch = _batch([data[rng.randrange(len(data))] for _ in range(cfg.batch_size)], pad_id)
-        batch["pixel_values_videos"] = batch["pixel_values_videos"].to(model.dtype)
-        loss = model(**batch).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        opt.step()
-        hist.append(float(loss.detach()))
-        bar.set_postfix(loss=f"{hist[-1]:.3f}")
-    model.eval()
-    return hist
+        batch["pixel_values_videos"] = batch["pixel_values_videos"].to(m.dtype)  # [B, T, 3, H, W]
+        return m(**batch).loss, {}
+
+    fit_cfg = FitConfig(label=f"train video {cfg.role}", steps=cfg.steps, minutes=cfg.minutes, lr=cfg.lr,
+                        warmup_steps=20, grad_clip=1.0, checkpoint=Path(cfg.out) / "checkpoints" / f"{cfg.role}.pt",
+                        resume=cfg.resume, settings=video_settings(cfg), progress=cfg.progress)
+    try:
+        res = fit(model, step_loss, fit_cfg, params=trainable, log=log)
+    finally:
+        model.eval()
+    return res.losses
 
 
 @torch.inference_mode()
@@ -168,10 +194,51 @@ def key_fact_rate(model, samples: Sequence, tokenizer, image_processor, video_id
             "by_family": {k: v[0] / v[1] for k, v in by_family.items()}}
 
 
-def save_video_pair(model, tokenizer, image_processor, out: str | Path) -> Path:
-    """A loadable directory: weights (fp16), config, tokenizer, image processor."""
+def torchvision_works() -> bool:
+    """Whether torchvision imports (Video-LLaVA's video processor in transformers needs it; a
+    torchvision built for another torch fails on import)."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # noqa: BLE001 - missing, or built for another torch
+        return False
+    return True
+
+
+def video_processor(tokenizer, image_processor, patch_size: int):
+    """Video-LLaVA's processor for the pair: ``processor(text=prompt, videos=[frames],
+    return_tensors="pt")`` gives ``input_ids`` (``<video>`` expanded to ``frames x (grid^2 + 1)``
+    slots) and ``pixel_values_videos [1, T, 3, H, W]``, what :func:`clip_inputs` makes of the
+    same frames. Needs torchvision (transformers' video processors use it)."""
+    if not torchvision_works():
+        raise MMSpecError("Video-LLaVA's video processor needs a torchvision that matches this torch; install it "
+                          "(pip install torchvision), or make the inputs with mmspec.train.video.clip_inputs")
+    from transformers import VideoLlavaProcessor, VideoLlavaVideoProcessor
+
+    d = image_processor.to_dict()
+    frames = VideoLlavaVideoProcessor(size=d["size"], crop_size=d["crop_size"], do_center_crop=d["do_center_crop"],
+                                      do_resize=d["do_resize"], do_rescale=d["do_rescale"],
+                                      do_normalize=d["do_normalize"], image_mean=list(d["image_mean"]),
+                                      image_std=list(d["image_std"]), resample=d["resample"],
+                                      rescale_factor=d["rescale_factor"], do_sample_frames=False)
+    return VideoLlavaProcessor(image_processor=image_processor, video_processor=frames, tokenizer=tokenizer,
+                               patch_size=patch_size, vision_feature_select_strategy="default",
+                               num_additional_image_tokens=1)
+
+
+def save_video_pair(model, tokenizer, image_processor, out: str | Path,
+                    log: Callable[[str], None] = print) -> Path:
+    """A loadable directory: weights (fp16), config, tokenizer and processor. With torchvision the
+    processor is Video-LLaVA's (:func:`video_processor`): ``AutoProcessor.from_pretrained(out)``
+    then handles ``videos=``. Without it, the tokenizer and image processor only, and one line
+    says so (the inputs then come from :func:`clip_inputs`)."""
     out = Path(out)
     model.save_pretrained(out)
+    vc = model.config.vision_config
+    if torchvision_works():
+        video_processor(tokenizer, image_processor, vc.patch_size).save_pretrained(out)
+        return out
     tokenizer.save_pretrained(out)
     image_processor.save_pretrained(out)
+    log(f"{out}: saved without Video-LLaVA's video processor (it needs torchvision, which does not import here); "
+        "make a clip's inputs with mmspec.train.video.clip_inputs")
     return out

@@ -1,6 +1,6 @@
-"""``mmspec train head``: flags onto :class:`~mmspec.heads.train.HeadTrainConfig`; the training
-sequences come from :func:`~mmspec.heads.train.world_sequences` or
-:func:`~mmspec.heads.train.llava_instruct_sequences`.
+"""``mmspec train head``: flags onto :class:`~mmspec.train.head.HeadTrainConfig`; the training
+sequences come from :func:`~mmspec.train.head.world_sequences` or
+:func:`~mmspec.train.head.llava_instruct_sequences`.
 """
 
 from __future__ import annotations
@@ -10,9 +10,16 @@ from typing import Optional
 
 import typer
 
-from mmspec.cli.common import fail, set_threads
+from mmspec.cli.common import set_threads
+from mmspec.cli.train.common import (check_device, check_model_dir, check_model_type, check_out, check_processor,
+                                     check_threads, training_errors)
 from mmspec.errors import MMSpecError
-from mmspec.heads.train import HeadTrainConfig, llava_instruct_sequences, train_head, world_sequences
+from mmspec.train.head import (
+    HeadTrainConfig,
+    llava_instruct_sequences,
+    train_head,
+    world_sequences,
+)
 
 
 def head(
@@ -34,7 +41,9 @@ def head(
     batch_size: int = typer.Option(16, help="Global batch (split over torchrun's processes)."),
     lr: float = typer.Option(1e-3),
     ttt_steps: int = typer.Option(3, help="eagle3: unrolled training-time-test passes."),
-    text_steps: Optional[int] = typer.Option(None, help="msd: text-only steps first (default: a third of --steps)."),
+    text_steps: Optional[int] = typer.Option(None, help="msd: text-only steps first (default: a third of --steps; "
+                                             "with --minutes, that share of the time budget if it ends training "
+                                             "first)."),
     seed: int = typer.Option(0),
     device: str = typer.Option("cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK)."),
     threads: Optional[int] = typer.Option(None, help="CPU threads per process."),
@@ -42,16 +51,13 @@ def head(
 ) -> None:
     """Train a feature-level draft head (EAGLE / EAGLE-3 / MSD) on the frozen target's features.
 
-    Scales out with `torchrun --nproc_per_node=N -m mmspec train head ...` (DDP)."""
+    Scales out with `torchrun --nproc_per_node=N -m mmspec train head ...` (DDP). Ctrl-C keeps the
+    finished steps (OUT/checkpoints/head.pt and the head itself); the same command resumes them."""
     import os
 
-    from transformers import AutoProcessor
-
-    from mmspec.models.loading import load_model
     from mmspec.provenance import command_line
 
-    try:
-        set_threads(threads)
+    with training_errors():
         local = os.environ.get("LOCAL_RANK")
         if device == "cuda" and local is not None:
             device = f"cuda:{local}"
@@ -60,17 +66,73 @@ def head(
                               resume=not fresh, device=device,
                               notes={"command": command_line(), "data": data, "samples": samples, "families": families,
                                      "answers": str(answers) if answers else None, "world_seed": world_seed})
+        check_head_options(cfg, target, data, image_dir, answers, families, samples, threads)
+        set_threads(threads)
+        from transformers import AutoProcessor
+
+        from mmspec.models.loading import load_model
+
         model = load_model(str(target), dtype="float32" if device == "cpu" else "auto")
-        processor = AutoProcessor.from_pretrained(str(target))
+        try:
+            processor = AutoProcessor.from_pretrained(str(target))
+        except (OSError, ValueError, TypeError) as e:
+            raise MMSpecError(f"--target {target} has no processor to read ({type(e).__name__}); it needs the "
+                              "tokenizer and image processor files next to config.json") from None
         img = getattr(model.config, "image_token_id", None)
         if data == "world":
-            seqs = world_sequences(processor, [f for f in families.split(",") if f], samples, world_seed, answers, img)
-        elif data.startswith("llava-instruct:"):
-            if image_dir is None:
-                raise MMSpecError("--data llava-instruct:FILE needs --image-dir (where the JSON's images are)")
-            seqs = llava_instruct_sequences(processor, Path(data.split(":", 1)[1]), image_dir, samples, img)
+            seqs = world_sequences(processor, names(families), samples, world_seed, answers, img)
         else:
-            raise MMSpecError(f"unknown --data {data!r}; use world or llava-instruct:FILE.json")
+            seqs = llava_instruct_sequences(processor, Path(data.split(":", 1)[1]), image_dir, samples, img)
         train_head(model, seqs, cfg)
-    except MMSpecError as e:
-        fail(e)
+
+
+def names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def check_head_options(cfg: HeadTrainConfig, target: Path, data: str, image_dir: Optional[Path],
+                       answers: Optional[Path], families: str, samples: int, threads: Optional[int]) -> None:
+    """Every `train head` option, before anything is loaded or written (the numbers of the
+    config itself are checked by :class:`HeadTrainConfig`)."""
+    from mmspec.train.head import CHECKPOINT, head_settings
+    from mmspec.train.loop import read_checkpoint
+    from mmspec.world import FAMILIES
+
+    check_threads(threads)
+    if isinstance(samples, bool) or samples < 1:
+        raise MMSpecError(f"--samples must be >= 1, got {samples}")
+    check_device(cfg.device)
+    check_model_dir(target, "--target", "a target model")
+    check_model_type(target, "--target", "llava", "`train head` builds its training sequences in LLaVA-1.5's prompt "
+                     "and image format (the world's data and llava-instruct both): give a LLaVA-1.5 target")
+    check_processor(target, "--target")
+    if data == "world":
+        unknown = [f for f in names(families) if f not in FAMILIES]
+        if unknown or not names(families):
+            raise MMSpecError(f"--families {families!r}: unknown world family {unknown[0] if unknown else '(none)'!r}; "
+                              f"use some of {', '.join(FAMILIES)}")
+        if answers is not None and not answers.is_file():
+            raise MMSpecError(f"answers file {answers} not found; make it with `mmspec train answers --out {answers}` "
+                              "for the same families, counts and world seed, or leave --answers out")
+        if image_dir is not None:
+            raise MMSpecError("--image-dir holds a llava-instruct JSON's images; the world makes its own: drop it or "
+                              "use --data llava-instruct:FILE.json")
+    elif data.startswith("llava-instruct:"):
+        path = Path(data.split(":", 1)[1])
+        if not path.is_file():
+            raise MMSpecError(f"--data {data}: {path} not found; give a LLaVA-Instruct JSON file")
+        if image_dir is None or not image_dir.is_dir():
+            raise MMSpecError("--data llava-instruct:FILE needs --image-dir, the folder of the JSON's images"
+                              + (f"; {image_dir} is not a folder" if image_dir is not None else ""))
+        if answers is not None:
+            raise MMSpecError("--answers holds the target's answers to the world's prompts; with --data llava-instruct "
+                              "drop it")
+    else:
+        raise MMSpecError(f"unknown --data {data!r}; use world or llava-instruct:FILE.json")
+    out = Path(cfg.out)
+    check_out(out)
+    if cfg.resume:
+        if (out / "checkpoint" / "train_state.pt").is_file() and not (out / CHECKPOINT).is_file():
+            raise MMSpecError(f"{out / 'checkpoint'} is a checkpoint of an older mmspec, which this one cannot resume; "
+                              "add --fresh to start over (the head saved in --out stays usable meanwhile)")
+        read_checkpoint(out / CHECKPOINT, head_settings(cfg), cfg.steps, cfg.minutes, f"the {cfg.variant} head")

@@ -11,9 +11,9 @@ from typing import Optional
 
 import typer
 
-from mmspec.cli.common import set_threads
 from mmspec.bench.datasets import SINGLE_IMAGE  # the fact-recall goal's families; `facts` defaults to them
-from mmspec.cli.train.common import _require_model_dir
+from mmspec.cli.common import set_threads
+from mmspec.cli.train.common import require_model_dir
 
 
 def evaluate_cmd(
@@ -105,7 +105,7 @@ def facts_cmd(
     if out is not None and not out.parent.is_dir():
         raise typer.BadParameter(f"{out.parent} does not exist; create it or write elsewhere", param_hint="--out")
     path = model or default_path() / "target"
-    _require_model_dir(path, "--model")
+    require_model_dir(path, "--model")
     set_threads(threads)
     families = list(dict.fromkeys(family))
     tokens_per_image = read_sidecar(path).get("pooled_tokens") or 64  # a pooled draft reads N tokens per image

@@ -14,8 +14,8 @@ from typing import Optional
 import typer
 
 from mmspec.cli.common import set_threads
-from mmspec.cli.train.common import (_BF16, _MINUTES, _STEPS, _default_steps, _parse_family_samples,
-                                  _require_model_dir)
+from mmspec.cli.train.common import (BF16, MINUTES, STEPS, default_steps, parse_family_samples, require_model_dir,
+                                     check_count, check_device, check_out, check_threads, training_errors)
 
 
 def embedded(
@@ -24,22 +24,37 @@ def embedded(
     steps_scale: float = typer.Option(1.0, help="multiply every stage's step count (no budget)"),
     device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, ..."),
     seed: int = typer.Option(0),
-    threads: Optional[int] = typer.Option(None, help="torch.set_num_threads"),
+    threads: Optional[int] = typer.Option(None, help="CPU threads for torch (default: torch's choice)"),
     n_train_per_family: int = typer.Option(1500, help="training samples per task family"),
     bf16: bool = typer.Option(False, help="bf16 autocast (faster on a CPU with AVX512-BF16, and on a GPU)"),
     distill_per_family: int = typer.Option(200, help="train the draft's stage 2 and the pooled draft on the "
                                            "target's own greedy answers to this many train samples per family "
                                            "(0: on the world's reference answers)"),
     quiet: bool = typer.Option(False, help="no progress bars"),
+    fresh: bool = typer.Option(False, help="Start over instead of resuming the stage checkpoints an interrupted "
+                               "run left in OUT/checkpoints/"),
 ) -> None:
     """Make a pack of the shipped shapes from nothing.
 
-    Tokenizer -> target stage 0/1/2 -> the target's answers -> draft 1/2 -> pooled draft -> captioner."""
+    Tokenizer -> target stage 0/1/2 -> the target's answers -> draft 1/2 -> pooled draft -> captioner.
+    Ctrl-C keeps each stage's finished steps (OUT/checkpoints/); the same command resumes them."""
+    import math
+
     from mmspec.embedded import default_path
     from mmspec.errors import MMSpecError
     from mmspec.train.config import RecipeConfig
     from mmspec.train.pack import run_pack, with_budget
 
+    with training_errors():
+        check_threads(threads)
+        check_device(device)
+        check_count(n_train_per_family, "--n-train-per-family")
+        check_count(distill_per_family, "--distill-per-family", 0)
+        if not (math.isfinite(steps_scale) and steps_scale > 0):
+            raise MMSpecError(f"--steps-scale must be a finite number > 0, got {steps_scale}")
+        if minutes_budget is not None and not (math.isfinite(minutes_budget) and minutes_budget > 0):
+            raise MMSpecError(f"--minutes-budget must be a finite number > 0 (a time budget), got {minutes_budget}")
+        check_out(out or default_path())
     try:
         recipe = RecipeConfig(seed=seed, device=device, threads=threads, autocast_bf16=bf16,
                               n_train_per_family=n_train_per_family,
@@ -51,7 +66,8 @@ def embedded(
             with_budget(recipe, minutes_budget)  # the stages' schedules refuse a budget <= 0 here, before any work
         except MMSpecError as exc:
             raise typer.BadParameter(str(exc), param_hint="--minutes-budget") from exc
-    run_pack(recipe, out or default_path(), minutes_budget=minutes_budget, progress=not quiet)
+    with training_errors():
+        run_pack(recipe, out or default_path(), minutes_budget=minutes_budget, progress=not quiet, resume=not fresh)
 
 
 def stage(
@@ -61,7 +77,7 @@ def stage(
     vision_from: Optional[Path] = typer.Option(None, help="copy this HF LLaVA dir's vision tower"),
     trainable: str = typer.Option("projector+lm", help="all | projector | projector+lm"),
     lr: float = typer.Option(2e-5),
-    steps: Optional[int] = _STEPS,
+    steps: Optional[int] = STEPS,
     batch_size: int = typer.Option(16),
     pooled_tokens: Optional[int] = typer.Option(None, help="train with pooling to N tokens/image"),
     captioner: bool = typer.Option(False, help="train on the caption task instead of the QA task"),
@@ -77,8 +93,8 @@ def stage(
     n_train_per_family: int = typer.Option(400),
     family_samples: list[str] = typer.Option([], help="FAMILY=N: train on N samples of this family instead of "
                                              "--n-train-per-family (repeatable; 0 drops the family)"),
-    minutes: Optional[float] = _MINUTES,
-    bf16: bool = _BF16,
+    minutes: Optional[float] = MINUTES,
+    bf16: bool = BF16,
     half: bool = typer.Option(False, help="save fp16 safetensors (the embedded pack's format)"),
     evaluate: bool = typer.Option(False, "--eval", help="held-out loss and fact recall after training"),
     device: str = typer.Option("cpu"),
@@ -92,12 +108,15 @@ def stage(
     answers: Optional[Path] = typer.Option(None, help="train on a target's own greedy answers (a JSONL file from "
                                            "`mmspec train answers`, same world seed and sample counts) instead of the "
                                            "world's reference answers: draft distillation"),
+    fresh: bool = typer.Option(False, help="Start over instead of resuming the checkpoint an interrupted run "
+                               "left in OUT/checkpoints/"),
 ) -> None:
     """One stage of the LLaVA recipe (stage 1: --trainable projector, stage 2: projector+lm).
 
     Starting from --init, the new stage is appended to the init dir's mmspec.json history.
     """
     import math
+    import shutil
 
     import torch
     from transformers import AutoProcessor, LlavaForConditionalGeneration
@@ -106,10 +125,17 @@ def stage(
     from mmspec.models.loading import read_sidecar
     from mmspec.train.checkpoint import save_checkpoint
     from mmspec.train.config import RecipeConfig, StageConfig, build_llava, model_size
-    from mmspec.train.data import (CAPTIONER_PROMPT, Encoder, batch_stream, caption_examples, example_from_sample,
-                                   mix_in_captions)
-    from mmspec.train.pack import _samples, world_tokenizer_and_processor
-    from mmspec.train.recipe import train_stage
+    from mmspec.train.data import (
+        CAPTIONER_PROMPT,
+        Encoder,
+        batch_stream,
+        caption_examples,
+        example_from_sample,
+        mix_in_captions,
+    )
+    from mmspec.train.loop import read_checkpoint
+    from mmspec.train.pack import CHECKPOINTS, world_samples, world_tokenizer_and_processor
+    from mmspec.train.recipe import stage_settings, train_stage
 
     if workers < 0:
         raise typer.BadParameter(f"--workers must be >= 0 (0 builds batches in this process); got {workers}")
@@ -133,20 +159,38 @@ def stage(
         if captioner and weight != 1.0:
             raise typer.BadParameter(f"{flag} weighs QA answers and would do nothing with --captioner; drop one")
     try:
-        cfg = StageConfig(f"stage-{trainable}", trainable, lr=lr, steps=_default_steps(steps, minutes),
+        cfg = StageConfig(f"stage-{trainable}", trainable, lr=lr, steps=default_steps(steps, minutes),
                           batch_size=batch_size, pooled_tokens=pooled_tokens,
                           max_seconds=None if minutes is None else 60.0 * minutes)
     except MMSpecError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    per_family = _parse_family_samples(family_samples, n_train_per_family)
+    per_family = parse_family_samples(family_samples, n_train_per_family)
     world_seed = seed if world_seed is None else world_seed
+    ckpt = out / CHECKPOINTS / "stage.pt"
+    settings = {"init": str(init) if init else None, "size": None if init else size,
+                "vision_from": str(vision_from) if vision_from else None, "captioner": captioner,
+                "caption_mix": caption_mix, "cue_weight": cue_weight, "fact_weight": fact_weight,
+                "text_view_prob": text_view_prob, "caption_view_prob": caption_view_prob, "family_samples": per_family,
+                "seed": seed, "world_seed": world_seed, "bf16": bf16, "workers": workers,
+                "answers": str(answers) if answers else None}
+    with training_errors():
+        check_threads(threads)
+        check_device(device)
+        check_count(n_train_per_family, "--n-train-per-family", 0)
+        if pooled_tokens is not None:
+            check_count(pooled_tokens, "--pooled-tokens")
+        check_out(out)
+        if init is None:
+            model_size(size)
+        if not fresh:
+            read_checkpoint(ckpt, {**stage_settings(cfg), **settings}, cfg.steps, label=f"stage {cfg.name}")
     set_threads(threads)
     torch.manual_seed(seed)
     # The token ids come from the model this one continues or borrows its tower from (a draft must
     # share its target's vocabulary), whatever the seeds; only a model from nothing gets a fresh tokenizer.
     source = init if init is not None else vision_from
     if source is not None:
-        _require_model_dir(source, "--init" if init is not None else "--vision-from")
+        require_model_dir(source, "--init" if init is not None else "--vision-from")
         processor = AutoProcessor.from_pretrained(source)
         tokenizer = processor.tokenizer
     else:
@@ -158,7 +202,7 @@ def stage(
         if vision_from is not None:
             tower = LlavaForConditionalGeneration.from_pretrained(vision_from, dtype=torch.float32).model.vision_tower
         model = build_llava(model_size(size), tokenizer, vision_tower=tower)
-    samples = _samples("train", per_family, world_seed)
+    samples = world_samples("train", per_family, world_seed)
     examples = ([ex for s in samples for ex in caption_examples(s)] if captioner
                 else [example_from_sample(s) for s in samples])
     answers_meta = {}
@@ -182,7 +226,9 @@ def stage(
                               text_view_prob=text_view_prob, caption_view_prob=caption_view_prob, workers=workers)
     except MMSpecError as exc:  # e.g. more workers than examples
         raise typer.BadParameter(str(exc)) from exc
-    res = train_stage(model, cfg, stream, device, autocast_bf16=bf16)
+    with training_errors():
+        res = train_stage(model, cfg, stream, device, autocast_bf16=bf16, checkpoint=ckpt, settings=settings,
+                          resume=not fresh, log=typer.echo)
     meta = read_sidecar(init) if init is not None else {"role": "captioner" if captioner else "stage"}
     meta["stages"] = [*meta.get("stages", []), {**res.summary(), "lr": lr, "trainable": trainable,
                                                  "caption_mix": caption_mix,
@@ -198,16 +244,17 @@ def stage(
     if pooled_tokens:
         meta["pooled_tokens"] = pooled_tokens
     if evaluate:
-        from mmspec.train.pack import _Run
+        from mmspec.train.pack import PackRun
 
-        run = _Run(RecipeConfig(device=device), out, typer.echo, progress=False)
+        run = PackRun(RecipeConfig(device=device), out, typer.echo, progress=False)
         run.tokenizer, run.processor, run.encoder = tokenizer, processor, encoder
-        val = _samples("val", 4, world_seed)
+        val = world_samples("val", 4, world_seed)
         val_ex = [ex for s in val for ex in caption_examples(s)][:64] if captioner else [example_from_sample(s) for s in val]
         meta["eval"] = run.evaluate(meta.get("role", "stage"), model, val_ex, [] if captioner else val,
                                     tokens_per_image=pooled_tokens or 64, facts=not captioner)
     save_checkpoint(model, out, processor=processor, half=half, meta=meta)
-    typer.echo(f"{res.summary()} -> {out}")
+    shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)  # the model is saved: the stage is done
+    typer.echo(f"{res.line()} -> {out}")
 
 
 def answers_cmd(
@@ -236,7 +283,7 @@ def answers_cmd(
     from mmspec.errors import MMSpecError
     from mmspec.train.config import RecipeConfig
     from mmspec.train.distill import AnswerSource, generate_answers, target_fingerprint, tokenizer_fingerprint
-    from mmspec.train.pack import _samples
+    from mmspec.train.pack import world_samples
 
     max_new_tokens = RecipeConfig.max_answer_tokens if max_new_tokens is None else max_new_tokens
     if max_new_tokens < 1:
@@ -246,14 +293,14 @@ def answers_cmd(
     if not out.parent.is_dir():
         raise typer.BadParameter(f"{out.parent} does not exist; create it or write elsewhere", param_hint="--out")
     path = target or default_path() / "target"
-    _require_model_dir(path, "--target")
-    per_family = _parse_family_samples(family_samples, n_train_per_family)
+    require_model_dir(path, "--target")
+    per_family = parse_family_samples(family_samples, n_train_per_family)
     set_threads(threads)
     llava = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval().to(device)
     processor = AutoProcessor.from_pretrained(path)
     source = AnswerSource(target_fingerprint(path), tokenizer_fingerprint(processor.tokenizer), seed, max_new_tokens)
     try:
-        counts = generate_answers(llava, processor, _samples("train", per_family, seed), out, source,
+        counts = generate_answers(llava, processor, world_samples("train", per_family, seed), out, source,
                                   batch_size=batch_size, device=device, progress=not quiet)
     except MMSpecError as exc:
         raise typer.BadParameter(str(exc), param_hint="--out") from exc

@@ -1,0 +1,120 @@
+"""Streaming a decode's text as its blocks are accepted.
+
+Owns the incremental detokenization (:class:`TextDelta`: decode everything so far and emit the
+new suffix, holding back an incomplete multi-byte character, so the pieces concatenate to the
+text :meth:`mmspec.SpecDecoder.generate` returns) and :class:`TextStream`, the iterator that
+:meth:`mmspec.SpecDecoder.stream` returns: ``generate`` runs in a worker thread with a streamer
+(transformers' ``put(ids)`` / ``end()`` protocol, the same one ``generate(streamer=...)``
+accepts) that queues at most one text piece per block. Knows nothing of drafting or caches.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+
+_DONE = object()
+
+
+class TextDelta:
+    """Tokens in, new text out: ``push(ids) -> piece``; the pieces and ``finish()`` concatenate
+    to ``tokenizer.decode(all ids, skip_special_tokens=...)``."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.tokens: list[int] = []
+        self.emitted = ""
+
+    def _text(self) -> str:
+        return self.tokenizer.decode(self.tokens, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, ids) -> str:
+        self.tokens.extend(int(t) for t in ids)
+        stable = self._text().rstrip("\ufffd")  # an incomplete multi-byte character waits for its bytes
+        if not stable.startswith(self.emitted):  # a later token changed how earlier ones decode: wait
+            return ""
+        piece, self.emitted = stable[len(self.emitted):], stable
+        return piece
+
+    def finish(self) -> str:
+        text = self._text()
+        piece = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        self.emitted += piece
+        return piece
+
+
+class _Cancelled(Exception):
+    """Raised inside the decode when the consumer closed the stream."""
+
+
+class _QueueStreamer:
+    """A streamer for ``generate(streamer=...)`` that skips the prompt and queues each block's text."""
+
+    def __init__(self, tokenizer, out: queue.Queue, cancelled: threading.Event):
+        self.delta = TextDelta(tokenizer)
+        self.out, self.cancelled = out, cancelled
+        self.prompt_seen = False
+
+    def put(self, ids) -> None:
+        if self.cancelled.is_set():
+            raise _Cancelled()
+        if not self.prompt_seen:  # the prompt comes first
+            self.prompt_seen = True
+            return
+        piece = self.delta.push(ids.reshape(-1).tolist())
+        if piece:
+            self.out.put(piece)
+
+    def end(self) -> None:
+        piece = self.delta.finish()
+        if piece and not self.cancelled.is_set():
+            self.out.put(piece)
+
+
+class TextStream(Iterator[str]):
+    """Text pieces of one decode, at most one per block, in order; ``result`` is the
+    :class:`~mmspec.decoder.GenerationResult` once the iteration has ended. An error of the
+    decode (bad input included) is raised by the iteration. ``close()`` (or leaving a ``for``
+    loop over it early and dropping it) stops the decode at its next block."""
+
+    def __init__(self, decoder, args: tuple, kwargs: dict):
+        self.result = None
+        self._out: queue.Queue = queue.Queue()
+        self._cancelled = threading.Event()
+        streamer = _QueueStreamer(decoder.tokenizer, self._out, self._cancelled)
+
+        def work():
+            try:
+                self.result = decoder.generate(*args, streamer=streamer, **kwargs)
+                self._out.put(_DONE)
+            except _Cancelled:
+                self._out.put(_DONE)
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                self._out.put(e)
+
+        self._thread = threading.Thread(target=work, name="mmspec-stream", daemon=True)
+        self._thread.start()
+
+    def __next__(self) -> str:
+        if self._thread is None:
+            raise StopIteration
+        item = self._out.get()
+        if item is _DONE or isinstance(item, BaseException):
+            self._thread.join()
+            self._thread = None
+            if isinstance(item, BaseException):
+                raise item
+            raise StopIteration
+        return item
+
+    def close(self) -> None:
+        """Stop the decode (at its next block) and wait for it."""
+        self._cancelled.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def __del__(self):
+        self._cancelled.set()

@@ -1,0 +1,417 @@
+"""Training a feature-level head (``mmspec train head``) on the frozen target's own features.
+
+Owns: turning training sequences (prompt + the target's own answer) into batches, the frozen
+target's forward that hands over the features the head reads and the distribution it must
+match (one forward per batch, features computed on the fly: nothing cached to disk), the
+losses, the step function it hands the one loop (:func:`mmspec.train.loop.fit`: AdamW with a
+warm-up, a progress bar, a time budget, checkpoints kept on Ctrl-C and resumed, data-parallel
+training under ``torchrun --nproc_per_node=N``: DDP, gloo on CPU, NCCL on GPU), the head it
+writes (also after Ctrl-C and when the time budget is spent), and the training sequences
+(:func:`world_sequences`, :func:`llava_instruct_sequences`).
+
+Losses, per position t (the head saw target feature t and token t + 1, predicts feature t + 1):
+* cross-entropy against the TARGET's distribution at t + 1 (soft labels: the head learns what
+  the target would say, whatever the sequence says next), all variants;
+* eagle / msd: + ``reg_weight`` x smooth-L1 between the predicted and the target's feature
+  (EAGLE's feature regression);
+* eagle3: training-time test: ``ttt_steps`` unrolled passes, pass k reading the head's own
+  predictions of pass k - 1 instead of the target's features (weights 0.8^(k-1)). Simplified:
+  in pass k every context position reads predicted features, where drafting reads predicted
+  ones only for the last k - 1 positions, a harsher condition;
+* msd: the first ``text_steps`` steps on text-only sequences (images and their slots removed),
+  then multimodal ones (MSD's two-stage schedule); with a time budget that ends training first,
+  the text stage takes the same share of the budget.
+Positions whose next token is an image placeholder carry no loss. Each sequence's loss is its
+mean over positions and the batch loss the mean over sequences, so N ranks of b sequences give
+exactly the gradient of one process with N x b (the DDP test checks it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from mmspec.errors import MMSpecError
+from mmspec.heads.model import VARIANTS, FeatureHead, build_head
+from mmspec.train.loop import FitConfig, FitResult, StepInfo, TrainingInterrupted, fit, fmt_loss, write_atomically
+
+
+@dataclass
+class Sequence_:
+    """One training sequence: token ids (images expanded) and the pixels of its images."""
+
+    input_ids: torch.Tensor  # [L] long
+    pixel_values: torch.Tensor | None  # [n_img, 3, H, W] or None
+    text_only: "Sequence_ | None" = None  # the same without images (msd's first stage)
+
+
+@dataclass
+class HeadTrainConfig:
+    variant: str = "eagle"
+    out: str = "runs/head"
+    num_layers: int = 1
+    steps: int = 1000
+    minutes: float | None = None  # a time budget: stop (and save) when it is spent
+    batch_size: int = 16  # the GLOBAL batch: split over the ranks
+    lr: float = 1e-3
+    warmup: int = 50
+    reg_weight: float = 1.0  # eagle / msd: feature regression next to the cross-entropy
+    ttt_steps: int = 3  # eagle3: unrolled passes of training-time test
+    text_steps: int | None = None  # msd: steps on text-only sequences first (default: a third)
+    seed: int = 0
+    checkpoint_every: int = 100
+    resume: bool = True
+    progress: bool = True
+    device: str = "cpu"
+    notes: dict = field(default_factory=dict)  # recorded in the head's config (recipe, data)
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise MMSpecError(f"unknown head variant {self.variant!r}; use one of {', '.join(VARIANTS)}")
+        for name in ("steps", "batch_size", "num_layers", "ttt_steps", "checkpoint_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                flag = "layers" if name == "num_layers" else name.replace("_", "-")
+                raise MMSpecError(f"--{flag} must be a whole number >= 1, got {v!r}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise MMSpecError(f"--lr must be a finite number > 0, got {self.lr}")
+        if self.minutes is not None and not (math.isfinite(self.minutes) and self.minutes > 0):
+            raise MMSpecError(f"--minutes must be a finite number > 0, got {self.minutes}")
+        if self.text_steps is not None:
+            if self.variant != "msd":
+                raise MMSpecError(f"--text-steps sizes msd's text-only stage; the {self.variant} head has none: "
+                                  "drop --text-steps or use --variant msd")
+            if isinstance(self.text_steps, bool) or not isinstance(self.text_steps, int) \
+                    or not 0 <= self.text_steps < self.steps:
+                raise MMSpecError(f"--text-steps must be a whole number from 0 to --steps - 1 ({self.steps - 1}), "
+                                  f"got {self.text_steps!r}: the multimodal stage needs steps too")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise MMSpecError(f"warmup must be a whole number >= 0, got {self.warmup!r}")
+        if not (math.isfinite(self.reg_weight) and self.reg_weight >= 0):
+            raise MMSpecError(f"reg_weight must be a finite number >= 0, got {self.reg_weight}")
+
+
+# --------------------------------------------------------------------------- distributed
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_dist(device: str) -> Dist:
+    """torchrun's environment -> a process group (gloo on CPU, NCCL on CUDA), or one process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist()
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    return Dist(dist.get_rank(), dist.get_world_size())
+
+
+# --------------------------------------------------------------------------- batches
+def collate(seqs: Sequence[Sequence_], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded batch: input_ids [B, L], attention_mask [B, L], pixel_values [n, 3, H, W] | None."""
+    L = max(s.input_ids.shape[0] for s in seqs)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), L, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, : s.input_ids.shape[0]] = s.input_ids
+        mask[b, : s.input_ids.shape[0]] = 1
+    pix = [s.pixel_values for s in seqs if s.pixel_values is not None]
+    return {"input_ids": ids, "attention_mask": mask, "pixel_values": torch.cat(pix) if pix else None}
+
+
+@torch.no_grad()
+def target_features(target, batch: dict, layers: tuple[int, ...], final: bool):
+    """One frozen target forward -> (logits [B, L, V], features [B, L, F], final feature [B, L, H] | None).
+    The features are the outputs of ``layers`` (-1: the final post-norm state), read by hooks."""
+    from mmspec.models.base import adapter_for
+
+    adapter = adapter_for(target)
+    want = tuple(layers) + ((-1,) if final and -1 not in layers else ())
+    captured: dict[int, torch.Tensor] = {}
+    hooks = [adapter._layer(i).register_forward_hook(
+        lambda m, a, o, i=i: captured.__setitem__(i, o[0] if isinstance(o, tuple) else o)) for i in want]
+    try:
+        kw = {k: v for k, v in batch.items() if v is not None}
+        logits = target(**kw, use_cache=False).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    feats = torch.cat([captured[i] for i in layers], dim=-1)
+    return logits, feats, captured.get(-1) if final else None
+
+
+def head_loss(head: FeatureHead, target, batch: dict, cfg: HeadTrainConfig) -> tuple[torch.Tensor, dict]:
+    """The batch loss (mean over sequences of each sequence's mean over its positions) and parts."""
+    hc = head.config if not hasattr(head, "module") else head.module.config
+    core = head.module if hasattr(head, "module") else head
+    reg = hc.variant in ("eagle", "msd")
+    logits_t, feats, final = target_features(target, batch, hc.feature_layers, final=reg)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    B, L = ids.shape
+    nxt = ids[:, 1:]  # [B, L-1] the token after each head input position
+    emb = target.get_input_embeddings()(nxt).detach()
+    image = (nxt == hc.image_token_id) if (hc.variant == "msd" and hc.image_token_id is not None) else None
+    pos = torch.arange(L - 1, device=ids.device)[None].expand(B, -1)
+    amask = mask[:, 1:]
+    after_img = torch.zeros_like(nxt, dtype=torch.bool)
+    if hc.image_token_id is not None:
+        after_img[:, :-1] = ids[:, 2:] == hc.image_token_id  # the next token is an image slot: no loss
+    valid = amask.bool() & ~after_img  # [B, L-1]
+    p = torch.softmax(logits_t[:, 1:].float(), -1)  # [B, L-1, V] the target's distribution at t + 1
+    lm_head = target.get_output_embeddings()
+    if core.lm_head is not None:  # eagle3: its own vocabulary; the target's mass on it, renormalised
+        p = p[..., core.d2t]
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)
+
+    def ce(h):
+        if core.lm_head is not None:
+            logits = core.lm_head(h)
+        else:  # the target's frozen head, in the head's dtype
+            logits = F.linear(h, lm_head.weight.to(h.dtype), None if lm_head.bias is None else lm_head.bias.to(h.dtype))
+        return -(p * torch.log_softmax(logits.float(), -1)).sum(-1)  # [B, L-1]
+
+    def per_seq(x):  # [B, L-1] -> mean over each sequence's valid positions, then over sequences
+        v = valid.to(x.dtype)
+        return ((x * v).sum(1) / v.sum(1).clamp_min(1.0)).mean()
+
+    dt = core.fc.weight.dtype  # the head trains in float32 (float64 with a float64 target) whatever the target's dtype
+    emb = emb.to(dt)
+    g = core.fused(feats[:, :-1].to(dt))  # [B, L-1, H]
+    h = head(g, emb, image, position_ids=pos, attention_mask=amask)
+    parts = {"ce": per_seq(ce(h))}
+    loss = parts["ce"]
+    if reg:
+        parts["reg"] = per_seq(F.smooth_l1_loss(h, final[:, 1:].to(dt), reduction="none").mean(-1))
+        loss = loss + cfg.reg_weight * parts["reg"]
+    if hc.variant == "eagle3":  # training-time test: later passes read the head's own predictions
+        prev = h
+        for k in range(2, cfg.ttt_steps + 1):
+            g_k = torch.cat([g[:, :1], prev[:, :-1]], dim=1)  # position t: the head's prediction of feature t
+            h_k = head(g_k, emb, image, position_ids=pos, attention_mask=amask)
+            parts[f"ce{k}"] = per_seq(ce(h_k))
+            loss = loss + 0.8 ** (k - 1) * parts[f"ce{k}"]
+            prev = h_k
+    return loss, {k: float(v.detach()) for k, v in parts.items()}
+
+
+# --------------------------------------------------------------------------- the loop
+def _order(n: int, seed: int, epoch: int) -> list[int]:
+    idx = list(range(n))
+    random.Random(seed * 1_000_003 + epoch).shuffle(idx)
+    return idx
+
+
+def _global_batch(step: int, n: int, cfg: HeadTrainConfig) -> list[int]:
+    """The example indices of one global batch (the same on every rank; each takes its slice)."""
+    start = step * cfg.batch_size
+    out = []
+    for j in range(start, start + cfg.batch_size):
+        epoch, k = divmod(j, n)
+        out.append(_order(n, cfg.seed, epoch)[k])
+    return out
+
+
+CHECKPOINT = Path("checkpoints") / "head.pt"  # under --out: what a rerun resumes
+NOTED = ("data", "samples", "families", "answers", "world_seed")  # the data options a resume must match
+
+
+def head_settings(cfg: HeadTrainConfig) -> dict:
+    """The settings a resumed head must share with its checkpoint, by their ``train head`` flags."""
+    out = {"variant": cfg.variant, "layers": cfg.num_layers, "batch_size": cfg.batch_size, "lr": cfg.lr,
+           "warmup": cfg.warmup, "reg_weight": cfg.reg_weight, "text_steps": cfg.text_steps, "seed": cfg.seed}
+    if cfg.variant == "eagle3":
+        out["ttt_steps"] = cfg.ttt_steps
+    return {**out, **{k: cfg.notes[k] for k in NOTED if k in cfg.notes}}
+
+
+def text_steps_of(cfg: HeadTrainConfig) -> int:
+    """msd's text-only steps at the start (default: a third of --steps); 0 for the other variants."""
+    return cfg.text_steps if cfg.text_steps is not None else (cfg.steps // 3 if cfg.variant == "msd" else 0)
+
+
+def train_head(target, seqs: Sequence[Sequence_], cfg: HeadTrainConfig, *, head: FeatureHead | None = None,
+               log: Callable[[str], None] = print) -> dict:
+    """Train (or resume) a head for ``target`` on ``seqs``; saves it under ``cfg.out``. Returns a
+    summary (steps done, losses, seconds). Under torchrun every rank calls this. On Ctrl-C the
+    finished steps are kept (checkpoint and the head itself) and :class:`TrainingInterrupted` is
+    raised; when ``cfg.minutes`` is spent the head is saved as after the last step."""
+    if not seqs:
+        raise MMSpecError("no training sequences; give the head some data (--samples, --families, --data)")
+    dist = init_dist(cfg.device)
+    if cfg.batch_size % dist.world:
+        raise MMSpecError(f"--batch-size {cfg.batch_size} is the global batch and must split evenly over "
+                          f"{dist.world} processes")
+    out = Path(cfg.out)
+    device = torch.device(cfg.device)
+    target = target.to(device).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(cfg.seed)
+    if head is None:
+        head = build_head(target, cfg.variant, num_layers=cfg.num_layers, seed=cfg.seed)
+    head = head.to(device=device, dtype=torch.promote_types(next(target.parameters()).dtype, torch.float32)).train()
+    text_steps = text_steps_of(cfg)
+    per_rank = cfg.batch_size // dist.world
+    pix_dtype = next(target.parameters()).dtype
+
+    def step_loss(model, info: StepInfo) -> tuple[torch.Tensor, dict]:
+        idx = _global_batch(info.step, len(seqs), cfg)[dist.rank * per_rank:(dist.rank + 1) * per_rank]
+        # msd's text stage: its share of the steps, or of the time budget when that ends training first
+        text_stage = info.step < text_steps and info.progress < text_steps / cfg.steps
+        items = [seqs[i].text_only if (text_stage and seqs[i].text_only is not None) else seqs[i] for i in idx]
+        batch = {k: (v.to(device) if v is not None else None) for k, v in collate(items).items()}
+        if batch["pixel_values"] is not None:
+            batch["pixel_values"] = batch["pixel_values"].to(pix_dtype)
+        loss, parts = head_loss(model, target, batch, cfg)
+        return loss, {**parts, "stage": "text" if text_stage else "multimodal"}
+
+    fit_cfg = FitConfig(label=f"train {cfg.variant} head", steps=cfg.steps, minutes=cfg.minutes, lr=cfg.lr,
+                        warmup_steps=cfg.warmup, min_lr_ratio=0.1, grad_clip=1.0, checkpoint=out / CHECKPOINT,
+                        checkpoint_every=cfg.checkpoint_every, resume=cfg.resume, settings=head_settings(cfg),
+                        progress=cfg.progress, ddp=True, find_unused_parameters=cfg.variant == "msd")
+    try:
+        res = fit(head, step_loss, fit_cfg, log=log if dist.main else (lambda s: None),
+                  on_save=lambda step, history: _write_log(out, history))
+    except TrainingInterrupted as e:
+        if dist.main and e.step > 0:  # the finished steps make a usable head too
+            _write_head(head, _partial(fit_cfg), out, cfg, dist, lambda s: None)
+        raise
+    summary = _write_head(head, res, out, cfg, dist, log) if dist.main else _summary(res, dist)
+    if dist.world > 1:
+        import torch.distributed as tdist
+
+        tdist.barrier()
+    return summary
+
+
+def _partial(fit_cfg: FitConfig) -> FitResult:
+    """The checkpoint just saved on Ctrl-C, as a result."""
+    state = torch.load(fit_cfg.checkpoint, map_location="cpu", weights_only=False)
+    return FitResult(fit_cfg.label, state["step"], 0, state["seconds"], "interrupted", state["history"],
+                     Path(fit_cfg.checkpoint))
+
+
+def _summary(res: FitResult, dist: Dist) -> dict:
+    return {"steps": res.steps, "seconds": res.seconds, "world_size": dist.world, "final_loss": res.final_loss,
+            "text_steps": sum(h.get("stage") == "text" for h in res.history), "stopped": res.stopped}
+
+
+def _write_log(out: Path, history: list[dict]) -> None:
+    """``out/train_log.jsonl``: one line per finished step (rewritten at each checkpoint)."""
+    write_atomically(out / "train_log.jsonl",
+                     lambda tmp: tmp.write_text("".join(json.dumps(h) + "\n" for h in history)))
+
+
+def _write_head(head: FeatureHead, res: FitResult, out: Path, cfg: HeadTrainConfig, dist: Dist,
+                log: Callable[[str], None]) -> dict:
+    """The trained head under ``out`` with its ``trained`` record, and its loss history."""
+    summary = _summary(res, dist)
+    head.config.trained = {**cfg.notes, "variant": cfg.variant, "steps": res.steps, "batch_size": cfg.batch_size,
+                           "lr": cfg.lr, "seed": cfg.seed, "world_size": dist.world,
+                           "final_loss": summary["final_loss"], "text_steps": summary["text_steps"],
+                           "ttt_steps": cfg.ttt_steps if cfg.variant == "eagle3" else None}
+    was_training = head.training
+    head.eval().save(out)
+    head.train(was_training)
+    _write_log(out, res.history)
+    log(f"saved the {cfg.variant} head to {out} ({res.steps} steps, loss {fmt_loss(summary['final_loss'])})")
+    return summary
+
+
+# --- training sequences (``mmspec train head --data``) ---
+# Data (``--data``):
+# * ``world`` (default): the embedded world's train split, image families; each sequence is the
+#   prompt (through the target's processor) followed by the TARGET's own greedy answer from an
+#   answers file made by ``mmspec train answers`` (``--answers``), or, without one, the world's
+#   reference answer (the loss still follows the target's distribution at every position).
+# * ``llava-instruct:FILE.json`` with ``--image-dir DIR``: LLaVA-Instruct conversations (a JSON
+#   list of ``{"id", "image", "conversations": [{"from": "human", "value": "<image>\\n..."},
+#   {"from": "gpt", "value": "..."}]}``): the first turn in the LLaVA-1.5 format
+#   (``USER: <image>\\n{question} ASSISTANT:``) followed by the answer, images read from DIR.
+
+
+def _encode(processor, prompt: str, images, continuation_ids, image_token_id) -> Sequence_:
+    import torch
+
+    enc = processor(text=prompt, images=list(images) or None, return_tensors="pt")
+    cont = torch.as_tensor(list(continuation_ids), dtype=torch.long)
+    if image_token_id is not None:
+        cont = cont[cont != image_token_id]  # an answer never holds image slots
+    ids = torch.cat([enc["input_ids"][0], cont])
+    pv = enc.get("pixel_values")
+    text_prompt = prompt.replace("<image>\n", "").replace("<image>", "")
+    t_enc = processor.tokenizer(text_prompt, return_tensors="pt")
+    text_only = Sequence_(torch.cat([t_enc["input_ids"][0], cont]), None)
+    return Sequence_(ids, pv, text_only=text_only)
+
+
+def world_sequences(processor, families: list[str], n: int, seed: int, answers: Path | None,
+                    image_token_id) -> list[Sequence_]:
+    from mmspec.world import FAMILIES, make_sample
+
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        raise MMSpecError(f"unknown world family {unknown[0]!r}; use some of {', '.join(FAMILIES)}")
+    samples = [make_sample(f, "train", i, seed) for i in range(n) for f in families]
+    answer_ids = {}
+    if answers is not None:
+        from mmspec.train.distill import read_answers
+
+        answer_ids = read_answers(answers, seed=seed, prompts={s.uid: s.prompt for s in samples})
+        missing = [s.uid for s in samples if s.uid not in answer_ids]
+        if missing:
+            raise MMSpecError(f"{answers} lacks {len(missing)} of the {len(samples)} training samples (e.g. "
+                              f"{missing[0]}); make them with `mmspec train answers` for the same families, "
+                              "counts and world seed")
+    tok = processor.tokenizer
+    out = []
+    for s in samples:
+        cont = answer_ids.get(s.uid) or tok(" " + s.answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        out.append(_encode(processor, s.prompt, s.images, cont, image_token_id))
+    return out
+
+
+def llava_instruct_sequences(processor, path: Path, image_dir: Path, n: int, image_token_id) -> list[Sequence_]:
+    from PIL import Image
+
+    rows = json.loads(Path(path).read_text())
+    if not isinstance(rows, list):
+        raise MMSpecError(f"{path} is not a LLaVA-Instruct JSON list of conversations")
+    tok = processor.tokenizer
+    out = []
+    for row in rows[:n]:
+        conv = row.get("conversations") or []
+        if len(conv) < 2 or conv[0].get("from") != "human" or conv[1].get("from") != "gpt":
+            continue
+        question = conv[0]["value"]
+        images = []
+        if row.get("image"):
+            f = Path(image_dir) / row["image"]
+            if not f.exists():
+                raise MMSpecError(f"image {f} of conversation {row.get('id')} not found; --image-dir must hold "
+                                  "the images the JSON names (e.g. COCO train2017 for LLaVA-Instruct-150K)")
+            images = [Image.open(f).convert("RGB")]
+            if "<image>" not in question:
+                question = "<image>\n" + question
+        prompt = f"USER: {question} ASSISTANT:"
+        cont = tok(" " + conv[1]["value"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        out.append(_encode(processor, prompt, images, cont, image_token_id))
+    if not out:
+        raise MMSpecError(f"{path} has no usable conversations (a human turn followed by a gpt turn)")
+    return out

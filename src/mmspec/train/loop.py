@@ -1,0 +1,335 @@
+"""The one training loop every ``mmspec train`` command runs: :func:`fit`.
+
+Owns: the optimiser (AdamW), the learning-rate schedule (:func:`lr_factor`: warm-up, then cosine
+to a floor, on the step count or on the clock), the budgets (steps and/or minutes), gradient
+clipping, the progress bar, the loss history, checkpoints (every N steps, on Ctrl-C and when the
+time budget is spent; written atomically, so an interrupt during a save never leaves half a
+file), resume (refused when the checkpoint was made with other settings, naming each), and
+DDP under ``torchrun`` (the caller opens the process group).
+
+A caller brings its maths as a step function ``step_loss(model, info) -> (loss, record)``:
+``model`` is the module (wrapped in DDP when it runs under torchrun), ``info`` a
+:class:`StepInfo`, ``loss`` a scalar tensor and ``record`` extra fields for the loss history.
+Batches must be a function of ``info.step`` (or the caller fast-forwards its stream on resume)
+so that a resumed run sees the batches an uninterrupted one would.
+
+A checkpoint is one file (``torch.save``): the step reached, the seconds spent, the model's
+state, the optimiser's, the loss history, the torch RNG and the settings it was trained with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from mmspec.errors import MMSpecError
+
+FORMAT = 1  # checkpoint layout version
+
+
+def fmt_loss(x: float | None) -> str:
+    """A loss for people: 4 significant digits (``7.72``, ``0.01234``), ``-`` when there is none."""
+    return "-" if x is None else f"{x:.4g}"
+
+
+def check_schedule(steps: int | None, max_seconds: float | None, name: str = "stage") -> None:
+    """Refuse a schedule that could not end or would divide by zero: the one rule every caller of
+    :func:`fit` and its configs share. ``steps`` (>= 1) and/or ``max_seconds`` (> 0, finite)."""
+    if steps is None and max_seconds is None:
+        raise MMSpecError(f"{name}: needs a step count or a time budget (minutes)")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise MMSpecError(f"{name}: needs steps >= 1; got {steps}")
+    if max_seconds is not None and not (math.isfinite(max_seconds) and max_seconds > 0):
+        raise MMSpecError(f"{name}: needs a time budget > 0; got {max_seconds} s")
+
+
+@dataclass
+class FitConfig:
+    """How :func:`fit` optimises. ``steps`` and/or ``minutes`` bound the run (the first reached
+    ends it). Learning rate at a step: ``lr x ramp x cosine`` where ``ramp = min(1, (step + 1) /
+    warmup_steps)`` (1 without warm-up steps) and the cosine runs from 1 to ``min_lr_ratio`` over
+    the schedule's progress, after a linear warm-up from 0 over its first ``warmup_ratio``.
+    Progress is ``step / steps``, or, with ``clock_schedule``, the larger of that and the share of
+    the time budget spent."""
+
+    label: str = "train"  # the progress bar's label and the messages' subject
+    steps: int | None = None
+    minutes: float | None = None
+    lr: float = 1e-3
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0
+    min_lr_ratio: float = 0.0
+    clock_schedule: bool = False
+    weight_decay: float = 0.0
+    grad_clip: float | None = 1.0
+    checkpoint: str | Path | None = None  # a file; None: no checkpoints (and nothing kept on Ctrl-C)
+    checkpoint_every: int | None = None  # also save every N steps (Ctrl-C and the budget always save)
+    resume: bool = True  # continue from ``checkpoint`` when it exists
+    settings: dict = field(default_factory=dict)  # what a resume must match: {option name: value}
+    progress: bool = True
+    ddp: bool = False  # wrap the model in DistributedDataParallel when a process group of > 1 is open
+    find_unused_parameters: bool = False
+
+    def __post_init__(self) -> None:
+        check_schedule(self.steps, None if self.minutes is None else 60.0 * self.minutes, self.label)
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise MMSpecError(f"{self.label} needs a learning rate > 0; got {self.lr}")
+        if self.warmup_steps < 0 or not 0 <= self.warmup_ratio < 1 or not 0 <= self.min_lr_ratio <= 1:
+            raise MMSpecError(f"{self.label}: warm-up steps must be >= 0, the warm-up ratio in [0, 1) and the "
+                              f"floor in [0, 1]; got {self.warmup_steps}, {self.warmup_ratio}, {self.min_lr_ratio}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise MMSpecError(f"{self.label}: gradient clipping needs a norm > 0 (or none); got {self.grad_clip}")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise MMSpecError(f"{self.label}: checkpoints every {self.checkpoint_every} steps; give a number >= 1")
+
+    @property
+    def budget_seconds(self) -> float | None:
+        return None if self.minutes is None else 60.0 * self.minutes
+
+
+def lr_factor(cfg: FitConfig, step: int, progress: float) -> float:
+    """The learning rate's multiplier at ``step`` (0-based) and schedule ``progress`` in [0, 1]."""
+    progress = min(max(progress, 0.0), 1.0)
+    if cfg.warmup_ratio > 0 and progress < cfg.warmup_ratio:
+        return progress / cfg.warmup_ratio
+    rest = (progress - cfg.warmup_ratio) / max(1e-12, 1.0 - cfg.warmup_ratio)
+    cosine = cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * rest))
+    ramp = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+    return ramp * cosine
+
+
+@dataclass
+class StepInfo:
+    """What a step function is told: the step's 0-based index (= steps finished before it), the
+    run's step budget, the share of the whole budget spent (``max(step / steps, seconds /
+    budget)``) and the learning rate in use."""
+
+    step: int
+    steps: int | None
+    progress: float
+    lr: float
+
+
+@dataclass
+class FitResult:
+    """What :func:`fit` did: steps finished (in all, resumed ones included), where it started,
+    seconds spent (in all), why it stopped (``steps``, ``budget`` or ``done``: the checkpoint had
+    finished already), the loss history and the checkpoint file."""
+
+    label: str
+    steps: int
+    start: int
+    seconds: float
+    stopped: str
+    history: list[dict]
+    checkpoint: Path | None
+
+    @property
+    def losses(self) -> list[float]:
+        return [h["loss"] for h in self.history]
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.history[-1]["loss"] if self.history else None
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during :func:`fit`, after the finished steps were saved. ``str()`` is the one line
+    to show: what was kept, where, and that the same command resumes."""
+
+    def __init__(self, label: str, step: int, steps: int | None, checkpoint: Path | None):
+        super().__init__(label, step, steps, checkpoint)
+        self.label, self.step, self.steps, self.checkpoint = label, step, steps, checkpoint
+
+    def __str__(self) -> str:
+        of = f" of {self.steps}" if self.steps is not None else ""
+        if self.checkpoint is None:
+            return f"interrupted: {self.label} stopped at step {self.step}{of}; nothing was kept (no checkpoint)"
+        return (f"interrupted: {self.label} kept step {self.step}{of} in {self.checkpoint}; run the same command "
+                "to resume (--fresh starts over)")
+
+
+# --------------------------------------------------------------------------- checkpoints
+@contextlib.contextmanager
+def _sigint_deferred(reraise: bool = True):
+    """Hold Ctrl-C while the block runs (a save), then raise it: a save is never cut in half."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    old = signal.signal(signal.SIGINT, lambda *_: got.append(1))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+    if got and reraise:
+        raise KeyboardInterrupt
+
+
+def write_atomically(path: Path, save: Callable[[Path], None], reraise: bool = True) -> None:
+    """``save(tmp)`` then rename ``tmp`` to ``path`` (atomic on one file system), Ctrl-C held meanwhile."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with _sigint_deferred(reraise):
+        try:
+            save(tmp)
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+
+
+def _norm(v):
+    return json.dumps(v, sort_keys=True, default=str)
+
+
+def _flag(name: str) -> str:
+    return name if name.startswith("-") or " " in name else "--" + name.replace("_", "-")
+
+
+def read_checkpoint(path: str | Path, settings: dict, steps: int | None, minutes: float | None = None,
+                    label: str = "training") -> dict | None:
+    """The checkpoint at ``path`` (None when there is none), refused when its settings differ
+    from ``settings`` (each named, with both values and the fix) or when it is already past
+    ``steps``. Reads a file only: call it before loading models, to fail early."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - any unreadable file: say which and how to go on
+        raise MMSpecError(f"{path} is not a readable mmspec checkpoint ({type(e).__name__}); add --fresh to start "
+                          "over") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise MMSpecError(f"{path} is not an mmspec checkpoint of this version; add --fresh to start over")
+    saved = state.get("settings", {})
+    differ = [k for k in sorted(set(saved) | set(settings)) if _norm(saved.get(k)) != _norm(settings.get(k))]
+    if differ:
+        parts = ", ".join(f"{_flag(k)} {saved.get(k)!r} there, {settings.get(k)!r} now" for k in differ)
+        raise MMSpecError(f"{path} holds {label} made with other settings ({parts}); resume it with the "
+                          f"checkpoint's values, or add --fresh to start over")
+    if steps is not None and state["step"] > steps:
+        raise MMSpecError(f"{path} holds {state['step']} steps of {label}, past --steps {steps}: nothing to do; "
+                          f"raise --steps above {state['step']} to train on, or add --fresh to start over")
+    return state
+
+
+def _save(path: Path, model: torch.nn.Module, opt, step: int, seconds: float, history: list, cfg: FitConfig,
+          reraise: bool = True) -> None:
+    state = {"format": FORMAT, "label": cfg.label, "step": step, "steps": cfg.steps, "seconds": seconds,
+             "model": model.state_dict(), "optimizer": opt.state_dict(), "history": history,
+             "settings": cfg.settings, "rng": torch.random.get_rng_state()}
+    write_atomically(path, lambda tmp: torch.save(state, tmp), reraise)
+
+
+# --------------------------------------------------------------------------- the loop
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _wrap(model: torch.nn.Module, cfg: FitConfig) -> torch.nn.Module:
+    import torch.distributed as dist
+
+    if cfg.ddp and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, find_unused_parameters=cfg.find_unused_parameters)
+    return model
+
+
+def fit(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, StepInfo], tuple[torch.Tensor, dict]],
+        cfg: FitConfig, *, params: list[torch.nn.Parameter] | None = None,
+        log: Callable[[str], None] = print, on_save: Callable[[int, list[dict]], None] | None = None) -> FitResult:
+    """Train ``params`` (default: ``model``'s parameters that require grad) on ``step_loss`` until
+    ``cfg.steps`` or ``cfg.minutes`` is reached, resuming from ``cfg.checkpoint`` when it exists.
+    On Ctrl-C: saves the finished steps and raises :class:`TrainingInterrupted`; when the time
+    budget is spent: saves and returns (``stopped == "budget"``). ``on_save(step, history)`` runs
+    after each checkpoint (the main rank's), e.g. to write the loss log as it grows."""
+    from tqdm.auto import tqdm
+
+    main = _rank() == 0
+    params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
+    if not params:
+        raise MMSpecError(f"{cfg.label}: no parameters to train")
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    ckpt = None if cfg.checkpoint is None else Path(cfg.checkpoint)
+    start, before, history = 0, 0.0, []
+    state = read_checkpoint(ckpt, cfg.settings, cfg.steps, cfg.minutes, cfg.label) if ckpt and cfg.resume else None
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        torch.random.set_rng_state(state["rng"])
+        start, before, history = int(state["step"]), float(state["seconds"]), list(state["history"])
+        if main:
+            log(f"resuming {cfg.label} from {ckpt} at step {start}" + (f" of {cfg.steps}" if cfg.steps else ""))
+    budget = cfg.budget_seconds
+    t0 = time.perf_counter()
+
+    def seconds() -> float:
+        return before + time.perf_counter() - t0
+
+    def progress(step: int) -> float:
+        p = step / cfg.steps if cfg.steps else 0.0
+        return max(p, seconds() / budget) if budget else p
+
+    if (cfg.steps is not None and start >= cfg.steps) or (budget is not None and before >= budget):
+        if main:
+            log(f"{cfg.label}: {ckpt} has finished already ({start} steps); nothing to train")
+        return FitResult(cfg.label, start, start, before, "done", history, ckpt)
+    wrapped = _wrap(model, cfg)
+    bar = tqdm(total=cfg.steps, initial=start, desc=cfg.label, disable=not (cfg.progress and main), unit="step",
+               dynamic_ncols=True, mininterval=2.0)
+    step, stopped = start, "steps"
+    try:
+        while True:
+            if cfg.steps is not None and step >= cfg.steps:
+                break
+            frac = progress(step)
+            if budget is not None and frac >= 1.0 and (cfg.steps is None or step < cfg.steps):
+                stopped = "budget"
+                break
+            lr = cfg.lr * lr_factor(cfg, step, frac if cfg.clock_schedule or not cfg.steps else step / cfg.steps)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            loss, record = step_loss(wrapped, StepInfo(step, cfg.steps, frac, lr))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if cfg.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            step += 1
+            history.append({"step": step, "loss": float(loss.detach()), **(record or {})})
+            bar.update(1)
+            bar.set_postfix(loss=fmt_loss(history[-1]["loss"]), lr=f"{lr:.1e}")
+            if main and ckpt and cfg.checkpoint_every and step % cfg.checkpoint_every == 0 \
+                    and (cfg.steps is None or step < cfg.steps):
+                _save(ckpt, model, opt, step, seconds(), history, cfg)
+                if on_save is not None:
+                    on_save(step, history)
+    except KeyboardInterrupt:
+        bar.close()
+        if main and ckpt is not None:
+            _save(ckpt, model, opt, step, seconds(), history, cfg, reraise=False)
+        raise TrainingInterrupted(cfg.label, step, cfg.steps, ckpt) from None
+    finally:
+        bar.close()
+    spent = seconds()
+    if main and stopped == "budget":
+        log(f"{cfg.label}: the time budget of {cfg.minutes:g} min is spent at step {step}"
+            + (f" of {cfg.steps}" if cfg.steps else ""))
+    if main and ckpt is not None:
+        _save(ckpt, model, opt, step, spent, history, cfg)
+    return FitResult(cfg.label, step, start, spent, stopped, history, ckpt)

@@ -1,0 +1,186 @@
+"""The fixed-shape / CUDA-graph path: same tokens as eager, graphs captured once per shape and
+reused across calls, a clear fallback when capture fails, one host sync per block on a GPU.
+The CUDA tests are skipped on machines without a GPU (CI); the CPU tests run the same
+bookkeeping with an emulated capture."""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from helpers.reference import captions, reference
+from helpers.tiny import VOCAB, make_llava, make_prompt, noisy_copy
+from mmspec import SpecDecoder
+from mmspec.errors import MMSpecError
+from mmspec.graphs import StaticPool, StepRunner, graph_mode
+from mmspec.models.base import adapter_for
+from mmspec.tree import tree_attention_mask
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_graph_mode_choice():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda:0")
+    assert graph_mode("auto", cpu, cpu) == "eager" and graph_mode(False, gpu, gpu) == "eager"
+    assert graph_mode("auto", gpu, gpu) == "cuda" and graph_mode("auto", gpu, torch.device("cuda:1")) == "eager"
+    with pytest.raises(MMSpecError, match="one CUDA device"):
+        graph_mode(True, cpu, cpu)
+    with pytest.raises(MMSpecError, match="'auto', True or False"):
+        graph_mode("always", cpu, cpu)
+
+
+def test_decoder_defaults_to_eager_on_cpu(target, draft_shared, tok):
+    dec = SpecDecoder(target, draft_shared, tok, views="M")
+    assert dec.engine == "eager" and not dec.static
+
+
+def test_emulated_graphs_are_captured_once_and_reused(target, draft_shared, tok):
+    ids, pv = make_prompt(2, 16, seed=21)
+    ref = reference(target, ids, pv, 20)
+    dec = SpecDecoder(target, draft_shared, tok, views="MTC", captioner=captions(2), tree="dynamic",
+                      cuda_graphs="emulate")
+    assert dec.generate(ids, pv, max_new_tokens=20).token_ids == ref
+    shapes = {k: set(r.graphs) for k, (_, r) in dec._static_pool.items()}
+    assert any(shapes.values())
+    assert dec.generate(ids, pv, max_new_tokens=20).token_ids == ref
+    assert {k: set(r.graphs) for k, (_, r) in dec._static_pool.items()} == shapes  # nothing new captured
+
+
+def test_capture_failure_falls_back_to_eager_with_one_warning(target, draft_shared, tok, monkeypatch):
+    def broken(self, *a):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(StepRunner, "_capture", broken)
+    ids, pv = make_prompt(1, 16, seed=22)
+    dec = SpecDecoder(target, draft_shared, tok, views="M", cuda_graphs="emulate")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert dec.generate(ids, pv, max_new_tokens=16).token_ids == reference(target, ids, pv, 16)
+    msgs = [str(w.message) for w in caught if "CUDA graph" in str(w.message)]
+    assert len(msgs) == 2 and "running it eagerly" in msgs[0]  # one per model (target, draft), not per step
+    assert all(r.failed for _, r in dec._static_pool.values())
+
+
+def test_static_pool_keeps_one_cache_per_role_rows_and_power_of_two_capacity():
+    made = []
+
+    def get(needed, role="draft", rows=2):
+        return pool.get(role, rows, needed, lambda n: made.append(n) or SimpleNamespace(length=0, max_len=n),
+                        lambda cache: (lambda **inputs: None))
+
+    pool = StaticPool("emulate")
+    a, b, c, d = get(100), get(512), get(513), get(513, rows=3)
+    assert a is b and a[0].max_len == 512 and c[0].max_len == 1024 and d is not c and made == [512, 1024, 1024]
+    assert get(600, role="target") is not c and all(r.mode == "emulate" for _, r in pool.values())
+
+
+@pytest.mark.parametrize("mode, fail_at, where", [
+    ("emulate", 1, "layers.1"), ("emulate", 1, "norm"),
+    pytest.param("cuda", 1, "layers.1", marks=cuda),  # a warm-up run fails
+    pytest.param("cuda", 3, "layers.1", marks=cuda), pytest.param("cuda", 3, "norm", marks=cuda),  # the capture fails
+])
+@torch.inference_mode()
+def test_capture_failing_part_way_leaves_the_cache_as_it_was(target, mode, fail_at, where):
+    """A REAL capture (emulated on the CPU; on a GPU a warm-up or the capture itself) that raises
+    part-way: after the first layer wrote ("layers.1": the cursor not yet moved) or after every
+    layer wrote ("norm": the cursor moved too). The eager fallback must start from the cache the
+    attempt found: its logits are the target's, and every layer's length and the device cursor
+    count exactly the new tokens."""
+    model = target if mode == "emulate" else make_llava(0, dtype=torch.float32).cuda()
+    dev = next(model.parameters()).device
+    adapter = adapter_for(model)
+    cache = adapter.new_cache(64, static=True)
+
+    def forward(ids, pos, mask):
+        return adapter.forward(cache=cache, attention_mask=mask, position_ids=pos, input_ids=ids)
+
+    ids = torch.randint(5, VOCAB, (1, 14), generator=torch.Generator().manual_seed(4)).to(dev)
+    L = 8
+    chain = lambda n: torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+    at = lambda start, n: torch.arange(start, start + n, device=dev)[None]
+    forward(ids[:, :L], at(0, L), tree_attention_mask(chain(L), 0, 64))  # prefill, eagerly
+    runner = StepRunner(forward, cache, mode=mode, name="target")
+    calls = {"n": 0}
+
+    def fail_once(module, args):
+        calls["n"] += 1
+        if calls["n"] == fail_at:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    hook = model.model.language_model.get_submodule(where).register_forward_pre_hook(fail_once)
+    try:
+        with pytest.warns(RuntimeWarning, match="running it eagerly"):
+            first = runner(ids=ids[:, L:L + 3], pos=at(L, 3), mask=tree_attention_mask(chain(3), L, 64))
+    finally:
+        hook.remove()
+    assert calls["n"] > fail_at and runner.failed  # the capture did fail part-way (then ran eagerly)
+    assert cache.length == L + 3 and {layer.length for layer in cache.layers} == {L + 3}
+    assert int(cache.store.cursor) == L + 3
+    second = runner(ids=ids[:, L + 3:L + 6], pos=at(L + 3, 3), mask=tree_attention_mask(chain(3), L + 3, 64))
+    full = model(input_ids=ids[:, :L + 6]).logits  # [1, L + 6, V]
+    tol = {} if mode == "emulate" else dict(atol=1e-4, rtol=1e-4)  # float32 on a GPU: other kernels
+    torch.testing.assert_close(torch.cat([first, second], 1), full[:, L:L + 6], **tol)
+    assert cache.length == L + 6 and int(cache.store.cursor) == L + 6
+
+
+@cuda
+@pytest.mark.parametrize("kw", [dict(), dict(tree="dynamic"), dict(tree=[[0], [1], [0, 0], [0, 1], [1, 0]])])
+@pytest.mark.parametrize("method", ["M", "MTC"])
+def test_cuda_graphs_match_target_on_gpu(kw, method, tok):
+    target = make_llava(0, dtype=torch.float32).cuda()
+    draft = noisy_copy(target, 1)
+    for n_images in (1, 2):
+        ids, pv = make_prompt(n_images, 16, seed=n_images)
+        ids, pv = ids.cuda(), pv.float().cuda()
+        ref = reference(target, ids, pv, 24)
+        eager = SpecDecoder(target, draft, tok, views=method, captioner=captions(n_images), cuda_graphs=False, **kw)
+        graphs = SpecDecoder(target, draft, tok, views=method, captioner=captions(n_images), cuda_graphs=True, **kw)
+        assert graphs.engine == "cuda-graphs"
+        assert eager.generate(ids, pv, max_new_tokens=24).token_ids == ref
+        for _ in range(2):
+            res = graphs.generate(ids, pv, max_new_tokens=24)
+            assert res.token_ids == ref
+        assert res.stats.capture_s == 0.0  # the second call replayed what the first captured
+        assert not any(r.failed for _, r in graphs._static_pool.values())
+
+
+@cuda
+def test_one_host_sync_per_block_on_gpu(tok):
+    target = make_llava(0, dtype=torch.float32).cuda()
+    draft = noisy_copy(target, 1)
+    ids, pv = make_prompt(1, 16, seed=3)
+    ids, pv = ids.cuda(), pv.float().cuda()
+    dec = SpecDecoder(target, draft, tok, views="M", tree="dynamic", cuda_graphs=True)
+    dec.generate(ids, pv, max_new_tokens=32)  # captures
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            res = dec.generate(ids, pv, max_new_tokens=32)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    # the prefill and the input checks read a few values; every block reads its packed outcome once
+    assert len(syncs) <= res.stats.n_blocks + 8, [str(w.message)[:120] for w in syncs]
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(tree="dynamic")])
+def test_target_dispatched_by_accelerate_device_map(target, draft_shared, tok, tmp_path, kw):
+    """A target loaded with device_map="auto" (accelerate's dispatch; here half its layers are
+    offloaded to disk, so its hooks load them at each forward) decodes exactly like the target."""
+    pytest.importorskip("accelerate")
+    from transformers import LlavaForConditionalGeneration
+
+    target.save_pretrained(tmp_path / "t")
+    size = sum(p.numel() * p.element_size() for p in target.parameters())
+    dispatched = LlavaForConditionalGeneration.from_pretrained(
+        tmp_path / "t", device_map="auto", max_memory={"cpu": size // 2}, offload_folder=str(tmp_path / "off"),
+        dtype=torch.float64)
+    assert {"cpu", "disk"} <= set(dispatched.hf_device_map.values())
+    ids, pv = make_prompt(2, 16, seed=23)
+    dec = SpecDecoder(dispatched, draft_shared, tok, views="MT", **kw)
+    assert dec.engine == "eager" and dec.target.device == torch.device("cpu")
+    assert dec.generate(ids, pv, max_new_tokens=16).token_ids == reference(target, ids, pv, 16)

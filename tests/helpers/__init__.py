@@ -1,0 +1,10 @@
+"""Shared helpers of the test suite, one package imported as ``helpers`` (``pythonpath = ["tests"]``
+in pyproject.toml): test modules import from here or use conftest.py's fixtures, never from one
+another.
+
+- ``helpers.tiny``: tiny random models, tokenizer, processor and prompts built from configs.
+- ``helpers.bench_data``: parquet fixtures in the lmms-lab schemas and a fake bench backend.
+- ``helpers.reference``: what the outputs are checked against (``target.generate``, chi-square).
+- ``helpers.qwen``: tiny Qwen2-VL / Qwen2.5-VL models and their inputs.
+- ``helpers.scripts``: the top-level speed scripts, imported by path.
+"""

@@ -1,0 +1,85 @@
+"""What the tests check outputs against: the target's own ``generate`` and a chi-square test."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from helpers.tiny import IMG
+from mmspec.models.captioner import FixedCaptioner
+
+
+def reference(target, ids, pv, n):
+    out = target.generate(input_ids=ids, pixel_values=pv, attention_mask=torch.ones_like(ids),
+                          do_sample=False, max_new_tokens=n)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def captions(n):
+    return FixedCaptioner([f"w{10 + i} w{20 + i} w30" for i in range(n)])
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square p-value (Wilson-Hilferty normal approximation, cells pooled < 5)."""
+    n = counts.sum()
+    exp = probs * n
+    big = exp >= 5
+    c = torch.cat([counts[big], counts[~big].sum().view(1)])
+    e = torch.cat([exp[big], exp[~big].sum().view(1)])
+    keep = e > 0
+    stat = float(((c[keep] - e[keep]) ** 2 / e[keep]).sum())
+    dof = int(keep.sum()) - 1
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def exact_sequence_probs(target, ids, pv, eos=2, n_new: int = 3, temp: float = 1.0):
+    """P(x1..x_n_new) under the target at temperature ``temp``, EOS ending a sequence early
+    (exactly, by enumeration over a tiny vocabulary; ids [1, L] with one image pv [1, 3, H, W])."""
+    V, N_NEW, TEMP = target.config.text_config.vocab_size, n_new, temp
+    seqs, probs = [], []
+
+    feats = torch.cat(list(target.get_image_features(pixel_values=pv).pooler_output))  # [16, H]
+
+    def next_probs(prefix):
+        # embeddings built by hand: a generated token may be the <image> id, which must not
+        # be treated as an image slot (generate() embeds it as a plain token too)
+        full = torch.cat([ids, torch.tensor([prefix], dtype=torch.long)], 1) if prefix else ids
+        emb = target.get_input_embeddings()(full)
+        emb[0, : ids.shape[1]][ids[0] == IMG] = feats
+        logits = target(inputs_embeds=emb).logits[0, -1]
+        return torch.softmax(logits / TEMP, -1)
+
+    with torch.no_grad():
+        frontier = [((), 1.0)]
+        for _ in range(N_NEW):
+            new = []
+            for prefix, pr in frontier:
+                p = next_probs(list(prefix))
+                for t in range(V):
+                    seq, q = prefix + (t,), pr * float(p[t])
+                    (seqs.append(seq), probs.append(q)) if (t == eos or len(seq) == N_NEW) else new.append((seq, q))
+            frontier = new
+    return {s: p for s, p in zip(seqs, probs)}
+
+
+def pvalues(samples, exact, V: int = 8) -> list[float]:
+    """Chi-square p-values: the joint over whole sequences, and the marginal of each position
+    (category V = the sequence ended earlier). Marginals carry most of the power."""
+    seqs = list(exact)
+    N_NEW = max(len(s) for s in seqs)
+    probs = torch.tensor([exact[s] for s in seqs])
+    index = {s: i for i, s in enumerate(seqs)}
+    joint = torch.zeros(len(seqs))
+    for s in samples:
+        joint[index[s]] += 1
+    out = [chi2_pvalue(joint, probs)]
+    for pos in range(N_NEW):
+        m_exact, m_obs = torch.zeros(V + 1), torch.zeros(V + 1)
+        for s, pr in exact.items():
+            m_exact[s[pos] if len(s) > pos else V] += pr
+        for s in samples:
+            m_obs[s[pos] if len(s) > pos else V] += 1
+        out.append(chi2_pvalue(m_obs, m_exact))
+    return out

@@ -1,0 +1,58 @@
+"""The embedded video pair's whole recipe on a tiny budget: ``mmspec train video`` (a Video-LLaVA
+built from the embedded image pack, fine-tuned on world clips), ``mmspec train align`` on its
+draft, and ``perf/video_speed.py`` on the result (every system's output checked against the
+target's greedy output). Checks code paths and files, not quality or speed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mmspec.cli import app
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def video_pair(tmp_path_factory):
+    out = tmp_path_factory.mktemp("video")
+    r = CliRunner().invoke(app, ["train", "video", "--out", str(out), "--samples", "2", "--steps", "2",
+                                 "--batch-size", "2", "--minutes", "0.2", "--draft-minutes", "0.1",
+                                 "--eval-samples", "1", "--threads", "1"])
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def test_train_video_builds_a_lossless_pair_with_a_report(video_pair):
+    from transformers import VideoLlavaForConditionalGeneration
+
+    report = json.loads((video_pair / "video_report.json").read_text())
+    assert report["train_clips"] == 4 and report["target_after"]["n"] == 2
+    assert set(report["target_after"]["by_family"]) == {"motion", "order"}
+    assert report["provenance"]["command"] and report["target_loss"] and report["draft_loss"]
+    for role in ("target", "draft"):
+        m = VideoLlavaForConditionalGeneration.from_pretrained(video_pair / role)
+        assert m.config.video_token_index == m.config.text_config.vocab_size - 1  # <video> appended last
+
+
+def test_align_then_video_speed_on_the_pair(video_pair, tmp_path):
+    enc = tmp_path / "align"
+    r = CliRunner().invoke(app, ["train", "align", "--draft", str(video_pair / "draft"), "--out", str(enc),
+                                 "--samples", "2", "--steps", "2", "--batch-size", "2", "--threads", "1"])
+    assert r.exit_code == 0, r.output
+    run = subprocess.run([sys.executable, str(ROOT / "perf" / "video_speed.py"), "--pair", str(video_pair),
+                          "--encoder", str(enc), "--n", "1", "--max-new-tokens", "8", "--repeats", "1",
+                          "--out", str(tmp_path / "speed")], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]  # 1: an output differs from the target's
+    res = json.loads((tmp_path / "speed" / "video_speed.json").read_text())
+    assert res["identical"], res["mismatches"]
+    assert [x["system"] for x in res["rows"]] == ["target", "mmspec_M", "mmspec_T", "mmspec_E", "mmspec_TE"]
+    assert res["rows"][0]["vision_s_per_clip"] > 0  # the target's tower, timed apart
+    e = res["draft_encoding_s"]
+    assert e["video_tower_and_projector"] > 0 and e["events_encoder_only"] > 0 and e["events_recorded_bin_encode"] > 0
+    assert (tmp_path / "speed" / "video_speed.md").read_text().startswith("# Video pair")
