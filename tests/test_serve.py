@@ -262,6 +262,9 @@ def test_conversation_and_local_images(server, solo):
     path = server.media / "chart.png"
     s.images[0].save(path)
     first = solo.generate(s.prompt, s.images, 40)
+    r = server.client().chat.completions.create(model=MODEL, max_tokens=40, temperature=0,
+                                                messages=user_message(s.prompt, s.images, urls=[str(path)]))
+    assert r.choices[0].message.content == first.text
     messages = user_message(s.prompt, s.images, urls=[f"file://{path}"]) + [
         {"role": "assistant", "content": first.text}, {"role": "user", "content": "Which bar is the lowest?"}]
     r = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
@@ -269,9 +272,7 @@ def test_conversation_and_local_images(server, solo):
     ref = solo.dec.generate(**solo.e.processor(text=prompt, images=s.images, return_tensors="pt"),
                             max_new_tokens=24)
     assert r.choices[0].message.content == ref.text
-    r = server.client().chat.completions.create(model=MODEL, max_tokens=40, temperature=0,
-                                                messages=user_message(s.prompt, s.images, urls=[str(path)]))
-    assert r.choices[0].message.content == first.text
+    assert r.model_extra["mmspec"]["prompt_tokens_reused"] > 0  # turn 2 extends turn 1: its cache is reused
 
 
 def _bad_requests(server) -> list[tuple[str, dict | bytes, str]]:
