@@ -264,7 +264,9 @@ def main() -> None:
         "first_token_s_streamed": {"p50": round(percentile(ttft, 0.5), 3), "p90": round(percentile(ttft, 0.9), 3)},
         "solo_sequential": solo_speed,
         "bad_latency_s_p50": round(percentile([r["latency_s"] for r in bad_res], 0.5), 4),
-        "rss_mb": {"idle": round(rss_idle, 1), "peak": round(max(peak), 1), "after": round(rss_after, 1)},
+        "rss_mb": {"idle": round(rss_idle, 1), "peak": round(max(peak), 1), "after": round(rss_after, 1),
+                   "prefix_cache_after": health.get("prefix_cache_mb"),  # kept by design, within its budget
+                   "after_less_prefix_cache": round(rss_after - (health.get("prefix_cache_mb") or 0.0), 1)},
         "mismatches": mismatches, "bad_not_400": not_400,
         "bad_kinds": sorted({r["bad"] for r in bad_res}),
     }

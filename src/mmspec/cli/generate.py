@@ -57,9 +57,9 @@ def load_models(target, draft, captioner, captioner_prompt, dtype, device, head=
     return t, d, tok, processor, cap, False
 
 
-def build_decoder(o, target, draft, tokenizer, processor, captioner):
+def build_decoder(o, target, draft, tokenizer, processor, captioner, **extra):
     """The SpecDecoder that ``o`` (checked GenerateOptions) describes, over :func:`load_models`'
-    models (``generate`` and ``serve``)."""
+    models (``generate`` and ``serve``); ``extra``: more SpecDecoder keywords (serve's prefix_cache_mb)."""
     from mmspec.decoder import SpecDecoder
 
     draft_proc = None
@@ -69,9 +69,10 @@ def build_decoder(o, target, draft, tokenizer, processor, captioner):
         draft_proc = load_processor(o.draft)
     reads_captions = any(v.kind == "caption" for v in parse_views(o.view_list))  # a head: views are M only
     return SpecDecoder(target, draft, tokenizer, views=o.view_list, weights=o.weight_list,
-                       captioner=captioner if reads_captions else None, gamma=o.gamma, processor=processor, draft_processor=draft_proc, tree=o.tree,
-                       tree_depth=o.tree_depth, tree_topk=o.tree_topk, tree_budget=o.tree_budget,
-                       tree_children=o.tree_children, stop_below=o.stop_below, cuda_graphs=o.graphs)
+                       captioner=captioner if reads_captions else None, gamma=o.gamma, processor=processor,
+                       draft_processor=draft_proc, tree=o.tree, tree_depth=o.tree_depth, tree_topk=o.tree_topk,
+                       tree_budget=o.tree_budget, tree_children=o.tree_children, stop_below=o.stop_below,
+                       cuda_graphs=o.graphs, **extra)
 
 
 def stats_table(title: str, res, baseline_s: float | None = None, identical: bool | None = None) -> Table:

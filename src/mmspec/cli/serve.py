@@ -53,6 +53,9 @@ def serve(
     speculate: str = typer.Option("always", help="always: draft every block; never: batched target steps "
                                   "only; auto: per batch size, draft only while it measures faster (all lossless; "
                                   "seeded sampling repeats solo generate's answer with always only)."),
+    prefix_cache_mb: Optional[float] = typer.Option(None, help="Memory (MiB) for prefix caching: a "
+                                                    "conversation's next turn prefills only its new part (default: "
+                                                    "SpecDecoder's, 1024; 0: off)."),
     max_tokens: int = typer.Option(512, help="A request's max_tokens when it gives none (capped by the room "
                                    "left in the target's context)."),
     max_images: Optional[int] = typer.Option(None, help="Images per request (default: as many as the target's "
@@ -82,6 +85,8 @@ def serve(
             raise MMSpecError(f"--speculate must be one of {', '.join(SPECULATE)}, got {speculate!r}")
         at_least("--max-tokens", max_tokens)
         at_least("--max-images", max_images)
+        if prefix_cache_mb is not None and not (math.isfinite(prefix_cache_mb) and prefix_cache_mb >= 0):
+            raise MMSpecError(f"--prefix-cache-mb must be a number of MiB >= 0 (0: off), got {prefix_cache_mb}")
         if not math.isfinite(shutdown_timeout) or shutdown_timeout < 0:
             raise MMSpecError(f"--shutdown-timeout must be a number of seconds >= 0, got {shutdown_timeout}")
         media = [_media_dir(p) for p in allowed_local_media_path]
@@ -89,7 +94,8 @@ def serve(
         sock = _bind(host, port)  # the port is ours before minutes of loading, or refused now
     except MMSpecError as e:
         fail(e)
-    _run(opts, sock, host, port, max_batch=max_batch, speculate=speculate, max_tokens=max_tokens, max_images=max_images, media=media,
+    _run(opts, sock, host, port, max_batch=max_batch, speculate=speculate, prefix_cache_mb=prefix_cache_mb,
+         max_tokens=max_tokens, max_images=max_images, media=media,
          name=served_model_name, shutdown_timeout=shutdown_timeout)
 
 
@@ -128,7 +134,8 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _run(o, sock: socket.socket, host: str, port: int, *, max_batch: int, speculate: str, max_tokens: int,
+def _run(o, sock: socket.socket, host: str, port: int, *, max_batch: int, speculate: str,
+         prefix_cache_mb: float | None, max_tokens: int,
          max_images: int | None, media: list, name: str | None, shutdown_timeout: float) -> None:
     import uvicorn
 
@@ -141,7 +148,8 @@ def _run(o, sock: socket.socket, host: str, port: int, *, max_batch: int, specul
                                                  o.device, head=o.head)
     if embedded:
         common.console.print(EMBEDDED_NOTE)
-    dec = build_decoder(o, t, d, tok, proc, cap)
+    dec = build_decoder(o, t, d, tok, proc, cap,
+                        **({} if prefix_cache_mb is None else {"prefix_cache_mb": prefix_cache_mb}))
     config = ServeConfig(model_name=name or (EMBEDDED_NAME if embedded else o.target), max_batch=max_batch,
                          speculate=speculate, max_tokens=max_tokens, max_images=max_images, allowed_media=media,
                          shutdown_timeout_s=shutdown_timeout)

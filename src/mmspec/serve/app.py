@@ -77,8 +77,10 @@ def create_app(service: Service) -> FastAPI:
     @app.get("/health")
     async def health():
         w = service.worker
+        cache = getattr(service.decoder, "prefix_cache", None)
         return {"status": "ok" if w.running else "stopped", "model": name, "active": w.active,
-                "queued": w.pending, "steps": w.steps}
+                "queued": w.pending, "steps": w.steps,
+                "prefix_cache_mb": round(cache.nbytes / 2**20, 1) if cache is not None else 0.0}
 
     @app.get("/v1/models")
     async def models():
