@@ -108,5 +108,7 @@ def test_extras_in_pyproject():
     assert {"torch", "transformers", "safetensors", "tokenizers", "pillow", "numpy", "typer", "rich", "tqdm"} <= core
     assert names(extras["bench"]) == {"matplotlib", "pyarrow", "datasets"}
     assert names(extras["qwen"]) == {"torchvision"}
-    assert names(extras["test"]) == {"mmspec", "pytest", "pytest-xdist", "ruff", "accelerate"}
+    assert names(extras["test"]) == {"mmspec", "pytest", "pytest-xdist", "ruff", "accelerate", "openai", "httpx"}
     assert "mmspec[bench]" in extras["test"]  # the suite renders reports and reads parquet
+    assert names(extras["serve"]) == {"fastapi", "uvicorn"} and not core & {"fastapi", "uvicorn"}
+    assert "mmspec[serve]" in extras["test"]  # the server's tests drive a real server with the openai client

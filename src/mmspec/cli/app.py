@@ -8,6 +8,7 @@ from mmspec.cli.bench import bench_app, report_command
 from mmspec.cli.demo import demo
 from mmspec.cli.export import export_app
 from mmspec.cli.generate import generate
+from mmspec.cli.serve import serve
 from mmspec.cli.train import train_app
 
 app = typer.Typer(help="Lossless speculative decoding for vision-language models (IbED).",
@@ -16,6 +17,7 @@ app = typer.Typer(help="Lossless speculative decoding for vision-language models
 
 app.command()(generate)
 app.command()(demo)
+app.command()(serve)
 app.add_typer(bench_app, name="bench")
 app.command("report", help="Render report.md + plots from a bench results directory.")(report_command)
 app.add_typer(train_app, name="train")

@@ -134,12 +134,26 @@ class GenerateOptions:
 
 def check_generate(o: GenerateOptions) -> GenerateOptions:
     """All of ``generate``'s options; returns ``o`` with the head found and the derived fields set."""
-    from mmspec.cli.common import check_prompt, graphs_flag, parse_weights
-    from mmspec.inputs import check_video_path, with_markers
-    from mmspec.models.loading import check_model_flags, resolve_dtype
+    _check_numbers(o)
+    _check_inputs(o)
+    _check_models(o)
+    return o
+
+
+def check_decoder(o: GenerateOptions) -> GenerateOptions:
+    """The model and decoding options alone, as :func:`check_generate` checks them (``mmspec
+    serve``: the prompts, images and sampling settings come with each request)."""
+    _check_numbers(o)
+    _check_models(o)
+    return o
+
+
+def _check_numbers(o: GenerateOptions) -> None:
+    """Numbers and their ranges, the block shape, sampling, views, dtype and device."""
+    from mmspec.cli.common import graphs_flag, parse_weights
+    from mmspec.models.loading import resolve_dtype
     from mmspec.tree import parse_tree
 
-    # numbers
     at_least("--max-new-tokens", o.max_new_tokens)
     at_least("--gamma", o.gamma)
     at_least("--frames", o.frames)
@@ -168,7 +182,13 @@ def check_generate(o: GenerateOptions) -> GenerateOptions:
     _check_views(o)
     resolve_dtype(o.dtype)
     check_device(o.device)
-    # the prompt and its inputs
+
+
+def _check_inputs(o: GenerateOptions) -> None:
+    """The prompt and its images and videos."""
+    from mmspec.cli.common import check_prompt
+    from mmspec.inputs import check_video_path, with_markers
+
     check_prompt(o.prompt)
     if o.prompt is None and (o.image or o.video):
         raise MMSpecError(f"{'--image' if o.image else '--video'} was given without --prompt; say what to ask "
@@ -187,7 +207,12 @@ def check_generate(o: GenerateOptions) -> GenerateOptions:
         raise MMSpecError("--frames sets the frames taken from each --video; there is none: drop --frames or add --video")
     if o.prompt is not None:
         with_markers(o.prompt, len(o.image), len(o.video))  # slots against images and videos
-    # the draft: a model, or a head
+
+
+def _check_models(o: GenerateOptions) -> None:
+    """The draft (a model, or a head), the model directories and what the target family reads."""
+    from mmspec.models.loading import check_model_flags
+
     _check_draft(o)
     check_model_flags(o.target, o.draft if o.head is None else (o.head if o.target else None), o.captioner,
                       o.captioner_prompt)
@@ -207,7 +232,6 @@ def check_generate(o: GenerateOptions) -> GenerateOptions:
             what = "the embedded target (LLaVA-1.5)" if o.target is None else f"the target ({family or 'unknown'})"
             raise MMSpecError(f"--video: {what} reads images only; a video needs a target of a video family "
                               f"({', '.join(VIDEO_FAMILIES)}), or pass its frames as --image")
-    return o
 
 
 def _other_vision_family(target: str, draft: str) -> bool:

@@ -57,6 +57,24 @@ def load_models(target, draft, captioner, captioner_prompt, dtype, device, head=
     return t, d, tok, processor, cap, False
 
 
+def build_decoder(o, target, draft, tokenizer, processor, captioner, **extra):
+    """The SpecDecoder that ``o`` (checked GenerateOptions) describes, over :func:`load_models`'
+    models (``generate`` and ``serve``); ``extra``: more SpecDecoder keywords (serve's prefix_cache_mb)."""
+    from mmspec.decoder import SpecDecoder
+
+    draft_proc = None
+    if o.draft_reads_own_images:  # a draft of another family reads the PIL images its own way
+        from mmspec.models.loading import load_processor
+
+        draft_proc = load_processor(o.draft)
+    reads_captions = any(v.kind == "caption" for v in parse_views(o.view_list))  # a head: views are M only
+    return SpecDecoder(target, draft, tokenizer, views=o.view_list, weights=o.weight_list,
+                       captioner=captioner if reads_captions else None, gamma=o.gamma, processor=processor,
+                       draft_processor=draft_proc, tree=o.tree, tree_depth=o.tree_depth, tree_topk=o.tree_topk,
+                       tree_budget=o.tree_budget, tree_children=o.tree_children, stop_below=o.stop_below,
+                       cuda_graphs=o.graphs, **extra)
+
+
 def stats_table(title: str, res, baseline_s: float | None = None, identical: bool | None = None) -> Table:
     st = res.stats
     tab = Table(title=title, show_header=False, title_justify="left")
@@ -158,7 +176,6 @@ def generate(
 
 def _run(o, compare: bool) -> None:
     """Load, decode and print; ``o`` is the checked GenerateOptions."""
-    from mmspec.decoder import SpecDecoder
     from mmspec.inputs import chat_prompt, load_images, load_video, processor_inputs, to_target
 
     common.set_threads(o.threads)
@@ -176,17 +193,7 @@ def _run(o, compare: bool) -> None:
         common.console.print("[dim]No prompt given: a bundled chart-QA example from the synthetic world.[/dim]")
     else:
         prompt_text = chat_prompt(proc, o.prompt, len(images), len(clips))
-    draft_proc = None
-    if o.draft_reads_own_images:  # a draft of another family reads the PIL images its own way
-        from mmspec.models.loading import load_processor
-
-        draft_proc = load_processor(o.draft)
-    reads_captions = any(v.kind == "caption" for v in parse_views(o.view_list))  # a head: views are M only
-    dec = SpecDecoder(t, d, tok, views=o.view_list, weights=o.weight_list, captioner=cap if reads_captions else None,
-                      gamma=o.gamma,
-                      processor=proc, draft_processor=draft_proc, tree=o.tree, tree_depth=o.tree_depth,
-                      tree_topk=o.tree_topk, tree_budget=o.tree_budget, tree_children=o.tree_children,
-                      stop_below=o.stop_below, cuda_graphs=o.graphs)
+    dec = build_decoder(o, t, d, tok, proc, cap)
     inputs = to_target(processor_inputs(proc, prompt_text, images, clips), o.device, t.dtype)  # the whole output
     res = dec.generate(**inputs, max_new_tokens=o.max_new_tokens, temperature=o.temperature, top_k=o.top_k,
                        top_p=o.top_p, seed=o.seed, images=images if not clips else None, videos=clips or None)

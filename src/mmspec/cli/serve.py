@@ -1,0 +1,178 @@
+"""``mmspec serve``: the OpenAI-compatible HTTP server (:mod:`mmspec.serve`) on the command line.
+
+Checks every flag (the model flags as ``mmspec generate`` checks them, the port by binding it)
+before any model loads, loads the models as ``generate`` does, and runs uvicorn on the bound
+socket. SIGTERM (and Ctrl-C): no new connections, the running requests get ``--shutdown-timeout``
+seconds to finish (those left are told why), then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import socket
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from mmspec.cli import common
+from mmspec.cli.common import fail
+from mmspec.cli.generate import HEAD_HELP
+from mmspec.errors import MMSpecError
+
+EMBEDDED_NAME = "mmspec-embedded"
+SPECULATE = ("always", "never", "auto")  # mmspec.batch.SPECULATE (not imported: it loads torch)
+
+
+def serve(
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface; the server has "
+                             "no authentication)."),
+    port: int = typer.Option(8000, help="TCP port."),
+    target: Optional[str] = typer.Option(None, help="Target VLM: local directory or hub id (default: embedded)."),
+    draft: Optional[str] = typer.Option(None, help="Draft model: local directory or hub id; or a draft head "
+                                        "directory (as --head)."),
+    head: Optional[str] = typer.Option(None, "--head", help=HEAD_HELP),
+    captioner: Optional[str] = typer.Option(None, help="Captioner (HF image-to-text) for the caption view."),
+    captioner_prompt: Optional[str] = typer.Option(None, help="Task prompt for the captioner (as in generate)."),
+    views: str = typer.Option("M", help="Drafting views, as in `mmspec generate` (e.g. M, MT, MTC)."),
+    weights: Optional[str] = typer.Option(None, help="Ensemble weights, comma-separated, one per view."),
+    gamma: Optional[int] = typer.Option(None, help="Draft tokens per block of a chain (default 5)."),
+    tree: Optional[str] = typer.Option(None, help="Block shape, as in `mmspec generate`: chain, dynamic, "
+                                       "DEPTHxTOPKxBUDGET or a static tree as JSON paths."),
+    tree_depth: Optional[int] = typer.Option(None, help="With --tree dynamic: expansion steps."),
+    tree_topk: Optional[int] = typer.Option(None, help="With --tree dynamic: children per node."),
+    tree_budget: Optional[int] = typer.Option(None, help="With --tree dynamic: nodes verified per block."),
+    tree_children: str = typer.Option("mixture", help="Tree children from the views' mixture, or 'views'."),
+    stop_below: Optional[float] = typer.Option(None, help="Chains only: dynamic draft length threshold."),
+    cuda_graphs: str = typer.Option("auto", help="auto (on for a CUDA device), on, off."),
+    dtype: str = typer.Option("auto", help="auto, float32, bfloat16, float16 (auto: float32 on the CPU)."),
+    device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, ..."),
+    threads: Optional[int] = common.THREADS,
+    max_batch: int = typer.Option(16, help="Requests decoded together; more wait for a free row."),
+    speculate: str = typer.Option("always", help="always: draft every block; never: batched target steps "
+                                  "only; auto: per batch size, draft only while it measures faster (all lossless; "
+                                  "seeded sampling repeats solo generate's answer with always only)."),
+    prefix_cache_mb: Optional[float] = typer.Option(None, help="Memory (MiB) for prefix caching: a "
+                                                    "conversation's next turn prefills only its new part (default: "
+                                                    "SpecDecoder's, 1024; 0: off)."),
+    max_tokens: int = typer.Option(512, help="A request's max_tokens when it gives none (capped by the room "
+                                   "left in the target's context)."),
+    max_images: Optional[int] = typer.Option(None, help="Images per request (default: as many as the target's "
+                                             "context holds)."),
+    allowed_local_media_path: List[Path] = typer.Option(
+        [], help="A directory whose image files requests may name by path or file:// URL (repeatable; "
+        "default: none, images come as data URLs)."),
+    served_model_name: Optional[str] = typer.Option(None, help="The model id of /v1/models and the responses "
+                                                    f"(default: {EMBEDDED_NAME}, or --target as given)."),
+    shutdown_timeout: float = typer.Option(30.0, help="After SIGTERM: seconds the running requests get to finish."),
+):
+    """Serve the models over HTTP with OpenAI's chat-completions API (docs/serve.md).
+
+    `POST /v1/chat/completions` (text and `image_url` parts, streaming), `GET /v1/models`,
+    `GET /health`. Requests that arrive while others decode join them at the next block
+    (continuous batching); every answer is exactly what the target alone would give."""
+    from mmspec.cli.checks import GenerateOptions, at_least, check_decoder
+
+    try:
+        opts = check_decoder(GenerateOptions(
+            target=target, draft=draft, head=head, captioner=captioner, captioner_prompt=captioner_prompt,
+            views=views, weights=weights, gamma=gamma, tree=tree, tree_depth=tree_depth, tree_topk=tree_topk,
+            tree_budget=tree_budget, tree_children=tree_children, stop_below=stop_below, cuda_graphs=cuda_graphs,
+            dtype=dtype, device=device, threads=threads))
+        at_least("--max-batch", max_batch)
+        if speculate not in SPECULATE:
+            raise MMSpecError(f"--speculate must be one of {', '.join(SPECULATE)}, got {speculate!r}")
+        at_least("--max-tokens", max_tokens)
+        at_least("--max-images", max_images)
+        if prefix_cache_mb is not None and not (math.isfinite(prefix_cache_mb) and prefix_cache_mb >= 0):
+            raise MMSpecError(f"--prefix-cache-mb must be a number of MiB >= 0 (0: off), got {prefix_cache_mb}")
+        if not math.isfinite(shutdown_timeout) or shutdown_timeout < 0:
+            raise MMSpecError(f"--shutdown-timeout must be a number of seconds >= 0, got {shutdown_timeout}")
+        media = [_media_dir(p) for p in allowed_local_media_path]
+        _check_extra()
+        sock = _bind(host, port)  # the port is ours before minutes of loading, or refused now
+    except MMSpecError as e:
+        fail(e)
+    _run(opts, sock, host, port, max_batch=max_batch, speculate=speculate, prefix_cache_mb=prefix_cache_mb,
+         max_tokens=max_tokens, max_images=max_images, media=media,
+         name=served_model_name, shutdown_timeout=shutdown_timeout)
+
+
+def _media_dir(path: Path) -> Path:
+    if not path.is_dir():
+        raise MMSpecError(f"--allowed-local-media-path {str(path)!r} is not a directory; pass a directory whose "
+                          "image files requests may name")
+    return path.resolve()
+
+
+def _check_extra() -> None:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise MMSpecError(f"mmspec serve needs {e.name}: pip install 'mmspec[serve]'") from None
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    if not 1 <= port <= 65535:
+        raise MMSpecError(f"--port must be in 1..65535, got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise MMSpecError(f"--host {host!r} is not an address of this machine ({e.strerror}); use 127.0.0.1 or "
+                          "0.0.0.0") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise MMSpecError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port, or stop what "
+                          "uses it") from None
+    return sock
+
+
+def _run(o, sock: socket.socket, host: str, port: int, *, max_batch: int, speculate: str,
+         prefix_cache_mb: float | None, max_tokens: int,
+         max_images: int | None, media: list, name: str | None, shutdown_timeout: float) -> None:
+    import uvicorn
+
+    from mmspec.cli.generate import EMBEDDED_NOTE, build_decoder, load_models
+    from mmspec.serve.app import create_app
+    from mmspec.serve.service import ServeConfig, Service
+
+    common.set_threads(o.threads)
+    t, d, tok, proc, cap, embedded = load_models(o.target, o.draft, o.captioner, o.captioner_prompt, o.dtype,
+                                                 o.device, head=o.head)
+    if embedded:
+        common.console.print(EMBEDDED_NOTE)
+    dec = build_decoder(o, t, d, tok, proc, cap,
+                        **({} if prefix_cache_mb is None else {"prefix_cache_mb": prefix_cache_mb}))
+    config = ServeConfig(model_name=name or (EMBEDDED_NAME if embedded else o.target), max_batch=max_batch,
+                         speculate=speculate, max_tokens=max_tokens, max_images=max_images, allowed_media=media,
+                         shutdown_timeout_s=shutdown_timeout)
+    service = Service(dec, proc, config)
+    server = _server(uvicorn.Config(create_app(service), timeout_graceful_shutdown=shutdown_timeout + 5,
+                                    log_level="info"), service)
+    common.console.print(f"mmspec serve: {config.model_name!r} ({dec.method}, {dec.tree.label}) on "
+                         f"http://{host}:{port}/v1 (POST /v1/chat/completions, GET /v1/models, GET /health)",
+                         highlight=False, soft_wrap=True)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)  # uvicorn re-raises the signal it handled once it has stopped: ignore it
+    server.run(sockets=[sock])
+
+
+def _server(config, service):
+    """uvicorn's server, its exit signal (SIGTERM, Ctrl-C) also starting the worker's drain."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            timeout = service.config.shutdown_timeout_s
+            service.worker.drain(timeout, f"the server is shutting down (signal {signal.Signals(sig).name}) and "
+                                          f"this request did not finish within {timeout:g} s; send it again")
+            super().handle_exit(sig, frame)
+
+    return Server(config)

@@ -1,0 +1,9 @@
+"""``mmspec serve``: an OpenAI-compatible HTTP server over a :class:`~mmspec.SpecDecoder`.
+
+Modules: :mod:`.schema` (the request body, checked), :mod:`.messages` (chat messages and their
+images -> the prompt), :mod:`.service` (the served decoder; a request -> the scheduler's form),
+:mod:`.worker` (the one thread that drives :class:`mmspec.batch.BatchScheduler`: continuous
+batching), :mod:`.responses` (OpenAI's response and chunk shapes, stop strings, mmspec's stats)
+and :mod:`.app` (the FastAPI routes). Needs the ``[serve]`` extra (fastapi, uvicorn); the CLI
+command is :mod:`mmspec.cli.serve`. Nothing here imports typer or :mod:`mmspec.cli`.
+"""

@@ -1,0 +1,160 @@
+"""Chat messages (OpenAI's form) -> the target's prompt text and its images.
+
+Owns reading ``image_url`` parts (``data:image/...;base64,...`` URLs; local files, as a path or a
+``file://`` URL, under the directories the server allows) with errors that name the part and
+the fix, and framing a conversation:
+
+* one user message (the common case) is framed exactly as ``mmspec generate`` frames its
+  ``--prompt`` (:func:`mmspec.inputs.chat_prompt`): the processor's chat template where it has
+  one, else LLaVA-1.5's ``USER: ... ASSISTANT:``;
+* a conversation (system, earlier user and assistant turns) goes through the chat template with
+  every turn; without one, each user turn is framed as above and each assistant answer follows
+  its turn, closed by the tokenizer's EOS (Vicuna v1's ``USER: q ASSISTANT: a</s>USER: ...``);
+  a system message goes in front.
+
+Images go where their parts are: each ``image_url`` part becomes an ``<image>`` marker at its
+place in the text. A text that writes ``<image>`` markers itself places the images there (in
+order), and then their number must match the markers.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from mmspec.inputs import chat_prompt, frame_prompt, with_markers
+from mmspec.prompt import IMAGE_MARKER
+from mmspec.serve.schema import RequestError
+
+
+@dataclass
+class ImageRef:
+    """One image_url part: where it is in the request and its url."""
+
+    where: str  # messages[i].content[j]
+    url: str
+
+
+def image_refs(messages: list[dict]) -> list[ImageRef]:
+    """The image_url parts of ``messages``, in order (schema checked their shape)."""
+    refs = []
+    for i, m in enumerate(messages):
+        if isinstance(m.get("content"), list):
+            for j, part in enumerate(m["content"]):
+                if part.get("type") == "image_url":
+                    ref = part["image_url"]
+                    refs.append(ImageRef(f"messages[{i}].content[{j}]", ref["url"] if isinstance(ref, dict) else ref))
+    return refs
+
+
+def load_image(ref: ImageRef, allowed_dirs: list[Path]):
+    """An image_url -> an RGB PIL image, or RequestError naming the part and the fix."""
+    url = ref.url
+    if url.startswith("data:"):
+        header, comma, payload = url.partition(",")
+        if not comma or not header.endswith(";base64"):
+            raise RequestError(f"{ref.where}: a data URL must be base64, like data:image/png;base64,<data>",
+                               param=ref.where)
+        try:
+            raw = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise RequestError(f"{ref.where}: the data URL is not valid base64; encode the image file's bytes "
+                               "with base64 (data:image/png;base64,<data>)", param=ref.where) from None
+        return _open(io.BytesIO(raw), ref, "the base64 data is not an image")
+    if urlparse(url).scheme in ("http", "https"):
+        raise RequestError(f"{ref.where}: mmspec serve does not fetch remote images ({url[:60]}); send the image "
+                           "as a data URL (data:image/png;base64,...) or a local file path", param=ref.where)
+    path = Path(unquote(urlparse(url).path) if url.startswith("file:") else url)
+    return _open(_local(path, ref, allowed_dirs), ref, "the file is not an image")
+
+
+def _local(path: Path, ref: ImageRef, allowed_dirs: list[Path]) -> Path:
+    if not allowed_dirs:
+        raise RequestError(f"{ref.where}: this server reads no local image files; send the image as a data URL "
+                           "(data:image/png;base64,...), or start the server with --allowed-local-media-path DIR",
+                           param=ref.where)
+    real = path.resolve()
+    if not any(real.is_relative_to(d) for d in allowed_dirs):
+        raise RequestError(f"{ref.where}: {str(path)!r} is outside the directories this server reads images from "
+                           f"({', '.join(map(str, allowed_dirs))}); send it as a data URL or move it there",
+                           param=ref.where)
+    if not real.is_file():
+        raise RequestError(f"{ref.where}: image file not found: {str(path)!r}; check the path", param=ref.where)
+    return real
+
+
+def _open(source, ref: ImageRef, what: str):
+    from PIL import Image
+
+    try:
+        with Image.open(source) as im:
+            return im.convert("RGB")
+    except Exception as e:  # noqa: BLE001 - Pillow raises many kinds (unidentified, truncated, bombs)
+        raise RequestError(f"{ref.where}: {what} ({e.__class__.__name__}); send a PNG or JPEG image that "
+                           "Pillow can open", param=ref.where) from None
+
+
+def build_prompt(processor, tokenizer, messages: list[dict]) -> str:
+    """The prompt text for ``messages`` (images as markers where their parts are)."""
+    turns = [(m["role"], _marked_text(m)) for m in messages]
+    n_images = [_image_count(m) for m in messages]
+    try:
+        if len(turns) == 1:
+            return chat_prompt(processor, turns[0][1], n_images[0])
+        if getattr(processor, "chat_template", None):
+            return _templated(processor, turns, n_images)
+        return _framed(tokenizer, turns, n_images)
+    except RequestError:
+        raise
+    except Exception as e:  # noqa: BLE001 - an MMSpecError of the prompt helpers, or a template's own
+        raise RequestError(str(e).replace("--image", "image_url part").replace("--prompt", "the text")) from None
+
+
+def _image_count(message: dict) -> int:
+    content = message.get("content")
+    return sum(p.get("type") == "image_url" for p in content) if isinstance(content, list) else 0
+
+
+def _marked_text(message: dict) -> str:
+    """A message's text with an ``<image>`` marker per image part where it is; when the text
+    writes markers itself, the parts only fill them (in order)."""
+    content = message["content"]
+    if isinstance(content, str):
+        return content
+    texts = [p["text"] for p in content if p["type"] == "text"]
+    if any(IMAGE_MARKER in t for t in texts):
+        return " ".join(t.strip() for t in texts)
+    pieces = [IMAGE_MARKER if p["type"] == "image_url" else p["text"].strip() for p in content]
+    return " ".join(p for p in pieces if p)
+
+
+def _templated(processor, turns: list[tuple[str, str]], n_images: list[int]) -> str:
+    messages = []
+    for (role, text), n in zip(turns, n_images):
+        text = with_markers(text, n) if role == "user" else text
+        parts = []
+        for k, piece in enumerate(text.split(IMAGE_MARKER)):
+            if k:
+                parts.append({"type": "image"})
+            if piece.strip():
+                parts.append({"type": "text", "text": piece.strip()})
+        messages.append({"role": "system" if role == "developer" else role, "content": parts})
+    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def _framed(tokenizer, turns: list[tuple[str, str]], n_images: list[int]) -> str:
+    eos = getattr(tokenizer, "eos_token", None) or ""
+    out = []
+    for (role, text), n in zip(turns, n_images):
+        if role in ("system", "developer"):
+            out.append(text.strip() + " ")
+        elif role == "user":
+            out.append(frame_prompt(text, n))
+        else:
+            answer = text if text.startswith(" ") else " " + text
+            out.append(answer.rstrip() + eos)
+    return "".join(out)

@@ -1,0 +1,127 @@
+"""The served decoder and what a request becomes before it reaches the worker.
+
+Owns :class:`ServeConfig` (the server's settings), :class:`Service` (the decoder, its processor,
+the :class:`~mmspec.serve.worker.Worker`) and :meth:`Service.prepare`: a parsed
+:class:`~mmspec.serve.schema.ChatRequest` -> the scheduler's request dict (the processor's whole
+output, the PIL images for a captioner or a draft with its own processor, the sampling settings),
+refusing with a :class:`~mmspec.serve.schema.RequestError` whatever would fail later: more images
+than the server takes, an unreadable image, a prompt or ``max_tokens`` past the context. It runs
+on the HTTP handlers' threads; only the worker thread decodes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mmspec.errors import MMSpecError
+from mmspec.serve.messages import build_prompt, image_refs, load_image
+from mmspec.serve.schema import ChatRequest, RequestError
+from mmspec.serve.worker import Worker, make_scheduler
+
+
+@dataclass
+class ServeConfig:
+    """``mmspec serve``'s settings (the CLI maps its flags onto these)."""
+
+    model_name: str = "mmspec"
+    max_batch: int = 16  # requests decoded together
+    speculate: str = "always"  # BatchScheduler's policy: always, never, auto (drafting off where it loses)
+    max_tokens: int = 512  # a request's max_tokens when it gives none (capped by the room in the context)
+    max_images: int | None = None  # images per request; None: as many as the target's context holds
+    allowed_media: list[Path] = field(default_factory=list)  # directories local image files may come from
+    shutdown_timeout_s: float = 30.0  # after SIGTERM, how long running requests get to finish
+
+
+@dataclass
+class Prepared:
+    """A request ready for the scheduler."""
+
+    request: dict  # generate_batch's form: the processor's output, images, sampling settings
+    prompt_tokens: int  # images expanded
+    max_tokens: int
+    seed: int | None  # the sampling seed (chosen here when the client gave none); None when greedy
+
+
+class Service:
+    """The decoder being served, its processor and the worker thread that decodes."""
+
+    def __init__(self, decoder, processor, config: ServeConfig, scheduler=None):
+        self.decoder = decoder
+        self.processor = processor
+        self.tokenizer = decoder.tokenizer
+        self.config = config
+        self.context = decoder.target.max_positions  # None: the target sets no limit
+        self.depth = decoder.tree.max_depth  # a block's draft positions past the committed tokens
+        self.tokens_per_image, base = self._probe_image_tokens()
+        if config.max_images is None and self.context and self.tokens_per_image:
+            config.max_images = max(1, (self.context - base - self.depth - 1) // self.tokens_per_image)
+        renew = None
+        if scheduler is None:
+            scheduler = make_scheduler(decoder, config.max_batch, config.speculate)
+            renew = lambda old: make_scheduler(decoder, config.max_batch, old.policy)  # noqa: E731 - policy kept
+        self.worker = Worker(scheduler, renew=renew)
+        self.started = time.time()
+
+    def prepare(self, req: ChatRequest) -> Prepared:
+        """``req`` -> the scheduler's request, or RequestError naming the problem and the fix."""
+        from mmspec.inputs import processor_inputs, to_target
+
+        refs = image_refs(req.messages)
+        limit = self.config.max_images
+        if limit is not None and len(refs) > limit:
+            per = f" (each image takes {self.tokens_per_image} of the target's {self.context} context tokens)" \
+                if self.tokens_per_image and self.context else ""
+            raise RequestError(f"the messages carry {len(refs)} images; this server takes at most {limit} per "
+                               f"request{per}; send fewer images", param="messages")
+        images = [load_image(r, self.config.allowed_media) for r in refs]  # before any prompt work
+        prompt = build_prompt(self.processor, self.tokenizer, req.messages)
+        try:
+            inputs = processor_inputs(self.processor, prompt, images)
+        except MMSpecError as e:
+            raise RequestError(str(e)) from None
+        dev = self.decoder.target.device
+        inputs = to_target(inputs, dev, self.decoder.target_model.dtype)
+        n_prompt = int(inputs["input_ids"].shape[-1])
+        max_tokens = self._max_tokens(req, n_prompt)
+        seed = req.seed
+        if not req.greedy and seed is None:
+            seed = int.from_bytes(os.urandom(8), "little") >> 1  # reported back, so the answer can be reproduced
+        request = {**inputs, "images": images or None, "max_new_tokens": max_tokens,
+                   "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": seed}
+        return Prepared(request=request, prompt_tokens=n_prompt, max_tokens=max_tokens, seed=seed)
+
+    def _max_tokens(self, req: ChatRequest, n_prompt: int) -> int:
+        """The request's max_tokens, or the server's default; both bounded by the context."""
+        if self.context is None:
+            return req.max_tokens or self.config.max_tokens
+        room = self.context - n_prompt - self.depth  # prompt + new tokens + one block's drafts must fit
+        if room < 1:
+            raise RequestError(f"the prompt takes {n_prompt} tokens (images expanded) and the target's context is "
+                               f"{self.context}: no room for an answer; shorten the messages or send fewer images",
+                               param="messages")
+        if req.max_tokens is None:
+            return min(self.config.max_tokens, room)
+        if req.max_tokens > room:
+            raise RequestError(f"max_tokens={req.max_tokens} is past the context: the prompt takes {n_prompt} tokens "
+                               f"(images expanded) of the target's {self.context}, so at most {room} new tokens "
+                               f"fit; ask for max_tokens <= {room}", param="max_tokens")
+        return req.max_tokens
+
+    def _probe_image_tokens(self) -> tuple[int | None, int]:
+        """(tokens one image adds to a prompt, tokens of a one-word prompt): the processor run on a
+        blank image, so the image limit is known before any request (None where it fails)."""
+        from PIL import Image
+
+        from mmspec.inputs import chat_prompt, processor_inputs
+
+        try:
+            size = getattr(getattr(self.decoder.target_model.config, "vision_config", None), "image_size", 224)
+            blank = Image.new("RGB", (int(size), int(size)))
+            n0 = processor_inputs(self.processor, chat_prompt(self.processor, "hi", 0), [])["input_ids"].shape[-1]
+            n1 = processor_inputs(self.processor, chat_prompt(self.processor, "hi", 1), [blank])["input_ids"].shape[-1]
+        except Exception:  # noqa: BLE001 - a family the probe does not fit: the context check still holds
+            return None, 0
+        return (int(n1 - n0) or None), int(n0)
