@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -39,7 +39,7 @@ class ForwardTimer:
         self._open: list[tuple[str, float, contextlib.AbstractContextManager]] = []
 
     @contextlib.contextmanager
-    def watching(self, models: dict[str, torch.nn.Module]) -> Iterator["ForwardTimer"]:
+    def watching(self, models: dict[str, torch.nn.Module]) -> Iterator[ForwardTimer]:
         """Hook each ``{key: model}`` for the duration of the block; every hook is removed on exit."""
         handles = []
         try:

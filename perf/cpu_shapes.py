@@ -46,8 +46,8 @@ def latency_ms(hidden: int, layers: int, inter: int, vocab: int = 1347, ctx: int
 
 def main() -> None:
     torch.set_num_threads(1)
-    for name, h, l, i in SHAPES:
-        tp, tv, n = latency_ms(h, l, i)
+    for name, h, layers, i in SHAPES:
+        tp, tv, n = latency_ms(h, layers, i)
         print(f"{name:18s} {n:5.2f}M  one-token {tp:5.2f} ms   6-token verify {tv:5.2f} ms")
 
 

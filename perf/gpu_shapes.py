@@ -41,9 +41,9 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 
@@ -400,7 +400,7 @@ def run(cfg: ShapesConfig, log: Callable[[str], None] = print) -> dict:
     if cfg.compile and device.type == "cuda":
         log("[compile] T_p with torch.compile (compiling takes a while) ...")
         result["compile"] = compile_times(target, cfg.context, cfg.repeats, cfg.warmup)
-        for k, v in result["compile"].items():
+        for v in result["compile"].values():
             if "s" in v:
                 v["T_p_over_floor"] = v["s"] / result["T_p_floor_weights_kv_s"]
         write_report(result, cfg.out)

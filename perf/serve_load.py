@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -248,7 +248,7 @@ def main() -> None:
     tokens = sum(r.get("tokens") or 0 for r in good_res)
     summary = {
         "command": "python perf/serve_load.py " + " ".join(sys.argv[1:]),
-        "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
         "server": {"args": ["--max-batch", args.max_batch, "--threads", args.threads, *args.serve_args], "log": str(log),

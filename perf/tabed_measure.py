@@ -15,11 +15,10 @@ import time
 
 import torch
 
-torch.set_num_threads(1)
-
 from mmspec.bench.backend import HFBackend, load_models
 from mmspec.bench.config import BenchConfig
 from mmspec.bench.datasets import BenchSample
+from mmspec.threads import apply_threads
 from mmspec.world import generate_samples
 from mmspec.world.scenarios import SCENARIOS, generate_scenario_samples
 
@@ -29,6 +28,7 @@ METHODS = ["M", "T", "C", "P", "MT", "MTCP", "MT+adaptive:tabed:0.1", "MTCP+adap
 
 
 def main(out: str, n: int, n_scenario: int) -> None:
+    apply_threads(1)  # the CPU figures of docs/perf.md are one-thread figures
     cfg = BenchConfig(latency=False)
     be = HFBackend(load_models(cfg), cfg, torch.device("cpu"))
     sets = [(f, generate_samples(f, "test", n)) for f in FAMILIES]

@@ -16,8 +16,8 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -112,8 +112,8 @@ def run(args) -> dict:
         stream = simulate_dvs(frames, **{k: v for k, v in enc.config.opts.items() if k != "n_bins"})
         n_bins = enc.config.opts.get("n_bins", DEFAULT_BINS)
         t_recorded = median_time(lambda: enc(Substitute.from_events(stream, n_bins).tensor), torch.device("cpu"), 20, 3)
-        t_encoder = median_time(lambda s=make_substitute(frames, enc.config.kind, **enc.config.opts).tensor: enc(s),
-                                torch.device("cpu"), 20, 3)
+        sub = make_substitute(frames, enc.config.kind, **enc.config.opts).tensor
+        t_encoder = median_time(lambda: enc(sub), torch.device("cpu"), 20, 3)
     stats = event_stats(stream, n_frames=len(frames))
     result = {"date": now(), "machine": machine_info("cpu"),
               "command": " ".join(["python", "perf/video_speed.py", *sys.argv[1:]]),

@@ -320,7 +320,9 @@ class BatchScheduler:
         rows = self.draft_cache.join(drafter.cache, drafter.length, drafter.capacity + self.decoder.tree.n_nodes + 1)
         self._draft_rows[rid] = rows
         self._row_owner.extend([rid] * len(rows))
-        get_rows = lambda rid=rid: self._draft_rows[rid]  # rows move as others leave
+        def get_rows(rid=rid):
+            return self._draft_rows[rid]  # rows move as others leave
+
         drafter.cache = RowGroup(self.draft_cache, get_rows, drafter.length)
         drafter.step_fn = self.lockstep.step_fn(rid, get_rows, drafter)
 

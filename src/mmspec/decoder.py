@@ -31,13 +31,29 @@ from mmspec.heads.model import FeatureHead, check_head_fits, is_head_dir, load_h
 from mmspec.models.base import adapter_for, same_vision
 from mmspec.models.cache import set_cache_length, supports_trees
 from mmspec.models.captioner import HFCaptioner
-from mmspec.models.loading import (check_same_vocabulary, compute_dtype, load_model, load_processor,
-                                   load_saved_tokenizer, load_tokenizer, load_tokenizer_if_any)
+from mmspec.models.loading import (
+    check_same_vocabulary,
+    compute_dtype,
+    load_model,
+    load_processor,
+    load_saved_tokenizer,
+    load_tokenizer,
+    load_tokenizer_if_any,
+)
 from mmspec.models.substitute import load_substitute_encoder
 from mmspec.multimodal import EncodedPrompt, MultimodalPrompt, for_prefix
 from mmspec.options import AcceptanceConfig, EngineMode, EngineOptions, RelaxedAcceptance
-from mmspec.prefix_cache import (PREFIX_CACHE_MB, PrefixCache, PrefixMatch, PromptKeys, check_budget,
-                                 entry_after_decode, prompt_keys, segment_digests, write_kv)
+from mmspec.prefix_cache import (
+    PREFIX_CACHE_MB,
+    PrefixCache,
+    PrefixMatch,
+    PromptKeys,
+    check_budget,
+    entry_after_decode,
+    prompt_keys,
+    segment_digests,
+    write_kv,
+)
 from mmspec.stats import GenerationStats
 from mmspec.streaming import TextStream
 from mmspec.timing import sync

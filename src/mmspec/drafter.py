@@ -33,7 +33,7 @@ preallocated for ``prompt + room`` positions; every forward goes through ``self.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

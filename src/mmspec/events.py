@@ -101,7 +101,7 @@ class EventStream:
     def from_arrays(
         cls, t: Any, x: Any, y: Any, p: Any, height: int, width: int, time_unit: str = "us",
         t_range: tuple[float, float] | None = None,
-    ) -> "EventStream":
+    ) -> EventStream:
         """A stream from a recording's arrays: ``t`` in ``time_unit`` ("s", "ms", "us" or "ns"),
         ``p`` as +1/-1 or 1/0 (0 = OFF, darker); sorted by time (stably) if it is not already.
         ``t_range``, if given, is in ``time_unit`` too."""
@@ -123,7 +123,7 @@ class EventStream:
         return cls(t_us, x, y, p, height, width, window)
 
     @classmethod
-    def from_structured(cls, events: np.ndarray, height: int, width: int, time_unit: str = "us") -> "EventStream":
+    def from_structured(cls, events: np.ndarray, height: int, width: int, time_unit: str = "us") -> EventStream:
         """A stream from a numpy structured array with fields ``t``, ``x``, ``y``, ``p`` (any order,
         other fields ignored), as Metavision, tonic and their ``.npy`` files hold events."""
         names = events.dtype.names or ()

@@ -18,8 +18,8 @@ and the call of the processor:
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from mmspec.errors import MMSpecError
 from mmspec.prompt import IMAGE_MARKER, VIDEO_MARKER, check_image_count

@@ -10,8 +10,8 @@ about models or tokenizers beyond the literal ``<image>`` and ``<video>`` marker
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from mmspec.errors import MMSpecError
 

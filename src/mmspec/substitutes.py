@@ -25,8 +25,9 @@ events reads recorded ones unchanged. A new kind is one function ``frames -> ten
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -72,7 +73,7 @@ class Substitute:
 
     @classmethod
     def from_events(cls, stream: EventStream, n_bins: int = DEFAULT_BINS,
-                    t_range: tuple[int, int] | None = None) -> "Substitute":
+                    t_range: tuple[int, int] | None = None) -> Substitute:
         """The events substitute of a recorded (or simulated) stream: ``bin_events(stream, n_bins)``."""
         return cls("events", bin_events(stream, n_bins, t_range), (), {"n_bins": n_bins})
 

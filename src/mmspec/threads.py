@@ -9,7 +9,7 @@ set by ``torchrun``); separate runs started by hand are told ``--threads`` by th
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 from mmspec.errors import MMSpecError
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Sequence
 
 import torch
 
@@ -139,7 +139,7 @@ class TreeSpec:
         views = ", views" if self.children == "views" else ""
         return f"dynamic(depth {self.depth}, top-{self.topk}, {self.n_nodes - 1} nodes{views})"
 
-    def for_remaining(self, remaining: int) -> "TreeSpec | None":
+    def for_remaining(self, remaining: int) -> TreeSpec | None:
         """The spec for a block that may emit at most ``remaining`` tokens: no node deeper than
         ``remaining - 1`` (the target's own token always follows the accepted path). None when
         ``remaining`` is 1: that block drafts nothing and the target adds its next token."""

@@ -154,7 +154,7 @@ def test_interleave_prompt_is_the_rows_own_question(tmp_path, name, task):
     samples, _ = load_real(name, write_interleave(tmp_path / "in_domain.parquet"), n=10)
     rows = [(q, n_img) for t, q, n_img, _ in INTERLEAVE_ROWS if t == task and q.count("<image>") == n_img]
     assert [s.prompt for s in samples] == [f"USER: {q} ASSISTANT:" for q, _ in rows]
-    for s, (q, n_img) in zip(samples, rows):
+    for s, (_q, n_img) in zip(samples, rows):
         assert s.n_images == n_img == s.prompt.count("<image>")
         assert [im.getpixel((0, 0)) for im in s.images] == [color_of(k) for k in range(n_img)]
 

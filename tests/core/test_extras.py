@@ -40,7 +40,7 @@ from mmspec.cli import app
 r = CliRunner().invoke(app, ["generate", "--max-new-tokens", "4", "--threads", "1"])
 assert r.exit_code == 0, r.output
 print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in %r or m.startswith("mmspec.bench.plots"))))
-""" % (BENCH_ONLY,)
+""" % (BENCH_ONLY,)  # noqa: UP031 (a program's text as a %-template, kept as written)
 
 
 def test_decoding_and_generate_import_no_bench_package():

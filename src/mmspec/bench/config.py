@@ -211,7 +211,7 @@ class DatasetSpec:
     split: str | None = None  # None: --split, else the data set's default (datasets.DEFAULT_SPLITS)
 
     @classmethod
-    def parse(cls, text: str) -> "DatasetSpec":
+    def parse(cls, text: str) -> DatasetSpec:
         """``NAME``, ``NAME=PATH`` or ``NAME=PATH:SPLIT`` (the text after the last ``:`` is the
         split when it is a plain name: letters, digits, ``_``, ``-``)."""
         name, sep, path = text.partition("=")
@@ -326,7 +326,7 @@ class RankInfo:
     local_rank: int = 0
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "RankInfo":
+    def from_env(cls, env: dict[str, str] | None = None) -> RankInfo:
         env = dict(os.environ) if env is None else env
         rank = int(env.get("RANK", env.get("LOCAL_RANK", "0")))
         world = int(env.get("WORLD_SIZE", "1"))

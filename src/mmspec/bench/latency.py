@@ -18,7 +18,6 @@ repeat sees the same context. Reports medians. On CUDA every timed region is bra
 
 from __future__ import annotations
 
-
 import torch
 
 from mmspec.timing import median_time

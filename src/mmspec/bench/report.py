@@ -17,8 +17,16 @@ from mmspec.bench import plots
 from mmspec.bench.audit import audit_summary, near_tie_only
 from mmspec.bench.batch_report import audit_section, batch_metrics, batch_section, conversation_section
 from mmspec.bench.metrics import (
-    MethodMetrics, accepted_over_time, accepted_sets, all_metrics, baseline_split, datasets_of,
-    groups, latency_of, lossless_violations, methods_of,
+    MethodMetrics,
+    accepted_over_time,
+    accepted_sets,
+    all_metrics,
+    baseline_split,
+    datasets_of,
+    groups,
+    latency_of,
+    lossless_violations,
+    methods_of,
 )
 from mmspec.bench.store import merge_rows, rank_files, read_run_meta
 from mmspec.provenance import command_line, machine_info, now

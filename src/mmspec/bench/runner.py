@@ -26,8 +26,8 @@ spec row unlike the baseline gets ``audit`` (first differing position, the targe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from mmspec.bench.backend import Backend, HFBackend, load_models, pick_device
 from mmspec.bench.config import RESULT_KEYS, BenchConfig, RankInfo, method_views

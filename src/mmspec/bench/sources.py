@@ -20,9 +20,10 @@ interleave bench without reading the rest. It knows nothing about prompts or ima
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from mmspec.bench.optional import require
 from mmspec.errors import MMSpecError

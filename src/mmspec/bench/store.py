@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from pathlib import Path
-from typing import Callable, Hashable, Iterable, Iterator
 
 from mmspec.errors import MMSpecError
 
@@ -122,7 +122,7 @@ class RowWriter:
         if self._f is not None:
             self._f.close()
 
-    def __enter__(self) -> "RowWriter":
+    def __enter__(self) -> RowWriter:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -39,7 +38,7 @@ def _split_list(values: list[str] | None, default: tuple[str, ...]) -> tuple[str
     return tuple(x.strip() for v in values for x in v.split(",") if x.strip())
 
 
-def _parse_heads(specs: Optional[list[str]]) -> tuple[tuple[str, str], ...]:
+def _parse_heads(specs: list[str] | None) -> tuple[tuple[str, str], ...]:
     """``["eagle=runs/h"]`` -> (("eagle", "runs/h"),). The directories are checked (readable, of
     the named variant, used by a method) with the other paths: :func:`mmspec.bench.preflight.check_heads`."""
     from mmspec.bench.config import HEAD_VARIANTS
@@ -63,24 +62,24 @@ def _factory(spec: str):
 @bench_app.command("run")
 def run_command(
     out: Path = typer.Option(Path("bench_results"), "--out", "-o", help="Results directory (resumable)."),
-    method: Optional[list[str]] = typer.Option(None, "--method", "-m", help=f"Drafting method(s), repeat or comma-separate: views (M, MTC, ...) or a head variant (eagle, eagle3, msd), then in any order +tree, +tree:DEPTHxTOPKxBUDGET (6x4x16), +tree:[[0],[1]] (README, \"Token trees\"), +relaxed (lossy). Default: {','.join(DEFAULT_METHODS)}."),
-    dataset: Optional[list[str]] = typer.Option(None, "--dataset", "-d", help="NAME (embedded world) or NAME=PATH[:SPLIT] (real benchmark: a parquet file, a directory of parquet files such as a hub snapshot, of which only SPLIT's files are read, or a save_to_disk dir; SPLIT defaults to the benchmark's own: chartqa test, textvqa and vqav2 validation, hallusionbench image, the interleave tasks test; relative image paths in it are read from its directory, then the working directory). Repeat or comma-separate. Default: the 8 IbED families, embedded."),
+    method: list[str] | None = typer.Option(None, "--method", "-m", help=f"Drafting method(s), repeat or comma-separate: views (M, MTC, ...) or a head variant (eagle, eagle3, msd), then in any order +tree, +tree:DEPTHxTOPKxBUDGET (6x4x16), +tree:[[0],[1]] (README, \"Token trees\"), +relaxed (lossy). Default: {','.join(DEFAULT_METHODS)}."),  # noqa: B008 (a help text, built once)
+    dataset: list[str] | None = typer.Option(None, "--dataset", "-d", help="NAME (embedded world) or NAME=PATH[:SPLIT] (real benchmark: a parquet file, a directory of parquet files such as a hub snapshot, of which only SPLIT's files are read, or a save_to_disk dir; SPLIT defaults to the benchmark's own: chartqa test, textvqa and vqav2 validation, hallusionbench image, the interleave tasks test; relative image paths in it are read from its directory, then the working directory). Repeat or comma-separate. Default: the 8 IbED families, embedded."),
     n_samples: int = typer.Option(100, "--n-samples", "-n", help="Samples per dataset."),
     gamma: int = typer.Option(5, help="Draft tokens per block."),
     max_new_tokens: int = typer.Option(128, help="New tokens per sample."),
     temperature: float = typer.Option(0.0, help="0 = greedy (lossless: outputs must equal the target's)."),
     seed: int = typer.Option(0),
-    target: Optional[str] = typer.Option(None, help="Target checkpoint dir or hub id (default: embedded)."),
-    draft: Optional[str] = typer.Option(None, help="Draft checkpoint dir or hub id."),
-    captioner: Optional[str] = typer.Option(None, help="Captioner checkpoint (needed by C methods)."),
-    captioner_prompt: Optional[str] = typer.Option(None, help="Prompt for the captioner (default: the one an `mmspec train` captioner records)."),
-    pool_tokens: Optional[int] = typer.Option(None, help="Tokens per image of the P (pooled) view, e.g. 144."),
-    head: Optional[list[str]] = typer.Option(None, "--head", help="VARIANT=DIR: a trained feature-level head (made by "
+    target: str | None = typer.Option(None, help="Target checkpoint dir or hub id (default: embedded)."),
+    draft: str | None = typer.Option(None, help="Draft checkpoint dir or hub id."),
+    captioner: str | None = typer.Option(None, help="Captioner checkpoint (needed by C methods)."),
+    captioner_prompt: str | None = typer.Option(None, help="Prompt for the captioner (default: the one an `mmspec train` captioner records)."),
+    pool_tokens: int | None = typer.Option(None, help="Tokens per image of the P (pooled) view, e.g. 144."),
+    head: list[str] | None = typer.Option(None, "--head", help="VARIANT=DIR: a trained feature-level head (made by "
                                              "`mmspec train head`) for the head methods (eagle, eagle3+tree, ...); "
                                              "every head method needs one (none ships with the embedded pack). "
                                              "Repeat for several."),
-    split: Optional[str] = typer.Option(None, help="Split of every dataset that names none (NAME=PATH:SPLIT). Default: the embedded world's test; a real benchmark's own split (see --dataset)."),
-    device: Optional[str] = typer.Option(None, help="Default: cuda:LOCAL_RANK if available, else cpu."),
+    split: str | None = typer.Option(None, help="Split of every dataset that names none (NAME=PATH:SPLIT). Default: the embedded world's test; a real benchmark's own split (see --dataset)."),
+    device: str | None = typer.Option(None, help="Default: cuda:LOCAL_RANK if available, else cpu."),
     dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 (the embedded models too)."),
     latency: bool = typer.Option(True, "--latency/--no-latency", help="Measure T_p, T_q(b=1..8), T_V(γ) per dataset."),
     latency_repeats: int = typer.Option(5, help="Repeats per latency probe (median)."),
@@ -89,10 +88,10 @@ def run_command(
                                    "SpecDecoder.generate_batch and the target's own batched greedy generate, side by side "
                                    "(throughput, per-request p50/p90 latency). A sweep: --batch-size 1,2,4,8,16."),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
-    threads: Optional[int] = typer.Option(None, help="CPU threads for torch in this process (default: torch's "
+    threads: int | None = typer.Option(None, help="CPU threads for torch in this process (default: torch's "
                                           "choice divided by the processes torchrun started on this machine). "
                                           "Two runs side by side: give each a share, e.g. --threads 1 on 2 cores."),
-    backend: Optional[str] = typer.Option(None, hidden=True, help="module:function building a custom backend (tests)."),
+    backend: str | None = typer.Option(None, hidden=True, help="module:function building a custom backend (tests)."),
 ) -> None:
     """Run (or resume) the benchmark: one JSONL row per (sample, method) plus a baseline per sample."""
     from mmspec.bench.runner import BenchInterrupted, run_bench

@@ -4,8 +4,6 @@ option and the small flag checks. Nothing outside :mod:`mmspec.cli` imports this
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 from rich.console import Console
 from rich.text import Text
@@ -54,6 +52,6 @@ def parse_weights(weights: str | None) -> list[float] | None:
                           "give one number per view, e.g. --views MT --weights 1,0.5") from None
 
 
-def set_threads(threads: Optional[int]) -> None:
+def set_threads(threads: int | None) -> None:
     """--threads: torch's CPU threads for this process (one place: :func:`mmspec.threads.apply_threads`)."""
     apply_threads(threads)

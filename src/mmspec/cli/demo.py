@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import statistics
-from typing import Optional
 
 import typer
 from rich.markup import escape
@@ -24,7 +23,7 @@ def demo(
     gamma: int = typer.Option(5),
     repeats: int = typer.Option(3, help="Runs of the target alone and of each method per family, interleaved; "
                                 "the speed-up is the ratio of their medians."),
-    threads: Optional[int] = typer.Option(None, help="CPU threads for torch (default: torch's choice)."),
+    threads: int | None = typer.Option(None, help="CPU threads for torch (default: torch's choice)."),
 ):
     """Run every drafting method on a few synthetic-world samples with the embedded models.
 

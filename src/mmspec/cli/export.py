@@ -5,7 +5,6 @@ EAGLE serve (:func:`mmspec.heads.formats.export_head`). Flags are checked before
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -21,7 +20,7 @@ def head(
     format: str = typer.Option("eagle3", "--format", help="eagle3 (SGLang, vLLM, SpecForge) or eagle "
                                "(EAGLE-1/2: SafeAILab's EaModel, SGLang's EAGLE)."),
     out: Path = typer.Option(..., help="A new (or empty) directory to write; never overwritten."),
-    target: Optional[Path] = typer.Option(None, help="The target model directory: needed by --format eagle "
+    target: Path | None = typer.Option(None, help="The target model directory: needed by --format eagle "
                                           "(the head file carries its token embedding) and to read an EAGLE head."),
 ) -> None:
     """Export a draft head as an EAGLE-3 or EAGLE-1/2 checkpoint (config.json + weights).

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 from rich.markup import escape
@@ -32,8 +31,14 @@ def load_models(target, draft, captioner, captioner_prompt, dtype, device, head=
 
     hf_logging.disable_progress_bar()  # weight-loading bars would bury the answer
 
-    from mmspec.models.loading import (check_same_vocabulary, compute_dtype, load_model, load_processor,
-                                       load_tokenizer_if_any, resolve_device)
+    from mmspec.models.loading import (
+        check_same_vocabulary,
+        compute_dtype,
+        load_model,
+        load_processor,
+        load_tokenizer_if_any,
+        resolve_device,
+    )
 
     device = str(resolve_device(device))
     dtype = compute_dtype(dtype, device)  # auto: float32 on the CPU, the checkpoint's own on a GPU
@@ -110,47 +115,47 @@ HEAD_HELP = ("A feature-level draft head directory (made by `mmspec train head`)
 
 
 def generate(
-    prompt: Optional[str] = typer.Option(None, help="Prompt text; `<image>` / `<video>` mark where each image / "
+    prompt: str | None = typer.Option(None, help="Prompt text; `<image>` / `<video>` mark where each image / "
                                          "video goes (one each in front if missing). Framed by the target's chat "
                                          "template where it has one, else as `USER: ... ASSISTANT:`."),
-    image: List[Path] = typer.Option([], "--image", "-i", help="Image file; repeat for several images, in slot order."),
-    video: List[Path] = typer.Option([], "--video", help="A video for the video families (LLaVA-OneVision, "
+    image: list[Path] = typer.Option([], "--image", "-i", help="Image file; repeat for several images, in slot order."),
+    video: list[Path] = typer.Option([], "--video", help="A video for the video families (LLaVA-OneVision, "
                                      "Video-LLaVA, Qwen2-VL, Qwen2.5-VL): a directory of its frames (PNG/JPEG, "
                                      "name order) or a video file (needs PyAV: pip install av). Repeatable."),
     frames: int = typer.Option(8, help="Frames taken from each --video, evenly spaced."),
-    target: Optional[str] = typer.Option(None, help="Target VLM: local directory or hub id (default: embedded)."),
-    draft: Optional[str] = typer.Option(None, help="Draft model: local directory or hub id; or a draft head "
+    target: str | None = typer.Option(None, help="Target VLM: local directory or hub id (default: embedded)."),
+    draft: str | None = typer.Option(None, help="Draft model: local directory or hub id; or a draft head "
                                         "directory (as --head)."),
-    head: Optional[str] = typer.Option(None, "--head", help=HEAD_HELP),
-    captioner: Optional[str] = typer.Option(None, help="Captioner (HF image-to-text) for the caption view."),
-    captioner_prompt: Optional[str] = typer.Option(None, help="Task prompt for the captioner, e.g. `<CAPTION>` for Florence-2 (default: the one an `mmspec train` captioner records)."),
+    head: str | None = typer.Option(None, "--head", help=HEAD_HELP),
+    captioner: str | None = typer.Option(None, help="Captioner (HF image-to-text) for the caption view."),
+    captioner_prompt: str | None = typer.Option(None, help="Task prompt for the captioner, e.g. `<CAPTION>` for Florence-2 (default: the one an `mmspec train` captioner records)."),
     views: str = typer.Option("M", help="Drafting views: letters M,T,C,P or names, comma-separated (pooled:36); "
                               "several = the in-batch ensemble (e.g. MT, MTC). M is the fastest measured "
                               "with the embedded pair (docs/perf.md)."),
-    weights: Optional[str] = typer.Option(None, help="Ensemble weights, comma-separated, one per view (default equal)."),
-    gamma: Optional[int] = typer.Option(None, help="Draft tokens per block of a chain (default 5); a tree's "
+    weights: str | None = typer.Option(None, help="Ensemble weights, comma-separated, one per view (default equal)."),
+    gamma: int | None = typer.Option(None, help="Draft tokens per block of a chain (default 5); a tree's "
                                         "shape is --tree's."),
-    tree: Optional[str] = typer.Option(None, help="Block shape (README, \"Token trees\"): chain (default), dynamic "
+    tree: str | None = typer.Option(None, help="Block shape (README, \"Token trees\"): chain (default), dynamic "
                                        "(EAGLE-2 with the device's measured defaults), DEPTHxTOPKxBUDGET such as "
                                        "6x4x16, or a static tree as JSON child-rank paths, e.g. '[[0],[1],[0,0]]'."),
-    tree_depth: Optional[int] = typer.Option(None, help="With --tree dynamic: expansion steps."),
-    tree_topk: Optional[int] = typer.Option(None, help="With --tree dynamic: children per node and nodes expanded per depth."),
-    tree_budget: Optional[int] = typer.Option(None, help="With --tree dynamic: nodes verified per block (root excluded)."),
+    tree_depth: int | None = typer.Option(None, help="With --tree dynamic: expansion steps."),
+    tree_topk: int | None = typer.Option(None, help="With --tree dynamic: children per node and nodes expanded per depth."),
+    tree_budget: int | None = typer.Option(None, help="With --tree dynamic: nodes verified per block (root excluded)."),
     tree_children: str = typer.Option("mixture", help="Tree children from the views' mixture, or 'views': each "
                                       "view's own top tokens (trees only)."),
-    stop_below: Optional[float] = typer.Option(None, help="Chains only: stop drafting a block when the draft's "
+    stop_below: float | None = typer.Option(None, help="Chains only: stop drafting a block when the draft's "
                                                "probability of its proposal falls below this (lossless)."),
     cuda_graphs: str = typer.Option("auto", help="auto (on for a CUDA device), on, off."),
     max_new_tokens: int = typer.Option(128),
     temperature: float = typer.Option(0.0, help="0 = greedy (exactly the target's greedy output)."),
-    top_k: Optional[int] = typer.Option(None, help="Sampling only (--temperature > 0): keep the k likeliest tokens."),
-    top_p: Optional[float] = typer.Option(None, help="Sampling only (--temperature > 0): nucleus filter."),
-    seed: Optional[int] = typer.Option(None, help="Seed for sampling (same seed, same output)."),
+    top_k: int | None = typer.Option(None, help="Sampling only (--temperature > 0): keep the k likeliest tokens."),
+    top_p: float | None = typer.Option(None, help="Sampling only (--temperature > 0): nucleus filter."),
+    seed: int | None = typer.Option(None, help="Seed for sampling (same seed, same output)."),
     compare: bool = typer.Option(True, help="Also run target.generate and report speed-up and identity (greedy)."),
     dtype: str = typer.Option("auto", help="auto, float32, bfloat16, float16 (auto: float32 on the CPU, where "
                               "half precision is several times slower; the checkpoint's own on a GPU)."),
     device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, ..."),
-    threads: Optional[int] = typer.Option(None, help="CPU threads for torch (default: torch's choice); give "
+    threads: int | None = typer.Option(None, help="CPU threads for torch (default: torch's choice); give "
                                           "each of several runs side by side a share of the cores."),
 ):
     """Answer one prompt with speculative decoding and print the block statistics.

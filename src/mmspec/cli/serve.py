@@ -12,7 +12,6 @@ import math
 import signal
 import socket
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 
@@ -29,41 +28,41 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface; the server has "
                              "no authentication)."),
     port: int = typer.Option(8000, help="TCP port."),
-    target: Optional[str] = typer.Option(None, help="Target VLM: local directory or hub id (default: embedded)."),
-    draft: Optional[str] = typer.Option(None, help="Draft model: local directory or hub id; or a draft head "
+    target: str | None = typer.Option(None, help="Target VLM: local directory or hub id (default: embedded)."),
+    draft: str | None = typer.Option(None, help="Draft model: local directory or hub id; or a draft head "
                                         "directory (as --head)."),
-    head: Optional[str] = typer.Option(None, "--head", help=HEAD_HELP),
-    captioner: Optional[str] = typer.Option(None, help="Captioner (HF image-to-text) for the caption view."),
-    captioner_prompt: Optional[str] = typer.Option(None, help="Task prompt for the captioner (as in generate)."),
+    head: str | None = typer.Option(None, "--head", help=HEAD_HELP),
+    captioner: str | None = typer.Option(None, help="Captioner (HF image-to-text) for the caption view."),
+    captioner_prompt: str | None = typer.Option(None, help="Task prompt for the captioner (as in generate)."),
     views: str = typer.Option("M", help="Drafting views, as in `mmspec generate` (e.g. M, MT, MTC)."),
-    weights: Optional[str] = typer.Option(None, help="Ensemble weights, comma-separated, one per view."),
-    gamma: Optional[int] = typer.Option(None, help="Draft tokens per block of a chain (default 5)."),
-    tree: Optional[str] = typer.Option(None, help="Block shape, as in `mmspec generate`: chain, dynamic, "
+    weights: str | None = typer.Option(None, help="Ensemble weights, comma-separated, one per view."),
+    gamma: int | None = typer.Option(None, help="Draft tokens per block of a chain (default 5)."),
+    tree: str | None = typer.Option(None, help="Block shape, as in `mmspec generate`: chain, dynamic, "
                                        "DEPTHxTOPKxBUDGET or a static tree as JSON paths."),
-    tree_depth: Optional[int] = typer.Option(None, help="With --tree dynamic: expansion steps."),
-    tree_topk: Optional[int] = typer.Option(None, help="With --tree dynamic: children per node."),
-    tree_budget: Optional[int] = typer.Option(None, help="With --tree dynamic: nodes verified per block."),
+    tree_depth: int | None = typer.Option(None, help="With --tree dynamic: expansion steps."),
+    tree_topk: int | None = typer.Option(None, help="With --tree dynamic: children per node."),
+    tree_budget: int | None = typer.Option(None, help="With --tree dynamic: nodes verified per block."),
     tree_children: str = typer.Option("mixture", help="Tree children from the views' mixture, or 'views'."),
-    stop_below: Optional[float] = typer.Option(None, help="Chains only: dynamic draft length threshold."),
+    stop_below: float | None = typer.Option(None, help="Chains only: dynamic draft length threshold."),
     cuda_graphs: str = typer.Option("auto", help="auto (on for a CUDA device), on, off."),
     dtype: str = typer.Option("auto", help="auto, float32, bfloat16, float16 (auto: float32 on the CPU)."),
     device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, ..."),
-    threads: Optional[int] = common.THREADS,
+    threads: int | None = common.THREADS,
     max_batch: int = typer.Option(16, help="Requests decoded together; more wait for a free row."),
     speculate: str = typer.Option("always", help="always: draft every block; never: batched target steps "
                                   "only; auto: per batch size, draft only while it measures faster (all lossless; "
                                   "seeded sampling repeats solo generate's answer with always only)."),
-    prefix_cache_mb: Optional[float] = typer.Option(None, help="Memory (MiB) for prefix caching: a "
+    prefix_cache_mb: float | None = typer.Option(None, help="Memory (MiB) for prefix caching: a "
                                                     "conversation's next turn prefills only its new part (default: "
                                                     "SpecDecoder's, 1024; 0: off)."),
     max_tokens: int = typer.Option(512, help="A request's max_tokens when it gives none (capped by the room "
                                    "left in the target's context)."),
-    max_images: Optional[int] = typer.Option(None, help="Images per request (default: as many as the target's "
+    max_images: int | None = typer.Option(None, help="Images per request (default: as many as the target's "
                                              "context holds)."),
-    allowed_local_media_path: List[Path] = typer.Option(
+    allowed_local_media_path: list[Path] = typer.Option(
         [], help="A directory whose image files requests may name by path or file:// URL (repeatable; "
         "default: none, images come as data URLs)."),
-    served_model_name: Optional[str] = typer.Option(None, help="The model id of /v1/models and the responses "
+    served_model_name: str | None = typer.Option(None, help="The model id of /v1/models and the responses "
                                                     f"(default: {EMBEDDED_NAME}, or --target as given)."),
     shutdown_timeout: float = typer.Option(30.0, help="After SIGTERM: seconds the running requests get to finish."),
 ):

@@ -8,8 +8,9 @@ and decoder-only VLMs prompted to describe the image (the embedded tiny captione
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 

@@ -13,7 +13,6 @@ import torch
 
 from mmspec.errors import MMSpecError
 
-
 SIDECAR = "mmspec.json"  # written by mmspec.train.checkpoint.save_checkpoint
 
 
@@ -58,7 +57,7 @@ def _offline_flag() -> bool:
     return env or bool(constants.HF_HUB_OFFLINE)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hub_reachable(timeout_s: float = 3.0) -> bool:
     """Whether the Hugging Face hub answers one request now: no retries, ``timeout_s`` at most
     (transformers' own downloads retry with back-off for minutes on a machine without network)."""

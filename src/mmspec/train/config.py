@@ -11,7 +11,6 @@ Does not know about data, training loops or files: see ``data.py``, ``recipe.py`
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -169,7 +168,7 @@ class RecipeConfig:
             raise MMSpecError(f"recipe: distill_per_family must be >= 0 (0: no distillation); got "
                               f"{self.distill_per_family}")
 
-    def scaled(self, factor: float) -> "RecipeConfig":
+    def scaled(self, factor: float) -> RecipeConfig:
         """The same recipe with every stage's step count multiplied by ``factor`` (>= 1 step)."""
         def s(st: StageConfig) -> StageConfig:
             return replace(st, steps=max(1, round(st.steps * factor)))

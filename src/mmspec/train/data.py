@@ -24,8 +24,9 @@ from __future__ import annotations
 import functools
 import itertools
 import re
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Literal, Sequence
+from typing import Literal
 
 import torch
 from PIL import Image
@@ -101,7 +102,7 @@ class Batch:
     tokens_per_image: int
     loss_weights: torch.Tensor | None = None  # [B, T] float, 0 where no loss; None: uniform
 
-    def to(self, device: str | torch.device) -> "Batch":
+    def to(self, device: str | torch.device) -> Batch:
         pv = None if self.pixel_values is None else self.pixel_values.to(device)
         w = None if self.loss_weights is None else self.loss_weights.to(device)
         return Batch(self.input_ids.to(device), self.attention_mask.to(device),
@@ -245,7 +246,7 @@ def collate(items: Sequence[Encoded], pad_id: int, image_processor, tokens_per_i
     return Batch(ids, mask, labels, pixel_values, tokens_per_image, weights)
 
 
-def fixed_batches(examples: Sequence[Example], encoder: "Encoder", image_processor, batch_size: int = 8,
+def fixed_batches(examples: Sequence[Example], encoder: Encoder, image_processor, batch_size: int = 8,
                   tokens_per_image: int = 64) -> list[Batch]:
     """Held-out ``examples`` (multimodal view) as fixed right-padded batches, in order."""
     encoded = [encoder.encode(ex, "multimodal", tokens_per_image) for ex in examples]

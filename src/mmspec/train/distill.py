@@ -18,9 +18,9 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from tqdm.auto import tqdm

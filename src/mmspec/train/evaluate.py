@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from mmspec.errors import MMSpecError
 from mmspec.world.core import sentences

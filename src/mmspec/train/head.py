@@ -32,9 +32,9 @@ import json
 import math
 import os
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +50,7 @@ class Sequence_:
 
     input_ids: torch.Tensor  # [L] long
     pixel_values: torch.Tensor | None  # [n_img, 3, H, W] or None
-    text_only: "Sequence_ | None" = None  # the same without images (msd's first stage)
+    text_only: Sequence_ | None = None  # the same without images (msd's first stage)
 
 
 @dataclass

@@ -23,9 +23,9 @@ from __future__ import annotations
 import copy
 import json
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 

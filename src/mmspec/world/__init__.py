@@ -34,8 +34,8 @@ This package owns the data, its tokenizer (:mod:`.tokenizer`) and its HF process
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Iterator, Mapping
 
 from mmspec.errors import MMSpecError
 from mmspec.world import clips, pairs, single, stories

@@ -17,8 +17,9 @@ from __future__ import annotations
 import hashlib
 import random
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from PIL import Image
 

@@ -13,7 +13,7 @@ trained on the image families alone and its ids never move; a video model append
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast

@@ -15,8 +15,9 @@ events, tokenizers or models.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from PIL import Image
 
@@ -65,7 +66,7 @@ class VideoFamily:
     name: str
     n_frames: int
     draw_spec: Callable[[random.Random], Any]  # -> frozen dataclass of the clip; repr() is its identity
-    render: Callable[[Any, random.Random], "VideoDraft"]  # also draws the question
+    render: Callable[[Any, random.Random], VideoDraft]  # also draws the question
     description: str = field(default="", compare=False)
 
 

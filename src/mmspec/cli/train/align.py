@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -24,11 +23,11 @@ def align_command(
     samples: int = typer.Option(200, help="Train-split clips per family."),
     n_tokens: int = typer.Option(16, help="Tokens per video the encoder gives the draft."),
     steps: int = typer.Option(500, help="Optimiser steps."),
-    minutes: Optional[float] = typer.Option(None, help="Time budget: stop and save when it is spent."),
+    minutes: float | None = typer.Option(None, help="Time budget: stop and save when it is spent."),
     batch_size: int = typer.Option(16, help="Clips per step."),
     lr: float = typer.Option(2e-3, help="Peak learning rate (cosine decay)."),
     world_seed: int = typer.Option(0, help="World seed of the clips."),
-    threads: Optional[int] = typer.Option(None, help="CPU threads."),
+    threads: int | None = typer.Option(None, help="CPU threads."),
     fresh: bool = typer.Option(False, help="Start over instead of resuming the checkpoint in --out."),
 ) -> None:
     """Train the draft's substitute encoder + alignment layer (events -> the draft's video features).
@@ -60,7 +59,7 @@ def _names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def check_align_options(cfg: AlignConfig, draft: Path, families: str, samples: int, threads: Optional[int]) -> None:
+def check_align_options(cfg: AlignConfig, draft: Path, families: str, samples: int, threads: int | None) -> None:
     """Every `train align` option, before anything is loaded or written (the config's own numbers
     are checked by :class:`AlignConfig`)."""
     from mmspec.train.align import CHECKPOINT, align_settings

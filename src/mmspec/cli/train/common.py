@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -14,7 +13,7 @@ MINUTES = typer.Option(None, help="wall-clock cap; the schedule then follows tim
 BF16 = typer.Option(True, help="bf16 autocast")
 
 
-def default_steps(steps: Optional[int], minutes: Optional[float]) -> Optional[int]:
+def default_steps(steps: int | None, minutes: float | None) -> int | None:
     """--steps as given; unset, 1000 without --minutes and None (the clock decides) with it."""
     return steps if steps is not None or minutes is not None else 1000
 
@@ -60,7 +59,7 @@ def training_errors():
         raise typer.Exit(130) from None
 
 
-def check_threads(threads: Optional[int]) -> None:
+def check_threads(threads: int | None) -> None:
     from mmspec.errors import MMSpecError
 
     if threads is not None and threads < 1:
@@ -92,7 +91,7 @@ def check_count(value, option: str, least: int = 1) -> None:
         raise MMSpecError(f"{option} must be a whole number >= {least}, got {value!r}")
 
 
-def check_model_dir(path: Optional[Path], option: str, what: str = "a model") -> None:
+def check_model_dir(path: Path | None, option: str, what: str = "a model") -> None:
     """``path`` must be a model directory (config.json): refused otherwise, before anything loads."""
     from mmspec.errors import MMSpecError
 

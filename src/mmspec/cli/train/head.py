@@ -6,13 +6,19 @@ sequences come from :func:`~mmspec.train.head.world_sequences` or
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 from mmspec.cli.common import set_threads
-from mmspec.cli.train.common import (check_device, check_model_dir, check_model_type, check_out, check_processor,
-                                     check_threads, training_errors)
+from mmspec.cli.train.common import (
+    check_device,
+    check_model_dir,
+    check_model_type,
+    check_out,
+    check_processor,
+    check_threads,
+    training_errors,
+)
 from mmspec.errors import MMSpecError
 from mmspec.train.head import (
     HeadTrainConfig,
@@ -28,8 +34,8 @@ def head(
                                 "test) or msd (decoupled modality, text-first)."),
     out: Path = typer.Option(..., help="Where the head is saved (and its checkpoint: a rerun resumes)."),
     data: str = typer.Option("world", help="world, or llava-instruct:FILE.json (with --image-dir)."),
-    image_dir: Optional[Path] = typer.Option(None, help="Images of a llava-instruct JSON."),
-    answers: Optional[Path] = typer.Option(None, help="The target's own greedy answers (mmspec train answers) "
+    image_dir: Path | None = typer.Option(None, help="Images of a llava-instruct JSON."),
+    answers: Path | None = typer.Option(None, help="The target's own greedy answers (mmspec train answers) "
                                            "to the world's training prompts."),
     families: str = typer.Option("chartqa,textvqa,vqav2,hallusionbench,spot_the_diff,iedit,pororosv,vist",
                                  help="World families to train on."),
@@ -37,16 +43,16 @@ def head(
     world_seed: int = typer.Option(0, help="World seed of the samples (must match the answers file's)."),
     layers: int = typer.Option(1, help="Decoder layers of the head."),
     steps: int = typer.Option(1000),
-    minutes: Optional[float] = typer.Option(None, help="Time budget: stop and save when it is spent."),
+    minutes: float | None = typer.Option(None, help="Time budget: stop and save when it is spent."),
     batch_size: int = typer.Option(16, help="Global batch (split over torchrun's processes)."),
     lr: float = typer.Option(1e-3),
     ttt_steps: int = typer.Option(3, help="eagle3: unrolled training-time-test passes."),
-    text_steps: Optional[int] = typer.Option(None, help="msd: text-only steps first (default: a third of --steps; "
+    text_steps: int | None = typer.Option(None, help="msd: text-only steps first (default: a third of --steps; "
                                              "with --minutes, that share of the time budget if it ends training "
                                              "first)."),
     seed: int = typer.Option(0),
     device: str = typer.Option("cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK)."),
-    threads: Optional[int] = typer.Option(None, help="CPU threads per process."),
+    threads: int | None = typer.Option(None, help="CPU threads per process."),
     fresh: bool = typer.Option(False, help="Start over instead of resuming the checkpoint in --out."),
 ) -> None:
     """Train a feature-level draft head (EAGLE / EAGLE-3 / MSD) on the frozen target's features.
@@ -90,8 +96,8 @@ def names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def check_head_options(cfg: HeadTrainConfig, target: Path, data: str, image_dir: Optional[Path],
-                       answers: Optional[Path], families: str, samples: int, threads: Optional[int]) -> None:
+def check_head_options(cfg: HeadTrainConfig, target: Path, data: str, image_dir: Path | None,
+                       answers: Path | None, families: str, samples: int, threads: int | None) -> None:
     """Every `train head` option, before anything is loaded or written (the numbers of the
     config itself are checked by :class:`HeadTrainConfig`)."""
     from mmspec.train.head import CHECKPOINT, head_settings

@@ -7,7 +7,6 @@ model's fact recall and questions answered right without one.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -19,8 +18,8 @@ from mmspec.cli.train.common import require_model_dir
 def evaluate_cmd(
     results: Path = typer.Option(..., help="a `mmspec bench run` results dir on the embedded world"),
     captions_per_family: int = typer.Option(50, help="test samples per family for the caption check (0: skip)"),
-    out: Optional[Path] = typer.Option(None, help="write the figures as JSON here"),
-    method: Optional[list[str]] = typer.Option(None, "--method", help="also the fact recall of this method's "
+    out: Path | None = typer.Option(None, help="write the figures as JSON here"),
+    method: list[str] | None = typer.Option(None, "--method", help="also the fact recall of this method's "
                                                "answers (e.g. a lossy +relaxed one) next to the target's; repeatable"),
 ) -> None:
     """Quality of the embedded pack on the test split, from a benchmark run.
@@ -54,7 +53,7 @@ def evaluate_cmd(
         out.write_text(json.dumps({"provenance": _provenance(results), **report}, indent=2))
 
 
-def _provenance(results: Optional[Path] = None) -> dict:
+def _provenance(results: Path | None = None) -> dict:
     """What made a figure file: this command, when and where, and the benchmark runs it read (if any)."""
     from mmspec.bench.store import read_run_meta
     from mmspec.provenance import stamp
@@ -68,15 +67,15 @@ def _provenance(results: Optional[Path] = None) -> dict:
 
 
 def facts_cmd(
-    model: Optional[Path] = typer.Option(None, help="HF LLaVA dir (default: the shipped target)"),
+    model: Path | None = typer.Option(None, help="HF LLaVA dir (default: the shipped target)"),
     n: int = typer.Option(100, help="test samples per family (the split's first N, as the benchmark takes them)"),
     family: list[str] = typer.Option(list(SINGLE_IMAGE), help="world family (repeatable)"),
     view: str = typer.Option("multimodal", help="multimodal | caption (each image replaced by its "
                              "ground-truth caption: can the LM copy the facts from text?)"),
     max_new_tokens: int = typer.Option(128),
     device: str = typer.Option("cpu"),
-    threads: Optional[int] = typer.Option(None),
-    out: Optional[Path] = typer.Option(None, help="write the figures as JSON here"),
+    threads: int | None = typer.Option(None),
+    out: Path | None = typer.Option(None, help="write the figures as JSON here"),
 ) -> None:
     """Fact recall of a target's greedy answers on the test split, without a benchmark run.
 

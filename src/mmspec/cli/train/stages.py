@@ -9,22 +9,32 @@ onto the typed configs.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 from mmspec.cli.common import set_threads
-from mmspec.cli.train.common import (BF16, MINUTES, STEPS, default_steps, parse_family_samples, require_model_dir,
-                                     check_count, check_device, check_out, check_threads, training_errors)
+from mmspec.cli.train.common import (
+    BF16,
+    MINUTES,
+    STEPS,
+    check_count,
+    check_device,
+    check_out,
+    check_threads,
+    default_steps,
+    parse_family_samples,
+    require_model_dir,
+    training_errors,
+)
 
 
 def embedded(
     out: Path = typer.Option(None, help="output dir (default: the package assets/embedded)"),
-    minutes_budget: Optional[float] = typer.Option(None, help="wall-clock budget; stages get shares of it"),
+    minutes_budget: float | None = typer.Option(None, help="wall-clock budget; stages get shares of it"),
     steps_scale: float = typer.Option(1.0, help="multiply every stage's step count (no budget)"),
     device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, ..."),
     seed: int = typer.Option(0),
-    threads: Optional[int] = typer.Option(None, help="CPU threads for torch (default: torch's choice)"),
+    threads: int | None = typer.Option(None, help="CPU threads for torch (default: torch's choice)"),
     n_train_per_family: int = typer.Option(1500, help="training samples per task family"),
     bf16: bool = typer.Option(False, help="bf16 autocast (faster on a CPU with AVX512-BF16, and on a GPU)"),
     distill_per_family: int = typer.Option(200, help="train the draft's stage 2 and the pooled draft on the "
@@ -72,14 +82,14 @@ def embedded(
 
 def stage(
     out: Path = typer.Option(..., help="where to save the trained model (HF dir)"),
-    init: Optional[Path] = typer.Option(None, help="start from this HF LLaVA dir"),
+    init: Path | None = typer.Option(None, help="start from this HF LLaVA dir"),
     size: str = typer.Option("draft", help="size preset for a fresh model when no --init"),
-    vision_from: Optional[Path] = typer.Option(None, help="copy this HF LLaVA dir's vision tower"),
+    vision_from: Path | None = typer.Option(None, help="copy this HF LLaVA dir's vision tower"),
     trainable: str = typer.Option("projector+lm", help="all | projector | projector+lm"),
     lr: float = typer.Option(2e-5),
-    steps: Optional[int] = STEPS,
+    steps: int | None = STEPS,
     batch_size: int = typer.Option(16),
-    pooled_tokens: Optional[int] = typer.Option(None, help="train with pooling to N tokens/image"),
+    pooled_tokens: int | None = typer.Option(None, help="train with pooling to N tokens/image"),
     captioner: bool = typer.Option(False, help="train on the caption task instead of the QA task"),
     caption_mix: float = typer.Option(0.0, help="QA training: add this many image->caption examples per QA "
                                       "example (fact-dense supervision for the vision tower)"),
@@ -93,19 +103,19 @@ def stage(
     n_train_per_family: int = typer.Option(400),
     family_samples: list[str] = typer.Option([], help="FAMILY=N: train on N samples of this family instead of "
                                              "--n-train-per-family (repeatable; 0 drops the family)"),
-    minutes: Optional[float] = MINUTES,
+    minutes: float | None = MINUTES,
     bf16: bool = BF16,
     half: bool = typer.Option(False, help="save fp16 safetensors (the embedded pack's format)"),
     evaluate: bool = typer.Option(False, "--eval", help="held-out loss and fact recall after training"),
     device: str = typer.Option("cpu"),
     seed: int = typer.Option(0, help="training seed: initialisation, batch order, view draws, mixed-in practice"),
-    world_seed: Optional[int] = typer.Option(None, help="seed of the world's samples (and of a fresh model's "
+    world_seed: int | None = typer.Option(None, help="seed of the world's samples (and of a fresh model's "
                                              "tokenizer); default: --seed. Keep it to train again on the same "
                                              "samples, or the same --answers file, with another --seed"),
-    threads: Optional[int] = typer.Option(None),
+    threads: int | None = typer.Option(None),
     workers: int = typer.Option(0, help="build training batches in this many worker processes (0: in this one); "
                                 "a GPU step outruns one core's tokenising and image preprocessing"),
-    answers: Optional[Path] = typer.Option(None, help="train on a target's own greedy answers (a JSONL file from "
+    answers: Path | None = typer.Option(None, help="train on a target's own greedy answers (a JSONL file from "
                                            "`mmspec train answers`, same world seed and sample counts) instead of the "
                                            "world's reference answers: draft distillation"),
     fresh: bool = typer.Option(False, help="Start over instead of resuming the checkpoint an interrupted run "
@@ -260,17 +270,17 @@ def stage(
 def answers_cmd(
     out: Path = typer.Option(..., help="JSONL file to write (appended to: a rerun resumes, skipping samples "
                              "already answered)"),
-    target: Optional[Path] = typer.Option(None, help="HF LLaVA dir (default: the shipped target)"),
+    target: Path | None = typer.Option(None, help="HF LLaVA dir (default: the shipped target)"),
     n_train_per_family: int = typer.Option(400, help="train-split samples per family"),
     family_samples: list[str] = typer.Option([], help="FAMILY=N: N samples of this family instead of "
                                              "--n-train-per-family (repeatable; as `train stage` takes it)"),
     seed: int = typer.Option(0, "--world-seed", "--seed", help="world seed of the samples: the draft stage's "
                              "--world-seed (default: its --seed)"),
-    max_new_tokens: Optional[int] = typer.Option(None, help="longest answer (default: the answer length the "
+    max_new_tokens: int | None = typer.Option(None, help="longest answer (default: the answer length the "
                                                  "stages train on, RecipeConfig.max_answer_tokens = 96)"),
     batch_size: int = typer.Option(32, help="prompts per generate call (prompts of one token length each)"),
     device: str = typer.Option("cpu"),
-    threads: Optional[int] = typer.Option(None),
+    threads: int | None = typer.Option(None),
     quiet: bool = typer.Option(False, help="no progress bar"),
 ) -> None:
     """The target's own greedy answers to training samples, for draft distillation.

@@ -7,14 +7,19 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
 
 import torch
 import typer
 
 from mmspec.cli.common import set_threads
-from mmspec.cli.train.common import (check_model_dir, check_model_type, check_out, check_processor, check_threads,
-                                     training_errors)
+from mmspec.cli.train.common import (
+    check_model_dir,
+    check_model_type,
+    check_out,
+    check_processor,
+    check_threads,
+    training_errors,
+)
 from mmspec.errors import MMSpecError
 from mmspec.train.video import (
     VideoTrainConfig,
@@ -30,9 +35,9 @@ from mmspec.train.video import (
 def video_command(
     out: Path = typer.Option(..., help="Where the video target/ and draft/ are saved, with video_report.json "
                              "(and checkpoints/: a rerun resumes)."),
-    target: Optional[Path] = typer.Option(None, help="The image LLaVA the target is made from (default: the "
+    target: Path | None = typer.Option(None, help="The image LLaVA the target is made from (default: the "
                                           "embedded target)."),
-    draft: Optional[Path] = typer.Option(None, help="The image LLaVA the draft is made from (default: the embedded "
+    draft: Path | None = typer.Option(None, help="The image LLaVA the draft is made from (default: the embedded "
                                          "draft)."),
     n_frames: int = typer.Option(4, help="Frames per clip the models read (1 to the clips' 8)."),
     samples: int = typer.Option(600, help="Train clips per video family."),
@@ -42,7 +47,7 @@ def video_command(
     batch_size: int = typer.Option(8, help="Clips per step."),
     lr: float = typer.Option(3e-4, help="Peak learning rate."),
     eval_samples: int = typer.Option(50, help="Test clips per family for the key-fact check."),
-    threads: Optional[int] = typer.Option(None, help="CPU threads."),
+    threads: int | None = typer.Option(None, help="CPU threads."),
     fresh: bool = typer.Option(False, help="Start over instead of resuming the checkpoints in --out."),
 ) -> None:
     """Build the embedded video pair from an image pack and fine-tune it on the world's clips.
@@ -91,8 +96,8 @@ def video_command(
                    f"({len(test)} test clips); saved to {out}")
 
 
-def check_video_options(cfg: VideoTrainConfig, dcfg: VideoTrainConfig, target: Optional[Path],
-                        draft: Optional[Path], eval_samples: int, threads: Optional[int]) -> None:
+def check_video_options(cfg: VideoTrainConfig, dcfg: VideoTrainConfig, target: Path | None,
+                        draft: Path | None, eval_samples: int, threads: int | None) -> None:
     """Every `train video` option, before anything is loaded or written (the numbers of each
     role's config are checked by :class:`VideoTrainConfig`)."""
     from mmspec.embedded import default_path
