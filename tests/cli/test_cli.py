@@ -1,10 +1,9 @@
 """The `mmspec generate` command on checkpoints saved to disk (the one-command path)."""
 
 import pytest
-from PIL import Image
 from typer.testing import CliRunner
 
-from helpers.tiny import make_processor, swapped_tokenizer
+from helpers.tiny import make_processor, save_checkpoints, swapped_tokenizer
 from mmspec import MMSpecError, SpecDecoder
 from mmspec.cli import app
 
@@ -13,13 +12,7 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, target, draft_shared, tok):
-    root = tmp_path_factory.mktemp("ckpt")
-    proc = make_processor(tok)
-    for name, model in (("target", target), ("draft", draft_shared)):
-        model.save_pretrained(root / name)
-        proc.save_pretrained(root / name)
-    for i, colour in enumerate([(255, 0, 0), (0, 0, 255)]):
-        Image.new("RGB", (40, 40), colour).save(root / f"img{i}.png")
+    root = save_checkpoints(tmp_path_factory.mktemp("ckpt"), target, draft_shared, tok)
     (root / "broken.png").write_bytes(b"\x89PNG not really")
     return root
 

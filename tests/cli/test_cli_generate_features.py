@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from typer.testing import CliRunner
 
-from helpers.tiny import make_processor, noisy_copy
+from helpers.tiny import make_processor, noisy_copy, save_checkpoints
 from mmspec import MMSpecError
 from mmspec.cli import app
 
@@ -45,13 +45,7 @@ def ckpt(tmp_path_factory, target, draft_shared, tok):
     """A tiny LLaVA-1.5 target + draft with its processor, two images, an eagle and an eagle3 head."""
     from mmspec.heads import build_head
 
-    root = tmp_path_factory.mktemp("feat")
-    proc = make_processor(tok)
-    for name, model in (("target", target), ("draft", draft_shared)):
-        model.save_pretrained(root / name)
-        proc.save_pretrained(root / name)
-    for i, colour in enumerate([(255, 0, 0), (0, 0, 255)]):
-        Image.new("RGB", (40, 40), colour).save(root / f"img{i}.png")
+    root = save_checkpoints(tmp_path_factory.mktemp("feat"), target, draft_shared, tok)
     build_head(target, "eagle", seed=1).save(root / "eagle")
     build_head(target, "eagle3", seed=2).save(root / "eagle3")
     return root

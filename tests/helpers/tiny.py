@@ -192,3 +192,17 @@ def block_network():
 
 
 # ---------------------------------------------------------------- exact-distribution tests
+
+
+def save_checkpoints(root, target, draft, tok):
+    """``root/target`` and ``root/draft`` (weights + processor, as save_pretrained writes them) and two
+    40x40 images ``root/img0.png`` (red), ``root/img1.png`` (blue): what the CLI tests load."""
+    from PIL import Image
+
+    proc = make_processor(tok)
+    for name, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(root / name)
+        proc.save_pretrained(root / name)
+    for i, colour in enumerate([(255, 0, 0), (0, 0, 255)]):
+        Image.new("RGB", (40, 40), colour).save(root / f"img{i}.png")
+    return root

@@ -56,7 +56,7 @@ def parse_method(method: str) -> tuple[tuple[str, ...], dict]:
     method = method.strip()
     if not method:
         raise MMSpecError("empty method name; use letters such as M, T, C, P, MT, MTC (add +tree for a token tree)")
-    parts = [p.strip() for p in _split_plus(method) if p.strip()]
+    parts = [p.strip() for p in split_outside_brackets(method, "+") if p.strip()]
     kw: dict = {}
     views = []
     for part in parts:
@@ -106,13 +106,13 @@ TREE_FIX = ("write +tree (the device's measured defaults), +tree:DEPTHxTOPKxBUDG
             "+tree:[[0],[1],[0,0]] (a static tree); README, \"Token trees\"")
 
 
-def _split_plus(method: str) -> list[str]:
-    """Split at '+' outside brackets (a static tree's JSON never holds one, but be exact)."""
+def split_outside_brackets(text: str, sep: str) -> list[str]:
+    """Split ``text`` at ``sep`` outside square brackets (a static tree's JSON paths hold commas)."""
     out, depth, cur = [], 0, ""
-    for ch in method:
+    for ch in text:
         depth += ch == "["
         depth -= ch == "]"
-        if ch == "+" and depth == 0:
+        if ch == sep and depth == 0:
             out.append(cur)
             cur = ""
         else:
@@ -123,19 +123,7 @@ def _split_plus(method: str) -> list[str]:
 def split_methods(values) -> tuple[str, ...]:
     """``["M,MT+tree", "M+tree:[[0],[1]]"]`` -> each method; commas inside a static tree's
     brackets do not split."""
-    out = []
-    for v in values:
-        depth, cur = 0, ""
-        for ch in v:
-            depth += ch == "["
-            depth -= ch == "]"
-            if ch == "," and depth == 0:
-                out.append(cur)
-                cur = ""
-            else:
-                cur += ch
-        out.append(cur)
-    return tuple(x.strip() for x in out if x.strip())
+    return tuple(x.strip() for v in values for x in split_outside_brackets(v, ",") if x.strip())
 
 
 def _tree_part(text: str, method: str) -> str:
