@@ -8,7 +8,7 @@ prompts, and the engine-efficiency analysis (IbED eq. 2) with a per-piece time b
   own speculative decoding, one draft, one view). ``--assisted matched`` (default) fixes the
   draft length to gamma with a constant schedule and no confidence early-exit, like mmspec;
   ``--assisted default`` keeps transformers' defaults (what a user gets without tuning).
-- ``mmspec_M``: ``SpecDecoder(views="M")``; ``mmspec_<ENS>``: the ensemble (``--ensemble``);
+- ``mmspec_M``: ``SpecDecoder(views="M")``; ``mmspec_<ENS>``: each ensemble (``--ensemble``, comma-separated methods such as MTC or MT+adaptive);
   ``mmspec_M+tree``: the M view with the device's default dynamic token tree (``--trees``;
   ``M+tree:6x4x16`` sets its shape). On a GPU the mmspec systems run with CUDA graphs (the default
   there) and ``mmspec_M(eager)`` repeats M without them (``--no-eager``).
@@ -184,6 +184,7 @@ def _assistant_config(draft, mode: str, gamma: int) -> Iterator[None]:
 def build_decoders(cfg: SpeedConfig, models: BenchModels) -> dict[str, Any]:
     """``mmspec_M``, ``mmspec_<ensemble>``, the tree systems, and on a GPU ``mmspec_M(eager)``
     (SpecDecoders built once, reused: their CUDA graphs are captured in the warm-up pass)."""
+    from mmspec.bench.config import split_methods
     from mmspec.decoder import SpecDecoder
 
     def make(views: str, **kw):
@@ -191,7 +192,11 @@ def build_decoders(cfg: SpeedConfig, models: BenchModels) -> dict[str, Any]:
         return SpecDecoder(models.target, models.draft, models.tokenizer, views=views, captioner=cap, gamma=cfg.gamma,
                            processor=models.processor, prefix_cache_mb=0, **kw)  # repeats: no reuse
 
-    out = {f"mmspec_{views}": make(views) for views in dict.fromkeys(["M", cfg.ensemble])}
+    out = {"mmspec_M": make("M")}
+    for name in split_methods([cfg.ensemble]):  # ensembles in the bench's method notation (MTC, MT+adaptive)
+        if f"mmspec_{name}" not in out:
+            views, kw = method_system(name)
+            out[f"mmspec_{name}"] = make(",".join(views), **kw)
     for name in cfg.trees:
         views, kw = tree_system(name)
         out[f"mmspec_{name}"] = make(",".join(views), **kw)
@@ -203,6 +208,21 @@ def build_decoders(cfg: SpeedConfig, models: BenchModels) -> dict[str, Any]:
     if cfg.eager and next(models.target.parameters()).device.type == "cuda":
         out["mmspec_M(eager)"] = make("M", cuda_graphs=False)
     return out
+
+
+def method_system(name: str) -> tuple[tuple[str, ...], dict]:
+    """An ensemble system in the bench's method notation: ``"MT+adaptive"`` -> (("M", "T"),
+    {"weights": ...}); heads have ``--heads``."""
+    from mmspec.bench.config import parse_method
+    from mmspec.errors import MMSpecError
+
+    try:
+        views, kw = parse_method(name)
+    except MMSpecError as e:
+        raise SystemExit(f"--ensemble: {e}") from None
+    if "head" in kw:
+        raise SystemExit(f"--ensemble: {name!r} is a head; pass it with --heads VARIANT=DIR")
+    return views, kw
 
 
 def tree_system(name: str) -> tuple[tuple[str, ...], dict]:
@@ -495,7 +515,7 @@ _HELP = {"target": "target checkpoint dir (default: the embedded pack)", "draft"
          "eager": "on a GPU, also mmspec M without CUDA graphs",
          "heads": "feature-level heads, comma-separated VARIANT=DIR (made by mmspec train head)",
          "captioner": "captioner dir (checkpoints; needed for C views)", "families": "comma-separated world families",
-         "ensemble": "view letters of the ensemble system",
+         "ensemble": "ensemble systems, comma-separated, in the bench's method notation (MTC, MT+adaptive)",
          "step_views": "views whose engine draft step is timed against M alone", "assisted": "matched | default",
          "dtype": "float32 | bfloat16 | float16 (checkpoints)", "threads": "torch.set_num_threads"}
 
