@@ -377,6 +377,8 @@ def generate_batch(dec, requests: list[dict], *, max_batch: int = 16, speculate=
     decoded with continuous batching; results in input order."""
     if not isinstance(requests, (list, tuple)):
         raise MMSpecError(f"requests must be a list of dicts (one per prompt), got {type(requests).__name__}")
+    if speculate == "auto":  # the decoder's own policy: what it measured in earlier calls carries over
+        speculate = dec.speculation_policy
     sched = BatchScheduler(dec, max_batch=max_batch, speculate=speculate)
     rids = []
     for i, req in enumerate(requests):

@@ -207,7 +207,8 @@ class SpecDecoder:
         checks.check_tree_fits_vocab(self.tree, min(self.target.vocab_size, draft_vocab))
         self.adaptive = None if head_given else AdaptiveWeights.parse(weights)  # None: fixed weights
         self.mode = self._engine_mode(cuda_graphs, static_cache)
-        self._static_pool = StaticPool(self.mode.graphs)  # (role, rows, capacity) -> (cache, runner)
+        self._static_pool = StaticPool(self.mode.graphs)
+        self._speculation_policy = None  # generate_batch(speculate="auto")'s, made on first use  # (role, rows, capacity) -> (cache, runner)
         if self.head is not None:  # a head reads the target's features: no views, no draft model
             self.views, self.weights, newline = [], [1.0], None
         else:
@@ -369,6 +370,17 @@ class SpecDecoder:
         from mmspec.batch import generate_batch
 
         return generate_batch(self, requests, max_batch=max_batch, speculate=speculate, **defaults)
+
+    @property
+    def speculation_policy(self):
+        """The "auto" policy this decoder's ``generate_batch(speculate="auto")`` calls share: the
+        tokens/s it measured per batch size, drafted and plain, carry over from call to call (a
+        fresh policy per call would spend a short batch re-measuring what the last one learnt)."""
+        from mmspec.batch import SpeculationPolicy
+
+        if self._speculation_policy is None:
+            self._speculation_policy = SpeculationPolicy("auto")
+        return self._speculation_policy
 
     def stream(self, input_ids, pixel_values=None, attention_mask=None, **kwargs) -> TextStream:
         """:meth:`generate` as an iterator of text pieces, at most one per block, that concatenate

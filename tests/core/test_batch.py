@@ -128,6 +128,18 @@ def test_policy_never_and_auto_are_lossless(target, draft_shared, tok, refs):
     assert all(b.n_drafted == 0 for r in never for b in r.stats.blocks)
 
 
+def test_auto_policy_carries_over_between_calls(target, draft_shared, tok, refs):
+    """generate_batch(speculate="auto") calls on one decoder share its policy: the second call starts
+    from the rates the first measured instead of probing every batch size again."""
+    dec = SpecDecoder(target, draft_shared, tok, views="MT")
+    assert [r.token_ids for r in dec.generate_batch(requests(4), speculate="auto")] == refs[:4]
+    learnt = dict(dec.speculation_policy.rates)
+    assert learnt and dec.speculation_policy.mode == "auto"
+    blocks = sum(dec.speculation_policy.blocks.values())
+    assert [r.token_ids for r in dec.generate_batch(requests(4), speculate="auto")] == refs[:4]
+    assert sum(dec.speculation_policy.blocks.values()) > blocks  # the same policy went on counting
+
+
 def test_auto_policy_picks_the_faster_mode():
     pol = SpeculationPolicy("auto", probe_every=4)
     assert pol.decide(8) is True  # unmeasured: try drafting
