@@ -110,8 +110,13 @@ def baseline(target, inputs, max_new_tokens):
     return out[0, inputs["input_ids"].shape[1]:].tolist(), time.perf_counter() - t0
 
 
-HEAD_HELP = ("A feature-level draft head directory (made by `mmspec train head`): it drafts from the "
-             "target's own hidden states, so --views and --captioner do not apply. `--draft HEAD_DIR` works too.")
+# the model flags `generate` and `serve` share, declared once
+TARGET = typer.Option(None, help="Target VLM: local directory or hub id (default: embedded).")
+DRAFT = typer.Option(None, help="Draft model: local directory or hub id; or a draft head directory (as --head).")
+HEAD = typer.Option(None, "--head", help="A feature-level draft head directory (made by `mmspec train head`): it "
+                    "drafts from the target's own hidden states, so --views and --captioner do not apply. "
+                    "`--draft HEAD_DIR` works too.")
+CAPTIONER = typer.Option(None, help="Captioner (HF image-to-text) for the caption view.")
 
 
 def generate(
@@ -123,11 +128,10 @@ def generate(
                                      "Video-LLaVA, Qwen2-VL, Qwen2.5-VL): a directory of its frames (PNG/JPEG, "
                                      "name order) or a video file (needs PyAV: pip install av). Repeatable."),
     frames: int = typer.Option(8, help="Frames taken from each --video, evenly spaced."),
-    target: str | None = typer.Option(None, help="Target VLM: local directory or hub id (default: embedded)."),
-    draft: str | None = typer.Option(None, help="Draft model: local directory or hub id; or a draft head "
-                                        "directory (as --head)."),
-    head: str | None = typer.Option(None, "--head", help=HEAD_HELP),
-    captioner: str | None = typer.Option(None, help="Captioner (HF image-to-text) for the caption view."),
+    target: str | None = TARGET,
+    draft: str | None = DRAFT,
+    head: str | None = HEAD,
+    captioner: str | None = CAPTIONER,
     captioner_prompt: str | None = typer.Option(None, help="Task prompt for the captioner, e.g. `<CAPTION>` for Florence-2 (default: the one an `mmspec train` captioner records)."),
     views: str = typer.Option("M", help="Drafting views: letters M,T,C,P or names, comma-separated (pooled:36); "
                               "several = the in-batch ensemble (e.g. MT, MTC). M is the fastest measured "

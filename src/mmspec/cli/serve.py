@@ -17,7 +17,7 @@ import typer
 
 from mmspec.cli import common
 from mmspec.cli.common import fail
-from mmspec.cli.generate import HEAD_HELP
+from mmspec.cli.generate import CAPTIONER, DRAFT, HEAD, TARGET
 from mmspec.errors import MMSpecError
 
 EMBEDDED_NAME = "mmspec-embedded"
@@ -28,11 +28,10 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface; the server has "
                              "no authentication)."),
     port: int = typer.Option(8000, help="TCP port."),
-    target: str | None = typer.Option(None, help="Target VLM: local directory or hub id (default: embedded)."),
-    draft: str | None = typer.Option(None, help="Draft model: local directory or hub id; or a draft head "
-                                        "directory (as --head)."),
-    head: str | None = typer.Option(None, "--head", help=HEAD_HELP),
-    captioner: str | None = typer.Option(None, help="Captioner (HF image-to-text) for the caption view."),
+    target: str | None = TARGET,
+    draft: str | None = DRAFT,
+    head: str | None = HEAD,
+    captioner: str | None = CAPTIONER,
     captioner_prompt: str | None = typer.Option(None, help="Task prompt for the captioner (as in generate)."),
     views: str = typer.Option("M", help="Drafting views, as in `mmspec generate` (e.g. M, MT, MTC)."),
     weights: str | None = typer.Option(None, help="Ensemble weights, comma-separated, one per view."),
