@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from mmspec.errors import MMSpecError
+from mmspec.models.captioner import DEFAULT_CAPTIONER_PROMPT, HFCaptioner, recorded_prompt
 
 ROLES = ("target", "draft", "draft_pooled", "captioner")
-DEFAULT_CAPTIONER_PROMPT = "USER: <image> Describe the image briefly. ASSISTANT:"
 
 
 @dataclass
@@ -46,8 +46,6 @@ class EmbeddedModels:
 
     def captioner(self, **kw):
         """The pack's captioner with its recorded prompt, ready for ``SpecDecoder(captioner=)``."""
-        from mmspec.models.captioner import HFCaptioner
-
         return HFCaptioner(self.captioner_model, self.captioner_processor, prompt=self.captioner_prompt, **kw)
 
 
@@ -74,7 +72,6 @@ def load_embedded(dtype: torch.dtype = torch.float32, path: str | Path | None = 
     """Load the pack from ``path`` (default: the package assets), weights cast to ``dtype``."""
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    from mmspec.models.captioner import recorded_prompt
     from mmspec.models.loading import read_sidecar, resolve_device
 
     root = Path(path) if path is not None else default_path()

@@ -7,7 +7,18 @@ relative imports resolved):
 - nothing outside ``mmspec/cli/`` imports typer or ``mmspec.cli`` (``__main__.py``, the
   ``python -m mmspec`` entry point, only runs the CLI);
 - the decoder side (``models/``, ``embedded.py``) never imports the training code, and ``bench``
-  never imports ``train`` (``train`` may use ``bench``)."""
+  never imports ``train`` (``train`` may use ``bench``);
+- no import circles among mmspec's modules (:func:`circles`), but for the ones in
+  :data:`CIRCLES_BEING_REMOVED`.
+
+How the circle check counts imports: every import a module names is an edge, at module level, in a
+function body or under ``if TYPE_CHECKING:``. An import deferred into a function only hides a
+circle from the interpreter: the two modules still need each other, cannot be read or moved
+apart, and the deferral is what let the circles of issue #42 grow. Edges go to the module named:
+``from pkg import sub`` (``sub`` a module) is an edge to ``pkg.sub`` alone, ``from pkg import
+name`` to ``pkg/__init__.py``; the parent packages Python runs first on the way to a module are
+no edge (a package that imports its submodules makes no circle with them unless one of them
+imports a name from the package itself)."""
 
 from __future__ import annotations
 
@@ -20,6 +31,12 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "mmspec"
 CORE = ["engine.py", "verify.py", "tree.py", "drafter.py", "decoder.py", "multimodal.py", "graphs.py", "views.py",
         "stats.py", "models", "heads/model.py", "heads/drafter.py"]
 UPPER = ("mmspec.cli", "mmspec.train", "mmspec.bench", "mmspec.world")
+
+# Circles that other work of issue #42 is removing right now; nothing else may join this list.
+CIRCLES_BEING_REMOVED = [
+    {"mmspec.batch", "mmspec.decoder"},  # the one-engine rewrite (one request object; batch.py stops using decoder's privates)
+    {"mmspec.heads.formats", "mmspec.heads.model"},  # the heads/ work (formats read and write heads, model stops importing them)
+]
 
 
 def imported(path: Path, text: str | None = None) -> set[str]:
@@ -86,3 +103,126 @@ def test_the_check_sees_imports_inside_functions(tmp_path):
 def test_the_check_resolves_relative_imports():
     text = "from ..cli import app\nfrom . import llava\nfrom .cache import DecodeCache\n"
     assert imported(SRC / "models" / "base.py", text) >= {"mmspec.cli", "mmspec.models.llava", "mmspec.models.cache"}
+
+
+def module_of(path: Path) -> str:
+    """``src/mmspec/bench/runner.py`` -> ``mmspec.bench.runner``; a package's ``__init__.py`` is the package."""
+    parts = ["mmspec", *path.relative_to(SRC).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_edges(path: Path, modules: set[str], text: str | None = None) -> set[str]:
+    """The mmspec modules ``path`` imports (every import: module level, function bodies,
+    ``TYPE_CHECKING``), each the module named (see the module docstring), ``text`` standing in
+    for the file's own text."""
+    own = module_of(path)
+    package = own.split(".") if path.name == "__init__.py" else own.split(".")[:-1]
+    named = set()
+    for node in ast.walk(ast.parse(path.read_text() if text is None else text, str(path))):
+        if isinstance(node, ast.Import):
+            named.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+            subs = [a.name for a in node.names if f"{base}.{a.name}" in modules]
+            named.update(f"{base}.{s}" for s in subs)
+            if len(subs) < len(node.names):
+                named.add(base)
+    out = set()
+    for name in named:
+        while name and name not in modules:  # ``import mmspec.x.y`` where y is a name, not a module
+            name = name.rpartition(".")[0]
+        if name and name != own:
+            out.add(name)
+    return out
+
+
+def import_graph(texts: dict[Path, str] | None = None) -> dict[str, set[str]]:
+    """mmspec module -> the mmspec modules it imports; ``texts`` stands in for some files' text
+    (a path not under src/mmspec adds that module)."""
+    texts = texts or {}
+    files = {module_of(f): f for f in [*SRC.rglob("*.py"), *texts]}
+    return {m: module_edges(f, set(files), texts.get(f)) for m, f in files.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The import circles of ``graph``: its strongly connected components of two modules or more
+    (Tarjan's algorithm; a component holds every module that is on a circle with another)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(m: str) -> None:
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        on_stack.add(m)
+        for d in sorted(graph.get(m, ())):
+            if d not in index:
+                visit(d)
+                low[m] = min(low[m], low[d])
+            elif d in on_stack:
+                low[m] = min(low[m], index[d])
+        if low[m] == index[m]:
+            component = set()
+            while True:
+                d = stack.pop()
+                on_stack.discard(d)
+                component.add(d)
+                if d == m:
+                    break
+            if len(component) > 1:
+                found.append(component)
+
+    for m in sorted(graph):
+        if m not in index:
+            visit(m)
+    return found
+
+
+def new_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The circles of ``graph`` that are not one of :data:`CIRCLES_BEING_REMOVED` (a circle that
+    grew past one of them is new)."""
+    return [sorted(c) for c in circles(graph) if c not in CIRCLES_BEING_REMOVED]
+
+
+def test_no_new_import_circles():
+    graph = import_graph()
+    assert {"mmspec.bench.runner", "mmspec.embedded", "mmspec.models.base", "mmspec.train.recipe"} <= set(graph)
+    bad = new_circles(graph)
+    assert not bad, ("import circles among mmspec's modules (every import counts, function bodies and "
+                     f"TYPE_CHECKING included; see tests/core/test_layering.py): {bad}")
+
+
+@pytest.mark.parametrize("where", ["module", "function", "type_checking"])
+def test_the_circle_check_catches_a_planted_circle(where):
+    """``mmspec.bench.store`` (which the runner imports) made to import the runner back: caught at
+    module level, in a function body and under TYPE_CHECKING alike."""
+    store = SRC / "bench" / "store.py"
+    line = {"module": "from mmspec.bench.runner import run_bench\n",
+            "function": "def f():\n    from mmspec.bench.runner import run_bench\n",
+            "type_checking": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .runner import RunSummary\n"}[where]
+    graph = import_graph({store: store.read_text() + "\n" + line})
+    assert "mmspec.bench.runner" in graph["mmspec.bench.store"]
+    assert any({"mmspec.bench.runner", "mmspec.bench.store"} <= set(c) for c in new_circles(graph))
+
+
+def test_a_circle_that_grows_past_an_allowed_one_is_new():
+    """A third module joining a circle being removed is refused."""
+    engine = SRC / "engine.py"
+    graph = import_graph({engine: engine.read_text() + "\nfrom mmspec.batch import generate_batch\n"})
+    graph["mmspec.decoder"].add("mmspec.engine")  # the decoder runs the engine (whatever it imports today)
+    assert any({"mmspec.batch", "mmspec.decoder", "mmspec.engine"} <= set(c) for c in new_circles(graph))
+
+
+def test_circle_edges_name_the_module_not_its_package():
+    """``from mmspec.cli import common`` is an edge to ``mmspec.cli.common``, not ``mmspec.cli``
+    (whose ``__init__`` imports the commands); a name from a package is an edge to the package."""
+    demo = SRC / "cli" / "demo.py"
+    modules = set(import_graph())
+    text = "from mmspec.cli import common\nfrom . import checks\nfrom mmspec.world import FAMILIES\nimport mmspec.models.base\n"
+    assert module_edges(demo, modules, text) == {"mmspec.cli.common", "mmspec.cli.checks", "mmspec.world",
+                                                 "mmspec.models.base"}
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]

@@ -3,7 +3,7 @@
 import pytest
 
 from mmspec.bench.store import RowWriter, results_path
-from mmspec.train.evaluate import answer_fact_recall, caption_fact_rate
+from mmspec.train.evaluate import answer_fact_recall, caption_fact_rate, fact_recall
 from mmspec.world import make_sample
 
 
@@ -139,7 +139,7 @@ def test_training_time_fact_recall_uses_the_whole_word_rule(monkeypatch):
     answers = iter([f"I count 10 shapes; the one is {sample.facts['colour']}."])
     monkeypatch.setattr(recipe, "greedy_answer", lambda *a, **k: [])
     encoder = types.SimpleNamespace(tokenizer=types.SimpleNamespace(decode=lambda ids, **k: next(answers)))
-    r = recipe.fact_recall(None, encoder, None, [sample])
+    r = fact_recall(None, encoder, None, [sample])
     assert sample.facts["count"] == "0" and r["recall"] == 0.5  # the colour is stated; "0" inside "10" is not
 
 

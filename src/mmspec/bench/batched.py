@@ -29,15 +29,30 @@ are written before its ``batch`` row.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mmspec.bench.datasets import BenchSample
 
-if TYPE_CHECKING:  # the runner's loop state; imported lazily there to keep this module light
-    from mmspec.bench.config import BenchConfig
-    from mmspec.bench.runner import _Loop
+if TYPE_CHECKING:
+    from mmspec.bench.config import BenchConfig, RankInfo
+    from mmspec.bench.store import RowWriter
 
 TARGET = "target"
+
+
+class RunState(Protocol):
+    """What the batched pass needs of the runner's loop state (``mmspec.bench.runner`` passes its
+    own; this module never imports the runner, which imports it)."""
+
+    cfg: BenchConfig
+    rank: RankInfo
+    writer: RowWriter
+    summary: Any  # the runner's RunSummary: skipped, written, target_batch_differs
+    baselines: dict[tuple[str, str], dict]
+
+    def backend(self) -> Any: ...  # a mmspec.bench.backend.Backend (which imports this module's cut_at_eos)
+
+    def audit(self, row: dict, sample: BenchSample, own: list[int], ours: list[int]) -> None: ...
 
 
 def cut_at_eos(token_ids: list[int], eos: int | list[int] | None) -> list[int]:
@@ -60,7 +75,7 @@ def batch_sizes_to_run(cfg: BenchConfig) -> list[int]:
     return sorted(cfg.batch_sizes) if max(cfg.batch_sizes) > 1 else []
 
 
-def run_batches(cfg: BenchConfig, dataset: str, samples: list[BenchSample], loop: _Loop) -> None:
+def run_batches(cfg: BenchConfig, dataset: str, samples: list[BenchSample], loop: RunState) -> None:
     """Decode ``samples`` B at a time for each B of the run: the target's batched generate, then
     each method's ``generate_batch``; write the rows of each batch as it finishes."""
     for size in batch_sizes_to_run(cfg):
@@ -70,7 +85,7 @@ def run_batches(cfg: BenchConfig, dataset: str, samples: list[BenchSample], loop
 
 
 def _one_batch(cfg: BenchConfig, dataset: str, size: int, index: int, batch: list[BenchSample], who: str,
-               loop: _Loop) -> None:
+               loop: RunState) -> None:
     from mmspec.bench.metrics import accepted_flags
 
     writer, summary, rank = loop.writer, loop.summary, loop.rank.rank
@@ -111,7 +126,7 @@ def _one_batch(cfg: BenchConfig, dataset: str, size: int, index: int, batch: lis
     summary.written += len(rows) + 1
 
 
-def _audit_only(row: dict, sample: BenchSample, own: list[int], ours: list[int], loop: _Loop) -> None:
+def _audit_only(row: dict, sample: BenchSample, own: list[int], ours: list[int], loop: RunState) -> None:
     """The target's batched output unlike its solo one: the same audit, not counted as mmspec's."""
     from mmspec.bench.audit import classify
 

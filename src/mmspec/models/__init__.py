@@ -6,7 +6,8 @@ features, embed tokens and run a forward pass with a caller-owned KV cache: ``ll
 ``video_llava``, ``qwen2_vl`` (Qwen2-VL and Qwen2.5-VL: dynamic resolution, multimodal RoPE,
 video) and ``causal_lm`` (any text-only LM, as a draft). Each registers itself by
 ``config.model_type`` (``@register``, into :data:`mmspec.models.base.ADAPTERS`); a new family is
-one module and its name in :func:`~mmspec.models.base.adapter_for`'s import line. Adapters never
+one module and its name in this package's import line below (``base`` never imports a family: the
+families import it). Adapters never
 keep state on the model: the engine owns the caches.
 
 Beside them: ``loading`` (checkpoints, tokenizers, the vocabulary check), ``cache``
@@ -14,6 +15,8 @@ Beside them: ``loading`` (checkpoints, tokenizers, the vocabulary check), ``cach
 view) and ``substitute`` (the E view's encoders).
 """
 
+# The families: importing one registers its adapter in base.ADAPTERS (nothing else happens at import).
+from mmspec.models import causal_lm, llava, llava_next, llava_onevision, qwen2_vl, video_llava  # noqa: F401
 from mmspec.models.base import ModelAdapter, adapter_for
 from mmspec.models.loading import load_model, load_tokenizer
 

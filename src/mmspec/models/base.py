@@ -240,19 +240,12 @@ def register(model_type: str):
 
 def video_families() -> list[str]:
     """The registered model types whose adapters read videos (``pixel_values_videos``)."""
-    _register_families()
     return sorted(k for k, cls in ADAPTERS.items() if "pixel_values_videos" in getattr(cls, "mm_keys", ()))
 
 
-def _register_families() -> None:
-    # Import the family modules so they register themselves (no import-time work beyond that);
-    # lazily, because each of them imports this module (a cycle at import time).
-    from mmspec.models import causal_lm, llava, llava_next, llava_onevision, qwen2_vl, video_llava  # noqa: F401
-
-
 def adapter_for(model: nn.Module) -> ModelAdapter:
-    """Pick the adapter for a loaded HF model by its ``config.model_type``."""
-    _register_families()
+    """Pick the adapter for a loaded HF model by its ``config.model_type`` (the families register
+    themselves when ``mmspec.models`` is imported, which importing this module does first)."""
     model_type = getattr(model.config, "model_type", None)
     if model_type in ADAPTERS:
         return ADAPTERS[model_type](model)

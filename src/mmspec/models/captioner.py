@@ -16,6 +16,9 @@ import torch
 
 from mmspec.errors import MMSpecError
 
+# The embedded LLaVA captioner's prompt (recorded in its mmspec.json; mmspec.embedded falls back to it).
+DEFAULT_CAPTIONER_PROMPT = "USER: <image> Describe the image briefly. ASSISTANT:"
+
 
 class Captioner(Protocol):
     def caption(self, images: Sequence) -> list[str]: ...
@@ -49,8 +52,6 @@ class HFCaptioner:
         if self.model.config.is_encoder_decoder or token_id is None:
             return  # BLIP, Florence-2: the image goes to the encoder, not into the prompt
         from PIL import Image
-
-        from mmspec.embedded import DEFAULT_CAPTIONER_PROMPT
 
         tokenizer = getattr(self.processor, "tokenizer", self.processor)
         token = tokenizer.convert_ids_to_tokens(int(token_id)) if hasattr(tokenizer, "convert_ids_to_tokens") else None

@@ -31,8 +31,8 @@ from typing import Literal
 import torch
 from PIL import Image
 
-from mmspec.embedded import DEFAULT_CAPTIONER_PROMPT
 from mmspec.errors import MMSpecError
+from mmspec.models.captioner import DEFAULT_CAPTIONER_PROMPT
 
 IGNORE = -100
 CAPTIONER_PROMPT = DEFAULT_CAPTIONER_PROMPT  # the embedded captioner's, recorded in its mmspec.json

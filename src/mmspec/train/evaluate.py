@@ -12,7 +12,7 @@
   questions, the verdict the answer ends on;
 * caption fact rate: share of the facts a ground-truth caption states (per image) that the
   captioner's caption also states (the same whole-word rule, :func:`states`, which the
-  training-time check in :func:`mmspec.train.recipe.fact_recall` uses too);
+  training-time check in :func:`fact_recall` uses too);
 * multimodal vs text-only block efficiency per family, from the same results.
 
 The answers are read from a ``mmspec bench run`` results dir (its baseline rows are the
@@ -174,6 +174,17 @@ def model_answers(model, encoder, image_processor, samples: Sequence, view: str 
                             max_new_tokens, device, view=view)
         out.append((sample, encoder.tokenizer.decode(ids, skip_special_tokens=True)))
     return out
+
+
+def fact_recall(model, encoder, image_processor, samples: Sequence, max_new_tokens: int = 64,
+                device: str = "cpu", tokens_per_image: int = 64) -> dict:
+    """Share of world facts the greedy answer states (held-out samples), with the same whole-word
+    rule as the test-split figures (:func:`tally_facts`)."""
+    table = tally_facts(model_answers(model, encoder, image_processor, samples, "multimodal", max_new_tokens,
+                                      device, tokens_per_image))
+    hit = sum(r["hits"] for r in table.values())
+    total = sum(r["facts"] for r in table.values())
+    return {"recall": hit / max(total, 1), "per_family": {f: round(r["recall"], 3) for f, r in table.items()}}
 
 
 def model_fact_recall(model, encoder, image_processor, families: Sequence[str], n_per_family: int,

@@ -43,8 +43,9 @@ from mmspec.train.data import (
     fixed_batches,
     mix_in_captions,
 )
+from mmspec.train.evaluate import fact_recall
 from mmspec.train.loop import read_checkpoint
-from mmspec.train.recipe import eval_loss, fact_recall, stage_settings, train_stage
+from mmspec.train.recipe import eval_loss, stage_settings, train_stage
 
 # Share of the wall-clock budget per stage (the rest is data, evaluation and saving; the target's
 # answers for distillation are counted by samples, not minutes, and come on top: about 2 minutes

@@ -6,7 +6,8 @@ Owns: which parameters a stage trains (:func:`set_trainable`), the learning-rate
 grids share one code path), :func:`optimise` (a stage on the one loop, :func:`mmspec.train.loop.fit`:
 AdamW, the schedule on steps or the clock, grad clipping, progress bar, checkpoints and resume),
 :func:`train_stage` and held-out metrics
-(:func:`eval_loss`, :func:`fact_recall`) and :func:`greedy_answer`.
+(:func:`eval_loss`; the fact recall is :func:`mmspec.train.evaluate.fact_recall`) and
+:func:`greedy_answer`.
 
 Stages (IbED Appendix A, after LLaVA-1.5): stage 1 = projector only (LM and vision frozen),
 stage 2 = projector + LM (vision frozen). Our deviation: the vision tower is not a pretrained
@@ -229,16 +230,3 @@ def greedy_answer(model, encoder: Encoder, image_processor, ex: Example, tokens_
                          pad_token_id=encoder.tokenizer.pad_token_id,
                          eos_token_id=encoder.tokenizer.eos_token_id)
     return out[0].tolist()
-
-
-def fact_recall(model, encoder: Encoder, image_processor, samples: Sequence, max_new_tokens: int = 64,
-                device: str = "cpu", tokens_per_image: int = 64) -> dict:
-    """Share of world facts the greedy answer states (held-out samples), with the same whole-word
-    rule as the test-split figures (:func:`mmspec.train.evaluate.tally_facts`)."""
-    from mmspec.train.evaluate import model_answers, tally_facts
-
-    table = tally_facts(model_answers(model, encoder, image_processor, samples, "multimodal", max_new_tokens,
-                                      device, tokens_per_image))
-    hit = sum(r["hits"] for r in table.values())
-    total = sum(r["facts"] for r in table.values())
-    return {"recall": hit / max(total, 1), "per_family": {f: round(r["recall"], 3) for f, r in table.items()}}

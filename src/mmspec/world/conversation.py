@@ -26,6 +26,7 @@ from PIL import Image
 
 from mmspec.errors import MMSpecError
 from mmspec.world.core import Family, build_sample, check_split, derive_rng, split_of
+from mmspec.world.families import FAMILIES
 
 BASE_FAMILIES = ("chartqa", "textvqa", "vqav2")  # conversation i builds on BASE_FAMILIES[i % 3]
 NAME = "conversation"
@@ -74,8 +75,6 @@ def _second_spec(family: str, spec: Any, rng: random.Random) -> Any | None:
 
 def make_conversation(split: str, index: int, seed: int = 0) -> Conversation:
     """The conversation at ``index`` of ``split``; a pure function of its arguments."""
-    from mmspec.world import FAMILIES
-
     check_split(split)
     if index < 0:
         raise MMSpecError(f"index must be >= 0, got {index}")
