@@ -1,7 +1,6 @@
 """Users' imports keep working across the redesign: what ``mmspec/__init__.py`` exports and the
-module paths the README and docs name import the same names (the two modules that moved,
-``mmspec.align`` and ``mmspec.heads.train``, fail with a message naming the new path:
-tests/train/test_train_loop.py)."""
+module paths the README and docs name import the same names (training lives in ``mmspec.train``:
+the stubs at ``mmspec.align`` and ``mmspec.heads.train`` that named the new paths are gone)."""
 
 import importlib
 
@@ -23,6 +22,8 @@ PUBLIC = {
     "mmspec.batch": ["BatchScheduler", "StepEvent", "SpeculationPolicy"],
     "mmspec.heads.formats": ["load_external_head", "export_head", "detect_format"],
     "mmspec.train.loop": ["fit", "FitConfig"],
+    "mmspec.train.align": ["AlignConfig", "train_align", "world_pairs"],
+    "mmspec.train.head": ["HeadTrainConfig", "train_head", "world_sequences", "llava_instruct_sequences"],
 }
 
 

@@ -48,15 +48,6 @@ def _interrupt_at(k: int):
     return step
 
 
-def test_old_module_paths_name_the_new_ones():
-    with pytest.raises(ImportError, match=r"mmspec\.heads\.train moved to mmspec\.train\.head"):
-        import mmspec.heads.train  # noqa: F401
-    with pytest.raises(ImportError, match=r"mmspec\.align moved to mmspec\.train\.align"):
-        import mmspec.align  # noqa: F401
-    from mmspec.train.align import AlignConfig, train_align, world_pairs  # noqa: F401
-    from mmspec.train.head import HeadTrainConfig, llava_instruct_sequences, train_head, world_sequences  # noqa: F401
-
-
 def test_ctrl_c_keeps_the_finished_steps_and_a_rerun_ends_where_an_uninterrupted_run_ends(tmp_path):
     cfg = FitConfig(label="toy", steps=8, lr=0.05, warmup_steps=2, checkpoint=tmp_path / "ck.pt",
                     settings={"lr": 0.05}, progress=False)
