@@ -386,15 +386,6 @@ def entry_after_decode(keys: PromptKeys, enc, target_cache, drafter, tokens: lis
     return make_entry(keys, enc, tokens, target, rows=None if any(r is None for r in rows) else rows)
 
 
-def kv_rows(kv: torch.Tensor, row: int, start: int, n: int, copy: bool = True) -> KV:
-    """Slots ``start .. start + n - 1`` of row ``row`` of a one-buffer cache ``kv`` [n_layers, 2,
-    rows, H, capacity, D] (a :class:`DecodeCache`'s ``store.kv``, a batch's ragged rows), per
-    layer [1, H, n, D]: copies unless ``copy=False``."""
-    out = [(kv[i, 0, row:row + 1, :, start:start + n], kv[i, 1, row:row + 1, :, start:start + n])
-           for i in range(kv.shape[0])]
-    return [(k.clone(), v.clone()) for k, v in out] if copy else out
-
-
 def make_entry(keys: PromptKeys, enc, tokens: list[int], target: KV, rows: list[KV] | None = None,
                head: KV | None = None) -> PrefixEntry:
     """An entry from a request's keys, its new ``tokens`` and the keys/values its caches hold

@@ -240,7 +240,8 @@ def test_the_batch_path_pieces(target, draft_shared, tok):
     """What a batch admission calls: prefill_request (reusing the cache), remember(pre, [], copy=True) right
     after it (the prompt kept before its caches join the batch), and, at the end, make_entry on
     the rows the batch holds (kv_rows of a one-buffer cache)."""
-    from mmspec.prefix_cache import kv_rows, make_entry, snapshot
+    from helpers.caches import kv_rows
+    from mmspec.prefix_cache import make_entry, snapshot
 
     dec = SpecDecoder(target, draft_shared, tok, views="MT")
     ids1, pv = make_prompt(1, 16, seed=16)

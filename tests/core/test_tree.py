@@ -10,11 +10,12 @@ import torch
 
 from helpers.reference import captions, reference
 from helpers.tiny import make_llava, make_prompt, noisy_copy
+from helpers.verify_ref import accept_or_residual
 from mmspec import SpecDecoder, verify
 from mmspec.errors import MMSpecError
 from mmspec.models.captioner import FixedCaptioner
 from mmspec.tree import TreeSpec, ancestors, parse_tree
-from mmspec.verify import accept_or_residual, residual, verify_tree_greedy, verify_tree_sampling
+from mmspec.verify import residual, verify_tree_greedy, verify_tree_sampling
 
 STATIC = {
     "d1w1": [[0]],

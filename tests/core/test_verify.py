@@ -4,8 +4,9 @@ bonus, filtering, and a seeded statistical test that speculative sampling reprod
 import torch
 
 from helpers.reference import chi2_pvalue
+from helpers.verify_ref import verify_greedy, verify_sampling
 from mmspec import verify
-from mmspec.verify import SamplingParams, logits_to_probs, residual, verify_greedy, verify_sampling
+from mmspec.verify import SamplingParams, logits_to_probs, residual
 
 
 def onehot_logits(tokens, V=6):

@@ -7,4 +7,6 @@ another.
 - ``helpers.reference``: what the outputs are checked against (``target.generate``, chi-square).
 - ``helpers.qwen``: tiny Qwen2-VL / Qwen2.5-VL models and their inputs.
 - ``helpers.scripts``: the top-level speed scripts, imported by path.
+- ``helpers.verify_ref``: the chain verifiers and the node-by-node sampling rule, references for
+  ``mmspec.verify``'s tree functions; ``helpers.caches``: ``kv_rows``, a batch row read out of a cache.
 """
