@@ -13,6 +13,8 @@ import time
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from mmspec.models.base import cache_argument
+
 SHAPES = [  # (name, hidden, layers, intermediate)
     ("target now 6x256", 256, 6, 768), ("target 8x384", 384, 8, 1152), ("target 12x384", 384, 12, 1152),
     ("target 8x512", 512, 8, 1536), ("draft now 4x128", 128, 4, 384), ("draft 2x128", 128, 2, 384),
@@ -28,16 +30,17 @@ def latency_ms(hidden: int, layers: int, inter: int, vocab: int = 1347, ctx: int
                                          num_hidden_layers=layers, num_attention_heads=4,
                                          num_key_value_heads=4, max_position_embeddings=1024)).eval()
     cache = DynamicCache(config=model.config)
-    model(input_ids=torch.randint(0, vocab, (1, ctx)), past_key_values=cache)  # prefill [1, ctx]
+    kv = {cache_argument(model): cache}  # the keyword this transformers takes the cache by
+    model(input_ids=torch.randint(0, vocab, (1, ctx)), **kv)  # prefill [1, ctx]
     one, six = [], []
     for _ in range(reps):
         t = time.perf_counter()
-        model(input_ids=torch.tensor([[5]]), past_key_values=cache)
+        model(input_ids=torch.tensor([[5]]), **kv)
         one.append(time.perf_counter() - t)
         cache.crop(-1)
     for _ in range(reps // 3):
         t = time.perf_counter()
-        model(input_ids=torch.randint(0, vocab, (1, 6)), past_key_values=cache)
+        model(input_ids=torch.randint(0, vocab, (1, 6)), **kv)
         six.append(time.perf_counter() - t)
         cache.crop(-6)
     n = sum(p.numel() for p in model.parameters())

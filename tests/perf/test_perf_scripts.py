@@ -1,0 +1,117 @@
+"""Every script in the top-level ``perf/`` runs: a smoke test each, on tiny settings (the embedded
+pack or tiny random models, a few seconds), through its own command line where it has one, so no
+script rots between the measurements that use it.
+
+These check code paths and the files a run writes, not speed: timings under a test runner mean
+nothing. ``speed.py`` (with its helpers ``breakdown.py`` and ``draftstep.py``), ``gpu_shapes.py``,
+``profile_draft_step.py`` and ``video_speed.py`` are run by the tests :data:`ELSEWHERE` names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers.scripts import load_script
+
+ROOT = Path(__file__).resolve().parents[2]
+PERF = ROOT / "perf"
+# script -> {test file that runs it: what that file names of it}
+ELSEWHERE = {
+    "speed": {"tests/bench/test_speed_bench.py": "load_script(\"speed\")"},
+    "breakdown": {"tests/bench/test_speed_bench.py": "load_script(\"breakdown\")"},
+    "draftstep": {"tests/bench/test_speed_bench.py": "draft_step"},  # speed.run's draft-step timing
+    "gpu_shapes": {"tests/bench/test_speed_bench.py": "load_script(\"gpu_shapes\")"},
+    "profile_draft_step": {"tests/bench/test_speed_bench.py": "profile_draft_step.py"},
+    "video_speed": {"tests/bench/test_speed_bench.py": "load_script(\"video_speed\")",
+                    "tests/train/test_video_pair.py": "video_speed.py"},
+}
+TESTED_HERE = ["batch_speed", "prefix_speed", "tree_sweep", "cpu_shapes", "serve_load", "head_formats_check"]
+
+
+def run_script(name: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python perf/<name>.py ARGS`` from the repository root, this checkout's ``src/`` first."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, str(PERF / f"{name}.py"), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)
+
+
+def test_every_perf_script_has_a_smoke_test():
+    """A new script in perf/ needs a test here (or in a file named in ELSEWHERE) to be kept."""
+    scripts = {p.stem for p in PERF.glob("*.py")}
+    assert scripts == set(ELSEWHERE) | set(TESTED_HERE), "perf/ scripts without a smoke test, or tests of gone ones"
+    for name, files in ELSEWHERE.items():
+        for f, mark in files.items():
+            assert mark in (ROOT / f).read_text(), f"{f} does not run perf/{name}.py"
+
+
+def test_batch_speed():
+    out = run_script("batch_speed", "--batch", "2", "--new", "4", "--speculate", "always", "never")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["system"] for r in rows] == ["target.generate", "mmspec M speculate=always", "mmspec M speculate=never"]
+    assert all(r["B"] == 2 and r["tok_s"] > 0 for r in rows)
+    assert all(r["same_as_target_batched"].endswith("/2") for r in rows[1:])
+
+
+def test_prefix_speed(tmp_path):
+    """Exits 1 if an output with reuse differs from the fresh one."""
+    out = run_script("prefix_speed", "--families", "chartqa", "--repeats", "1", "--turn1-tokens", "4",
+                     "--turn2-tokens", "2", "--out", str(tmp_path / "prefix_speed"))
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    res = json.loads((tmp_path / "prefix_speed.json").read_text())
+    assert res["all_identical"]
+    assert "chartqa" in (tmp_path / "prefix_speed.md").read_text()
+
+
+def test_tree_sweep(tmp_path):
+    """Exits 1 if a tree's output differs from the target's."""
+    out = run_script("tree_sweep", "--families", "chartqa", "--n-per-family", "1", "--max-new-tokens", "8",
+                     "--shapes", "3x2x4", "--repeats", "1", "--threads", "1", "--out", str(tmp_path))
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert {"tree_sweep.json", "tree_sweep.md"} <= {p.name for p in tmp_path.iterdir()}
+    assert "tree 3x2x4" in (tmp_path / "tree_sweep.md").read_text()
+
+
+def test_cpu_shapes(monkeypatch, capsys):
+    """The full run takes ~30 s of one thread; one tiny shape shows the table's line."""
+    cs = load_script("cpu_shapes")
+    monkeypatch.setattr(cs, "SHAPES", [("tiny 1x64", 64, 1, 128)])
+    cs.main()
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("tiny 1x64") and "one-token" in line and "6-token verify" in line
+
+
+@pytest.mark.slow
+def test_serve_load(tmp_path):
+    """A real server (~15 s): every good answer identical to its solo run, every bad one a 400."""
+    for module in ("fastapi", "uvicorn", "openai", "httpx"):
+        pytest.importorskip(module)
+    out = run_script("serve_load", "--out", str(tmp_path), "--requests", "6", "--clients", "2", "--bad", "0.34",
+                     "--distinct", "2", "--max-tokens", "4", "--idle-wait", "0", "--threads", "1")
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    res = json.loads((tmp_path / "serve_load.json").read_text())
+    assert (res["good"], res["bad"]) == (4, 2)
+    assert res["good_identical_to_solo"] == 4 and res["bad_got_400"] == 2
+    assert res["server_alive_after"] and res["server"]["exit_code_on_sigterm"] == 0
+
+
+@pytest.mark.slow
+def test_head_formats_check_mmspec_phase(tmp_path):
+    """The mmspec phase in full (~15 s: build, save, ``mmspec export head`` twice, load back); the
+    reference phase needs a venv with speculators and eagle-llm, so a stand-in python answers it."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text('#!/bin/sh\necho \'{"reference": "stand-in"}\'\n')
+    (venv / "bin" / "python").chmod(0o755)
+    out = run_script("head_formats_check", "--venv", str(venv), "--work", str(tmp_path / "work"),
+                     "--out", str(tmp_path / "out"))
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    res = json.loads((tmp_path / "out" / "check.json").read_text())
+    assert res["mmspec"]["round_trip_identical"] and res["reference"] == "stand-in"
+    assert {"eagle3", "eagle", "mine-eagle3", "target"} <= {p.name for p in (tmp_path / "work").iterdir()}
