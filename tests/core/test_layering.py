@@ -23,6 +23,10 @@ imports a name from the package itself)."""
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -226,3 +230,13 @@ def test_circle_edges_name_the_module_not_its_package():
     assert module_edges(demo, modules, text) == {"mmspec.cli.common", "mmspec.cli.checks", "mmspec.world",
                                                  "mmspec.models.base"}
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+
+
+def test_the_family_registry_is_full_whichever_module_is_imported_first():
+    """``models/base.py`` imports no family; ``models/__init__.py`` does, and Python runs it before
+    any ``mmspec.models.*`` module, so a fresh process that imports only ``base`` finds them all."""
+    code = "import json, mmspec.models.base as b; print(json.dumps(sorted(b.ADAPTERS)))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC.parent), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert {"causal_lm", "llava", "llava_next", "llava_onevision", "qwen2_vl", "video_llava"} <= set(json.loads(out.stdout))

@@ -7,8 +7,7 @@ features, embed tokens and run a forward pass with a caller-owned KV cache: ``ll
 video) and ``causal_lm`` (any text-only LM, as a draft). Each registers itself by
 ``config.model_type`` (``@register``, into :data:`mmspec.models.base.ADAPTERS`); a new family is
 one module and its name in this package's import line below (``base`` never imports a family: the
-families import it). Adapters never
-keep state on the model: the engine owns the caches.
+families import it). Adapters never keep state on the model: the engine owns the caches.
 
 Beside them: ``loading`` (checkpoints, tokenizers, the vocabulary check), ``cache``
 (preallocated KV caches), ``captioner`` (the C view's image-to-text models), ``pooling`` (the P
