@@ -14,7 +14,7 @@ relative imports resolved):
 How the circle check counts imports: every import a module names is an edge, at module level, in a
 function body or under ``if TYPE_CHECKING:``. An import deferred into a function only hides a
 circle from the interpreter: the two modules still need each other, cannot be read or moved
-apart, and the deferral is what let the circles of issue #42 grow. Edges go to the module named:
+apart (every circle issue #42 names was hidden that way). Edges go to the module named:
 ``from pkg import sub`` (``sub`` a module) is an edge to ``pkg.sub`` alone, ``from pkg import
 name`` to ``pkg/__init__.py``; the parent packages Python runs first on the way to a module are
 no edge (a package that imports its submodules makes no circle with them unless one of them
