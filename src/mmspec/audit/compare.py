@@ -51,6 +51,7 @@ class Located:
     own: int | str | None  # the reference's token
     ours: int | str | None  # the speculative endpoint's token
     compared: str  # "ids", "tokens" or "text"
+    unknown: bool = False  # the answer's token there could not be told (text only, no tokenizer)
 
 
 def _ids(tokens: list[Token] | None) -> list[int] | None:
@@ -90,29 +91,31 @@ def _located(own: list, ours: list, how: str) -> Located | None:
 
 def _align(ref: Reference, text: str, tokenizer) -> Located:
     """Text against the reference's token strings (or its tokenized text): the longest run of its
-    tokens that the answer starts with, and the answer's next token after it."""
+    tokens that the answer starts with, and the answer's next token after it. Where the answer
+    took a longer token than the reference (``" redd"`` for ``" red"``), the run goes past the real
+    difference: the reference's ``top_logprobs`` a few positions back find it."""
     pieces = ([t.text for t in ref.tokens] if ref.tokens is not None
               else [tokenizer.decode([i]) for i in tokenizer.encode(ref.text, add_special_tokens=False)]
               if tokenizer is not None else None)
     if pieces is None:
-        return Located(0, None, None, "text")  # nothing to align with: no tokens, no tokenizer
-    k, done = 0, ""
-    while k < len(pieces) and text.startswith(done + pieces[k]):
-        done += pieces[k]
-        k += 1
-    rest = text[len(done):]
+        return Located(0, None, None, "text", unknown=True)  # nothing to align with: no tokens, no tokenizer
+    starts = [0]
+    while len(starts) <= len(pieces) and text.startswith(pieces[len(starts) - 1], starts[-1]):
+        starts.append(starts[-1] + len(pieces[len(starts) - 1]))
+    k = len(starts) - 1
+    for j in range(k, max(-1, k - 4), -1):  # the reference's alternatives there that the answer takes
+        top = ref.tokens[j].top if ref.tokens is not None and j < len(ref.tokens) else {}
+        own = pieces[j] if j < len(pieces) else None
+        fits = [t for t in top if t and t != own and text.startswith(t, starts[j])]
+        if fits and (j == k or any(len(t) > len(own or "") for t in fits)):
+            return Located(j, own, max(fits, key=len), "text")
     own = pieces[k] if k < len(pieces) else None
+    rest = text[starts[k]:]
     if not rest:
         return Located(k, own, None, "text")
-    top = ref.tokens[k].top if ref.tokens is not None and k < len(ref.tokens) else {}
-    fits = [t for t in top if t and rest.startswith(t) and t != own]
-    if fits:
-        ours = max(fits, key=len)
-    elif tokenizer is not None:
-        ours = tokenizer.decode(tokenizer.encode(rest, add_special_tokens=False)[:1])
-    else:
-        ours = None
-    return Located(k, own, ours, "text")
+    if tokenizer is not None:
+        return Located(k, own, tokenizer.decode(tokenizer.encode(rest, add_special_tokens=False)[:1]), "text")
+    return Located(k, own, None, "text", unknown=True)
 
 
 def tolerance_for(dtype: str, tolerance: float | None = None) -> float:
@@ -129,7 +132,8 @@ def judge(found: Located, logprob_own: float | None, logprob_ours: float | None,
              "compared": found.compared, "reference_logprob": logprob_own, "endpoint_token_logprob": logprob_ours}
     tol = tolerance_for(dtype, tolerance)
     if logprob_own is None or found.own is None or found.ours is None:
-        return {**entry, "margin": None, "logprob_gap": None, "class": "bug" if (found.own is None) != (found.ours is None) else "unclassified",
+        ended = (found.own is None) != (found.ours is None) and not found.unknown
+        return {**entry, "margin": None, "logprob_gap": None, "class": "bug" if ended else "unclassified",
                 "why": _why(found, logprob_own)}
     if logprob_ours is None:
         if listed_floor is None:
@@ -145,7 +149,7 @@ def judge(found: Located, logprob_own: float | None, logprob_ours: float | None,
 
 
 def _why(found: Located, logprob_own) -> str:
-    if found.own is None and found.ours is None:
+    if found.unknown:
         return "the answers differ but could not be aligned token by token (no tokens, no tokenizer)"
     if found.own is None:
         return "the reference's answer ends here; the endpoint's goes on"

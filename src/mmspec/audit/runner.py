@@ -67,6 +67,7 @@ class Auditor:
             return {**row, "class": "error", "error": str(e), "seconds": time.perf_counter() - t0}
         eos = getattr(self.local, "eos_id", None)
         found = locate(ref, ours, self.tokenizer, eos_id=eos)
+        row["chars"] = len(ours.text)  # the answer's length: an empty answer is "identical" too
         if found is None:
             return {**row, "class": "identical", "seconds": time.perf_counter() - t0}
         diff = self._judge(ref, inputs, found)
