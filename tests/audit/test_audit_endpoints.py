@@ -177,7 +177,8 @@ def test_bad_endpoints_and_flags(fakes, tmp_path):
                         (["--tolerance", "2"], "--tolerance bounds"),
                         (["--top-logprobs", "50"], "--top-logprobs must be from 0 to 20"),
                         (["--reference-target", str(tmp_path)], "two references"),
-                        (["--endpoint", "localhost:8000"], "no http(s) URL")):
+                        (["--endpoint", "localhost:8000"], "no http(s) URL"),
+                        (["--out", reqs], "is a file, not a directory")):
         r = audit("--endpoint", fakes["spec"].url, "--reference", fakes["ref"].url, "--requests", reqs, *flags)
         assert r.exit_code == 2 and says in r.output, (flags, r.output)
 

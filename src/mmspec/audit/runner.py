@@ -105,6 +105,16 @@ def _settings(config: AuditConfig) -> dict:
     return s
 
 
+def check_out(out: Path | None, config: AuditConfig) -> None:
+    """Refuse an ``--out`` that is a file or holds an audit of other settings, before anything loads."""
+    if out is None:
+        return
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise AuditError(f"--out {str(out)!r} is a file, not a directory; pass a directory for the report")
+    _finished(out / ROWS, _settings(config))
+
+
 def _finished(path: Path, settings: dict) -> dict[str, dict]:
     """The rows a earlier run of the same settings finished (errors excluded: they are sent again)."""
     if not path.exists():
@@ -155,8 +165,7 @@ def run_audit(auditor: Auditor, requests: list[AuditRequest], out: Path | None =
     f = None
     if out is not None:
         out = Path(out)
-        if out.exists() and not out.is_dir():
-            raise AuditError(f"--out {str(out)!r} is a file, not a directory; pass a directory for the report")
+        check_out(out, auditor.config)
         out.mkdir(parents=True, exist_ok=True)
         done = _finished(out / ROWS, settings)
         fresh = not (out / ROWS).exists()

@@ -57,6 +57,7 @@ def audit(
     token by token, and classifies each first difference from the reference's log-probabilities
     there: a **near-tie** (within the dtype's rounding) or a **bug**. Exit status 1 on any bug."""
     from mmspec.audit import AuditConfig, Auditor, Endpoint, read_jsonl, world_requests
+    from mmspec.audit.runner import check_out
 
     endpoints: list = []
     try:
@@ -76,6 +77,7 @@ def audit(
                              dtype=dtype, tolerance=tolerance, top_logprobs=top_logprobs,
                              concurrency=concurrency, timeout=timeout,
                              source=str(requests) if requests else f"world:{n}:{max_tokens}")
+        check_out(out, config)
         local, tok = None, None
         if ref_ep is None:
             from mmspec.audit.reference import LocalTarget
