@@ -99,8 +99,15 @@ def requests_file(tmp_path: Path, questions: list[str]) -> Path:
     return p
 
 
-def audit(*args: str):
-    return runner.invoke(app, ["audit", *args], catch_exceptions=False)
+class Ran:
+    """A CLI run: its exit code and its output with rich's line wrapping undone."""
+
+    def __init__(self, result):
+        self.exit_code, self.output = result.exit_code, " ".join(result.output.split())
+
+
+def audit(*args: str) -> Ran:
+    return Ran(runner.invoke(app, ["audit", *args], catch_exceptions=False))
 
 
 @pytest.mark.parametrize("spec", ["spec", "textonly"])
