@@ -104,3 +104,18 @@ def test_bad_jsonl_lines(tmp_path):
     p.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_p": 1}) + "\n")
     (r,) = read_jsonl(p, max_tokens=7)
     assert r.id == "line-1" and r.body == {"messages": [{"role": "user", "content": "hi"}], "top_p": 1, "max_tokens": 7}
+
+
+def test_local_reference_cuts_at_a_stop_string_as_the_server_does():
+    from mmspec.audit import world_requests
+    from mmspec.audit.reference import LocalTarget
+
+    local = LocalTarget()
+    (req,) = world_requests(1, max_tokens=24)
+    full, _ = local.answer(req.body)
+    word = full.text.split()[3]
+    cut, _ = local.answer({**req.body, "stop": [" " + word]})
+    assert cut.text == full.text[: full.text.find(" " + word)]
+    assert local.tokenizer.decode(cut.ids, skip_special_tokens=True).startswith(cut.text)
+    assert len(cut.ids) < len(full.ids)
+    assert locate(cut, Reply(cut.text, "stop"), local.tokenizer) is None

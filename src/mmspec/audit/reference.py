@@ -71,6 +71,13 @@ class LocalTarget:
                 ids = ids[: k + 1]
                 break
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        stops = body.get("stop") or []
+        cuts = [i for i in (text.find(x) for x in ([stops] if isinstance(stops, str) else stops)) if i >= 0]
+        if cuts:  # as the server does: the text before the first stop string
+            text = text[: min(cuts)]
+            keep = next(m for m in range(len(ids) + 1)
+                        if len(self.tokenizer.decode(ids[:m], skip_special_tokens=True)) >= len(text))
+            ids = ids[:keep]
         return Reference(text, ids=ids), inputs
 
     def logprobs(self, inputs: dict, ref: Reference, found: Located) -> tuple[float, float]:

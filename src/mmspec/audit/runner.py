@@ -65,7 +65,7 @@ class Auditor:
                 ref, inputs = Reference(r.text, tokens=r.tokens), None
         except (RequestFailed, AuditError) as e:
             return {**row, "class": "error", "error": str(e), "seconds": time.perf_counter() - t0}
-        eos = getattr(self.local, "eos_id", None)
+        eos = None if req.body.get("stop") else getattr(self.local, "eos_id", None)  # a stop string ends no token
         found = locate(ref, ours, self.tokenizer, eos_id=eos)
         row["chars"] = len(ours.text)  # the answer's length: an empty answer is "identical" too
         if found is None:
@@ -178,18 +178,19 @@ def run_audit(auditor: Auditor, requests: list[AuditRequest], out: Path | None =
         if on_row:
             on_row(r)
     todo = [r for r in requests if r.id not in done]
+    pool = ThreadPoolExecutor(max_workers=max(1, auditor.config.concurrency))
     try:
-        with ThreadPoolExecutor(max_workers=max(1, auditor.config.concurrency)) as pool:
-            futures = [pool.submit(auditor.audit, r) for r in todo]
-            for fut in as_completed(futures):
-                row = fut.result()
-                rows.append(row)
-                if f is not None:
-                    f.write(json.dumps(row) + "\n")
-                    f.flush()
-                if on_row:
-                    on_row(row)
-    finally:
+        futures = [pool.submit(auditor.audit, r) for r in todo]
+        for fut in as_completed(futures):
+            row = fut.result()
+            rows.append(row)
+            if f is not None:
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+            if on_row:
+                on_row(row)
+    finally:  # Ctrl-C: the requests not started are dropped; the finished rows are on disk
+        pool.shutdown(wait=False, cancel_futures=True)
         if f is not None:
             f.close()
     order = {r.id: i for i, r in enumerate(requests)}

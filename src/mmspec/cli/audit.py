@@ -91,6 +91,11 @@ def audit(
         report = _run(auditor, reqs, out)
     except MMSpecError as e:
         fail(e)
+    except KeyboardInterrupt:
+        where = f"{out / 'audit.jsonl'}; run the same command again to resume from there" if out else \
+            "nothing was kept (no --out)"
+        err_console.print(f"interrupted: the finished requests are in {where}")
+        raise typer.Exit(code=130) from None
     finally:
         for e in endpoints:
             e.close()
