@@ -54,7 +54,15 @@ class Auditor:
         self.tokenizer = tokenizer if tokenizer is not None else getattr(local, "tokenizer", None)
 
     def audit(self, req: AuditRequest) -> dict:
+        """One request -> its row; a failure of this request alone is an ``error`` row (the run goes on)."""
         t0 = time.perf_counter()
+        try:
+            return self._audit(req, t0)
+        except Exception as e:  # noqa: BLE001 - a tokenizer's or the local target's own error, on one request
+            return {"id": req.id, "class": "error", "error": f"{e.__class__.__name__}: {e}",
+                    "seconds": time.perf_counter() - t0}
+
+    def _audit(self, req: AuditRequest, t0: float) -> dict:
         row: dict = {"id": req.id}
         try:
             ours = self.endpoint.chat(req.body)
