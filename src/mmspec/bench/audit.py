@@ -68,11 +68,13 @@ def audit_difference(target: Any, inputs: dict[str, torch.Tensor], own: list[int
     return {**entry, **margin_from_logits(out.logits[0, -1], entry["own"], entry["ours"])}
 
 
-def classify(audit: dict | None, dtype: str) -> str | None:
-    """"near-tie" (|margin| <= the dtype's tolerance, never in float32), "bug", or None (no audit)."""
+def classify(audit: dict | None, dtype: str, tolerance: float | None = None) -> str | None:
+    """"near-tie" (|margin| <= the dtype's tolerance, never in float32), "bug", or None (no audit).
+    ``tolerance``: another bound on the margin than the dtype's (``mmspec audit --tolerance``)."""
     if not audit:
         return None
-    margin, tol = audit.get("margin"), NEAR_TIE_TOLERANCE.get(str(dtype), 0.0)
+    margin = audit.get("margin")
+    tol = NEAR_TIE_TOLERANCE.get(str(dtype), 0.0) if tolerance is None else tolerance
     return "near-tie" if margin is not None and tol > 0 and abs(margin) <= tol else "bug"
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from mmspec.cli.audit import audit
 from mmspec.cli.bench import bench_app, report_command
 from mmspec.cli.demo import demo
 from mmspec.cli.export import export_app
@@ -18,6 +19,7 @@ app = typer.Typer(help="Lossless speculative decoding for vision-language models
 app.command()(generate)
 app.command()(demo)
 app.command()(serve)
+app.command()(audit)
 app.add_typer(bench_app, name="bench")
 app.command("report", help="Render report.md + plots from a bench results directory.")(report_command)
 app.add_typer(train_app, name="train")

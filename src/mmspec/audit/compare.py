@@ -1,0 +1,158 @@
+"""Where a speculative answer leaves the reference's, and whether that is a near-tie or a bug.
+
+Owns, for one request: :func:`locate` (the first differing position and the two tokens there)
+and :func:`judge` (the reference's log-probabilities of both tokens there -> a class). Pure: no
+HTTP, no model; the local reference's forward is :mod:`mmspec.audit.reference`'s.
+
+**Which tokens are compared.** Token ids when both sides have them (a local reference's own ids;
+an endpoint's ``logprobs`` written as ``token_id:N``, vLLM's ``return_tokens_as_token_ids``);
+the endpoints' ``logprobs`` token strings when both gave logprobs; else the texts: two equal
+texts are identical, and a difference is located by tokenizing the answer with the target's
+tokenizer (against a reference with ids) or by aligning the text against the reference's token
+strings (the alternative there is the longest of the reference's ``top_logprobs`` that the rest
+of the answer starts with, else the tokenizer's first token of that rest). A text round trip can
+split a word otherwise than the model did (BPE has many spellings of one text; a token that is
+half a UTF-8 character decodes to U+FFFD), so a position found from text is marked
+``"compared": "text"`` in the report.
+
+**The class** reuses :func:`mmspec.bench.audit.classify`: the margin ``p(own) - p(ours)`` of the
+reference's probabilities at that position (from its log-probabilities), a near-tie when within
+the tolerance (default the dtype's machine epsilon; float32: 0, every difference a bug). A
+position whose alternative the reference did not list among its ``top_logprobs`` is a bug when
+even the best case (``ours`` just below the last listed) leaves a margin past the tolerance, else
+``unclassified``; so is a difference the reference gave no log-probabilities for.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mmspec.audit.client import Reply, Token
+from mmspec.bench.audit import NEAR_TIE_TOLERANCE, classify, first_difference
+
+CLASSES = ("identical", "near-tie", "bug", "unclassified", "error")
+
+
+@dataclass
+class Reference:
+    """The reference's answer: text, and its token ids (a local target) or logprobs tokens (an endpoint)."""
+
+    text: str
+    ids: list[int] | None = None  # a local target's ids, EOS included when it stopped there
+    tokens: list[Token] | None = None  # an endpoint's logprobs.content
+
+
+@dataclass
+class Located:
+    """The first difference: ``position`` and the two tokens (ids or strings; None: that answer ended)."""
+
+    position: int
+    own: int | str | None  # the reference's token
+    ours: int | str | None  # the speculative endpoint's token
+    compared: str  # "ids", "tokens" or "text"
+    unknown: bool = False  # the answer's token there could not be told (text only, no tokenizer)
+
+
+def _ids(tokens: list[Token] | None) -> list[int] | None:
+    if tokens is None:
+        return None
+    ids = [t.id for t in tokens]
+    return None if any(i is None for i in ids) else ids
+
+
+def locate(ref: Reference, ours: Reply, tokenizer=None, eos_id: int | None = None) -> Located | None:
+    """None when the answers agree, else where they first differ (see the module docstring).
+    ``eos_id``: appended to the answer's tokenized text when it stopped (``finish_reason`` stop),
+    so an answer that ends where the reference goes on differs by its EOS, as the reference's ids."""
+    ref_ids = ref.ids if ref.ids is not None else _ids(ref.tokens)
+    ours_ids = _ids(ours.tokens)
+    if ref_ids is not None and ours_ids is not None:
+        return _located(ref_ids, ours_ids, "ids")
+    if ref.tokens is not None and ours.tokens is not None:
+        return _located([t.text for t in ref.tokens], [t.text for t in ours.tokens], "tokens")
+    if ref.text == ours.text:
+        return None
+    if ref_ids is not None and tokenizer is not None:
+        ids = tokenizer.encode(ours.text, add_special_tokens=False)
+        if eos_id is not None and ours.finish_reason == "stop":
+            ids = [*ids, eos_id]
+        found = _located(ref_ids, ids, "text")
+        return found or Located(len(ref_ids), None, None, "text")  # equal ids, other texts: a decoding quirk
+    return _align(ref, ours.text, tokenizer)
+
+
+def _located(own: list, ours: list, how: str) -> Located | None:
+    k = first_difference(own, ours)
+    if k is None:
+        return None
+    return Located(k, own[k] if k < len(own) else None, ours[k] if k < len(ours) else None, how)
+
+
+def _align(ref: Reference, text: str, tokenizer) -> Located:
+    """Text against the reference's token strings (or its tokenized text): the longest run of its
+    tokens that the answer starts with, and the answer's next token after it. Where the answer
+    took a longer token than the reference (``" redd"`` for ``" red"``), the run goes past the real
+    difference: the reference's ``top_logprobs`` a few positions back find it."""
+    pieces = ([t.text for t in ref.tokens] if ref.tokens is not None
+              else [tokenizer.decode([i]) for i in tokenizer.encode(ref.text, add_special_tokens=False)]
+              if tokenizer is not None else None)
+    if pieces is None:
+        return Located(0, None, None, "text", unknown=True)  # nothing to align with: no tokens, no tokenizer
+    starts = [0]
+    while len(starts) <= len(pieces) and text.startswith(pieces[len(starts) - 1], starts[-1]):
+        starts.append(starts[-1] + len(pieces[len(starts) - 1]))
+    k = len(starts) - 1
+    for j in range(k, max(-1, k - 4), -1):  # the reference's alternatives there that the answer takes
+        top = ref.tokens[j].top if ref.tokens is not None and j < len(ref.tokens) else {}
+        own = pieces[j] if j < len(pieces) else None
+        fits = [t for t in top if t and t != own and text.startswith(t, starts[j])]
+        if fits and (j == k or any(len(t) > len(own or "") for t in fits)):
+            return Located(j, own, max(fits, key=len), "text")
+    own = pieces[k] if k < len(pieces) else None
+    rest = text[starts[k]:]
+    if not rest:
+        return Located(k, own, None, "text")
+    if tokenizer is not None:
+        return Located(k, own, tokenizer.decode(tokenizer.encode(rest, add_special_tokens=False)[:1]), "text")
+    return Located(k, own, None, "text", unknown=True)
+
+
+def tolerance_for(dtype: str, tolerance: float | None = None) -> float:
+    """``tolerance`` when given, else the dtype's (:data:`mmspec.bench.audit.NEAR_TIE_TOLERANCE`)."""
+    return float(tolerance) if tolerance is not None else NEAR_TIE_TOLERANCE.get(str(dtype), 0.0)
+
+
+def judge(found: Located, logprob_own: float | None, logprob_ours: float | None, dtype: str,
+          tolerance: float | None = None, listed_floor: float | None = None) -> dict:
+    """The difference's entry: both tokens, their reference log-probabilities, the margin
+    ``p(own) - p(ours)`` and the class. ``listed_floor``: the smallest log-probability the reference
+    listed there, when ``ours`` was not among them (then ``logprob_ours`` is None)."""
+    entry = {"position": found.position, "reference_token": found.own, "endpoint_token": found.ours,
+             "compared": found.compared, "reference_logprob": logprob_own, "endpoint_token_logprob": logprob_ours}
+    tol = tolerance_for(dtype, tolerance)
+    if logprob_own is None or found.own is None or found.ours is None:
+        ended = (found.own is None) != (found.ours is None) and not found.unknown
+        return {**entry, "margin": None, "logprob_gap": None, "class": "bug" if ended else "unclassified",
+                "why": _why(found, logprob_own)}
+    if logprob_ours is None:
+        if listed_floor is None:
+            return {**entry, "margin": None, "logprob_gap": None, "class": "unclassified",
+                    "why": "the reference gave no log-probability for the endpoint's token"}
+        least = math.exp(logprob_own) - math.exp(listed_floor)  # the margin is at least this
+        cls = "bug" if least > tol else "unclassified"
+        return {**entry, "margin": None, "margin_at_least": least, "logprob_gap": None, "class": cls,
+                "why": "the endpoint's token is not among the reference's top_logprobs there"}
+    margin = math.exp(logprob_own) - math.exp(logprob_ours)
+    return {**entry, "margin": margin, "logprob_gap": logprob_own - logprob_ours,
+            "class": classify({"margin": margin}, str(dtype), tolerance=tol)}
+
+
+def _why(found: Located, logprob_own) -> str:
+    if found.unknown:
+        return "the answers differ but could not be aligned token by token (no tokens, no tokenizer)"
+    if found.own is None:
+        return "the reference's answer ends here; the endpoint's goes on"
+    if found.ours is None:
+        return "the endpoint's answer ends here; the reference's goes on"
+    return "the reference gave no log-probabilities (it refused logprobs)"

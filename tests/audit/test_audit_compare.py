@@ -1,0 +1,121 @@
+"""mmspec.audit without a server: locating the first difference, classifying it, the requests."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from mmspec.audit import AuditError, Reference, Reply, Token, judge, locate, read_jsonl
+from mmspec.audit.compare import Located
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    from mmspec.embedded import default_path
+
+    return AutoTokenizer.from_pretrained(default_path() / "target")
+
+
+def toks(*texts, top=None):
+    return [Token(t, -0.1, dict(top or {})) for t in texts]
+
+
+def test_identical_answers_by_ids_tokens_and_text(tok):
+    ids = tok.encode("The tallest bar is red.", add_special_tokens=False)
+    text = tok.decode(ids)
+    assert locate(Reference(text, ids=ids), Reply(text, "length"), tok) is None  # text only: equal texts
+    as_ids = [Token(f"token_id:{i}", -0.1) for i in ids]
+    assert locate(Reference(text, ids=ids), Reply(text, "length", as_ids)) is None
+    assert locate(Reference("a b", tokens=toks("a", " b")), Reply("a b", "stop", toks("a", " b"))) is None
+
+
+def test_first_difference_by_ids_and_by_tokenized_text(tok):
+    own = tok.encode("The tallest bar is red.", add_special_tokens=False)
+    ours_text = "The tallest bar is blue."
+    found = locate(Reference(tok.decode(own), ids=own), Reply(ours_text, "length"), tok)
+    assert (found.position, found.own, found.compared) == (4, own[4], "text")
+    assert tok.decode([found.ours]) == " blue"
+    # an answer that stops early differs by its EOS (the reference's ids go on)
+    found = locate(Reference(tok.decode(own), ids=own), Reply("The tallest", "stop"), tok, eos_id=2)
+    assert (found.position, found.ours) == (2, 2)
+
+
+def test_text_against_reference_token_strings():
+    ref = Reference("The bar is red.", tokens=toks("The", " bar", " is", " red", ".")
+                    [:3] + [Token(" red", -0.69, {" red": -0.69, " redd": -0.70, " r": -3.0})] + toks("."))
+    found = locate(ref, Reply("The bar is reddish.", "stop"))  # no tokens, no tokenizer: top_logprobs align it
+    assert (found.position, found.own, found.ours) == (3, " red", " redd")
+    found = locate(ref, Reply("The bar is red. And", "stop"))
+    assert (found.position, found.own, found.unknown) == (5, None, True)  # ours goes on: which token, unknown
+    assert judge(found, None, None, "bfloat16")["class"] == "unclassified"
+    found = locate(ref, Reply("The bar is", "stop"))
+    assert (found.position, found.own, found.ours, found.unknown) == (3, " red", None, False)
+    assert judge(found, -0.69, None, "bfloat16")["class"] == "bug"  # ours ended where the reference goes on
+
+
+def test_judge_near_tie_and_bug():
+    at = Located(3, " red", " blue", "tokens")
+    lp = math.log(0.5)
+    tie = judge(at, lp, math.log(0.4995), "bfloat16")
+    assert tie["class"] == "near-tie" and tie["margin"] == pytest.approx(0.0005)
+    assert judge(at, lp, math.log(0.4995), "float32")["class"] == "bug"  # float32: exact, every difference a bug
+    assert judge(at, lp, math.log(0.4995), "float32", tolerance=1e-3)["class"] == "near-tie"
+    assert judge(at, lp, math.log(0.2), "bfloat16")["class"] == "bug"
+    # not among the reference's top_logprobs: a bug when even the best case is past the tolerance
+    assert judge(at, lp, None, "bfloat16", listed_floor=math.log(0.1))["class"] == "bug"
+    assert judge(at, lp, None, "bfloat16", listed_floor=math.log(0.4999))["class"] == "unclassified"
+    assert judge(at, None, None, "bfloat16")["class"] == "unclassified"  # the reference gave no logprobs
+    assert judge(Located(3, None, " x", "text"), None, None, "bfloat16")["class"] == "bug"  # one answer ended
+
+
+def test_world_requests_frame_as_the_world_prompt():
+    """The default requests reach the target as the world's own prompt (mmspec serve's framing)."""
+    from mmspec.audit import world_requests
+    from mmspec.embedded import load_embedded
+    from mmspec.inputs import chat_prompt
+    from mmspec.serve.messages import build_prompt
+    from mmspec.world import iter_all
+
+    reqs = world_requests(8, max_tokens=16)
+    e = load_embedded()
+    for r, s in zip(reqs, iter_all("test", 1)):
+        assert r.id == s.uid and r.body["max_tokens"] == 16
+        got = build_prompt(e.processor, e.tokenizer, r.body["messages"])
+        assert got == chat_prompt(e.processor, s.prompt, len(s.images)), s.uid
+
+
+def test_bad_jsonl_lines(tmp_path):
+    p = tmp_path / "r.jsonl"
+    cases = [("{not json", "line 1: not valid JSON"), ("[1, 2]", "line 1: a JSON list, not an object"),
+             ('{"max_tokens": 3}', "line 1: no 'messages' list"),
+             ('{"messages": [{"role": "user", "content": "hi"}], "temperature": 0.7}', "greedy"),
+             ('{"id": "a", "messages": [{"role": "user", "content": "x"}]}\n{"id": "a", "messages": '
+              '[{"role": "user", "content": "y"}]}', "line 2: the id 'a' is used twice"), ("\n\n", "holds no requests")]
+    for text, says in cases:
+        p.write_text(text)
+        with pytest.raises(AuditError, match=says):
+            read_jsonl(p)
+    with pytest.raises(AuditError, match="not found"):
+        read_jsonl(tmp_path / "none.jsonl")
+    p.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_p": 1}) + "\n")
+    (r,) = read_jsonl(p, max_tokens=7)
+    assert r.id == "line-1" and r.body == {"messages": [{"role": "user", "content": "hi"}], "top_p": 1, "max_tokens": 7}
+
+
+def test_local_reference_cuts_at_a_stop_string_as_the_server_does():
+    from mmspec.audit import world_requests
+    from mmspec.audit.reference import LocalTarget
+
+    local = LocalTarget()
+    (req,) = world_requests(1, max_tokens=24)
+    full, _ = local.answer(req.body)
+    word = full.text.split()[3]
+    cut, _ = local.answer({**req.body, "stop": [" " + word]})
+    assert cut.text == full.text[: full.text.find(" " + word)]
+    assert local.tokenizer.decode(cut.ids, skip_special_tokens=True).startswith(cut.text)
+    assert len(cut.ids) < len(full.ids)
+    assert locate(cut, Reply(cut.text, "stop"), local.tokenizer) is None
