@@ -342,7 +342,8 @@ def test_bad_requests_among_good_ones_change_nothing(server, solo):
     def run(k):
         if k % 3 == 2:
             _, body, _ = bad[k % len(bad)]
-            kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+            kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+                else {"json": body}
             return httpx.post(server.url + "/v1/chat/completions", timeout=60, **kw).status_code
         family, index, max_tokens = CASES[k % 4]
         return ask(client, family, index, max_tokens, stream=k % 2 == 0, temperature=0)

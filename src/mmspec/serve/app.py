@@ -17,11 +17,12 @@ import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mmspec.serve import responses as R
+from mmspec.serve.guard import Guard, redact_paths
 from mmspec.serve.schema import RequestError, parse_request
 from mmspec.serve.service import Prepared, Service
 from mmspec.serve.worker import Job, Update
@@ -49,7 +50,11 @@ class Ticket:
 
 def error_response(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
                    code: str | None = None) -> JSONResponse:
-    return JSONResponse(R.error_body(message, type, param, code), status_code=status)
+    return JSONResponse(R.error_body(redact_paths(message), type, param, code), status_code=status)
+
+
+def refusal(e: RequestError) -> JSONResponse:
+    return error_response(e.status, str(e), e.type, e.param, e.code)
 
 
 def _failure_type(status: int) -> str:
@@ -67,10 +72,29 @@ def create_app(service: Service) -> FastAPI:
 
     app = FastAPI(title="mmspec serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     name = service.config.model_name
+    cfg = service.config
+    metrics = service.metrics
+    app.add_middleware(Guard, max_body=int(cfg.max_request_mb * 2**20), api_key=cfg.api_key,
+                       allowed_hosts=cfg.allowed_hosts, on_refusal=metrics.refused if metrics else None)
+    if cfg.cors_origins:  # outermost: a browser's preflight (OPTIONS, no key) is answered here
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=cfg.cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
+
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, exc: RequestError):
+        return refusal(exc)
+
+    if metrics is not None:
+        @app.get("/metrics")
+        async def prometheus():
+            data, kind = metrics.render()
+            return Response(data, media_type=kind)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        hint = " (mmspec serve has POST /v1/chat/completions, GET /v1/models, GET /health)"
+        hint = " (mmspec serve has POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics)"
         return error_response(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}{hint}",
                               type=_failure_type(exc.status_code))
 
@@ -90,17 +114,19 @@ def create_app(service: Service) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         t0 = time.perf_counter()
-        body = await request.body()
+        body = await request.body()  # (bounded by the Guard while it arrives)
         try:
             req = parse_request(body, name)
             prepared = await run_in_threadpool(service.prepare, req)
         except RequestError as e:
-            return JSONResponse(e.body(), status_code=e.status)
+            _count(service, e.status)
+            return refusal(e)
         ticket = Ticket(asyncio.get_running_loop())
         job = Job(request=prepared.request, sink=ticket.put)
         service.worker.submit(job)
         first = await ticket.get()
         if first.kind != "admitted":
+            _count(service, first.status)
             return error_response(first.status, first.message, _failure_type(first.status))
         answer = R.Answer(stops=req.stop, eos_ids=frozenset(service.decoder.eos_ids))
         cid = R.new_id()
@@ -110,11 +136,24 @@ def create_app(service: Service) -> FastAPI:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         failure = await _collect(service, job, ticket, answer, request)
         if failure is not None:
+            _count(service, failure.status)
             return error_response(failure.status, failure.message, _failure_type(failure.status))
+        _answered(service, answer, prepared, t0)
         stats = R.mmspec_stats(answer, prepared.seed, time.perf_counter() - t0)
         return R.completion(cid, name, answer, prepared.prompt_tokens, stats)
 
     return app
+
+
+def _count(service: Service, status: int) -> None:
+    if service.metrics is not None:
+        service.metrics.refused(status)
+
+
+def _answered(service: Service, answer: R.Answer, prepared: Prepared, t0: float) -> None:
+    if service.metrics is not None:
+        service.metrics.answered(answer.finish_reason, prepared.prompt_tokens, len(answer.token_ids), t0,
+                                 answer.first_token_at, answer.result)
 
 
 async def _collect(service: Service, job: Job, ticket: Ticket, answer: R.Answer, request: Request) -> Update | None:
@@ -162,7 +201,8 @@ async def _stream(service: Service, job: Job, ticket: Ticket, answer: R.Answer, 
             up = await ticket.get()
             if up.kind != "event":  # it failed after admission: say why, inside the stream
                 done = True
-                yield _sse(R.error_body(up.message, _failure_type(up.status)))
+                _count(service, up.status)
+                yield _sse(R.error_body(redact_paths(up.message), _failure_type(up.status)))
                 break
             ev = up.event
             piece = answer.add(ev.new_token_ids, ev.text)
@@ -174,6 +214,7 @@ async def _stream(service: Service, job: Job, ticket: Ticket, answer: R.Answer, 
                 if not ev.finished:
                     service.worker.cancel(job)  # cut at a stop string: free the rows
                 done = True
+                _answered(service, answer, prepared, t0)
                 stats = R.mmspec_stats(answer, prepared.seed, time.perf_counter() - t0)
                 yield _sse(R.chunk(cid, name, {}, answer.finish_reason, mmspec=stats))
                 if include_usage:
@@ -182,4 +223,5 @@ async def _stream(service: Service, job: Job, ticket: Ticket, answer: R.Answer, 
         yield "data: [DONE]\n\n"
     finally:
         if not done:  # the client went away mid-stream (the generator was closed or cancelled)
+            _count(service, 499)
             service.worker.cancel(job)

@@ -27,11 +27,14 @@ class Answer:
     sent: int = 0  # characters of ``text`` already handed to the client
     stopped: bool = False  # a stop string was found: the answer ends before it
     result: object = None  # the GenerationResult, once finished
+    first_token_at: float | None = None  # perf_counter() when the first token arrived (time to first token)
 
     def add(self, token_ids: list[int], text: str) -> str:
         """One block's tokens and text -> the text the client may have now."""
         if self.stopped:
             return ""
+        if token_ids and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
         self.token_ids += token_ids
         self.tokens_per_block.append(len(token_ids))
         self.text += text

@@ -55,6 +55,7 @@ WHY_OFF = {
 ROLES = ("system", "developer", "user", "assistant")
 MAX_STOP = 4
 MAX_SEED = 2**63 - 1
+MAX_DEPTH = 32  # JSON nesting levels (a chat request needs about 6)
 
 
 class RequestError(MMSpecError):
@@ -143,15 +144,55 @@ def _json_object(body: bytes) -> dict:
         raise ValueError(f"{name} is not JSON")
 
     try:
-        data = json.loads(body, parse_constant=no_constant)
-    except (ValueError, UnicodeDecodeError) as e:
+        text = body.decode("utf-8") if isinstance(body, (bytes, bytearray)) else body
+    except UnicodeDecodeError as e:
+        raise RequestError(f"the request body is not valid UTF-8 (byte 0x{e.object[e.start]:02x} at offset "
+                           f"{e.start}); send JSON encoded as UTF-8") from None
+    try:
+        data = json.loads(text, parse_constant=no_constant)
+    except RecursionError:  # the C parser recurses once per level
+        raise _too_deep() from None
+    except ValueError as e:
         raise RequestError(f"the request body is not valid JSON ({e}); send a JSON object such as "
                            '{"model": ..., "messages": [{"role": "user", "content": "Hi"}]} with '
                            "Content-Type: application/json") from None
     if not isinstance(data, dict):
         raise RequestError(f"the request body must be a JSON object, got a {type(data).__name__}; send "
                            '{"model": ..., "messages": [...]}')
+    _check_strings(data)
     return data
+
+
+def _too_deep() -> RequestError:
+    return RequestError(f"the request body nests JSON deeper than {MAX_DEPTH} levels; a chat request needs about "
+                        "6 (messages, a message, its content parts, an image_url): flatten it")
+
+
+def _check_strings(data: dict) -> None:
+    """Bound the nesting (no recursion: a walk with its own stack) and refuse, by name, strings
+    no tokenizer or file system should see: NUL characters and lone UTF-16 surrogates (JSON's
+    \\u0000 and \\ud800 escapes are valid JSON but no valid text)."""
+    stack = [(data, "", 1)]
+    while stack:
+        value, where, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise _too_deep()
+        if isinstance(value, dict):
+            for k, v in value.items():
+                stack.append((k, where, depth))
+                stack.append((v, f"{where}.{k}" if where else k, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value))
+        elif isinstance(value, str):
+            if "\x00" in value:
+                raise RequestError(f"{where or 'a key'} contains a NUL character (\\u0000), which no text or file "
+                                   "name may hold; remove it", param=where or None)
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise RequestError(f"{where or 'a key'} contains a lone surrogate ({value[e.start]!r} at character "
+                                   f"{e.start}), which is no valid Unicode text; send the text's real "
+                                   "characters (a surrogate pair encodes one character)", param=where or None) from None
 
 
 def _messages(messages) -> list[dict]:
