@@ -152,6 +152,12 @@ def build_prompt(processor, tokenizer, messages: list[dict]) -> str:
         raise RequestError(str(e).replace("--image", "image_url part").replace("--prompt", "the text")) from None
 
 
+def raw_prompt(message: dict) -> str:
+    """/v1/completions: the prompt's text as sent (no chat framing), an ``<image>`` marker where
+    each image part is (or the text's own markers)."""
+    return _marked_text(message) if isinstance(message["content"], list) else message["content"]
+
+
 def _image_count(message: dict) -> int:
     content = message.get("content")
     return sum(p.get("type") == "image_url" for p in content) if isinstance(content, list) else 0

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mmspec.errors import MMSpecError
-from mmspec.serve.messages import PixelBudget, build_prompt, image_refs, load_image
-from mmspec.serve.schema import ChatRequest, RequestError
+from mmspec.serve.messages import PixelBudget, build_prompt, image_refs, load_image, raw_prompt
+from mmspec.serve.schema import MAX_SEED, ChatRequest, RequestError
 from mmspec.serve.worker import Worker, make_scheduler
 
 TEXT_MARGIN = 4  # a normalizer may shorten text (NFKC: a 3-byte full-width letter -> 1 byte)
@@ -52,6 +52,7 @@ class Prepared:
     prompt_tokens: int  # images expanded
     max_tokens: int
     seed: int | None  # the sampling seed (chosen here when the client gave none); None when greedy
+    inputs: dict = field(default_factory=dict)  # the processor's output on the target's device (for logprobs)
 
 
 class Service:
@@ -115,7 +116,10 @@ class Service:
         self.check_text_size(req.messages)
         budget = PixelBudget(self.config.max_image_pixels, self.config.max_request_pixels)
         images = [load_image(r, self.config.allowed_media, budget) for r in refs]  # before any prompt work
-        prompt = build_prompt(self.processor, self.tokenizer, req.messages)
+        if req.prompt is not None:  # /v1/completions: the text as sent
+            prompt = raw_prompt(req.messages[0])
+        else:
+            prompt = build_prompt(self.processor, self.tokenizer, req.messages)
         try:
             inputs = processor_inputs(self.processor, prompt, images)
         except MMSpecError as e:
@@ -129,7 +133,22 @@ class Service:
             seed = int.from_bytes(os.urandom(8), "little") >> 1  # reported back, so the answer can be reproduced
         request = {**inputs, "images": images or None, "max_new_tokens": max_tokens,
                    "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": seed}
-        return Prepared(request=request, prompt_tokens=n_prompt, max_tokens=max_tokens, seed=seed)
+        return Prepared(request=request, prompt_tokens=n_prompt, max_tokens=max_tokens, seed=seed, inputs=inputs)
+
+    def requests(self, prepared: Prepared, n: int) -> list[dict]:
+        """The scheduler requests of ``n`` choices: the same prompt, seeds ``seed, seed + 1, ...``."""
+        out = []
+        for i in range(n):
+            seed = None if prepared.seed is None else (prepared.seed + i) % (MAX_SEED + 1)
+            out.append({**prepared.request, "seed": seed})
+        return out
+
+    def logprobs(self, prepared: Prepared, token_ids: list[int], top: int):
+        """The target's own log-probabilities of an answer (:func:`mmspec.scoring.target_logprobs`):
+        one target forward over prompt + answer, on the calling thread."""
+        from mmspec.scoring import target_logprobs
+
+        return target_logprobs(self.decoder.target_model, prepared.inputs, token_ids, top)
 
     def _max_tokens(self, req: ChatRequest, n_prompt: int) -> int:
         """The request's max_tokens, or the server's default; both bounded by the context."""
