@@ -180,7 +180,7 @@ def _run(o, sock: socket.socket, host: str, port: int, *, max_batch: int, specul
                          speculate=speculate, max_tokens=max_tokens, max_images=max_images, allowed_media=media,
                          shutdown_timeout_s=shutdown_timeout, **guard)
     service = Service(dec, proc, config)
-    server = _server(uvicorn.Config(create_app(service), timeout_graceful_shutdown=shutdown_timeout + 5,
+    server = _server(uvicorn.Config(create_app(service), timeout_graceful_shutdown=shutdown_timeout + 1,
                                     log_level="info"), service)
     common.console.print(f"mmspec serve: {config.model_name!r} ({dec.method}, {dec.tree.label}) on "
                          f"http://{host}:{port}/v1 (POST /v1/chat/completions, GET /v1/models, GET /health)",
@@ -188,6 +188,14 @@ def _run(o, sock: socket.socket, host: str, port: int, *, max_batch: int, specul
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)  # uvicorn re-raises the signal it handled once it has stopped: ignore it
     server.run(sockets=[sock])
+    # the process ends now: the thread pool's idle threads (not daemons) would hold the exit up to 10 s
+    # past --shutdown-timeout, and a handler still reading a body has been cancelled already
+    import os
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _server(config, service):

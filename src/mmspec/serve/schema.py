@@ -118,7 +118,7 @@ def parse_request(body: bytes, served_model: str, completion: bool = False) -> C
             raise RequestError(f"{name}={data[name]!r} is not supported: {WHY_OFF[name]}; drop {name}", param=name)
     model = data.get("model")
     if model is not None and model != served_model:
-        raise RequestError(f"the model {model!r} does not exist here; this server serves {served_model!r} "
+        raise RequestError(f"the model {str(model)[:100]!r} does not exist here; this server serves {served_model!r} "
                            "(GET /v1/models): pass model=" + repr(served_model), param="model", status=404,
                            code="model_not_found")
     if completion:
