@@ -496,6 +496,10 @@ def test_flags_are_checked_before_anything_loads(tmp_path):
                              (["--speculate", "sometimes"], "--speculate must be one of always, never, auto"),
                              (["--prefix-cache-mb", "-1"], "--prefix-cache-mb must be a number of MiB >= 0"),
                              (["--allowed-local-media-path", str(tmp_path / "nope")], "is not a directory"),
+                             (["--max-request-mb", "0"], "--max-request-mb must be a number of MiB > 0"),
+                             (["--max-image-pixels", "0"], "--max-image-pixels must be >= 1"),
+                             (["--max-request-pixels", "0"], "--max-request-pixels must be >= 1"),
+                             (["--api-key", " "], "--api-key (or MMSPEC_API_KEY) is empty"),
                              (["--target", str(tmp_path)], "--target was given without --draft")):
             r = CliRunner().invoke(app, ["serve", *args])
             assert r.exit_code == 2 and phrase in " ".join(r.output.split()), (args, r.output)
