@@ -204,7 +204,8 @@ def main() -> None:
     t_start = time.perf_counter()
     proc = start_server(args, port, log)
     startup_s = time.perf_counter() - t_start
-    model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    auth = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    model = httpx.get(url + "/v1/models", headers=auth, timeout=10).json()["data"][0]["id"]
     client = openai.OpenAI(base_url=url + "/v1", api_key=args.api_key or "unused", max_retries=0, timeout=600)
 
     goods = good_requests(args.distinct, args.max_tokens)

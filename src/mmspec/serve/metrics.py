@@ -103,13 +103,21 @@ class Metrics:
         if st is None:
             return
         self.cache_hits.inc(getattr(st, "prompt_tokens_reused", 0) or 0)
+        drafted = sum(1 for b in st.blocks if b.n_drafted)  # summed first: one labelled update per position
+        proposed: dict[int, int] = {}
+        accepted: dict[int, int] = {}
         for b in st.blocks:
-            self.blocks.labels("true" if b.n_drafted else "false").inc()
-            self.block_tokens.inc(b.n_emitted)
-            for i in range(b.drafted_depth):
-                self.proposed.labels(str(i + 1)).inc()
-                if i < b.n_accepted:
-                    self.accepted.labels(str(i + 1)).inc()
+            for i in range(1, b.drafted_depth + 1):
+                proposed[i] = proposed.get(i, 0) + 1
+            for i in range(1, min(b.n_accepted, b.drafted_depth) + 1):
+                accepted[i] = accepted.get(i, 0) + 1
+        self.blocks.labels("true").inc(drafted)
+        self.blocks.labels("false").inc(len(st.blocks) - drafted)
+        self.block_tokens.inc(sum(b.n_emitted for b in st.blocks))
+        for i, n in proposed.items():
+            self.proposed.labels(str(i)).inc(n)
+        for i, n in accepted.items():
+            self.accepted.labels(str(i)).inc(n)
 
 
 class MeteredScheduler:
