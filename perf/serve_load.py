@@ -89,6 +89,10 @@ def bad_bodies(model: str, good: dict) -> list[tuple[str, bytes]]:
         ("max_tokens a million", body(messages=good["messages"], max_tokens=1_000_000)),
         ("malformed JSON", b'{"model": "x", "messages": [{"role": "user"'),
         ("too many images", body(messages=[{"role": "user", "content": [{"type": "text", "text": "Describe."}] + [img] * 40}])),
+        ("NUL byte in a path", body(messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "file:///etc/a\u0000b"}}]}])),
+        ("JSON nested 10,000 deep", b'{"messages": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"),
+        ("100 KB of text", body(messages=[{"role": "user", "content": "word " * 20_000}])),
     ]
 
 
@@ -100,7 +104,9 @@ def percentile(xs: list[float], q: float) -> float:
 def start_server(args, port: int, log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "mmspec", "serve", "--port", str(port), "--max-batch", str(args.max_batch),
-           *(["--threads", str(args.threads)] if args.threads else []), *args.serve_args]
+           *(["--threads", str(args.threads)] if args.threads else []),
+           *(["--api-key", args.api_key] if args.api_key else []), *([] if args.metrics else ["--no-metrics"]),
+           *args.serve_args]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -119,8 +125,8 @@ def one(client, url: str, model: str, job: dict) -> dict:
     t0 = time.perf_counter()
     if job["bad"] is not None:
         kind, body = job["bad"]
-        r = httpx.post(url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"},
-                       timeout=600)
+        r = httpx.post(url + "/v1/chat/completions", content=body, timeout=600,
+                       headers={"content-type": "application/json", "authorization": f"Bearer {client.api_key}"})
         return {"bad": kind, "status": r.status_code, "latency_s": time.perf_counter() - t0,
                 "message": r.json().get("error", {}).get("message", "")[:200]}
     g = job["good"]
@@ -182,6 +188,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="the server's --threads")
     ap.add_argument("--idle-wait", type=float, default=5.0, help="seconds idle before the last RSS reading")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--api-key", default=None, help="start the server with this --api-key (the clients send it)")
+    ap.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
+                    help="GET /metrics on (the server's default) or --no-metrics")
     ap.add_argument("serve_args", nargs="*", help="more `mmspec serve` flags (after --)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -195,8 +204,9 @@ def main() -> None:
     t_start = time.perf_counter()
     proc = start_server(args, port, log)
     startup_s = time.perf_counter() - t_start
-    model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    auth = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    model = httpx.get(url + "/v1/models", headers=auth, timeout=10).json()["data"][0]["id"]
+    client = openai.OpenAI(base_url=url + "/v1", api_key=args.api_key or "unused", max_retries=0, timeout=600)
 
     goods = good_requests(args.distinct, args.max_tokens)
     bads = bad_bodies(model, goods[0])
@@ -228,6 +238,9 @@ def main() -> None:
     time.sleep(args.idle_wait)
     rss_after = rss_mb(proc.pid)
     health = httpx.get(url + "/health", timeout=10).json()
+    metrics_text = httpx.get(url + "/metrics", timeout=10).text if args.metrics else ""
+    if metrics_text:
+        (args.out / "metrics.txt").write_text(metrics_text)
     proc.send_signal(signal.SIGTERM)
     try:
         exit_code = proc.wait(120)
@@ -250,8 +263,11 @@ def main() -> None:
         "command": "python perf/serve_load.py " + " ".join(sys.argv[1:]),
         "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+                    "cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+                    "loadavg_after": os.getloadavg()},
         "server": {"args": ["--max-batch", args.max_batch, "--threads", args.threads, *args.serve_args], "log": str(log),
+                   "api_key": bool(args.api_key), "metrics": args.metrics,
+                   "metrics_scrape_bytes": len(metrics_text),
                    "startup_s": round(startup_s, 1), "steps": health["steps"], "exit_code_on_sigterm": exit_code},
         "requests": len(results), "clients": args.clients, "good": len(good_res), "bad": len(bad_res),
         "distinct_good": len(goods), "streamed": sum(r.get("stream", False) for r in good_res),

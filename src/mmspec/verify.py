@@ -72,7 +72,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     """
     x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     if not params.greedy:
-        x = x / params.temperature
+        x = _tempered(x, params.temperature)
     if params.top_k is not None and 0 < params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -81,9 +81,27 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         cum = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1)
         # drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token)
         drop_sorted = (cum - torch.softmax(sorted_x, dim=-1)) >= params.top_p
+        # the likeliest token always stays, also where top_p is below the dtype's smallest number
+        # (1e-300 is 0 in float32, and "mass before >= 0" would drop every token: NaN probabilities)
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     return torch.softmax(x, dim=-1)
+
+
+def _tempered(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``x / temperature`` as logits [..., V], shifted so the largest is 0 (the same softmax).
+
+    Shifted first, a small temperature cannot overflow: ``x / 1e-300`` is +-inf in float32 and
+    the softmax of inf - inf is NaN, whereas ``(x - max) / t`` is 0 at the maximum and <= 0 (or
+    -inf) elsewhere, so a temperature that small gives the limit it stands for: greedy (ties
+    share the mass). A temperature below the dtype's smallest normal number (1e-300 rounds to 0
+    in float32: 0 / 0 = NaN) is applied in float64, where it is exact, then cast back.
+    """
+    shifted = x - x.amax(dim=-1, keepdim=True)  # [..., V], <= 0
+    if temperature < torch.finfo(x.dtype).tiny:
+        return (shifted.double() / temperature).to(x.dtype)
+    return shifted / temperature
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -110,5 +110,6 @@ def test_extras_in_pyproject():
     assert names(extras["qwen"]) == {"torchvision"}
     assert names(extras["test"]) == {"mmspec", "pytest", "pytest-xdist", "ruff", "accelerate", "openai", "httpx"}
     assert "mmspec[bench]" in extras["test"]  # the suite renders reports and reads parquet
-    assert names(extras["serve"]) == {"fastapi", "uvicorn"} and not core & {"fastapi", "uvicorn"}
+    assert names(extras["serve"]) == {"fastapi", "uvicorn", "prometheus-client"}  # prometheus: GET /metrics
+    assert not core & {"fastapi", "uvicorn", "prometheus-client"}
     assert "mmspec[serve]" in extras["test"]  # the server's tests drive a real server with the openai client

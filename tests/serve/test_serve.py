@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import signal
 import socket
@@ -275,6 +276,86 @@ def test_conversation_and_local_images(server, solo):
     assert r.model_extra["mmspec"]["prompt_tokens_reused"] > 0  # turn 2 extends turn 1: its cache is reused
 
 
+def _flat_png(w: int, h: int) -> str:
+    from PIL import Image
+
+    return data_url(Image.new("L", (w, h)))  # a few KB on the wire, w * h pixels decoded
+
+
+def test_logprobs_are_the_targets_own(server, solo):
+    import torch
+
+    from mmspec.scoring import target_logprobs
+
+    s = sample("chartqa", 10)
+    r = server.client().chat.completions.create(model=MODEL, messages=user_message(s.prompt, s.images), max_tokens=12,
+                                                temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    ref = solo.target_greedy(s.prompt, s.images, 12)
+    ids = [t for t in ref if t not in solo.dec.eos_ids]
+    assert [c.model_extra["token_id"] for c in content] == ids
+    want = target_logprobs(solo.e.target, {k: v for k, v in solo.inputs(s.prompt, s.images).items()}, ids, top=3)
+    for c, w in zip(content, want):
+        assert c.logprob == pytest.approx(w.logprob, abs=1e-4)
+        assert c.top_logprobs[0].model_extra["token_id"] == c.model_extra["token_id"]  # greedy: the top-1
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx([v for _, v in w.top], abs=1e-4)
+    assert "".join(c.token for c in content).strip() == r.choices[0].message.content.strip()
+    assert torch.isfinite(torch.tensor([c.logprob for c in content])).all()
+
+
+def test_n_choices_and_raw_completions(server, solo):
+    client = server.client()
+    s = sample("textvqa", 1)
+    r = client.chat.completions.create(model=MODEL, messages=user_message(s.prompt, s.images), max_tokens=10,
+                                       temperature=1.0, seed=7, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for c in r.choices:
+        assert c.message.content == solo.generate(s.prompt, s.images, 10, temperature=1.0, seed=7 + c.index).text
+    assert r.usage.completion_tokens == sum(c["blocks"] and sum(c["tokens_per_block"])
+                                            for c in r.model_extra["mmspec"]["choices"])
+    texts = ["", ""]
+    for ch in client.chat.completions.create(model=MODEL, messages=user_message(s.prompt, s.images), max_tokens=10,
+                                             temperature=1.0, seed=7, n=2, stream=True):
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == [c.message.content for c in r.choices[:2]]
+    # /v1/completions: the prompt as sent, no chat framing; an image through mmspec's parts extension
+    from mmspec.inputs import processor_inputs
+
+    raw = "USER: <image>\nWhat is the title? ASSISTANT:"
+    ref = solo.dec.generate(**processor_inputs(solo.e.processor, raw, s.images), max_new_tokens=8, images=s.images)
+    c = client.completions.create(model=MODEL, max_tokens=8, temperature=0, logprobs=2, prompt=[], extra_body={
+        "prompt": [{"type": "text", "text": raw}, {"type": "image_url", "image_url": {"url": data_url(s.images[0])}}]})
+    assert c.object == "text_completion" and c.choices[0].text == ref.text
+    assert c.choices[0].logprobs.model_extra["token_ids"] == [t for t in ref.token_ids if t not in solo.dec.eos_ids]
+    assert all(len(t) == 2 for t in c.choices[0].logprobs.top_logprobs)
+    plain = client.completions.create(model=MODEL, prompt="The chart shows", max_tokens=5, temperature=0)
+    ref = solo.dec.generate(**processor_inputs(solo.e.processor, "The chart shows", []), max_new_tokens=5)
+    assert plain.choices[0].text == ref.text and plain.usage.completion_tokens == len(ref.token_ids)
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model=MODEL, prompt="x", echo=True)
+
+
+def test_api_key_and_metrics_on_a_real_server(tmp_path, solo):
+    s = start_server(tmp_path, "--api-key", "k1")
+    try:
+        with pytest.raises(openai.AuthenticationError, match="no API key|wrong"):
+            s.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="k1", max_retries=0, timeout=120)
+        got = ask(c, "chartqa", 10, 24, temperature=0)
+        check_equal(solo, "chartqa", 10, 24, got)
+        metrics = httpx.get(s.url + "/metrics", timeout=10).text
+        assert 'mmspec_requests_total{outcome="unauthorized"} 1.0' in metrics
+        blocks = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                     if line.startswith("mmspec_spec_blocks_total{"))
+        assert blocks == got[3]["blocks"]
+        assert f"mmspec_spec_block_tokens_total {float(got[1])}" in metrics
+        assert 'mmspec_spec_draft_accepted_total{position="1"}' in metrics
+        assert "mmspec_batch_size_count" in metrics and "mmspec_prefix_cache_bytes" in metrics
+    finally:
+        assert s.stop() == 0, s.log.read_text()
+
+
 def _bad_requests(server) -> list[tuple[str, dict | bytes, str]]:
     """(what, body, a phrase the 400's message must hold)."""
     chart = sample("chartqa", 10)
@@ -303,7 +384,15 @@ def _bad_requests(server) -> list[tuple[str, dict | bytes, str]]:
         ("max_tokens a million", {**base, "messages": good, "max_tokens": 1_000_000}, "past the context"),
         ("malformed JSON", b'{"model": "x", "messages": [', "not valid JSON"),
         ("more images than the family supports", {**base, "messages": many}, "at most 15"),
-        ("n=2", {**base, "messages": good, "n": 2}, "one choice per request"),
+        ("n=17", {**base, "messages": good, "n": 17}, "n must be from 1 to 16"),
+        ("a NUL byte in a file path", {**base, "messages": user_message("What?", [], urls=["file:///etc/a\u0000b"])},
+         "NUL character"),
+        ("JSON nested 10,000 deep", b'{"messages": ' + b"[" * 10_000 + b"]" * 10_000 + b"}", "deeper than 32"),
+        ("a lone surrogate", json.dumps({**base, "messages": [{"role": "user", "content": "a \ud800 b"}]}).encode(),
+         "lone surrogate"),
+        ("a 12000x12000 PNG", {**base, "messages": user_message("What?", [], urls=[_flat_png(12000, 12000)])},
+         "per image (--max-image-pixels)"),
+        ("100 KB of text", {**base, "messages": [{"role": "user", "content": "word " * 20_000}]}, "bytes of text"),
         ("a penalty", {**base, "messages": good, "frequency_penalty": 0.5}, "penalties change"),
         ("a remote image", {**base, "messages": user_message("What?", [], urls=["https://example.com/a.png"])},
          "does not fetch remote images"),
@@ -342,7 +431,8 @@ def test_bad_requests_among_good_ones_change_nothing(server, solo):
     def run(k):
         if k % 3 == 2:
             _, body, _ = bad[k % len(bad)]
-            kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+            kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+                else {"json": body}
             return httpx.post(server.url + "/v1/chat/completions", timeout=60, **kw).status_code
         family, index, max_tokens = CASES[k % 4]
         return ask(client, family, index, max_tokens, stream=k % 2 == 0, temperature=0)
@@ -406,6 +496,10 @@ def test_flags_are_checked_before_anything_loads(tmp_path):
                              (["--speculate", "sometimes"], "--speculate must be one of always, never, auto"),
                              (["--prefix-cache-mb", "-1"], "--prefix-cache-mb must be a number of MiB >= 0"),
                              (["--allowed-local-media-path", str(tmp_path / "nope")], "is not a directory"),
+                             (["--max-request-mb", "0"], "--max-request-mb must be a number of MiB > 0"),
+                             (["--max-image-pixels", "0"], "--max-image-pixels must be >= 1"),
+                             (["--max-request-pixels", "0"], "--max-request-pixels must be >= 1"),
+                             (["--api-key", " "], "--api-key (or MMSPEC_API_KEY) is empty"),
                              (["--target", str(tmp_path)], "--target was given without --draft")):
             r = CliRunner().invoke(app, ["serve", *args])
             assert r.exit_code == 2 and phrase in " ".join(r.output.split()), (args, r.output)

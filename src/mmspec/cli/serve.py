@@ -19,6 +19,7 @@ from mmspec.cli import common
 from mmspec.cli.common import fail
 from mmspec.cli.generate import CAPTIONER, DRAFT, HEAD, TARGET
 from mmspec.errors import MMSpecError
+from mmspec.serve.guard import default_hosts
 
 EMBEDDED_NAME = "mmspec-embedded"
 SPECULATE = ("always", "never", "auto")  # mmspec.batch.SPECULATE (not imported: it loads torch)
@@ -64,6 +65,20 @@ def serve(
     served_model_name: str | None = typer.Option(None, help="The model id of /v1/models and the responses "
                                                     f"(default: {EMBEDDED_NAME}, or --target as given)."),
     shutdown_timeout: float = typer.Option(30.0, help="After SIGTERM: seconds the running requests get to finish."),
+    max_request_mb: float = typer.Option(32.0, help="Request bodies past this many MiB are refused (413) as they "
+                                         "arrive."),
+    max_image_pixels: int = typer.Option(4096 * 4096, help="Pixels per image, read from its header before "
+                                         "decoding (larger: 400)."),
+    max_request_pixels: int = typer.Option(4 * 4096 * 4096, help="Pixels of all of a request's images together."),
+    api_key: str | None = typer.Option(None, envvar="MMSPEC_API_KEY", show_default=False,
+                                       help="Requests to /v1/ must send 'Authorization: Bearer KEY' (401 "
+                                       "otherwise); also read from MMSPEC_API_KEY."),
+    allowed_hosts: list[str] = typer.Option([], help="Host header names the server answers to (repeatable; "
+                                            "default: the --host address, and localhost's names on loopback; "
+                                            "'*': any)."),
+    cors_origins: list[str] = typer.Option([], help="Origins browsers may call the server from (repeatable; "
+                                           "default: none, CORS off)."),
+    metrics: bool = typer.Option(True, help="GET /metrics in Prometheus' text format."),
 ):
     """Serve the models over HTTP with OpenAI's chat-completions API (docs/serve.md).
 
@@ -88,13 +103,23 @@ def serve(
         if not math.isfinite(shutdown_timeout) or shutdown_timeout < 0:
             raise MMSpecError(f"--shutdown-timeout must be a number of seconds >= 0, got {shutdown_timeout}")
         media = [_media_dir(p) for p in allowed_local_media_path]
-        _check_extra()
+        if not (math.isfinite(max_request_mb) and max_request_mb > 0):
+            raise MMSpecError(f"--max-request-mb must be a number of MiB > 0, got {max_request_mb}")
+        at_least("--max-image-pixels", max_image_pixels)
+        at_least("--max-request-pixels", max_request_pixels)
+        if api_key is not None and not api_key.strip():
+            raise MMSpecError("--api-key (or MMSPEC_API_KEY) is empty; give a key, or leave it unset for no key")
+        hosts = None if "*" in allowed_hosts else (list(allowed_hosts) or default_hosts(host))
+        _check_extra(metrics)
         sock = _bind(host, port)  # the port is ours before minutes of loading, or refused now
     except MMSpecError as e:
         fail(e)
     _run(opts, sock, host, port, max_batch=max_batch, speculate=speculate, prefix_cache_mb=prefix_cache_mb,
          max_tokens=max_tokens, max_images=max_images, media=media,
-         name=served_model_name, shutdown_timeout=shutdown_timeout)
+         name=served_model_name, shutdown_timeout=shutdown_timeout,
+         guard=dict(max_request_mb=max_request_mb, max_image_pixels=max_image_pixels,
+                    max_request_pixels=max_request_pixels, api_key=api_key, allowed_hosts=hosts,
+                    cors_origins=list(cors_origins), metrics=metrics))
 
 
 def _media_dir(path: Path) -> Path:
@@ -104,10 +129,13 @@ def _media_dir(path: Path) -> Path:
     return path.resolve()
 
 
-def _check_extra() -> None:
+def _check_extra(metrics: bool = False) -> None:
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
+
+        if metrics:
+            import prometheus_client  # noqa: F401
     except ImportError as e:
         raise MMSpecError(f"mmspec serve needs {e.name}: pip install 'mmspec[serve]'") from None
 
@@ -134,7 +162,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def _run(o, sock: socket.socket, host: str, port: int, *, max_batch: int, speculate: str,
          prefix_cache_mb: float | None, max_tokens: int,
-         max_images: int | None, media: list, name: str | None, shutdown_timeout: float) -> None:
+         max_images: int | None, media: list, name: str | None, shutdown_timeout: float, guard: dict) -> None:
     import uvicorn
 
     from mmspec.cli.generate import EMBEDDED_NOTE, build_decoder, load_models
@@ -150,16 +178,25 @@ def _run(o, sock: socket.socket, host: str, port: int, *, max_batch: int, specul
                         **({} if prefix_cache_mb is None else {"prefix_cache_mb": prefix_cache_mb}))
     config = ServeConfig(model_name=name or (EMBEDDED_NAME if embedded else o.target), max_batch=max_batch,
                          speculate=speculate, max_tokens=max_tokens, max_images=max_images, allowed_media=media,
-                         shutdown_timeout_s=shutdown_timeout)
+                         shutdown_timeout_s=shutdown_timeout, **guard)
     service = Service(dec, proc, config)
-    server = _server(uvicorn.Config(create_app(service), timeout_graceful_shutdown=shutdown_timeout + 5,
+    server = _server(uvicorn.Config(create_app(service), timeout_graceful_shutdown=shutdown_timeout + 1,
                                     log_level="info"), service)
     common.console.print(f"mmspec serve: {config.model_name!r} ({dec.method}, {dec.tree.label}) on "
-                         f"http://{host}:{port}/v1 (POST /v1/chat/completions, GET /v1/models, GET /health)",
+                         f"http://{host}:{port}/v1 (POST /v1/chat/completions, POST /v1/completions, GET /v1/models, "
+                         "GET /health, GET /metrics)",
                          highlight=False, soft_wrap=True)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)  # uvicorn re-raises the signal it handled once it has stopped: ignore it
     server.run(sockets=[sock])
+    # the process ends now: the thread pool's idle threads (not daemons) would hold the exit up to 10 s
+    # past --shutdown-timeout, and a handler still reading a body has been cancelled already
+    import os
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _server(config, service):

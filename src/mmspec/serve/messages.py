@@ -51,8 +51,35 @@ def image_refs(messages: list[dict]) -> list[ImageRef]:
     return refs
 
 
-def load_image(ref: ImageRef, allowed_dirs: list[Path]):
-    """An image_url -> an RGB PIL image, or RequestError naming the part and the fix."""
+@dataclass
+class PixelBudget:
+    """Pixels a request's images may have: each (``per_image``) and together (``per_request``),
+    checked from each image's header before it is decoded (None: no limit)."""
+
+    per_image: int | None = None
+    per_request: int | None = None
+    used: int = 0
+
+    def take(self, ref: ImageRef, width: int, height: int) -> None:
+        n = width * height
+        if self.per_image is not None and n > self.per_image:
+            raise RequestError(f"{ref.where}: the image is {width}x{height} = {_mp(n)} pixels, past this server's "
+                               f"limit of {_mp(self.per_image)} per image (--max-image-pixels); resize it first "
+                               "(the model sees it at its own resolution anyway)", param=ref.where)
+        if self.per_request is not None and self.used + n > self.per_request:
+            raise RequestError(f"{ref.where}: the images so far come to {_mp(self.used + n)} pixels, past this "
+                               f"server's limit of {_mp(self.per_request)} per request (--max-request-pixels); send "
+                               "fewer or smaller images", param=ref.where)
+        self.used += n
+
+
+def _mp(n: int) -> str:
+    return f"{n / 1e6:.1f} M"
+
+
+def load_image(ref: ImageRef, allowed_dirs: list[Path], budget: PixelBudget | None = None):
+    """An image_url -> an RGB PIL image, or RequestError naming the part and the fix. Its size is
+    read from the header and checked against ``budget`` before any pixel is decoded."""
     url = ref.url
     if url.startswith("data:"):
         header, comma, payload = url.partition(",")
@@ -64,12 +91,12 @@ def load_image(ref: ImageRef, allowed_dirs: list[Path]):
         except (binascii.Error, ValueError):
             raise RequestError(f"{ref.where}: the data URL is not valid base64; encode the image file's bytes "
                                "with base64 (data:image/png;base64,<data>)", param=ref.where) from None
-        return _open(io.BytesIO(raw), ref, "the base64 data is not an image")
+        return _open(io.BytesIO(raw), ref, "the base64 data is not an image", budget)
     if urlparse(url).scheme in ("http", "https"):
         raise RequestError(f"{ref.where}: mmspec serve does not fetch remote images ({url[:60]}); send the image "
                            "as a data URL (data:image/png;base64,...) or a local file path", param=ref.where)
     path = Path(unquote(urlparse(url).path) if url.startswith("file:") else url)
-    return _open(_local(path, ref, allowed_dirs), ref, "the file is not an image")
+    return _open(_local(path, ref, allowed_dirs), ref, "the file is not an image", budget)
 
 
 def _local(path: Path, ref: ImageRef, allowed_dirs: list[Path]) -> Path:
@@ -77,23 +104,34 @@ def _local(path: Path, ref: ImageRef, allowed_dirs: list[Path]) -> Path:
         raise RequestError(f"{ref.where}: this server reads no local image files; send the image as a data URL "
                            "(data:image/png;base64,...), or start the server with --allowed-local-media-path DIR",
                            param=ref.where)
-    real = path.resolve()
-    if not any(real.is_relative_to(d) for d in allowed_dirs):
-        raise RequestError(f"{ref.where}: {str(path)!r} is outside the directories this server reads images from "
-                           f"({', '.join(map(str, allowed_dirs))}); send it as a data URL or move it there",
+    try:
+        real = path.resolve()
+    except (OSError, ValueError, RuntimeError):  # a NUL byte, a symlink loop, a name too long
+        raise RequestError(f"{ref.where}: {str(path)[:200]!r} is no valid file path; send the image as a data URL",
+                           param=ref.where) from None
+    if not any(real.is_relative_to(d) for d in allowed_dirs):  # (the directories are not named: server paths)
+        raise RequestError(f"{ref.where}: {str(path)[:200]!r} is outside the directories this server reads images "
+                           "from (its --allowed-local-media-path); send it as a data URL or move it there",
                            param=ref.where)
     if not real.is_file():
         raise RequestError(f"{ref.where}: image file not found: {str(path)!r}; check the path", param=ref.where)
     return real
 
 
-def _open(source, ref: ImageRef, what: str):
+def _open(source, ref: ImageRef, what: str, budget: PixelBudget | None):
     from PIL import Image
 
     try:
-        with Image.open(source) as im:
+        with Image.open(source) as im:  # reads the header only
+            if budget is not None:
+                budget.take(ref, *im.size)
             return im.convert("RGB")
-    except Exception as e:  # noqa: BLE001 - Pillow raises many kinds (unidentified, truncated, bombs)
+    except RequestError:
+        raise
+    except Image.DecompressionBombError:  # Pillow's own limit, past twice its MAX_IMAGE_PIXELS
+        raise RequestError(f"{ref.where}: the image has more pixels than Pillow will decode (a decompression "
+                           "bomb); send a smaller image", param=ref.where) from None
+    except Exception as e:  # noqa: BLE001 - Pillow raises many kinds (unidentified, truncated)
         raise RequestError(f"{ref.where}: {what} ({e.__class__.__name__}); send a PNG or JPEG image that "
                            "Pillow can open", param=ref.where) from None
 
@@ -112,6 +150,12 @@ def build_prompt(processor, tokenizer, messages: list[dict]) -> str:
         raise
     except Exception as e:  # noqa: BLE001 - an MMSpecError of the prompt helpers, or a template's own
         raise RequestError(str(e).replace("--image", "image_url part").replace("--prompt", "the text")) from None
+
+
+def raw_prompt(message: dict) -> str:
+    """/v1/completions: the prompt's text as sent (no chat framing), an ``<image>`` marker where
+    each image part is (or the text's own markers)."""
+    return _marked_text(message) if isinstance(message["content"], list) else message["content"]
 
 
 def _image_count(message: dict) -> int:

@@ -27,11 +27,14 @@ class Answer:
     sent: int = 0  # characters of ``text`` already handed to the client
     stopped: bool = False  # a stop string was found: the answer ends before it
     result: object = None  # the GenerationResult, once finished
+    first_token_at: float | None = None  # perf_counter() when the first token arrived (time to first token)
 
     def add(self, token_ids: list[int], text: str) -> str:
         """One block's tokens and text -> the text the client may have now."""
         if self.stopped:
             return ""
+        if token_ids and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
         self.token_ids += token_ids
         self.tokens_per_block.append(len(token_ids))
         self.text += text
@@ -83,12 +86,13 @@ class Answer:
         return out
 
 
-def new_id() -> str:
-    return "chatcmpl-" + uuid.uuid4().hex
+def new_id(prefix: str = "chatcmpl-") -> str:
+    return prefix + uuid.uuid4().hex
 
 
-def usage(prompt_tokens: int, answer: Answer) -> dict:
-    n = len(answer.token_ids)
+def usage(prompt_tokens: int, answers) -> dict:
+    """OpenAI's usage of one answer or of a request's choices (the prompt counted once)."""
+    n = sum(len(a.token_ids) for a in (answers if isinstance(answers, list) else [answers]))
     return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
 
 
@@ -107,22 +111,81 @@ def mmspec_stats(answer: Answer, seed: int | None, latency_s: float) -> dict:
     return out
 
 
-def completion(cid: str, model: str, answer: Answer, prompt_tokens: int, stats: dict) -> dict:
-    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.content},
-                         "finish_reason": answer.finish_reason, "logprobs": None}],
-            "usage": usage(prompt_tokens, answer), "mmspec": stats}
+def chat_choice(index: int, answer: Answer, logprobs: dict | None = None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": answer.content},
+            "finish_reason": answer.finish_reason, "logprobs": logprobs}
 
 
-def chunk(cid: str, model: str, delta: dict, finish_reason: str | None = None, **extra) -> dict:
-    return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}], **extra}
+def text_choice(index: int, answer: Answer, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": answer.content, "finish_reason": answer.finish_reason, "logprobs": logprobs}
 
 
-def usage_chunk(cid: str, model: str, usage_: dict, stats: dict) -> dict:
+def delta_choice(index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
+
+
+def completion(cid: str, model: str, choices: list[dict], prompt_tokens: int, answers: list[Answer], stats: dict,
+               text: bool = False) -> dict:
+    """The whole response: ``chat.completion``, or ``text_completion`` (``text``: /v1/completions)."""
+    return {"id": cid, "object": "text_completion" if text else "chat.completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": usage(prompt_tokens, answers), "mmspec": stats}
+
+
+def chunk(cid: str, model: str, choices: list[dict], text: bool = False, **extra) -> dict:
+    return {"id": cid, "object": "text_completion" if text else "chat.completion.chunk", "created": int(time.time()),
+            "model": model, "choices": choices, **extra}
+
+
+def usage_chunk(cid: str, model: str, usage_: dict, stats: dict, text: bool = False) -> dict:
     """The last chunk with ``stream_options.include_usage``: no choices, the usage (and mmspec's stats)."""
-    return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [], "usage": usage_, "mmspec": stats}
+    return chunk(cid, model, [], text=text, usage=usage_, mmspec=stats)
+
+
+def failure_type(status: int) -> str:
+    return {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
+            413: "invalid_request_error", 415: "invalid_request_error", 503: "service_unavailable"}.get(
+        status, "server_error")
+
+
+# ----------------------------------------------------------------------- log-probabilities
+def content_token_ids(answer: Answer, tokenizer) -> list[int]:
+    """The answer's tokens that make up its content: an EOS left out, and past a stop string's cut
+    only the tokens that begin before it."""
+    ids = list(answer.token_ids)
+    while ids and ids[-1] in answer.eos_ids:
+        ids.pop()
+    if answer.stopped:
+        n = len(answer.content)
+        for k in range(len(ids) + 1):
+            if len(tokenizer.decode(ids[:k], skip_special_tokens=True)) >= n:
+                return ids[:k]
+    return ids
+
+
+def _piece(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def chat_logprobs(scored, tokenizer) -> dict:
+    """Chat completions' ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs, token_id}]}``."""
+    def entry(token_id: int, lp: float) -> dict:
+        s = _piece(tokenizer, token_id)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "token_id": token_id}
+
+    return {"content": [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, v) for i, v in t.top]}
+                        for t in scored]}
+
+
+def text_logprobs(scored, tokenizer) -> dict:
+    """Completions' (legacy) ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens = [_piece(tokenizer, t.token_id) for t in scored]
+    offsets, at = [], 0
+    for s in tokens:
+        offsets.append(at)
+        at += len(s)
+    tops = [{_piece(tokenizer, i): v for i, v in t.top} for t in scored] if any(t.top for t in scored) else None
+    return {"tokens": tokens, "token_logprobs": [t.logprob for t in scored], "top_logprobs": tops,
+            "text_offset": offsets, "token_ids": [t.token_id for t in scored]}
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,

@@ -28,13 +28,19 @@ from dataclasses import dataclass, field
 from mmspec.errors import MMSpecError
 
 SUPPORTED = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
-             "stream", "stream_options", "n", "stop"}
+             "stream", "stream_options", "n", "stop", "logprobs", "top_logprobs"}
+# POST /v1/completions: a raw prompt instead of messages; logprobs is the number of alternatives there
+COMPLETION_SUPPORTED = SUPPORTED - {"messages", "max_completion_tokens", "top_logprobs"} | {"prompt"}
+COMPLETION_OFF_ONLY = {"echo": (False, None), "suffix": (None, ""), "best_of": (1, None)}
+MAX_N = 16  # choices per request
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
            "safety_identifier"}  # sent by habit; they change nothing in the answer
 # fields mmspec does not implement: accepted only at the value that means "off"
 OFF_ONLY = {
     "frequency_penalty": (0, None), "presence_penalty": (0, None), "repetition_penalty": (1, None),
-    "logprobs": (False, None), "top_logprobs": (0, None), "logit_bias": ({}, None), "tools": ([], None),
+    "logit_bias": ({}, None), "tools": ([], None),
     "tool_choice": ("none", None), "functions": ([], None), "function_call": ("none", None),
     "response_format": ({"type": "text"}, None), "modalities": (["text"], None),
 }
@@ -42,8 +48,10 @@ WHY_OFF = {
     "frequency_penalty": "penalties change the target's distribution, and mmspec's output is exactly the target's",
     "presence_penalty": "penalties change the target's distribution, and mmspec's output is exactly the target's",
     "repetition_penalty": "penalties change the target's distribution, and mmspec's output is exactly the target's",
-    "logprobs": "mmspec serve does not return log-probabilities",
-    "top_logprobs": "mmspec serve does not return log-probabilities",
+    "echo": "mmspec serve returns the completion only (no echo of the prompt or its log-probabilities)",
+    "suffix": "mmspec serve does not insert text (no suffix)",
+    "best_of": "best_of ranks samples by their log-probabilities, which changes the target's distribution; ask for "
+               "n samples and pick among them yourself",
     "logit_bias": "a logit bias changes the target's distribution, and mmspec's output is exactly the target's",
     "tools": "mmspec serve has no tool calling",
     "tool_choice": "mmspec serve has no tool calling",
@@ -55,6 +63,7 @@ WHY_OFF = {
 ROLES = ("system", "developer", "user", "assistant")
 MAX_STOP = 4
 MAX_SEED = 2**63 - 1
+MAX_DEPTH = 32  # JSON nesting levels (a chat request needs about 6)
 
 
 class RequestError(MMSpecError):
@@ -84,29 +93,53 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     stop: list[str] = field(default_factory=list)
+    n: int = 1  # choices: samples of the same prompt (seeds seed, seed + 1, ...)
+    logprobs: bool = False  # the target's log-probability of each answer token
+    top_logprobs: int = 0  # ... and of its likeliest alternatives there
+    prompt: str | None = None  # /v1/completions: the raw prompt (not chat-framed); messages then hold its parts
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
-def parse_request(body: bytes, served_model: str) -> ChatRequest:
-    """``body`` (the raw HTTP body) -> ChatRequest; RequestError for anything mmspec cannot serve as asked."""
+def parse_request(body: bytes, served_model: str, completion: bool = False) -> ChatRequest:
+    """``body`` (the raw HTTP body) -> ChatRequest; RequestError for anything mmspec cannot serve as asked.
+    ``completion``: a ``/v1/completions`` body (``prompt`` instead of ``messages``)."""
     data = _json_object(body)
-    unknown = sorted(set(data) - SUPPORTED - IGNORED - set(OFF_ONLY))
+    supported = COMPLETION_SUPPORTED if completion else SUPPORTED
+    off_only = {**OFF_ONLY, **COMPLETION_OFF_ONLY} if completion else OFF_ONLY
+    unknown = sorted(set(data) - supported - IGNORED - set(off_only))
     if unknown:
         raise RequestError(f"unknown argument(s) {', '.join(map(repr, unknown))}; mmspec serve takes "
-                           f"{', '.join(sorted(SUPPORTED))} (see docs/serve.md): drop the others", param=unknown[0])
-    for name, allowed in OFF_ONLY.items():
+                           f"{', '.join(sorted(supported))} (see docs/serve.md): drop the others", param=unknown[0])
+    for name, allowed in off_only.items():
         if name in data and data[name] not in allowed:
             raise RequestError(f"{name}={data[name]!r} is not supported: {WHY_OFF[name]}; drop {name}", param=name)
     model = data.get("model")
     if model is not None and model != served_model:
-        raise RequestError(f"the model {model!r} does not exist here; this server serves {served_model!r} "
+        raise RequestError(f"the model {str(model)[:100]!r} does not exist here; this server serves {served_model!r} "
                            "(GET /v1/models): pass model=" + repr(served_model), param="model", status=404,
                            code="model_not_found")
-    req = ChatRequest(messages=_messages(data.get("messages")), model=model)
-    req.max_tokens = _max_tokens(data)
+    if completion:
+        prompt, parts = _prompt(data.get("prompt"))
+        req = ChatRequest(messages=[{"role": "user", "content": parts}], model=model, prompt=prompt)
+        req.max_tokens = _max_tokens(data) or COMPLETION_MAX_TOKENS
+        top = _integer(data, "logprobs", None)
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"logprobs must be from 0 to {MAX_TOP_LOGPROBS} (the alternatives per token), got {top}",
+                               param="logprobs")
+        req.logprobs, req.top_logprobs = top is not None, top or 0
+    else:
+        req = ChatRequest(messages=_messages(data.get("messages")), model=model)
+        req.max_tokens = _max_tokens(data)
+        req.logprobs = _boolean(data, "logprobs", False)
+        top = _integer(data, "top_logprobs", None)
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {top}", param="top_logprobs")
+        if top and not req.logprobs:
+            raise RequestError("top_logprobs needs logprobs=true; set it, or drop top_logprobs", param="top_logprobs")
+        req.top_logprobs = top or 0
     req.temperature = _number(data, "temperature", 1.0, low=0.0)
     top_p = _number(data, "top_p", None, low=0.0)
     if top_p is not None and not 0 < top_p <= 1:
@@ -120,10 +153,10 @@ def parse_request(body: bytes, served_model: str) -> ChatRequest:
     if seed is not None and not 0 <= seed <= MAX_SEED:
         raise RequestError(f"seed must be in [0, 2**63 - 1], got {seed}", param="seed")
     req.seed = None if req.greedy else seed  # greedy needs no seed: the output is the same
-    n = _integer(data, "n", 1)
-    if n != 1:
-        raise RequestError(f"n={n}: mmspec serve answers one choice per request; send {n} requests (with "
-                           "different seeds) instead", param="n")
+    req.n = _integer(data, "n", 1)
+    if not 1 <= req.n <= MAX_N:
+        raise RequestError(f"n must be from 1 to {MAX_N} (choices per request), got {req.n}; send several requests "
+                           "for more", param="n")
     req.stop = _stop(data.get("stop"))
     req.stream = _boolean(data, "stream", False)
     opts = data.get("stream_options")
@@ -143,15 +176,55 @@ def _json_object(body: bytes) -> dict:
         raise ValueError(f"{name} is not JSON")
 
     try:
-        data = json.loads(body, parse_constant=no_constant)
-    except (ValueError, UnicodeDecodeError) as e:
+        text = body.decode("utf-8") if isinstance(body, (bytes, bytearray)) else body
+    except UnicodeDecodeError as e:
+        raise RequestError(f"the request body is not valid UTF-8 (byte 0x{e.object[e.start]:02x} at offset "
+                           f"{e.start}); send JSON encoded as UTF-8") from None
+    try:
+        data = json.loads(text, parse_constant=no_constant)
+    except RecursionError:  # the C parser recurses once per level
+        raise _too_deep() from None
+    except ValueError as e:
         raise RequestError(f"the request body is not valid JSON ({e}); send a JSON object such as "
                            '{"model": ..., "messages": [{"role": "user", "content": "Hi"}]} with '
                            "Content-Type: application/json") from None
     if not isinstance(data, dict):
         raise RequestError(f"the request body must be a JSON object, got a {type(data).__name__}; send "
                            '{"model": ..., "messages": [...]}')
+    _check_strings(data)
     return data
+
+
+def _too_deep() -> RequestError:
+    return RequestError(f"the request body nests JSON deeper than {MAX_DEPTH} levels; a chat request needs about "
+                        "6 (messages, a message, its content parts, an image_url): flatten it")
+
+
+def _check_strings(data: dict) -> None:
+    """Bound the nesting (no recursion: a walk with its own stack) and refuse, by name, strings
+    no tokenizer or file system should see: NUL characters and lone UTF-16 surrogates (JSON's
+    \\u0000 and \\ud800 escapes are valid JSON but no valid text)."""
+    stack = [(data, "", 1)]
+    while stack:
+        value, where, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise _too_deep()
+        if isinstance(value, dict):
+            for k, v in value.items():
+                stack.append((k, where, depth))
+                stack.append((v, f"{where}.{k}" if where else k, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value))
+        elif isinstance(value, str):
+            if "\x00" in value:
+                raise RequestError(f"{where or 'a key'} contains a NUL character (\\u0000), which no text or file "
+                                   "name may hold; remove it", param=where or None)
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise RequestError(f"{where or 'a key'} contains a lone surrogate ({value[e.start]!r} at character "
+                                   f"{e.start}), which is no valid Unicode text; send the text's real "
+                                   "characters (a surrogate pair encodes one character)", param=where or None) from None
 
 
 def _messages(messages) -> list[dict]:
@@ -180,6 +253,28 @@ def _messages(messages) -> list[dict]:
         raise RequestError(f"the last message is the {messages[-1]['role']}'s; end messages with the user's turn "
                            "(the server answers it)", param=f"messages[{len(messages) - 1}]")
     return messages
+
+
+def _prompt(prompt) -> tuple[str, list[dict]]:
+    """/v1/completions' prompt: a string (or a list of one), or mmspec's extension, a list of
+    ``text`` and ``image_url`` parts as in chat messages (an image goes where its part is, or into
+    the ``<image>`` markers the text writes). -> (the text, the parts)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError("prompt is empty; send the text to continue", param="prompt")
+        return prompt, [{"type": "text", "text": prompt}]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, dict) for p in prompt):
+        for j, part in enumerate(prompt):
+            _check_part(part, f"prompt[{j}]", "user")
+        return "", prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, int)) for p in prompt):
+        raise RequestError("prompt: a batch of prompts (or token ids) is not served; send one prompt string per "
+                           "request (n= gives several samples of one)", param="prompt")
+    raise RequestError("prompt must be a string, or a list of text and image_url parts (mmspec's extension: "
+                       '[{"type": "text", "text": "..."}, {"type": "image_url", "image_url": {"url": ...}}])',
+                       param="prompt")
 
 
 def _check_part(part, where: str, role: str) -> None:

@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mmspec.errors import MMSpecError
-from mmspec.serve.messages import build_prompt, image_refs, load_image
-from mmspec.serve.schema import ChatRequest, RequestError
+from mmspec.serve.messages import PixelBudget, build_prompt, image_refs, load_image, raw_prompt
+from mmspec.serve.schema import MAX_SEED, ChatRequest, RequestError
 from mmspec.serve.worker import Worker, make_scheduler
+
+TEXT_MARGIN = 4  # a normalizer may shorten text (NFKC: a 3-byte full-width letter -> 1 byte)
 
 
 @dataclass
@@ -33,6 +35,13 @@ class ServeConfig:
     max_images: int | None = None  # images per request; None: as many as the target's context holds
     allowed_media: list[Path] = field(default_factory=list)  # directories local image files may come from
     shutdown_timeout_s: float = 30.0  # after SIGTERM, how long running requests get to finish
+    max_request_mb: float = 32.0  # request bodies past this are refused (413) while they arrive
+    max_image_pixels: int | None = 4096 * 4096  # per image, read from its header before decoding
+    max_request_pixels: int | None = 4 * 4096 * 4096  # all of a request's images together
+    api_key: str | None = None  # /v1/ routes need "Authorization: Bearer <api_key>"
+    allowed_hosts: list[str] | None = None  # Host header names answered (None: any)
+    cors_origins: list[str] = field(default_factory=list)  # origins browsers may call from (none: CORS off)
+    metrics: bool = True  # GET /metrics (prometheus-client)
 
 
 @dataclass
@@ -43,6 +52,7 @@ class Prepared:
     prompt_tokens: int  # images expanded
     max_tokens: int
     seed: int | None  # the sampling seed (chosen here when the client gave none); None when greedy
+    inputs: dict = field(default_factory=dict)  # the processor's output on the target's device (for logprobs)
 
 
 class Service:
@@ -58,12 +68,39 @@ class Service:
         self.tokens_per_image, base = self._probe_image_tokens()
         if config.max_images is None and self.context and self.tokens_per_image:
             config.max_images = max(1, (self.context - base - self.depth - 1) // self.tokens_per_image)
+        self.max_token_bytes = _max_token_bytes(self.tokenizer)
+        self.metrics = None
+        if config.metrics:
+            from mmspec.serve.metrics import Metrics
+
+            self.metrics = Metrics(self)
         renew = None
         if scheduler is None:
             scheduler = make_scheduler(decoder, config.max_batch, config.speculate)
-            renew = lambda old: make_scheduler(decoder, config.max_batch, old.policy)  # noqa: E731 - policy kept
-        self.worker = Worker(scheduler, renew=renew)
+            renew = lambda old: self._metered(make_scheduler(decoder, config.max_batch, old.policy))  # noqa: E731
+        self.worker = Worker(self._metered(scheduler), renew=renew)
         self.started = time.time()
+
+    def _metered(self, scheduler):
+        if self.metrics is None:
+            return scheduler
+        from mmspec.serve.metrics import MeteredScheduler
+
+        return MeteredScheduler(scheduler, self.metrics)
+
+    def check_text_size(self, messages: list[dict]) -> None:
+        """Refuse a text that cannot fit the context from its length in bytes, before any
+        tokenizing: no token covers more than ``max_token_bytes`` bytes of text (its longest
+        vocabulary entry; TEXT_MARGIN more for a normalizer that shortens text), so a text of more
+        than ``context * max_token_bytes * TEXT_MARGIN`` bytes has more tokens than the context."""
+        if not self.context or not self.max_token_bytes:
+            return
+        n = sum(len(t.encode("utf-8")) for t in _texts(messages))
+        limit = self.context * self.max_token_bytes * TEXT_MARGIN
+        if n > limit:
+            raise RequestError(f"the messages' text is {n:,} bytes; the target's context of {self.context} tokens "
+                               f"holds no more than {limit:,} bytes of text (a token covers at most "
+                               f"{self.max_token_bytes} bytes); shorten the messages", param="messages")
 
     def prepare(self, req: ChatRequest) -> Prepared:
         """``req`` -> the scheduler's request, or RequestError naming the problem and the fix."""
@@ -76,8 +113,13 @@ class Service:
                 if self.tokens_per_image and self.context else ""
             raise RequestError(f"the messages carry {len(refs)} images; this server takes at most {limit} per "
                                f"request{per}; send fewer images", param="messages")
-        images = [load_image(r, self.config.allowed_media) for r in refs]  # before any prompt work
-        prompt = build_prompt(self.processor, self.tokenizer, req.messages)
+        self.check_text_size(req.messages)
+        budget = PixelBudget(self.config.max_image_pixels, self.config.max_request_pixels)
+        images = [load_image(r, self.config.allowed_media, budget) for r in refs]  # before any prompt work
+        if req.prompt is not None:  # /v1/completions: the text as sent
+            prompt = raw_prompt(req.messages[0])
+        else:
+            prompt = build_prompt(self.processor, self.tokenizer, req.messages)
         try:
             inputs = processor_inputs(self.processor, prompt, images)
         except MMSpecError as e:
@@ -91,7 +133,22 @@ class Service:
             seed = int.from_bytes(os.urandom(8), "little") >> 1  # reported back, so the answer can be reproduced
         request = {**inputs, "images": images or None, "max_new_tokens": max_tokens,
                    "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": seed}
-        return Prepared(request=request, prompt_tokens=n_prompt, max_tokens=max_tokens, seed=seed)
+        return Prepared(request=request, prompt_tokens=n_prompt, max_tokens=max_tokens, seed=seed, inputs=inputs)
+
+    def requests(self, prepared: Prepared, n: int) -> list[dict]:
+        """The scheduler requests of ``n`` choices: the same prompt, seeds ``seed, seed + 1, ...``."""
+        out = []
+        for i in range(n):
+            seed = None if prepared.seed is None else (prepared.seed + i) % (MAX_SEED + 1)
+            out.append({**prepared.request, "seed": seed})
+        return out
+
+    def logprobs(self, prepared: Prepared, token_ids: list[int], top: int):
+        """The target's own log-probabilities of an answer (:func:`mmspec.scoring.target_logprobs`):
+        one target forward over prompt + answer, on the calling thread."""
+        from mmspec.scoring import target_logprobs
+
+        return target_logprobs(self.decoder.target_model, prepared.inputs, token_ids, top)
 
     def _max_tokens(self, req: ChatRequest, n_prompt: int) -> int:
         """The request's max_tokens, or the server's default; both bounded by the context."""
@@ -125,3 +182,24 @@ class Service:
         except Exception:  # noqa: BLE001 - a family the probe does not fit: the context check still holds
             return None, 0
         return (int(n1 - n0) or None), int(n0)
+
+
+def _texts(messages: list[dict]):
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            yield content
+        elif isinstance(content, list):
+            yield from (p["text"] for p in content if isinstance(p, dict) and p.get("type") == "text")
+
+
+def _max_token_bytes(tokenizer) -> int | None:
+    """The most bytes of UTF-8 any vocabulary entry is written with: an upper bound on the text
+    one token covers (a byte-level entry writes each byte as one character of 1-2 bytes; a
+    SentencePiece '▁' is 3 bytes for one space; '<0xE9>' is 6 for one byte). None where the
+    tokenizer has no vocabulary to read."""
+    try:
+        vocab = tokenizer.get_vocab()
+        return max(len(t.encode("utf-8", "replace")) for t in vocab) or None
+    except Exception:  # noqa: BLE001 - a tokenizer without get_vocab: the context check after tokenizing still holds
+        return None

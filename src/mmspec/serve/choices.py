@@ -1,0 +1,198 @@
+"""One HTTP request's choices: its ``n`` jobs on the worker, their answers, and what the client gets.
+
+Owns :class:`Run`: it submits a request's ``n`` choices (the same prompt; seeds ``seed, seed +
+1, ...``) to the :class:`~mmspec.serve.worker.Worker`, reads their updates from one queue,
+and either collects the whole answers or streams them as server-sent events (each chunk names
+its choice's ``index``). A choice that fails fails the request (the others are cancelled); a
+client that goes away cancels them all. With ``logprobs``, each finished choice is scored by one
+target forward (:meth:`Service.logprobs`) on a thread of its own, so the event loop never waits
+on a model. Chat completions and (legacy) completions differ only in their shapes
+(:mod:`.responses`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from starlette.concurrency import run_in_threadpool
+
+from mmspec.serve import responses as R
+from mmspec.serve.guard import redact_paths
+from mmspec.serve.schema import ChatRequest
+from mmspec.serve.service import Prepared, Service
+from mmspec.serve.worker import Job, Update
+
+POLL_S = 0.5  # how often a waiting non-streaming handler checks that its client is still there
+
+
+class Run:
+    """The ``n`` choices of one request (module docstring)."""
+
+    def __init__(self, service: Service, req: ChatRequest, prepared: Prepared, t0: float, completion: bool):
+        self.service, self.req, self.prepared, self.t0 = service, req, prepared, t0
+        self.completion = completion
+        self.name = service.config.model_name
+        self.cid = R.new_id("cmpl-" if completion else "chatcmpl-")
+        self.queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def sink(i):
+            def put(update: Update) -> None:  # worker thread
+                try:
+                    loop.call_soon_threadsafe(self.queue.put_nowait, (i, update))
+                except RuntimeError:  # the loop has closed: nobody is waiting any more
+                    pass
+            return put
+
+        eos = frozenset(service.decoder.eos_ids)
+        self.jobs = [Job(request=r, sink=sink(i)) for i, r in enumerate(service.requests(prepared, req.n))]
+        self.answers = [R.Answer(stops=req.stop, eos_ids=eos) for _ in self.jobs]
+        self.done = [False] * len(self.jobs)
+        self._early: list = []  # updates that came while admissions were awaited
+
+    # ------------------------------------------------------------------ submit
+    async def submit(self) -> Update | None:
+        """Hand every choice to the worker; None once all are admitted, else the first refusal
+        (the choices admitted meanwhile are cancelled)."""
+        for job in self.jobs:
+            self.service.worker.submit(job)
+        admitted: set[int] = set()
+        while len(admitted) < len(self.jobs):
+            i, up = await self.queue.get()
+            if up.kind == "admitted":
+                admitted.add(i)
+            elif up.kind == "event":
+                self._early.append((i, up))
+            else:
+                self.cancel()
+                return up
+        return None
+
+    def cancel(self) -> None:
+        for job, done in zip(self.jobs, self.done):
+            if not done:
+                self.service.worker.cancel(job)
+
+    async def _next(self, timeout: float | None = None):
+        if self._early:
+            return self._early.pop(0)
+        return await asyncio.wait_for(self.queue.get(), timeout)
+
+    def _add(self, i: int, up: Update) -> str:
+        """One block's tokens for choice ``i`` -> the text the client may have now; marks it done."""
+        answer, ev = self.answers[i], up.event
+        piece = answer.add(ev.new_token_ids, ev.text)
+        if ev.finished:
+            piece += answer.finish(ev.result)
+        if ev.finished or answer.stopped:
+            if not ev.finished:
+                self.service.worker.cancel(self.jobs[i])  # cut at a stop string: free the rows
+            self.done[i] = True
+            if self.service.metrics is not None:
+                self.service.metrics.answered(answer.finish_reason, self.prepared.prompt_tokens if i == 0 else 0,
+                                              len(answer.token_ids), self.t0, answer.first_token_at, answer.result)
+        return piece
+
+    # ------------------------------------------------------------------ whole answers
+    async def collect(self, request) -> Update | None:
+        """Wait for every choice (None), or the update that ended the request; a client gone cancels."""
+        checked = time.perf_counter()
+        try:
+            while not all(self.done):
+                try:
+                    i, up = await self._next(POLL_S)
+                except TimeoutError:
+                    i, up = None, None
+                if time.perf_counter() - checked >= POLL_S:
+                    checked = time.perf_counter()
+                    if await request.is_disconnected():
+                        self.cancel()
+                        return Update("failed", message="the client disconnected", status=499)
+                if up is None or self.done[i]:
+                    continue
+                if up.kind != "event":
+                    self.cancel()
+                    return up
+                self._add(i, up)
+            return None
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+
+    async def body(self) -> dict:
+        choices = []
+        for i, answer in enumerate(self.answers):
+            lp = await self._logprobs(answer)
+            choices.append(R.text_choice(i, answer, lp) if self.completion else R.chat_choice(i, answer, lp))
+        return R.completion(self.cid, self.name, choices, self.prepared.prompt_tokens, self.answers, self._stats(),
+                            text=self.completion)
+
+    # ------------------------------------------------------------------ streaming
+    async def stream(self):
+        """The server-sent events of the answers; a client that goes away cancels the jobs."""
+        finished = False
+        try:
+            if not self.completion:
+                for i in range(len(self.jobs)):
+                    yield self._sse(R.chunk(self.cid, self.name, [R.delta_choice(i, {"role": "assistant", "content": ""})]))
+            while not all(self.done):
+                i, up = await self._next()
+                if self.done[i]:
+                    continue
+                if up.kind != "event":  # it failed after admission: say why, inside the stream
+                    finished = True
+                    self.cancel()
+                    if self.service.metrics is not None:
+                        self.service.metrics.refused(up.status)
+                    yield self._sse(R.error_body(redact_paths(up.message), R.failure_type(up.status)))
+                    break
+                piece = self._add(i, up)
+                if piece:
+                    yield self._sse(self._chunk(i, piece))
+                if self.done[i]:
+                    lp = await self._logprobs(self.answers[i])
+                    yield self._sse(self._chunk(i, "", self.answers[i].finish_reason, lp, mmspec=self._stats(i)))
+            else:
+                finished = True
+                if self.req.include_usage:
+                    usage = R.usage(self.prepared.prompt_tokens, self.answers)
+                    yield self._sse(R.usage_chunk(self.cid, self.name, usage, self._stats(), text=self.completion))
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:  # the client went away mid-stream (the generator was closed or cancelled)
+                if self.service.metrics is not None:
+                    self.service.metrics.refused(499)
+                self.cancel()
+
+    def _chunk(self, i: int, piece: str, finish_reason: str | None = None, logprobs=None, **extra) -> dict:
+        if self.completion:
+            choice = {"index": i, "text": piece, "finish_reason": finish_reason, "logprobs": logprobs}
+        else:
+            choice = R.delta_choice(i, {"content": piece} if piece else {}, finish_reason, logprobs)
+        return R.chunk(self.cid, self.name, [choice], text=self.completion, **extra)
+
+    @staticmethod
+    def _sse(payload: dict) -> str:
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    # ------------------------------------------------------------------ numbers
+    def _stats(self, i: int | None = None) -> dict:
+        """mmspec's numbers: choice ``i``'s, or (None) the first choice's with every choice's under "choices"."""
+        latency = time.perf_counter() - self.t0
+        seed = lambda k: self.jobs[k].request.get("seed")  # noqa: E731
+        if i is not None:
+            return R.mmspec_stats(self.answers[i], seed(i), latency)
+        out = R.mmspec_stats(self.answers[0], seed(0), latency)
+        if len(self.answers) > 1:
+            out["choices"] = [R.mmspec_stats(a, seed(k), latency) for k, a in enumerate(self.answers)]
+        return out
+
+    async def _logprobs(self, answer: R.Answer):
+        if not self.req.logprobs:
+            return None
+        ids = R.content_token_ids(answer, self.service.tokenizer)
+        scored = await run_in_threadpool(self.service.logprobs, self.prepared, ids, self.req.top_logprobs)
+        tok = self.service.tokenizer
+        return R.text_logprobs(scored, tok) if self.completion else R.chat_logprobs(scored, tok)
