@@ -28,10 +28,12 @@ ELSEWHERE = {
     "draftstep": {"tests/bench/test_speed_bench.py": "draft_step"},  # speed.run's draft-step timing
     "gpu_shapes": {"tests/bench/test_speed_bench.py": "load_script(\"gpu_shapes\")"},
     "profile_draft_step": {"tests/bench/test_speed_bench.py": "profile_draft_step.py"},
+    "serve_probes": {"tests/serve/test_serve_probes.py": "load_script(\"serve_probes\")"},
     "video_speed": {"tests/bench/test_speed_bench.py": "load_script(\"video_speed\")",
                     "tests/train/test_video_pair.py": "video_speed.py"},
 }
-TESTED_HERE = ["batch_speed", "prefix_speed", "tree_sweep", "cpu_shapes", "serve_load", "head_formats_check"]
+TESTED_HERE = ["batch_speed", "prefix_speed", "tree_sweep", "cpu_shapes", "serve_load", "head_formats_check",
+               "serve_overhead"]
 
 
 def run_script(name: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -115,3 +117,9 @@ def test_head_formats_check_mmspec_phase(tmp_path):
     res = json.loads((tmp_path / "out" / "check.json").read_text())
     assert res["mmspec"]["round_trip_identical"] and res["reference"] == "stand-in"
     assert {"eagle3", "eagle", "mine-eagle3", "target"} <= {p.name for p in (tmp_path / "work").iterdir()}
+
+
+def test_serve_overhead():
+    out = run_script("serve_overhead", "--blocks", "2", "--repeat", "20")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip(), "serve_overhead printed nothing"
