@@ -342,7 +342,7 @@ def test_a_request_failing_while_drafting_fails_alone(target, draft_shared, tok,
     sched = BatchScheduler(dec)
     rids = [sched.submit(r) for r in reqs]
     sched.step()
-    broken = sched._active[0].run.drafter
+    broken = sched._active[0].row.drafter
     monkeypatch.setattr(broken, "_feed_pending", lambda *a: (_ for _ in ()).throw(RuntimeError("draft broke")))
     events = drain(sched)
     errors = {ev.rid: ev.error for ev in events if ev.error}
@@ -379,12 +379,12 @@ def test_auto_policy_decodes_plainly_where_drafting_was_measured_slower(target, 
 
 def test_a_failed_shared_forward_ends_its_requests_and_the_scheduler_goes_on(target, draft_shared, tok, refs,
                                                                               monkeypatch):
-    from mmspec import batch
+    from mmspec import forwards
 
     sched = BatchScheduler(SpecDecoder(target, draft_shared, tok, views="M"))
     first = [sched.submit(r) for r in requests(2)]
     with monkeypatch.context() as m:
-        m.setattr(batch, "score_batch", lambda *a: (_ for _ in ()).throw(RuntimeError("out of memory")))
+        m.setattr(forwards.RaggedRows, "score", lambda *a: (_ for _ in ()).throw(RuntimeError("out of memory")))
         events = sched.step()
     assert sorted(ev.rid for ev in events if ev.error) == first and "out of memory" in events[0].error
     assert not sched.has_work() and sched.cache.active == 0
