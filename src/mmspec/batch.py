@@ -70,40 +70,88 @@ class StepEvent:
 # ---------------------------------------------------------------------------- the policy
 @dataclass
 class SpeculationPolicy:
-    """When to draft. "always" (the default: drafting is lossless and, on the embedded pack,
-    faster at every batch size measured), "never" (plain target decoding steps, batched),
-    "auto": per batch size, keep the measured tokens/s of drafted and of plain blocks (an
-    exponential average over recent blocks, so acceptance changes are followed) and pick the
-    faster; an unmeasured mode is tried once, and the losing one again every ``probe_every``
-    blocks. Plain steps verify the root alone: lossless by construction."""
+    """How deep to draft, per step. "always" (the default: every request's own shape, so a seeded
+    request equals its solo ``generate``), "never" (plain target decoding steps, batched), or
+    "auto", the goodput policy: per step, the draft depth d (γ of a chain, the depth a tree is
+    cut to; 0 = plain decoding) that maximises the expected accepted tokens per second at the
+    current batch size B,
+
+        goodput(B, d) = B · (1 + α + α² + … + α^d) / T(B, d),
+
+    from the recent acceptance α (per drafted position, a truncated-geometric estimate from the
+    blocks' accepted and rejected drafts: an exponential average) and T(B, d), the measured
+    seconds of one step (draft forwards + the verify forward over B trees of depth d + the
+    host's work) at that batch size and depth: measured where that depth ran (an exponential
+    average), else interpolated linearly in d between the measured depths around it (the draft
+    forwards grow with d, the verify forward with the node count). The full depth is tried
+    first at each batch size, then plain steps, then whichever wins; a depth that loses is tried
+    again every ``probe_every`` steps. Every choice is lossless by construction (a shallower
+    tree, or the root alone, is verified exactly as any other); with "auto" a seeded request
+    keeps the target's exact distribution but draws another sequence of uniforms than alone."""
 
     mode: str = "always"
     probe_every: int = 32
-    smoothing: float = 0.3  # weight of the newest block in the average
-    rates: dict = field(default_factory=dict)  # (batch size, drafted) -> tokens/s
-    blocks: dict = field(default_factory=dict)  # batch size -> blocks decided
+    smoothing: float = 0.3  # weight of the newest step in the averages
+    costs: dict = field(default_factory=dict)  # (batch size, depth) -> seconds per step
+    blocks: dict = field(default_factory=dict)  # batch size -> steps decided
+    accepted: float = 0.0  # averaged accepted drafts per step (over rows)
+    rejected: float = 0.0  # averaged rejections per step (blocks that stopped before their depth)
 
     def __post_init__(self) -> None:
         if self.mode not in SPECULATE:
             raise MMSpecError(f"speculate must be one of {SPECULATE}, got {self.mode!r}")
 
-    def decide(self, batch: int) -> bool:
+    @property
+    def acceptance(self) -> float | None:
+        """α, the estimated probability that a drafted token is accepted (None: nothing drafted yet)."""
+        n = self.accepted + self.rejected
+        return None if n <= 0 else self.accepted / n
+
+    def cost(self, batch: int, depth: int) -> float | None:
+        """T(B, d): measured, or interpolated between the measured depths around d (None: neither)."""
+        if (batch, depth) in self.costs:
+            return self.costs[(batch, depth)]
+        known = sorted(d for b, d in self.costs if b == batch)
+        lo = [d for d in known if d < depth]
+        hi = [d for d in known if d > depth]
+        if not lo or not hi:
+            return None
+        a, b = lo[-1], hi[0]
+        ta, tb = self.costs[(batch, a)], self.costs[(batch, b)]
+        return ta + (tb - ta) * (depth - a) / (b - a)
+
+    def goodput(self, batch: int, depth: int) -> float | None:
+        """Expected emitted tokens per second with drafts of ``depth`` at ``batch`` (None: unknown)."""
+        t, alpha = self.cost(batch, depth), self.acceptance
+        if t is None or (alpha is None and depth > 0):
+            return None
+        tokens = sum((alpha or 0.0) ** i for i in range(depth + 1))  # 1 + α + … + α^d
+        return batch * tokens / max(t, 1e-9)
+
+    def decide(self, batch: int, max_depth: int) -> int:
+        """The draft depth of the next step at ``batch`` requests (0: plain decoding)."""
         if self.mode != "auto":
-            return self.mode == "always"
+            return max_depth if self.mode == "always" else 0
         k = self.blocks.get(batch, 0)
         self.blocks[batch] = k + 1
-        spec, plain = self.rates.get((batch, True)), self.rates.get((batch, False))
-        if spec is None:
-            return True
-        if plain is None:
-            return False
-        best = spec >= plain
-        return (not best) if k % self.probe_every == 0 else best
+        if (batch, max_depth) not in self.costs:
+            return max_depth
+        if (batch, 0) not in self.costs:
+            return 0
+        rates = {d: self.goodput(batch, d) for d in range(max_depth + 1)}
+        best = max((d for d in rates if rates[d] is not None), key=lambda d: rates[d], default=max_depth)
+        if k % self.probe_every == 0:  # now and then the extreme that lost, measured again
+            return 0 if best != 0 else max_depth
+        return best
 
-    def record(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
-        rate = tokens / max(seconds, 1e-9)
-        old = self.rates.get((batch, drafted))
-        self.rates[(batch, drafted)] = rate if old is None else (1 - self.smoothing) * old + self.smoothing * rate
+    def record(self, batch: int, depth: int, seconds: float, accepted: int = 0, rejected: int = 0) -> None:
+        """One step's measured time at (batch, depth) and its rows' accepted drafts and rejections."""
+        w = self.smoothing
+        old = self.costs.get((batch, depth))
+        self.costs[(batch, depth)] = seconds if old is None else (1 - w) * old + w * seconds
+        if depth > 0:
+            self.accepted = (1 - w) * self.accepted + w * accepted
+            self.rejected = (1 - w) * self.rejected + w * rejected
 
 
 # ---------------------------------------------------------------------------- requests
@@ -177,16 +225,18 @@ class BatchScheduler:
         if not self._active:
             return events
         t0 = time.perf_counter()
-        speculate = self.policy.decide(len(self._active))
-        outcomes = self.engine.step([a.row for a in self._active], speculate)
-        emitted = 0
+        depth = self.policy.decide(len(self._active), self.decoder.tree.max_depth)
+        outcomes = self.engine.step([a.row for a in self._active], depth)
+        accepted = rejected = 0
         finished: list[int] = []
         for b, (a, kept) in enumerate(zip(self._active, outcomes)):
             if isinstance(kept, BaseException):  # this request fails alone
                 events.append(StepEvent(a.rid, [], "", True, None, error=_message(kept)))
                 finished.append(b)
                 continue
-            emitted += len(kept)
+            rec = a.row.stats.blocks[-1]
+            accepted += rec.n_accepted
+            rejected += rec.n_drafted > 0 and rec.n_accepted < rec.depth and len(kept) == rec.n_accepted + 1
             text = a.delta.push(kept)
             result = None
             if a.row.done:
@@ -195,7 +245,7 @@ class BatchScheduler:
             events.append(StepEvent(a.rid, kept, text, a.row.done, result))
             if a.row.done:
                 finished.append(b)
-        self.policy.record(len(self._active), speculate, emitted, time.perf_counter() - t0)
+        self.policy.record(len(self._active), depth, time.perf_counter() - t0, accepted, rejected)
         for b in sorted(finished, reverse=True):
             self._remove(b)
         return events

@@ -345,8 +345,10 @@ class SpecDecoder:
         ``top_k``, ``top_p``, ``seed`` overriding ``defaults``. Every request is checked before any
         decoding ("request N: ..."); results come back in input order, each one what ``generate``
         returns for that request alone (greedy: the target's tokens; a seed: the same draws).
-        ``speculate``: "always", "never" (plain batched target steps) or "auto"
-        (:class:`~mmspec.batch.SpeculationPolicy`); ``max_batch``: requests decoded at once."""
+        ``speculate``: "always", "never" (plain batched target steps) or "auto" (the goodput
+        policy: per step the draft depth, plain decoding included, with the most expected tokens
+        per second at the batch size: :class:`~mmspec.batch.SpeculationPolicy`); ``max_batch``:
+        requests decoded at once."""
         from mmspec.batch import generate_batch
 
         return generate_batch(self, requests, max_batch=max_batch, speculate=speculate, **defaults)
@@ -354,8 +356,9 @@ class SpecDecoder:
     @property
     def speculation_policy(self):
         """The "auto" policy this decoder's ``generate_batch(speculate="auto")`` calls share: the
-        tokens/s it measured per batch size, drafted and plain, carry over from call to call (a
-        fresh policy per call would spend a short batch re-measuring what the last one learnt)."""
+        step costs it measured per batch size and depth, and the acceptance, carry over from call
+        to call (a fresh policy per call would spend a short batch re-measuring what the last one
+        learnt)."""
         from mmspec.batch import SpeculationPolicy
 
         if self._speculation_policy is None:

@@ -74,10 +74,12 @@ class Row:
     def remaining(self) -> int:
         return self.options.max_new_tokens - len(self.tokens)
 
-    def draft_steps(self, speculate: bool) -> DraftSteps:
-        """Step 1 as steps (each draft forward yielded): feed the pending tokens and draft, or the
-        root alone. -> the tree, on the target's device."""
-        spec = self.options.tree.for_remaining(self.remaining) if speculate else None
+    def draft_steps(self, depth: int | None = None) -> DraftSteps:
+        """Step 1 as steps (each draft forward yielded): feed the pending tokens and draft a tree
+        at most ``depth`` deep (None: the row's own shape; 0: the root alone, a plain step).
+        -> the tree, on the target's device."""
+        limit = self.remaining if depth is None else min(self.remaining, depth + 1)
+        spec = self.options.tree.for_remaining(limit)
         if spec is None:
             tree = root_only(self.pending[-1:])
         else:
@@ -156,23 +158,24 @@ class Engine:
         self.device = device
         self.draft_lengths = draft_lengths  # with ``drafts``: every shared draft row's length now
 
-    def step(self, rows: list[Row], speculate: bool = True) -> list[list[int] | BaseException]:
-        """One step over ``rows`` (row b on the target's row b) -> per row, the tokens it emitted,
-        or the exception it failed with (it alone: the others go on). A failure of the shared
-        target forward is every row's."""
+    def step(self, rows: list[Row], depth: int | None = None) -> list[list[int] | BaseException]:
+        """One step over ``rows`` (row b on the target's row b), each drafting at most ``depth``
+        deep (None: its own shape; 0: plain decoding) -> per row, the tokens it emitted, or the
+        exception it failed with (it alone: the others go on). A failure of the shared target
+        forward is every row's."""
         clock = BlockClock(self.device)
         clock.start()
         # 1. draft: every row's steps, their forwards merged (a batch) or on the row's own drafter
         for row in rows:
             row.error, row.tree = None, None
         if self.drafts is not None:
-            trees, errors = self.drafts.run([(b, r.draft_steps(speculate), r.drafter) for b, r in enumerate(rows)],
+            trees, errors = self.drafts.run([(b, r.draft_steps(depth), r.drafter) for b, r in enumerate(rows)],
                                             self.draft_lengths)
         else:
             trees, errors = {}, {}
             for b, r in enumerate(rows):
                 try:
-                    trees[b] = drive(r.draft_steps(speculate), r.drafter.step_fn)
+                    trees[b] = drive(r.draft_steps(depth), r.drafter.step_fn)
                 except Exception as e:  # noqa: BLE001 - this row fails alone
                     errors[b] = e
         for b, r in enumerate(rows):
