@@ -4,6 +4,7 @@ embedded pack. One run per setting (the full sweep with latency percentiles is
 ``mmspec bench run --batch-size``). Prints one JSON line per (B, system).
 
     PYTHONPATH=src python perf/batch_speed.py --batch 1 4 8 --new 48
+    PYTHONPATH=src python perf/batch_speed.py --batch 1 2 4 8 16 --speculate always never auto --engine-time
 """
 
 from __future__ import annotations
@@ -50,6 +51,31 @@ def spec_batched(dec, em, batch, new: int, speculate: str) -> tuple[list[list[in
     return [r.token_ids for r in res], time.perf_counter() - t0
 
 
+class ForwardTimer:
+    """Seconds spent inside the models' own forwards (every child of ``model.model`` and the LM
+    head, for each model given): what is left of a run's wall time is the engine's host work."""
+
+    def __init__(self, *models):
+        self.seconds = 0.0
+        self.handles = []
+        for m in models:
+            mods = list(m.model.children()) + [m.lm_head]
+            for mod in mods:
+                self.handles.append(mod.register_forward_pre_hook(self._start))
+                self.handles.append(mod.register_forward_hook(self._stop))
+        self._t0 = None
+
+    def _start(self, *_):
+        self._t0 = time.perf_counter()
+
+    def _stop(self, *_):
+        self.seconds += time.perf_counter() - self._t0
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8])
@@ -57,6 +83,9 @@ def main() -> None:
     ap.add_argument("--views", default="M")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--speculate", nargs="+", default=["always"])
+    ap.add_argument("--engine-time", action="store_true",
+                    help="also time the models' forwards inside each mmspec run: forward_s, host_s = wall - forwards, "
+                         "engine_efficiency = forward_s / wall_s (the engine adds nothing but its forwards: 1.0)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     em = mmspec.load_embedded()
@@ -73,12 +102,17 @@ def main() -> None:
             print(json.dumps({"B": B, "system": "target.generate", "tok_s": round(B * args.new / wall_t, 1),
                               "wall_s": round(wall_t, 3)}), flush=True)
             for mode in args.speculate:
+                timer = ForwardTimer(em.target, em.draft) if args.engine_time else None
                 got, wall = spec_batched(dec, em, batch, args.new, mode)
                 same = sum(a == b for a, b in zip(got, ref))
-                print(json.dumps({"B": B, "system": f"mmspec {args.views} speculate={mode}",
-                                  "tok_s": round(B * args.new / wall, 1), "wall_s": round(wall, 3),
-                                  "speedup": round(wall_t / wall, 2), "same_as_target_batched": f"{same}/{B}"}),
-                      flush=True)
+                row = {"B": B, "system": f"mmspec {args.views} speculate={mode}",
+                       "tok_s": round(B * args.new / wall, 1), "wall_s": round(wall, 3),
+                       "speedup": round(wall_t / wall, 2), "same_as_target_batched": f"{same}/{B}"}
+                if timer is not None:
+                    timer.close()
+                    row |= {"forward_s": round(timer.seconds, 3), "host_s": round(wall - timer.seconds, 3),
+                            "engine_efficiency": round(timer.seconds / wall, 3)}
+                print(json.dumps(row), flush=True)
     em.target.generation_config.eos_token_id = eos
 
 
