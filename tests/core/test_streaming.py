@@ -137,3 +137,22 @@ def test_scheduler_streams_text_deltas_and_never_splits_a_character(target, draf
         assert "".join(pieces[r]) == text
         split += sum(a[-1] % 3 == 0 and b[0] % 3 == 1 for a, b in zip(blocks[r], blocks[r][1:]) if a and b)
     assert split > 0  # the case the test is about did happen
+
+
+def test_text_delta_decodes_a_window_not_the_whole_answer():
+    """Streaming without re-decoding: each push decodes the newest tokens (a window), never the
+    whole answer again, and the pieces still concatenate to the whole decode."""
+    tok = AutoTokenizer.from_pretrained(default_path() / "target")
+    ids = tok.encode("the red square is left of the blue circle, héllo 😀 " * 8, add_special_tokens=False)
+    decoded = []
+    real = tok.decode
+
+    class Counting:
+        def decode(self, t, **kw):
+            decoded.append(len(t))
+            return real(t, **kw)
+
+    delta = TextDelta(Counting())
+    pieces = [delta.push(ids[i:i + 3]) for i in range(0, len(ids), 3)] + [delta.finish()]
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
+    assert max(decoded[:-1]) <= 12  # windows of a few tokens; only finish() decodes the whole answer
