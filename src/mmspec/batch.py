@@ -19,8 +19,9 @@ a seeded request draws from its own generator in the solo loop's order, so it re
 ``generate`` returns for the same request and seed alone (with ``speculate="always"``; the
 other policies keep the exact distribution but draw a different sequence of uniforms).
 
-:class:`SpeculationPolicy` turns drafting off where it does not pay ("auto"): from the tokens
-per second the batch measured, per batch size, with and without drafting.
+:class:`SpeculationPolicy` ("auto") picks each step's draft depth, plain decoding included, for
+the most expected accepted tokens per second at the batch size (goodput), from the step costs
+it measured and the recent acceptance.
 
 What runs batched: every view and ensemble, chains, static and dynamic trees, feature-level
 heads, greedy and sampling. The target's verify forward is shared, and so are the draft
@@ -33,7 +34,8 @@ Exactness is per row: in float64 (the tests) a request's tokens never depend on 
 neighbours; in float32 / half precision a batched matrix product may round the last bit
 differently from a one-row one, so a near-tie can flip (what issue 37's half-precision audit
 measures). A result's ``stats.total_s`` counts from :meth:`BatchScheduler.submit` (queueing
-included: the request's latency); its blocks' ``verify_s`` is the shared forward's time.
+included: the request's latency); its blocks' ``draft_s`` and ``verify_s`` are the shared
+step's phases (device events on a GPU, as for ``generate``).
 """
 
 from __future__ import annotations
