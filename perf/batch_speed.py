@@ -4,6 +4,7 @@ embedded pack. One run per setting (the full sweep with latency percentiles is
 ``mmspec bench run --batch-size``). Prints one JSON line per (B, system).
 
     PYTHONPATH=src python perf/batch_speed.py --batch 1 4 8 --new 48
+    PYTHONPATH=src python perf/batch_speed.py --batch 1 2 4 8 16 --speculate always never auto --engine-time
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch
 
 import mmspec
 from mmspec.world import FAMILIES, make_sample
+
+CPU_S = {"last": 0.0}  # the process's CPU seconds of the last timed run: on a loaded machine, less noisy than wall
 
 
 def prompts(processor, n: int):
@@ -33,9 +36,10 @@ def target_batched(em, batch, new: int) -> tuple[list[list[int]], float]:
     texts = [p for p, _ in batch]
     images = [im for _, ims in batch for im in ims]
     enc = proc(text=texts, images=images or None, return_tensors="pt", padding=True)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out = em.target.generate(**enc, do_sample=False, max_new_tokens=new, min_new_tokens=new)
     wall = time.perf_counter() - t0
+    CPU_S["last"] = time.process_time() - c0
     L = enc["input_ids"].shape[1]
     return [row[L:].tolist() for row in out], wall
 
@@ -45,9 +49,46 @@ def spec_batched(dec, em, batch, new: int, speculate: str) -> tuple[list[list[in
     for text, ims in batch:
         enc = em.processor(text=text, images=ims or None, return_tensors="pt")
         reqs.append({k: v for k, v in enc.items() if k in ("input_ids", "pixel_values")} | {"max_new_tokens": new})
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     res = dec.generate_batch(reqs, speculate=speculate)
-    return [r.token_ids for r in res], time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    CPU_S["last"] = time.process_time() - c0
+    return [r.token_ids for r in res], wall
+
+
+class ForwardTimer:
+    """Seconds spent inside the models' own forwards (every child of ``model.model`` and the LM
+    head, for each model given): what is left of a run's wall time is the engine's host work."""
+
+    def __init__(self, *models):
+        self.seconds = 0.0
+        self.handles = []
+        for m in models:
+            mods = list(m.model.children()) + [m.lm_head]
+            for mod in mods:
+                self.handles.append(mod.register_forward_pre_hook(self._start))
+                self.handles.append(mod.register_forward_hook(self._stop))
+        self._t0 = None
+
+    def _start(self, *_):
+        self._t0 = time.perf_counter()
+
+    def _stop(self, *_):
+        self.seconds += time.perf_counter() - self._t0
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def spec_one_by_one(dec, em, batch, new: int) -> tuple[list[list[int]], float]:
+    """The same requests through ``generate``, one after the other (batch 1 on the one engine)."""
+    encs = [em.processor(text=text, images=ims or None, return_tensors="pt") for text, ims in batch]
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = [dec.generate(enc["input_ids"], enc.get("pixel_values"), max_new_tokens=new).token_ids for enc in encs]
+    wall = time.perf_counter() - t0
+    CPU_S["last"] = time.process_time() - c0
+    return out, wall
 
 
 def main() -> None:
@@ -57,6 +98,10 @@ def main() -> None:
     ap.add_argument("--views", default="M")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--speculate", nargs="+", default=["always"])
+    ap.add_argument("--one-by-one", action="store_true", help="also decode each batch's requests with generate, one by one")
+    ap.add_argument("--engine-time", action="store_true",
+                    help="also time the models' forwards inside each mmspec run: forward_s, host_s = wall - forwards, "
+                         "engine_efficiency = forward_s / wall_s (the engine adds nothing but its forwards: 1.0)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     em = mmspec.load_embedded()
@@ -70,15 +115,30 @@ def main() -> None:
         for B in args.batch:
             batch = prompts(em.processor, B)
             ref, wall_t = target_batched(em, batch, args.new)
+            cpu_t = CPU_S["last"]
             print(json.dumps({"B": B, "system": "target.generate", "tok_s": round(B * args.new / wall_t, 1),
-                              "wall_s": round(wall_t, 3)}), flush=True)
+                              "wall_s": round(wall_t, 3), "cpu_s": round(cpu_t, 3)}), flush=True)
             for mode in args.speculate:
+                timer = ForwardTimer(em.target, em.draft) if args.engine_time else None
                 got, wall = spec_batched(dec, em, batch, args.new, mode)
                 same = sum(a == b for a, b in zip(got, ref))
-                print(json.dumps({"B": B, "system": f"mmspec {args.views} speculate={mode}",
+                row = {"B": B, "system": f"mmspec {args.views} speculate={mode}",
+                       "tok_s": round(B * args.new / wall, 1), "wall_s": round(wall, 3),
+                       "speedup": round(wall_t / wall, 2), "same_as_target_batched": f"{same}/{B}",
+                       "cpu_s": round(CPU_S["last"], 3), "cpu_speedup": round(cpu_t / max(CPU_S["last"], 1e-9), 2)}
+                if timer is not None:
+                    timer.close()
+                    row |= {"forward_s": round(timer.seconds, 3), "host_s": round(wall - timer.seconds, 3),
+                            "engine_efficiency": round(timer.seconds / wall, 3)}
+                print(json.dumps(row), flush=True)
+            if args.one_by_one:
+                got, wall = spec_one_by_one(dec, em, batch, args.new)
+                print(json.dumps({"B": B, "system": f"mmspec {args.views} generate one by one",
                                   "tok_s": round(B * args.new / wall, 1), "wall_s": round(wall, 3),
-                                  "speedup": round(wall_t / wall, 2), "same_as_target_batched": f"{same}/{B}"}),
-                      flush=True)
+                                  "speedup": round(wall_t / wall, 2),
+                                  "same_as_target_batched": f"{sum(a == b for a, b in zip(got, ref))}/{B}",
+                                  "cpu_s": round(CPU_S["last"], 3),
+                                  "cpu_speedup": round(cpu_t / max(CPU_S["last"], 1e-9), 2)}), flush=True)
     em.target.generation_config.eos_token_id = eos
 
 

@@ -40,7 +40,7 @@ def what_caching_adds(dec, ids, pv, answer: list[int], repeats: int = 9) -> dict
     cpu = torch.device("cpu")
     mm = {"pixel_values": pv}
     layout = dec.mm.layout(ids[0], mm)
-    pre = dec.prefill_request(ids[0], mm, layout, len(answer), dec._new_stats())
+    pre = dec.prefill_request(ids[0], mm, layout, len(answer), dec.new_stats())
 
     def keys():
         digests = (tuple(segment_digests(mm, layout.kinds)), None)

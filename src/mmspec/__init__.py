@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "SpecDecoder": ("mmspec.decoder", "SpecDecoder"),
-    "GenerationResult": ("mmspec.decoder", "GenerationResult"),
+    "GenerationResult": ("mmspec.results", "GenerationResult"),
     "GenerationStats": ("mmspec.stats", "GenerationStats"),
     "MMSpecError": ("mmspec.errors", "MMSpecError"),
     "load_embedded": ("mmspec.embedded", "load_embedded"),

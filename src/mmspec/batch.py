@@ -1,56 +1,62 @@
-"""Many requests at once: continuous batching of speculative decodes (issue 37).
+"""Many requests at once: continuous batching of speculative decodes on the one engine.
 
-:class:`BatchScheduler` owns a batch of :class:`~mmspec.batch_engine.RequestRun` s. Each
-:meth:`BatchScheduler.step` admits queued requests (each prefilled ALONE, exactly as
-:meth:`SpecDecoder.generate` prefills it, then its keys/values join a row of the shared target
-cache), then runs ONE block over every active request: each drafts its own tree on its own
-draft cache, the target scores all trees in one forward (:func:`~mmspec.batch_engine.score_batch`,
-ragged rows: every request at its own length, padding masked), and each request accepts its own
-number of tokens. A finished (or cancelled) request leaves at once: its row is compacted away.
+:class:`BatchScheduler` owns a batch of :class:`~mmspec.engine.Row` s, stepped by the same
+:meth:`mmspec.engine.Engine.step` that ``generate`` runs for one request. Each
+:meth:`BatchScheduler.step` admits queued requests (each checked by :func:`mmspec.request.prepare`
+at submit and prefilled as :meth:`SpecDecoder.generate` prefills it, on caches of its own, then
+its keys/values join a row of the shared target cache and its draft rows the shared draft
+cache), then runs ONE step over every active request: their draft forwards merged
+(:class:`~mmspec.forwards.DraftForwards`: each round one forward over every request's rows), the
+target scoring all trees in one forward (:class:`~mmspec.forwards.RaggedRows`: every request at
+its own length, padding masked), one host read for the whole batch, and each request accepting
+its own number of tokens. A finished (or cancelled) request leaves at once: its row is compacted
+away; what its caches hold (prompt AND answer) goes to the prefix cache, so a conversation's
+next turn prefills only its new part, as with ``generate``. Each step's text per request is
+:class:`~mmspec.streaming.TextDelta`'s: incremental, a multi-byte character never split.
 
 Lossless per request, whatever else is in the batch: greedy output equals the target's own;
 a seeded request draws from its own generator in the solo loop's order, so it returns what
 ``generate`` returns for the same request and seed alone (with ``speculate="always"``; the
 other policies keep the exact distribution but draw a different sequence of uniforms).
 
-:class:`SpeculationPolicy` turns drafting off where it does not pay ("auto"): from the tokens
-per second the batch measured, per batch size, with and without drafting.
+:class:`SpeculationPolicy` ("auto") picks each step's draft depth, plain decoding included, for
+the most expected accepted tokens per second at the batch size (goodput), from the step costs
+it measured and the recent acceptance.
 
 What runs batched: every view and ensemble, chains, static and dynamic trees, feature-level
 heads, greedy and sampling. The target's verify forward is shared, and so are the draft
-forwards: each request drafts its own tree (its own code path and draws) in a thread of its
-own, and :class:`~mmspec.batch_engine.DraftLockstep` merges their forwards into one over a
-shared draft cache. Eager only: a decoder set up for static caches / CUDA graphs prefills and
-decodes its batches eagerly (its ``generate`` keeps its static caches and graphs).
+forwards: each request drafts its own tree (its own code path and draws, as steps that yield
+their forwards; no threads). Eager caches only: a decoder set up for static caches / CUDA
+graphs prefills and decodes its batches on eager ones (its ``generate`` keeps its static caches
+and graphs).
 
 Exactness is per row: in float64 (the tests) a request's tokens never depend on its
 neighbours; in float32 / half precision a batched matrix product may round the last bit
 differently from a one-row one, so a near-tie can flip (what issue 37's half-precision audit
 measures). A result's ``stats.total_s`` counts from :meth:`BatchScheduler.submit` (queueing
-included: the request's latency); its blocks' ``verify_s`` is the shared forward's time.
+included: the request's latency); its blocks' ``draft_s`` and ``verify_s`` are the shared
+step's phases (device events on a GPU, as for ``generate``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-from mmspec import checks
-from mmspec.batch_engine import DraftLockstep, RequestRun, score_batch
+from mmspec.engine import Engine, Row
 from mmspec.errors import MMSpecError
+from mmspec.forwards import DraftForwards, RaggedRows
 from mmspec.models.cache import DecodeCache
 from mmspec.models.ragged import RaggedCache, RowGroup
-from mmspec.options import EngineMode
-from mmspec.verify import SamplingParams
+from mmspec.prefix_cache import make_entry
+from mmspec.request import Request, prepare
+from mmspec.results import GenerationResult
+from mmspec.streaming import TextDelta
 
 SPECULATE = ("always", "never", "auto")
-_REQUEST_KEYS = ("input_ids", "pixel_values", "attention_mask", "max_new_tokens", "temperature", "top_k", "top_p",
-                 "seed", "images", "captions", "videos", "substitutes")
 
 
 @dataclass
@@ -66,128 +72,99 @@ class StepEvent:
 # ---------------------------------------------------------------------------- the policy
 @dataclass
 class SpeculationPolicy:
-    """When to draft. "always" (the default: drafting is lossless and, on the embedded pack,
-    faster at every batch size measured), "never" (plain target decoding steps, batched),
-    "auto": per batch size, keep the measured tokens/s of drafted and of plain blocks (an
-    exponential average over recent blocks, so acceptance changes are followed) and pick the
-    faster; an unmeasured mode is tried once, and the losing one again every ``probe_every``
-    blocks. Plain steps verify the root alone: lossless by construction."""
+    """How deep to draft, per step. "always" (the default: every request's own shape, so a seeded
+    request equals its solo ``generate``), "never" (plain target decoding steps, batched), or
+    "auto", the goodput policy: per step, the draft depth d (γ of a chain, the depth a tree is
+    cut to; 0 = plain decoding) that maximises the expected accepted tokens per second at the
+    current batch size B,
+
+        goodput(B, d) = B · (1 + α + α² + … + α^d) / T(B, d),
+
+    from the recent acceptance α (per drafted position, a truncated-geometric estimate from the
+    blocks' accepted and rejected drafts: an exponential average) and T(B, d), the measured
+    seconds of one step (draft forwards + the verify forward over B trees of depth d + the
+    host's work) at that batch size and depth: measured where that depth ran (an exponential
+    average), else interpolated linearly in d between the measured depths around it (the draft
+    forwards grow with d, the verify forward with the node count). The full depth is tried
+    first at each batch size, then plain steps, then whichever wins; a depth that loses is tried
+    again every ``probe_every`` steps. Every choice is lossless by construction (a shallower
+    tree, or the root alone, is verified exactly as any other); with "auto" a seeded request
+    keeps the target's exact distribution but draws another sequence of uniforms than alone."""
 
     mode: str = "always"
     probe_every: int = 32
-    smoothing: float = 0.3  # weight of the newest block in the average
-    rates: dict = field(default_factory=dict)  # (batch size, drafted) -> tokens/s
-    blocks: dict = field(default_factory=dict)  # batch size -> blocks decided
+    smoothing: float = 0.3  # weight of the newest step in the averages
+    costs: dict = field(default_factory=dict)  # (batch size, depth) -> seconds per step
+    blocks: dict = field(default_factory=dict)  # batch size -> steps decided
+    accepted: float = 0.0  # averaged accepted drafts per step (over rows)
+    rejected: float = 0.0  # averaged rejections per step (blocks that stopped before their depth)
 
     def __post_init__(self) -> None:
         if self.mode not in SPECULATE:
             raise MMSpecError(f"speculate must be one of {SPECULATE}, got {self.mode!r}")
 
-    def decide(self, batch: int) -> bool:
+    @property
+    def acceptance(self) -> float | None:
+        """α, the estimated probability that a drafted token is accepted (None: nothing drafted yet)."""
+        n = self.accepted + self.rejected
+        return None if n <= 0 else self.accepted / n
+
+    def cost(self, batch: int, depth: int) -> float | None:
+        """T(B, d): measured, or interpolated between the measured depths around d (None: neither)."""
+        if (batch, depth) in self.costs:
+            return self.costs[(batch, depth)]
+        known = sorted(d for b, d in self.costs if b == batch)
+        lo = [d for d in known if d < depth]
+        hi = [d for d in known if d > depth]
+        if not lo or not hi:
+            return None
+        a, b = lo[-1], hi[0]
+        ta, tb = self.costs[(batch, a)], self.costs[(batch, b)]
+        return ta + (tb - ta) * (depth - a) / (b - a)
+
+    def goodput(self, batch: int, depth: int) -> float | None:
+        """Expected emitted tokens per second with drafts of ``depth`` at ``batch`` (None: unknown)."""
+        t, alpha = self.cost(batch, depth), self.acceptance
+        if t is None or (alpha is None and depth > 0):
+            return None
+        tokens = sum((alpha or 0.0) ** i for i in range(depth + 1))  # 1 + α + … + α^d
+        return batch * tokens / max(t, 1e-9)
+
+    def decide(self, batch: int, max_depth: int) -> int:
+        """The draft depth of the next step at ``batch`` requests (0: plain decoding)."""
         if self.mode != "auto":
-            return self.mode == "always"
+            return max_depth if self.mode == "always" else 0
         k = self.blocks.get(batch, 0)
         self.blocks[batch] = k + 1
-        spec, plain = self.rates.get((batch, True)), self.rates.get((batch, False))
-        if spec is None:
-            return True
-        if plain is None:
-            return False
-        best = spec >= plain
-        return (not best) if k % self.probe_every == 0 else best
+        if (batch, max_depth) not in self.costs:
+            return max_depth
+        if (batch, 0) not in self.costs:
+            return 0
+        rates = {d: self.goodput(batch, d) for d in range(max_depth + 1)}
+        best = max((d for d in rates if rates[d] is not None), key=lambda d: rates[d], default=max_depth)
+        if k % self.probe_every == 0:  # now and then the extreme that lost, measured again
+            return 0 if best != 0 else max_depth
+        return best
 
-    def record(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
-        rate = tokens / max(seconds, 1e-9)
-        old = self.rates.get((batch, drafted))
-        self.rates[(batch, drafted)] = rate if old is None else (1 - self.smoothing) * old + self.smoothing * rate
+    def record(self, batch: int, depth: int, seconds: float, accepted: int = 0, rejected: int = 0) -> None:
+        """One step's measured time at (batch, depth) and its rows' accepted drafts and rejections."""
+        w = self.smoothing
+        old = self.costs.get((batch, depth))
+        self.costs[(batch, depth)] = seconds if old is None else (1 - w) * old + w * seconds
+        if depth > 0:
+            self.accepted = (1 - w) * self.accepted + w * accepted
+            self.rejected = (1 - w) * self.rejected + w * rejected
 
 
 # ---------------------------------------------------------------------------- requests
 @dataclass
-class Prepared:
-    """A request checked and resolved (nothing encoded or prefilled yet)."""
-
-    ids: torch.Tensor  # [L] on the CPU
-    mm: dict
-    layout: object
-    max_new_tokens: int
-    params: SamplingParams
-    seed: int | None
-    extra: dict  # images, captions, videos, substitutes
-
-
-def prepare_request(dec, request: dict, defaults: dict | None = None) -> Prepared:
-    """The checks of ``generate`` on one request dict (``defaults`` below it); raises MMSpecError."""
-    if not isinstance(request, dict):
-        raise MMSpecError(f"a request is a dict of generate()'s arguments (input_ids, pixel_values, ...), "
-                          f"got {type(request).__name__}")
-    kw = {**(defaults or {}), **request}
-    if kw.get("input_ids") is None:
-        raise MMSpecError("the request has no input_ids; pass the processor's output (input_ids, pixel_values, ...)")
-    ids = checks.check_ids(kw.pop("input_ids"), kw.pop("attention_mask", None))
-    checks.check_ids_in_vocab(ids, dec.target.vocab_size)
-    pixel_values = kw.pop("pixel_values", None)
-    max_new_tokens = checks.check_max_new_tokens(kw.pop("max_new_tokens", 128))
-    params = SamplingParams(temperature=checks.check_temperature(kw.pop("temperature", 0.0)),
-                            top_k=kw.pop("top_k", None), top_p=kw.pop("top_p", None))
-    if dec.acceptance is not None and not params.greedy:
-        raise MMSpecError("acceptance='relaxed' is defined for greedy decoding only; use temperature=0 "
-                          "or the exact (lossless) acceptance for sampling")
-    seed = checks.check_seed(kw.pop("seed", None))
-    extra = {k: kw.pop(k, None) for k in ("images", "captions", "videos", "substitutes")}
-    mm = dec._mm_inputs(pixel_values, kw)  # the rest: the family's processor outputs, unknown ones refused
-    checks.check_video_inputs(dec.target, mm, extra["videos"], extra["substitutes"])
-    checks.check_images_and_captions(extra["images"], extra["captions"])
-    if params.greedy:
-        seed = None
-    elif seed is None:
-        seed = int.from_bytes(os.urandom(8), "little") >> 1
-    layout = dec.mm.layout(ids, mm)
-    dec._check_context(ids.shape[0], max_new_tokens)
-    if any(v.needs_substitute for v in dec.views):
-        dec.mm.check_substitutes(layout, extra["videos"], extra["substitutes"])
-    return Prepared(ids=ids, mm=mm, layout=layout, max_new_tokens=max_new_tokens, params=params, seed=seed,
-                    extra=extra)
-
-
-@contextlib.contextmanager
-def _eager(dec):
-    """The decoder's prefills on eager, per-request caches (batches run eagerly)."""
-    mode = dec.mode
-    dec.mode = EngineMode()
-    try:
-        yield
-    finally:
-        dec.mode = mode
-
-
-def start_request(dec, prep: Prepared):
-    """Encode and prefill one request alone, as ``generate`` does -> (RequestRun, its solo target
-    cache, its length, the room its row needs)."""
-    from mmspec.decoder import _generator
-
-    stats = dec._new_stats()
-    with _eager(dec):  # reuses what the prefix cache holds of this prompt; prefills only the rest
-        pre = dec.prefill_request(prep.ids, prep.mm, prep.layout, prep.max_new_tokens, stats, **prep.extra)
-        state, drafter = pre.state, pre.drafter
-        dec.remember(pre, [], copy=True)  # the prompt, for a later turn that extends it (the batch keeps writing)
-    if not isinstance(state.cache, DecodeCache):
-        raise MMSpecError("batched decoding needs a target whose layers are all full attention "
-                          "(its rows are preallocated); decode this model's prompts one by one with generate()")
-    img = (prep.ids == dec.target.image_token_id).nonzero()
-    options = dec.options.for_call(prep.max_new_tokens, prep.params, int(img[-1, 0]) if img.numel() else None)
-    generator = None if prep.seed is None else _generator(prep.seed, dec.target.device)
-    run = RequestRun.start(state, drafter, options, generator, stats)
-    return run, state.cache, state.length, prep.ids.shape[0] + dec._room(prep.max_new_tokens)
-
-
-@dataclass
 class _Active:
     rid: int
-    run: RequestRun
-    seed: int | None
+    row: Row
+    req: Request
+    pre: object  # the decoder's Prefilled: the prompt's keys and encoded images, for the prefix cache
     t_start: float
-    text: str = ""
+    delta: TextDelta
 
 
 class BatchScheduler:
@@ -206,23 +183,28 @@ class BatchScheduler:
         # the draft forwards are shared too: every view of every request (or its head) a row here
         if decoder.head is not None:
             self.draft_cache = RaggedCache(decoder.head.decoder.config.num_hidden_layers)
-            self.lockstep = DraftLockstep.for_head(decoder.head, self.draft_cache)
+            drafts = DraftForwards.for_head(decoder.head, self.draft_cache)
         else:
             self.draft_cache = RaggedCache(_n_layers(decoder.draft_model))
-            self.lockstep = DraftLockstep.for_tokens(decoder.draft, self.draft_cache)
+            drafts = DraftForwards.for_tokens(decoder.draft, self.draft_cache)
+        self.engine = Engine(RaggedRows(decoder.target, self.cache, decoder.hidden_layers), drafts,
+                             decoder.target.device, draft_lengths=self._draft_lengths)
         self._draft_rows: dict[int, list[int]] = {}  # rid -> its rows of draft_cache
         self._row_owner: list[int] = []  # draft_cache row -> rid
-        self._queue: deque = deque()  # (rid, Prepared, t_submit)
+        self._queue: deque = deque()  # (rid, Request, t_submit)
         self._active: list[_Active] = []  # row b of the cache is _active[b]
         self._next_rid = 0
 
     # ------------------------------------------------------------------ the API
     def submit(self, request: dict, **defaults) -> int:
         """Check the request now (MMSpecError), queue it; returns its id."""
-        prep = prepare_request(self.decoder, request, defaults)
+        if not isinstance(request, dict):
+            raise MMSpecError(f"a request is a dict of generate()'s arguments (input_ids, pixel_values, ...), "
+                              f"got {type(request).__name__}")
+        req = prepare(self.decoder, request, defaults)
         rid = self._next_rid
         self._next_rid += 1
-        self._queue.append((rid, prep, time.perf_counter()))
+        self._queue.append((rid, req, time.perf_counter()))
         return rid
 
     def has_work(self) -> bool:
@@ -239,61 +221,33 @@ class BatchScheduler:
 
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
-        """Admit queued requests (prefill), then run ONE block over every active request."""
+        """Admit queued requests (prefill), then run ONE engine step over every active request."""
         events: list[StepEvent] = []
         self._admit(events)
         if not self._active:
             return events
-        dec = self.decoder
         t0 = time.perf_counter()
-        speculate = self.policy.decide(len(self._active))
-        if speculate:  # each request drafts its own tree, forwards merged
-            errors = self.lockstep.run([(a.rid, lambda a=a: a.run.draft_block(True)) for a in self._active],
-                                       self._draft_lengths)
-        else:  # no drafting: the roots alone
-            errors = {}
-            for a in self._active:
-                try:
-                    a.run.draft_block(speculate)
-                except Exception as e:  # noqa: BLE001 - one request's failure must not end the others
-                    errors[a.rid] = e
-        for b in reversed(range(len(self._active))):
-            a = self._active[b]
-            if a.rid in errors:
-                events.append(StepEvent(a.rid, [], "", True, None, error=_message(errors[a.rid])))
-                self._remove(b)
-        if not self._active:
-            return events
-        runs = [a.run for a in self._active]
-        t1 = time.perf_counter()
-        try:
-            logits, hidden = score_batch(dec.target, self.cache, runs, dec._hidden_layers)
-        except Exception as e:  # noqa: BLE001 - the shared forward failed: every request in it ends, the scheduler goes on
-            for b in reversed(range(len(self._active))):
-                events.append(StepEvent(self._active[b].rid, [], "", True, None, error=_message(e)))
-                self._remove(b)
-            return events
-        verify_s = time.perf_counter() - t1
-        emitted = 0
+        depth = self.policy.decide(len(self._active), self.decoder.tree.max_depth)
+        outcomes = self.engine.step([a.row for a in self._active], depth)
+        accepted = rejected = 0
         finished: list[int] = []
-        for b, a in enumerate(self._active):
-            n = a.run.tree.size
-            try:
-                kept = a.run.finish_block(logits[b, :n], None if hidden is None else hidden[b, :n], self.cache, b,
-                                          verify_s)
-            except Exception as e:  # noqa: BLE001
-                events.append(StepEvent(a.rid, [], "", True, None, error=_message(e)))
+        for b, (a, kept) in enumerate(zip(self._active, outcomes)):
+            if isinstance(kept, BaseException):  # this request fails alone
+                events.append(StepEvent(a.rid, [], "", True, None, error=_message(kept)))
                 finished.append(b)
                 continue
-            emitted += len(kept)
-            text = dec.tokenizer.decode(a.run.tokens, skip_special_tokens=True)
-            delta = text.removeprefix(a.text)
-            a.text = text
-            result = self._result(a) if a.run.done else None
-            events.append(StepEvent(a.rid, kept, delta, a.run.done, result))
-            if a.run.done:
+            rec = a.row.stats.blocks[-1]
+            accepted += rec.n_accepted
+            rejected += rec.n_drafted > 0 and rec.n_accepted < rec.depth and len(kept) == rec.n_accepted + 1
+            text = a.delta.push(kept)
+            result = None
+            if a.row.done:
+                text += a.delta.finish()
+                result = self._finish(b, a)
+            events.append(StepEvent(a.rid, kept, text, a.row.done, result))
+            if a.row.done:
                 finished.append(b)
-        self.policy.record(len(self._active), speculate, emitted, time.perf_counter() - t0)
+        self.policy.record(len(self._active), depth, time.perf_counter() - t0, accepted, rejected)
         for b in sorted(finished, reverse=True):
             self._remove(b)
         return events
@@ -301,30 +255,41 @@ class BatchScheduler:
     # ------------------------------------------------------------------ internals
     def _admit(self, events: list[StepEvent]) -> None:
         while self._queue and len(self._active) < self.max_batch:
-            rid, prep, t_submit = self._queue.popleft()
+            rid, req, t_submit = self._queue.popleft()
             try:
-                run, solo, length, room = start_request(self.decoder, prep)
-                self._join_draft(rid, run.drafter)
-                self.cache.join(solo, length, room)
+                a = self._start(rid, req, t_submit)
             except Exception as e:  # noqa: BLE001 - reported on the request, the others go on
                 self._leave_draft(rid)
                 events.append(StepEvent(rid, [], "", True, None, error=_message(e)))
                 continue
-            self._active.append(_Active(rid, run, prep.seed, t_submit))
+            self._active.append(a)
+
+    def _start(self, rid: int, req: Request, t_submit: float) -> _Active:
+        """Encode and prefill one request on caches of its own (eager), as ``generate`` does, reusing
+        what the prefix cache holds of its prompt; then its rows join the shared caches."""
+        dec = self.decoder
+        stats = dec.new_stats()
+        pre = dec.prefill_request(req.ids, req.mm, req.layout, req.max_new_tokens, stats, **req.extra,
+                                  initial=req.initial, static=False)
+        dec.remember(pre, [], copy=True)  # the prompt, for a request beside it that extends it
+        state = pre.state
+        if not isinstance(state.cache, DecodeCache):
+            raise MMSpecError("batched decoding needs a target whose layers are all full attention "
+                              "(its rows are preallocated); decode this model's prompts one by one with generate()")
+        row = Row.start(state, pre.drafter, dec.options_for(req), req.generator(dec.target.device), stats)
+        self._join_draft(rid, row.drafter)
+        self.cache.join(state.cache, state.length, req.ids.shape[0] + dec.room(req.max_new_tokens))
+        return _Active(rid, row, req, pre, t_submit, TextDelta(dec.tokenizer))
 
     def _join_draft(self, rid: int, drafter) -> None:
-        """The drafter's prefilled rows join the shared draft cache; its forwards go through the lockstep."""
+        """The drafter's prefilled rows join the shared draft cache; its forwards are merged there."""
         if not getattr(drafter.cache.layers[0], "is_initialized", False):
             raise MMSpecError("a head drafts nothing from a 2-token prompt, so it cannot join a batch; decode this "
                               "request with generate() or give the prompt more tokens")
         rows = self.draft_cache.join(drafter.cache, drafter.length, drafter.capacity + self.decoder.tree.n_nodes + 1)
         self._draft_rows[rid] = rows
         self._row_owner.extend([rid] * len(rows))
-        def get_rows(rid=rid):
-            return self._draft_rows[rid]  # rows move as others leave
-
-        drafter.cache = RowGroup(self.draft_cache, get_rows, drafter.length)
-        drafter.step_fn = self.lockstep.step_fn(rid, get_rows, drafter)
+        drafter.cache = RowGroup(self.draft_cache, lambda rid=rid: self._draft_rows[rid], drafter.length)
 
     def _leave_draft(self, rid: int) -> None:
         rows = self._draft_rows.get(rid)
@@ -340,7 +305,7 @@ class BatchScheduler:
         self._draft_rows.pop(rid, None)
 
     def _draft_lengths(self) -> list[int]:
-        drafters = {a.rid: a.run.drafter for a in self._active}
+        drafters = {a.rid: a.row.drafter for a in self._active}
         return [drafters[rid].length if rid in drafters else 0 for rid in self._row_owner]
 
     def _remove(self, b: int) -> None:
@@ -354,14 +319,41 @@ class BatchScheduler:
                 if not cache.active:
                     cache.release()
 
-    def _result(self, a: _Active):
-        from mmspec.decoder import GenerationResult
-
-        st = a.run.stats
+    def _finish(self, b: int, a: _Active) -> GenerationResult:
+        """The request's result; its prompt and answer kept for the conversation's next turn."""
+        row, st = a.row, a.row.stats
+        row.record_times()
+        self._remember(b, a)
         st.total_s = time.perf_counter() - a.t_start
-        if getattr(a.run.drafter, "adaptive", None) is not None:  # the weights' trajectory, read once
-            st.view_weights, st.final_weights = a.run.drafter.adaptive.trajectory()
-        return GenerationResult(token_ids=list(a.run.tokens), text=a.text, stats=st, seed=a.seed)
+        if getattr(row.drafter, "adaptive", None) is not None:  # the weights' trajectory, read once
+            st.view_weights, st.final_weights = row.drafter.adaptive.trajectory()
+        text = self.decoder.tokenizer.decode(row.tokens, skip_special_tokens=True)
+        return GenerationResult(token_ids=list(row.tokens), text=text, stats=st, seed=a.req.seed)
+
+    def _remember(self, b: int, a: _Active) -> None:
+        """What row b's caches hold (prompt + answer, as far as committed) into the prefix cache,
+        as ``generate`` leaves it (:func:`mmspec.prefix_cache.entry_after_decode`)."""
+        keys = a.pre.keys
+        if keys is None:
+            return
+        row, drafter = a.row, a.row.drafter
+        seq_len = keys.target.shape[0] + len(row.tokens)
+        target = self.cache.snapshot(b, 0, min(row.past, seq_len))
+        if target is None:
+            return
+        rows = self._draft_rows[a.rid]
+        if self.decoder.head is not None:
+            head = self.draft_cache.snapshot(rows[0], 0, drafter.committed)
+            entry = make_entry(keys, a.pre.encoded, row.tokens, target, head=head) if head is not None else None
+        else:
+            width = max(k.shape[0] - 1 for k in keys.rows)  # the drafter's prompt slots (rows less their pending token)
+            kvs = []
+            for r, rk in zip(rows, keys.rows):
+                pad = width - (rk.shape[0] - 1)
+                kvs.append(self.draft_cache.snapshot(r, pad, drafter.committed - pad))
+            entry = make_entry(keys, a.pre.encoded, row.tokens, target, rows=None if None in kvs else kvs)
+        if entry is not None:
+            self.decoder.prefix_cache.store(entry)
 
 
 def _n_layers(model) -> int:

@@ -1,11 +1,12 @@
 """The public entry point: :class:`SpecDecoder` checks its inputs, prepares the draft views and
-prefills both models, then hands the loop to :func:`mmspec.engine.run_loop`.
+prefills both models, then hands the loop to :func:`mmspec.engine.run_loop` (one request) or
+:mod:`mmspec.batch` (many: the same :class:`~mmspec.engine.Engine` step).
 
 Owns the keyword API and its grouping into typed settings (:class:`~mmspec.options.EngineOptions`,
 :class:`~mmspec.options.AcceptanceConfig`, :class:`~mmspec.options.EngineMode`), the static
 caches kept across calls (:class:`~mmspec.graphs.StaticPool`) and both prefills. The prompt's
 images, captions and draft rows are :class:`~mmspec.multimodal.MultimodalPrompt`'s; the checks
-of the arguments are :mod:`mmspec.checks`'.
+of the arguments are :mod:`mmspec.checks`', gathered per request by :func:`mmspec.request.prepare`.
 
 Lossless by construction: at temperature 0 the output equals ``target.generate(do_sample=False)``
 token for token; with sampling the output is distributed exactly as the target's.
@@ -13,7 +14,6 @@ token for token; with sampling the output is distributed exactly as the target's
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -23,8 +23,9 @@ import torch
 from mmspec import checks
 from mmspec.adaptive import AdaptiveState, AdaptiveWeights
 from mmspec.drafter import EnsembleDrafter
-from mmspec.engine import TargetState, run_loop
+from mmspec.engine import run_loop
 from mmspec.errors import MMSpecError
+from mmspec.forwards import TargetState
 from mmspec.graphs import StaticPool, graph_mode
 from mmspec.heads.drafter import HeadDrafter
 from mmspec.heads.model import FeatureHead, check_head_fits, is_head_dir, load_head
@@ -54,11 +55,12 @@ from mmspec.prefix_cache import (
     segment_digests,
     write_kv,
 )
+from mmspec.request import prepare
+from mmspec.results import GenerationResult
 from mmspec.stats import GenerationStats
 from mmspec.streaming import TextStream
 from mmspec.timing import sync
 from mmspec.tree import parse_tree
-from mmspec.verify import SamplingParams
 from mmspec.views import View, ViewRow, ensemble_name, parse_views
 
 # processor outputs generate() passes on to the families that read them (models/*.py: mm_keys)
@@ -75,14 +77,6 @@ class Prefilled:
     drafter: object  # an EnsembleDrafter or a HeadDrafter
     keys: PromptKeys | None  # the prompt's content keys (None: prefix caching off)
     encoded: EncodedPrompt
-
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int]  # new tokens only
-    text: str
-    stats: GenerationStats
-    seed: int | None = None  # the seed used for sampling (None for greedy)
 
 
 class SpecDecoder:
@@ -208,7 +202,7 @@ class SpecDecoder:
         self.adaptive = None if head_given else AdaptiveWeights.parse(weights)  # None: fixed weights
         self.mode = self._engine_mode(cuda_graphs, static_cache)
         self._static_pool = StaticPool(self.mode.graphs)
-        self._speculation_policy = None  # generate_batch(speculate="auto")'s, made on first use  # (role, rows, capacity) -> (cache, runner)
+        self._speculation_policy = None  # generate_batch(speculate="auto")'s, made on first use
         if self.head is not None:  # a head reads the target's features: no views, no draft model
             self.views, self.weights, newline = [], [1.0], None
         else:
@@ -313,38 +307,19 @@ class SpecDecoder:
         adaptive weights, where this request's weights start (e.g. the previous turn's
         ``stats.final_weights``)."""
         t_start = time.perf_counter()
-        mm = self._mm_inputs(pixel_values, unused)
-        ids = checks.check_ids(input_ids, attention_mask)  # [L] on CPU
-        checks.check_ids_in_vocab(ids, self.target.vocab_size)
-        max_new_tokens = checks.check_max_new_tokens(max_new_tokens)
-        params = SamplingParams(temperature=checks.check_temperature(temperature), top_k=top_k, top_p=top_p)
-        if self.acceptance is not None and not params.greedy:
-            raise MMSpecError("acceptance='relaxed' is defined for greedy decoding only; use temperature=0 "
-                              "or the exact (lossless) acceptance for sampling")
-        checks.check_video_inputs(self.target, mm, videos, substitutes)
-        checks.check_images_and_captions(images, captions)
-        seed = checks.check_seed(seed)
-        initial = checks.check_initial_weights(initial_weights, self.adaptive, len(self.views))
-        if params.greedy:
-            seed = None  # greedy decoding draws nothing
-        elif seed is None:
-            seed = int.from_bytes(os.urandom(8), "little") >> 1
-        generator = None if seed is None else _generator(seed, self.target.device)
-
-        layout = self.mm.layout(ids, mm)
-        self._check_context(ids.shape[0], max_new_tokens)
-        if any(v.needs_substitute for v in self.views):
-            self.mm.check_substitutes(layout, videos, substitutes)
-        stats = self._new_stats()
+        req = prepare(self, dict(input_ids=input_ids, pixel_values=pixel_values, attention_mask=attention_mask,
+                                 max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, top_k=top_k,
+                                 top_p=top_p, images=images, captions=captions, videos=videos,
+                                 substitutes=substitutes, initial_weights=initial_weights, **unused))
+        stats = self.new_stats()
         captured = self._static_pool.capture_s
-        pre = self.prefill_request(ids, mm, layout, max_new_tokens, stats, images=images, captions=captions,
-                                   videos=videos, substitutes=substitutes, initial=initial)
-        img = (ids == self.target.image_token_id).nonzero()
-        options = self.options.for_call(max_new_tokens, params, int(img[-1, 0]) if img.numel() else None)
+        pre = self.prefill_request(req.ids, req.mm, req.layout, req.max_new_tokens, stats, **req.extra,
+                                   initial=req.initial)
+        options = self.options_for(req)
         if streamer is not None:
-            streamer.put(ids[None])  # the prompt first, as transformers' generate does
+            streamer.put(req.ids[None])  # the prompt first, as transformers' generate does
         try:
-            tokens = run_loop(pre.state, pre.drafter, options, generator, stats,
+            tokens = run_loop(pre.state, pre.drafter, options, req.generator(self.target.device), stats,
                               on_block=None if streamer is None else lambda kept: streamer.put(torch.tensor(kept)))
         finally:
             if streamer is not None:
@@ -355,7 +330,12 @@ class SpecDecoder:
         stats.capture_s = self._static_pool.capture_s - captured
         stats.total_s = time.perf_counter() - t_start
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return GenerationResult(token_ids=tokens, text=text, stats=stats, seed=seed)
+        return GenerationResult(token_ids=tokens, text=text, stats=stats, seed=req.seed)
+
+    def options_for(self, req) -> EngineOptions:
+        """The engine's settings for one checked request (:class:`~mmspec.request.Request`)."""
+        img = (req.ids == self.target.image_token_id).nonzero()
+        return self.options.for_call(req.max_new_tokens, req.params, int(img[-1, 0]) if img.numel() else None)
 
     def generate_batch(self, requests: list[dict], *, max_batch: int = 16, speculate: str = "always",
                        **defaults) -> list[GenerationResult]:
@@ -365,8 +345,10 @@ class SpecDecoder:
         ``top_k``, ``top_p``, ``seed`` overriding ``defaults``. Every request is checked before any
         decoding ("request N: ..."); results come back in input order, each one what ``generate``
         returns for that request alone (greedy: the target's tokens; a seed: the same draws).
-        ``speculate``: "always", "never" (plain batched target steps) or "auto"
-        (:class:`~mmspec.batch.SpeculationPolicy`); ``max_batch``: requests decoded at once."""
+        ``speculate``: "always", "never" (plain batched target steps) or "auto" (the goodput
+        policy: per step the draft depth, plain decoding included, with the most expected tokens
+        per second at the batch size: :class:`~mmspec.batch.SpeculationPolicy`); ``max_batch``:
+        requests decoded at once."""
         from mmspec.batch import generate_batch
 
         return generate_batch(self, requests, max_batch=max_batch, speculate=speculate, **defaults)
@@ -374,8 +356,9 @@ class SpecDecoder:
     @property
     def speculation_policy(self):
         """The "auto" policy this decoder's ``generate_batch(speculate="auto")`` calls share: the
-        tokens/s it measured per batch size, drafted and plain, carry over from call to call (a
-        fresh policy per call would spend a short batch re-measuring what the last one learnt)."""
+        step costs it measured per batch size and depth, and the acceptance, carry over from call
+        to call (a fresh policy per call would spend a short batch re-measuring what the last one
+        learnt)."""
         from mmspec.batch import SpeculationPolicy
 
         if self._speculation_policy is None:
@@ -394,11 +377,15 @@ class SpecDecoder:
 
     # ------------------------------------------------------------------ one request's prefill
     def prefill_request(self, ids: torch.Tensor, mm: dict, layout, max_new_tokens: int, stats: GenerationStats,
-                        images=None, captions=None, videos=None, substitutes=None, initial=None) -> Prefilled:
+                        images=None, captions=None, videos=None, substitutes=None, initial=None,
+                        static: bool | None = None) -> Prefilled:
         """Encode (or reuse the encoded images of a stored prompt), then prefill the target and
         the drafter of ONE checked request on fresh caches of this decoder, each reusing what the
-        prefix cache holds of its prompt (only the rest is prefilled). The batch path calls this
-        per request at admission, then :meth:`remember` when the request finishes."""
+        prefix cache holds of its prompt (only the rest is prefilled). ``static``: on the
+        decoder's static caches (default: its mode) or on eager caches of the request's own
+        (False: the batch path, whose rows then join its shared caches). The batch path calls
+        this per request at admission, then :meth:`remember` when the request finishes."""
+        static = self.static if static is None else static
         cache_on = self.prefix_cache.enabled and not any(v.needs_substitute for v in self.views)
         digests = ((tuple(segment_digests(mm, layout.kinds)), None if captions is None else tuple(captions))
                    if cache_on else ())
@@ -413,12 +400,12 @@ class SpecDecoder:
         if cache_on:
             keys = prompt_keys(ids, self.target.placeholders(), enc, rows, self.views, digests)
             match = self.prefix_cache.match(keys.target[:-1], [k[:-1] for k in keys.rows], head=self.head is not None)
-        state, feats = self._prefill_target(ids, mm, enc, max_new_tokens, stats, match)
+        state, feats = self._prefill_target(ids, mm, enc, max_new_tokens, stats, match, static)
         if self.head is not None:  # the head drafts over the target's features
-            drafter = self._prefill_head(feats, ids, max_new_tokens, stats, match)
+            drafter = self._prefill_head(feats, ids, max_new_tokens, stats, match, static)
         else:
             prefix = None if match is None else [match.row_kv(b) if n else None for b, n in enumerate(match.rows)]
-            drafter = self._prefill_draft(rows, max_new_tokens, stats, prefix=prefix, initial=initial)
+            drafter = self._prefill_draft(rows, max_new_tokens, stats, prefix=prefix, initial=initial, static=static)
         return Prefilled(state=state, drafter=drafter, keys=keys, encoded=enc)
 
     def remember(self, pre: Prefilled, tokens: list[int], copy: bool | None = None) -> None:
@@ -446,11 +433,11 @@ class SpecDecoder:
         checks.check_images_and_captions(images, captions)
         mm = {"pixel_values": pixel_values}
         layout = self.mm.layout(ids, mm)
-        stats = self._new_stats()
+        stats = self.new_stats()
         enc = self.mm.encode(layout, mm, stats, images=images, captions=captions)
-        return self._prefill_draft(self.mm.rows(enc), max_new_tokens, stats, cache)
+        return self._prefill_draft(self.mm.rows(enc), max_new_tokens, stats, cache, static=self.static)
 
-    def _mm_inputs(self, pixel_values, unused: dict) -> dict:
+    def mm_inputs(self, pixel_values, unused: dict) -> dict:
         """generate()'s extra keywords -> the multimodal inputs, unknown ones refused."""
         if unused.get("do_sample"):
             raise MMSpecError("pass temperature=... (> 0) for sampling instead of do_sample=True")
@@ -465,23 +452,23 @@ class SpecDecoder:
         mm["pixel_values"] = pixel_values
         return mm
 
-    def _new_stats(self) -> GenerationStats:
+    def new_stats(self) -> GenerationStats:
         return GenerationStats(gamma=self.tree.max_depth, views=tuple(v.name for v in self.views),
                                tree=self.tree.label, engine=self.engine,
                                weighting=self.adaptive.label if self.adaptive else "fixed",
                                acceptance="exact" if self.acceptance is None else "relaxed (lossy)")
 
-    def _room(self, max_new_tokens: int) -> int:
+    def room(self, max_new_tokens: int) -> int:
         """Positions a decode can append after the prompt: committed tokens + one block's tree."""
         return max_new_tokens + self.tree.n_nodes + 1
 
     @property
-    def _hidden_layers(self) -> tuple[int, ...]:
+    def hidden_layers(self) -> tuple[int, ...]:
         """Target layers whose hidden states the draft reads (a head's), else none."""
         return self.head.config.feature_layers if self.head is not None else ()
 
     def _prefill_target(self, ids: torch.Tensor, mm: dict, enc: EncodedPrompt, max_new_tokens: int,
-                        stats: GenerationStats, match: PrefixMatch | None = None
+                        stats: GenerationStats, match: PrefixMatch | None = None, static: bool = False
                         ) -> tuple[TargetState, torch.Tensor | None]:
         """The target's prefill on all but the last prompt token (it is the first pending token),
         each run of placeholders filled with its features; the first ``match.target`` positions
@@ -490,7 +477,7 @@ class SpecDecoder:
         t0 = time.perf_counter()
         dev = self.target.device
         L = ids.shape[0]
-        cache, step = self._target_cache(L + self._room(max_new_tokens))
+        cache, step = self._target_cache(L + self.room(max_new_tokens), static)
         s = 0 if match is None else match.target  # positions reused
         if s:
             write_kv(cache, match.target_kv())
@@ -506,7 +493,7 @@ class SpecDecoder:
                     raise MMSpecError(f"the target's {kind} features ({feats.shape[0]}) do not fill its "
                                       f"{int(mask.sum())} {kind} tokens: this family's adapter counted them wrong")
                 embeds = embeds.masked_scatter(mask, feats.to(embeds.dtype))
-        if self.static:
+        if static:
             attn = torch.ones(L - 1, cache.max_len, dtype=torch.bool, device=dev).tril()[None, None, s:]
         else:
             attn = torch.ones_like(prefix)
@@ -514,7 +501,7 @@ class SpecDecoder:
         out = None
         if s < L - 1:
             out = self.target.forward(cache=cache, attention_mask=attn, position_ids=positions[..., s:],
-                                      inputs_embeds=embeds[:, s:], logits_to_keep=1, hidden=self._hidden_layers)
+                                      inputs_embeds=embeds[:, s:], logits_to_keep=1, hidden=self.hidden_layers)
         sync(dev)
         stats.prefill_target_s = time.perf_counter() - t0
         feats = out[1] if self.head is not None else None  # [1, L - 1 - s, F]
@@ -523,34 +510,34 @@ class SpecDecoder:
                             first_feats=None if feats is None else feats[0, -1:])  # [1, F] before the pending token
         return state, feats
 
-    def _target_cache(self, needed: int):
+    def _target_cache(self, needed: int, static: bool):
         """The target's cache for one decode and the function that runs its block forwards."""
-        if not self.static:
+        if not static:
             cache = self.target.new_cache(needed)  # preallocated, O(1) roll-back
-            return cache, token_forward(self.target, cache, self._hidden_layers)
+            return cache, token_forward(self.target, cache, self.hidden_layers)
         cache, runner = self._static_pool.get(
             "target", 1, needed, lambda n: self.target.new_cache(n, static=True),
-            lambda c: token_forward(self.target, c, self._hidden_layers))
+            lambda c: token_forward(self.target, c, self.hidden_layers))
         cache.reset()
         return cache, runner
 
     def _prefill_draft(self, rows: list[ViewRow], max_new_tokens: int, stats: GenerationStats,
-                       cache=None, prefix: list | None = None, initial: Sequence[float] | None = None
-                       ) -> EnsembleDrafter:
+                       cache=None, prefix: list | None = None, initial: Sequence[float] | None = None,
+                       static: bool = False) -> EnsembleDrafter:
         """Every view one row of one batch, prefilled on the prompt less its pending last token."""
         t0 = time.perf_counter()
         for v, r in zip(self.views, rows):
             self._check_draft_context(v, r.token_ids.shape[0], max_new_tokens)
             r.token_ids = r.token_ids[:-1]  # the last prompt token is pending
-        room = self._room(max_new_tokens)
+        room = self.room(max_new_tokens)
         runner = None
-        if self.static and cache is None:
+        if static and cache is None:
             needed = max(r.token_ids.shape[0] for r in rows) + room
             cache, runner = self._static_pool.get("draft", len(rows), needed,
                                                   lambda n: self.draft.new_cache(n, static=True),
                                                   lambda c: token_forward(self.draft, c))
         drafter = EnsembleDrafter(self.draft, self.weights, target_vocab=self.target.vocab_size, room=room,
-                                  static=self.static, cache=cache, step_fn=runner)
+                                  static=static, cache=cache, step_fn=runner)
         if self.adaptive is not None:  # this request's weights, on the draft's device
             drafter.adaptive = AdaptiveState(self.adaptive, len(rows), self.draft.device, initial)
             drafter.weights = drafter.adaptive.weights
@@ -560,13 +547,13 @@ class SpecDecoder:
         return drafter
 
     def _prefill_head(self, feats: torch.Tensor, ids: torch.Tensor, max_new_tokens: int,
-                      stats: GenerationStats, match: PrefixMatch | None = None) -> HeadDrafter:
+                      stats: GenerationStats, match: PrefixMatch | None = None, static: bool = False) -> HeadDrafter:
         """The head over the target's features ``feats`` [1, L - 1 - k, F] and the prompt ``ids``
         [L], its first k = ``match.head`` slots copied from the prefix cache."""
         t0 = time.perf_counter()
-        room = self._room(max_new_tokens)
-        drafter = HeadDrafter(self.head, self.target, room, static=self.static)
-        if self.static:
+        room = self.room(max_new_tokens)
+        drafter = HeadDrafter(self.head, self.target, room, static=static)
+        if static:
             drafter.cache, drafter.step_fn = self._static_pool.get(
                 "head", 1, ids.shape[0] + room, lambda n: self.head.new_cache(n, static=True),
                 lambda c: head_forward(self.head, c), name="draft head")
@@ -579,7 +566,7 @@ class SpecDecoder:
         """How the block's draft depth is set, for error messages."""
         return f"gamma={self.gamma}" if self.tree.kind == "chain" else f"a tree {self.tree.max_depth} deep"
 
-    def _check_context(self, prompt_len: int, max_new_tokens: int) -> None:
+    def check_context(self, prompt_len: int, max_new_tokens: int) -> None:
         limit = self.target.max_positions
         depth = self.tree.max_depth
         if limit is not None and prompt_len + max_new_tokens + depth > limit:
@@ -616,13 +603,3 @@ def head_forward(head, cache):
         return head(feats, embeds, cache=cache, position_ids=pos, attention_mask=mask)
     return fn
 
-
-def _generator(seed: int, device: torch.device) -> torch.Generator:
-    """The explicit generator of one sampling call: a CPU generator seeded with ``seed``; on a
-    GPU, a generator on that device seeded from it, so uniforms never cross to the host."""
-    cpu = torch.Generator().manual_seed(seed)
-    if device.type == "cpu":
-        return cpu
-    gen = torch.Generator(device=device)
-    gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=cpu)))
-    return gen

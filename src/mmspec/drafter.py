@@ -33,7 +33,7 @@ preallocated for ``prompt + room`` positions; every forward goes through ``self.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import torch
 
@@ -47,6 +47,21 @@ from mmspec.views import ViewRow
 
 # step_fn(ids=[B, n], pos=[B, n], mask=...) -> logits [B, n, V]: eager, or a CUDA-graph replay
 StepFn = Callable[..., torch.Tensor]
+# a drafter's steps: a generator that yields each forward's keyword arguments (pos, mask and the
+# model's inputs), is sent that forward's output, and returns what it drafted (a DraftTree)
+DraftSteps = Generator[dict, torch.Tensor, object]
+
+
+def drive(steps: DraftSteps, forward: StepFn):
+    """Run a drafter's steps alone: each forward it asks for is ``forward(**call)``. -> what
+    the steps return. (A batch instead merges the forwards of many drafters' steps into one:
+    :class:`mmspec.forwards.DraftForwards`.)"""
+    try:
+        call = next(steps)
+        while True:
+            call = steps.send(forward(**call))
+    except StopIteration as done:
+        return done.value
 
 
 class TreeDrafter:
@@ -79,13 +94,14 @@ class TreeDrafter:
         return self.valid.shape[1]
 
     # ------------------------------------------------------------------ subclass hooks
-    def _feed_pending(self, pending: torch.Tensor, feats: torch.Tensor | None) -> torch.Tensor:
+    def _feed_pending(self, pending: torch.Tensor, feats: torch.Tensor | None) -> DraftSteps:
         """Feed the pending committed tokens [n] (their preceding target features [n, F] for
-        heads); return the logits after the last one, [B, 1, V]."""
+        heads); return the logits after the last one, [B, 1, V]. A generator (its forward is
+        yielded: :data:`DraftSteps`), as is :meth:`_feed_nodes`."""
         raise NotImplementedError
 
     def _feed_nodes(self, nodes: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depth: int,
-                    block: torch.Tensor, causal: bool) -> torch.Tensor:
+                    block: torch.Tensor, causal: bool) -> DraftSteps:
         """Feed the tree nodes ``nodes`` [F] (ids in this block's node table; their tokens [F]
         and parent ids [F]) at depth ``depth``; return their logits [B, F, V]."""
         raise NotImplementedError
@@ -175,28 +191,34 @@ class TreeDrafter:
     def draft(self, pending: torch.Tensor, spec: TreeSpec, params: SamplingParams,
               generator: torch.Generator | None = None, feats: torch.Tensor | None = None) -> DraftTree:
         """Feed the pending committed tokens [n >= 1] (device long; for heads with the target's
-        features before each, [n, F]), then draft a tree.
+        features before each, [n, F]), then draft a tree, every forward on ``self.step_fn``.
 
         The root (node 0) is the last pending token. Returns the tree on the draft's device;
         nodes of the deepest level are never fed (they enter the cache next block if accepted).
         """
+        return drive(self.draft_steps(pending, spec, params, generator, feats), self.step_fn)
+
+    def draft_steps(self, pending: torch.Tensor, spec: TreeSpec, params: SamplingParams,
+                    generator: torch.Generator | None = None, feats: torch.Tensor | None = None) -> DraftSteps:
+        """:meth:`draft` as steps: each forward is yielded (its keyword arguments) and its output
+        sent back, so a batch can run many drafters' forwards as one; returns the DraftTree."""
         n_p = pending.shape[0]
         self._begin_block(1 + spec.n_generated)
         self._seen: list[torch.Tensor] = []  # [B, F, V] per depth: the root's, then each fed frontier's
-        logits = self._feed_pending(pending, feats)  # [B, 1, V]
+        logits = yield from self._feed_pending(pending, feats)  # [B, 1, V]
         self.committed += n_p
         self.valid[:, self.committed - n_p:self.committed] = True
         self.next_pos = self.next_pos + n_p  # position of depth-1 nodes
         root_slot = self.committed - 1
         if spec.kind == "static":
-            return self._draft_static(pending[-1:], root_slot, logits, spec, params)
-        return self._draft_dynamic(pending[-1:], root_slot, logits, spec, params, generator)
+            return (yield from self._draft_static(pending[-1:], root_slot, logits, spec, params))
+        return (yield from self._draft_dynamic(pending[-1:], root_slot, logits, spec, params, generator))
 
     def _draft_dynamic(self, root, root_slot, logits, spec: TreeSpec, params, generator) -> DraftTree:
         """EAGLE-2 expansion: per depth, the children of the frontier, then the ``topk`` best new
         nodes by cumulative log q become the next frontier; finally the best ``budget`` nodes."""
         if spec.kind == "chain":
-            return self._draft_chain(root, root_slot, logits, spec, params, generator)
+            return (yield from self._draft_chain(root, root_slot, logits, spec, params, generator))
         dev = self.valid.device
         k = spec.topk
         M = 1 + spec.n_generated
@@ -227,7 +249,8 @@ class TreeDrafter:
             fed[frontier] = self.length + torch.arange(k, device=dev)
             fed_nodes.append(frontier)
             block = anc[frontier][:, torch.cat(fed_nodes)]  # [k, S] ancestry over in-block slots
-            logits = self._feed_nodes(frontier, tokens[frontier], parents[frontier], d, block, causal=False)  # [B, k, V]
+            logits = yield from self._feed_nodes(frontier, tokens[frontier], parents[frontier], d, block,
+                                                 causal=False)  # [B, k, V]
         keep = torch.cat([torch.zeros(1, dtype=torch.long, device=dev),
                           best_prefix_closed(score[1:made], spec.n_nodes - 1) + 1])
         return self._tree(keep, tokens, parents, depth, anc, fed, None, spec.depth, spec.is_chain)
@@ -253,7 +276,7 @@ class TreeDrafter:
                 break
             block = None if not (self.static or self.padded) else torch.ones(1, d, dtype=torch.bool, device=dev)
             node = torch.full((1,), d, dtype=torch.long, device=dev)
-            logits = self._feed_nodes(node, tok[0], node - 1, d, block, causal=True)  # [B, 1, V]
+            logits = yield from self._feed_nodes(node, tok[0], node - 1, d, block, causal=True)  # [B, 1, V]
         n = d + 1  # nodes, root included
         idx = torch.arange(n, device=dev)
         fed = torch.cat([idx[:1] + root_slot, base + idx[:-1]]) if n > 1 else idx[:1] + root_slot  # no host->device copy
@@ -283,7 +306,8 @@ class TreeDrafter:
                 break
             fidx = level["frontier"]
             fed[fidx] = self.length + level["arange"]
-            logits = self._feed_nodes(fidx, tokens[fidx], st["parents"][fidx], d, level["block"], causal=spec.is_chain)
+            logits = yield from self._feed_nodes(fidx, tokens[fidx], st["parents"][fidx], d, level["block"],
+                                                 causal=spec.is_chain)
         keep = torch.arange(st["M"], device=dev)
         return self._tree(keep, tokens, st["parents"], st["depth"], st["anc"], fed, None, spec.max_depth, spec.is_chain)
 
@@ -443,22 +467,22 @@ class EnsembleDrafter(TreeDrafter):
     def _eager_step(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return self.adapter.forward(cache=self.cache, attention_mask=mask, position_ids=pos, input_ids=ids)
 
-    def _run(self, tokens: torch.Tensor, offset: int, block: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        """Append the same n tokens [n] to every row; logits [B, n, V_draft]."""
+    def _run(self, tokens: torch.Tensor, offset: int, block: torch.Tensor | None, causal: bool) -> DraftSteps:
+        """Append the same n tokens [n] to every row; logits [B, n, V_draft] (one yielded forward)."""
         pos, mask = self._slots(tokens.shape[0], offset, block, causal)
         ids = tokens.to(self.valid.device).unsqueeze(0).expand(self.n_rows, -1)  # [B, n]
-        return self.step_fn(ids=ids, pos=pos, mask=mask)
+        return (yield dict(ids=ids, pos=pos, mask=mask))
 
-    def _feed_pending(self, pending: torch.Tensor, feats: torch.Tensor | None) -> torch.Tensor:
-        return self._run(pending, 0, None, True)[:, -1:]
+    def _feed_pending(self, pending: torch.Tensor, feats: torch.Tensor | None) -> DraftSteps:
+        return (yield from self._run(pending, 0, None, True))[:, -1:]
 
-    def _feed_nodes(self, nodes, tokens, parents, depth, block, causal) -> torch.Tensor:
-        return self._run(tokens, depth - 1, block, causal)
+    def _feed_nodes(self, nodes, tokens, parents, depth, block, causal) -> DraftSteps:
+        return (yield from self._run(tokens, depth - 1, block, causal))
 
     def step(self, token: int, params: SamplingParams) -> int:
         """One chain draft step as a block runs it (feed one token, pick the next), then undone
         (the cache is left as it was): repeated calls time the same work."""
-        logits = self._run(torch.tensor([token], device=self.valid.device), 0, None, True)  # [B, 1, V]
+        logits = drive(self._run(torch.tensor([token], device=self.valid.device), 0, None, True), self.step_fn)
         picked = int(self._children(logits, 1, params, "mixture", None, need_scores=False)[0][0, 0])
         self._seen = []  # no block to adapt from: nothing kept across timing repeats
         self.length -= 1

@@ -1,169 +1,249 @@
-"""The speculative decoding loop. Owns the target KV cache's use, the randomness and the block
-records; the drafter owns the draft cache.
+"""THE LOOP: one step of speculative decoding over every active request; a request is a row.
 
-Invariant between blocks: every committed token except the newest is in the target cache; the
-newest committed token is *pending*: it is the root (node 0) of the next block's tree. A block:
+``generate`` and ``stream`` are one request submitted and stepped to its end (:func:`run_loop`);
+``generate_batch``, :class:`~mmspec.batch.BatchScheduler` and ``mmspec serve`` step many with
+:meth:`Engine.step`, the same function. The target's forward and the draft's merged forwards
+are :mod:`mmspec.forwards`'; the maths is :mod:`mmspec.verify`'.
 
-1. the drafter feeds its pending tokens and drafts a tree (a chain is a tree with one branch);
-2. the target scores every node in ONE forward: node i at position ``past + depth[i]``, under a
-   4-D mask in which it sees the committed tokens and its own ancestors;
-3. verification (greedy or sampling, :mod:`mmspec.verify`) picks the accepted path and the
-   target's next token, on the device; the packed outcome is read once (the block's only host
-   sync, besides the opt-in dynamic draft length);
-4. the accepted path's keys/values are moved into place in both caches (O(path), nothing when
-   the path is already contiguous, as in a chain) and the rest is dropped by moving the cursor;
-   adaptive ensemble weights are updated from the confirmed tokens, on the device;
-5. the accepted tokens and the target's are emitted, cut at EOS or the token limit.
+Invariant between steps, per row (:class:`Row`): every committed token except the newest is in
+the target cache; the newest committed token is *pending*: it is the root (node 0) of the row's
+next tree. One step:
 
-The decoder hands over typed objects (:class:`TargetState`, :class:`~mmspec.options.EngineOptions`)
-and reads back the tokens and the block records; verification comes back as a
-:class:`~mmspec.verify.TreeOutcome`, read on the host as an :class:`~mmspec.verify.AcceptedPath`.
+1. draft: every row's drafter feeds its pending tokens and drafts a tree (a chain is a tree with
+   one branch); a row that does not speculate this step (the policy's choice, or one token left)
+   has its root alone: a plain target step. The rows' draft forwards run batched
+   (:class:`~mmspec.forwards.DraftForwards`: one forward per round over every request's rows);
+2. verify forward: the target scores every row's nodes in ONE forward: node i at position
+   ``past + depth[i]``, under a 4-D mask in which it sees its row's committed tokens and its own
+   ancestors;
+3. accept: verification (greedy or sampling) of each row on the device, every random draw from
+   the row's own generator (the drafter's uniforms in step 1, then verification's: the order a
+   seeded request has alone, so it decodes the same in any batch); the packed outcomes of ALL
+   rows are read in ONE host read;
+4. commit / roll back: per row, the accepted path's keys/values moved into place in both caches
+   (O(path), nothing when the path is already contiguous, as in a chain) and the rest dropped by
+   setting the row's length; adaptive ensemble weights updated from the confirmed tokens;
+5. emit and stop: the accepted tokens and the target's, cut at EOS or the row's token limit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from mmspec.drafter import TreeDrafter
-from mmspec.models.cache import DecodeCache, set_cache_length
+from mmspec.drafter import DraftSteps, TreeDrafter, drive
+from mmspec.forwards import DraftForwards, SoloRows, TargetRows, TargetState
 from mmspec.options import EngineOptions
 from mmspec.stats import BlockRecord, GenerationStats
 from mmspec.timing import BlockClock
-from mmspec.tree import DraftTree, tree_attention_mask
+from mmspec.tree import DraftTree
 from mmspec.verify import TreeOutcome, logits_to_probs, uniforms, verify_tree_greedy, verify_tree_sampling
 
-# target_step(ids [1, N], pos [1, N], mask) -> logits [1, N, V], or (logits, hidden [1, N, F])
-StepFn = Callable[..., object]
+__all__ = ["Engine", "Row", "TargetState", "cut_at_eos", "run_loop"]
 
 
 @dataclass
-class TargetState:
-    """The target's side of a decode as the decoder prefilled it, handed to :func:`run_loop`
-    (SGLang's eagle worker passes ``EagleVerifyInput``; this is its counterpart here)."""
+class Row:
+    """One request's decode between steps (what the loop keeps of it)."""
 
-    cache: object  # a DecodeCache (or a DynamicCache: chains only) holding the prompt less its last token
-    step: StepFn  # the block forward on that cache: eager, or a CUDA-graph replay
-    length: int  # positions in the cache
-    pending: int  # the prompt's last token: committed, not yet in any cache (the first block's root)
-    device: torch.device
-    pos_offset: int = 0  # a token's position minus its cache slot after the prompt (multimodal-RoPE delta; else 0)
-    first_feats: torch.Tensor | None = None  # [1, F] for a head: the target's feature before ``pending``
+    drafter: TreeDrafter  # an EnsembleDrafter or a HeadDrafter, its cache its own (or its rows of a shared one)
+    options: EngineOptions
+    generator: torch.Generator | None
+    stats: GenerationStats
+    device: torch.device  # the target's
+    past: int  # tokens in the target cache (this row)
+    pending: torch.Tensor  # [n] committed, not yet in the draft cache; [-1] is the next root
+    pos_offset: int = 0
+    feats: torch.Tensor | None = None  # [n, F] for a head: the target's feature before each pending token
+    tokens: list[int] = field(default_factory=list)
+    done: bool = False
+    tree: DraftTree | None = None  # this step's tree, on the target's device
+    drafted: bool = False  # this step's tree came from the drafter (else: the root alone)
+    error: BaseException | None = None  # this step's failure (the row fails alone)
+    clocks: list[BlockClock] = field(default_factory=list)  # per block: its step's phase marks
+
+    @classmethod
+    def start(cls, state: TargetState, drafter, options: EngineOptions, generator, stats) -> Row:
+        return cls(drafter=drafter, options=options, generator=generator, stats=stats, device=state.device,
+                   past=state.length, pending=torch.tensor([state.pending], device=state.device),
+                   pos_offset=state.pos_offset, feats=state.first_feats)
 
     @property
-    def static(self) -> bool:
-        """Fixed shapes: masks span the whole preallocated buffer."""
-        return isinstance(self.cache, DecodeCache) and self.cache.static
+    def remaining(self) -> int:
+        return self.options.max_new_tokens - len(self.tokens)
+
+    def draft_steps(self, depth: int | None = None) -> DraftSteps:
+        """Step 1 as steps (each draft forward yielded): feed the pending tokens and draft a tree
+        at most ``depth`` deep (None: the row's own shape; 0: the root alone, a plain step).
+        -> the tree, on the target's device."""
+        limit = self.remaining if depth is None else min(self.remaining, depth + 1)
+        spec = self.options.tree.for_remaining(limit)
+        if spec is None:
+            tree = root_only(self.pending[-1:])
+        else:
+            tree = yield from self.drafter.draft_steps(self.pending, spec, self.options.sampling, self.generator,
+                                                       feats=self.feats)
+        self.drafted = spec is not None
+        return on_device(tree, self.device)
+
+    def verify(self, logits: torch.Tensor) -> TreeOutcome:
+        """Step 3 on the device: greedy or sampling verification of this row's tree (logits [N, V])."""
+        tree, params = self.tree, self.options.sampling
+        if params.greedy:
+            return verify_tree_greedy(tree.tokens, tree.parents, tree.depth, tree.anc, logits, tree.max_depth,
+                                      relaxed=self.options.acceptance.threshold(self.past))
+        p = logits_to_probs(logits, params)  # [N, V]
+        q = None if tree.q is None else tree.q.to(p.device, p.dtype)
+        sampled = None if tree.sampled is None else tree.sampled.to(p.device)
+        return verify_tree_sampling(tree.tokens, tree.parents, tree.depth, tree.anc, p, q, sampled,
+                                    uniforms(tree.size + 1, self.generator, p.device), tree.max_depth)
+
+    def commit(self, out: TreeOutcome, host: list[int], logits: torch.Tensor, hidden: torch.Tensor | None,
+               target: TargetRows, b: int, clock: BlockClock) -> list[int]:
+        """Steps 4-5 after the host read ``host`` (this row's packed outcome): compact / roll
+        back, adapt, emit. logits [N, V] (and hidden [N, F] for a head) at this row's nodes.
+        -> the tokens this step emits."""
+        tree = self.tree
+        ids = tree.tokens  # [N]
+        acc = out.unpack(host)
+        n = acc.n_accepted
+        path_tokens, path_fed = acc.along
+        if not acc.is_first_branch:  # a branch other than the first: move its keys/values into place
+            target.move(b, self.past + out.path[1:n + 1], self.past + 1)
+        self.past += n + 1
+        target.set_length(b, self.past)
+        in_draft = self.drafter.commit(path_fed[1:], tree.fed, out.path) if self.drafted else 0
+        if self.drafted and self.drafter.adaptive is not None:  # each view scored on what the target confirmed
+            confirmed = torch.cat([ids[out.path[1:n + 1]], out.next_token.view(1)])  # [n + 1]
+            self.drafter.adapt(tree.fed, out.path[:n + 1], confirmed, logits, self.options.sampling)
+
+        kept = cut_at_eos((path_tokens[1:] + [acc.next_token])[:self.remaining], self.options.eos_ids)
+        self.tokens.extend(kept)
+        self.stats.blocks.append(BlockRecord(n_drafted=tree.size - 1, n_accepted=min(n, len(kept)),
+                                             n_emitted=len(kept), depth=tree.max_depth if tree.size > 1 else 0))
+        self.clocks.append(clock)
+        if kept[-1] in self.options.eos_ids or len(self.tokens) >= self.options.max_new_tokens:
+            self.done = True
+            return kept
+        nxt = out.next_token.view(1)
+        if self.drafted:  # the accepted nodes the draft never saw, then the target's token
+            self.pending = torch.cat([ids[out.path[1 + in_draft:n + 1]], nxt])
+            if hidden is not None:  # the feature before each pending token: root and accepted nodes, as verified
+                self.feats = hidden[out.path[in_draft:n + 1]]
+        else:  # nothing was fed to the draft: the root stays pending, the target's token joins it
+            self.pending = torch.cat([self.pending, nxt])
+            if hidden is not None:
+                self.feats = torch.cat([self.feats, hidden[:1]])
+        return kept
+
+    def record_times(self) -> None:
+        """Each block's draft and verify seconds into its record (on a GPU: one sync, here)."""
+        blocks = self.stats.blocks[len(self.stats.blocks) - len(self.clocks):]
+        for rec, clock in zip(blocks, self.clocks):
+            rec.draft_s, rec.verify_s = clock.durations()[0]
+        self.clocks = []
+
+
+class Engine:
+    """One step over every row (module docstring). ``target``: the target's rows
+    (:class:`~mmspec.forwards.SoloRows` or :class:`~mmspec.forwards.RaggedRows`); ``drafts``: the
+    merged draft forwards of a batch (None: each row drafts on its drafter's own ``step_fn``)."""
+
+    def __init__(self, target: TargetRows, drafts: DraftForwards | None, device: torch.device,
+                 draft_lengths: Callable[[], list[int]] | None = None):
+        self.target = target
+        self.drafts = drafts
+        self.device = device
+        self.draft_lengths = draft_lengths  # with ``drafts``: every shared draft row's length now
+
+    def step(self, rows: list[Row], depth: int | None = None) -> list[list[int] | BaseException]:
+        """One step over ``rows`` (row b on the target's row b), each drafting at most ``depth``
+        deep (None: its own shape; 0: plain decoding) -> per row, the tokens it emitted, or the
+        exception it failed with (it alone: the others go on). A failure of the shared target
+        forward is every row's."""
+        clock = BlockClock(self.device)
+        clock.start()
+        # 1. draft: every row's steps, their forwards merged (a batch) or on the row's own drafter
+        for row in rows:
+            row.error, row.tree = None, None
+        if self.drafts is not None:
+            trees, errors = self.drafts.run([(b, r.draft_steps(depth), r.drafter) for b, r in enumerate(rows)],
+                                            self.draft_lengths)
+        else:
+            trees, errors = {}, {}
+            for b, r in enumerate(rows):
+                try:
+                    trees[b] = drive(r.draft_steps(depth), r.drafter.step_fn)
+                except Exception as e:  # noqa: BLE001 - this row fails alone
+                    errors[b] = e
+        for b, r in enumerate(rows):
+            if b in errors:  # verified as a root alone (the forward's shape stays), its outcome dropped
+                r.error, r.tree = errors[b], root_only(r.pending[-1:])
+            else:
+                r.tree = trees[b]
+        clock.mark()
+
+        # 2. verify forward: every row's tree in ONE target forward
+        try:
+            logits, hidden = self.target.score(rows)  # [B, N_max, V], [B, N_max, F] or None
+        except Exception as e:  # noqa: BLE001 - the shared forward failed: every row in it
+            return [e for _ in rows]
+
+        # 3. accept: each row verified on the device, the packed outcomes of all rows read ONCE
+        outs: dict[int, TreeOutcome] = {}
+        for b, r in enumerate(rows):
+            if r.error is None:
+                try:
+                    outs[b] = r.verify(logits[b, :r.tree.size])
+                except Exception as e:  # noqa: BLE001
+                    r.error = e
+        packed = {b: out.packed(rows[b].tree.tokens, rows[b].tree.fed) for b, out in outs.items()}
+        host = torch.cat(list(packed.values())).tolist() if packed else []  # the step's one host read
+        at, per_row = 0, {}
+        for b, t in packed.items():
+            per_row[b], at = host[at:at + t.shape[0]], at + t.shape[0]
+
+        # 4-5. commit / roll back, emit: per row
+        emitted: list[list[int] | BaseException] = []
+        for b, r in enumerate(rows):
+            if r.error is not None:
+                emitted.append(r.error)
+                continue
+            n = r.tree.size
+            try:
+                emitted.append(r.commit(outs[b], per_row[b], logits[b, :n], None if hidden is None else hidden[b, :n],
+                                        self.target, b, clock))
+            except Exception as e:  # noqa: BLE001
+                r.error = e
+                emitted.append(e)
+        clock.mark()
+        return emitted
 
 
 def run_loop(target: TargetState, drafter: TreeDrafter, options: EngineOptions,
              generator: torch.Generator | None, stats: GenerationStats,
              on_block: Callable[[list[int]], None] | None = None) -> list[int]:
-    """Draft, verify, accept, compact, until EOS or ``options.max_new_tokens``; returns the new
-    tokens and appends one :class:`BlockRecord` per block to ``stats``. ``on_block``: called
-    with each block's emitted tokens (host ints, already read: no extra sync), e.g. to stream.
-
-    For a drafter that reads the target's hidden states (``drafter.needs_hidden``: heads),
-    ``target.step`` returns (logits, hidden) and the features before the next block's pending
-    tokens are read from the verify forward's hidden states.
-    """
-    dev = target.device
-    clock = BlockClock(dev)
-    params = options.sampling
-    tokens: list[int] = []  # new tokens emitted so far
-    past = target.length  # tokens in the target cache
-    pending = torch.tensor([target.pending], device=dev)  # committed, not yet in the draft cache; [-1] is the root
-    feats = target.first_feats  # [n_pending, F]: the target's feature before each pending token (heads only)
-    records: list[BlockRecord] = []
-    while len(tokens) < options.max_new_tokens:
-        remaining = options.max_new_tokens - len(tokens)
-        block_spec = options.tree.for_remaining(remaining)
-        clock.start()
-        # 1. draft: feed the pending tokens, draft the block's tree (one token left: the root alone)
-        if block_spec is None:
-            tree = _root_only(pending[-1:])
-        else:
-            tree = drafter.draft(pending, block_spec, params, generator, feats=feats)
-        clock.mark()
-
-        # 2. verify: the target scores every node in ONE forward; the outcome stays on the device
-        on_target = _on(tree, dev)
-        ids = on_target.tokens[None]  # [1, N]
-        logits, hidden = _score(target, on_target, ids, past, bool(drafter.needs_hidden))  # [N, V], [N, F] or None
-        out = _verify(on_target, ids[0], logits, options, past, generator)
-
-        # 3. accept: the packed outcome, read once (the block's one host sync)
-        acc = out.unpack(out.packed(ids[0], on_target.fed).tolist())
-        n = acc.n_accepted
-        path_tokens, path_fed = acc.along
-
-        # 4. compact / roll back: the accepted path's keys/values into place, the rest dropped
-        if not acc.is_first_branch:  # a branch other than the first: move its keys/values into place
-            target.cache.move(past + out.path[1:n + 1], past + 1)
-        set_cache_length(target.cache, past + n + 1)
-        past += n + 1
-        in_draft = drafter.commit(path_fed[1:], tree.fed, out.path) if block_spec is not None else 0
-        if drafter.adaptive is not None and block_spec is not None:  # each view scored on what the target confirmed
-            confirmed = torch.cat([ids[0][out.path[1:n + 1]], out.next_token.view(1)])  # [n + 1]
-            drafter.adapt(tree.fed, out.path[:n + 1], confirmed, logits, params)
-        clock.mark()
-
-        # 5. emit and stop: the accepted tokens and the target's, cut at EOS and the limit
-        kept = _cut_at_eos((path_tokens[1:] + [acc.next_token])[:remaining], options.eos_ids)
-        tokens.extend(kept)
-        if on_block is not None:
-            on_block(kept)
-        records.append(BlockRecord(n_drafted=tree.size - 1, n_accepted=min(n, len(kept)), n_emitted=len(kept),
-                                   depth=tree.max_depth if tree.size > 1 else 0))
-        if kept[-1] in options.eos_ids:
-            break
-        # the next block's pending tokens: the accepted nodes the draft never saw, then the target's token
-        pending = torch.cat([ids[0][out.path[1 + in_draft:n + 1]], out.next_token.view(1)])
-        if hidden is not None:  # the feature before each pending token: root and accepted nodes, as verified
-            feats = hidden[out.path[in_draft:n + 1]]
-    for rec, (draft_s, verify_s) in zip(records, clock.durations()):
-        rec.draft_s, rec.verify_s = draft_s, verify_s
-    stats.blocks.extend(records)
-    return tokens
+    """One request stepped to its end (EOS or ``options.max_new_tokens``) by :meth:`Engine.step`
+    on its own cache; returns the new tokens and appends one :class:`BlockRecord` per block to
+    ``stats``. ``on_block``: called with each block's emitted tokens (host ints, already read: no
+    extra sync), e.g. to stream. A failure is raised."""
+    row = Row.start(target, drafter, options, generator, stats)
+    engine = Engine(SoloRows(target, bool(drafter.needs_hidden)), None, target.device)
+    try:
+        while not row.done:
+            (kept,) = engine.step([row])
+            if isinstance(kept, BaseException):
+                raise kept
+            if on_block is not None:
+                on_block(kept)
+    finally:
+        row.record_times()
+    return row.tokens
 
 
-def _score(target: TargetState, tree: DraftTree, ids: torch.Tensor, past: int, hidden_wanted: bool):
-    """The target's forward over the tree's N nodes at ``past``: node i at position ``past +
-    depth[i]`` (+ the offset), seeing the committed tokens and its own ancestors.
-    -> logits [N, V] and, for a head, the hidden states [N, F] (else None)."""
-    dev = target.device
-    n_nodes = tree.size
-    anc = tree.anc
-    position_ids = (past + target.pos_offset + tree.depth)[None]  # [1, N]
-    if target.static:
-        mask = tree_attention_mask(anc, past, target.cache.max_len)  # [1, 1, N, capacity]
-    elif tree.is_chain:
-        mask = torch.ones(1, past + n_nodes, dtype=torch.long, device=dev)  # causal: SDPA's fast path
-    else:
-        mask = tree_attention_mask(anc, past, past + n_nodes)  # [1, 1, N, past + N]
-    out = target.step(ids=ids, pos=position_ids, mask=mask)
-    return (out[0][0], out[1][0]) if hidden_wanted else (out[0], None)
-
-
-def _verify(tree: DraftTree, ids: torch.Tensor, logits: torch.Tensor, options: EngineOptions, past: int,
-            generator: torch.Generator | None) -> TreeOutcome:
-    """Greedy or sampling verification of the tree (ids [N], logits [N, V]) on the device."""
-    dev = logits.device
-    parents, depth, anc = tree.parents, tree.depth, tree.anc
-    params = options.sampling
-    if params.greedy:
-        return verify_tree_greedy(ids, parents, depth, anc, logits, tree.max_depth,
-                                  relaxed=options.acceptance.threshold(past))
-    p = logits_to_probs(logits, params)  # [N, V]
-    q = None if tree.q is None else tree.q.to(dev, p.dtype)
-    sampled = None if tree.sampled is None else tree.sampled.to(dev)
-    return verify_tree_sampling(ids, parents, depth, anc, p, q, sampled,
-                                uniforms(tree.size + 1, generator, dev), tree.max_depth)
-
-
-def _on(tree: DraftTree, dev: torch.device) -> DraftTree:
+def on_device(tree: DraftTree, dev: torch.device) -> DraftTree:
     """The tree with its tensors on the target's device (itself when they are there already)."""
     if tree.tokens.device == dev:
         return tree
@@ -175,14 +255,16 @@ def _on(tree: DraftTree, dev: torch.device) -> DraftTree:
                    anc=move(tree.anc), fed=move(tree.fed), q=move(tree.q), sampled=move(tree.sampled))
 
 
-def _root_only(root: torch.Tensor) -> DraftTree:
+def root_only(root: torch.Tensor) -> DraftTree:
+    """A tree of the root alone ([1] long): the block verifies nothing drafted (a plain step)."""
     dev = root.device
     return DraftTree(tokens=root, parents=torch.full((1,), -1, dtype=torch.long, device=dev),
                      depth=torch.zeros(1, dtype=torch.long, device=dev), anc=torch.ones(1, 1, dtype=torch.bool, device=dev),
                      fed=torch.full((1,), -1, dtype=torch.long, device=dev), max_depth=0, is_chain=True)
 
 
-def _cut_at_eos(tokens: list[int], eos_ids: frozenset[int]) -> list[int]:
+def cut_at_eos(tokens: list[int], eos_ids: frozenset[int]) -> list[int]:
+    """``tokens`` up to and including the first EOS."""
     for i, t in enumerate(tokens):
         if t in eos_ids:
             return tokens[: i + 1]

@@ -1,8 +1,8 @@
 """Streaming a decode's text as its blocks are accepted.
 
-Owns the incremental detokenization (:class:`TextDelta`: decode everything so far and emit the
-new suffix, holding back an incomplete multi-byte character, so the pieces concatenate to the
-text :meth:`mmspec.SpecDecoder.generate` returns) and :class:`TextStream`, the iterator that
+Owns the incremental detokenization (:class:`TextDelta`: decode a window of the newest tokens
+and emit its new text, holding back an incomplete multi-byte character, so the pieces
+concatenate to the text :meth:`mmspec.SpecDecoder.generate` returns; per row of a batch too) and :class:`TextStream`, the iterator that
 :meth:`mmspec.SpecDecoder.stream` returns: ``generate`` runs in a worker thread with a streamer
 (transformers' ``put(ids)`` / ``end()`` protocol, the same one ``generate(streamer=...)``
 accepts) that queues at most one text piece per block. Knows nothing of drafting or caches.
@@ -19,27 +19,39 @@ _DONE = object()
 
 class TextDelta:
     """Tokens in, new text out: ``push(ids) -> piece``; the pieces and ``finish()`` concatenate
-    to ``tokenizer.decode(all ids, skip_special_tokens=...)``."""
+    to ``tokenizer.decode(all ids, skip_special_tokens=...)``.
+
+    Incremental (vLLM's and transformers' streamers' way): each push decodes only a window, the
+    tokens since the start of the previous piece's tokens, and emits the window's text past what
+    the previous tokens of the window decode to (so a tokenizer that drops or adds a leading
+    space at the start of a decode is read right). A window whose text ends in an incomplete
+    multi-byte character waits for its bytes. ``finish()`` decodes the whole answer once and
+    emits what is left of it."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.tokens: list[int] = []
         self.emitted = ""
+        self.prefix = 0  # the window starts here: the tokens of the piece before the last one
+        self.read = 0  # tokens emitted as text so far
 
-    def _text(self) -> str:
-        return self.tokenizer.decode(self.tokens, skip_special_tokens=self.skip_special_tokens)
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, ids) -> str:
         self.tokens.extend(int(t) for t in ids)
-        stable = self._text().rstrip("\ufffd")  # an incomplete multi-byte character waits for its bytes
-        if not stable.startswith(self.emitted):  # a later token changed how earlier ones decode: wait
-            return ""
-        piece, self.emitted = stable[len(self.emitted):], stable
+        before = self._decode(self.tokens[self.prefix:self.read])
+        text = self._decode(self.tokens[self.prefix:])
+        if len(text) <= len(before) or text.endswith("\ufffd") or not text.startswith(before):
+            return ""  # nothing new, an incomplete character, or a decode that rewrote earlier text: wait
+        piece = text[len(before):]
+        self.prefix, self.read = self.read, len(self.tokens)
+        self.emitted += piece
         return piece
 
     def finish(self) -> str:
-        text = self._text()
+        text = self._decode(self.tokens)
         piece = text[len(self.emitted):] if text.startswith(self.emitted) else ""
         self.emitted += piece
         return piece

@@ -130,25 +130,32 @@ def test_policy_never_and_auto_are_lossless(target, draft_shared, tok, refs):
 
 def test_auto_policy_carries_over_between_calls(target, draft_shared, tok, refs):
     """generate_batch(speculate="auto") calls on one decoder share its policy: the second call starts
-    from the rates the first measured instead of probing every batch size again."""
+    from the costs and acceptance the first measured instead of probing every batch size again."""
     dec = SpecDecoder(target, draft_shared, tok, views="MT")
     assert [r.token_ids for r in dec.generate_batch(requests(4), speculate="auto")] == refs[:4]
-    learnt = dict(dec.speculation_policy.rates)
-    assert learnt and dec.speculation_policy.mode == "auto"
+    learnt = dict(dec.speculation_policy.costs)
+    assert learnt and dec.speculation_policy.mode == "auto" and dec.speculation_policy.acceptance is not None
     blocks = sum(dec.speculation_policy.blocks.values())
     assert [r.token_ids for r in dec.generate_batch(requests(4), speculate="auto")] == refs[:4]
     assert sum(dec.speculation_policy.blocks.values()) > blocks  # the same policy went on counting
 
 
-def test_auto_policy_picks_the_faster_mode():
-    pol = SpeculationPolicy("auto", probe_every=4)
-    assert pol.decide(8) is True  # unmeasured: try drafting
-    pol.record(8, True, tokens=8, seconds=1.0)
-    assert pol.decide(8) is False  # then plain steps, once
-    pol.record(8, False, tokens=8, seconds=0.1)  # plain: 80 tok/s against 8
-    picks = [pol.decide(8) for _ in range(8)]
-    assert picks.count(False) >= 6 and True in picks  # mostly plain, drafting probed now and then
-    assert pol.decide(1) is True  # another batch size is measured on its own
+def test_goodput_policy_probes_then_picks_the_depth_with_most_tokens_per_second():
+    pol = SpeculationPolicy("auto", probe_every=1000, smoothing=1.0)
+    assert pol.decide(8, 5) == 5  # unmeasured: the full depth first
+    pol.record(8, 5, seconds=1.0, accepted=8, rejected=8)  # alpha = 0.5
+    assert pol.decide(8, 5) == 0  # then plain steps, once
+    pol.record(8, 0, seconds=0.5)
+    # T(8, d) interpolated: 0.5 + 0.1 d; tokens 1 + .5 + .25 + ...: d = 1 gives 8 * 1.5 / 0.6 = 20 tok/s,
+    # plain 16, d = 2 8 * 1.75 / 0.7 = 20, d = 5 8 * 1.97 / 1.0 = 15.75
+    assert [round(pol.goodput(8, d), 2) for d in (0, 1, 2, 5)] == [16.0, 20.0, 20.0, 15.75]
+    assert pol.decide(8, 5) == 1
+    pol.record(8, 5, seconds=1.0, accepted=95, rejected=5)  # alpha = 0.95: deep drafts pay
+    assert pol.decide(8, 5) == 5
+    pol.record(8, 5, seconds=9.0, accepted=95, rejected=5)  # ... unless they cost that much
+    assert pol.decide(8, 5) == 0
+    assert pol.decide(1, 5) == 5  # another batch size is measured on its own
+    assert SpeculationPolicy("always").decide(8, 5) == 5 and SpeculationPolicy("never").decide(8, 5) == 0
     with pytest.raises(MMSpecError, match="speculate must be one of"):
         SpeculationPolicy("sometimes")
 
@@ -342,7 +349,7 @@ def test_a_request_failing_while_drafting_fails_alone(target, draft_shared, tok,
     sched = BatchScheduler(dec)
     rids = [sched.submit(r) for r in reqs]
     sched.step()
-    broken = sched._active[0].run.drafter
+    broken = sched._active[0].row.drafter
     monkeypatch.setattr(broken, "_feed_pending", lambda *a: (_ for _ in ()).throw(RuntimeError("draft broke")))
     events = drain(sched)
     errors = {ev.rid: ev.error for ev in events if ev.error}
@@ -363,10 +370,11 @@ def test_static_cache_decoder_batches_eagerly(target, draft_shared, tok, refs):
 
 
 def test_auto_policy_decodes_plainly_where_drafting_was_measured_slower(target, draft_shared, tok, refs):
-    pol = SpeculationPolicy("auto", probe_every=1000, smoothing=0.0)  # the seeded rates stay (no timing flakes)
-    for b in range(1, 4):  # measured: plain steps 100x faster than drafted blocks at every batch size here
-        pol.record(b, True, tokens=1, seconds=1.0)
-        pol.record(b, False, tokens=100, seconds=1.0)
+    pol = SpeculationPolicy("auto", probe_every=1000, smoothing=0.0)  # the seeded costs stay (no timing flakes)
+    for b in range(1, 4):  # measured: plain steps 100x cheaper than drafted ones at every batch size here
+        pol.record(b, 5, seconds=1.0, accepted=1, rejected=1)
+        pol.record(b, 0, seconds=0.01)
+    pol.accepted, pol.rejected = 1.0, 1.0
     sched = BatchScheduler(SpecDecoder(target, draft_shared, tok, views="MT"), speculate=pol)
     rids = [sched.submit(r) for r in [requests(8)[i] for i in (0, 5, 3)]]
     events = drain(sched)
@@ -379,12 +387,12 @@ def test_auto_policy_decodes_plainly_where_drafting_was_measured_slower(target, 
 
 def test_a_failed_shared_forward_ends_its_requests_and_the_scheduler_goes_on(target, draft_shared, tok, refs,
                                                                               monkeypatch):
-    from mmspec import batch
+    from mmspec import forwards
 
     sched = BatchScheduler(SpecDecoder(target, draft_shared, tok, views="M"))
     first = [sched.submit(r) for r in requests(2)]
     with monkeypatch.context() as m:
-        m.setattr(batch, "score_batch", lambda *a: (_ for _ in ()).throw(RuntimeError("out of memory")))
+        m.setattr(forwards.RaggedRows, "score", lambda *a: (_ for _ in ()).throw(RuntimeError("out of memory")))
         events = sched.step()
     assert sorted(ev.rid for ev in events if ev.error) == first and "out of memory" in events[0].error
     assert not sched.has_work() and sched.cache.active == 0

@@ -140,7 +140,7 @@ def test_reused_caches_equal_a_fresh_prefill(target, draft_shared, tok):
     got, want = [], []
     for d, out in ((dec, got), (fresh, want)):
         layout = d.mm.layout(ids2[0], {"pixel_values": pv})
-        pre = d.prefill_request(ids2[0], {"pixel_values": pv}, layout, 8, d._new_stats())
+        pre = d.prefill_request(ids2[0], {"pixel_values": pv}, layout, 8, d.new_stats())
         out.append((pre.state.cache, pre.drafter.cache, pre.drafter.valid.clone(), pre.state.length))
     (tc, dc, valid, n), (tc2, dc2, valid2, n2) = got[0], want[0]
     assert n == n2 and torch.equal(valid, valid2)
@@ -246,7 +246,7 @@ def test_the_batch_path_pieces(target, draft_shared, tok):
     dec = SpecDecoder(target, draft_shared, tok, views="MT")
     ids1, pv = make_prompt(1, 16, seed=16)
     mm = {"pixel_values": pv}
-    pre = dec.prefill_request(ids1[0], mm, dec.mm.layout(ids1[0], mm), 8, dec._new_stats())
+    pre = dec.prefill_request(ids1[0], mm, dec.mm.layout(ids1[0], mm), 8, dec.new_stats())
     dec.remember(pre, [], copy=True)  # the prompt alone: L - 1 target positions
     assert stored_len(dec) == ids1.shape[1] - 1
     cache = pre.state.cache
@@ -262,8 +262,9 @@ def test_the_batch_path_pieces(target, draft_shared, tok):
 
 def test_generate_batch_reuses_stored_prompts(target, draft_shared, tok):
     """generate_batch admits each request through prefill_request: a turn-2 request extending a
-    prompt an earlier batch decoded prefills only what the cache lacks (the earlier prompt is
-    kept at admission), next to a request with nothing to reuse, and both stay the target's."""
+    conversation an earlier batch decoded prefills only what the cache lacks (turn 1's prompt AND
+    answer are kept when it finishes), next to a request with nothing to reuse, and both stay the
+    target's."""
     dec = SpecDecoder(target, draft_shared, tok, views="MT")
     ids1, pv = make_prompt(1, 16, seed=21)
     other, pv_o = make_prompt(2, 16, seed=22)
@@ -274,8 +275,43 @@ def test_generate_batch_reuses_stored_prompts(target, draft_shared, tok):
                                 max_new_tokens=10)
     assert r2.token_ids == reference(target, ids2, 10, pixel_values=pv)
     assert ro.token_ids == reference(target, other, 10, pixel_values=pv_o)
-    assert r2.stats.prompt_tokens_reused == ids1.shape[1] - 1
+    assert r2.stats.prompt_tokens_reused == ids1.shape[1] - 1 + len(r1.token_ids)  # prompt and answer
     shared = 0  # the other prompt shares only its leading text tokens (BOS) with the stored one
     while other[0, shared] == ids1[0, shared] and other[0, shared] != IMG:
         shared += 1
     assert ro.stats.prompt_tokens_reused == shared < 3
+
+
+@pytest.mark.parametrize("how", ["M", "MT+tree", "head"])
+def test_conversation_through_generate_batch_reuses_prompt_and_answer(target, draft_shared, tok, how):
+    """Issue 42, item 5: turn 2 through generate_batch (the path of BatchScheduler and so of
+    `mmspec serve`) prefills only its new part, as generate does: turn 1's prompt and answer
+    come from the prefix cache, draft rows (or head) included, and both turns stay the target's."""
+    def decoder():
+        if how == "head":
+            return SpecDecoder(target, build_head(target, "eagle", seed=2), tok, tree="dynamic", tree_depth=3,
+                               tree_topk=2, tree_budget=6)
+        if how == "MT+tree":
+            return SpecDecoder(target, draft_shared, tok, views="MT", tree="dynamic")
+        return SpecDecoder(target, draft_shared, tok, views="M")
+
+    dec = decoder()
+    ids1, pv = make_prompt(2, 16, seed=31)
+    other, pv_o = make_prompt(1, 16, seed=32)
+    r1, _ = dec.generate_batch([{"input_ids": ids1, "pixel_values": pv, "max_new_tokens": 12},
+                                {"input_ids": other, "pixel_values": pv_o, "max_new_tokens": 5}])
+    assert r1.token_ids == reference(target, ids1, 12, pixel_values=pv)
+    ids2 = next_turn(ids1, r1.token_ids)
+    r2 = dec.generate_batch([{"input_ids": ids2, "pixel_values": pv, "max_new_tokens": 16}])[0]
+    assert r2.token_ids == reference(target, ids2, 16, pixel_values=pv)
+    assert r2.stats.vision_s == 0.0  # the same images: encoded once
+    # as much reused as generate reuses for the same two turns (target, draft rows or head alike)
+    solo = decoder()
+    solo.generate(ids1, pv, max_new_tokens=12)
+    g2 = solo.generate(ids2, pv, max_new_tokens=16)
+    assert r2.stats.prompt_tokens_reused == g2.stats.prompt_tokens_reused
+    assert g2.stats.tokens_per_block == r2.stats.tokens_per_block  # the drafter saw the same reused context
+    if how != "head":  # every position turn 1's target cache held: the prompt and the answer but its newest token
+        assert r2.stats.prompt_tokens_reused == ids1.shape[1] - 1 + len(r1.token_ids)
+    else:  # the head's slots lag the target's by at most one block
+        assert r2.stats.prompt_tokens_reused >= ids1.shape[1] - 1 + len(r1.token_ids) - 4

@@ -98,3 +98,61 @@ def test_multibyte_characters_are_never_split():
     pieces = [delta.push([i]) for i in ids] + [delta.finish()]
     assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True) == text
     assert not any("\ufffd" in p for p in pieces)
+
+
+class ByteTokenizer:
+    """Every token one byte of UTF-8: ids 3k are the lead byte of "é" (0xC3), 3k+1 its
+    continuation (0xA9), 3k+2 an "a": a character is split over two tokens, often over two blocks."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        table = {0: b"\xc3", 1: b"\xa9", 2: b"a"}
+        return b"".join(table[int(t) % 3] for t in ids).decode("utf-8", errors="replace")
+
+
+def test_scheduler_streams_text_deltas_and_never_splits_a_character(target, draft_shared, tok):
+    """Issue 42, item 7: BatchScheduler (what `mmspec serve` streams from) emits each step's text
+    incrementally per request (TextDelta): the pieces of a request concatenate to its result's
+    text, though block boundaries fall inside multi-byte characters."""
+    from mmspec.batch import BatchScheduler
+
+    dec = SpecDecoder(target, draft_shared, tok, views="MT")
+    dec.tokenizer = ByteTokenizer()  # decoding only: the scheduler's text goes through it
+    sched = BatchScheduler(dec, max_batch=3)
+    rids = [sched.submit(dict(input_ids=ids, pixel_values=pv, max_new_tokens=24))
+            for ids, pv in (make_prompt(n, 16, seed=40 + n, text_len=3 + n) for n in range(4))]
+    pieces = {r: [] for r in rids}
+    blocks = {r: [] for r in rids}
+    results = {}
+    while sched.has_work():
+        for ev in sched.step():
+            assert ev.error is None
+            pieces[ev.rid].append(ev.text)
+            blocks[ev.rid].append(ev.new_token_ids)
+            if ev.finished:
+                results[ev.rid] = ev.result
+    split = 0  # block boundaries that cut a character ("é" = lead byte | continuation byte)
+    for r in rids:
+        text = results[r].text
+        assert text == ByteTokenizer().decode(results[r].token_ids)
+        assert "".join(pieces[r]) == text
+        split += sum(a[-1] % 3 == 0 and b[0] % 3 == 1 for a, b in zip(blocks[r], blocks[r][1:]) if a and b)
+    assert split > 0  # the case the test is about did happen
+
+
+def test_text_delta_decodes_a_window_not_the_whole_answer():
+    """Streaming without re-decoding: each push decodes the newest tokens (a window), never the
+    whole answer again, and the pieces still concatenate to the whole decode."""
+    tok = AutoTokenizer.from_pretrained(default_path() / "target")
+    ids = tok.encode("the red square is left of the blue circle, héllo 😀 " * 8, add_special_tokens=False)
+    decoded = []
+    real = tok.decode
+
+    class Counting:
+        def decode(self, t, **kw):
+            decoded.append(len(t))
+            return real(t, **kw)
+
+    delta = TextDelta(Counting())
+    pieces = [delta.push(ids[i:i + 3]) for i in range(0, len(ids), 3)] + [delta.finish()]
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
+    assert max(decoded[:-1]) <= 12  # windows of a few tokens; only finish() decodes the whole answer

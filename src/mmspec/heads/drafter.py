@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mmspec.drafter import StepFn, TreeDrafter
+from mmspec.drafter import DraftSteps, StepFn, TreeDrafter
 from mmspec.heads.model import FeatureHead
 from mmspec.models.base import ModelAdapter
 from mmspec.models.cache import DecodeCache
@@ -82,16 +82,16 @@ class HeadDrafter(TreeDrafter):
         self.hnode = torch.zeros(n_nodes, self.head.config.hidden_size, dtype=self.head.dtype,
                                  device=self.valid.device)
 
-    def _feed_pending(self, pending: torch.Tensor, feats: torch.Tensor | None) -> torch.Tensor:
+    def _feed_pending(self, pending: torch.Tensor, feats: torch.Tensor | None) -> DraftSteps:
         if feats is None:
             raise RuntimeError("a head drafts from the target's features: the engine must pass them")
         pos, mask = self._slots(pending.shape[0], 0, None, True)
-        h = self.step_fn(feats=self.head.fused(feats)[None], embeds=self._embed(pending[None]), pos=pos, mask=mask)
+        h = yield dict(feats=self.head.fused(feats)[None], embeds=self._embed(pending[None]), pos=pos, mask=mask)
         self.hnode[0] = h[0, -1]
         return self.head.logits(h[:, -1:], self._lm_head)  # [1, 1, V]
 
-    def _feed_nodes(self, nodes, tokens, parents, depth, block, causal) -> torch.Tensor:
+    def _feed_nodes(self, nodes, tokens, parents, depth, block, causal) -> DraftSteps:
         pos, mask = self._slots(nodes.shape[0], depth - 1, block, causal)
-        h = self.step_fn(feats=self.hnode[parents][None], embeds=self._embed(tokens[None]), pos=pos, mask=mask)
+        h = yield dict(feats=self.hnode[parents][None], embeds=self._embed(tokens[None]), pos=pos, mask=mask)
         self.hnode[nodes] = h[0]
         return self.head.logits(h, self._lm_head)  # [1, F, V]

@@ -9,8 +9,9 @@ queries see (its own committed slots and its own tree nodes, never another row's
 
 Only the first ``active`` rows take part in a forward; a request that leaves hands its row back
 by :meth:`RaggedCache.remove` (the last active row is copied into its place: rows stay compact).
-A newcomer is prefilled alone (on a :class:`~mmspec.models.cache.DecodeCache` of its own) and
-:meth:`RaggedCache.join` copies its keys/values into a free row. The host-side ``lengths`` are
+A newcomer is prefilled on a :class:`~mmspec.models.cache.DecodeCache` of its own and
+:meth:`RaggedCache.join` copies its keys/values into a free row; :meth:`RaggedCache.snapshot`
+copies a finished row's out (for the prefix cache). The host-side ``lengths`` are
 the truth; roll-back after verification is :meth:`set_row_length` (O(1)), and a tree's accepted
 path is moved into place in one row with :meth:`move_row` (O(path)).
 """
@@ -138,6 +139,15 @@ class RaggedCache(Cache):
         kv = self.store.kv
         m = src.shape[0]
         kv[:, :, row, :, dst:dst + m] = kv[:, :, row].index_select(3, src)
+
+    def snapshot(self, row: int, start: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """A copy of slots ``start .. start + n - 1`` of ``row``, per layer ([1, H, n, D] keys,
+        values): what a finished request leaves to the prefix cache. None when n <= 0."""
+        kv = self.store.kv
+        if kv is None or n <= 0:
+            return None
+        return [(kv[i, 0, row:row + 1, :, start:start + n].clone(), kv[i, 1, row:row + 1, :, start:start + n].clone())
+                for i in range(kv.shape[0])]
 
     def begin_forward(self) -> None:
         """Before a forward: each row writes at its own length (one small host-to-device copy)."""

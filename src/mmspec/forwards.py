@@ -1,0 +1,233 @@
+"""The forwards of one engine step (:mod:`mmspec.engine`), for one request or many.
+
+The target's side, :class:`TargetRows`: the engine asks for ONE forward over every row's tree
+(``score``) and then moves each row's accepted path into place and sets its length (``move``,
+``set_length``; tensor operations on that row, no copy of the others).
+
+- :class:`SoloRows`: one request on a cache of its own (:class:`TargetState`): ``generate`` and
+  ``stream``, with the decoder's static caches and CUDA-graph replays when it has them.
+- :class:`RaggedRows`: many requests on one :class:`~mmspec.models.ragged.RaggedCache`
+  (``generate_batch``, :class:`~mmspec.batch.BatchScheduler`, ``mmspec serve``). Every tree is
+  padded to the largest; node i of row b sits at position ``lengths[b] + pos_offset_b +
+  depth_b[i]`` and sees row b's committed slots and its own ancestors; a padding node sees only
+  itself (its output is never read).
+
+The draft's side, :class:`DraftForwards`: every request's drafter runs as steps (a generator
+that yields each forward it needs: :data:`mmspec.drafter.DraftSteps`); the steps of all
+requests advance in lockstep and each round's forwards run as ONE forward of the draft model
+(or head) over a shared RaggedCache, each request's rows (one per view of its ensemble, or its
+head's) at their own lengths. No threads: drafting stays each request's own code and draws,
+only where its forwards run changes. Rows whose drafter is not drafting in a round take part as
+padding (they see only themselves and write past their slots).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from mmspec.models.cache import DecodeCache, set_cache_length
+from mmspec.models.ragged import RaggedCache
+from mmspec.tree import tree_attention_mask
+
+# target_step(ids [1, N], pos [1, N], mask) -> logits [1, N, V], or (logits, hidden [1, N, F])
+StepFn = Callable[..., object]
+
+
+@dataclass
+class TargetState:
+    """The target's side of one decode as the decoder prefilled it (SGLang's eagle worker passes
+    ``EagleVerifyInput``; this is its counterpart here)."""
+
+    cache: object  # a DecodeCache (or a DynamicCache: chains only) holding the prompt less its last token
+    step: StepFn  # the block forward on that cache: eager, or a CUDA-graph replay
+    length: int  # positions in the cache
+    pending: int  # the prompt's last token: committed, not yet in any cache (the first block's root)
+    device: torch.device
+    pos_offset: int = 0  # a token's position minus its cache slot after the prompt (multimodal-RoPE delta; else 0)
+    first_feats: torch.Tensor | None = None  # [1, F] for a head: the target's feature before ``pending``
+
+    @property
+    def static(self) -> bool:
+        """Fixed shapes: masks span the whole preallocated buffer."""
+        return isinstance(self.cache, DecodeCache) and self.cache.static
+
+
+class TargetRows:
+    """The target's cache as the engine's rows see it (module docstring)."""
+
+    def score(self, rows: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ONE forward over every row's tree (``row.tree``, ``row.past``, ``row.pos_offset``)
+        -> logits [B, N_max, V] and, for a head, hidden [B, N_max, F] (else None)."""
+        raise NotImplementedError
+
+    def move(self, b: int, src: torch.Tensor, dst: int) -> None:
+        """Row b's positions ``src`` [m] (device long) to ``dst .. dst + m - 1``."""
+        raise NotImplementedError
+
+    def set_length(self, b: int, length: int) -> None:
+        """Row b keeps its first ``length`` positions (O(1))."""
+        raise NotImplementedError
+
+
+class SoloRows(TargetRows):
+    """One request on its own cache: the decoder's (static, or CUDA-graph replays)."""
+
+    def __init__(self, state: TargetState, hidden_wanted: bool):
+        self.state = state
+        self.hidden_wanted = hidden_wanted
+
+    def score(self, rows):
+        (row,) = rows
+        st, tree, past = self.state, row.tree, row.past
+        position_ids = (past + st.pos_offset + tree.depth)[None]  # [1, N]
+        if st.static:
+            mask = tree_attention_mask(tree.anc, past, st.cache.max_len)  # [1, 1, N, capacity]
+        elif tree.is_chain:
+            mask = torch.ones(1, past + tree.size, dtype=torch.long, device=st.device)  # causal: SDPA's fast path
+        else:
+            mask = tree_attention_mask(tree.anc, past, past + tree.size)  # [1, 1, N, past + N]
+        out = st.step(ids=tree.tokens[None], pos=position_ids, mask=mask)
+        return (out[0], out[1]) if self.hidden_wanted else (out, None)
+
+    def move(self, b, src, dst):
+        self.state.cache.move(src, dst)
+
+    def set_length(self, b, length):
+        set_cache_length(self.state.cache, length)
+
+
+class RaggedRows(TargetRows):
+    """Many requests, row b of ``cache`` the b-th row the engine steps."""
+
+    def __init__(self, adapter, cache: RaggedCache, hidden_layers: tuple[int, ...]):
+        self.adapter = adapter
+        self.cache = cache
+        self.hidden_layers = hidden_layers
+
+    def score(self, rows):
+        dev = rows[0].device
+        B = len(rows)
+        sizes = [r.tree.size for r in rows]
+        n_max = max(sizes)
+        lengths = self.cache.lengths
+        span = max(lengths) + n_max
+        ids = torch.zeros(B, n_max, dtype=torch.long, device=dev)
+        pos = torch.zeros(B, n_max, dtype=torch.long, device=dev)
+        mask = torch.zeros(B, 1, n_max, span, dtype=torch.bool, device=dev)
+        eye = torch.eye(n_max, dtype=torch.bool, device=dev)
+        for b, r in enumerate(rows):
+            t, n, past = r.tree, sizes[b], lengths[b]
+            ids[b, :n] = t.tokens
+            pos[b, :n] = past + r.pos_offset + t.depth
+            pos[b, n:] = past + r.pos_offset
+            mask[b, 0, :n, :past] = True
+            mask[b, 0, :n, past:past + n] = t.anc
+            mask[b, 0, n:, past:past + n_max] = eye[n:]  # padding nodes see themselves only
+        self.cache.begin_forward()
+        out = self.adapter.forward(cache=self.cache, attention_mask=mask, position_ids=pos, input_ids=ids,
+                                   hidden=self.hidden_layers)
+        return (out[0], out[1]) if self.hidden_layers else (out, None)
+
+    def move(self, b, src, dst):
+        self.cache.move_row(b, src, dst)
+
+    def set_length(self, b, length):
+        self.cache.set_row_length(b, length)
+
+
+class DraftForwards:
+    """Many drafters' steps in lockstep, each round's forwards merged into ONE forward of the
+    draft model (or head) over a shared RaggedCache (module docstring). A drafter's cache is a
+    :class:`~mmspec.models.ragged.RowGroup` of that cache (``cache.rows()``: its rows now)."""
+
+    def __init__(self, forward, cache: RaggedCache):
+        self.forward = forward  # (cache, inputs {name: [R, n, ...]}, pos [R, n], mask) -> [R, n, ...]
+        self.cache = cache
+
+    @classmethod
+    def for_tokens(cls, adapter, cache: RaggedCache) -> DraftForwards:
+        """Token-level drafters: their steps yield ``ids=, pos=, mask=``, the draft model's forward."""
+        return cls(lambda c, x, pos, mask: adapter.forward(cache=c, attention_mask=mask, position_ids=pos,
+                                                           input_ids=x["ids"]), cache)
+
+    @classmethod
+    def for_head(cls, head, cache: RaggedCache) -> DraftForwards:
+        """Feature-level heads: their steps yield ``feats=, embeds=, pos=, mask=``, the head's forward."""
+        return cls(lambda c, x, pos, mask: head(x["feats"], x["embeds"], cache=c, position_ids=pos,
+                                                attention_mask=mask), cache)
+
+    def run(self, jobs: list[tuple[int, object, object]], lengths: Callable[[], list[int]]
+            ) -> tuple[dict[int, object], dict[int, BaseException]]:
+        """Run ``jobs`` [(key, steps, drafter)] to their ends, merging their forwards; ``lengths()``
+        gives every active row's current draft length (padding rows write there).
+        -> (what each job's steps returned, errors) by key; a job's failure ends it alone."""
+        results: dict[int, object] = {}
+        errors: dict[int, BaseException] = {}
+        waiting: dict[int, tuple] = {}  # key -> (rows, write slot, inputs, pos, mask)
+        gens = {key: (steps, drafter) for key, steps, drafter in jobs}
+
+        def advance(key: int, value) -> None:
+            steps, drafter = gens[key]
+            try:
+                call = next(steps) if value is None else steps.send(value)
+            except StopIteration as done:
+                results[key] = done.value
+                return
+            except Exception as e:  # noqa: BLE001 - reported for this request alone
+                errors[key] = e
+                return
+            pos, mask = call.pop("pos"), call.pop("mask")
+            waiting[key] = (drafter.cache.rows(), drafter.length - pos.shape[-1], call, pos, mask)
+
+        for key in gens:
+            advance(key, None)
+        while waiting:
+            batch = dict(sorted(waiting.items()))
+            waiting.clear()
+            try:
+                outs = self._forward(batch, lengths())
+            except Exception as e:  # noqa: BLE001 - the merged forward failed: every job in it
+                for key in batch:
+                    errors[key] = e
+                    gens[key][0].close()
+                continue
+            for key, out in outs.items():
+                advance(key, out)
+        return results, errors
+
+    def _forward(self, batch: dict, lengths: list[int]) -> dict:
+        """The merged forward: every active row, the waiting ones with their inputs, the others as
+        padding. -> each waiting job's outputs [B_r, n_r, ...]."""
+        first = next(iter(batch.values()))
+        dev = first[3].device
+        n_max = max(v[3].shape[-1] for v in batch.values())
+        R = len(lengths)
+        write = list(lengths)
+        for rows, w, *_ in batch.values():
+            for r in rows:
+                write[r] = w
+        span = max(write) + n_max
+        inputs = {name: torch.zeros(R, n_max, *t.shape[2:], dtype=t.dtype, device=dev) for name, t in first[2].items()}
+        pos = torch.zeros(R, n_max, dtype=torch.long, device=dev)
+        mask = torch.zeros(R, 1, n_max, span, dtype=torch.bool, device=dev)
+        eye = torch.eye(n_max, dtype=torch.bool, device=dev)
+        for r in range(R):  # padding: every query sees itself only
+            mask[r, 0, :, write[r]:write[r] + n_max] = eye
+        for rows, w, x, p, m in batch.values():
+            n = p.shape[-1]
+            idx = torch.tensor(rows, device=dev)
+            for name, t in x.items():
+                inputs[name][idx, :n] = t
+            pos[idx, :n] = p
+            pos[idx, n:] = p[:, -1:]
+            if m.dim() == 2:  # all ones: causal over every filled slot
+                m = torch.ones(n, w + n, dtype=torch.bool, device=dev).tril(w)[None, None].expand(len(rows), 1, n, w + n)
+            mask[idx, :, :n, :] = False
+            mask[idx, :, :n, :m.shape[-1]] = m
+        self.cache.set_lengths(write)
+        self.cache.begin_forward()
+        out = self.forward(self.cache, inputs, pos, mask)
+        return {k: out[torch.tensor(v[0], device=dev), :v[3].shape[-1]] for k, v in batch.items()}

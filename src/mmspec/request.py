@@ -1,0 +1,93 @@
+"""One request, checked: every argument check, default and the seed of a decode in ONE place,
+used by :meth:`~mmspec.decoder.SpecDecoder.generate`, :meth:`~mmspec.decoder.SpecDecoder.generate_batch`
+and ``mmspec serve`` (through :class:`~mmspec.batch.BatchScheduler`) alike.
+
+:func:`prepare` turns generate()'s keywords (or one request dict of generate_batch) into a
+:class:`Request`: token ids on the CPU, the family's multimodal inputs, the prompt's layout,
+the limit, the sampling settings and the seed (greedy: None; sampling without one: drawn from
+the OS, and reported in the result so the decode can be repeated). :func:`make_generator` is the
+explicit generator every random draw of the request comes from. Knows nothing of caches or the
+loop; the checks' texts are :mod:`mmspec.checks`'.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from mmspec import checks
+from mmspec.errors import MMSpecError
+from mmspec.verify import SamplingParams
+
+EXTRA_KEYS = ("images", "captions", "videos", "substitutes")
+
+
+@dataclass
+class Request:
+    """A request checked and resolved (nothing encoded or prefilled yet)."""
+
+    ids: torch.Tensor  # [L] on the CPU
+    mm: dict  # the family's multimodal inputs (pixel_values, image_grid_thw, ...)
+    layout: object  # the prompt's images and videos (MultimodalPrompt.layout)
+    max_new_tokens: int
+    params: SamplingParams
+    seed: int | None  # None: greedy (draws nothing)
+    extra: dict  # images, captions, videos, substitutes
+    initial: tuple[float, ...] | None = None  # adaptive weights' start (a conversation's previous turn)
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        return None if self.seed is None else make_generator(self.seed, device)
+
+
+def prepare(dec, kwargs: dict, defaults: dict | None = None) -> Request:
+    """The checks of ``generate`` on its keywords (``kwargs``; ``defaults`` below them) against
+    the decoder ``dec``; raises MMSpecError naming the argument and the fix."""
+    kw = {**(defaults or {}), **kwargs}
+    if kw.get("input_ids") is None:
+        raise MMSpecError("the request has no input_ids; pass the processor's output (input_ids, pixel_values, ...)")
+    input_ids, attention_mask, pixel_values = kw.pop("input_ids"), kw.pop("attention_mask", None), kw.pop("pixel_values", None)
+    max_new_tokens = kw.pop("max_new_tokens", 128)
+    temperature, seed = kw.pop("temperature", 0.0), kw.pop("seed", None)
+    top_k, top_p = kw.pop("top_k", None), kw.pop("top_p", None)
+    initial_weights = kw.pop("initial_weights", None)
+    extra = {k: kw.pop(k, None) for k in EXTRA_KEYS}
+    mm = dec.mm_inputs(pixel_values, kw)  # the rest: the family's processor outputs, unknown ones refused
+    ids = checks.check_ids(input_ids, attention_mask)  # [L] on CPU
+    checks.check_ids_in_vocab(ids, dec.target.vocab_size)
+    max_new_tokens = checks.check_max_new_tokens(max_new_tokens)
+    params = SamplingParams(temperature=checks.check_temperature(temperature), top_k=top_k, top_p=top_p)
+    if dec.acceptance is not None and not params.greedy:
+        raise MMSpecError("acceptance='relaxed' is defined for greedy decoding only; use temperature=0 "
+                          "or the exact (lossless) acceptance for sampling")
+    checks.check_video_inputs(dec.target, mm, extra["videos"], extra["substitutes"])
+    checks.check_images_and_captions(extra["images"], extra["captions"])
+    seed = checks.check_seed(seed)
+    initial = checks.check_initial_weights(initial_weights, dec.adaptive, len(dec.views))
+    if params.greedy:
+        seed = None  # greedy decoding draws nothing
+    elif seed is None:
+        seed = new_seed()
+    layout = dec.mm.layout(ids, mm)
+    dec.check_context(ids.shape[0], max_new_tokens)
+    if any(v.needs_substitute for v in dec.views):
+        dec.mm.check_substitutes(layout, extra["videos"], extra["substitutes"])
+    return Request(ids=ids, mm=mm, layout=layout, max_new_tokens=max_new_tokens, params=params, seed=seed,
+                   extra=extra, initial=initial)
+
+
+def new_seed() -> int:
+    """A fresh seed for a sampling request that gave none (reported in its result)."""
+    return int.from_bytes(os.urandom(8), "little") >> 1
+
+
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    """The explicit generator of one sampling request: a CPU generator seeded with ``seed``; on a
+    GPU, a generator on that device seeded from it, so uniforms never cross to the host."""
+    cpu = torch.Generator().manual_seed(seed)
+    if device.type == "cpu":
+        return cpu
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=cpu)))
+    return gen
