@@ -207,6 +207,8 @@ class BatchScheduler:
         if decoder.head is not None:
             self.draft_cache = RaggedCache(decoder.head.decoder.config.num_hidden_layers)
             self.lockstep = DraftLockstep.for_head(decoder.head, self.draft_cache)
+        elif decoder.draft_model is None:  # lookup / suffix alone (mmspec.lookup): no draft model, no draft rows
+            self.draft_cache = self.lockstep = None
         else:
             self.draft_cache = RaggedCache(_n_layers(decoder.draft_model))
             self.lockstep = DraftLockstep.for_tokens(decoder.draft, self.draft_cache)
@@ -247,10 +249,10 @@ class BatchScheduler:
         dec = self.decoder
         t0 = time.perf_counter()
         speculate = self.policy.decide(len(self._active))
-        if speculate:  # each request drafts its own tree, forwards merged
+        if speculate and self.lockstep is not None:  # each request drafts its own tree, forwards merged
             errors = self.lockstep.run([(a.rid, lambda a=a: a.run.draft_block(True)) for a in self._active],
                                        self._draft_lengths)
-        else:  # no drafting: the roots alone
+        else:  # no drafting: the roots alone (or drafting with no model: on the host, one by one)
             errors = {}
             for a in self._active:
                 try:
@@ -314,6 +316,8 @@ class BatchScheduler:
 
     def _join_draft(self, rid: int, drafter) -> None:
         """The drafter's prefilled rows join the shared draft cache; its forwards go through the lockstep."""
+        if self.lockstep is None:  # a model-free drafter has no rows
+            return
         if not getattr(drafter.cache.layers[0], "is_initialized", False):
             raise MMSpecError("a head drafts nothing from a 2-token prompt, so it cannot join a batch; decode this "
                               "request with generate() or give the prompt more tokens")
@@ -351,7 +355,7 @@ class BatchScheduler:
         self._active.pop()
         if not self._active:  # idle: the shared caches' memory goes back
             for cache in (self.cache, self.draft_cache):
-                if not cache.active:
+                if cache is not None and not cache.active:
                     cache.release()
 
     def _result(self, a: _Active):
@@ -359,6 +363,9 @@ class BatchScheduler:
 
         st = a.run.stats
         st.total_s = time.perf_counter() - a.t_start
+        finish = getattr(a.run.drafter, "finish", None)  # suffix decoding: the request joins the decoder's store
+        if finish is not None:
+            finish(list(a.run.tokens))
         if getattr(a.run.drafter, "adaptive", None) is not None:  # the weights' trajectory, read once
             st.view_weights, st.final_weights = a.run.drafter.adaptive.trajectory()
         return GenerationResult(token_ids=list(a.run.tokens), text=a.text, stats=st, seed=a.seed)
