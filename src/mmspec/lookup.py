@@ -544,6 +544,8 @@ class MergedDrafter:
                 tokens.append(tok), parents.append(mp), fed.append(-1), depth.append(d)
                 kids[mp][tok] = idx
             where.append(idx)
+        if len(tokens) == n and tree.sampled is None:  # all merged into drafted nodes (greedy): the draft's tree
+            return tree
         dev = tree.tokens.device
         par_t = torch.tensor(parents, dtype=torch.long, device=dev)
         max_depth = max(depth)

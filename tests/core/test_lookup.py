@@ -28,6 +28,16 @@ def test_prompt_lookup_proposes_what_followed_the_longest_match():
     assert (tree.tokens, tree.parents) == ([9, 6, 8], [0, 1, 0])  # best-first: 9 (2/3), 9 6 (2/3), 8 (1/3)
 
 
+def test_history_puts_captions_first_and_never_matches_placeholders():
+    from mmspec.lookup import history
+
+    ids = torch.tensor([BOS, 5, IMG, IMG, 6, 7])
+    assert history(ids, [IMG], [torch.tensor([9, 8])]) == [9, 8, SEP, BOS, 5, SEP, SEP, 6]  # 7: pending
+    pl = PromptLookup(LookupConfig(ngram_min=1, ngram_max=2))
+    pl.extend([SEP, SEP, 4, SEP, SEP])
+    assert pl.propose(3) == (None, 0.0)  # a run of images proposes nothing
+
+
 def test_suffix_trie_counts_and_removes_exactly():
     trie = SuffixTrie(4)
     trie.add([1, 2, 3, 1, 2, 4])
