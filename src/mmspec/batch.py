@@ -184,6 +184,8 @@ class BatchScheduler:
         if decoder.head is not None:
             self.draft_cache = RaggedCache(decoder.head.decoder.config.num_hidden_layers)
             drafts = DraftForwards.for_head(decoder.head, self.draft_cache)
+        elif decoder.draft_model is None:  # lookup / suffix alone (mmspec.lookup): no draft model, no draft rows
+            self.draft_cache, drafts = None, None
         else:
             self.draft_cache = RaggedCache(_n_layers(decoder.draft_model))
             drafts = DraftForwards.for_tokens(decoder.draft, self.draft_cache)
@@ -283,6 +285,8 @@ class BatchScheduler:
 
     def _join_draft(self, rid: int, drafter) -> None:
         """The drafter's prefilled rows join the shared draft cache; its forwards are merged there."""
+        if self.draft_cache is None:  # a model-free drafter has no rows
+            return
         if not getattr(drafter.cache.layers[0], "is_initialized", False):
             raise MMSpecError("a head drafts nothing from a 2-token prompt, so it cannot join a batch; decode this "
                               "request with generate() or give the prompt more tokens")
@@ -316,7 +320,7 @@ class BatchScheduler:
         self._active.pop()
         if not self._active:  # idle: the shared caches' memory goes back
             for cache in (self.cache, self.draft_cache):
-                if not cache.active:
+                if cache is not None and not cache.active:
                     cache.release()
 
     def _finish(self, b: int, a: _Active) -> GenerationResult:
@@ -325,6 +329,9 @@ class BatchScheduler:
         row.record_times()
         self._remember(b, a)
         st.total_s = time.perf_counter() - a.t_start
+        finish = getattr(row.drafter, "finish", None)  # suffix decoding: the request joins the decoder's store
+        if finish is not None:
+            finish(list(row.tokens))
         if getattr(row.drafter, "adaptive", None) is not None:  # the weights' trajectory, read once
             st.view_weights, st.final_weights = row.drafter.adaptive.trajectory()
         text = self.decoder.tokenizer.decode(row.tokens, skip_special_tokens=True)
@@ -340,6 +347,9 @@ class BatchScheduler:
         seq_len = keys.target.shape[0] + len(row.tokens)
         target = self.cache.snapshot(b, 0, min(row.past, seq_len))
         if target is None:
+            return
+        if self.draft_cache is None:  # a model-free drafter (lookup / suffix): the target's rows alone
+            self.decoder.prefix_cache.store(make_entry(keys, a.pre.encoded, row.tokens, target))
             return
         rows = self._draft_rows[a.rid]
         if self.decoder.head is not None:

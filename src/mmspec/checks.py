@@ -49,6 +49,53 @@ def check_head_arguments(views, weights, captioner, draft_processor, substitute)
                               f"token-level draft views only: leave it out (or pass a draft model)")
 
 
+def model_free_name(draft) -> str | None:
+    """``draft="lookup"`` / ``"suffix"`` (drafting with no model) -> that name, else None. A
+    directory of that name is still a model: pass it as ``./lookup``."""
+    from mmspec.lookup import MODEL_FREE
+
+    if isinstance(draft, str) and draft.strip().lower() in MODEL_FREE:
+        return draft.strip().lower()
+    return None
+
+
+def check_model_free(alone: str | None, model_free, lookup_options, **given):
+    """The model-free drafters' arguments (:mod:`mmspec.lookup`) -> their checked settings.
+
+    ``alone``: the draft is "lookup" / "suffix"; ``model_free``: one beside a draft. With no
+    model to draft, the options that shape a draft model's drafting would be ignored: refused."""
+    from mmspec.lookup import MODEL_FREE, LookupConfig
+
+    if model_free is not None and (not isinstance(model_free, str) or model_free not in MODEL_FREE):
+        raise MMSpecError(f"model_free must be one of {', '.join(MODEL_FREE)} (a model-free proposal added to the "
+                          f"draft's tree), got {model_free!r}")
+    if alone is not None and model_free is not None:
+        raise MMSpecError(f"draft={alone!r} already drafts with no model; model_free={model_free!r} adds a "
+                          "model-free proposal beside a draft model or head: drop model_free, or pass a draft")
+    if alone is None and model_free is None:
+        if lookup_options is not None:
+            raise MMSpecError("lookup_options= sets the model-free drafters; pass draft='lookup' or 'suffix' "
+                              "(or model_free= beside a draft), or leave lookup_options out")
+        return None
+    if alone is not None:
+        views = given.pop("views")
+        if [v.name for v in parse_views(views)] != list(DEFAULT_VIEWS):
+            raise MMSpecError(f"views={views!r} was given with draft={alone!r}; views are how a draft model sees the "
+                              f"prompt and {alone} has none: leave views out, or pass a draft model with "
+                              f"model_free={alone!r} to add {alone} to its views' tree")
+        if given.pop("tree_children") != "mixture":
+            raise MMSpecError(f"tree_children='views' makes each view's top tokens siblings; draft={alone!r} has no "
+                              "views (its children are its continuations by count): leave tree_children out")
+        for name, value in given.items():
+            if value is not None:
+                hint = "; pass captions=[...] to generate() to add captions to what lookup matches" \
+                    if name == "captioner" else ""
+                raise MMSpecError(f"{name}= was given with draft={alone!r}, which drafts with no model; it applies to "
+                                  f"a draft model only: leave it out, or pass a draft model with "
+                                  f"model_free={alone!r}{hint}")
+    return LookupConfig.parse(lookup_options)
+
+
 def check_draft_processor_is_read(views) -> None:
     if not any(v.needs_vision for v in parse_views(views)):
         raise MMSpecError("draft_processor= was given but no view reads the draft's images (multimodal or pooled); "

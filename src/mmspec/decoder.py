@@ -29,6 +29,7 @@ from mmspec.forwards import TargetState
 from mmspec.graphs import StaticPool, graph_mode
 from mmspec.heads.drafter import HeadDrafter
 from mmspec.heads.model import FeatureHead, check_head_fits, is_head_dir, load_head
+from mmspec.lookup import MergedDrafter, ModelFreeDrafter, SuffixStore, history, proposer_for
 from mmspec.models.base import adapter_for, same_vision
 from mmspec.models.cache import set_cache_length, supports_trees
 from mmspec.models.captioner import HFCaptioner
@@ -133,6 +134,16 @@ class SpecDecoder:
             prompt extending one (a conversation's next turn) prefills only its new suffix
             (``stats.prompt_tokens_reused``). 0 turns it off. Not used with the substitute
             view (E) or models with sliding-window layers.
+        draft="lookup" / "suffix": drafting with no model (:mod:`mmspec.lookup`): prompt lookup
+            over the request's own text, or suffix decoding over it and this decoder's earlier
+            prompts and answers; the target alone is enough. Options that shape a draft model's
+            drafting (views, weights, captioner, draft_processor, substitute, draft_tokenizer,
+            tree_children="views") are refused with it.
+        model_free: "lookup" or "suffix" beside a draft model or head: each block's proposal is
+            added to the draft's tree as other branches, verified in the same forward.
+        lookup_options: the model-free drafters' settings, a dict of
+            :class:`~mmspec.lookup.LookupConfig`'s fields (n-gram sizes, candidates, the suffix
+            store's depth, memory, speculation factor and probability floor), bounds checked.
     """
 
     def __init__(self, target, draft, tokenizer=None, *, views=("multimodal",), weights=None,
@@ -142,10 +153,19 @@ class SpecDecoder:
                  cuda_graphs="auto", static_cache: bool | None = None, draft_processor=None, substitute=None,
                  acceptance: str = "exact",
                  relaxed_thresholds: tuple[float, float] = (0.6, 0.4), relaxed_window: int = 64,
-                 prefix_cache_mb: float = PREFIX_CACHE_MB):
+                 prefix_cache_mb: float = PREFIX_CACHE_MB, model_free: str | None = None, lookup_options=None):
         # checks that need no model: before anything loads
-        head_given = isinstance(draft, FeatureHead) or is_head_dir(draft)
-        if head_given:
+        alone = checks.model_free_name(draft)  # "lookup" / "suffix": drafting with no model
+        head_given = alone is None and (isinstance(draft, FeatureHead) or is_head_dir(draft))
+        self.lookup = checks.check_model_free(alone, model_free, lookup_options, views=views, weights=weights,
+                                              captioner=captioner, draft_processor=draft_processor,
+                                              substitute=substitute, draft_tokenizer=draft_tokenizer,
+                                              tree_children=tree_children)
+        self.model_free = alone or model_free  # None: a draft model or head alone
+        self.model_free_alone = alone is not None
+        if alone is not None:
+            draft = None
+        elif head_given:
             checks.check_head_arguments(views, weights, captioner, draft_processor, substitute)
         elif draft_processor is not None:
             checks.check_draft_processor_is_read(views)
@@ -170,7 +190,7 @@ class SpecDecoder:
         self.tokenizer = load_tokenizer(str(tokenizer)) if checks.is_path(tokenizer) else tokenizer
         if checks.is_path(draft_tokenizer):  # asked for: must load
             draft_tokenizer = load_saved_tokenizer(str(draft_tokenizer))
-        elif draft_tokenizer is None and checks.is_path(draft) and not head_given:
+        elif draft_tokenizer is None and checks.is_path(draft) and not head_given and alone is None:
             draft_tokenizer = load_tokenizer_if_any(str(draft))  # saved with the draft, if any
         self.draft_tokenizer = draft_tokenizer
         check_same_vocabulary(self.tokenizer, self.draft_tokenizer)
@@ -180,7 +200,7 @@ class SpecDecoder:
         if head_given:
             self.head = draft.eval() if isinstance(draft, FeatureHead) else load_head(draft, self.target_model)
             check_head_fits(self.head, self.target_model)
-        else:
+        elif alone is None:
             self.draft_model = load_model(str(draft), dtype=dtype) if checks.is_path(draft) else draft.eval()
         self.processor = processor
         self.draft_processor = load_processor(str(draft_processor)) if checks.is_path(draft_processor) else draft_processor
@@ -190,7 +210,7 @@ class SpecDecoder:
         self.captioner = HFCaptioner.from_pretrained(str(captioner)) if checks.is_path(captioner) else captioner
 
         self.target = adapter_for(self.target_model)
-        self.draft = None if self.head is not None else adapter_for(self.draft_model)
+        self.draft = None if self.draft_model is None else adapter_for(self.draft_model)
         if not self.target.has_vision:
             raise MMSpecError(f"the target ({type(self.target_model).__name__}) is not a vision-language model; "
                               "pass an image-text-to-text checkpoint such as a LLaVA one as the target "
@@ -199,11 +219,11 @@ class SpecDecoder:
                                topk=tree_topk, budget=tree_budget, children=tree_children, stop_below=stop_below)
         draft_vocab = self.target.vocab_size if self.draft is None else self.draft.vocab_size
         checks.check_tree_fits_vocab(self.tree, min(self.target.vocab_size, draft_vocab))
-        self.adaptive = None if head_given else AdaptiveWeights.parse(weights)  # None: fixed weights
+        self.adaptive = None if self.draft is None else AdaptiveWeights.parse(weights)  # None: fixed weights
         self.mode = self._engine_mode(cuda_graphs, static_cache)
         self._static_pool = StaticPool(self.mode.graphs)
         self._speculation_policy = None  # generate_batch(speculate="auto")'s, made on first use
-        if self.head is not None:  # a head reads the target's features: no views, no draft model
+        if self.draft is None:  # a head reads the target's features, lookup its text: no views, no draft model
             self.views, self.weights, newline = [], [1.0], None
         else:
             self.views = checks.resolve_views(parse_views(views), self.draft, type(self.draft_model).__name__,
@@ -217,11 +237,12 @@ class SpecDecoder:
             newline = checks.newline_id(self.tokenizer, self.views)
         self.mm = MultimodalPrompt(
             target=self.target, draft=self.draft, views=self.views, tokenizer=self.tokenizer, newline_id=newline,
-            reuse_vision=self.head is None and same_vision(self.target, self.draft), processor=self.processor,
+            reuse_vision=self.draft is not None and same_vision(self.target, self.draft), processor=self.processor,
             draft_processor=self.draft_processor, captioner=self.captioner, substitute=self.substitute)
         self.options = EngineOptions(tree=self.tree, eos_ids=checks.eos_ids(self.target_model, self.tokenizer),
                                      acceptance=acceptance_cfg)
         self.prefix_cache = PrefixCache(prefix_mb)
+        self.suffix_store = SuffixStore(self.lookup) if self.model_free == "suffix" else None  # this decoder's history
         checks.check_generation_config(self.target_model)
 
     # ------------------------------------------------------------------ settings, as attributes
@@ -260,12 +281,14 @@ class SpecDecoder:
         """The views' short name (or the head's variant), with "+tree" when blocks are trees
         ("M", "MTC+tree", "eagle+tree")."""
         name = self.head.config.variant if self.head is not None else ensemble_name(self.views)
+        if self.model_free:
+            name = self.model_free if self.model_free_alone else f"{name}+{self.model_free}"
         return (name + (f"+{self.adaptive.label}" if self.adaptive else "")
                 + ("" if self.tree.kind == "chain" else "+tree") + ("+relaxed" if self.acceptance else ""))
 
     def _engine_mode(self, cuda_graphs, static_cache) -> EngineMode:
         """Decide eager / static / CUDA-graph decoding and check the tree fits the models."""
-        probes = [self.target.new_cache(8), (self.head or self.draft).new_cache(8)]
+        probes = [self.target.new_cache(8)] + [m.new_cache(8) for m in (self.head, self.draft) if m is not None]
         full_attention = all(supports_trees(c) for c in probes)
         if not self.tree.is_chain and not full_attention:
             raise MMSpecError("token trees need models whose layers are all full attention (their caches are "
@@ -278,7 +301,8 @@ class SpecDecoder:
                               "or draft has sliding-window or other layers: leave static_cache out")
         dispatched = any(len(set(getattr(m, "hf_device_map", {}).values())) > 1
                          for m in (self.target_model, self.draft_model) if m is not None)
-        draft_device = self.draft.device if self.draft is not None else next(self.head.parameters()).device
+        draft_device = self.draft.device if self.draft is not None else \
+            next(self.head.parameters()).device if self.head is not None else self.target.device
         mode = graph_mode(cuda_graphs, self.target.device, draft_device)
         if mode != "eager" and (dispatched or not full_attention):
             if cuda_graphs is True:
@@ -325,6 +349,9 @@ class SpecDecoder:
             if streamer is not None:
                 streamer.end()
         self.remember(pre, tokens)
+        finish = getattr(pre.drafter, "finish", None)  # suffix decoding: the request joins the decoder's store
+        if finish is not None:
+            finish(tokens)
         if pre.drafter.adaptive is not None:  # the weights' trajectory: one host read, at the end
             stats.view_weights, stats.final_weights = pre.drafter.adaptive.trajectory()
         stats.capture_s = self._static_pool.capture_s - captured
@@ -395,7 +422,7 @@ class SpecDecoder:
         else:  # vision (each image / video once), captions, substitutes
             enc = self.mm.encode(layout, mm, stats, images=images, captions=captions, videos=videos,
                                  substitutes=substitutes)
-        rows = self.mm.rows(enc) if self.head is None else []
+        rows = self.mm.rows(enc) if self.draft is not None else []
         keys, match = None, None
         if cache_on:
             keys = prompt_keys(ids, self.target.placeholders(), enc, rows, self.views, digests)
@@ -403,9 +430,13 @@ class SpecDecoder:
         state, feats = self._prefill_target(ids, mm, enc, max_new_tokens, stats, match, static)
         if self.head is not None:  # the head drafts over the target's features
             drafter = self._prefill_head(feats, ids, max_new_tokens, stats, match, static)
-        else:
+        elif self.draft is not None:
             prefix = None if match is None else [match.row_kv(b) if n else None for b, n in enumerate(match.rows)]
             drafter = self._prefill_draft(rows, max_new_tokens, stats, prefix=prefix, initial=initial, static=static)
+        if self.model_free:  # the request's text (captions, prompt) for lookup / suffix decoding
+            proposer = self._proposer(ids, enc, captions)
+            drafter = ModelFreeDrafter(proposer, self.target.vocab_size, self.target.device) \
+                if self.model_free_alone else MergedDrafter(drafter, proposer, self.target.vocab_size)
         return Prefilled(state=state, drafter=drafter, keys=keys, encoded=enc)
 
     def remember(self, pre: Prefilled, tokens: list[int], copy: bool | None = None) -> None:
@@ -427,8 +458,9 @@ class SpecDecoder:
         """The draft side of :meth:`generate` alone: vision, captions and the prefilled ensemble
         drafter for this prompt (its last token not fed). Used to time draft steps in isolation;
         ``cache`` runs it on a cache of the caller's (e.g. a ``DynamicCache``, to compare)."""
-        if self.head is not None:
-            raise MMSpecError("new_drafter times token-level drafters; a head drafts inside generate()")
+        if self.draft is None:
+            raise MMSpecError("new_drafter times token-level drafters; a head or a model-free draft drafts inside "
+                              "generate()")
         ids = checks.check_ids(input_ids, None)
         checks.check_images_and_captions(images, captions)
         mm = {"pixel_values": pixel_values}
@@ -460,7 +492,18 @@ class SpecDecoder:
 
     def room(self, max_new_tokens: int) -> int:
         """Positions a decode can append after the prompt: committed tokens + one block's tree."""
-        return max_new_tokens + self.tree.n_nodes + 1
+        extra = self.tree.n_nodes if self.model_free and not self.model_free_alone else 0  # branches added beside a draft
+        return max_new_tokens + self.tree.n_nodes + extra + 1
+
+    def _proposer(self, ids: torch.Tensor, enc: EncodedPrompt, captions):
+        """A model-free proposer for one request, fed its text before the pending last token:
+        the captions (the caption view's, else ``captions=``), then the prompt."""
+        caps = enc.caption_ids
+        if caps is None and captions:
+            caps = [self.tokenizer.encode(" " + c.strip(), add_special_tokens=False) for c in captions]
+        proposer = proposer_for(self.model_free, self.lookup, self.suffix_store)
+        proposer.begin(history(ids, self.target.placeholders(), caps))
+        return proposer
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:

@@ -378,6 +378,8 @@ def entry_after_decode(keys: PromptKeys, enc, target_cache, drafter, tokens: lis
         return None
     if head:
         return make_entry(keys, enc, tokens, target, head=snapshot(drafter.cache, 0, 0, drafter.committed, copy))
+    if not keys.rows:  # no draft cache (a model-free drafter): the target's alone
+        return make_entry(keys, enc, tokens, target)
     width = max(k.shape[0] - 1 for k in keys.rows)  # the drafter's prompt slots (rows less their pending token)
     rows = []
     for b, rk in enumerate(keys.rows):

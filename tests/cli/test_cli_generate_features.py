@@ -496,3 +496,29 @@ def test_a_head_for_the_embedded_target(tmp_path):
     r, out = invoke("--head", tmp_path / "head", "--max-new-tokens", "8", "--tree", "dynamic")
     assert r.exit_code == 0, r.output
     assert "identical to target.generate yes" in out and "eagle+tree" in out
+
+
+# ------------------------------------------------------------------------------------ lookup / suffix (#44)
+@pytest.mark.parametrize("extra", [["--draft", "lookup"], ["--draft", "suffix", "--tree", "3x2x4"],
+                                   ["--draft", "DRAFT", "--model-free", "suffix", "--lookup-options", "suffix_mb=8"]])
+def test_generate_drafts_with_no_model(ckpt, extra):
+    extra = [ckpt / "draft" if x == "DRAFT" else x for x in extra]
+    r, out = invoke(*base(ckpt, *extra))
+    assert r.exit_code == 0, r.output
+    assert "identical to target.generate yes" in out
+
+
+@pytest.mark.parametrize("extra, phrase", [
+    (["--draft", "lookup", "--views", "MT"], "--views MT was given with --draft 'lookup'"),
+    (["--draft", "lookup", "--weights", "1"], "--weights was given with --draft 'lookup'"),
+    (["--draft", "suffix", "--captioner", "x"], "--captioner was given with --draft 'suffix'"),
+    (["--draft", "suffix", "--head", "EAGLE"], "--draft suffix and --head both give the draft"),
+    (["--draft", "suffix", "--lookup-options", "suffix_mb=0"], "a suffix budget of 0 keeps no history"),
+    (["--draft", "lookup", "--lookup-options", "ngram_max=0"], "ngram_max must be a whole number from 1 to 32"),
+    (["--draft", "lookup", "--lookup-options", "ngram_max"], "write KEY=VALUE pairs"),
+    (["--draft", "lookup", "--model-free", "suffix"], "--draft 'lookup' already drafts with no model"),
+    (["--draft", "DRAFT", "--lookup-options", "ngram_max=3"], "--lookup-options sets the model-free drafters"),
+])
+def test_bad_lookup_options_refused_before_loading(ckpt, extra, phrase):
+    extra = [ckpt / "draft" if x == "DRAFT" else ckpt / "eagle" if x == "EAGLE" else x for x in extra]
+    refused(base(ckpt, *extra), phrase)

@@ -33,7 +33,7 @@ ELSEWHERE = {
                     "tests/train/test_video_pair.py": "video_speed.py"},
 }
 TESTED_HERE = ["batch_speed", "prefix_speed", "tree_sweep", "cpu_shapes", "serve_load", "head_formats_check",
-               "serve_overhead"]
+               "serve_overhead", "lookup_speed"]
 
 
 def run_script(name: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -123,3 +123,11 @@ def test_serve_overhead():
     out = run_script("serve_overhead", "--blocks", "2", "--repeat", "20")
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip(), "serve_overhead printed nothing"
+
+
+def test_lookup_speed(tmp_path):
+    out_json = tmp_path / "lookup.json"
+    out = run_script("lookup_speed", "--systems", "target,suffix,M+lookup", "--families", "chartqa", "-n", "1",
+                     "--warmup", "2", "--max-new-tokens", "6", "--out", str(out_json))
+    assert out.returncode == 0, out.stderr[-3000:]  # exit 1 when an output differs from the target's
+    assert out_json.exists()

@@ -126,6 +126,8 @@ class HFBackend:
             kw = method_tree(method)
             kw.pop("speculate", None)  # generate_batch's, not the decoder's (spec_batch passes it)
             draft = self.m.draft
+            if "draft" in kw:  # lookup / suffix alone: no draft model
+                draft, views = kw.pop("draft"), ("M",)
             if "head" in kw:
                 variant = kw.pop("head")
                 if variant not in self.m.heads:

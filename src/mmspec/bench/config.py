@@ -51,7 +51,10 @@ def parse_method(method: str) -> tuple[tuple[str, ...], dict]:
     ``adaptive`` (``adaptive:loglik``): ensemble weights that adapt per block (TABED;
     :mod:`mmspec.adaptive`), {"weights": "adaptive"}, for two views or more. A head
     variant in place of the views (``eagle``, ``eagle3+tree``, ``msd+relaxed+tree``) drafts with
-    that trained head: {"head": variant}. Each tree is checked here (a zero depth is refused).
+    that trained head: {"head": variant}. ``lookup`` / ``suffix`` (:mod:`mmspec.lookup`) alone draft
+    with no model, {"draft": name}; after views or a head (``M+suffix``, ``eagle+lookup+tree``) their
+    proposals join the draft's tree, {"model_free": name}. Each tree is checked here (a zero depth
+    is refused).
     """
     method = method.strip()
     if not method:
@@ -75,12 +78,21 @@ def parse_method(method: str) -> tuple[tuple[str, ...], dict]:
             from mmspec.adaptive import AdaptiveWeights
 
             kw["weights"] = AdaptiveWeights.parse(low).label  # an unknown rule is refused here
+        elif low in ("lookup", "suffix"):
+            if "model_free" in kw:
+                raise MMSpecError(f"method {method!r} names two model-free drafts; give one (lookup or suffix)")
+            kw["model_free"] = low
         elif low == "tree" or low.startswith(("tree:", "tree@")):
             if "tree" in kw:
                 raise MMSpecError(f"method {method!r} has two tree parts; give one (+tree or +tree:6x4x16)")
             kw["tree"] = _tree_part(part, method)
         else:
             views.append(part)
+    if not views and "model_free" in kw:  # lookup / suffix alone: no draft model
+        if "weights" in kw:
+            raise MMSpecError(f"method {method!r}: {kw['model_free']} drafts with no model, there are no views to "
+                              "weigh; drop +adaptive")
+        return (), {**{k: v for k, v in kw.items() if k != "model_free"}, "draft": kw["model_free"]}
     if not views:
         raise MMSpecError(f"method {method!r} has no views; write the views first, e.g. M+tree or MTC+tree")
     if len(views) == 1 and views[0].lower() in HEAD_VARIANTS:
@@ -98,7 +110,7 @@ def parse_method(method: str) -> tuple[tuple[str, ...], dict]:
         f"unknown method {method!r}; use letters from M (multimodal), T (text), C (caption), "
         "P (pooled) such as 'MTC', or view names joined by '+' such as 'multimodal+pooled:36'; "
         "add '+tree' for a token tree (e.g. 'M+tree', 'M+tree:6x4x16', 'M+tree:[[0],[1],[0,0]]'); a trained "
-        "head: 'eagle', 'eagle3+tree', 'msd+tree'"
+        "head: 'eagle', 'eagle3+tree', 'msd+tree'; no model: 'lookup', 'suffix', beside a draft 'M+suffix'"
     )
 
 

@@ -124,12 +124,16 @@ class GenerateOptions:
     dtype: str = "auto"
     device: str = "cpu"
     threads: int | None = None
+    model_free: str | None = None  # --model-free lookup|suffix beside the draft
+    lookup_options: str | None = None  # --lookup-options KEY=VALUE,...
     # derived by check_generate
     caption_view: bool = False  # --views has C
     draft_reads_own_images: bool = False  # a VLM draft of another family: its own processor reads the images
     view_list: list = field(default_factory=list)
     weight_list: list | None = None
     graphs: object = "auto"
+    lookup_dict: dict | None = None  # --lookup-options, parsed
+    alone: str | None = None  # --draft lookup|suffix
 
 
 def check_generate(o: GenerateOptions) -> GenerateOptions:
@@ -213,15 +217,16 @@ def _check_models(o: GenerateOptions) -> None:
     """The draft (a model, or a head), the model directories and what the target family reads."""
     from mmspec.models.loading import check_model_flags
 
+    _check_model_free(o)
     _check_draft(o)
-    check_model_flags(o.target, o.draft if o.head is None else (o.head if o.target else None), o.captioner,
-                      o.captioner_prompt)
+    given = (o.draft if o.target else None) if o.alone else o.draft if o.head is None else (o.head if o.target else None)
+    check_model_flags(o.target, given, o.captioner, o.captioner_prompt)
     if o.captioner is not None and not o.caption_view and o.head is None:
         raise MMSpecError(f"--captioner is read by the caption view (C) only, and --views {o.views} has none: "
                           "add C to --views, or drop --captioner")
-    for flag, name in (("--target", o.target), ("--draft", o.draft), ("--captioner", o.captioner)):
+    for flag, name in (("--target", o.target), ("--draft", None if o.alone else o.draft), ("--captioner", o.captioner)):
         check_model_dir(name, flag)  # local directories first; a hub id that cannot be had fails in one line
-    if o.target is not None and o.draft is not None:
+    if o.target is not None and o.draft is not None and not o.alone:
         o.draft_reads_own_images = _other_vision_family(o.target, o.draft)
         if o.draft_reads_own_images and o.video:
             raise MMSpecError("--video: a draft of another family than the target reads images only (through its "
@@ -262,6 +267,45 @@ def _check_views(o: GenerateOptions) -> None:
         raise MMSpecError(f"--weights gives {len(o.weight_list)} weight(s) for {len(kinds)} view(s) ({o.views}); "
                           "give one per view, e.g. --views MT --weights 1,0.5")
     o.caption_view = "caption" in kinds
+
+
+def _check_model_free(o: GenerateOptions) -> None:
+    """``--draft lookup|suffix`` (no model), ``--model-free`` beside a draft, ``--lookup-options``:
+    the settings in range, and no flag that only a draft model reads (SpecDecoder's own checks,
+    spelled as flags)."""
+    from mmspec.checks import check_model_free, model_free_name
+
+    o.alone = model_free_name(o.draft)
+    if o.lookup_options is not None:
+        o.lookup_dict = {}
+        for item in (x.strip() for x in o.lookup_options.split(",")):
+            key, eq, value = item.partition("=")
+            if not eq or not key.strip():
+                raise MMSpecError(f"--lookup-options {o.lookup_options!r}: write KEY=VALUE pairs joined by commas, "
+                                  "e.g. ngram_max=3,suffix_mb=32")
+            try:
+                o.lookup_dict[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else float(value)
+            except ValueError:
+                raise MMSpecError(f"--lookup-options: {key.strip()}={value.strip()!r} is not a number") from None
+    if o.alone is not None and o.head is not None:
+        raise MMSpecError(f"--draft {o.alone} and --head both give the draft; pass --head DIR --model-free {o.alone} "
+                          "to add it to the head's tree")
+    try:
+        check_model_free(o.alone, o.model_free, o.lookup_dict, views=o.view_list or ["M"], weights=o.weight_list,
+                         captioner=o.captioner, draft_processor=None, substitute=None, draft_tokenizer=None,
+                         tree_children=o.tree_children)
+    except MMSpecError as e:  # the same checks, in the CLI's spelling
+        msg = str(e).replace(f"views={o.view_list!r}", f"--views {o.views}")
+        for kw, flag in (("views=", "--views "), ("weights=", "--weights"), ("captioner=", "--captioner"),
+                         ("tree_children=", "--tree-children "), ("model_free=", "--model-free "),
+                         ("draft=", "--draft "), ("lookup_options=", "--lookup-options"),
+                         ("captions=[...] to generate()", "--captioner only with a caption view (C) of a draft "
+                          "model")):
+            msg = msg.replace(kw, flag)
+        raise MMSpecError(msg) from None
+    if o.model_free is not None and o.draft is None and o.head is None and o.target is not None:
+        raise MMSpecError(f"--model-free {o.model_free} adds its proposals beside a draft; give --draft or --head, "
+                          f"or draft with it alone: --draft {o.model_free}")
 
 
 def _check_draft(o: GenerateOptions) -> None:
@@ -313,6 +357,6 @@ def check_demo(methods: list[str], families: list[str], max_new_tokens: int, gam
             if "head" in kw_m:
                 raise MMSpecError(f"{m!r} drafts with a trained head; the demo compares the pack's views "
                                   "(use mmspec generate --head DIR or mmspec bench run -m for head methods)")
-            parse_views(views_m)
+            parse_views(views_m or ("M",))  # lookup / suffix alone: no views
         except MMSpecError as e:
             raise MMSpecError(f"--methods: {e}") from None

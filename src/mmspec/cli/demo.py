@@ -41,8 +41,12 @@ def demo(
         common.set_threads(threads)
         t, d, tok, proc, cap, _ = load_models(None, None, None, None, "auto", "cpu")
         common.console.print(EMBEDDED_NOTE)
-        decs = {m: SpecDecoder(t, d, tok, views=parse_method(m)[0], captioner=cap, gamma=gamma, processor=proc,
-                               **parse_method(m)[1]) for m in meths}
+        decs = {}
+        for m in meths:
+            views, kw = parse_method(m)
+            alone = kw.pop("draft", None)  # lookup / suffix alone: no draft model, no captioner
+            decs[m] = SpecDecoder(t, alone or d, tok, views=views or ("M",), captioner=None if alone else cap,
+                                  gamma=gamma, processor=proc, **kw)
         tab = Table(title=f"mmspec demo (embedded models, CPU, gamma={gamma}, greedy, {max_new_tokens} new tokens)")
         for col in ["family", "images", "method", "tau", "accepted len", f"speed-up (median of {repeats})", "identical"]:
             tab.add_column(col)

@@ -49,17 +49,26 @@ def load_models(target, draft, captioner, captioner_prompt, dtype, device, head=
 
         e = load_embedded(dtype=torch.float32 if dtype == "auto" else dtype, device=device)  # saved in fp16
         cap = e.captioner()
-        return e.target, (str(head) if head else e.draft), e.tokenizer, e.processor, cap, True
+        return e.target, (str(head) if head else draft if is_model_free(draft) else e.draft), e.tokenizer, e.processor, \
+            cap, True
     processor = load_processor(target)
     tok = getattr(processor, "tokenizer", processor)
-    if head is None:
+    if head is None and not is_model_free(draft):
         check_same_vocabulary(tok, load_tokenizer_if_any(draft))  # before the weights load
     t = load_model(target, dtype=dtype, device=device)
-    d = str(head) if head is not None else load_model(draft, dtype=dtype, device=device)
+    d = str(head) if head is not None else draft if is_model_free(draft) else load_model(draft, dtype=dtype,
+                                                                                           device=device)
     cap = HFCaptioner.from_pretrained(captioner, prompt=captioner_prompt, dtype=dtype) if captioner else None
     if cap is not None:
         cap.model.to(device)
     return t, d, tok, processor, cap, False
+
+
+def is_model_free(draft) -> bool:
+    """``--draft lookup`` / ``--draft suffix``: drafting with no model (:mod:`mmspec.lookup`)."""
+    from mmspec.checks import model_free_name
+
+    return model_free_name(draft) is not None
 
 
 def build_decoder(o, target, draft, tokenizer, processor, captioner, **extra):
@@ -77,7 +86,7 @@ def build_decoder(o, target, draft, tokenizer, processor, captioner, **extra):
                        captioner=captioner if reads_captions else None, gamma=o.gamma, processor=processor,
                        draft_processor=draft_proc, tree=o.tree, tree_depth=o.tree_depth, tree_topk=o.tree_topk,
                        tree_budget=o.tree_budget, tree_children=o.tree_children, stop_below=o.stop_below,
-                       cuda_graphs=o.graphs, **extra)
+                       cuda_graphs=o.graphs, model_free=o.model_free, lookup_options=o.lookup_dict, **extra)
 
 
 def stats_table(title: str, res, baseline_s: float | None = None, identical: bool | None = None) -> Table:
@@ -112,7 +121,13 @@ def baseline(target, inputs, max_new_tokens):
 
 # the model flags `generate` and `serve` share, declared once
 TARGET = typer.Option(None, help="Target VLM: local directory or hub id (default: embedded).")
-DRAFT = typer.Option(None, help="Draft model: local directory or hub id; or a draft head directory (as --head).")
+DRAFT = typer.Option(None, help="Draft model: local directory or hub id; or a draft head directory (as --head); "
+                     "or 'lookup' / 'suffix': drafting with no model (prompt lookup, suffix decoding; docs/lookup.md).")
+MODEL_FREE = typer.Option(None, "--model-free", help="lookup or suffix beside the draft model or head: their "
+                          "proposals join each block's tree as other branches (docs/lookup.md).")
+LOOKUP_OPTIONS = typer.Option(None, "--lookup-options", help="Settings of lookup / suffix, KEY=VALUE comma-separated: "
+                              "ngram_min, ngram_max, candidates, suffix_depth, suffix_mb, suffix_factor, "
+                              "suffix_min_prob (docs/lookup.md, \"Bounds\").")
 HEAD = typer.Option(None, "--head", help="A feature-level draft head directory (made by `mmspec train head`): it "
                     "drafts from the target's own hidden states, so --views and --captioner do not apply. "
                     "`--draft HEAD_DIR` works too.")
@@ -131,6 +146,8 @@ def generate(
     target: str | None = TARGET,
     draft: str | None = DRAFT,
     head: str | None = HEAD,
+    model_free: str | None = MODEL_FREE,
+    lookup_options: str | None = LOOKUP_OPTIONS,
     captioner: str | None = CAPTIONER,
     captioner_prompt: str | None = typer.Option(None, help="Task prompt for the captioner, e.g. `<CAPTION>` for Florence-2 (default: the one an `mmspec train` captioner records)."),
     views: str = typer.Option("M", help="Drafting views: letters M,T,C,P or names, comma-separated (pooled:36); "
@@ -177,7 +194,8 @@ def generate(
             gamma=gamma, tree=tree, tree_depth=tree_depth, tree_topk=tree_topk, tree_budget=tree_budget,
             tree_children=tree_children, stop_below=stop_below, cuda_graphs=cuda_graphs,
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-            dtype=dtype, device=device, threads=threads))  # every option, before any model loads
+            dtype=dtype, device=device, threads=threads, model_free=model_free,
+            lookup_options=lookup_options))  # every option, before any model loads
         _run(opts, compare)
     except MMSpecError as e:
         fail(e)

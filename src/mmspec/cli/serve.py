@@ -17,7 +17,7 @@ import typer
 
 from mmspec.cli import common
 from mmspec.cli.common import fail
-from mmspec.cli.generate import CAPTIONER, DRAFT, HEAD, TARGET
+from mmspec.cli.generate import CAPTIONER, DRAFT, HEAD, LOOKUP_OPTIONS, MODEL_FREE, TARGET
 from mmspec.errors import MMSpecError
 from mmspec.serve.guard import default_hosts
 
@@ -32,6 +32,8 @@ def serve(
     target: str | None = TARGET,
     draft: str | None = DRAFT,
     head: str | None = HEAD,
+    model_free: str | None = MODEL_FREE,
+    lookup_options: str | None = LOOKUP_OPTIONS,
     captioner: str | None = CAPTIONER,
     captioner_prompt: str | None = typer.Option(None, help="Task prompt for the captioner (as in generate)."),
     views: str = typer.Option("M", help="Drafting views, as in `mmspec generate` (e.g. M, MT, MTC)."),
@@ -92,7 +94,7 @@ def serve(
             target=target, draft=draft, head=head, captioner=captioner, captioner_prompt=captioner_prompt,
             views=views, weights=weights, gamma=gamma, tree=tree, tree_depth=tree_depth, tree_topk=tree_topk,
             tree_budget=tree_budget, tree_children=tree_children, stop_below=stop_below, cuda_graphs=cuda_graphs,
-            dtype=dtype, device=device, threads=threads))
+            dtype=dtype, device=device, threads=threads, model_free=model_free, lookup_options=lookup_options))
         at_least("--max-batch", max_batch)
         if speculate not in SPECULATE:
             raise MMSpecError(f"--speculate must be one of {', '.join(SPECULATE)}, got {speculate!r}")
