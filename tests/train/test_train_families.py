@@ -1,0 +1,146 @@
+"""A head for every family the library decodes, trained on the user's own conversations: each
+family's processor and chat template build the sequences (loss on the assistant turns only),
+a few steps make a head that drafts better than untrained on held-out conversations, decoding
+with it equals ``target.generate`` exactly, its EAGLE-3 export reloads with identical draft
+logits; bad records are counted and skipped, a file with none usable is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.conversations import FAMILIES, FRAMES, VIDEO_FAMILIES, conversations, family_pair, write_jsonl, write_media
+from mmspec import SpecDecoder
+from mmspec.errors import MMSpecError
+from mmspec.heads import build_head
+from mmspec.train.conversations import (
+    Conversation,
+    conversation_sequence,
+    conversation_sequences,
+    draft_vocabulary,
+    render,
+)
+from mmspec.train.head import HeadTrainConfig, first_step_acceptance, train_head
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    root = tmp_path_factory.mktemp("media")
+    write_media(root, frames=8)
+    return root
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_head_for_every_family(family, tok, media, tmp_path):
+    from mmspec.heads.formats import export_head, load_external_head
+
+    target, proc = family_pair(family, tok)
+    video = family in VIDEO_FAMILIES
+    frames = FRAMES.get(family, 8)
+    data = write_jsonl(tmp_path / "train.jsonl", conversations(12, video, seed=1))
+    held = write_jsonl(tmp_path / "held.jsonl", conversations(4, video, seed=2))
+    kw = dict(max_length=1000, n_frames=frames,
+              mm_token_types=(3, 6) if family.startswith("qwen") else None, log=lambda s: None)
+    seqs, report = conversation_sequences(proc, data, media, **kw)
+    held_seqs, _ = conversation_sequences(proc, held, media, **kw)
+    assert report.used == 12 and not report.skipped
+    s = seqs[0]
+    assert s.loss_mask.sum() < s.input_ids.shape[0] / 2  # assistant turns only
+    assert not torch.isin(s.input_ids[s.loss_mask], torch.tensor([3, 6])).any()  # never a placeholder
+
+    head = build_head(target, "eagle3", feature_layers=(0, 1, 2), seed=0)
+    before = first_step_acceptance(head, target, held_seqs)
+    cfg = HeadTrainConfig(variant="eagle3", out=str(tmp_path / "head"), steps=25, batch_size=4, lr=3e-3, warmup=2,
+                          ttt_steps=2, progress=False, checkpoint_every=1000)
+    train_head(target, seqs, cfg, head=head, log=lambda s: None)
+    after = first_step_acceptance(head, target, held_seqs)
+    assert after > before, (before, after)
+
+    # greedy decoding with the trained head: exactly the target's output
+    conv = Conversation("q", [("user", "<image> <image> " + ("<video> " if video else "") + "w12 w13")],
+                        ["img0.png", "img1.png"], ["clip0"] if video else [])
+    from PIL import Image
+
+    from mmspec.inputs import load_video
+
+    prompt = render(proc, conv.turns, True)
+    imgs = [Image.open(media / f).convert("RGB") for f in conv.images]
+    vids = [load_video(media / "clip0", frames)] if video else None
+    enc = dict(proc(text=prompt, images=imgs, videos=vids, return_tensors="pt"))
+    ids = enc.pop("input_ids")
+    enc.pop("attention_mask")
+    head.eval()
+    res = SpecDecoder(target, head, tok).generate(ids, **enc, max_new_tokens=12)
+    ref = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                          **enc)
+    assert res.token_ids == ref[0, ids.shape[1]:].tolist()
+
+    # EAGLE-3 export, read back: the same draft logits
+    out = export_head(head, tmp_path / "eagle3", "eagle3")
+    back = load_external_head(out, target)
+    feats = torch.randn(1, 5, 3 * 64, dtype=torch.float64)
+    emb = target.get_input_embeddings()(torch.tensor([[10, 11, 12, 13, 14]]))
+    pos = torch.arange(5)[None]
+    lm = target.get_output_embeddings()
+    with torch.no_grad():
+        a = head.logits(head(head.fused(feats), emb, position_ids=pos), lm)
+        b = back.logits(back(back.fused(feats), emb, position_ids=pos), lm)
+    assert torch.equal(a, b)
+
+
+def test_bad_records_are_counted_and_skipped(tok, media, tmp_path):
+    target, proc = family_pair("llava_next", tok)
+    good = conversations(3, False, seed=3)
+    bad = [
+        {"id": "m", "images": ["nosuch.png", "img0.png"], "messages": good[0]["messages"]},  # missing image
+        {"id": "n", "messages": [{"role": "user", "content": "w5"}]},  # no assistant turn
+        {"id": "x", "images": ["img0.png", "broken.png"], "messages": good[0]["messages"]},  # unreadable
+        {"id": "l", "images": ["img0.png", "img1.png"],
+         "messages": [good[0]["messages"][0], {"role": "assistant", "content": " ".join(["w9"] * 400)}]},  # too long
+        "not json",
+    ]
+    (media / "broken.png").write_text("not a picture")
+    path = write_jsonl(tmp_path / "mixed.jsonl", good + bad)
+    lines = []
+    seqs, report = conversation_sequences(proc, path, media, max_length=200, log=lines.append)
+    assert report.used == 3 and report.read == 8
+    assert report.skipped == {"missing image": 1, "no assistant turn": 1, "unreadable image": 1,
+                              "past the context": 1, "line 8 is not JSON": 1}
+    assert "8 conversation(s) read, 3 used, 5 skipped (" in lines[0] and "missing image: 1 (e.g. record m)" in lines[0]
+    only_bad = write_jsonl(tmp_path / "bad.jsonl", bad)
+    with pytest.raises(MMSpecError, match="no usable conversation: .*missing image: 1"):
+        conversation_sequences(proc, only_bad, media, max_length=200, log=lines.append)
+
+
+def test_llava_instruct_json_in_the_llava_15_frame(tok, media, tmp_path):
+    import json
+
+    target, proc = family_pair("llava", tok)
+    path = tmp_path / "llava_instruct.json"
+    path.write_text(json.dumps(conversations(2, False, seed=4, fmt="llava")))
+    seqs, _ = conversation_sequences(proc, path, media, max_length=1000, log=lambda s: None)
+    text = tok.decode(seqs[0].input_ids[seqs[0].loss_mask])
+    turns = json.loads(path.read_text())[0]["conversations"]
+    assert text.split() == (turns[1]["value"] + " </s> " + turns[3]["value"] + " </s>").split()  # answers + eos
+    assert render(proc, [("user", "<image>\nw5"), ("assistant", "w6")], False) == "USER: <image>\nw5 ASSISTANT: w6</s>"
+
+
+def test_draft_vocabulary_follows_the_assistant_tokens(tok, media, tmp_path):
+    from mmspec.heads.formats import export_head, load_external_head
+
+    target, proc = family_pair("llava", tok)
+    conv = Conversation("a", [("user", "w50 w51"), ("assistant", "w20 w20 w21 w22")])
+    seq = conversation_sequence(proc, conv, media, max_length=None)
+    vocab = draft_vocabulary([seq], 4, 96)
+    assert vocab.tolist() == [2, 20, 21, 22]  # eos ends the turn; the user's words are not counted
+    assert draft_vocabulary([seq], 6, 96).tolist() == [0, 1, 2, 20, 21, 22]  # padded with the lowest unused ids
+    with pytest.raises(MMSpecError, match="--draft-vocab must be"):
+        draft_vocabulary([seq], 0, 96)
+    head = build_head(target, "eagle3", feature_layers=(0, 1, 2), draft_vocab=vocab)
+    out = export_head(head, tmp_path / "e3", "eagle3")
+    from safetensors.torch import load_file
+
+    t = load_file(str(out / "model.safetensors"))
+    assert (t["d2t"] + torch.arange(4)).tolist() == [2, 20, 21, 22]  # offsets, as SGLang and vLLM read them
+    assert t["t2d"].nonzero().flatten().tolist() == [2, 20, 21, 22]
+    assert torch.equal(load_external_head(out, target).d2t, vocab)
