@@ -144,3 +144,33 @@ def test_draft_vocabulary_follows_the_assistant_tokens(tok, media, tmp_path):
     assert (t["d2t"] + torch.arange(4)).tolist() == [2, 20, 21, 22]  # offsets, as SGLang and vLLM read them
     assert t["t2d"].nonzero().flatten().tolist() == [2, 20, 21, 22]
     assert torch.equal(load_external_head(out, target).d2t, vocab)
+
+
+def test_train_head_command_on_a_llava_next_target(tok, media, tmp_path):
+    """The command: a saved LLaVA-NeXT target (its processor and chat template beside it), a
+    ShareGPT file with a bad record, an EAGLE-3 head with a draft vocabulary, exported for the engines."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from mmspec.cli.app import app
+
+    target, proc = family_pair("llava_next", tok)
+    target.save_pretrained(tmp_path / "target")
+    proc.save_pretrained(tmp_path / "target")
+    recs = conversations(6, False, seed=5) + [{"id": "gone", "images": ["nosuch.png", "img0.png"],
+                                               "messages": conversations(1, False)[0]["messages"]}]
+    data = write_jsonl(tmp_path / "chats.jsonl", recs)
+    out = tmp_path / "head"
+    r = CliRunner().invoke(app, ["train", "head", "--target", str(tmp_path / "target"), "--variant", "eagle3",
+                                 "--data", f"sharegpt:{data}", "--media-dir", str(media), "--feature-layers", "0,1,2",
+                                 "--draft-vocab", "40", "--steps", "3", "--batch-size", "2", "--threads", "1",
+                                 "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "7 conversation(s) read, 6 used, 1 skipped (missing image: 1 (e.g. record gone))" in r.output
+    saved = json.loads((out / "mmspec_head.json").read_text())
+    assert saved["draft_vocab_size"] == 40 and saved["feature_layers"] == [0, 1, 2]
+    r = CliRunner().invoke(app, ["export", "head", str(out), "--format", "eagle3", "--out", str(tmp_path / "e3")])
+    assert r.exit_code == 0, r.output
+    cfg = json.loads((tmp_path / "e3" / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 40 and cfg["mmspec"]["target_model_type"] == "llava_next"

@@ -298,7 +298,8 @@ def _global_batch(step: int, n: int, cfg: HeadTrainConfig) -> list[int]:
 
 
 CHECKPOINT = Path("checkpoints") / "head.pt"  # under --out: what a rerun resumes
-NOTED = ("data", "samples", "families", "answers", "world_seed", "draft_vocab", "max_length")  # the data options a resume must match
+NOTED = ("data", "samples", "families", "answers", "world_seed", "draft_vocab", "max_length",
+         "feature_layers")  # the data options a resume must match
 
 
 def head_settings(cfg: HeadTrainConfig) -> dict:
