@@ -174,3 +174,41 @@ def test_train_head_command_on_a_llava_next_target(tok, media, tmp_path):
     assert r.exit_code == 0, r.output
     cfg = json.loads((tmp_path / "e3" / "config.json").read_text())
     assert cfg["draft_vocab_size"] == 40 and cfg["mmspec"]["target_model_type"] == "llava_next"
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_an_mrope_head_drafts_at_the_positions_it_was_trained_at(family, tok, media):
+    """A Qwen2-VL-family head reads the target's 3-D M-RoPE positions: the drafter's first draft
+    after a prompt with two images and a video scores exactly what training scores at that slot,
+    and 1-D positions would score otherwise (after an image M-RoPE runs behind the token count)."""
+    from mmspec.heads.drafter import HeadDrafter
+    from mmspec.heads.positions import prompt_positions
+    from mmspec.models.base import adapter_for
+    from mmspec.train.head import collate, slot_positions, target_features
+
+    target, proc = family_pair(family, tok)
+    conv = Conversation("q", [("user", "<image> <image> <video> w12 w13"), ("assistant", "w14 w15 w16")],
+                        ["img0.png", "img1.png"], ["clip0"])
+    seq = conversation_sequence(proc, conv, media, max_length=None, n_frames=2, mm_token_types=(3, 6))
+    head = build_head(target, "eagle3", feature_layers=(0, 1, 2), seed=3)
+    batch = collate([seq])
+    ids = batch["input_ids"]
+    L = ids.shape[1]
+    logits_t, feats, _ = target_features(target, batch, (0, 1, 2), final=False)
+    pos = slot_positions(head, target, batch)
+    assert pos.shape == (3, 1, L - 1) and int(pos.max()) < L - 2  # M-RoPE: behind the slot index
+    emb = target.get_input_embeddings()(ids[:, 1:])
+    with torch.no_grad():
+        trained_at = head.logits(head(head.fused(feats[:, :-1]), emb, position_ids=pos,
+                                      attention_mask=batch["attention_mask"][:, 1:])[:, -1], target.lm_head)
+        flat = head.logits(head(head.fused(feats[:, :-1]), emb, position_ids=torch.arange(L - 1)[None],
+                                attention_mask=batch["attention_mask"][:, 1:])[:, -1], target.lm_head)
+    mm = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask", "loss_mask") and v is not None}
+    adapter = adapter_for(target)
+    drafter = HeadDrafter(head, adapter, room=8)
+    with torch.no_grad():
+        drafter.prefill(feats[:, :L - 1], ids[0], positions=prompt_positions(head, adapter, ids[0], mm))
+        drafter._begin_block(1)
+        drafted = drafter._feed_pending(ids[0, -1:], feats[0, L - 2:L - 1])[:, -1]
+    assert torch.allclose(drafted, trained_at, atol=1e-9)
+    assert not torch.allclose(drafted, flat, atol=1e-3)

@@ -190,6 +190,24 @@ def target_features(target, batch: dict, layers: tuple[int, ...], final: bool):
     return logits, feats, captured.get(-1) if final else None
 
 
+def slot_positions(core: FeatureHead, target, batch: dict) -> torch.Tensor:
+    """The head's position ids over a batch's L - 1 slots: slot t at the TARGET's position of token
+    t, 3-D [3, B, L - 1] for an M-RoPE head of a Qwen2-VL-family target (as it drafts:
+    :mod:`mmspec.heads.positions`), else [B, L - 1] = t."""
+    from mmspec.heads.positions import mrope_section
+    from mmspec.models.base import adapter_for
+
+    ids = batch["input_ids"]
+    B, L = ids.shape
+    adapter = adapter_for(target)
+    if mrope_section(core.config.rope_parameters) is not None and getattr(adapter, "mrope", False):
+        mm = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask", "loss_mask") and v is not None}
+        pos, _ = adapter.prefill_positions(ids, mm, batch["attention_mask"])
+        if pos.dim() == 3:
+            return pos[..., : L - 1]
+    return torch.arange(L - 1, device=ids.device)[None].expand(B, -1)
+
+
 def head_loss(head: FeatureHead, target, batch: dict, cfg: HeadTrainConfig) -> tuple[torch.Tensor, dict]:
     """The batch loss (mean over sequences of each sequence's mean over its positions) and parts."""
     hc = head.config if not hasattr(head, "module") else head.module.config
@@ -201,7 +219,7 @@ def head_loss(head: FeatureHead, target, batch: dict, cfg: HeadTrainConfig) -> t
     nxt = ids[:, 1:]  # [B, L-1] the token after each head input position
     emb = target.get_input_embeddings()(nxt).detach()
     image = (nxt == hc.image_token_id) if (hc.variant == "msd" and hc.image_token_id is not None) else None
-    pos = torch.arange(L - 1, device=ids.device)[None].expand(B, -1)
+    pos = slot_positions(core, target, batch)  # [B, L-1], or [3, B, L-1] on an M-RoPE target
     amask = mask[:, 1:]
     after_img = torch.zeros_like(nxt, dtype=torch.bool)
     if hc.image_token_id is not None:
@@ -265,10 +283,8 @@ def first_step_acceptance(head: FeatureHead, target, seqs: Sequence[Sequence_], 
                 batch[k] = batch[k].to(dt)
         logits_t, feats, _ = target_features(target, batch, core.config.feature_layers, final=False)
         ids, amask = batch["input_ids"], batch["attention_mask"]
-        L = ids.shape[1]
         h = core(core.fused(feats[:, :-1].to(core.dtype)), target.get_input_embeddings()(ids[:, 1:]).to(core.dtype),
-                 None, position_ids=torch.arange(L - 1, device=dev)[None].expand(ids.shape[0], -1),
-                 attention_mask=amask[:, 1:])
+                 None, position_ids=slot_positions(core, target, batch), attention_mask=amask[:, 1:])
         draft = core.logits(h, lm_head).argmax(-1)[:, :-1]  # [B, L-2]: position t drafts token t + 2
         want = logits_t[:, 1:-1].argmax(-1)  # the target's greedy token t + 2
         valid = amask[:, 2:].bool()
