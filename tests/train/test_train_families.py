@@ -212,3 +212,42 @@ def test_an_mrope_head_drafts_at_the_positions_it_was_trained_at(family, tok, me
         drafted = drafter._feed_pending(ids[0, -1:], feats[0, L - 2:L - 1])[:, -1]
     assert torch.allclose(drafted, trained_at, atol=1e-9)
     assert not torch.allclose(drafted, flat, atol=1e-3)
+
+
+def test_cached_features_are_the_target_features_and_reused(tok, media, tmp_path):
+    from mmspec.train.feature_cache import FeatureCache, sequence_key
+    from mmspec.train.head import collate, target_features
+
+    target, proc = family_pair("qwen2_vl", tok)
+    data = write_jsonl(tmp_path / "train.jsonl", conversations(6, True, seed=1))
+    seqs, _ = conversation_sequences(proc, data, media, max_length=1000, n_frames=2, mm_token_types=(3, 6),
+                                     log=lambda s: None)
+    root = tmp_path / "cache"
+    cache = FeatureCache(root, target, (0, 1, 2), 2**30)
+    batch = collate(seqs[:3])
+    keys = [sequence_key(s) for s in seqs[:3]]
+    first = cache.features(target, batch, keys)  # computed, written
+    again = cache.features(target, batch, keys)  # read back
+    assert (cache.misses, cache.hits) == (3, 3) and len(list(root.glob("*.pt"))) == 3
+    real = target_features(target, batch, (0, 1, 2), final=True)
+    valid = batch["attention_mask"].bool()
+    for a, b, c in zip(first, again, real):
+        assert torch.equal(a, c) and torch.allclose(b[valid], c[valid], atol=1e-12)
+
+    # a whole run: the first epoch fills it, the next ones read it; a rerun reads everything
+    cfg = HeadTrainConfig(variant="eagle3", out=str(tmp_path / "h"), steps=6, batch_size=2, progress=False,
+                          ttt_steps=1, cache_features=str(tmp_path / "run-cache"), checkpoint_every=1000)
+    head = build_head(target, "eagle3", feature_layers=(0, 1, 2))
+    s1 = train_head(target, seqs, cfg, head=head, log=lambda s: None)
+    assert s1["cache"]["misses"] == 6 and s1["cache"]["hits"] == 6
+    cfg.resume, cfg.out = False, str(tmp_path / "h2")
+    s2 = train_head(target, seqs, cfg, head=build_head(target, "eagle3", feature_layers=(0, 1, 2)), log=lambda s: None)
+    assert (s2["cache"]["hits"], s2["cache"]["misses"]) == (12, 0)
+
+    # bounded: no room, no files (on the fly every time); another target's cache is refused
+    small = FeatureCache(tmp_path / "small", target, (0, 1, 2), 1000)
+    small.features(target, batch, keys)
+    assert not list((tmp_path / "small").glob("*.pt"))
+    other, _ = family_pair("qwen2_5_vl", tok)
+    with pytest.raises(MMSpecError, match="holds features made with another target"):
+        FeatureCache(root, other, (0, 1, 2), 2**30)

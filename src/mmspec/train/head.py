@@ -79,6 +79,8 @@ class HeadTrainConfig:
     resume: bool = True
     progress: bool = True
     device: str = "cpu"
+    cache_features: str | None = None  # a directory: the target's features dumped once, reused every epoch
+    cache_max_gb: float = 50.0  # the size limit of that directory; past it, features stay on the fly
     notes: dict = field(default_factory=dict)  # recorded in the head's config (recipe, data)
 
     def __post_init__(self) -> None:
@@ -103,6 +105,8 @@ class HeadTrainConfig:
                                   f"got {self.text_steps!r}: the multimodal stage needs steps too")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise MMSpecError(f"warmup must be a whole number >= 0, got {self.warmup!r}")
+        if not (math.isfinite(self.cache_max_gb) and self.cache_max_gb > 0):
+            raise MMSpecError(f"--cache-max-gb must be a finite number > 0, got {self.cache_max_gb}")
         if not (math.isfinite(self.reg_weight) and self.reg_weight >= 0):
             raise MMSpecError(f"reg_weight must be a finite number >= 0, got {self.reg_weight}")
 
@@ -208,12 +212,16 @@ def slot_positions(core: FeatureHead, target, batch: dict) -> torch.Tensor:
     return torch.arange(L - 1, device=ids.device)[None].expand(B, -1)
 
 
-def head_loss(head: FeatureHead, target, batch: dict, cfg: HeadTrainConfig) -> tuple[torch.Tensor, dict]:
-    """The batch loss (mean over sequences of each sequence's mean over its positions) and parts."""
+def head_loss(head: FeatureHead, target, batch: dict, cfg: HeadTrainConfig, features=None
+              ) -> tuple[torch.Tensor, dict]:
+    """The batch loss (mean over sequences of each sequence's mean over its positions) and parts.
+    ``features``: the target's (logits, features, final state) of the batch, when already at hand
+    (:mod:`mmspec.train.feature_cache`); else one target forward computes them."""
     hc = head.config if not hasattr(head, "module") else head.module.config
     core = head.module if hasattr(head, "module") else head
     reg = hc.variant in ("eagle", "msd")
-    logits_t, feats, final = target_features(target, batch, hc.feature_layers, final=reg)
+    logits_t, feats, final = features if features is not None else target_features(
+        target, batch, hc.feature_layers, final=reg)
     ids, mask = batch["input_ids"], batch["attention_mask"]
     B, L = ids.shape
     nxt = ids[:, 1:]  # [B, L-1] the token after each head input position
@@ -356,6 +364,13 @@ def train_head(target, seqs: Sequence[Sequence_], cfg: HeadTrainConfig, *, head:
     text_steps = text_steps_of(cfg)
     per_rank = cfg.batch_size // dist.world
     pix_dtype = next(target.parameters()).dtype
+    cache, keys = None, []
+    if cfg.cache_features:
+        from mmspec.train.feature_cache import FeatureCache, sequence_key
+
+        cache = FeatureCache(cfg.cache_features, target, head.config.feature_layers, cfg.cache_max_gb * 2**30,
+                             main=dist.main)
+        keys = [sequence_key(s) for s in seqs]
 
     def step_loss(model, info: StepInfo) -> tuple[torch.Tensor, dict]:
         idx = _global_batch(info.step, len(seqs), cfg)[dist.rank * per_rank:(dist.rank + 1) * per_rank]
@@ -366,7 +381,10 @@ def train_head(target, seqs: Sequence[Sequence_], cfg: HeadTrainConfig, *, head:
         for k in ("pixel_values", "pixel_values_videos", "pixel_values_images"):
             if batch.get(k) is not None and batch[k].is_floating_point():
                 batch[k] = batch[k].to(pix_dtype)
-        loss, parts = head_loss(model, target, batch, cfg)
+        feats = None
+        if cache is not None and not text_stage:
+            feats = cache.features(target, batch, [keys[i] for i in idx])
+        loss, parts = head_loss(model, target, batch, cfg, feats)
         return loss, {**parts, "stage": "text" if text_stage else "multimodal"}
 
     fit_cfg = FitConfig(label=f"train {cfg.variant} head", steps=cfg.steps, minutes=cfg.minutes, lr=cfg.lr,
@@ -381,6 +399,10 @@ def train_head(target, seqs: Sequence[Sequence_], cfg: HeadTrainConfig, *, head:
             _write_head(head, _partial(fit_cfg), out, cfg, dist, lambda s: None)
         raise
     summary = _write_head(head, res, out, cfg, dist, log) if dist.main else _summary(res, dist)
+    if cache is not None:
+        summary["cache"] = {"hits": cache.hits, "misses": cache.misses, "bytes": cache.used}
+        log(f"feature cache {cfg.cache_features}: {cache.hits} sequence(s) read from it, {cache.misses} computed "
+            f"({cache.used / 2**20:.1f} MiB on disk)")
     if dist.world > 1:
         import torch.distributed as tdist
 

@@ -58,6 +58,10 @@ def head(
     text_steps: int | None = typer.Option(None, help="msd: text-only steps first (default: a third of --steps; "
                                              "with --minutes, that share of the time budget if it ends training "
                                              "first)."),
+    cache_features: Path | None = typer.Option(None, help="Dump the target's features of each training sequence "
+                                               "here once and read them back every later epoch (resumable)."),
+    cache_max_gb: float = typer.Option(50.0, help="Size limit of --cache-features; past it the remaining sequences' "
+                                       "features are computed on the fly."),
     seed: int = typer.Option(0),
     device: str = typer.Option("cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK)."),
     threads: int | None = typer.Option(None, help="CPU threads per process."),
@@ -77,7 +81,8 @@ def head(
             device = f"cuda:{local}"
         cfg = HeadTrainConfig(variant=variant, out=str(out), num_layers=layers, steps=steps, minutes=minutes,
                               batch_size=batch_size, lr=lr, ttt_steps=ttt_steps, text_steps=text_steps, seed=seed,
-                              resume=not fresh, device=device,
+                              resume=not fresh, device=device, cache_max_gb=cache_max_gb,
+                              cache_features=None if cache_features is None else str(cache_features),
                               notes={"command": command_line(), "data": data, "samples": samples, "families": families,
                                      "answers": str(answers) if answers else None, "world_seed": world_seed,
                                      "draft_vocab": draft_vocab, "max_length": max_length,
