@@ -174,6 +174,12 @@ def test_train_head_command_on_a_llava_next_target(tok, media, tmp_path):
     assert r.exit_code == 0, r.output
     cfg = json.loads((tmp_path / "e3" / "config.json").read_text())
     assert cfg["draft_vocab_size"] == 40 and cfg["mmspec"]["target_model_type"] == "llava_next"
+    # self-distillation by the same target: its answers, as a file train head reads
+    answers = tmp_path / "answers.jsonl"
+    r = CliRunner().invoke(app, ["train", "answers", "--target", str(tmp_path / "target"), "--data", f"sharegpt:{data}",
+                                 "--media-dir", str(media), "--max-new-tokens", "4", "--out", str(answers)])
+    assert r.exit_code == 0, r.output
+    assert "6 used, 1 skipped" in r.output and len(answers.read_text().splitlines()) == 6
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
@@ -251,3 +257,46 @@ def test_cached_features_are_the_target_features_and_reused(tok, media, tmp_path
     other, _ = family_pair("qwen2_5_vl", tok)
     with pytest.raises(MMSpecError, match="holds features made with another target"):
         FeatureCache(root, other, (0, 1, 2), 2**30)
+
+
+@pytest.mark.parametrize("family", ["video_llava", "qwen2_vl"])
+def test_train_answers_regenerates_every_assistant_turn_with_the_target(family, tok, media, tmp_path):
+    """Self-distillation for any family: each assistant turn becomes the target's own greedy answer
+    (after the turns before it, as the target answered them); a rerun resumes; the file trains a head."""
+    import json
+
+    from mmspec.train.conversations import regenerate_answers
+
+    target, proc = family_pair(family, tok)
+    frames = FRAMES[family]
+    types = (3, 6) if family.startswith("qwen") else None
+    recs = conversations(3, True, seed=7) + [{"id": "bad", "messages": [{"role": "user", "content": "w5"}]}]
+    data = write_jsonl(tmp_path / "chats.jsonl", recs)
+    out = tmp_path / "answers.jsonl"
+    lines = []
+    counts = regenerate_answers(target, proc, data, media, out, max_new_tokens=6, n_frames=frames,
+                                mm_token_types=types, limit=2, log=lines.append)
+    assert counts["written"] == 2
+    counts = regenerate_answers(target, proc, data, media, out, max_new_tokens=6, n_frames=frames,
+                                mm_token_types=types, log=lines.append)  # resumes: only the rest
+    assert (counts["written"], counts["used"], counts["skipped"]) == (1, 3, {"no assistant turn": 1})
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["0", "1", "2"]
+    first = rows[0]["messages"]
+    # the first answer is exactly target.generate's greedy continuation of the first user turn
+    from PIL import Image
+
+    from mmspec.inputs import load_video
+
+    prompt = render(proc, [("user", first[0]["content"])], True)
+    imgs = [Image.open(media / f).convert("RGB") for f in recs[0]["images"]]
+    enc = dict(proc(text=prompt, images=imgs, videos=[load_video(media / recs[0]["video"], frames)],
+                    return_tensors="pt"))
+    ids = enc["input_ids"]
+    ref = target.generate(**enc, do_sample=False, max_new_tokens=6)[0, ids.shape[1]:].tolist()
+    ref = ref[:ref.index(2)] if 2 in ref else ref
+    assert first[1]["content"].split() == tok.convert_ids_to_tokens(ref)
+    assert first[1]["content"] != recs[0]["messages"][1]["content"]
+    seqs, _ = conversation_sequences(proc, out, media, max_length=1000, n_frames=frames, mm_token_types=types,
+                                     log=lambda s: None)
+    assert len(seqs) == 3

@@ -334,3 +334,77 @@ def draft_vocabulary(seqs: Sequence, size: int, vocab_size: int) -> torch.Tensor
         counts += torch.bincount(ids[ids < vocab_size], minlength=vocab_size)
     order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))  # unused ids come last, lowest first
     return torch.tensor(sorted(order[:size]), dtype=torch.long)
+
+
+# --------------------------------------------------------------------------- self-distillation
+@torch.inference_mode()
+def regenerate_answers(target, processor, path: str | Path, media_dir: str | Path | None, out: str | Path, *,
+                       max_new_tokens: int = 512, limit: int | None = None, n_frames: int = 8,
+                       mm_token_types: tuple[int, int] | None = None, log=print) -> dict:
+    """The conversations of ``path`` with every assistant turn replaced by the TARGET's own greedy
+    answer (each turn generated after the earlier ones, as the target answered them), appended to
+    ``out`` as ShareGPT JSONL records (``messages``, the media fields as given, ``source`` naming
+    the conversation); ``mmspec train head --data sharegpt:OUT`` trains on them. A rerun skips the
+    records already in ``out`` (resumable: one fsynced line per conversation); bad records are
+    counted and skipped as in :func:`conversation_sequences`. Returns the counts."""
+    from mmspec.bench.store import RowWriter
+
+    convs, reasons = read_conversations(path, limit)
+    report = DataReport(str(path), read=len(convs))
+    gen = target.generation_config
+    eos = gen.eos_token_id if gen.eos_token_id is not None else processor.tokenizer.eos_token_id
+    dev, dt = next(target.parameters()).device, next(target.parameters()).dtype
+    written = 0
+    with RowWriter(Path(out), key=lambda row: row["source"]) as rows:
+        for i, (conv, why) in enumerate(zip(convs, reasons)):
+            key = f"{Path(path).name}#{i}"
+            if key in rows:
+                report.used += 1
+                continue
+            try:
+                if conv is None:
+                    raise Skipped(why)
+                turns = _with_markers(conv)
+                if not any(r == "assistant" for r, _ in turns):
+                    raise Skipped("no assistant turn")
+                images, videos = _load_media(conv, None if media_dir is None else Path(media_dir), n_frames)
+                done: list[tuple[str, str]] = []
+                for role, text in turns:
+                    if role != "assistant":
+                        done.append((role, text))
+                        continue
+                    done.append(("assistant", _answer(target, processor, done, images, videos, max_new_tokens, eos,
+                                                      mm_token_types, dev, dt)))
+            except Skipped as e:
+                report.skipped[str(e)] += 1
+                report.examples.setdefault(str(e), conv.uid if conv is not None else i)
+                continue
+            rec = {"id": conv.uid, "source": key, "messages": [{"role": r, "content": t} for r, t in done]}
+            if conv.images:
+                rec["images"] = conv.images
+            if conv.videos:
+                rec["videos"] = conv.videos
+            rows.extend([rec])
+            report.used += 1
+            written += 1
+    log(report.summary() + f"; {written} answered now -> {out}")
+    return {"read": report.read, "used": report.used, "written": written, "skipped": dict(report.skipped)}
+
+
+def _answer(target, processor, turns, images, videos, max_new_tokens, eos, mm_token_types, dev, dt) -> str:
+    """The target's greedy answer after ``turns`` (decoded text, without the eos)."""
+    from mmspec.train.distill import cut_at_eos
+
+    text = render(processor, turns, True)
+    img = getattr(processor, "image_token", None) or IMAGE_MARKER
+    vid = getattr(processor, "video_token", None) or VIDEO_MARKER
+    enc = _run(processor, text, images[:text.count(img)], videos[:text.count(vid)] if videos else [])
+    ids = enc["input_ids"]
+    if mm_token_types is not None and "mm_token_type_ids" not in enc:
+        enc["mm_token_type_ids"] = (ids == mm_token_types[0]).int() + 2 * (ids == mm_token_types[1]).int()
+    inputs = {k: (v.to(dev, dt) if v.is_floating_point() else v.to(dev)) for k, v in enc.items()
+              if isinstance(v, torch.Tensor)}
+    new = target.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)[0, ids.shape[1]:].tolist()
+    new = cut_at_eos(new, eos)
+    stops = {eos} if isinstance(eos, int) else set(eos or ())
+    return processor.tokenizer.decode([t for t in new if t not in stops], skip_special_tokens=True).strip()
