@@ -45,7 +45,8 @@ def head(
                                            "to the world's training prompts."),
     families: str = typer.Option("chartqa,textvqa,vqav2,hallusionbench,spot_the_diff,iedit,pororosv,vist",
                                  help="World families to train on."),
-    samples: int = typer.Option(200, help="Training samples per world family (or conversations of the JSON)."),
+    samples: int | None = typer.Option(None, help="Training samples per world family (default 200), or the first "
+                                       "N conversations of --data FILE (default: all)."),
     world_seed: int = typer.Option(0, help="World seed of the samples (must match the answers file's)."),
     layers: int = typer.Option(1, help="Decoder layers of the head."),
     feature_layers: str | None = typer.Option(None, help="The target's decoder layers the head reads, by their output "
@@ -76,6 +77,8 @@ def head(
     from mmspec.provenance import command_line
 
     with training_errors():
+        if samples is None and data == "world":
+            samples = 200
         local = os.environ.get("LOCAL_RANK")
         if device == "cuda" and local is not None:
             device = f"cuda:{local}"
@@ -111,7 +114,7 @@ def head(
         train_head(model, seqs, cfg, head=head)
 
 
-def user_sequences(model, processor, data: str, media_dir: Path | None, samples: int, max_length: int | None,
+def user_sequences(model, processor, data: str, media_dir: Path | None, samples: int | None, max_length: int | None,
                    frames: int):
     """The conversations of ``--data FORMAT:FILE`` through the target's processor (the first
     ``samples``), bad records counted and skipped; ``max_length`` defaults to the context length."""
@@ -169,7 +172,7 @@ def check_head_options(cfg: HeadTrainConfig, target: Path, data: str, image_dir:
     from mmspec.world import FAMILIES
 
     check_threads(threads)
-    if isinstance(samples, bool) or samples < 1:
+    if samples is not None and (isinstance(samples, bool) or samples < 1):
         raise MMSpecError(f"--samples must be >= 1, got {samples}")
     check_device(cfg.device)
     check_model_dir(target, "--target", "a target model")
