@@ -29,6 +29,7 @@ from mmspec.forwards import TargetState
 from mmspec.graphs import StaticPool, graph_mode
 from mmspec.heads.drafter import HeadDrafter
 from mmspec.heads.model import FeatureHead, check_head_fits, is_head_dir, load_head
+from mmspec.heads.positions import prompt_positions
 from mmspec.lookup import MergedDrafter, ModelFreeDrafter, SuffixStore, history, proposer_for
 from mmspec.models.base import adapter_for, same_vision
 from mmspec.models.cache import set_cache_length, supports_trees
@@ -429,7 +430,7 @@ class SpecDecoder:
             match = self.prefix_cache.match(keys.target[:-1], [k[:-1] for k in keys.rows], head=self.head is not None)
         state, feats = self._prefill_target(ids, mm, enc, max_new_tokens, stats, match, static)
         if self.head is not None:  # the head drafts over the target's features
-            drafter = self._prefill_head(feats, ids, max_new_tokens, stats, match, static)
+            drafter = self._prefill_head(feats, ids, max_new_tokens, stats, match, mm, static)
         elif self.draft is not None:
             prefix = None if match is None else [match.row_kv(b) if n else None for b, n in enumerate(match.rows)]
             drafter = self._prefill_draft(rows, max_new_tokens, stats, prefix=prefix, initial=initial, static=static)
@@ -590,7 +591,8 @@ class SpecDecoder:
         return drafter
 
     def _prefill_head(self, feats: torch.Tensor, ids: torch.Tensor, max_new_tokens: int,
-                      stats: GenerationStats, match: PrefixMatch | None = None, static: bool = False) -> HeadDrafter:
+                      stats: GenerationStats, match: PrefixMatch | None = None, mm: dict | None = None,
+                      static: bool = False) -> HeadDrafter:
         """The head over the target's features ``feats`` [1, L - 1 - k, F] and the prompt ``ids``
         [L], its first k = ``match.head`` slots copied from the prefix cache."""
         t0 = time.perf_counter()
@@ -600,7 +602,8 @@ class SpecDecoder:
             drafter.cache, drafter.step_fn = self._static_pool.get(
                 "head", 1, ids.shape[0] + room, lambda n: self.head.new_cache(n, static=True),
                 lambda c: head_forward(self.head, c), name="draft head")
-        drafter.prefill(feats, ids, match.head_kv() if match is not None and match.head else None)
+        drafter.prefill(feats, ids, match.head_kv() if match is not None and match.head else None,
+                        positions=prompt_positions(self.head, self.target, ids, mm or {}))  # M-RoPE heads
         sync(self.target.device)
         stats.prefill_draft_s = time.perf_counter() - t0
         return drafter

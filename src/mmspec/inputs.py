@@ -146,7 +146,7 @@ def chat_prompt(processor, text: str, n_images: int = 0, n_videos: int = 0) -> s
     template = getattr(processor, "chat_template", None)
     if marked.startswith("USER:") or not template:
         text = frame_prompt(marked, n_images, n_videos)
-        return _processor_markers(processor, text)
+        return processor_markers(processor, text)
     content = []
     for piece in _MARKERS.split(marked):
         if piece == IMAGE_MARKER:
@@ -163,7 +163,7 @@ def chat_prompt(processor, text: str, n_images: int = 0, n_videos: int = 0) -> s
                           "write the whole prompt in the checkpoint's own format, starting with USER:") from None
 
 
-def _processor_markers(processor, text: str) -> str:
+def processor_markers(processor, text: str) -> str:
     """``<image>`` / ``<video>`` -> the processor's own markers where they differ (Qwen's pads)."""
     for marker, attr in ((IMAGE_MARKER, "image_token"), (VIDEO_MARKER, "video_token")):
         own = getattr(processor, attr, None)

@@ -92,8 +92,8 @@ def make_llama(seed: int, *, hidden: int = 32, vocab: int = VOCAB, dtype=torch.f
 IMAGE, VIDEO, VSTART, VEND = 3, 6, 7, 8
 
 
-def make_qwen(seed: int, family: str = "qwen2_vl"):
-    """A tiny Qwen2-VL (or Qwen2.5-VL): 4 px patches merged 2x2, 2 decoder layers, float64."""
+def make_qwen(seed: int, family: str = "qwen2_vl", layers: int = 2):
+    """A tiny Qwen2-VL (or Qwen2.5-VL): 4 px patches merged 2x2, ``layers`` decoder layers, float64."""
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
@@ -102,7 +102,7 @@ def make_qwen(seed: int, family: str = "qwen2_vl"):
     )
 
     torch.manual_seed(seed)
-    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
     ids = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VSTART, vision_end_token_id=VEND)

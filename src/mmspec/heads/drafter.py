@@ -16,6 +16,7 @@ import torch
 
 from mmspec.drafter import DraftSteps, StepFn, TreeDrafter
 from mmspec.heads.model import FeatureHead
+from mmspec.heads.positions import head_positions, next_position
 from mmspec.models.base import ModelAdapter
 from mmspec.models.cache import DecodeCache
 from mmspec.prefix_cache import restore_rows
@@ -43,12 +44,15 @@ class HeadDrafter(TreeDrafter):
         return self.head(feats, embeds, cache=self.cache, position_ids=pos, attention_mask=mask)
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, features: torch.Tensor, token_ids: torch.Tensor, prefix=None) -> None:
+    def prefill(self, features: torch.Tensor, token_ids: torch.Tensor, prefix=None,
+                positions: torch.Tensor | None = None) -> None:
         """features: the target's features over the prompt less its last token [1, L - 1, F];
         token_ids: the whole prompt [L]. Feeds the pairs (feature t, token t + 1), t = 0..L - 3;
         the last pair (feature L - 2, the pending token) opens the first block. ``prefix``: the
         keys/values of the first k slots, reused (:mod:`mmspec.prefix_cache`); ``features`` then
-        starts at position k: [1, L - 1 - k, F]."""
+        starts at position k: [1, L - 1 - k, F]. ``positions``: an M-RoPE head's target positions
+        of the prompt less its last token ([3, 1, L - 1], :func:`mmspec.heads.positions.prompt_positions`);
+        None: slot t at position t."""
         dev = self.target.device
         n = token_ids.shape[0] - 2
         if isinstance(self.cache, DecodeCache) and self.cache.max_len >= n + self.room:
@@ -61,6 +65,8 @@ class HeadDrafter(TreeDrafter):
         self.padded = False
         self.length = self.committed = n
         self.next_pos = torch.full((1,), n, dtype=torch.long, device=dev)
+        if positions is not None:
+            self.next_pos = next_position(positions).to(dev)
         if self.step_fn is None:
             self.step_fn = self.eager_step
         if n <= k:
@@ -75,7 +81,8 @@ class HeadDrafter(TreeDrafter):
         else:
             mask = torch.ones(1, n, dtype=torch.long, device=dev)
         self.head(self.head.fused(features[:, :n - k]), self._embed(nxt), image, cache=self.cache,
-                  position_ids=torch.arange(k, n, device=dev)[None], attention_mask=mask)
+                  position_ids=torch.arange(k, n, device=dev)[None] if positions is None
+                  else head_positions(positions, k, n).to(dev), attention_mask=mask)
 
     # ------------------------------------------------------------------ TreeDrafter hooks
     def _begin_block(self, n_nodes: int) -> None:

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from mmspec.errors import MMSpecError
+from mmspec.heads.positions import MRoPE, mrope_section
 
 VARIANTS = ("eagle", "eagle3", "msd")
 LAYERS = ("eagle", "eagle3", "llama")  # the decoder's first layer (HeadConfig.layer)
@@ -196,6 +197,9 @@ class FeatureHead(nn.Module):
         lcfg = llama_config(cfg)
         self.decoder = LlamaModel(lcfg)
         self.decoder.embed_tokens.weight.requires_grad_(False)  # a 1-row stub: the head is fed inputs_embeds
+        section = mrope_section(cfg.rope_parameters)
+        if section is not None:  # a Qwen2-VL-family target: the head reads its 3-D positions (heads/positions.py)
+            self.decoder.rotary_emb = MRoPE(self.decoder.rotary_emb, section)
         self.fc_image = nn.Linear(H, H, bias=False) if cfg.variant == "msd" else None
         self.lm_head = None
         if cfg.layer == "eagle3":
@@ -238,6 +242,8 @@ class FeatureHead(nn.Module):
             if self.fc_image is not None and image is not None:
                 x = torch.where(image[..., None], self.fc_image(feats), x)
         kw = {self._cache_kw: cache} if cache is not None else {}
+        if position_ids is not None and position_ids.dim() == 3 and attention_mask is None:  # M-RoPE ids [3, B, n]
+            attention_mask = torch.ones(x.shape[:2], dtype=torch.long, device=x.device)
         out = self.decoder(inputs_embeds=x, attention_mask=attention_mask, position_ids=position_ids,
                            use_cache=cache is not None, **kw)
         return out.last_hidden_state

@@ -46,11 +46,19 @@ from mmspec.train.loop import FitConfig, FitResult, StepInfo, TrainingInterrupte
 
 @dataclass
 class Sequence_:
-    """One training sequence: token ids (images expanded) and the pixels of its images."""
+    """One training sequence: token ids (images expanded), the pixels of its images, and the
+    rest of what the family's processor made for it (``mm``: image_sizes, image_grid_thw,
+    pixel_values_videos, ...)."""
 
     input_ids: torch.Tensor  # [L] long
-    pixel_values: torch.Tensor | None  # [n_img, 3, H, W] or None
+    pixel_values: torch.Tensor | None  # [n_img, ...] or None
     text_only: Sequence_ | None = None  # the same without images (msd's first stage)
+    mm: dict[str, torch.Tensor] = field(default_factory=dict)  # the processor's other outputs, batch dim 1 or n
+    loss_mask: torch.Tensor | None = None  # [L] bool: tokens of assistant turns (None: every token)
+
+    def inputs(self) -> dict[str, torch.Tensor]:
+        """Every model input of this sequence but its ids: pixel_values and ``mm``."""
+        return {**({} if self.pixel_values is None else {"pixel_values": self.pixel_values}), **self.mm}
 
 
 @dataclass
@@ -71,6 +79,8 @@ class HeadTrainConfig:
     resume: bool = True
     progress: bool = True
     device: str = "cpu"
+    cache_features: str | None = None  # a directory: the target's features dumped once, reused every epoch
+    cache_max_gb: float = 50.0  # the size limit of that directory; past it, features stay on the fly
     notes: dict = field(default_factory=dict)  # recorded in the head's config (recipe, data)
 
     def __post_init__(self) -> None:
@@ -95,6 +105,8 @@ class HeadTrainConfig:
                                   f"got {self.text_steps!r}: the multimodal stage needs steps too")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise MMSpecError(f"warmup must be a whole number >= 0, got {self.warmup!r}")
+        if not (math.isfinite(self.cache_max_gb) and self.cache_max_gb > 0):
+            raise MMSpecError(f"--cache-max-gb must be a finite number > 0, got {self.cache_max_gb}")
         if not (math.isfinite(self.reg_weight) and self.reg_weight >= 0):
             raise MMSpecError(f"reg_weight must be a finite number >= 0, got {self.reg_weight}")
 
@@ -123,16 +135,42 @@ def init_dist(device: str) -> Dist:
 
 
 # --------------------------------------------------------------------------- batches
+PER_TOKEN = ("mm_token_type_ids",)  # processor outputs with one entry per token: padded like the ids
+
+
 def collate(seqs: Sequence[Sequence_], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Right-padded batch: input_ids [B, L], attention_mask [B, L], pixel_values [n, 3, H, W] | None."""
+    """Right-padded batch: input_ids [B, L], attention_mask [B, L], pixel_values | None, every
+    other processor output of the family joined over the rows (per-image tensors concatenated in
+    row order, per-token ones padded; LLaVA-NeXT's tiles [n, tiles, 3, H, W] padded to the most
+    tiles, which the model cuts back by ``image_sizes``) and ``loss_mask`` [B, L] when a row has one."""
     L = max(s.input_ids.shape[0] for s in seqs)
     ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
     mask = torch.zeros(len(seqs), L, dtype=torch.long)
     for b, s in enumerate(seqs):
         ids[b, : s.input_ids.shape[0]] = s.input_ids
         mask[b, : s.input_ids.shape[0]] = 1
-    pix = [s.pixel_values for s in seqs if s.pixel_values is not None]
-    return {"input_ids": ids, "attention_mask": mask, "pixel_values": torch.cat(pix) if pix else None}
+    out: dict[str, torch.Tensor | None] = {"input_ids": ids, "attention_mask": mask, "pixel_values": None}
+    rows = [s.inputs() for s in seqs]
+    for key in dict.fromkeys(k for r in rows for k in r):
+        if key in PER_TOKEN:
+            t = torch.zeros(len(seqs), L, dtype=next(r[key] for r in rows if key in r).dtype)
+            for b, r in enumerate(rows):
+                if key in r:
+                    t[b, : r[key].shape[-1]] = r[key].reshape(-1)
+            out[key] = t
+            continue
+        parts = [r[key] for r in rows if key in r]
+        if parts[0].dim() == 5 and key == "pixel_values" and len({p.shape[1] for p in parts}) > 1:
+            most = max(p.shape[1] for p in parts)
+            parts = [F.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.shape[1])) for p in parts]
+        out[key] = torch.cat(parts)
+    if any(s.loss_mask is not None for s in seqs):
+        lm = torch.zeros(len(seqs), L, dtype=torch.bool)
+        for b, s in enumerate(seqs):
+            n = s.input_ids.shape[0]
+            lm[b, :n] = True if s.loss_mask is None else s.loss_mask
+        out["loss_mask"] = lm
+    return out
 
 
 @torch.no_grad()
@@ -147,7 +185,7 @@ def target_features(target, batch: dict, layers: tuple[int, ...], final: bool):
     hooks = [adapter._layer(i).register_forward_hook(
         lambda m, a, o, i=i: captured.__setitem__(i, o[0] if isinstance(o, tuple) else o)) for i in want]
     try:
-        kw = {k: v for k, v in batch.items() if v is not None}
+        kw = {k: v for k, v in batch.items() if v is not None and k != "loss_mask"}
         logits = target(**kw, use_cache=False).logits
     finally:
         for h in hooks:
@@ -156,23 +194,48 @@ def target_features(target, batch: dict, layers: tuple[int, ...], final: bool):
     return logits, feats, captured.get(-1) if final else None
 
 
-def head_loss(head: FeatureHead, target, batch: dict, cfg: HeadTrainConfig) -> tuple[torch.Tensor, dict]:
-    """The batch loss (mean over sequences of each sequence's mean over its positions) and parts."""
+def slot_positions(core: FeatureHead, target, batch: dict) -> torch.Tensor:
+    """The head's position ids over a batch's L - 1 slots: slot t at the TARGET's position of token
+    t, 3-D [3, B, L - 1] for an M-RoPE head of a Qwen2-VL-family target (as it drafts:
+    :mod:`mmspec.heads.positions`), else [B, L - 1] = t."""
+    from mmspec.heads.positions import mrope_section
+    from mmspec.models.base import adapter_for
+
+    ids = batch["input_ids"]
+    B, L = ids.shape
+    adapter = adapter_for(target)
+    if mrope_section(core.config.rope_parameters) is not None and getattr(adapter, "mrope", False):
+        mm = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask", "loss_mask") and v is not None}
+        pos, _ = adapter.prefill_positions(ids, mm, batch["attention_mask"])
+        if pos.dim() == 3:
+            return pos[..., : L - 1]
+    return torch.arange(L - 1, device=ids.device)[None].expand(B, -1)
+
+
+def head_loss(head: FeatureHead, target, batch: dict, cfg: HeadTrainConfig, features=None
+              ) -> tuple[torch.Tensor, dict]:
+    """The batch loss (mean over sequences of each sequence's mean over its positions) and parts.
+    ``features``: the target's (logits, features, final state) of the batch, when already at hand
+    (:mod:`mmspec.train.feature_cache`); else one target forward computes them."""
     hc = head.config if not hasattr(head, "module") else head.module.config
     core = head.module if hasattr(head, "module") else head
     reg = hc.variant in ("eagle", "msd")
-    logits_t, feats, final = target_features(target, batch, hc.feature_layers, final=reg)
+    logits_t, feats, final = features if features is not None else target_features(
+        target, batch, hc.feature_layers, final=reg)
     ids, mask = batch["input_ids"], batch["attention_mask"]
     B, L = ids.shape
     nxt = ids[:, 1:]  # [B, L-1] the token after each head input position
     emb = target.get_input_embeddings()(nxt).detach()
     image = (nxt == hc.image_token_id) if (hc.variant == "msd" and hc.image_token_id is not None) else None
-    pos = torch.arange(L - 1, device=ids.device)[None].expand(B, -1)
+    pos = slot_positions(core, target, batch)  # [B, L-1], or [3, B, L-1] on an M-RoPE target
     amask = mask[:, 1:]
     after_img = torch.zeros_like(nxt, dtype=torch.bool)
     if hc.image_token_id is not None:
         after_img[:, :-1] = ids[:, 2:] == hc.image_token_id  # the next token is an image slot: no loss
     valid = amask.bool() & ~after_img  # [B, L-1]
+    if batch.get("loss_mask") is not None:  # position t predicts token t + 2: loss where that is an assistant's
+        valid[:, :-1] &= batch["loss_mask"][:, 2:]
+        valid[:, -1] = False
     p = torch.softmax(logits_t[:, 1:].float(), -1)  # [B, L-1, V] the target's distribution at t + 1
     lm_head = target.get_output_embeddings()
     if core.lm_head is not None:  # eagle3: its own vocabulary; the target's mass on it, renormalised
@@ -210,6 +273,37 @@ def head_loss(head: FeatureHead, target, batch: dict, cfg: HeadTrainConfig) -> t
     return loss, {k: float(v.detach()) for k, v in parts.items()}
 
 
+@torch.no_grad()
+def first_step_acceptance(head: FeatureHead, target, seqs: Sequence[Sequence_], batch_size: int = 4) -> float:
+    """How often the head's first draft token equals the target's greedy token, fed the target's
+    TRUE features (the first step of every block), over the positions a head is trained on (the
+    assistant turns of sequences with a ``loss_mask``, else every position before the last)."""
+    core = head.module if hasattr(head, "module") else head
+    was = core.training
+    core.eval()
+    hit = total = 0
+    dev, dt = next(target.parameters()).device, next(target.parameters()).dtype
+    lm_head = target.get_output_embeddings()
+    for i in range(0, len(seqs), batch_size):
+        batch = {k: (None if v is None else v.to(dev)) for k, v in collate(seqs[i:i + batch_size]).items()}
+        for k in ("pixel_values", "pixel_values_videos", "pixel_values_images"):
+            if batch.get(k) is not None and batch[k].is_floating_point():
+                batch[k] = batch[k].to(dt)
+        logits_t, feats, _ = target_features(target, batch, core.config.feature_layers, final=False)
+        ids, amask = batch["input_ids"], batch["attention_mask"]
+        h = core(core.fused(feats[:, :-1].to(core.dtype)), target.get_input_embeddings()(ids[:, 1:]).to(core.dtype),
+                 None, position_ids=slot_positions(core, target, batch), attention_mask=amask[:, 1:])
+        draft = core.logits(h, lm_head).argmax(-1)[:, :-1]  # [B, L-2]: position t drafts token t + 2
+        want = logits_t[:, 1:-1].argmax(-1)  # the target's greedy token t + 2
+        valid = amask[:, 2:].bool()
+        if batch.get("loss_mask") is not None:
+            valid &= batch["loss_mask"][:, 2:]
+        hit += int(((draft == want) & valid).sum())
+        total += int(valid.sum())
+    core.train(was)
+    return hit / max(total, 1)
+
+
 # --------------------------------------------------------------------------- the loop
 def _order(n: int, seed: int, epoch: int) -> list[int]:
     idx = list(range(n))
@@ -228,7 +322,8 @@ def _global_batch(step: int, n: int, cfg: HeadTrainConfig) -> list[int]:
 
 
 CHECKPOINT = Path("checkpoints") / "head.pt"  # under --out: what a rerun resumes
-NOTED = ("data", "samples", "families", "answers", "world_seed")  # the data options a resume must match
+NOTED = ("data", "samples", "families", "answers", "world_seed", "draft_vocab", "max_length",
+         "feature_layers")  # the data options a resume must match
 
 
 def head_settings(cfg: HeadTrainConfig) -> dict:
@@ -269,6 +364,13 @@ def train_head(target, seqs: Sequence[Sequence_], cfg: HeadTrainConfig, *, head:
     text_steps = text_steps_of(cfg)
     per_rank = cfg.batch_size // dist.world
     pix_dtype = next(target.parameters()).dtype
+    cache, keys = None, []
+    if cfg.cache_features:
+        from mmspec.train.feature_cache import FeatureCache, sequence_key
+
+        cache = FeatureCache(cfg.cache_features, target, head.config.feature_layers, cfg.cache_max_gb * 2**30,
+                             main=dist.main)
+        keys = [sequence_key(s) for s in seqs]
 
     def step_loss(model, info: StepInfo) -> tuple[torch.Tensor, dict]:
         idx = _global_batch(info.step, len(seqs), cfg)[dist.rank * per_rank:(dist.rank + 1) * per_rank]
@@ -276,9 +378,13 @@ def train_head(target, seqs: Sequence[Sequence_], cfg: HeadTrainConfig, *, head:
         text_stage = info.step < text_steps and info.progress < text_steps / cfg.steps
         items = [seqs[i].text_only if (text_stage and seqs[i].text_only is not None) else seqs[i] for i in idx]
         batch = {k: (v.to(device) if v is not None else None) for k, v in collate(items).items()}
-        if batch["pixel_values"] is not None:
-            batch["pixel_values"] = batch["pixel_values"].to(pix_dtype)
-        loss, parts = head_loss(model, target, batch, cfg)
+        for k in ("pixel_values", "pixel_values_videos", "pixel_values_images"):
+            if batch.get(k) is not None and batch[k].is_floating_point():
+                batch[k] = batch[k].to(pix_dtype)
+        feats = None
+        if cache is not None and not text_stage:
+            feats = cache.features(target, batch, [keys[i] for i in idx])
+        loss, parts = head_loss(model, target, batch, cfg, feats)
         return loss, {**parts, "stage": "text" if text_stage else "multimodal"}
 
     fit_cfg = FitConfig(label=f"train {cfg.variant} head", steps=cfg.steps, minutes=cfg.minutes, lr=cfg.lr,
@@ -293,6 +399,10 @@ def train_head(target, seqs: Sequence[Sequence_], cfg: HeadTrainConfig, *, head:
             _write_head(head, _partial(fit_cfg), out, cfg, dist, lambda s: None)
         raise
     summary = _write_head(head, res, out, cfg, dist, log) if dist.main else _summary(res, dist)
+    if cache is not None:
+        summary["cache"] = {"hits": cache.hits, "misses": cache.misses, "bytes": cache.used}
+        log(f"feature cache {cfg.cache_features}: {cache.hits} sequence(s) read from it, {cache.misses} computed "
+            f"({cache.used / 2**20:.1f} MiB on disk)")
     if dist.world > 1:
         import torch.distributed as tdist
 

@@ -103,8 +103,8 @@ def check_model_dir(path: Path | None, option: str, what: str = "a model") -> No
         raise MMSpecError(f"{option} {path} is not {what} directory (no config.json)")
 
 
-def check_model_type(path: Path, option: str, want: str, why: str) -> None:
-    """``path``'s config.json must name ``model_type`` ``want``; ``why`` says what needs it."""
+def check_model_type(path: Path, option: str, want: str | tuple[str, ...], why: str) -> None:
+    """``path``'s config.json must name ``model_type`` ``want`` (or one of them); ``why`` says what needs it."""
     import json
 
     from mmspec.errors import MMSpecError
@@ -113,8 +113,10 @@ def check_model_type(path: Path, option: str, want: str, why: str) -> None:
         got = json.loads((path / "config.json").read_text()).get("model_type")
     except (OSError, ValueError, AttributeError):
         raise MMSpecError(f"{option} {path}: its config.json is not readable JSON") from None
-    if got != want:
-        raise MMSpecError(f"{option} {path} is a {got!r} model; {why} (model_type {want!r})")
+    wanted = (want,) if isinstance(want, str) else tuple(want)
+    if got not in wanted:
+        name = repr(want) if isinstance(want, str) else "one of " + ", ".join(wanted)
+        raise MMSpecError(f"{option} {path} is a {got!r} model; {why} (model_type {name})")
 
 
 def check_processor(path: Path, option: str, tokenizer: bool = True) -> None:

@@ -1,6 +1,7 @@
 """``mmspec train head``: flags onto :class:`~mmspec.train.head.HeadTrainConfig`; the training
-sequences come from :func:`~mmspec.train.head.world_sequences` or
-:func:`~mmspec.train.head.llava_instruct_sequences`.
+sequences come from :func:`~mmspec.train.head.world_sequences` (the embedded world, LLaVA-1.5
+targets) or :func:`~mmspec.train.conversations.conversation_sequences` (the user's LLaVA-Instruct
+or ShareGPT conversations, any family, through the target's own processor and chat template).
 """
 
 from __future__ import annotations
@@ -20,12 +21,10 @@ from mmspec.cli.train.common import (
     training_errors,
 )
 from mmspec.errors import MMSpecError
-from mmspec.train.head import (
-    HeadTrainConfig,
-    llava_instruct_sequences,
-    train_head,
-    world_sequences,
-)
+from mmspec.train.head import HeadTrainConfig, train_head, world_sequences
+
+CONVERSATION_FORMATS = ("llava-instruct", "sharegpt", "conversations")  # --data FORMAT:FILE, read alike
+TARGET_FAMILIES = ("llava", "llava_next", "llava_onevision", "video_llava", "qwen2_vl", "qwen2_5_vl")
 
 
 def head(
@@ -33,15 +32,25 @@ def head(
     variant: str = typer.Option("eagle", help="eagle (EAGLE-1/2), eagle3 (low/mid/high features, training-time "
                                 "test) or msd (decoupled modality, text-first)."),
     out: Path = typer.Option(..., help="Where the head is saved (and its checkpoint: a rerun resumes)."),
-    data: str = typer.Option("world", help="world, or llava-instruct:FILE.json (with --image-dir)."),
-    image_dir: Path | None = typer.Option(None, help="Images of a llava-instruct JSON."),
+    data: str = typer.Option("world", help="world (the embedded world; LLaVA-1.5 targets), or your conversations: "
+                             "llava-instruct:FILE.json, sharegpt:FILE.json[l] (any family; with --media-dir)."),
+    image_dir: Path | None = typer.Option(None, "--media-dir", "--image-dir",
+                                          help="The folder the conversations' image / video paths are read from."),
+    max_length: int | None = typer.Option(None, help="Conversations longer than this (in tokens, images expanded) "
+                                          "are skipped (default: the target's context length)."),
+    frames: int = typer.Option(8, help="Frames read from each video of the conversations."),
+    draft_vocab: int | None = typer.Option(None, help="eagle3: the draft vocabulary's size, the tokens the "
+                                           "training answers use most (default: the target's whole vocabulary)."),
     answers: Path | None = typer.Option(None, help="The target's own greedy answers (mmspec train answers) "
                                            "to the world's training prompts."),
     families: str = typer.Option("chartqa,textvqa,vqav2,hallusionbench,spot_the_diff,iedit,pororosv,vist",
                                  help="World families to train on."),
-    samples: int = typer.Option(200, help="Training samples per world family (or conversations of the JSON)."),
+    samples: int | None = typer.Option(None, help="Training samples per world family (default 200), or the first "
+                                       "N conversations of --data FILE (default: all)."),
     world_seed: int = typer.Option(0, help="World seed of the samples (must match the answers file's)."),
     layers: int = typer.Option(1, help="Decoder layers of the head."),
+    feature_layers: str | None = typer.Option(None, help="The target's decoder layers the head reads, by their output "
+                                              "(0-based, comma-separated; eagle3: three, default 1, N/2-1, N-4)."),
     steps: int = typer.Option(1000),
     minutes: float | None = typer.Option(None, help="Time budget: stop and save when it is spent."),
     batch_size: int = typer.Option(16, help="Global batch (split over torchrun's processes)."),
@@ -50,6 +59,10 @@ def head(
     text_steps: int | None = typer.Option(None, help="msd: text-only steps first (default: a third of --steps; "
                                              "with --minutes, that share of the time budget if it ends training "
                                              "first)."),
+    cache_features: Path | None = typer.Option(None, help="Dump the target's features of each training sequence "
+                                               "here once and read them back every later epoch (resumable)."),
+    cache_max_gb: float = typer.Option(50.0, help="Size limit of --cache-features; past it the remaining sequences' "
+                                       "features are computed on the fly."),
     seed: int = typer.Option(0),
     device: str = typer.Option("cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK)."),
     threads: int | None = typer.Option(None, help="CPU threads per process."),
@@ -64,32 +77,86 @@ def head(
     from mmspec.provenance import command_line
 
     with training_errors():
+        if samples is None and data == "world":
+            samples = 200
         local = os.environ.get("LOCAL_RANK")
         if device == "cuda" and local is not None:
             device = f"cuda:{local}"
         cfg = HeadTrainConfig(variant=variant, out=str(out), num_layers=layers, steps=steps, minutes=minutes,
                               batch_size=batch_size, lr=lr, ttt_steps=ttt_steps, text_steps=text_steps, seed=seed,
-                              resume=not fresh, device=device,
+                              resume=not fresh, device=device, cache_max_gb=cache_max_gb,
+                              cache_features=None if cache_features is None else str(cache_features),
                               notes={"command": command_line(), "data": data, "samples": samples, "families": families,
-                                     "answers": str(answers) if answers else None, "world_seed": world_seed})
+                                     "answers": str(answers) if answers else None, "world_seed": world_seed,
+                                     "draft_vocab": draft_vocab, "max_length": max_length,
+                                     "feature_layers": feature_layers})
+        check_conversation_options(cfg.variant, data, max_length, frames, draft_vocab)
         check_head_options(cfg, target, data, image_dir, answers, families, samples, threads)
         set_threads(threads)
-        from transformers import AutoProcessor
-
-        from mmspec.models.loading import load_model
+        from mmspec.models.loading import load_model, load_processor
 
         model = load_model(str(target), dtype="float32" if device == "cpu" else "auto")
-        try:
-            processor = AutoProcessor.from_pretrained(str(target))
-        except (OSError, ValueError, TypeError) as e:
-            raise MMSpecError(f"--target {target} has no processor to read ({type(e).__name__}); it needs the "
-                              "tokenizer and image processor files next to config.json") from None
+        processor = load_processor(str(target))
         img = getattr(model.config, "image_token_id", None)
+        head = None
         if data == "world":
             seqs = world_sequences(processor, names(families), samples, world_seed, answers, img)
         else:
-            seqs = llava_instruct_sequences(processor, Path(data.split(":", 1)[1]), image_dir, samples, img)
-        train_head(model, seqs, cfg)
+            seqs = user_sequences(model, processor, data, image_dir, samples, max_length, frames)
+        if draft_vocab is not None or feature_layers:
+            from mmspec.heads.model import build_head
+            from mmspec.train.conversations import draft_vocabulary
+
+            vocab = None if draft_vocab is None else draft_vocabulary(
+                seqs, draft_vocab, model.get_output_embeddings().weight.shape[0])
+            head = build_head(model, cfg.variant, num_layers=layers, draft_vocab=vocab, seed=seed,
+                              feature_layers=layer_ids(feature_layers, model))
+        train_head(model, seqs, cfg, head=head)
+
+
+def user_sequences(model, processor, data: str, media_dir: Path | None, samples: int | None, max_length: int | None,
+                   frames: int):
+    """The conversations of ``--data FORMAT:FILE`` through the target's processor (the first
+    ``samples``), bad records counted and skipped; ``max_length`` defaults to the context length."""
+    from mmspec.models.base import adapter_for
+    from mmspec.train.conversations import conversation_sequences
+
+    adapter = adapter_for(model)
+    types = (adapter.image_token_id, adapter.video_token_id) if "mm_token_type_ids" in adapter.mm_keys else None
+    seqs, _ = conversation_sequences(processor, Path(data.split(":", 1)[1]), media_dir, limit=samples,
+                                     max_length=max_length or adapter.max_positions, n_frames=frames,
+                                     mm_token_types=types)
+    return seqs
+
+
+def layer_ids(text: str | None, model) -> tuple[int, ...] | None:
+    """``--feature-layers 1,13,24`` -> (1, 13, 24), each a decoder layer of the target."""
+    if not text:
+        return None
+    from mmspec.models.base import adapter_for
+
+    n = adapter_for(model).num_layers
+    try:
+        ids = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise MMSpecError(f"--feature-layers {text!r}: give decoder layer numbers separated by commas, e.g. 1,13,24"
+                          ) from None
+    if any(not 0 <= i < n for i in ids):
+        raise MMSpecError(f"--feature-layers {text!r}: the target has {n} decoder layers (0 to {n - 1})")
+    return ids
+
+
+def check_conversation_options(variant: str, data: str, max_length: int | None, frames: int,
+                               draft_vocab: int | None) -> None:
+    if max_length is not None and max_length < 2:
+        raise MMSpecError(f"--max-length must be >= 2 tokens, got {max_length}")
+    if frames < 1:
+        raise MMSpecError(f"--frames must be >= 1, got {frames}")
+    if draft_vocab is not None and variant != "eagle3":
+        raise MMSpecError(f"--draft-vocab sizes an EAGLE-3 head's own vocabulary; the {variant} head scores with the "
+                          "target's: drop --draft-vocab or use --variant eagle3")
+    if draft_vocab is not None and draft_vocab < 1:
+        raise MMSpecError(f"--draft-vocab must be >= 1, got {draft_vocab}")
 
 
 def names(text: str) -> list[str]:
@@ -105,12 +172,17 @@ def check_head_options(cfg: HeadTrainConfig, target: Path, data: str, image_dir:
     from mmspec.world import FAMILIES
 
     check_threads(threads)
-    if isinstance(samples, bool) or samples < 1:
+    if samples is not None and (isinstance(samples, bool) or samples < 1):
         raise MMSpecError(f"--samples must be >= 1, got {samples}")
     check_device(cfg.device)
     check_model_dir(target, "--target", "a target model")
-    check_model_type(target, "--target", "llava", "`train head` builds its training sequences in LLaVA-1.5's prompt "
-                     "and image format (the world's data and llava-instruct both): give a LLaVA-1.5 target")
+    if data == "world":
+        check_model_type(target, "--target", "llava", "the embedded world's sequences are in LLaVA-1.5's prompt and "
+                         "image format: give a LLaVA-1.5 target, or train on your own conversations with "
+                         "--data sharegpt:FILE --media-dir DIR (any family)")
+    else:
+        check_model_type(target, "--target", TARGET_FAMILIES, "`train head --data` builds sequences for the vision-language "
+                         "families mmspec decodes")
     check_processor(target, "--target")
     if data == "world":
         unknown = [f for f in names(families) if f not in FAMILIES]
@@ -121,20 +193,20 @@ def check_head_options(cfg: HeadTrainConfig, target: Path, data: str, image_dir:
             raise MMSpecError(f"answers file {answers} not found; make it with `mmspec train answers --out {answers}` "
                               "for the same families, counts and world seed, or leave --answers out")
         if image_dir is not None:
-            raise MMSpecError("--image-dir holds a llava-instruct JSON's images; the world makes its own: drop it or "
-                              "use --data llava-instruct:FILE.json")
-    elif data.startswith("llava-instruct:"):
+            raise MMSpecError("--media-dir holds your conversations' images; the world makes its own: drop it or "
+                              "use --data sharegpt:FILE.jsonl")
+    elif data.split(":", 1)[0] in CONVERSATION_FORMATS and ":" in data:
         path = Path(data.split(":", 1)[1])
         if not path.is_file():
-            raise MMSpecError(f"--data {data}: {path} not found; give a LLaVA-Instruct JSON file")
-        if image_dir is None or not image_dir.is_dir():
-            raise MMSpecError("--data llava-instruct:FILE needs --image-dir, the folder of the JSON's images"
-                              + (f"; {image_dir} is not a folder" if image_dir is not None else ""))
+            raise MMSpecError(f"--data {data}: {path} not found; give a JSON or JSONL file of conversations")
+        if image_dir is not None and not image_dir.is_dir():
+            raise MMSpecError(f"--media-dir {image_dir} is not a folder; give the folder the conversations' image and "
+                              "video paths are relative to")
         if answers is not None:
-            raise MMSpecError("--answers holds the target's answers to the world's prompts; with --data llava-instruct "
-                              "drop it")
+            raise MMSpecError("--answers holds the target's answers to the world's prompts; with your own "
+                              "conversations drop it (regenerate their answers with `mmspec train answers --data`)")
     else:
-        raise MMSpecError(f"unknown --data {data!r}; use world or llava-instruct:FILE.json")
+        raise MMSpecError(f"unknown --data {data!r}; use world, llava-instruct:FILE.json or sharegpt:FILE.json[l]")
     out = Path(cfg.out)
     check_out(out)
     if cfg.resume:

@@ -270,7 +270,14 @@ def stage(
 def answers_cmd(
     out: Path = typer.Option(..., help="JSONL file to write (appended to: a rerun resumes, skipping samples "
                              "already answered)"),
-    target: Path | None = typer.Option(None, help="HF LLaVA dir (default: the shipped target)"),
+    target: Path | None = typer.Option(None, help="the target model dir (default: the shipped target); with --data "
+                                       "any family mmspec decodes"),
+    data: str | None = typer.Option(None, help="your conversations instead of the world's samples: "
+                                    "sharegpt:FILE.json[l] or llava-instruct:FILE.json; every assistant turn is "
+                                    "answered again by the target, written to --out as ShareGPT JSONL for "
+                                    "`mmspec train head --data sharegpt:OUT`"),
+    media_dir: Path | None = typer.Option(None, help="the folder the conversations' image / video paths are read from"),
+    frames: int = typer.Option(8, help="frames read from each video of the conversations"),
     n_train_per_family: int = typer.Option(400, help="train-split samples per family"),
     family_samples: list[str] = typer.Option([], help="FAMILY=N: N samples of this family instead of "
                                              "--n-train-per-family (repeatable; as `train stage` takes it)"),
@@ -304,6 +311,10 @@ def answers_cmd(
         raise typer.BadParameter(f"{out.parent} does not exist; create it or write elsewhere", param_hint="--out")
     path = target or default_path() / "target"
     require_model_dir(path, "--target")
+    if data is not None:
+        set_threads(threads)
+        conversation_answers(path, data, media_dir, out, max_new_tokens, frames, device)
+        return
     per_family = parse_family_samples(family_samples, n_train_per_family)
     set_threads(threads)
     llava = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval().to(device)
@@ -316,3 +327,32 @@ def answers_cmd(
         raise typer.BadParameter(str(exc), param_hint="--out") from exc
     typer.echo(f"{counts['written']} answers written, {counts['already_there']} already there "
                f"(target {source.target}, seed {seed}) -> {out}")
+
+
+def conversation_answers(target: Path, data: str, media_dir: Path | None, out: Path, max_new_tokens: int,
+                         frames: int, device: str) -> None:
+    """``train answers --data``: the target's own answers to every assistant turn of the user's
+    conversations (any family), resumable (:func:`mmspec.train.conversations.regenerate_answers`)."""
+    from mmspec.cli.common import fail
+    from mmspec.cli.train.head import CONVERSATION_FORMATS
+    from mmspec.errors import MMSpecError
+    from mmspec.models.base import adapter_for
+    from mmspec.models.loading import load_model, load_processor
+    from mmspec.train.conversations import regenerate_answers
+
+    try:
+        fmt, _, file = data.partition(":")
+        if fmt not in CONVERSATION_FORMATS or not file:
+            raise MMSpecError(f"unknown --data {data!r}; use sharegpt:FILE.json[l] or llava-instruct:FILE.json")
+        if not Path(file).is_file():
+            raise MMSpecError(f"--data {data}: {file} not found; give a JSON or JSONL file of conversations")
+        if frames < 1:
+            raise MMSpecError(f"--frames must be >= 1, got {frames}")
+        model = load_model(str(target), dtype="float32" if device == "cpu" else "auto").to(device).eval()
+        processor = load_processor(str(target))
+        adapter = adapter_for(model)
+        types = (adapter.image_token_id, adapter.video_token_id) if "mm_token_type_ids" in adapter.mm_keys else None
+        regenerate_answers(model, processor, file, media_dir, out, max_new_tokens=max_new_tokens, n_frames=frames,
+                           mm_token_types=types, log=typer.echo)
+    except MMSpecError as e:
+        fail(e)
