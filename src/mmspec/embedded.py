@@ -39,7 +39,7 @@ class EmbeddedModels:
     @property
     def heads(self) -> dict[str, Path]:
         """Trained feature-level heads shipped with the pack (variant -> directory), if any."""
-        from mmspec.heads.model import is_head_dir
+        from mmspec.heads.directory import is_head_dir
 
         root = self.path / "heads"
         return {d.name: d for d in sorted(root.iterdir()) if is_head_dir(d)} if root.is_dir() else {}

@@ -429,6 +429,9 @@ def export_head(head: FeatureHead, out, fmt: str = "eagle3", *, target=None) -> 
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         else:
             torch.save(tensors, str(tmp / "pytorch_model.bin"))
+        for f in tmp.iterdir():  # readable by others: a serving container often runs as another user
+            f.chmod(0o644)
+        tmp.chmod(0o755)  # mkdtemp made it 0700
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)

@@ -269,13 +269,6 @@ class FeatureHead(nn.Module):
         return path
 
 
-def is_head_dir(path) -> bool:
-    """A directory saved by mmspec, or an EAGLE / EAGLE-3 head (:mod:`mmspec.heads.formats`)."""
-    from mmspec.heads.formats import is_external_head_dir
-
-    return isinstance(path, (str, Path)) and ((Path(path) / CONFIG_NAME).is_file() or is_external_head_dir(path))
-
-
 def build_head(target, variant: str = "eagle", *, num_layers: int = 1, feature_layers=None,
                draft_vocab: torch.Tensor | None = None, seed: int = 0, layer: str = "") -> FeatureHead:
     """An untrained head for a loaded target (an HF model or an adapter), at the target's width,
@@ -372,19 +365,13 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [e.__class__.__name__])[0]
 
 
-def load_head(path: str | Path, target=None) -> FeatureHead:
-    """A head saved with :meth:`FeatureHead.save` (checked against ``target`` when given), or an
-    EAGLE-1/2 / EAGLE-3 head directory, imported against ``target`` (:mod:`mmspec.heads.formats`)."""
+def load_saved_head(path: str | Path, target=None) -> FeatureHead:
+    """A head saved with :meth:`FeatureHead.save` (checked against ``target`` when given). A head
+    directory of any kind: :func:`mmspec.heads.directory.load_head`."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from mmspec.heads.formats import is_external_head_dir, load_external_head
-
     path = Path(path)
-    if not (path / CONFIG_NAME).is_file() and is_external_head_dir(path):
-        if target is None:
-            raise MMSpecError(f"'{path}' is an EAGLE head: it is read against its target; pass the target")
-        return load_external_head(path, target)
     cfg = read_head_config(path)
     weights = path / WEIGHTS_NAME
     if not weights.is_file():
