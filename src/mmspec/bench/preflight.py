@@ -80,8 +80,7 @@ def check_heads(cfg: BenchConfig) -> None:
     """Each ``--head VARIANT=DIR`` is a readable head directory of that variant (its results are
     labelled with it) used by some method; each head method has its head."""
     from mmspec.bench.config import method_tree
-    from mmspec.errors import article
-    from mmspec.heads.directory import describe_head
+    from mmspec.heads.directory import article, check_head_target, describe_head
 
     given: dict[str, str] = {}
     for name, path in cfg.heads:
@@ -89,8 +88,6 @@ def check_heads(cfg: BenchConfig) -> None:
             raise MMSpecError(f"--head gives two {name} heads; give one per variant")
         try:
             info = describe_head(path)  # any kind: mmspec, EAGLE-1/2, EAGLE-3, speculators
-            from mmspec.cli.checks import check_head_target
-
             check_head_target(info, cfg.target)
         except MMSpecError as e:
             raise MMSpecError(f"--head {name}={path}: {e}") from None
