@@ -34,6 +34,7 @@ CAUSES = ("feature-layer ids off by one (SGLang counts decoder-layer outputs, vL
 class CalibrationPrompt:
     prompt: str
     images: tuple = ()  # PIL images or paths
+    inputs: dict | None = None  # the processor's output, when given instead of prompt and images
 
 
 @dataclass
@@ -146,9 +147,9 @@ def _run(dec, prompts, max_new_tokens: int):
     scale = []
     for cp in prompts:
         images = load_images(list(cp.images)) if cp.images and isinstance(cp.images[0], str) else list(cp.images)
-        inputs = processor_inputs(dec.processor, cp.prompt, images)
+        inputs = cp.inputs if cp.inputs is not None else processor_inputs(dec.processor, cp.prompt, images)
         res = dec.generate(inputs["input_ids"], inputs.get("pixel_values"), inputs.get("attention_mask"),
-                           max_new_tokens=max_new_tokens, images=images)
+                           max_new_tokens=max_new_tokens, images=images or None)
         blocks += list(res.stats.tokens_per_block)
         s = _feature_scale(dec, inputs)
         if s is not None:
@@ -189,7 +190,7 @@ def calibrate(dec, prompts: list[CalibrationPrompt] | None = None, *, max_new_to
     rerun with the feature layers shifted by one each way and say whether either drafts better."""
     if dec.head is None:
         raise MMSpecError("calibrate checks a feature-level head; this decoder drafts with a draft model")
-    if dec.processor is None:
+    if dec.processor is None and not (prompts and all(p.inputs is not None for p in prompts)):
         raise MMSpecError("the head check feeds images through the target's processor: pass processor=...")
     prompts = prompts or world_prompts()
     blocks, scale = _run(dec, prompts, max_new_tokens)
