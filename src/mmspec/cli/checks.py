@@ -66,13 +66,15 @@ def head_variant(path: str, target: str | None = None) -> str:
 def check_model_dir(name: str | None, flag: str) -> None:
     """A model flag names a directory save_pretrained() wrote (config.json), or a hub id this
     machine can get; a draft head directory given where a model belongs is named as such."""
-    from mmspec.heads.directory import head_kind
+    from mmspec.heads.directory import KIND_NAMES, head_kind
     from mmspec.models.loading import check_processor_files, locate
 
     if name is None:
         return
-    if head_kind(name) is not None:
-        raise MMSpecError(f"{flag} {name!r} is a draft head directory ({head_kind(name)}), not a model; pass it "
+    kind = head_kind(name)
+    if kind is not None:
+        what = "mmspec_head.json" if kind == "mmspec" else f"an {KIND_NAMES[kind]} head"
+        raise MMSpecError(f"{flag} {name!r} is a draft head directory ({what}), not a model; pass it "
                           f"as --head {name}" + (" (bench: --head VARIANT=DIR)" if flag != "--draft" else ""))
     path = Path(locate(name, flag))
     if path.is_dir() and not (path / "config.json").is_file():
