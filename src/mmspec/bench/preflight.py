@@ -80,7 +80,8 @@ def check_heads(cfg: BenchConfig) -> None:
     """Each ``--head VARIANT=DIR`` is a readable head directory of that variant (its results are
     labelled with it) used by some method; each head method has its head."""
     from mmspec.bench.config import method_tree
-    from mmspec.heads.directory import article, check_head_target, describe_head
+    from mmspec.errors import article
+    from mmspec.heads.directory import check_head_target, describe_head
 
     given: dict[str, str] = {}
     for name, path in cfg.heads:

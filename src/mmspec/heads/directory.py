@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmspec.errors import MMSpecError
+from mmspec.errors import MMSpecError, article
 from mmspec.heads.formats import (
     _aux_layers,
     _read_config,
@@ -126,11 +126,6 @@ def load_head(path, target=None) -> FeatureHead:
             raise MMSpecError(f"'{path}' is {article(name)} {name} head: it is read against its target; pass the target")
         return load_external_head(path, target)
     return load_saved_head(path, target)
-
-
-def article(word: str) -> str:
-    """"an eagle head", "an msd head", "a speculators head" (letters said as letters take "an")."""
-    return "an" if word[:1].lower() in "aeiou" or word.lower().startswith(("msd", "mmspec")) else "a"
 
 
 def target_shape(target) -> tuple[int, int, int]:

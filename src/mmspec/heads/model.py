@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mmspec.errors import MMSpecError
+from mmspec.errors import MMSpecError, article
 
 VARIANTS = ("eagle", "eagle3", "msd")
 LAYERS = ("eagle", "eagle3", "llama")  # the decoder's first layer (HeadConfig.layer)
@@ -80,7 +80,7 @@ class HeadConfig:
         if self.layer not in LAYERS:
             raise MMSpecError(f"unknown head layer {self.layer!r}; use one of {', '.join(LAYERS)}")
         if (self.layer == "eagle3") != (self.variant == "eagle3"):
-            raise MMSpecError(f"a {self.variant} head cannot use the {self.layer} layer: only eagle3 heads "
+            raise MMSpecError(f"{article(self.variant)} {self.variant} head cannot use the {self.layer} layer: only eagle3 heads "
                               "(and all of them) use EAGLE-3's layer")
 
     @property
