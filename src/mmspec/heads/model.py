@@ -266,6 +266,8 @@ class FeatureHead(nn.Module):
         (path / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=1))
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, str(path / WEIGHTS_NAME))
+        for f in (path / CONFIG_NAME, path / WEIGHTS_NAME):  # safetensors writes 0600: a server running as
+            f.chmod(0o644)  # another user could not read the head
         return path
 
 
