@@ -84,12 +84,12 @@ def check_heads(cfg: BenchConfig) -> None:
     from mmspec.heads.directory import check_head_target, describe_head
 
     given: dict[str, str] = {}
+    infos: dict = {}
     for name, path in cfg.heads:
         if name in given:
             raise MMSpecError(f"--head gives two {name} heads; give one per variant")
         try:
             info = describe_head(path)  # any kind: mmspec, EAGLE-1/2, EAGLE-3, speculators
-            check_head_target(info, cfg.target)
         except MMSpecError as e:
             raise MMSpecError(f"--head {name}={path}: {e}") from None
         variant = info.variant
@@ -99,6 +99,7 @@ def check_heads(cfg: BenchConfig) -> None:
                               f"(its results would be labelled {name}); write --head {variant}={path} and "
                               f"-m {variant}...")
         given[name] = path
+        infos[name] = info
     wanted: dict[str, str] = {}  # head variant -> the first method drafting with it
     for m in cfg.methods:
         variant = method_tree(m).get("head")
@@ -114,6 +115,11 @@ def check_heads(cfg: BenchConfig) -> None:
     if unused:
         raise MMSpecError(f"--head {unused[0]}=... is given but no method drafts with it; add -m {unused[0]} (or "
                           f"{unused[0]}+tree), or drop that --head")
+    for name, info in infos.items():  # last: the mistakes above name themselves first
+        try:
+            check_head_target(info, cfg.target)
+        except MMSpecError as e:
+            raise MMSpecError(f"--head {name}={given[name]}: {e}") from None
 
 
 def check_batch_run(cfg: BenchConfig, rank: RankInfo) -> None:
