@@ -27,9 +27,10 @@ def head(
     device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
     threads: int | None = common.THREADS,
 ) -> None:
-    """Run a short calibration of a draft head against its target: tau, acceptance by depth, the
-    feature layers it reads and where they come from; warns, naming the likely causes, when tau is
-    near 1 (exit code 1 then)."""
+    """Calibrate a draft head against its target on a few prompts; warn when it barely drafts.
+
+    Reports tau, acceptance by depth, the feature layers it reads and where they come from; when
+    tau is near 1, names the likely causes (exit code 1 then)."""
     try:
         from mmspec.cli.checks import at_least, check_device, check_model_dir, check_threads, head_variant
         from mmspec.heads.check import read_prompts
