@@ -27,3 +27,8 @@ def __getattr__(name: str):
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module 'mmspec' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The public names (tab completion shows ``SpecDecoder`` before anything is imported)."""
+    return sorted(set(__all__) | set(globals()))

@@ -15,6 +15,7 @@ token for token; with sampling the output is distributed exactly as the target's
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -27,8 +28,9 @@ from mmspec.engine import run_loop
 from mmspec.errors import MMSpecError
 from mmspec.forwards import TargetState
 from mmspec.graphs import StaticPool, graph_mode
+from mmspec.heads.directory import is_head_dir, load_head
 from mmspec.heads.drafter import HeadDrafter
-from mmspec.heads.model import FeatureHead, check_head_fits, is_head_dir, load_head
+from mmspec.heads.model import FeatureHead, check_head_fits
 from mmspec.heads.positions import prompt_positions
 from mmspec.lookup import MergedDrafter, ModelFreeDrafter, SuffixStore, history, proposer_for
 from mmspec.models.base import adapter_for, same_vision
@@ -89,7 +91,9 @@ class SpecDecoder:
             feature-level head (:mod:`mmspec.heads`: a ``FeatureHead`` or a directory saved by
             ``mmspec train head``), which drafts from the target's own hidden states alone:
             ``views`` (other than the default), ``weights``, ``captioner``, ``draft_processor``
-            and ``substitute`` do not apply to it and are refused.
+            and ``substitute`` do not apply to it and are refused. ``check_head=True`` runs a short
+            calibration on load (:func:`mmspec.heads.check.calibrate`: 4 world prompts) into
+            ``self.head_report`` (τ, acceptance by depth, the layers read) and warns when τ is near 1.
         tokenizer: the target's tokenizer (or a path); the draft must share its vocabulary.
         draft_tokenizer: the draft's own tokenizer (or a path), compared id by id with the
             target's base vocabulary; by default the one saved with a draft given as a path, if
@@ -154,7 +158,8 @@ class SpecDecoder:
                  cuda_graphs="auto", static_cache: bool | None = None, draft_processor=None, substitute=None,
                  acceptance: str = "exact",
                  relaxed_thresholds: tuple[float, float] = (0.6, 0.4), relaxed_window: int = 64,
-                 prefix_cache_mb: float = PREFIX_CACHE_MB, model_free: str | None = None, lookup_options=None):
+                 prefix_cache_mb: float = PREFIX_CACHE_MB, model_free: str | None = None, lookup_options=None,
+                 check_head: bool = False):
         # checks that need no model: before anything loads
         alone = checks.model_free_name(draft)  # "lookup" / "suffix": drafting with no model
         head_given = alone is None and (isinstance(draft, FeatureHead) or is_head_dir(draft))
@@ -245,6 +250,13 @@ class SpecDecoder:
         self.prefix_cache = PrefixCache(prefix_mb)
         self.suffix_store = SuffixStore(self.lookup) if self.model_free == "suffix" else None  # this decoder's history
         checks.check_generation_config(self.target_model)
+        self.head_report = None
+        if check_head and self.head is not None:  # a short calibration: mmspec.heads.check
+            from mmspec.heads.check import calibrate
+
+            self.head_report = calibrate(self)
+            for w in self.head_report.warnings:
+                warnings.warn(w, stacklevel=2)
 
     # ------------------------------------------------------------------ settings, as attributes
     @property

@@ -39,10 +39,10 @@ class EmbeddedModels:
     @property
     def heads(self) -> dict[str, Path]:
         """Trained feature-level heads shipped with the pack (variant -> directory), if any."""
-        from mmspec.heads.model import is_head_dir
+        from mmspec.heads.model import CONFIG_NAME  # the pack ships mmspec's own heads (no EAGLE imports)
 
         root = self.path / "heads"
-        return {d.name: d for d in sorted(root.iterdir()) if is_head_dir(d)} if root.is_dir() else {}
+        return {d.name: d for d in sorted(root.iterdir()) if (d / CONFIG_NAME).is_file()} if root.is_dir() else {}
 
     def captioner(self, **kw):
         """The pack's captioner with its recorded prompt, ready for ``SpecDecoder(captioner=)``."""

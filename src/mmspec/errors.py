@@ -5,3 +5,9 @@ from __future__ import annotations
 
 class MMSpecError(ValueError):
     """Bad input or configuration. The message says what is wrong and how to fix it."""
+
+
+def article(word: str) -> str:
+    """"an eagle head", "an msd head", "a speculators head": the article for a name said in a message
+    (names said letter by letter, msd and mmspec, take "an")."""
+    return "an" if word[:1].lower() in "aeiou" or word.lower().startswith(("msd", "mmspec")) else "a"

@@ -234,7 +234,9 @@ def test_cuda_on_a_cpu_only_torch_is_refused_by_bench(tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
-def test_resuming_with_another_head_names_the_setting_and_both_values(tmp_path, heads):
+def test_resuming_with_another_head_names_the_setting_and_both_values(tmp_path, heads, monkeypatch):
+    monkeypatch.setattr("mmspec.heads.directory.target_shape", lambda target: (64, 96, 2))  # the fake's target: the
+    # heads' own (width, vocabulary, layers), so the preflight's fit check passes them
     a, b = str(heads / "eagle_a"), str(heads / "eagle_b")
     run_bench(_cfg(tmp_path, methods=("M", "eagle"), heads=(("eagle", a),)), backend=FakeBackend(), rank=RankInfo())
     with pytest.raises(MMSpecError) as e:

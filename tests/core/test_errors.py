@@ -251,7 +251,7 @@ def test_bad_device(device, msg):
 
 @pytest.mark.parametrize("args, phrase", [
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
-    (["--weights", "a,1", "--views", "MT"], "--weights 'a,1' is not a comma-separated list of numbers"),
+    (["--weights", "a,1", "--views", "MT"], "--weights 'a,1' is neither a comma-separated list of numbers nor adaptive"),
     (["--device", "gpu"], "unknown device 'gpu'"),
     (["--temperature", "1", "--top-p", "0"], "top_p must be in (0, 1]"),
     (["--temperature", "-1"], "temperature must be a finite number >= 0"),

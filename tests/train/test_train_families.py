@@ -191,7 +191,8 @@ def test_an_mrope_head_drafts_at_the_positions_it_was_trained_at(family, tok, me
     from mmspec.heads.drafter import HeadDrafter
     from mmspec.heads.positions import prompt_positions
     from mmspec.models.base import adapter_for
-    from mmspec.train.head import collate, slot_positions, target_features
+    from mmspec.train.feature_cache import target_features
+    from mmspec.train.head import collate, slot_positions
 
     target, proc = family_pair(family, tok)
     conv = Conversation("q", [("user", "<image> <image> <video> w12 w13"), ("assistant", "w14 w15 w16")],
@@ -222,8 +223,8 @@ def test_an_mrope_head_drafts_at_the_positions_it_was_trained_at(family, tok, me
 
 
 def test_cached_features_are_the_target_features_and_reused(tok, media, tmp_path):
-    from mmspec.train.feature_cache import FeatureCache, sequence_key
-    from mmspec.train.head import collate, target_features
+    from mmspec.train.feature_cache import FeatureCache, sequence_key, target_features
+    from mmspec.train.head import collate
 
     target, proc = family_pair("qwen2_vl", tok)
     data = write_jsonl(tmp_path / "train.jsonl", conversations(6, True, seed=1))

@@ -50,7 +50,7 @@ def check_datasets(cfg: BenchConfig) -> None:
 
 def check_models(cfg: BenchConfig) -> None:
     """Each model path is a local directory or a hub id this machine can get, found fast."""
-    from mmspec.heads.model import is_head_dir
+    from mmspec.heads.directory import is_head_dir
     from mmspec.models.loading import check_processor_files, locate
 
     for flag, name in (("--target", cfg.target), ("--draft", cfg.draft), ("--captioner", cfg.captioner)):
@@ -70,7 +70,7 @@ def check_models(cfg: BenchConfig) -> None:
 def embedded_heads() -> dict[str, str]:
     """Heads shipped in the embedded pack's ``heads/`` folder (variant -> directory); none today."""
     from mmspec.embedded import default_path
-    from mmspec.heads.model import is_head_dir
+    from mmspec.heads.directory import is_head_dir
 
     root = default_path() / "heads"
     return {d.name: str(d) for d in sorted(root.iterdir()) if is_head_dir(d)} if root.is_dir() else {}
@@ -80,21 +80,26 @@ def check_heads(cfg: BenchConfig) -> None:
     """Each ``--head VARIANT=DIR`` is a readable head directory of that variant (its results are
     labelled with it) used by some method; each head method has its head."""
     from mmspec.bench.config import method_tree
-    from mmspec.heads.model import check_head_dir, is_head_dir
+    from mmspec.errors import article
+    from mmspec.heads.directory import check_head_target, describe_head
 
     given: dict[str, str] = {}
+    infos: dict = {}
     for name, path in cfg.heads:
         if name in given:
             raise MMSpecError(f"--head gives two {name} heads; give one per variant")
-        if not is_head_dir(path):
-            raise MMSpecError(f"--head {name}={path}: {path!r} is not a draft head directory (no mmspec_head.json); "
-                              "make one with mmspec train head")
-        variant = check_head_dir(path).variant
+        try:
+            info = describe_head(path)  # any kind: mmspec, EAGLE-1/2, EAGLE-3, speculators
+        except MMSpecError as e:
+            raise MMSpecError(f"--head {name}={path}: {e}") from None
+        variant = info.variant
         if variant != name:
-            raise MMSpecError(f"--head {name}={path}: that directory holds an {variant} head, not an {name} one "
+            raise MMSpecError(f"--head {name}={path}: that directory holds {article(variant)} {variant} head, not "
+                              f"{article(name)} {name} one "
                               f"(its results would be labelled {name}); write --head {variant}={path} and "
                               f"-m {variant}...")
         given[name] = path
+        infos[name] = info
     wanted: dict[str, str] = {}  # head variant -> the first method drafting with it
     for m in cfg.methods:
         variant = method_tree(m).get("head")
@@ -110,6 +115,11 @@ def check_heads(cfg: BenchConfig) -> None:
     if unused:
         raise MMSpecError(f"--head {unused[0]}=... is given but no method drafts with it; add -m {unused[0]} (or "
                           f"{unused[0]}+tree), or drop that --head")
+    for name, info in infos.items():  # last: the mistakes above name themselves first
+        try:
+            check_head_target(info, cfg.target)
+        except MMSpecError as e:
+            raise MMSpecError(f"--head {name}={given[name]}: {e}") from None
 
 
 def check_batch_run(cfg: BenchConfig, rank: RankInfo) -> None:

@@ -87,7 +87,8 @@ def run_command(
                                    "prompt at a time, as always; B > 1 adds a batched pass: the samples B at a time through "
                                    "SpecDecoder.generate_batch and the target's own batched greedy generate, side by side "
                                    "(throughput, per-request p50/p90 latency). A sweep: --batch-size 1,2,4,8,16."),
-    progress: bool = typer.Option(True, "--progress/--no-progress"),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bars (--no-progress: none, "
+                                  "transformers' weight-loading bars included: for logs)."),
     threads: int | None = typer.Option(None, help="CPU threads for torch in this process (default: torch's "
                                           "choice divided by the processes torchrun started on this machine). "
                                           "Two runs side by side: give each a share, e.g. --threads 1 on 2 cores."),
@@ -112,6 +113,10 @@ def run_command(
             batch_sizes=parse_batch_sizes(batch_size),
         )
         cfg.extra["threads"] = apply_threads(threads)  # after every check: nothing is set for a refused run
+        if not progress:  # transformers' "Loading weights" bars too
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
         summary = run_bench(cfg, backend_factory=_factory(backend) if backend else None,
                             command=command_line())
     except MMSpecError as e:

@@ -52,24 +52,29 @@ def check_device(device: str | None) -> None:
         resolve_device(device)
 
 
-def head_variant(path: str) -> str:
-    """The variant of a head directory, the directory checked readable first (config and the
-    weights' header) without loading its weights."""
-    from mmspec.heads.model import check_head_dir
+def head_variant(path: str, target: str | None = None) -> str:
+    """The variant of a head directory of any kind (mmspec, EAGLE-1/2, EAGLE-3, speculators:
+    :func:`mmspec.heads.directory.describe_head`), checked readable (config, the weights' header)
+    and against ``target``'s config (None: the embedded target) without loading any weights."""
+    from mmspec.heads.directory import check_head_target, describe_head
 
-    return check_head_dir(path).variant
+    info = describe_head(path)
+    check_head_target(info, target)
+    return info.variant
 
 
 def check_model_dir(name: str | None, flag: str) -> None:
     """A model flag names a directory save_pretrained() wrote (config.json), or a hub id this
     machine can get; a draft head directory given where a model belongs is named as such."""
-    from mmspec.heads.model import is_head_dir
+    from mmspec.heads.directory import KIND_NAMES, head_kind
     from mmspec.models.loading import check_processor_files, locate
 
     if name is None:
         return
-    if is_head_dir(name):
-        raise MMSpecError(f"{flag} {name!r} is a draft head directory (mmspec_head.json), not a model; pass it "
+    kind = head_kind(name)
+    if kind is not None:
+        what = "mmspec_head.json" if kind == "mmspec" else f"an {KIND_NAMES[kind]} head"
+        raise MMSpecError(f"{flag} {name!r} is a draft head directory ({what}), not a model; pass it "
                           f"as --head {name}" + (" (bench: --head VARIANT=DIR)" if flag != "--draft" else ""))
     path = Path(locate(name, flag))
     if path.is_dir() and not (path / "config.json").is_file():
@@ -126,11 +131,12 @@ class GenerateOptions:
     threads: int | None = None
     model_free: str | None = None  # --model-free lookup|suffix beside the draft
     lookup_options: str | None = None  # --lookup-options KEY=VALUE,...
+    check_head: bool = True  # a head runs a short calibration on load (mmspec.heads.check)
     # derived by check_generate
     caption_view: bool = False  # --views has C
     draft_reads_own_images: bool = False  # a VLM draft of another family: its own processor reads the images
     view_list: list = field(default_factory=list)
-    weight_list: list | None = None
+    weight_list: object = None  # [numbers], an AdaptiveWeights, or None (equal)
     graphs: object = "auto"
     lookup_dict: dict | None = None  # --lookup-options, parsed
     alone: str | None = None  # --draft lookup|suffix
@@ -179,7 +185,7 @@ def _check_numbers(o: GenerateOptions) -> None:
                           "--cuda-graphs auto or off")
     at_least("--seed", o.seed, 0)
     o.weight_list = parse_weights(o.weights)
-    if o.weight_list is not None and (not all(math.isfinite(w) and w >= 0 for w in o.weight_list)
+    if isinstance(o.weight_list, list) and (not all(math.isfinite(w) and w >= 0 for w in o.weight_list)
                                       or sum(o.weight_list) <= 0):
         raise MMSpecError(f"--weights {o.weights}: each weight must be a finite number >= 0, and one > 0")
     o.view_list = [v.strip() for v in o.views.split(",") if v.strip()]
@@ -263,7 +269,10 @@ def _check_views(o: GenerateOptions) -> None:
         kinds = [v.kind for v in parse_views(o.view_list)]
     except MMSpecError as e:
         raise MMSpecError(f"--views {o.views}: {e}") from None
-    if o.weight_list is not None and len(o.weight_list) != len(kinds):
+    if o.weight_list is not None and not isinstance(o.weight_list, list) and len(kinds) < 2 and o.head is None:
+        raise MMSpecError(f"--weights {o.weights}: adaptive weights weigh two views or more, --views {o.views} is "
+                          "one; use e.g. --views MT --weights adaptive")
+    if isinstance(o.weight_list, list) and len(o.weight_list) != len(kinds):
         raise MMSpecError(f"--weights gives {len(o.weight_list)} weight(s) for {len(kinds)} view(s) ({o.views}); "
                           "give one per view, e.g. --views MT --weights 1,0.5")
     o.caption_view = "caption" in kinds
@@ -310,7 +319,7 @@ def _check_model_free(o: GenerateOptions) -> None:
 
 def _check_draft(o: GenerateOptions) -> None:
     """``--draft HEAD_DIR`` is ``--head HEAD_DIR``; a head takes no views, weights or captioner."""
-    from mmspec.heads.model import is_head_dir
+    from mmspec.heads.directory import is_head_dir
 
     if o.draft is not None and is_head_dir(o.draft):
         if o.head is not None:
@@ -321,8 +330,12 @@ def _check_draft(o: GenerateOptions) -> None:
     if o.draft is not None:
         raise MMSpecError("--draft and --head both give the draft; pass one of them (a head drafts alone)")
     if not Path(o.head).is_dir():
-        raise MMSpecError(f"--head {o.head!r} is not a directory; pass a head directory made by mmspec train head")
-    head_variant(o.head)
+        raise MMSpecError(f"--head {o.head!r} is not a directory; pass a head directory (mmspec train head's --out, "
+                          "or an EAGLE / EAGLE-3 / speculators head)")
+    try:
+        head_variant(o.head, o.target)
+    except MMSpecError as e:
+        raise MMSpecError(f"--head {o.head}: {e}") from None
     letters = o.views.replace(",", "").strip()
     if letters.upper() not in ("M", "MULTIMODAL"):
         raise MMSpecError(f"--views {o.views} does not apply to a head: it drafts from the target's own hidden "
@@ -335,7 +348,7 @@ def _check_draft(o: GenerateOptions) -> None:
 
 # ------------------------------------------------------------------------------- demo
 def check_demo(methods: list[str], families: list[str], max_new_tokens: int, gamma: int, repeats: int,
-               threads: int | None) -> None:
+               threads: int | None, heads: dict | None = None) -> None:
     """``mmspec demo``: numbers, family names, and every method (with its tree) in bench notation."""
     from mmspec.bench.config import parse_method
     from mmspec.views import parse_views
@@ -351,12 +364,21 @@ def check_demo(methods: list[str], families: list[str], max_new_tokens: int, gam
                           f"use some of {', '.join(FAMILIES)}")
     if not methods:
         raise MMSpecError("--methods is empty; give drafting methods such as M,T,MT")
+    heads = heads or {}
+    for variant, path in heads.items():
+        try:
+            if head_variant(path) != variant:
+                raise MMSpecError(f"that directory holds a {head_variant(path)} head, not the {variant} one named")
+        except MMSpecError as e:
+            raise MMSpecError(f"--head {variant}={path}: {e}") from None
     for m in methods:
         try:
             views_m, kw_m = parse_method(m)
             if "head" in kw_m:
-                raise MMSpecError(f"{m!r} drafts with a trained head; the demo compares the pack's views "
-                                  "(use mmspec generate --head DIR or mmspec bench run -m for head methods)")
+                if kw_m["head"] not in heads:
+                    raise MMSpecError(f"{m!r} drafts with a trained head: add --head {kw_m['head']}=DIR (no head "
+                                      "ships with the embedded pack)")
+                continue
             parse_views(views_m or ("M",))  # lookup / suffix alone: no views
         except MMSpecError as e:
             raise MMSpecError(f"--methods: {e}") from None

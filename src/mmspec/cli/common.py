@@ -41,15 +41,24 @@ def names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def parse_weights(weights: str | None) -> list[float] | None:
-    """--weights "1,0.5" -> [1.0, 0.5]; anything but comma-separated numbers is refused."""
+def parse_weights(weights: str | None):
+    """--weights "1,0.5" -> [1.0, 0.5]; "adaptive" (``adaptive:loglik``, ``adaptive:tabed:0.2``)
+    -> an :class:`~mmspec.adaptive.AdaptiveWeights`; anything else is refused."""
     if not weights:
         return None
+    if weights.strip().lower().split(":")[0] == "adaptive":
+        from mmspec.adaptive import AdaptiveWeights
+
+        try:
+            return AdaptiveWeights.parse(weights.strip())
+        except MMSpecError as e:
+            raise MMSpecError(f"--weights {weights!r}: {e}") from None
     try:
         return [float(x) for x in weights.split(",")]
     except ValueError:
-        raise MMSpecError(f"--weights {weights!r} is not a comma-separated list of numbers; "
-                          "give one number per view, e.g. --views MT --weights 1,0.5") from None
+        raise MMSpecError(f"--weights {weights!r} is neither a comma-separated list of numbers nor adaptive; "
+                          "give one number per view (--views MT --weights 1,0.5), or --weights adaptive "
+                          "(adaptive:loglik, adaptive:tabed:0.2)") from None
 
 
 def set_threads(threads: int | None) -> None:

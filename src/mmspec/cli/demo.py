@@ -24,6 +24,9 @@ def demo(
     repeats: int = typer.Option(3, help="Runs of the target alone and of each method per family, interleaved; "
                                 "the speed-up is the ratio of their medians."),
     threads: int | None = typer.Option(None, help="CPU threads for torch (default: torch's choice)."),
+    head: list[str] | None = typer.Option(None, "--head", help="VARIANT=DIR: a feature-level head (mmspec's, "
+                                          "EAGLE-1/2, EAGLE-3 or speculators) for a head method in --methods "
+                                          "(e.g. -m M,eagle,eagle+tree --head eagle=DIR)."),
 ):
     """Run every drafting method on a few synthetic-world samples with the embedded models.
 
@@ -31,22 +34,18 @@ def demo(
     and the speed-up over the target alone (medians of `--repeats` interleaved runs)."""
     try:
         from mmspec.bench.config import parse_method, split_methods
+        from mmspec.cli.bench import _parse_heads
         from mmspec.cli.checks import check_demo
-        from mmspec.decoder import SpecDecoder
         from mmspec.inputs import processor_inputs
         from mmspec.world import make_sample
 
         fams, meths = names(families), list(split_methods([methods]))
-        check_demo(meths, fams, max_new_tokens, gamma, repeats, threads)  # every option before any model runs
+        heads = dict(_parse_heads(head))
+        check_demo(meths, fams, max_new_tokens, gamma, repeats, threads, heads)  # every option before any model runs
         common.set_threads(threads)
         t, d, tok, proc, cap, _ = load_models(None, None, None, None, "auto", "cpu")
         common.console.print(EMBEDDED_NOTE)
-        decs = {}
-        for m in meths:
-            views, kw = parse_method(m)
-            alone = kw.pop("draft", None)  # lookup / suffix alone: no draft model, no captioner
-            decs[m] = SpecDecoder(t, alone or d, tok, views=views or ("M",), captioner=None if alone else cap,
-                                  gamma=gamma, processor=proc, **kw)
+        decs = {m: _decoder(m, t, d, tok, proc, cap, gamma, heads) for m in meths}
         tab = Table(title=f"mmspec demo (embedded models, CPU, gamma={gamma}, greedy, {max_new_tokens} new tokens)")
         for col in ["family", "images", "method", "tau", "accepted len", f"speed-up (median of {repeats})", "identical"]:
             tab.add_column(col)
@@ -84,3 +83,17 @@ def demo(
                               "greedy speculative decoding must be exact, please report this")
     except MMSpecError as e:
         fail(e)
+
+
+def _decoder(method: str, target, draft, tok, proc, captioner, gamma: int, heads: dict):
+    """The SpecDecoder of one demo method: the pack's draft with the method's views, or a head."""
+    from mmspec.bench.config import parse_method
+    from mmspec.decoder import SpecDecoder
+
+    views, kw = parse_method(method)
+    variant = kw.pop("head", None)
+    if variant is not None:
+        return SpecDecoder(target, heads[variant], tok, gamma=gamma, processor=proc, **kw)
+    alone = kw.pop("draft", None)  # lookup / suffix alone: no draft model, no captioner
+    return SpecDecoder(target, alone or draft, tok, views=views or ("M",), captioner=None if alone else captioner,
+                       gamma=gamma, processor=proc, **kw)

@@ -42,7 +42,7 @@ def head(
             why = "--format eagle writes the target's token embedding" if format == "eagle" else \
                 "an EAGLE head is read against its target"
             raise MMSpecError(f"{why}: pass --target DIR")
-        from mmspec.heads.model import load_head
+        from mmspec.heads.directory import load_head
 
         model = None
         if target is not None:

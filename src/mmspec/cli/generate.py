@@ -17,6 +17,10 @@ from mmspec.views import parse_views
 # `mmspec generate` with no prompt: a world sample the embedded target answers right (checked by
 # tests/cli/test_cli.py with the world's own fact check), not test sample 0, which it gets wrong
 DEFAULT_EXAMPLE = ("chartqa", "test", 10)
+WORLD_WORDING = ("the embedded models answer well only in the world's wording, the image first: 'USER: <image> "
+                 "For the following question, provide a detailed explanation of your reasoning leading to the "
+                 "answer. Which label has the highest value in the chart? ASSISTANT:' (README, \"Try it in "
+                 "Python\"); other wording gets nonsense at a low tau")
 EMBEDDED_NOTE = ("[dim]Using the embedded tiny models: they only know mmspec's synthetic world "
                  "(charts, signs, shapes, differences, edits, little stories), not real photos.[/dim]")
 
@@ -89,6 +93,34 @@ def build_decoder(o, target, draft, tokenizer, processor, captioner, **extra):
                        cuda_graphs=o.graphs, model_free=o.model_free, lookup_options=o.lookup_dict, **extra)
 
 
+def check_loaded_head(o, dec) -> None:
+    """``--check-head`` (on by default): a head drafting for ``dec`` runs a short calibration
+    (:func:`mmspec.heads.check.calibrate`) and says what it measured; near τ 1, why."""
+    if o.head is None or not o.check_head:
+        return
+    from mmspec.cli.checks import model_type_of
+    from mmspec.heads.check import calibrate
+
+    if o.target is not None and model_type_of(o.target) != "llava":
+        common.err_console.print("head check skipped: its prompts (the world's) are in LLaVA-1.5's format; run mmspec "
+                                 "check head DIR --target T --prompts FILE with prompts in this target's format",
+                                 markup=False, highlight=False)
+        return
+    try:
+        report = calibrate(dec)
+    except MMSpecError as e:  # the world's LLaVA-format prompts do not fit every family's processor
+        common.err_console.print(f"head check skipped ({e}); run mmspec check head DIR --target T --prompts FILE "
+                                 "with prompts in this target's format", markup=False, highlight=False)
+        return
+    for line in report.lines():
+        (common.err_console if report.warnings else common.console).print(
+            line if report.warnings else f"[dim]{escape(line)}[/dim]", markup=not report.warnings, highlight=False)
+
+
+CHECK_HEAD = typer.Option(True, help="With a head: a short calibration on load (4 world prompts) that reports "
+                          "tau and warns when the head barely drafts (mmspec check head).")
+
+
 def stats_table(title: str, res, baseline_s: float | None = None, identical: bool | None = None) -> Table:
     st = res.stats
     tab = Table(title=title, show_header=False, title_justify="left")
@@ -153,7 +185,7 @@ def generate(
     views: str = typer.Option("M", help="Drafting views: letters M,T,C,P or names, comma-separated (pooled:36); "
                               "several = the in-batch ensemble (e.g. MT, MTC). M is the fastest measured "
                               "with the embedded pair (docs/perf.md)."),
-    weights: str | None = typer.Option(None, help="Ensemble weights, comma-separated, one per view (default equal)."),
+    weights: str | None = typer.Option(None, help="Ensemble weights: one number per view, comma-separated (default equal), or adaptive (adaptive:loglik, adaptive:tabed:0.2: per block, TABED)."),
     gamma: int | None = typer.Option(None, help="Draft tokens per block of a chain (default 5); a tree's "
                                         "shape is --tree's."),
     tree: str | None = typer.Option(None, help="Block shape (README, \"Token trees\"): chain (default), dynamic "
@@ -178,6 +210,7 @@ def generate(
     device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, ..."),
     threads: int | None = typer.Option(None, help="CPU threads for torch (default: torch's choice); give "
                                           "each of several runs side by side a share of the cores."),
+    check_head: bool = CHECK_HEAD,
 ):
     """Answer one prompt with speculative decoding and print the block statistics.
 
@@ -195,7 +228,7 @@ def generate(
             tree_children=tree_children, stop_below=stop_below, cuda_graphs=cuda_graphs,
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
             dtype=dtype, device=device, threads=threads, model_free=model_free,
-            lookup_options=lookup_options))  # every option, before any model loads
+            lookup_options=lookup_options, check_head=check_head))  # every option, before any model loads
         _run(opts, compare)
     except MMSpecError as e:
         fail(e)
@@ -221,6 +254,7 @@ def _run(o, compare: bool) -> None:
     else:
         prompt_text = chat_prompt(proc, o.prompt, len(images), len(clips))
     dec = build_decoder(o, t, d, tok, proc, cap)
+    check_loaded_head(o, dec)
     inputs = to_target(processor_inputs(proc, prompt_text, images, clips), o.device, t.dtype)  # the whole output
     res = dec.generate(**inputs, max_new_tokens=o.max_new_tokens, temperature=o.temperature, top_k=o.top_k,
                        top_p=o.top_p, seed=o.seed, images=images if not clips else None, videos=clips or None)

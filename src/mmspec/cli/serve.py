@@ -17,7 +17,7 @@ import typer
 
 from mmspec.cli import common
 from mmspec.cli.common import fail
-from mmspec.cli.generate import CAPTIONER, DRAFT, HEAD, LOOKUP_OPTIONS, MODEL_FREE, TARGET
+from mmspec.cli.generate import CAPTIONER, CHECK_HEAD, DRAFT, HEAD, LOOKUP_OPTIONS, MODEL_FREE, TARGET, WORLD_WORDING
 from mmspec.errors import MMSpecError
 from mmspec.serve.guard import default_hosts
 
@@ -37,7 +37,7 @@ def serve(
     captioner: str | None = CAPTIONER,
     captioner_prompt: str | None = typer.Option(None, help="Task prompt for the captioner (as in generate)."),
     views: str = typer.Option("M", help="Drafting views, as in `mmspec generate` (e.g. M, MT, MTC)."),
-    weights: str | None = typer.Option(None, help="Ensemble weights, comma-separated, one per view."),
+    weights: str | None = typer.Option(None, help="Ensemble weights: one number per view, comma-separated (default equal), or adaptive (adaptive:loglik, adaptive:tabed:0.2: per block, TABED)."),
     gamma: int | None = typer.Option(None, help="Draft tokens per block of a chain (default 5)."),
     tree: str | None = typer.Option(None, help="Block shape, as in `mmspec generate`: chain, dynamic, "
                                        "DEPTHxTOPKxBUDGET or a static tree as JSON paths."),
@@ -81,6 +81,7 @@ def serve(
     cors_origins: list[str] = typer.Option([], help="Origins browsers may call the server from (repeatable; "
                                            "default: none, CORS off)."),
     metrics: bool = typer.Option(True, help="GET /metrics in Prometheus' text format."),
+    check_head: bool = CHECK_HEAD,
 ):
     """Serve the models over HTTP with OpenAI's chat-completions API (docs/serve.md).
 
@@ -94,7 +95,8 @@ def serve(
             target=target, draft=draft, head=head, captioner=captioner, captioner_prompt=captioner_prompt,
             views=views, weights=weights, gamma=gamma, tree=tree, tree_depth=tree_depth, tree_topk=tree_topk,
             tree_budget=tree_budget, tree_children=tree_children, stop_below=stop_below, cuda_graphs=cuda_graphs,
-            dtype=dtype, device=device, threads=threads, model_free=model_free, lookup_options=lookup_options))
+            dtype=dtype, device=device, threads=threads, model_free=model_free, lookup_options=lookup_options,
+            check_head=check_head))
         at_least("--max-batch", max_batch)
         if speculate not in SPECULATE:
             raise MMSpecError(f"--speculate must be one of {', '.join(SPECULATE)}, got {speculate!r}")
@@ -167,7 +169,7 @@ def _run(o, sock: socket.socket, host: str, port: int, *, max_batch: int, specul
          max_images: int | None, media: list, name: str | None, shutdown_timeout: float, guard: dict) -> None:
     import uvicorn
 
-    from mmspec.cli.generate import EMBEDDED_NOTE, build_decoder, load_models
+    from mmspec.cli.generate import EMBEDDED_NOTE, build_decoder, check_loaded_head, load_models
     from mmspec.serve.app import create_app
     from mmspec.serve.service import ServeConfig, Service
 
@@ -178,6 +180,7 @@ def _run(o, sock: socket.socket, host: str, port: int, *, max_batch: int, specul
         common.console.print(EMBEDDED_NOTE)
     dec = build_decoder(o, t, d, tok, proc, cap,
                         **({} if prefix_cache_mb is None else {"prefix_cache_mb": prefix_cache_mb}))
+    check_loaded_head(o, dec)
     config = ServeConfig(model_name=name or (EMBEDDED_NAME if embedded else o.target), max_batch=max_batch,
                          speculate=speculate, max_tokens=max_tokens, max_images=max_images, allowed_media=media,
                          shutdown_timeout_s=shutdown_timeout, **guard)
@@ -188,6 +191,8 @@ def _run(o, sock: socket.socket, host: str, port: int, *, max_batch: int, specul
                          f"http://{host}:{port}/v1 (POST /v1/chat/completions, POST /v1/completions, GET /v1/models, "
                          "GET /health, GET /metrics)",
                          highlight=False, soft_wrap=True)
+    if embedded:
+        common.console.print(WORLD_WORDING, highlight=False, soft_wrap=True)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)  # uvicorn re-raises the signal it handled once it has stopped: ignore it
     server.run(sockets=[sock])

@@ -5,7 +5,9 @@
 the target's own answers (``mmspec train head``).
 """
 
+from mmspec.heads.directory import describe_head, head_kind, is_head_dir, load_head
 from mmspec.heads.drafter import HeadDrafter
-from mmspec.heads.model import VARIANTS, FeatureHead, HeadConfig, build_head, is_head_dir, load_head
+from mmspec.heads.model import VARIANTS, FeatureHead, HeadConfig, build_head
 
-__all__ = ["VARIANTS", "FeatureHead", "HeadConfig", "HeadDrafter", "build_head", "is_head_dir", "load_head"]
+__all__ = ["VARIANTS", "FeatureHead", "HeadConfig", "HeadDrafter", "build_head", "describe_head", "head_kind", "is_head_dir",
+           "load_head"]

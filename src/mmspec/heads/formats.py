@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from mmspec.errors import MMSpecError
+from mmspec.errors import MMSpecError, article
 from mmspec.heads.model import CONFIG_NAME, FeatureHead, HeadConfig
 
 FORMATS = ("eagle3", "eagle")
@@ -330,7 +330,7 @@ def _check_exportable(head: FeatureHead, fmt: str) -> None:
         raise MMSpecError(f"unknown head format {fmt!r}; use one of {', '.join(FORMATS)}")
     if fmt == "eagle3":
         if c.variant != "eagle3":
-            raise MMSpecError(f"a {c.variant} head cannot be written as EAGLE-3 (it reads other features); "
+            raise MMSpecError(f"{article(c.variant)} {c.variant} head cannot be written as EAGLE-3 (it reads other features); "
                               "export it with --format eagle, or train an eagle3 head")
         if c.num_layers != 1:
             raise MMSpecError(f"this eagle3 head has {c.num_layers} layers; SGLang and vLLM disagree on the layers "
@@ -341,7 +341,7 @@ def _check_exportable(head: FeatureHead, fmt: str) -> None:
                               "outputs in layer order: train it with three ascending feature layers")
     else:
         if c.variant != "eagle" or c.layer != "eagle":
-            raise MMSpecError(f"a {c.variant} head with the {c.layer} layer cannot be written as EAGLE-1/2 (its "
+            raise MMSpecError(f"{article(c.variant)} {c.variant} head with the {c.layer} layer cannot be written as EAGLE-1/2 (its "
                               "layer differs from EAGLE's); train an eagle head with this mmspec version")
         if c.feature_layers != (-1,):
             raise MMSpecError(f"this eagle head reads layers {list(c.feature_layers)}; EAGLE-1/2 reads the target's "
@@ -429,6 +429,9 @@ def export_head(head: FeatureHead, out, fmt: str = "eagle3", *, target=None) -> 
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         else:
             torch.save(tensors, str(tmp / "pytorch_model.bin"))
+        for f in tmp.iterdir():  # readable by others: a serving container often runs as another user
+            f.chmod(0o644)
+        tmp.chmod(0o755)  # mkdtemp made it 0700
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mmspec.errors import MMSpecError
+from mmspec.errors import MMSpecError, article
 from mmspec.heads.positions import MRoPE, mrope_section
 
 VARIANTS = ("eagle", "eagle3", "msd")
@@ -81,7 +81,7 @@ class HeadConfig:
         if self.layer not in LAYERS:
             raise MMSpecError(f"unknown head layer {self.layer!r}; use one of {', '.join(LAYERS)}")
         if (self.layer == "eagle3") != (self.variant == "eagle3"):
-            raise MMSpecError(f"a {self.variant} head cannot use the {self.layer} layer: only eagle3 heads "
+            raise MMSpecError(f"{article(self.variant)} {self.variant} head cannot use the {self.layer} layer: only eagle3 heads "
                               "(and all of them) use EAGLE-3's layer")
 
     @property
@@ -272,14 +272,9 @@ class FeatureHead(nn.Module):
         (path / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=1))
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, str(path / WEIGHTS_NAME))
+        for f in (path / CONFIG_NAME, path / WEIGHTS_NAME):  # safetensors writes 0600: a server running as
+            f.chmod(0o644)  # another user could not read the head
         return path
-
-
-def is_head_dir(path) -> bool:
-    """A directory saved by mmspec, or an EAGLE / EAGLE-3 head (:mod:`mmspec.heads.formats`)."""
-    from mmspec.heads.formats import is_external_head_dir
-
-    return isinstance(path, (str, Path)) and ((Path(path) / CONFIG_NAME).is_file() or is_external_head_dir(path))
 
 
 def build_head(target, variant: str = "eagle", *, num_layers: int = 1, feature_layers=None,
@@ -378,19 +373,13 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [e.__class__.__name__])[0]
 
 
-def load_head(path: str | Path, target=None) -> FeatureHead:
-    """A head saved with :meth:`FeatureHead.save` (checked against ``target`` when given), or an
-    EAGLE-1/2 / EAGLE-3 head directory, imported against ``target`` (:mod:`mmspec.heads.formats`)."""
+def load_saved_head(path: str | Path, target=None) -> FeatureHead:
+    """A head saved with :meth:`FeatureHead.save` (checked against ``target`` when given). A head
+    directory of any kind: :func:`mmspec.heads.directory.load_head`."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from mmspec.heads.formats import is_external_head_dir, load_external_head
-
     path = Path(path)
-    if not (path / CONFIG_NAME).is_file() and is_external_head_dir(path):
-        if target is None:
-            raise MMSpecError(f"'{path}' is an EAGLE head: it is read against its target; pass the target")
-        return load_external_head(path, target)
     cfg = read_head_config(path)
     weights = path / WEIGHTS_NAME
     if not weights.is_file():

@@ -73,8 +73,6 @@ class FeatureCache:
         """(logits [B, L, V], features [B, L, F], final [B, L, H]) of ``batch`` (right-padded rows
         whose sequences have ``keys``): from the files when every row has one, else one target
         forward (whose rows are then written, room permitting)."""
-        from mmspec.train.head import target_features
-
         paths = [self._path(k) for k in keys]
         B, L = batch["input_ids"].shape
         dev = batch["input_ids"].device
@@ -103,3 +101,23 @@ class FeatureCache:
             os.replace(tmp, p)
             self.used += size
         return logits, feats, final
+
+
+def target_features(target, batch: dict, layers: tuple[int, ...], final: bool):
+    """One frozen target forward -> (logits [B, L, V], features [B, L, F], final feature [B, L, H] | None).
+    The features are the outputs of ``layers`` (-1: the final post-norm state), read by hooks."""
+    from mmspec.models.base import adapter_for
+
+    adapter = adapter_for(target)
+    want = tuple(layers) + ((-1,) if final and -1 not in layers else ())
+    captured: dict[int, torch.Tensor] = {}
+    hooks = [adapter._layer(i).register_forward_hook(
+        lambda m, a, o, i=i: captured.__setitem__(i, o[0] if isinstance(o, tuple) else o)) for i in want]
+    try:
+        kw = {k: v for k, v in batch.items() if v is not None and k != "loss_mask"}
+        logits = target(**kw, use_cache=False).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    feats = torch.cat([captured[i] for i in layers], dim=-1)
+    return logits, feats, captured.get(-1) if final else None

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from mmspec.errors import MMSpecError
 from mmspec.heads.model import VARIANTS, FeatureHead, build_head
+from mmspec.train.feature_cache import target_features
 from mmspec.train.loop import FitConfig, FitResult, StepInfo, TrainingInterrupted, fit, fmt_loss, write_atomically
 
 
@@ -174,26 +175,6 @@ def collate(seqs: Sequence[Sequence_], pad_id: int = 0) -> dict[str, torch.Tenso
 
 
 @torch.no_grad()
-def target_features(target, batch: dict, layers: tuple[int, ...], final: bool):
-    """One frozen target forward -> (logits [B, L, V], features [B, L, F], final feature [B, L, H] | None).
-    The features are the outputs of ``layers`` (-1: the final post-norm state), read by hooks."""
-    from mmspec.models.base import adapter_for
-
-    adapter = adapter_for(target)
-    want = tuple(layers) + ((-1,) if final and -1 not in layers else ())
-    captured: dict[int, torch.Tensor] = {}
-    hooks = [adapter._layer(i).register_forward_hook(
-        lambda m, a, o, i=i: captured.__setitem__(i, o[0] if isinstance(o, tuple) else o)) for i in want]
-    try:
-        kw = {k: v for k, v in batch.items() if v is not None and k != "loss_mask"}
-        logits = target(**kw, use_cache=False).logits
-    finally:
-        for h in hooks:
-            h.remove()
-    feats = torch.cat([captured[i] for i in layers], dim=-1)
-    return logits, feats, captured.get(-1) if final else None
-
-
 def slot_positions(core: FeatureHead, target, batch: dict) -> torch.Tensor:
     """The head's position ids over a batch's L - 1 slots: slot t at the TARGET's position of token
     t, 3-D [3, B, L - 1] for an M-RoPE head of a Qwen2-VL-family target (as it drafts:

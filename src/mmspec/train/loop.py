@@ -198,6 +198,11 @@ def _flag(name: str) -> str:
     return name if name.startswith("-") or " " in name else "--" + name.replace("_", "-")
 
 
+def _shown(value) -> str:
+    """A setting as the user would have typed it; None is a flag left out (its default)."""
+    return "not given (the default)" if value is None else repr(value)
+
+
 def read_checkpoint(path: str | Path, settings: dict, steps: int | None, minutes: float | None = None,
                     label: str = "training") -> dict | None:
     """The checkpoint at ``path`` (None when there is none), refused when its settings differ
@@ -216,7 +221,7 @@ def read_checkpoint(path: str | Path, settings: dict, steps: int | None, minutes
     saved = state.get("settings", {})
     differ = [k for k in sorted(set(saved) | set(settings)) if _norm(saved.get(k)) != _norm(settings.get(k))]
     if differ:
-        parts = ", ".join(f"{_flag(k)} {saved.get(k)!r} there, {settings.get(k)!r} now" for k in differ)
+        parts = ", ".join(f"{_flag(k)} {_shown(saved.get(k))} there, {_shown(settings.get(k))} now" for k in differ)
         raise MMSpecError(f"{path} holds {label} made with other settings ({parts}); resume it with the "
                           f"checkpoint's values, or add --fresh to start over")
     if steps is not None and state["step"] > steps:

@@ -14,7 +14,9 @@ from mmspec.cli.train.measure import evaluate_cmd, facts_cmd
 from mmspec.cli.train.stages import answers_cmd, embedded, stage
 from mmspec.cli.train.video import video_command
 
-train_app = typer.Typer(help="Train the embedded target / draft / captioner on the synthetic world.",
+train_app = typer.Typer(help="Train what mmspec drafts and measures with: the embedded pack (target, draft, "
+                        "captioner) on the synthetic world, feature-level draft heads (EAGLE, EAGLE-3, MSD), "
+                        "substitute encoders (align) and the video pair; and measure their answers.",
                         no_args_is_help=True)
 train_app.command("embedded")(embedded)
 train_app.command("stage")(stage)

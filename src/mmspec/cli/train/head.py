@@ -51,10 +51,10 @@ def head(
     layers: int = typer.Option(1, help="Decoder layers of the head."),
     feature_layers: str | None = typer.Option(None, help="The target's decoder layers the head reads, by their output "
                                               "(0-based, comma-separated; eagle3: three, default 1, N/2-1, N-4)."),
-    steps: int = typer.Option(1000),
+    steps: int = typer.Option(1000, help="Optimizer steps in all (a resume may raise it, never lower it)."),
     minutes: float | None = typer.Option(None, help="Time budget: stop and save when it is spent."),
     batch_size: int = typer.Option(16, help="Global batch (split over torchrun's processes)."),
-    lr: float = typer.Option(1e-3),
+    lr: float = typer.Option(1e-3, help="Peak learning rate (AdamW: warm-up over the first 50 steps, then a cosine to a tenth of it)."),
     ttt_steps: int = typer.Option(3, help="eagle3: unrolled training-time-test passes."),
     text_steps: int | None = typer.Option(None, help="msd: text-only steps first (default: a third of --steps; "
                                              "with --minutes, that share of the time budget if it ends training "
@@ -213,4 +213,5 @@ def check_head_options(cfg: HeadTrainConfig, target: Path, data: str, image_dir:
         if (out / "checkpoint" / "train_state.pt").is_file() and not (out / CHECKPOINT).is_file():
             raise MMSpecError(f"{out / 'checkpoint'} is a checkpoint of an older mmspec, which this one cannot resume; "
                               "add --fresh to start over (the head saved in --out stays usable meanwhile)")
-        read_checkpoint(out / CHECKPOINT, head_settings(cfg), cfg.steps, cfg.minutes, f"the {cfg.variant} head")
+        read_checkpoint(out / CHECKPOINT, head_settings(cfg), cfg.steps, cfg.minutes, "head training")  # the
+        # checkpoint's variant may be another than --variant: its own is named among the settings that differ
