@@ -52,11 +52,33 @@ def test_parse_request_maps_openai_fields():
     ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "text and image_url parts only"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, "end messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "without a url"),
+    # pydantic's own type errors: a 400 naming the field (never FastAPI's 422)
+    ({"messages": [{"role": "user", "content": "hi", "name": 5}]}, "messages[0].name: Input should be a valid string"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u", "detail": 3}}]}]},
+     "messages[0].content[0].image_url.detail"),
 ])
 def test_parse_request_refuses_with_the_fix(fields, phrase):
     with pytest.raises(RequestError, match=None) as e:
         parse_request(body(**fields), "m")
     assert phrase in str(e.value) and e.value.status == 400
+
+
+def test_response_models_serialise_as_openai_clients_expect():
+    from mmspec.serve import protocol as P
+
+    stats = P.MMSpecStats(tokens_per_block=[2], blocks=1, tau=2.0, mean_accepted_length=1.0, seed=None, latency_s=0.1)
+    chunk = P.ChatCompletionChunk(id="c", model="m", choices=[
+        P.ChatCompletionChunkChoice(index=0, delta=P.DeltaMessage(content="hi"))]).body()
+    assert chunk["object"] == "chat.completion.chunk" and "usage" not in chunk and "mmspec" not in chunk
+    assert chunk["choices"][0] == {"index": 0, "finish_reason": None, "logprobs": None, "delta": {"content": "hi"}}
+    whole = P.ChatCompletionResponse(id="c", model="m", usage=P.Usage(prompt_tokens=1, completion_tokens=2,
+                                                                     total_tokens=3), mmspec=stats, choices=[
+        P.ChatCompletionChoice(index=0, message=P.ChatCompletionMessage(content="x"), finish_reason="stop")]).body()
+    assert whole["mmspec"] == {"tokens_per_block": [2], "blocks": 1, "tau": 2.0, "mean_accepted_length": 1.0,
+                               "seed": None, "latency_s": 0.1}  # the keys it was given, seed null included
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": "x"} and whole["usage"]["total_tokens"] == 3
+    assert P.ErrorResponse(error=P.ErrorInfo(message="no")).body() == \
+        {"error": {"message": "no", "type": "invalid_request_error", "param": None, "code": None}}
 
 
 def test_parse_request_refuses_bad_json_and_other_models():

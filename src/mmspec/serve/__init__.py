@@ -1,6 +1,7 @@
 """``mmspec serve``: an OpenAI-compatible HTTP server over a :class:`~mmspec.SpecDecoder`.
 
-Modules: :mod:`.schema` (the request body, checked), :mod:`.messages` (chat messages and their
+Modules: :mod:`.protocol` (OpenAI's request and response objects as pydantic models),
+:mod:`.schema` (the request body, checked), :mod:`.messages` (chat messages and their
 images -> the prompt), :mod:`.service` (the served decoder; a request -> the scheduler's form),
 :mod:`.worker` (the one thread that drives :class:`mmspec.batch.BatchScheduler`: continuous
 batching), :mod:`.responses` (OpenAI's response and chunk shapes, stop strings, mmspec's stats)

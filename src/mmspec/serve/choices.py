@@ -18,6 +18,7 @@ import time
 
 from starlette.concurrency import run_in_threadpool
 
+from mmspec.serve import protocol as P
 from mmspec.serve import responses as R
 from mmspec.serve.guard import redact_paths
 from mmspec.serve.schema import ChatRequest
@@ -125,7 +126,8 @@ class Run:
         choices = []
         for i, answer in enumerate(self.answers):
             lp = await self._logprobs(answer)
-            choices.append(R.text_choice(i, answer, lp) if self.completion else R.chat_choice(i, answer, lp))
+            choices.append(R.text_choice(i, answer.content, answer.finish_reason, lp) if self.completion
+                           else R.chat_choice(i, answer, lp))
         return R.completion(self.cid, self.name, choices, self.prepared.prompt_tokens, self.answers, self._stats(),
                             text=self.completion)
 
@@ -136,7 +138,8 @@ class Run:
         try:
             if not self.completion:
                 for i in range(len(self.jobs)):
-                    yield self._sse(R.chunk(self.cid, self.name, [R.delta_choice(i, {"role": "assistant", "content": ""})]))
+                    role = R.delta_choice(i, P.DeltaMessage(role="assistant", content=""))
+                    yield self._sse(R.chunk(self.cid, self.name, [role]))
             while not all(self.done):
                 i, up = await self._next()
                 if self.done[i]:
@@ -168,9 +171,9 @@ class Run:
 
     def _chunk(self, i: int, piece: str, finish_reason: str | None = None, logprobs=None, **extra) -> dict:
         if self.completion:
-            choice = {"index": i, "text": piece, "finish_reason": finish_reason, "logprobs": logprobs}
+            choice = R.text_choice(i, piece, finish_reason, logprobs)
         else:
-            choice = R.delta_choice(i, {"content": piece} if piece else {}, finish_reason, logprobs)
+            choice = R.delta_choice(i, P.DeltaMessage(content=piece or None), finish_reason, logprobs)
         return R.chunk(self.cid, self.name, [choice], text=self.completion, **extra)
 
     @staticmethod
@@ -178,7 +181,7 @@ class Run:
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
     # ------------------------------------------------------------------ numbers
-    def _stats(self, i: int | None = None) -> dict:
+    def _stats(self, i: int | None = None) -> P.MMSpecStats:
         """mmspec's numbers: choice ``i``'s, or (None) the first choice's with every choice's under "choices"."""
         latency = time.perf_counter() - self.t0
         seed = lambda k: self.jobs[k].request.get("seed")  # noqa: E731
@@ -186,7 +189,7 @@ class Run:
             return R.mmspec_stats(self.answers[i], seed(i), latency)
         out = R.mmspec_stats(self.answers[0], seed(0), latency)
         if len(self.answers) > 1:
-            out["choices"] = [R.mmspec_stats(a, seed(k), latency) for k, a in enumerate(self.answers)]
+            out.choices = [R.mmspec_stats(a, seed(k), latency) for k, a in enumerate(self.answers)]
         return out
 
     async def _logprobs(self, answer: R.Answer):

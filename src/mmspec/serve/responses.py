@@ -1,9 +1,10 @@
-"""Answers in OpenAI's shapes: the chat completion, its stream chunks, and mmspec's own stats.
+"""Answers in OpenAI's shapes (the models of :mod:`.protocol`): the chat completion, its stream
+chunks, and mmspec's own stats.
 
 Owns :class:`Answer` (one request's tokens and text as its blocks arrive, cut at a stop string:
 the text before the first stop string is what the client gets, and text that might still
 become a stop string is held back while streaming), the response bodies, and the ``mmspec``
-key each response carries: tokens per block, blocks, tau (tokens per block including the
+key each response carries (:class:`~mmspec.serve.protocol.MMSpecStats`): tokens per block, blocks, tau (tokens per block including the
 bonus/recovered token), mean accepted length (tau - 1), acceptance by draft position, prompt
 tokens reused from a cached conversation, and the sampling seed.
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
+
+from mmspec.serve import protocol as P
 
 
 @dataclass
@@ -90,53 +93,56 @@ def new_id(prefix: str = "chatcmpl-") -> str:
     return prefix + uuid.uuid4().hex
 
 
-def usage(prompt_tokens: int, answers) -> dict:
+def usage(prompt_tokens: int, answers) -> P.Usage:
     """OpenAI's usage of one answer or of a request's choices (the prompt counted once)."""
     n = sum(len(a.token_ids) for a in (answers if isinstance(answers, list) else [answers]))
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+    return P.Usage(prompt_tokens=prompt_tokens, completion_tokens=n, total_tokens=prompt_tokens + n)
 
 
-def mmspec_stats(answer: Answer, seed: int | None, latency_s: float) -> dict:
+def mmspec_stats(answer: Answer, seed: int | None, latency_s: float) -> P.MMSpecStats:
     """mmspec's own numbers for one answer (from the GenerationResult where the request finished)."""
     st = getattr(answer.result, "stats", None)
     # a cut answer (stop string, no result): the blocks it got, the empty ones of its admission left out
     per_block = st.tokens_per_block if st is not None else [n for n in answer.tokens_per_block if n]
     tau = sum(per_block) / len(per_block) if per_block else 0.0
-    out = {"tokens_per_block": per_block, "blocks": len(per_block), "tau": round(tau, 4),
-           "mean_accepted_length": round(tau - 1, 4) if per_block else 0.0, "seed": seed,
-           "latency_s": round(latency_s, 4)}
+    out = P.MMSpecStats(tokens_per_block=per_block, blocks=len(per_block), tau=round(tau, 4),
+                        mean_accepted_length=round(tau - 1, 4) if per_block else 0.0, seed=seed,
+                        latency_s=round(latency_s, 4))
     if st is not None:
-        out["acceptance_by_position"] = [round(a, 4) for a in st.acceptance_by_position()]
-        out["prompt_tokens_reused"] = getattr(st, "prompt_tokens_reused", 0)
+        out.acceptance_by_position = [round(a, 4) for a in st.acceptance_by_position()]
+        out.prompt_tokens_reused = getattr(st, "prompt_tokens_reused", 0)
     return out
 
 
-def chat_choice(index: int, answer: Answer, logprobs: dict | None = None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": answer.content},
-            "finish_reason": answer.finish_reason, "logprobs": logprobs}
+def chat_choice(index: int, answer: Answer, logprobs: P.ChatLogprobs | None = None) -> P.ChatCompletionChoice:
+    return P.ChatCompletionChoice(index=index, message=P.ChatCompletionMessage(content=answer.content),
+                                  finish_reason=answer.finish_reason, logprobs=logprobs)
 
 
-def text_choice(index: int, answer: Answer, logprobs: dict | None = None) -> dict:
-    return {"index": index, "text": answer.content, "finish_reason": answer.finish_reason, "logprobs": logprobs}
+def text_choice(index: int, text: str, finish_reason: str | None = None,
+                logprobs: P.CompletionLogprobs | None = None) -> P.CompletionChoice:
+    return P.CompletionChoice(index=index, text=text, finish_reason=finish_reason, logprobs=logprobs)
 
 
-def delta_choice(index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
-    return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
+def delta_choice(index: int, delta: P.DeltaMessage, finish_reason: str | None = None,
+                 logprobs: P.ChatLogprobs | None = None) -> P.ChatCompletionChunkChoice:
+    return P.ChatCompletionChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
 
 
-def completion(cid: str, model: str, choices: list[dict], prompt_tokens: int, answers: list[Answer], stats: dict,
-               text: bool = False) -> dict:
-    """The whole response: ``chat.completion``, or ``text_completion`` (``text``: /v1/completions)."""
-    return {"id": cid, "object": "text_completion" if text else "chat.completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage(prompt_tokens, answers), "mmspec": stats}
+def completion(cid: str, model: str, choices: list, prompt_tokens: int, answers: list[Answer],
+               stats: P.MMSpecStats, text: bool = False) -> dict:
+    """The whole response's body: ``chat.completion``, or ``text_completion`` (``text``: /v1/completions)."""
+    kind = P.CompletionResponse if text else P.ChatCompletionResponse
+    return kind(id=cid, model=model, choices=choices, usage=usage(prompt_tokens, answers), mmspec=stats).body()
 
 
-def chunk(cid: str, model: str, choices: list[dict], text: bool = False, **extra) -> dict:
-    return {"id": cid, "object": "text_completion" if text else "chat.completion.chunk", "created": int(time.time()),
-            "model": model, "choices": choices, **extra}
+def chunk(cid: str, model: str, choices: list, text: bool = False, **extra) -> dict:
+    """One stream chunk's body (``extra``: its usage and mmspec's stats, where it carries them)."""
+    kind = P.CompletionResponse if text else P.ChatCompletionChunk
+    return kind(id=cid, model=model, choices=choices, **extra).body()
 
 
-def usage_chunk(cid: str, model: str, usage_: dict, stats: dict, text: bool = False) -> dict:
+def usage_chunk(cid: str, model: str, usage_: P.Usage, stats: P.MMSpecStats, text: bool = False) -> dict:
     """The last chunk with ``stream_options.include_usage``: no choices, the usage (and mmspec's stats)."""
     return chunk(cid, model, [], text=text, usage=usage_, mmspec=stats)
 
@@ -166,17 +172,18 @@ def _piece(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
-def chat_logprobs(scored, tokenizer) -> dict:
+def chat_logprobs(scored, tokenizer) -> P.ChatLogprobs:
     """Chat completions' ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs, token_id}]}``."""
     def entry(token_id: int, lp: float) -> dict:
         s = _piece(tokenizer, token_id)
         return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "token_id": token_id}
 
-    return {"content": [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, v) for i, v in t.top]}
-                        for t in scored]}
+    return P.ChatLogprobs(content=[P.TokenLogprob(**entry(t.token_id, t.logprob),
+                                                  top_logprobs=[P.TopLogprob(**entry(i, v)) for i, v in t.top])
+                                   for t in scored])
 
 
-def text_logprobs(scored, tokenizer) -> dict:
+def text_logprobs(scored, tokenizer) -> P.CompletionLogprobs:
     """Completions' (legacy) ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset."""
     tokens = [_piece(tokenizer, t.token_id) for t in scored]
     offsets, at = [], 0
@@ -184,10 +191,10 @@ def text_logprobs(scored, tokenizer) -> dict:
         offsets.append(at)
         at += len(s)
     tops = [{_piece(tokenizer, i): v for i, v in t.top} for t in scored] if any(t.top for t in scored) else None
-    return {"tokens": tokens, "token_logprobs": [t.logprob for t in scored], "top_logprobs": tops,
-            "text_offset": offsets, "token_ids": [t.token_id for t in scored]}
+    return P.CompletionLogprobs(tokens=tokens, token_logprobs=[t.logprob for t in scored], top_logprobs=tops,
+                                text_offset=offsets, token_ids=[t.token_id for t in scored])
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return P.ErrorResponse(error=P.ErrorInfo(message=message, type=type, param=param, code=code)).body()

@@ -1,0 +1,509 @@
+"""OpenAI's request and response objects, declared once as pydantic models (as vLLM's
+``entrypoints/openai/protocol.py``): one model per OpenAI object.
+
+Requests (:class:`ChatCompletionRequest`, :class:`CompletionRequest`, their messages and content
+parts) refuse what mmspec cannot honour with a :class:`~mmspec.serve.schema.RequestError` whose
+message names the problem and the fix: a validator raises it (a ``ValueError``, so pydantic
+carries it through its ``ValidationError``) and :func:`mmspec.serve.schema.parse_request` hands
+it on as the 400 body; a ``{where}`` in a nested model's message becomes the field's place
+(``messages[0].content[1]``). Fields OpenAI has and mmspec does not implement are declared and
+accepted only at the value that means "off"; any field not declared is refused by name
+(``extra="forbid"``). :meth:`ChatCompletionRequest.to_request` gives the
+:class:`~mmspec.serve.schema.ChatRequest` the server works with.
+
+Responses (:class:`ChatCompletionResponse`, :class:`ChatCompletionChunk`,
+:class:`CompletionResponse`, :class:`Usage`, the log-probability objects, :class:`ErrorResponse`)
+are what the handlers serialise; each carries mmspec's stats under ``mmspec`` (:class:`MMSpecStats`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from mmspec.serve.schema import (
+    COMPLETION_MAX_TOKENS,
+    IGNORED,
+    MAX_N,
+    MAX_SEED,
+    MAX_STOP,
+    MAX_TOP_LOGPROBS,
+    ROLES,
+    WHY_OFF,
+    ChatRequest,
+    RequestError,
+)
+
+
+# ----------------------------------------------------------------------- field types (today's messages)
+def _whole(value, info: ValidationInfo):
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise RequestError(f"{info.field_name} must be a whole number, got {value!r}", param=info.field_name)
+    return value
+
+
+def _number(value, info: ValidationInfo):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not math.isfinite(value) or value < 0):
+        raise RequestError(f"{info.field_name} must be a finite number >= 0, got {value!r}", param=info.field_name)
+    return value
+
+
+def _flag(value, info: ValidationInfo):
+    if value is not None and not isinstance(value, bool):
+        raise RequestError(f"{info.field_name} must be true or false, got {value!r}", param=info.field_name)
+    return value
+
+
+Whole = Annotated[int | None, BeforeValidator(_whole)]
+Number = Annotated[float | None, BeforeValidator(_number)]
+Flag = Annotated[bool | None, BeforeValidator(_flag)]
+
+
+# ----------------------------------------------------------------------- messages and content parts
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(BaseModel):
+    url: str
+    detail: str | None = None
+
+
+class ImageURLPart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+    @field_validator("image_url", mode="before")
+    @classmethod
+    def _bare_url(cls, ref):
+        return {"url": ref} if isinstance(ref, str) else ref  # vLLM (and older clients) also send the url alone
+
+
+def _part(part, where: str = "{where}"):
+    """A content part's shape, checked before pydantic picks its model (so the message names the fix)."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise RequestError(f"{where} is a text part without a text string", param=where)
+    elif kind == "image_url":
+        ref = part.get("image_url")
+        url = ref.get("url") if isinstance(ref, dict) else ref
+        if not isinstance(url, str) or not url:
+            raise RequestError(f"{where} is an image_url part without a url; send "
+                               '{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}', param=where)
+    else:
+        raise RequestError(f"{where} has type {kind!r}; mmspec serve reads text and image_url parts only",
+                           param=where)
+    return part
+
+
+ContentPart = TextPart | ImageURLPart  # shapes checked by ChatMessage first
+
+
+class ChatMessage(BaseModel):
+    """One turn: system / developer / user / assistant; content a string or a list of parts."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shape(cls, m):
+        if not isinstance(m, dict) or "role" not in m:
+            raise RequestError("{where} must be an object with role and content")
+        if m["role"] not in ROLES:
+            raise RequestError(f"{{where}}.role {m['role']!r} is not served; use one of {', '.join(ROLES)} "
+                               "(mmspec serve has no tool calling)", param="{where}.role")
+        extra = set(m) - {"role", "content", "name"}
+        if extra:
+            raise RequestError(f"{{where}} has unknown field(s) {sorted(extra)}; a message has role, content "
+                               "(and name)")
+        content = m.get("content")
+        if not isinstance(content, str) and (not isinstance(content, list) or not content):
+            raise RequestError("{where}.content must be a string or a non-empty list of parts")
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            _part(part, f"{{where}}.content[{j}]")
+            if part["type"] == "image_url" and m["role"] != "user":
+                raise RequestError(f"{{where}}.content[{j}]: only the user's messages carry images, not the "
+                                   f"{m['role']}'s", param=f"{{where}}.content[{j}]")
+        return m
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: Flag = False
+    continuous_usage_stats: Flag = None
+
+
+# ----------------------------------------------------------------------- requests
+class _Request(BaseModel):
+    """The fields chat and text completions share (OpenAI's, plus vLLM's top_k)."""
+
+    model_config = ConfigDict(extra="forbid")
+    OFF: ClassVar[dict[str, tuple]] = {}  # field -> the values that mean "off" (the only ones accepted)
+
+    model: Any = None
+    max_tokens: Whole = None
+    temperature: Number = None
+    top_p: Number = None
+    top_k: Whole = None
+    seed: Whole = None
+    stream: Flag = False
+    stream_options: StreamOptions | None = None
+    n: Whole = 1
+    stop: Any = None
+    # sent by habit; they change nothing in the answer
+    user: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    parallel_tool_calls: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    # OpenAI's, not implemented: accepted only "off" (WHY_OFF says why)
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    repetition_penalty: Any = None
+    logit_bias: Any = None
+
+    @classmethod
+    def supported(cls) -> list[str]:
+        return sorted(set(cls.model_fields) - IGNORED - set(cls.OFF))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _off_and_model(cls, data, info: ValidationInfo):
+        if not isinstance(data, dict):
+            return data
+        unknown = sorted(set(data) - set(cls.model_fields))
+        if unknown:
+            raise RequestError(f"unknown argument(s) {', '.join(map(repr, unknown))}; mmspec serve takes "
+                               f"{', '.join(cls.supported())} (see docs/serve.md): drop the others", param=unknown[0])
+        for name, allowed in cls.OFF.items():
+            if name in data and data[name] not in allowed:
+                raise RequestError(f"{name}={data[name]!r} is not supported: {WHY_OFF[name]}; drop {name}", param=name)
+        served, model = (info.context or {}).get("served_model"), data.get("model")
+        if served is not None and model is not None and model != served:
+            raise RequestError(f"the model {str(model)[:100]!r} does not exist here; this server serves {served!r} "
+                               "(GET /v1/models): pass model=" + repr(served), param="model", status=404,
+                               code="model_not_found")
+        return data
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, stop):
+        if stop is None:
+            return []
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise RequestError(f"stop must be a non-empty string or a list of them, got {stop!r}", param="stop")
+        if len(stops) > MAX_STOP:
+            raise RequestError(f"stop has {len(stops)} strings; at most {MAX_STOP}", param="stop")
+        return stops
+
+    @field_validator("stream_options", mode="before")
+    @classmethod
+    def _stream_options(cls, opts):
+        if opts is not None and (not isinstance(opts, dict) or set(opts) - set(StreamOptions.model_fields)):
+            raise RequestError(f"stream_options must be an object with include_usage (true/false), got {opts!r}",
+                               param="stream_options")
+        return opts
+
+    @model_validator(mode="after")
+    def _ranges(self):
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
+        if self.top_k is not None and self.top_k not in (0, -1) and self.top_k < 1:
+            raise RequestError(f"top_k must be >= 1 (or -1 for none), got {self.top_k}", param="top_k")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise RequestError(f"seed must be in [0, 2**63 - 1], got {self.seed}", param="seed")
+        if not 1 <= self.n <= MAX_N:
+            raise RequestError(f"n must be from 1 to {MAX_N} (choices per request), got {self.n}; send several "
+                               "requests for more", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options is only allowed with stream=true; drop it or set stream=true",
+                               param="stream_options")
+        return self
+
+    def _sampling(self, req: ChatRequest) -> ChatRequest:
+        """The sampling fields, normalised: greedy (temperature 0) ignores the filters and the seed, as OpenAI."""
+        req.temperature = 1.0 if self.temperature is None else float(self.temperature)  # OpenAI's and vLLM's default
+        greedy = req.temperature == 0
+        req.top_k = None if self.top_k in (None, 0, -1) or greedy else self.top_k  # vLLM: 0 and -1 mean no top-k
+        req.top_p = None if self.top_p in (None, 1.0) or greedy else float(self.top_p)
+        req.seed = None if greedy else self.seed
+        req.n, req.stop, req.stream = self.n, self.stop or [], bool(self.stream)
+        req.include_usage = bool(self.stream_options and self.stream_options.include_usage)
+        return req
+
+
+_OFF_CHAT = {
+    "frequency_penalty": (0, None), "presence_penalty": (0, None), "repetition_penalty": (1, None),
+    "logit_bias": ({}, None), "tools": ([], None),
+    "tool_choice": ("none", None), "functions": ([], None), "function_call": ("none", None),
+    "response_format": ({"type": "text"}, None), "modalities": (["text"], None),
+}
+
+
+class ChatCompletionRequest(_Request):
+    """``POST /v1/chat/completions``."""
+
+    OFF: ClassVar[dict[str, tuple]] = _OFF_CHAT
+    messages: list[ChatMessage] | None = None
+    max_completion_tokens: Whole = None
+    logprobs: Flag = False
+    top_logprobs: Whole = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    modalities: Any = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _non_empty(cls, messages):
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("messages must be a non-empty list of {\"role\": ..., \"content\": ...} objects",
+                               param="messages")
+        return messages
+
+    @model_validator(mode="after")
+    def _chat(self):
+        if self.messages is None:
+            self._non_empty(None)
+        if self.messages[-1].role != "user":
+            raise RequestError(f"the last message is the {self.messages[-1].role}'s; end messages with the user's "
+                               "turn (the server answers it)", param=f"messages[{len(self.messages) - 1}]")
+        a, b = self.max_tokens, self.max_completion_tokens
+        if a is not None and b is not None and a != b:
+            raise RequestError(f"max_tokens={a} and max_completion_tokens={b} disagree; pass one of them",
+                               param="max_tokens")
+        name = "max_tokens" if a is not None else "max_completion_tokens"
+        _at_least_one(name, a if a is not None else b)
+        top = self.top_logprobs
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {top}", param="top_logprobs")
+        if top and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs=true; set it, or drop top_logprobs", param="top_logprobs")
+        return self
+
+    def to_request(self, raw: dict) -> ChatRequest:
+        """-> the server's ChatRequest; ``raw``: the body as sent (its messages go on as dicts)."""
+        req = ChatRequest(messages=raw["messages"], model=self.model,
+                          max_tokens=self.max_tokens if self.max_tokens is not None else self.max_completion_tokens,
+                          logprobs=bool(self.logprobs), top_logprobs=self.top_logprobs or 0)
+        return self._sampling(req)
+
+
+class CompletionRequest(_Request):
+    """``POST /v1/completions``: a raw prompt (mmspec's extension: or text and image_url parts)."""
+
+    OFF: ClassVar[dict[str, tuple]] = {**_OFF_CHAT, "echo": (False, None), "suffix": (None, ""), "best_of": (1, None)}
+    prompt: Any = None
+    logprobs: Whole = None  # here: the number of alternatives per token
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    modalities: Any = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, prompt):
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt is empty; send the text to continue", param="prompt")
+            return prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(p, dict) for p in prompt):
+            for j, part in enumerate(prompt):
+                _part(part, f"prompt[{j}]")
+            return prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, int)) for p in prompt):
+            raise RequestError("prompt: a batch of prompts (or token ids) is not served; send one prompt string per "
+                               "request (n= gives several samples of one)", param="prompt")
+        raise RequestError("prompt must be a string, or a list of text and image_url parts (mmspec's extension: "
+                           '[{"type": "text", "text": "..."}, {"type": "image_url", "image_url": {"url": ...}}])',
+                           param="prompt")
+
+    @model_validator(mode="after")
+    def _completion(self):
+        if self.prompt is None:
+            self._prompt(None)
+        _at_least_one("max_tokens", self.max_tokens)
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"logprobs must be from 0 to {MAX_TOP_LOGPROBS} (the alternatives per token), got "
+                               f"{self.logprobs}", param="logprobs")
+        return self
+
+    def to_request(self, raw: dict) -> ChatRequest:
+        text = self.prompt if isinstance(self.prompt, str) else ""
+        parts = [{"type": "text", "text": text}] if text else raw["prompt"]
+        req = ChatRequest(messages=[{"role": "user", "content": parts}], model=self.model, prompt=text,
+                          max_tokens=self.max_tokens or COMPLETION_MAX_TOKENS,
+                          logprobs=self.logprobs is not None, top_logprobs=self.logprobs or 0)
+        return self._sampling(req)
+
+
+def _at_least_one(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise RequestError(f"{name} must be >= 1, got {value}; ask for at least one token, or leave it out "
+                           "for the server's default", param=name)
+
+
+# ----------------------------------------------------------------------- responses
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class MMSpecStats(BaseModel):
+    """mmspec's own numbers for one answer (the ``mmspec`` key; with n > 1, every choice's under ``choices``)."""
+
+    tokens_per_block: list[int]
+    blocks: int
+    tau: float  # tokens per block, the bonus/recovered token included
+    mean_accepted_length: float  # tau - 1
+    seed: int | None
+    latency_s: float
+    acceptance_by_position: list[float] | None = None
+    prompt_tokens_reused: int | None = None
+    choices: list[MMSpecStats] | None = None
+
+    def body(self) -> dict:
+        return self.model_dump(exclude_unset=True)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    token_id: int  # vLLM's extension: the token's id
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class CompletionLogprobs(BaseModel):
+    """Completions' (legacy) log-probabilities."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+    token_ids: list[int]
+
+
+class ChatCompletionMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatCompletionMessage
+    finish_reason: str
+    logprobs: ChatLogprobs | None = None
+
+
+class CompletionChoice(BaseModel):
+    """A text completion's choice, whole or (``finish_reason`` None) a streamed piece of it."""
+
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: CompletionLogprobs | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatCompletionChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    finish_reason: str | None = None
+    logprobs: ChatLogprobs | None = None
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class _Response(BaseModel):
+    id: str
+    created: int = Field(default_factory=_now)
+    model: str
+
+    def body(self) -> dict:
+        """The JSON body: ``usage`` and ``mmspec`` only where given (a stream's chunks mostly have neither)."""
+        out = self.model_dump(exclude={"usage", "mmspec"})
+        if getattr(self, "usage", None) is not None:
+            out["usage"] = self.usage.model_dump()
+        if getattr(self, "mmspec", None) is not None:
+            out["mmspec"] = self.mmspec.body()
+        return out
+
+
+class ChatCompletionResponse(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+    mmspec: MMSpecStats
+
+
+class ChatCompletionChunk(_Response):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatCompletionChunkChoice]
+    usage: Usage | None = None  # the last chunk, with stream_options.include_usage
+    mmspec: MMSpecStats | None = None
+
+    def body(self) -> dict:
+        out = super().body()  # a delta has only the keys it carries: {"role", "content"}, {"content"} or {}
+        out["choices"] = [{**c, "delta": {k: v for k, v in c["delta"].items() if v is not None}} for c in out["choices"]]
+        return out
+
+
+class CompletionResponse(_Response):
+    """A text completion, whole or (no usage) one streamed chunk: OpenAI names both ``text_completion``."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    mmspec: MMSpecStats | None = None
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+    def body(self) -> dict:
+        return self.model_dump()
