@@ -131,3 +131,17 @@ def test_lookup_speed(tmp_path):
                      "--warmup", "2", "--max-new-tokens", "6", "--out", str(out_json))
     assert out.returncode == 0, out.stderr[-3000:]  # exit 1 when an output differs from the target's
     assert out_json.exists()
+
+
+def test_lookup_speed_batch(tmp_path):
+    """--batch-size 2: generate_batch against the target's batched generate, CPU seconds beside wall."""
+    out_json = tmp_path / "lookup_b2.json"
+    out = run_script("lookup_speed", "--systems", "target,suffix,M+suffix", "--families", "single,conversation2",
+                     "-n", "2", "--warmup", "2", "--max-new-tokens", "6", "--batch-size", "2", "--out", str(out_json))
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]  # exit 1 when an output differs
+    res = json.loads(out_json.read_text())
+    assert res["args"]["batch_size"] == 2 and res["mismatches"] == []
+    for fam in ("single", "conversation2"):
+        for s in ("target", "suffix", "M+suffix"):
+            row = res["families"][fam][s]
+            assert row["tokens"] > 0 and row["cpu_seconds"] > 0 and row["cpu_speedup"] > 0
