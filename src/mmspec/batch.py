@@ -3,9 +3,10 @@
 :class:`BatchScheduler` owns a batch of :class:`~mmspec.engine.Row` s, stepped by the same
 :meth:`mmspec.engine.Engine.step` that ``generate`` runs for one request. Each
 :meth:`BatchScheduler.step` admits queued requests (each checked by :func:`mmspec.request.prepare`
-at submit and prefilled as :meth:`SpecDecoder.generate` prefills it, on caches of its own, then
-its keys/values join a row of the shared target cache and its draft rows the shared draft
-cache), then runs ONE step over every active request: their draft forwards merged
+at submit; those admitted in the same step prefilled together by
+:func:`mmspec.admission.prefill_together`: ONE target forward over their new rows of the shared
+target cache, prefix-cache hits prefilling only their new part; each one's drafter prefilled as
+``generate`` prefills it, its rows then joining the shared draft cache), then runs ONE step over every active request: their draft forwards merged
 (:class:`~mmspec.forwards.DraftForwards`: each round one forward over every request's rows), the
 target scoring all trees in one forward (:class:`~mmspec.forwards.RaggedRows`: every request at
 its own length, padding masked), one host read for the whole batch, and each request accepting

@@ -434,8 +434,9 @@ class SpecDecoder:
         the drafter of ONE checked request on fresh caches of this decoder, each reusing what the
         prefix cache holds of its prompt (only the rest is prefilled). ``static``: on the
         decoder's static caches (default: its mode) or on eager caches of the request's own
-        (False: the batch path, whose rows then join its shared caches). The batch path calls
-        this per request at admission, then :meth:`remember` when the request finishes."""
+        (False). Its three steps, :meth:`encode_prompt`, the target's prefill on
+        :meth:`target_inputs` and :meth:`prefill_drafter`, are what :mod:`mmspec.admission` runs
+        for a batch's newcomers, their target prefills as one forward."""
         static = self.static if static is None else static
         prompt = self.encode_prompt(ids, mm, layout, stats, images, captions, videos, substitutes)
         state, feats = self._prefill_target(ids, mm, prompt, max_new_tokens, stats, static)
