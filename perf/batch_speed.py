@@ -5,17 +5,21 @@ embedded pack. One run per setting (the full sweep with latency percentiles is
 
     PYTHONPATH=src python perf/batch_speed.py --batch 1 4 8 --new 48
     PYTHONPATH=src python perf/batch_speed.py --batch 1 2 4 8 16 --speculate always never auto --engine-time
+    PYTHONPATH=src python perf/batch_speed.py --batch 8 --admission --repeats 3   # prefilled together vs one by one
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
+from collections import deque
 
 import torch
 
 import mmspec
+from mmspec.batch import BatchScheduler
 from mmspec.world import FAMILIES, make_sample
 
 CPU_S = {"last": 0.0}  # the process's CPU seconds of the last timed run: on a loaded machine, less noisy than wall
@@ -91,6 +95,57 @@ def spec_one_by_one(dec, em, batch, new: int) -> tuple[list[list[int]], float]:
     return out, wall
 
 
+class OneByOneAdmission(BatchScheduler):
+    """Today's scheduler admitting as before issue 42 item 2: every queued request prefilled
+    alone (a group of one per prefill forward), all in the same step."""
+
+    def _admit(self, events):
+        while self._queue and len(self._active) < self.max_batch:
+            rest, self._queue = self._queue, deque([self._queue.popleft()])
+            super()._admit(events)
+            self._queue = rest
+
+
+def admission(dec, em, batch, new: int, together: bool) -> dict:
+    """The requests arriving together: time to first token (each request's first tokens out,
+    from submit; mean) and total, wall and the process's CPU seconds."""
+    reqs = []
+    for text, ims in batch:
+        enc = em.processor(text=text, images=ims or None, return_tensors="pt")
+        reqs.append({k: v for k, v in enc.items() if k in ("input_ids", "pixel_values")} | {"max_new_tokens": new})
+    sched = (BatchScheduler if together else OneByOneAdmission)(dec, max_batch=len(reqs))
+    t0, c0 = time.perf_counter(), time.process_time()
+    for r in reqs:
+        sched.submit(r)
+    first: dict[int, tuple[float, float]] = {}
+    out: dict[int, list[int]] = {}
+    while sched.has_work():
+        for ev in sched.step():
+            out.setdefault(ev.rid, []).extend(ev.new_token_ids)
+            if ev.new_token_ids and ev.rid not in first:
+                first[ev.rid] = (time.perf_counter() - t0, time.process_time() - c0)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"ttft_wall_s": statistics.mean(w for w, _ in first.values()),
+            "ttft_cpu_s": statistics.mean(c for _, c in first.values()),
+            "total_wall_s": wall, "total_cpu_s": cpu, "tokens": [out[r] for r in sorted(out)]}
+
+
+def compare_admission(dec, em, B: int, new: int, repeats: int) -> None:
+    """Prefilled together vs one by one, interleaved ``repeats`` times; medians; one JSON line each."""
+    batch = prompts(em.processor, B)
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    for _ in range(repeats):
+        for together in (False, True):
+            runs[together].append(admission(dec, em, batch, new, together))
+    same = runs[True][0]["tokens"] == runs[False][0]["tokens"]
+    for together, rs in runs.items():
+        row = {"B": B, "new": new, "admission": "together" if together else "one by one", "repeats": repeats,
+               "same_tokens": same}
+        for key in ("ttft_wall_s", "ttft_cpu_s", "total_wall_s", "total_cpu_s"):
+            row[key] = round(statistics.median(r[key] for r in rs), 3)
+        print(json.dumps(row), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8])
@@ -102,6 +157,9 @@ def main() -> None:
     ap.add_argument("--engine-time", action="store_true",
                     help="also time the models' forwards inside each mmspec run: forward_s, host_s = wall - forwards, "
                          "engine_efficiency = forward_s / wall_s (the engine adds nothing but its forwards: 1.0)")
+    ap.add_argument("--admission", action="store_true",
+                    help="instead: B requests arriving together, prefilled together vs one by one (TTFT, total)")
+    ap.add_argument("--repeats", type=int, default=3, help="--admission: interleaved repeats (medians)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     em = mmspec.load_embedded()
@@ -112,7 +170,9 @@ def main() -> None:
     with torch.inference_mode():
         spec_batched(dec, em, prompts(em.processor, 2), 8, "always")  # warm-up
         target_batched(em, prompts(em.processor, 2), 8)
-        for B in args.batch:
+        for B in args.batch if args.admission else ():
+            compare_admission(dec, em, B, args.new, args.repeats)
+        for B in () if args.admission else args.batch:
             batch = prompts(em.processor, B)
             ref, wall_t = target_batched(em, batch, args.new)
             cpu_t = CPU_S["last"]

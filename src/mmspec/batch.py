@@ -3,9 +3,10 @@
 :class:`BatchScheduler` owns a batch of :class:`~mmspec.engine.Row` s, stepped by the same
 :meth:`mmspec.engine.Engine.step` that ``generate`` runs for one request. Each
 :meth:`BatchScheduler.step` admits queued requests (each checked by :func:`mmspec.request.prepare`
-at submit and prefilled as :meth:`SpecDecoder.generate` prefills it, on caches of its own, then
-its keys/values join a row of the shared target cache and its draft rows the shared draft
-cache), then runs ONE step over every active request: their draft forwards merged
+at submit; those admitted in the same step prefilled together by
+:func:`mmspec.admission.prefill_together`: ONE target forward over their new rows of the shared
+target cache, prefix-cache hits prefilling only their new part; each one's drafter prefilled as
+``generate`` prefills it, its rows then joining the shared draft cache), then runs ONE step over every active request: their draft forwards merged
 (:class:`~mmspec.forwards.DraftForwards`: each round one forward over every request's rows), the
 target scoring all trees in one forward (:class:`~mmspec.forwards.RaggedRows`: every request at
 its own length, padding masked), one host read for the whole batch, and each request accepting
@@ -46,10 +47,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mmspec.admission import prefill_together
 from mmspec.engine import Engine, Row
 from mmspec.errors import MMSpecError
 from mmspec.forwards import DraftForwards, RaggedRows
-from mmspec.models.cache import DecodeCache
 from mmspec.models.ragged import RaggedCache, RowGroup
 from mmspec.prefix_cache import make_entry
 from mmspec.request import Request, prepare
@@ -256,32 +257,40 @@ class BatchScheduler:
 
     # ------------------------------------------------------------------ internals
     def _admit(self, events: list[StepEvent]) -> None:
-        while self._queue and len(self._active) < self.max_batch:
-            rid, req, t_submit = self._queue.popleft()
-            try:
-                a = self._start(rid, req, t_submit)
-            except Exception as e:  # noqa: BLE001 - reported on the request, the others go on
-                self._leave_draft(rid)
-                events.append(StepEvent(rid, [], "", True, None, error=_message(e)))
-                continue
-            self._active.append(a)
-
-    def _start(self, rid: int, req: Request, t_submit: float) -> _Active:
-        """Encode and prefill one request on caches of its own (eager), as ``generate`` does, reusing
-        what the prefix cache holds of its prompt; then its rows join the shared caches."""
+        """Admit what the free rows allow: the requests prefill together
+        (:func:`mmspec.admission.prefill_together`: ONE target forward for the group), then each
+        one's rows join the shared caches; a request that fails, fails alone."""
+        group = []
+        while self._queue and len(self._active) + len(group) < self.max_batch:
+            group.append(self._queue.popleft())
+        if not group:
+            return
         dec = self.decoder
-        stats = dec.new_stats()
-        pre = dec.prefill_request(req.ids, req.mm, req.layout, req.max_new_tokens, stats, **req.extra,
-                                  initial=req.initial, static=False)
-        dec.remember(pre, [], copy=True)  # the prompt, for a request beside it that extends it
-        state = pre.state
-        if not isinstance(state.cache, DecodeCache):
-            raise MMSpecError("batched decoding needs a target whose layers are all full attention "
-                              "(its rows are preallocated); decode this model's prompts one by one with generate()")
-        row = Row.start(state, pre.drafter, dec.options_for(req), req.generator(dec.target.device), stats)
-        self._join_draft(rid, row.drafter)
-        self.cache.join(state.cache, state.length, req.ids.shape[0] + dec.room(req.max_new_tokens))
-        return _Active(rid, row, req, pre, t_submit, TextDelta(dec.tokenizer))
+        admitted = prefill_together(dec, self.cache, [req for _, req, _ in group])
+        new = []
+        for (rid, req, t_submit), ad in zip(group, admitted):
+            if ad.error is None:
+                try:
+                    row = Row.start(ad.pre.state, ad.pre.drafter, dec.options_for(req),
+                                    req.generator(dec.target.device), ad.stats)
+                    self._join_draft(rid, row.drafter)
+                    new.append(_Active(rid, row, req, ad.pre, t_submit, TextDelta(dec.tokenizer)))
+                    continue
+                except Exception as e:  # noqa: BLE001 - reported on the request, the others go on
+                    ad.error = e
+            self._leave_draft(rid)
+            events.append(StepEvent(rid, [], "", True, None, error=_message(ad.error)))
+        owners = [a for a, ad in zip(_iter_ok(new, admitted), admitted) if ad.row is not None]
+        first = self.cache.active - len(owners)
+        for row in range(self.cache.active - 1, first - 1, -1):  # failed rows go; the last moves in
+            if owners[row - first] is None:
+                moved = self.cache.remove(row)
+                if moved is not None:
+                    owners[row - first] = owners[moved - first]
+                owners.pop()
+        self._active.extend(owners)  # row b of the cache is _active[b]
+        for a in owners:  # the prompt, for a later request that extends it
+            self._remember(self._active.index(a), a)
 
     def _join_draft(self, rid: int, drafter) -> None:
         """The drafter's prefilled rows join the shared draft cache; its forwards are merged there."""
@@ -364,6 +373,13 @@ class BatchScheduler:
             entry = make_entry(keys, a.pre.encoded, row.tokens, target, rows=None if None in kvs else kvs)
         if entry is not None:
             self.decoder.prefix_cache.store(entry)
+
+
+def _iter_ok(new: list, admitted: list):
+    """Per admitted request, its _Active (None: it failed)."""
+    it = iter(new)
+    for ad in admitted:
+        yield next(it) if ad.error is None else None
 
 
 def _n_layers(model) -> int:

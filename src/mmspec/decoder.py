@@ -83,6 +83,30 @@ class Prefilled:
     encoded: EncodedPrompt
 
 
+@dataclass
+class EncodedRequest:
+    """One request after :meth:`SpecDecoder.encode_prompt`: its images encoded, its draft rows,
+    and what the prefix cache holds of its prompt; its caches not yet prefilled."""
+
+    ids: torch.Tensor  # [L] the prompt
+    mm: dict
+    encoded: EncodedPrompt
+    rows: list  # the draft views' rows (ViewRow), [] without a draft model
+    keys: PromptKeys | None  # the prompt's content keys (None: prefix caching off)
+    match: PrefixMatch | None  # what the prefix cache holds of it
+    captions: Sequence[str] | None = None
+
+
+@dataclass
+class TargetInputs:
+    """The target's prefill inputs for one request (:meth:`SpecDecoder.target_inputs`)."""
+
+    embeds: torch.Tensor  # [1, n, H_t]: the prompt less its pending token and the reused positions
+    positions: torch.Tensor  # [1, n] (or M-RoPE's [3, 1, n])
+    reused: int  # positions the prefix cache holds, before these
+    pos_offset: int  # a token's position minus its cache slot after the prompt (M-RoPE's delta; else 0)
+
+
 class SpecDecoder:
     """Lossless speculative decoding of a VLM target with an (ensemble of) draft view(s).
 
@@ -423,9 +447,18 @@ class SpecDecoder:
         the drafter of ONE checked request on fresh caches of this decoder, each reusing what the
         prefix cache holds of its prompt (only the rest is prefilled). ``static``: on the
         decoder's static caches (default: its mode) or on eager caches of the request's own
-        (False: the batch path, whose rows then join its shared caches). The batch path calls
-        this per request at admission, then :meth:`remember` when the request finishes."""
+        (False). Its three steps, :meth:`encode_prompt`, the target's prefill on
+        :meth:`target_inputs` and :meth:`prefill_drafter`, are what :mod:`mmspec.admission` runs
+        for a batch's newcomers, their target prefills as one forward."""
         static = self.static if static is None else static
+        prompt = self.encode_prompt(ids, mm, layout, stats, images, captions, videos, substitutes)
+        state, feats = self._prefill_target(ids, mm, prompt, max_new_tokens, stats, static)
+        return self.prefill_drafter(prompt, state, feats, max_new_tokens, stats, initial, static)
+
+    def encode_prompt(self, ids: torch.Tensor, mm: dict, layout, stats: GenerationStats, images=None,
+                      captions=None, videos=None, substitutes=None) -> EncodedRequest:
+        """Step 1 of a prefill: the prompt's images encoded (or the encoded images of a stored
+        prompt reused), its draft rows, and what the prefix cache holds of it."""
         cache_on = self.prefix_cache.enabled and not any(v.needs_substitute for v in self.views)
         digests = ((tuple(segment_digests(mm, layout.kinds)), None if captions is None else tuple(captions))
                    if cache_on else ())
@@ -440,17 +473,25 @@ class SpecDecoder:
         if cache_on:
             keys = prompt_keys(ids, self.target.placeholders(), enc, rows, self.views, digests)
             match = self.prefix_cache.match(keys.target[:-1], [k[:-1] for k in keys.rows], head=self.head is not None)
-        state, feats = self._prefill_target(ids, mm, enc, max_new_tokens, stats, match, static)
+        return EncodedRequest(ids=ids, mm=mm, encoded=enc, rows=rows, keys=keys, match=match, captions=captions)
+
+    def prefill_drafter(self, prompt: EncodedRequest, state: TargetState, feats: torch.Tensor | None,
+                        max_new_tokens: int, stats: GenerationStats, initial=None, static: bool = False) -> Prefilled:
+        """Step 3 of a prefill (after the target's): the drafter of the request, reusing what the
+        prefix cache holds of its rows (a head reads the target's prefill features ``feats``)."""
+        ids, enc, match = prompt.ids, prompt.encoded, prompt.match
+        drafter = None
         if self.head is not None:  # the head drafts over the target's features
             drafter = self._prefill_head(feats, ids, max_new_tokens, stats, match, mm, static)
         elif self.draft is not None:
             prefix = None if match is None else [match.row_kv(b) if n else None for b, n in enumerate(match.rows)]
-            drafter = self._prefill_draft(rows, max_new_tokens, stats, prefix=prefix, initial=initial, static=static)
+            drafter = self._prefill_draft(prompt.rows, max_new_tokens, stats, prefix=prefix, initial=initial,
+                                          static=static)
         if self.model_free:  # the request's text (captions, prompt) for lookup / suffix decoding
-            proposer = self._proposer(ids, enc, captions)
+            proposer = self._proposer(ids, enc, prompt.captions)
             drafter = ModelFreeDrafter(proposer, self.target.vocab_size, self.target.device) \
                 if self.model_free_alone else MergedDrafter(drafter, proposer, self.target.vocab_size)
-        return Prefilled(state=state, drafter=drafter, keys=keys, encoded=enc)
+        return Prefilled(state=state, drafter=drafter, keys=prompt.keys, encoded=enc)
 
     def remember(self, pre: Prefilled, tokens: list[int], copy: bool | None = None) -> None:
         """Keep what a finished request's caches hold (its prompt and new tokens) for the next
@@ -523,22 +564,15 @@ class SpecDecoder:
         """Target layers whose hidden states the draft reads (a head's), else none."""
         return self.head.config.feature_layers if self.head is not None else ()
 
-    def _prefill_target(self, ids: torch.Tensor, mm: dict, enc: EncodedPrompt, max_new_tokens: int,
-                        stats: GenerationStats, match: PrefixMatch | None = None, static: bool = False
-                        ) -> tuple[TargetState, torch.Tensor | None]:
-        """The target's prefill on all but the last prompt token (it is the first pending token),
-        each run of placeholders filled with its features; the first ``match.target`` positions
-        copied from the prefix cache instead. -> the target's state and, for a head, the target's
-        features at the prefilled positions [1, L - 1 - reused, F], images included."""
-        t0 = time.perf_counter()
+    def target_inputs(self, prompt: EncodedRequest) -> TargetInputs:
+        """What the target's prefill feeds for one request: the embeddings of all but the last
+        prompt token (it is the first pending token), each run of placeholders filled with its
+        features, and their positions, less the first ``match.target`` positions (in the prefix
+        cache)."""
+        ids, enc, match = prompt.ids, prompt.encoded, prompt.match
         dev = self.target.device
         L = ids.shape[0]
-        cache, step = self._target_cache(L + self.room(max_new_tokens), static)
         s = 0 if match is None else match.target  # positions reused
-        if s:
-            write_kv(cache, match.target_kv())
-            set_cache_length(cache, s)
-        stats.prompt_tokens_reused = s
         prefix = ids[:-1].to(dev)[None]  # [1, L-1], never empty: prompts have >= 2 tokens (check_ids)
         embeds = self.target.embed(prefix)  # [1, L-1, H_t]
         for token, kind in self.target.placeholders().items():  # each run of placeholders gets its features
@@ -549,20 +583,38 @@ class SpecDecoder:
                     raise MMSpecError(f"the target's {kind} features ({feats.shape[0]}) do not fill its "
                                       f"{int(mask.sum())} {kind} tokens: this family's adapter counted them wrong")
                 embeds = embeds.masked_scatter(mask, feats.to(embeds.dtype))
+        positions, next_pos = self.target.prefill_positions(prefix, for_prefix(prompt.mm, prefix))  # M-RoPE: the suffix continues the prefix
+        return TargetInputs(embeds=embeds[:, s:], positions=positions[..., s:], reused=s,
+                            pos_offset=int(next_pos[0]) - (L - 1))
+
+    def _prefill_target(self, ids: torch.Tensor, mm: dict, prompt: EncodedRequest, max_new_tokens: int,
+                        stats: GenerationStats, static: bool = False) -> tuple[TargetState, torch.Tensor | None]:
+        """The target's prefill on :meth:`target_inputs`, the first ``match.target`` positions
+        copied from the prefix cache instead. -> the target's state and, for a head, the target's
+        features at the prefilled positions [1, L - 1 - reused, F], images included."""
+        t0 = time.perf_counter()
+        dev = self.target.device
+        L = ids.shape[0]
+        cache, step = self._target_cache(L + self.room(max_new_tokens), static)
+        x = self.target_inputs(prompt)
+        s, match = x.reused, prompt.match
+        if s:
+            write_kv(cache, match.target_kv())
+            set_cache_length(cache, s)
+        stats.prompt_tokens_reused = s
         if static:
             attn = torch.ones(L - 1, cache.max_len, dtype=torch.bool, device=dev).tril()[None, None, s:]
         else:
-            attn = torch.ones_like(prefix)
-        positions, next_pos = self.target.prefill_positions(prefix, for_prefix(mm, prefix))  # M-RoPE: the suffix continues the prefix
+            attn = torch.ones(1, L - 1, dtype=torch.long, device=dev)
         out = None
         if s < L - 1:
-            out = self.target.forward(cache=cache, attention_mask=attn, position_ids=positions[..., s:],
-                                      inputs_embeds=embeds[:, s:], logits_to_keep=1, hidden=self.hidden_layers)
+            out = self.target.forward(cache=cache, attention_mask=attn, position_ids=x.positions,
+                                      inputs_embeds=x.embeds, logits_to_keep=1, hidden=self.hidden_layers)
         sync(dev)
         stats.prefill_target_s = time.perf_counter() - t0
         feats = out[1] if self.head is not None else None  # [1, L - 1 - s, F]
         state = TargetState(cache=cache, step=step, length=L - 1, pending=int(ids[-1]), device=dev,
-                            pos_offset=int(next_pos[0]) - (L - 1),  # multimodal RoPE: text after the prompt is not at past + i
+                            pos_offset=x.pos_offset,  # multimodal RoPE: text after the prompt is not at past + i
                             first_feats=None if feats is None else feats[0, -1:])  # [1, F] before the pending token
         return state, feats
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "mmspec"
-CORE = ["engine.py", "verify.py", "tree.py", "drafter.py", "decoder.py", "multimodal.py", "graphs.py", "views.py",
+CORE = ["engine.py", "admission.py", "verify.py", "tree.py", "drafter.py", "decoder.py", "multimodal.py", "graphs.py", "views.py",
         "stats.py", "models", "heads/model.py", "heads/drafter.py", "forwards.py", "request.py", "results.py", "batch.py"]
 UPPER = ("mmspec.cli", "mmspec.train", "mmspec.bench", "mmspec.world")
 

@@ -237,9 +237,9 @@ def test_seeded_sampling_turn_two_equals_a_fresh_decode(target, draft_shared, to
 
 
 def test_the_batch_path_pieces(target, draft_shared, tok):
-    """What a batch admission calls: prefill_request (reusing the cache), remember(pre, [], copy=True) right
-    after it (the prompt kept before its caches join the batch), and, at the end, make_entry on
-    the rows the batch holds (kv_rows of a one-buffer cache)."""
+    """The pieces a request's caches go through: prefill_request (reusing the cache),
+    remember(pre, [], copy=True) right after it (the prompt kept), and make_entry on the rows a
+    cache holds (kv_rows of a one-buffer cache), as a batch's finished request leaves them."""
     from helpers.caches import kv_rows
     from mmspec.prefix_cache import make_entry, snapshot
 
@@ -261,7 +261,7 @@ def test_the_batch_path_pieces(target, draft_shared, tok):
 
 
 def test_generate_batch_reuses_stored_prompts(target, draft_shared, tok):
-    """generate_batch admits each request through prefill_request: a turn-2 request extending a
+    """generate_batch admits its requests together (mmspec.admission): a turn-2 request extending a
     conversation an earlier batch decoded prefills only what the cache lacks (turn 1's prompt AND
     answer are kept when it finishes), next to a request with nothing to reuse, and both stay the
     target's."""

@@ -61,6 +61,14 @@ def test_batch_speed():
     assert all(r["same_as_target_batched"].endswith("/2") for r in rows[1:])
 
 
+def test_batch_speed_admission():
+    out = run_script("batch_speed", "--batch", "3", "--new", "3", "--admission", "--repeats", "1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["admission"] for r in rows] == ["one by one", "together"]
+    assert all(r["same_tokens"] and r["ttft_cpu_s"] > 0 for r in rows)
+
+
 def test_prefix_speed(tmp_path):
     """Exits 1 if an output with reuse differs from the fresh one."""
     out = run_script("prefix_speed", "--families", "chartqa", "--repeats", "1", "--turn1-tokens", "4",

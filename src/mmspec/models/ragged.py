@@ -30,7 +30,9 @@ class _RaggedStore:
         self.n_layers = n_layers
         self.kv: torch.Tensor | None = None  # [n_layers, 2, rows, H_kv, capacity, D]
         self.lengths: list[int] = []  # per active row, host side
-        self.write: torch.Tensor | None = None  # [active] long: this forward's first slot per row (device)
+        self.write: torch.Tensor | None = None  # [active - first] long: this forward's first slot per row (device)
+        self.first = 0  # the first row this forward runs over (a batched prefill runs over its newcomers only)
+        self.want = (0, 0)  # (rows, capacity) to allocate at the first forward (rows joined before any key was seen)
 
 
 class RaggedLayer(DynamicLayer):
@@ -47,16 +49,21 @@ class RaggedLayer(DynamicLayer):
         over [B, H_kv, max(lengths) + n, D]."""
         st = self.store
         B, _, n, _ = key_states.shape
+        if st.kv is None:  # rows joined with nothing to copy: the buffer takes this forward's shapes
+            rows, cap = st.want
+            st.kv = key_states.new_zeros(st.n_layers, 2, rows, key_states.shape[1], cap, key_states.shape[3])
         keys, values = st.kv[self.index, 0], st.kv[self.index, 1]  # [rows, H, cap, D]
+        f = st.first
         slots = st.write[:, None] + torch.arange(n, device=keys.device)  # [B, n]
-        rows = torch.arange(B, device=keys.device)[:, None]  # [B, 1]
+        rows = f + torch.arange(B, device=keys.device)[:, None]  # [B, 1]
         keys[rows, :, slots] = key_states.transpose(1, 2)  # indexed view [B, n, H, D]
         values[rows, :, slots] = value_states.transpose(1, 2)
-        end = max(st.lengths) + n
-        return keys[:B, :, :end], values[:B, :, :end]
+        end = max(st.lengths[f:]) + n
+        return keys[f:f + B, :, :end], values[f:f + B, :, :end]
 
     def get_seq_length(self) -> int:
-        return max(self.store.lengths) if self.store.lengths else 0
+        lengths = self.store.lengths[self.store.first:]
+        return max(lengths) if lengths else 0
 
     def get_max_length(self) -> int:
         return -1 if self.store.kv is None else self.store.kv.shape[4]
@@ -92,23 +99,48 @@ class RaggedCache(Cache):
         """New rows holding the first ``length`` positions of every row of a request's own
         prefilled cache ``solo`` (the target's: one row; a draft ensemble's: one per view), with
         room for ``capacity`` positions in all; returns their row indices."""
+        n_new = solo.layers[0].keys.shape[0]
+        first = self._reserve(n_new, capacity, solo.layers[0].keys)
+        kv = self.store.kv
+        for i, layer in enumerate(solo.layers):
+            kv[i, 0, first:first + n_new, :, :length] = layer.keys[:, :, :length]
+            kv[i, 1, first:first + n_new, :, :length] = layer.values[:, :, :length]
+        self.store.lengths.extend([int(length)] * n_new)
+        return list(range(first, first + n_new))
+
+    def add(self, prefixes: list, capacity: int) -> list[int]:
+        """New rows for a batched prefill, row i holding ``prefixes[i]`` (per layer keys, values
+        [1, H, n_i, D]: a prefix-cache hit; None: empty) at slots ``0 .. n_i - 1``, with room for
+        ``capacity`` positions; returns their row indices. With no buffer yet and nothing to copy,
+        the buffer is allocated at the next forward, from its keys' shapes."""
+        like = next((p[0][0] for p in prefixes if p is not None), None)
+        if like is None and self.store.kv is None:
+            first = self.active
+            self.store.want = (first + len(prefixes), capacity)
+        else:
+            first = self._reserve(len(prefixes), capacity, like)
+        for i, p in enumerate(prefixes):
+            for layer, (k, v) in enumerate(p or []):
+                n = k.shape[-2]
+                self.store.kv[layer, 0, first + i, :, :n] = k[0]
+                self.store.kv[layer, 1, first + i, :, :n] = v[0]
+        self.store.lengths.extend(0 if p is None else p[0][0].shape[-2] for p in prefixes)
+        return list(range(first, first + len(prefixes)))
+
+    def _reserve(self, n_new: int, capacity: int, like: torch.Tensor | None) -> int:
+        """Room for ``n_new`` more rows of ``capacity`` positions (grown: the active rows carried
+        over); ``like`` [.., H, .., D] gives the shapes of a first buffer. -> the first new row."""
         st = self.store
-        k0 = solo.layers[0].keys  # [n_rows, H, max_len, D]
-        n_new = k0.shape[0]
         need_rows, need_cap = self.active + n_new, max(capacity, self.capacity)
         if st.kv is None or need_rows > st.kv.shape[2] or need_cap > st.kv.shape[4]:
+            ref = st.kv[0, 0] if st.kv is not None else like
             rows = max(need_rows, 2 * (0 if st.kv is None else st.kv.shape[2]))
-            shape = (st.n_layers, 2, rows, k0.shape[1], need_cap, k0.shape[3])
-            kv = torch.zeros(shape, dtype=k0.dtype, device=k0.device)
-            if st.kv is not None:  # grown: the active rows carried over
+            shape = (st.n_layers, 2, rows, ref.shape[-3], need_cap, ref.shape[-1])
+            kv = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
+            if st.kv is not None:
                 kv[:, :, :self.active, :, :st.kv.shape[4]] = st.kv[:, :, :self.active]
             st.kv = kv
-        first = self.active
-        for i, layer in enumerate(solo.layers):
-            st.kv[i, 0, first:first + n_new, :, :length] = layer.keys[:, :, :length]
-            st.kv[i, 1, first:first + n_new, :, :length] = layer.values[:, :, :length]
-        st.lengths.extend([int(length)] * n_new)
-        return list(range(first, first + n_new))
+        return self.active
 
     def remove(self, row: int) -> int | None:
         """Hand back ``row``: the last active row moves into it. Returns the index that moved
@@ -117,7 +149,8 @@ class RaggedCache(Cache):
         last = self.active - 1
         moved = None
         if row != last:
-            st.kv[:, :, row] = st.kv[:, :, last]
+            if st.kv is not None:
+                st.kv[:, :, row] = st.kv[:, :, last]
             st.lengths[row] = st.lengths[last]
             moved = last
         st.lengths.pop()
@@ -129,6 +162,7 @@ class RaggedCache(Cache):
             raise RuntimeError(f"release() with {self.active} active rows")
         self.store.kv = None
         self.store.write = None
+        self.store.want = (0, 0)
 
     def set_row_length(self, row: int, length: int) -> None:
         """Keep the first ``length`` positions of ``row`` (O(1))."""
@@ -149,10 +183,21 @@ class RaggedCache(Cache):
         return [(kv[i, 0, row:row + 1, :, start:start + n].clone(), kv[i, 1, row:row + 1, :, start:start + n].clone())
                 for i in range(kv.shape[0])]
 
-    def begin_forward(self) -> None:
-        """Before a forward: each row writes at its own length (one small host-to-device copy)."""
+    def begin_forward(self, first: int = 0, device=None) -> None:
+        """Before a forward over rows ``first ..`` (0: every active row; a batched prefill: its
+        newcomers): each row writes at its own length (one small host-to-device copy)."""
         st = self.store
-        st.write = torch.tensor(st.lengths, dtype=torch.long, device=st.kv.device)
+        st.first = int(first)
+        st.write = torch.tensor(st.lengths[first:], dtype=torch.long, device=st.kv.device if device is None else device)
+
+    def forward_rows(self, first: int, device, run):
+        """``run()``, a forward over rows ``first ..`` only (a batched prefill of newcomers: the
+        rows decoding meanwhile take no part)."""
+        self.begin_forward(first, device)
+        try:
+            return run()
+        finally:
+            self.store.first = 0
 
     def set_lengths(self, lengths: list[int]) -> None:
         """Every active row's length at once (the draft side sets them before each forward)."""
@@ -161,7 +206,7 @@ class RaggedCache(Cache):
         self.store.lengths[:] = [int(x) for x in lengths]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return max(self.store.lengths) if self.store.lengths else 0
+        return self.layers[0].get_seq_length()
 
 
 class RowGroup:
