@@ -482,7 +482,7 @@ class SpecDecoder:
         ids, enc, match = prompt.ids, prompt.encoded, prompt.match
         drafter = None
         if self.head is not None:  # the head drafts over the target's features
-            drafter = self._prefill_head(feats, ids, max_new_tokens, stats, match, mm, static)
+            drafter = self._prefill_head(feats, ids, max_new_tokens, stats, match, prompt.mm, static)
         elif self.draft is not None:
             prefix = None if match is None else [match.row_kv(b) if n else None for b, n in enumerate(match.rows)]
             drafter = self._prefill_draft(prompt.rows, max_new_tokens, stats, prefix=prefix, initial=initial,

@@ -18,8 +18,9 @@ uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from helpers.tiny import make_llava, make_processor, make_tokenizer, noisy_copy  # noqa: E402
+from mmspec.serve.protocol import parse_request  # noqa: E402
 from mmspec.serve.responses import Answer  # noqa: E402
-from mmspec.serve.schema import RequestError, parse_request  # noqa: E402
+from mmspec.serve.schema import RequestError  # noqa: E402
 
 
 # ----------------------------------------------------------------------- parsing

@@ -24,7 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mmspec.serve import responses as R
 from mmspec.serve.choices import Run
 from mmspec.serve.guard import Guard, redact_paths
-from mmspec.serve.schema import RequestError, parse_request
+from mmspec.serve.protocol import parse_request
+from mmspec.serve.schema import RequestError
 from mmspec.serve.service import Service
 
 log = logging.getLogger("mmspec.serve")

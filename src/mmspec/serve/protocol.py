@@ -4,7 +4,7 @@
 Requests (:class:`ChatCompletionRequest`, :class:`CompletionRequest`, their messages and content
 parts) refuse what mmspec cannot honour with a :class:`~mmspec.serve.schema.RequestError` whose
 message names the problem and the fix: a validator raises it (a ``ValueError``, so pydantic
-carries it through its ``ValidationError``) and :func:`mmspec.serve.schema.parse_request` hands
+carries it through its ``ValidationError``) and :func:`parse_request` hands
 it on as the 400 body; a ``{where}`` in a nested model's message becomes the field's place
 (``messages[0].content[1]``). Fields OpenAI has and mmspec does not implement are declared and
 accepted only at the value that means "off"; any field not declared is refused by name
@@ -22,7 +22,16 @@ import math
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from mmspec.serve.schema import (
     COMPLETION_MAX_TOKENS,
@@ -35,6 +44,7 @@ from mmspec.serve.schema import (
     WHY_OFF,
     ChatRequest,
     RequestError,
+    json_object,
 )
 
 
@@ -507,3 +517,40 @@ class ErrorResponse(BaseModel):
 
     def body(self) -> dict:
         return self.model_dump()
+
+
+def parse_request(body: bytes, served_model: str, completion: bool = False) -> ChatRequest:
+    """``body`` (the raw HTTP body) -> ChatRequest; RequestError for anything mmspec cannot serve as asked.
+    ``completion``: a ``/v1/completions`` body (``prompt`` instead of ``messages``). The JSON is read
+    and its strings checked (depth, NUL, surrogates) before the pydantic models see it."""
+    data = json_object(body)
+    model = CompletionRequest if completion else ChatCompletionRequest
+    try:
+        parsed = model.model_validate(data, context={"served_model": served_model})
+    except ValidationError as e:
+        raise refusal_of(e) from None
+    return parsed.to_request(data)
+
+
+def refusal_of(e) -> RequestError:
+    """A pydantic ValidationError -> the RequestError it carries (a validator's, its ``{where}``
+    made the field's place), or a 400 naming the field: never FastAPI's 422."""
+    errors = e.errors(include_url=False)
+    first = max(errors, key=lambda err: len(err["loc"]))  # of a union's branches, the one that got furthest
+    where = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in first["loc"] if _field(k)).lstrip(".")
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, RequestError):
+        if "{where}" in str(cause):
+            param = (cause.param or "{where}").replace("{where}", where)
+            return RequestError(str(cause).replace("{where}", where), param=param or None, status=cause.status,
+                                type=cause.type, code=cause.code)
+        return cause
+    got = f", got {first['input']!r}"[:200] if first["type"] != "missing" else ""
+    return RequestError(f"{where or 'the request body'}: {first['msg']}{got}; see docs/serve.md for the fields "
+                        "mmspec serve takes", param=where or None)
+
+
+def _field(loc) -> bool:
+    """A place in pydantic's error location that is a field or an index, not a union branch's
+    name (``str``, ``list[...]``, ``TextPart``)."""
+    return isinstance(loc, int) or (loc.isidentifier() and loc.islower() and loc not in ("str", "int", "float", "bool"))

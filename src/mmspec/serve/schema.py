@@ -3,11 +3,11 @@ before anything touches a model.
 
 Owns :class:`ChatRequest` (the fields mmspec serves, normalised), :class:`RequestError` (an HTTP
 status and an OpenAI-style error body whose message names the problem and the fix), the limits,
-and :func:`parse_request` (bytes -> ChatRequest). The body is decoded and its strings checked
+and :func:`json_object` (bytes -> a checked JSON object; `mmspec.serve.protocol.parse_request` validates it). The body is decoded and its strings checked
 first (UTF-8, JSON depth, NUL characters, lone surrogates: no pydantic model sees them), then
 validated by the models of :mod:`.protocol` (what each field does and what is refused is
 declared there); a pydantic ``ValidationError`` becomes a 400 :class:`RequestError` naming the
-field (:func:`refusal_of`), never FastAPI's 422.
+field (`mmspec.serve.protocol.refusal_of`), never FastAPI's 422.
 
 Like OpenAI and vLLM, a request without ``temperature`` samples at 1.0.
 """
@@ -84,48 +84,7 @@ class ChatRequest:
         return self.temperature == 0
 
 
-def parse_request(body: bytes, served_model: str, completion: bool = False) -> ChatRequest:
-    """``body`` (the raw HTTP body) -> ChatRequest; RequestError for anything mmspec cannot serve as asked.
-    ``completion``: a ``/v1/completions`` body (``prompt`` instead of ``messages``). The JSON is read
-    and its strings checked (depth, NUL, surrogates) before the pydantic models see it."""
-    from pydantic import ValidationError
-
-    from mmspec.serve.protocol import ChatCompletionRequest, CompletionRequest
-
-    data = _json_object(body)
-    model = CompletionRequest if completion else ChatCompletionRequest
-    try:
-        parsed = model.model_validate(data, context={"served_model": served_model})
-    except ValidationError as e:
-        raise refusal_of(e) from None
-    return parsed.to_request(data)
-
-
-def refusal_of(e) -> RequestError:
-    """A pydantic ValidationError -> the RequestError it carries (a validator's, its ``{where}``
-    made the field's place), or a 400 naming the field: never FastAPI's 422."""
-    errors = e.errors(include_url=False)
-    first = max(errors, key=lambda err: len(err["loc"]))  # of a union's branches, the one that got furthest
-    where = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in first["loc"] if _field(k)).lstrip(".")
-    cause = (first.get("ctx") or {}).get("error")
-    if isinstance(cause, RequestError):
-        if "{where}" in str(cause):
-            param = (cause.param or "{where}").replace("{where}", where)
-            return RequestError(str(cause).replace("{where}", where), param=param or None, status=cause.status,
-                                type=cause.type, code=cause.code)
-        return cause
-    got = f", got {first['input']!r}"[:200] if first["type"] != "missing" else ""
-    return RequestError(f"{where or 'the request body'}: {first['msg']}{got}; see docs/serve.md for the fields "
-                        "mmspec serve takes", param=where or None)
-
-
-def _field(loc) -> bool:
-    """A place in pydantic's error location that is a field or an index, not a union branch's
-    name (``str``, ``list[...]``, ``TextPart``)."""
-    return isinstance(loc, int) or (loc.isidentifier() and loc.islower() and loc not in ("str", "int", "float", "bool"))
-
-
-def _json_object(body: bytes) -> dict:
+def json_object(body: bytes) -> dict:
     def no_constant(name: str):
         raise ValueError(f"{name} is not JSON")
 
