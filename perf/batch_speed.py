@@ -6,6 +6,11 @@ embedded pack. One run per setting (the full sweep with latency percentiles is
     PYTHONPATH=src python perf/batch_speed.py --batch 1 4 8 --new 48
     PYTHONPATH=src python perf/batch_speed.py --batch 1 2 4 8 16 --speculate always never auto --engine-time
     PYTHONPATH=src python perf/batch_speed.py --batch 8 --admission --repeats 3   # prefilled together vs one by one
+    PYTHONPATH=src python perf/batch_speed.py --device cuda --batch 1 4 8 16 --engine eager graphs  # the GPU pass
+
+``--engine``: the batched engine on eager ragged caches (``eager``), with fixed shapes run
+eagerly (``static``), or with fixed shapes captured as CUDA graphs (``graphs``: on the CPU the
+capture is emulated, which times the bookkeeping, not a replay).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import mmspec
 from mmspec.batch import BatchScheduler
 from mmspec.world import FAMILIES, make_sample
 
+ENGINES = {"eager": {"cuda_graphs": False}, "static": {"static_cache": True}, "graphs": {"cuda_graphs": True}}
 CPU_S = {"last": 0.0}  # the process's CPU seconds of the last timed run: on a loaded machine, less noisy than wall
 
 
@@ -39,7 +45,7 @@ def target_batched(em, batch, new: int) -> tuple[list[list[int]], float]:
     proc.tokenizer.padding_side = "left"
     texts = [p for p, _ in batch]
     images = [im for _, ims in batch for im in ims]
-    enc = proc(text=texts, images=images or None, return_tensors="pt", padding=True)
+    enc = proc(text=texts, images=images or None, return_tensors="pt", padding=True).to(em.target.device)
     t0, c0 = time.perf_counter(), time.process_time()
     out = em.target.generate(**enc, do_sample=False, max_new_tokens=new, min_new_tokens=new)
     wall = time.perf_counter() - t0
@@ -57,6 +63,7 @@ def spec_batched(dec, em, batch, new: int, speculate: str) -> tuple[list[list[in
     res = dec.generate_batch(reqs, speculate=speculate)
     wall = time.perf_counter() - t0
     CPU_S["last"] = time.process_time() - c0
+    CPU_S["steps"] = max(r.stats.n_blocks for r in res)  # the batch's engine steps (all admitted together)
     return [r.token_ids for r in res], wall
 
 
@@ -160,15 +167,26 @@ def main() -> None:
     ap.add_argument("--admission", action="store_true",
                     help="instead: B requests arriving together, prefilled together vs one by one (TTFT, total)")
     ap.add_argument("--repeats", type=int, default=3, help="--admission: interleaved repeats (medians)")
+    ap.add_argument("--engine", nargs="+", default=["eager"], choices=sorted(ENGINES),
+                    help="eager ragged caches, fixed shapes run eagerly (static), or captured as CUDA graphs (graphs)")
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    em = mmspec.load_embedded()
+    em = mmspec.load_embedded(device=args.device)
     eos = em.target.generation_config.eos_token_id
     em.target.generation_config.eos_token_id = None  # every system decodes exactly --new tokens
-    dec = mmspec.SpecDecoder(em.target, em.draft, em.tokenizer, views=args.views)
-    dec.options = type(dec.options)(**{**dec.options.__dict__, "eos_ids": frozenset()})
+    decs = {}
+    for engine in args.engine:
+        kw = ENGINES[engine]
+        if engine == "graphs" and em.target.device.type != "cuda":
+            kw = {"cuda_graphs": "emulate"}
+        dec = mmspec.SpecDecoder(em.target, em.draft, em.tokenizer, views=args.views, **kw)
+        dec.options = type(dec.options)(**{**dec.options.__dict__, "eos_ids": frozenset()})
+        decs[engine] = dec
+    dec = decs[args.engine[0]]
     with torch.inference_mode():
-        spec_batched(dec, em, prompts(em.processor, 2), 8, "always")  # warm-up
+        for d in decs.values():  # warm-up (and, with graphs, the first captures)
+            spec_batched(d, em, prompts(em.processor, 2), 8, "always")
         target_batched(em, prompts(em.processor, 2), 8)
         for B in args.batch if args.admission else ():
             compare_admission(dec, em, B, args.new, args.repeats)
@@ -178,18 +196,20 @@ def main() -> None:
             cpu_t = CPU_S["last"]
             print(json.dumps({"B": B, "system": "target.generate", "tok_s": round(B * args.new / wall_t, 1),
                               "wall_s": round(wall_t, 3), "cpu_s": round(cpu_t, 3)}), flush=True)
-            for mode in args.speculate:
+            for engine, mode in [(e, m) for e in decs for m in args.speculate]:
                 timer = ForwardTimer(em.target, em.draft) if args.engine_time else None
-                got, wall = spec_batched(dec, em, batch, args.new, mode)
+                got, wall = spec_batched(decs[engine], em, batch, args.new, mode)
                 same = sum(a == b for a, b in zip(got, ref))
-                row = {"B": B, "system": f"mmspec {args.views} speculate={mode}",
+                tag = "" if len(decs) == 1 else f" engine={engine}"
+                row = {"B": B, "system": f"mmspec {args.views} speculate={mode}{tag}",
                        "tok_s": round(B * args.new / wall, 1), "wall_s": round(wall, 3),
                        "speedup": round(wall_t / wall, 2), "same_as_target_batched": f"{same}/{B}",
                        "cpu_s": round(CPU_S["last"], 3), "cpu_speedup": round(cpu_t / max(CPU_S["last"], 1e-9), 2)}
                 if timer is not None:
                     timer.close()
                     row |= {"forward_s": round(timer.seconds, 3), "host_s": round(wall - timer.seconds, 3),
-                            "engine_efficiency": round(timer.seconds / wall, 3)}
+                            "engine_efficiency": round(timer.seconds / wall, 3), "steps": CPU_S["steps"],
+                            "host_ms_per_step": round(1e3 * (wall - timer.seconds) / CPU_S["steps"], 2)}
                 print(json.dumps(row), flush=True)
             if args.one_by_one:
                 got, wall = spec_one_by_one(dec, em, batch, args.new)

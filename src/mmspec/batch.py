@@ -27,9 +27,10 @@ it measured and the recent acceptance.
 What runs batched: every view and ensemble, chains, static and dynamic trees, feature-level
 heads, greedy and sampling. The target's verify forward is shared, and so are the draft
 forwards: each request drafts its own tree (its own code path and draws, as steps that yield
-their forwards; no threads). Eager caches only: a decoder set up for static caches / CUDA
-graphs prefills and decodes its batches on eager ones (its ``generate`` keeps its static caches
-and graphs).
+their forwards; no threads). A decoder set up for static caches / CUDA graphs steps its batches
+with fixed shapes too (:class:`~mmspec.forwards.StaticRagged`: rows and new tokens padded to
+buckets, one graph per bucket pair, captured on first use; eager fallback when capture fails),
+on static ragged caches the decoder keeps across batches; prefills stay eager.
 
 Exactness is per row: in float64 (the tests) a request's tokens never depend on its
 neighbours; in float32 / half precision a batched matrix product may round the last bit
@@ -180,18 +181,28 @@ class BatchScheduler:
         self.decoder = decoder
         self.max_batch = max_batch
         self.policy = speculate if isinstance(speculate, SpeculationPolicy) else SpeculationPolicy(speculate)
-        self.cache = RaggedCache(_n_layers(decoder.target_model))  # row b: _active[b]'s target cache
+        static, graphs = decoder.static, decoder.graph_mode
+
+        def forwards(role: str, make):  # static shapes: the decoder keeps them (and their graphs) across batches
+            return decoder.static_pool.lease(role, self, make) if static else make()
+
+        target = forwards("batch-target", lambda: RaggedRows(
+            decoder.target, RaggedCache(_n_layers(decoder.target_model), static=static), decoder.hidden_layers, graphs))
+        self.cache = target.cache  # row b: _active[b]'s target cache
         # the draft forwards are shared too: every view of every request (or its head) a row here
         if decoder.head is not None:
-            self.draft_cache = RaggedCache(decoder.head.decoder.config.num_hidden_layers)
-            drafts = DraftForwards.for_head(decoder.head, self.draft_cache)
+            drafts = forwards("batch-head", lambda: DraftForwards.for_head(
+                decoder.head, RaggedCache(decoder.head.decoder.config.num_hidden_layers, static=static), graphs))
         elif decoder.draft_model is None:  # lookup / suffix alone (mmspec.lookup): no draft model, no draft rows
-            self.draft_cache, drafts = None, None
+            drafts = None
         else:
-            self.draft_cache = RaggedCache(_n_layers(decoder.draft_model))
-            drafts = DraftForwards.for_tokens(decoder.draft, self.draft_cache)
-        self.engine = Engine(RaggedRows(decoder.target, self.cache, decoder.hidden_layers), drafts,
-                             decoder.target.device, draft_lengths=self._draft_lengths)
+            drafts = forwards("batch-draft", lambda: DraftForwards.for_tokens(
+                decoder.draft, RaggedCache(_n_layers(decoder.draft_model), static=static), graphs))
+        self.draft_cache = None if drafts is None else drafts.cache
+        for cache in (self.cache, self.draft_cache):  # a leased cache may come back with rows of a failed batch
+            if cache is not None:
+                cache.clear()
+        self.engine = Engine(target, drafts, decoder.target.device, draft_lengths=self._draft_lengths)
         self._draft_rows: dict[int, list[int]] = {}  # rid -> its rows of draft_cache
         self._row_owner: list[int] = []  # draft_cache row -> rid
         self._queue: deque = deque()  # (rid, Request, t_submit)

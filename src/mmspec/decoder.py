@@ -309,6 +309,12 @@ class SpecDecoder:
         return self.mode.graphs
 
     @property
+    def static_pool(self) -> StaticPool:
+        """The static caches and graph runners this decoder keeps across calls (``generate``'s,
+        and the batch engine's leased forwards)."""
+        return self._static_pool
+
+    @property
     def engine(self) -> str:
         """"eager", "static" (fixed shapes) or "cuda-graphs"."""
         return self.mode.name

@@ -19,6 +19,13 @@ requests advance in lockstep and each round's forwards run as ONE forward of the
 head's) at their own lengths. No threads: drafting stays each request's own code and draws,
 only where its forwards run changes. Rows whose drafter is not drafting in a round take part as
 padding (they see only themselves and write past their slots).
+
+Static shapes (a decoder with static caches or CUDA graphs): both sides run their step forwards
+through :class:`StaticRagged`, the batch's counterpart of ``generate``'s static caches: rows
+padded to a bucket (1, 2, 4, 8, ...; free rows of the static cache take the padding places),
+new tokens padded to a bucket, the mask spanning the whole capacity, and one
+:class:`~mmspec.graphs.StepRunner` capturing a graph per ``(row bucket, token bucket)`` (and per
+input set: a head's features), the way vLLM and SGLang capture batch sizes. Prefills stay eager.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mmspec.graphs import StepRunner, bucket
 from mmspec.models.cache import DecodeCache, set_cache_length
 from mmspec.models.ragged import RaggedCache
 from mmspec.tree import tree_attention_mask
@@ -102,10 +110,15 @@ class SoloRows(TargetRows):
 class RaggedRows(TargetRows):
     """Many requests, row b of ``cache`` the b-th row the engine steps."""
 
-    def __init__(self, adapter, cache: RaggedCache, hidden_layers: tuple[int, ...]):
+    def __init__(self, adapter, cache: RaggedCache, hidden_layers: tuple[int, ...], graphs: str | None = None):
         self.adapter = adapter
         self.cache = cache
         self.hidden_layers = hidden_layers
+        # a static cache: fixed-shape forwards, eager ("static"), emulated or captured as CUDA graphs
+        self.static = None if not cache.static else StaticRagged(
+            cache, lambda ids, pos, mask: adapter.forward(cache=cache, attention_mask=mask, position_ids=pos,
+                                                          input_ids=ids, hidden=hidden_layers),
+            graphs or "eager", "target")
 
     def score(self, rows):
         dev = rows[0].device
@@ -113,11 +126,15 @@ class RaggedRows(TargetRows):
         sizes = [r.tree.size for r in rows]
         n_max = max(sizes)
         lengths = self.cache.lengths
-        span = max(lengths) + n_max
-        ids = torch.zeros(B, n_max, dtype=torch.long, device=dev)
-        pos = torch.zeros(B, n_max, dtype=torch.long, device=dev)
-        mask = torch.zeros(B, 1, n_max, span, dtype=torch.bool, device=dev)
-        eye = torch.eye(n_max, dtype=torch.bool, device=dev)
+        if self.static is not None:  # padded to the buckets, the mask over the whole capacity
+            R, N = bucket(B), bucket(n_max)
+            span = self.static.prepare(R, max(lengths) + N)
+        else:
+            R, N, span = B, n_max, max(lengths) + n_max
+        ids = torch.zeros(R, N, dtype=torch.long, device=dev)
+        pos = torch.zeros(R, N, dtype=torch.long, device=dev)
+        mask = torch.zeros(R, 1, N, span, dtype=torch.bool, device=dev)
+        eye = torch.eye(N, dtype=torch.bool, device=dev)
         for b, r in enumerate(rows):
             t, n, past = r.tree, sizes[b], lengths[b]
             ids[b, :n] = t.tokens
@@ -125,11 +142,17 @@ class RaggedRows(TargetRows):
             pos[b, n:] = past + r.pos_offset
             mask[b, 0, :n, :past] = True
             mask[b, 0, :n, past:past + n] = t.anc
-            mask[b, 0, n:, past:past + n_max] = eye[n:]  # padding nodes see themselves only
-        self.cache.begin_forward()
-        out = self.adapter.forward(cache=self.cache, attention_mask=mask, position_ids=pos, input_ids=ids,
-                                   hidden=self.hidden_layers)
-        return (out[0], out[1]) if self.hidden_layers else (out, None)
+            mask[b, 0, n:, past:past + N] = eye[n:]  # padding nodes see themselves only
+        mask[B:, 0, :, :N] = eye  # padding rows (free rows of a static cache) write at slot 0, see themselves only
+        if self.static is not None:
+            out = self.static(ids=ids, pos=pos, mask=mask)
+        else:
+            self.cache.begin_forward()
+            out = self.adapter.forward(cache=self.cache, attention_mask=mask, position_ids=pos, input_ids=ids,
+                                       hidden=self.hidden_layers)
+        if self.hidden_layers:
+            return out[0][:B, :n_max], out[1][:B, :n_max]
+        return out[:B, :n_max], None
 
     def move(self, b, src, dst):
         self.cache.move_row(b, src, dst)
@@ -138,26 +161,60 @@ class RaggedRows(TargetRows):
         self.cache.set_row_length(b, length)
 
 
+class StaticRagged:
+    """Fixed-shape step forwards over a static :class:`~mmspec.models.ragged.RaggedCache`
+    (module docstring): ``prepare(rows, span)`` makes room for a forward over a bucket of
+    ``rows`` rows writing up to slot ``span - 1`` (growing the buffer drops the graphs captured
+    on the old one) and returns the mask's width (the capacity); ``self(**inputs)`` runs
+    ``fn(**inputs)`` over those rows, eagerly or as the replay of the graph of its shapes. The
+    outputs of a replay are overwritten by the next call: read them first."""
+
+    def __init__(self, cache: RaggedCache, fn, mode: str, name: str):
+        self.cache = cache
+        self.runner = StepRunner(fn, None, mode=mode, name=f"batched {name}")
+        self.generation = cache.generation
+        self.rows = 0
+
+    def prepare(self, rows: int, span: int) -> int:
+        self.cache.ensure(rows, span)
+        if self.cache.generation != self.generation:  # a new buffer: the old graphs point at freed memory
+            self.runner.reset()
+            self.generation = self.cache.generation
+        self.rows = rows
+        return self.cache.capacity
+
+    def __call__(self, **inputs: torch.Tensor):
+        self.cache.begin_forward(rows=self.rows)  # the write slots into their fixed buffer (outside any graph)
+        return self.runner(**inputs)
+
+    @property
+    def shapes(self) -> set:
+        """The input shapes captured so far (one graph each)."""
+        return set(self.runner.graphs)
+
+
 class DraftForwards:
     """Many drafters' steps in lockstep, each round's forwards merged into ONE forward of the
     draft model (or head) over a shared RaggedCache (module docstring). A drafter's cache is a
     :class:`~mmspec.models.ragged.RowGroup` of that cache (``cache.rows()``: its rows now)."""
 
-    def __init__(self, forward, cache: RaggedCache):
+    def __init__(self, forward, cache: RaggedCache, graphs: str | None = None):
         self.forward = forward  # (cache, inputs {name: [R, n, ...]}, pos [R, n], mask) -> [R, n, ...]
         self.cache = cache
+        self.static = None if not cache.static else StaticRagged(
+            cache, lambda pos, mask, **x: forward(cache, x, pos, mask), graphs or "eager", "draft")
 
     @classmethod
-    def for_tokens(cls, adapter, cache: RaggedCache) -> DraftForwards:
+    def for_tokens(cls, adapter, cache: RaggedCache, graphs: str | None = None) -> DraftForwards:
         """Token-level drafters: their steps yield ``ids=, pos=, mask=``, the draft model's forward."""
         return cls(lambda c, x, pos, mask: adapter.forward(cache=c, attention_mask=mask, position_ids=pos,
-                                                           input_ids=x["ids"]), cache)
+                                                           input_ids=x["ids"]), cache, graphs)
 
     @classmethod
-    def for_head(cls, head, cache: RaggedCache) -> DraftForwards:
+    def for_head(cls, head, cache: RaggedCache, graphs: str | None = None) -> DraftForwards:
         """Feature-level heads: their steps yield ``feats=, embeds=, pos=, mask=``, the head's forward."""
         return cls(lambda c, x, pos, mask: head(x["feats"], x["embeds"], cache=c, position_ids=pos,
-                                                attention_mask=mask), cache)
+                                                attention_mask=mask), cache, graphs)
 
     def run(self, jobs: list[tuple[int, object, object]], lengths: Callable[[], list[int]]
             ) -> tuple[dict[int, object], dict[int, BaseException]]:
@@ -204,18 +261,24 @@ class DraftForwards:
         first = next(iter(batch.values()))
         dev = first[3].device
         n_max = max(v[3].shape[-1] for v in batch.values())
-        R = len(lengths)
+        active = len(lengths)
         write = list(lengths)
         for rows, w, *_ in batch.values():
             for r in rows:
                 write[r] = w
-        span = max(write) + n_max
-        inputs = {name: torch.zeros(R, n_max, *t.shape[2:], dtype=t.dtype, device=dev) for name, t in first[2].items()}
-        pos = torch.zeros(R, n_max, dtype=torch.long, device=dev)
-        mask = torch.zeros(R, 1, n_max, span, dtype=torch.bool, device=dev)
-        eye = torch.eye(n_max, dtype=torch.bool, device=dev)
+        self.cache.set_lengths(write)
+        if self.static is not None:  # padded to the buckets (free rows write at slot 0), the mask over the capacity
+            R, N = bucket(active), bucket(n_max)
+            span = self.static.prepare(R, max(write) + N)
+            write += [0] * (R - active)
+        else:
+            R, N, span = active, n_max, max(write) + n_max
+        inputs = {name: torch.zeros(R, N, *t.shape[2:], dtype=t.dtype, device=dev) for name, t in first[2].items()}
+        pos = torch.zeros(R, N, dtype=torch.long, device=dev)
+        mask = torch.zeros(R, 1, N, span, dtype=torch.bool, device=dev)
+        eye = torch.eye(N, dtype=torch.bool, device=dev)
         for r in range(R):  # padding: every query sees itself only
-            mask[r, 0, :, write[r]:write[r] + n_max] = eye
+            mask[r, 0, :, write[r]:write[r] + N] = eye
         for rows, w, x, p, m in batch.values():
             n = p.shape[-1]
             idx = torch.tensor(rows, device=dev)
@@ -227,7 +290,10 @@ class DraftForwards:
                 m = torch.ones(n, w + n, dtype=torch.bool, device=dev).tril(w)[None, None].expand(len(rows), 1, n, w + n)
             mask[idx, :, :n, :] = False
             mask[idx, :, :n, :m.shape[-1]] = m
-        self.cache.set_lengths(write)
-        self.cache.begin_forward()
-        out = self.forward(self.cache, inputs, pos, mask)
+        if self.static is not None:
+            out = self.static(pos=pos, mask=mask, **inputs)
+        else:
+            self.cache.begin_forward()
+            out = self.forward(self.cache, inputs, pos, mask)
+        # each job's rows gathered out (a copy: a replay's outputs are overwritten by the next round)
         return {k: out[torch.tensor(v[0], device=dev), :v[3].shape[-1]] for k, v in batch.items()}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +34,18 @@ import torch
 from mmspec.errors import MMSpecError
 
 MODES = ("eager", "cuda", "emulate")
+MIN_CAPACITY = 512  # the smallest static cache, in positions
+
+
+def bucket(n: int) -> int:
+    """The shape bucket of ``n`` rows or new tokens: the next power of two (1, 2, 4, 8, ...), as
+    vLLM and SGLang capture a few batch sizes and pad to the next one."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def capacity_bucket(needed: int) -> int:
+    """A static cache's positions for ``needed``: a power of two, at least :data:`MIN_CAPACITY`."""
+    return max(MIN_CAPACITY, bucket(needed))
 
 
 @dataclass
@@ -47,7 +60,9 @@ class StepRunner:
     where ``fn(**inputs)`` is the eager forward (it writes the cache at its device cursor) and
     returns a tensor or a tuple of tensors, e.g. ``ids=[B, n], pos=[B, n], mask=[B, 1, n,
     capacity]`` -> logits [B, n, V]. The outputs of a replay live in the graph's memory: read
-    them before the next call."""
+    them before the next call. ``cache``: a :class:`~mmspec.models.cache.DecodeCache` whose
+    host-side length each call advances; None for a forward that leaves no host state (a
+    :class:`~mmspec.models.ragged.RaggedCache`'s: its rows' lengths are the engine's to set)."""
 
     def __init__(self, fn: Callable[..., object], cache, mode: str = "eager", name: str = "model",
                  warmup: int = 2, pool=None):
@@ -84,17 +99,26 @@ class StepRunner:
         if self.mode == "cuda":
             g.graph.replay()  # writes K/V at the device cursor and advances it
         else:
-            g.outputs = self._replay_emulated(g)
-        self.cache.set_host_length(self.cache.length + n)
+            self._replay_emulated(g)
+        if self.cache is not None:
+            self.cache.set_host_length(self.cache.length + n)
         return g.outputs
 
-    def _replay_emulated(self, g: _Graph):
-        """Run the forward on the graph's buffers, then undo the host-side length change, as a
-        replay would leave it (a replay moves only the device cursor)."""
-        before = self.cache.length
+    def reset(self) -> None:
+        """Drop every captured graph (the buffers they were captured on were reallocated)."""
+        self.graphs.clear()
+
+    def _replay_emulated(self, g: _Graph) -> None:
+        """Run the forward on the graph's buffers and write its results INTO the outputs of the
+        capture, as a replay does (so a caller that kept an output past the next call reads it
+        overwritten here too); then undo the host-side length change, as a replay would leave it
+        (a replay moves only the device cursor)."""
+        before = None if self.cache is None else self.cache.length
         out = self.fn(**g.inputs)
-        self.cache.set_host_length(before)
-        return out
+        if self.cache is not None:
+            self.cache.set_host_length(before)
+        for mine, new in zip(_tensors(g.outputs), _tensors(out)):
+            mine.copy_(new)
 
     def _capture(self, inputs: dict[str, torch.Tensor]) -> _Graph:
         """Warm up and capture ``fn`` on fresh input buffers. Whatever happens, the cache is left
@@ -102,7 +126,7 @@ class StepRunner:
         run the Python side of some layers (each advanced its host-side length; the last one, had
         it run, the device cursor), which the eager fallback must not inherit."""
         g = _Graph(inputs={k: v.clone() for k, v in inputs.items()})
-        start = self.cache.length
+        start = None if self.cache is None else self.cache.length
         try:
             if self.mode == "emulate":  # the CPU stand-in: the capture's one run of the Python side
                 g.outputs = self.fn(**g.inputs)
@@ -110,7 +134,8 @@ class StepRunner:
             else:
                 g.graph, g.outputs = self._capture_cuda(g.inputs, start)
         finally:
-            self.cache.set_length(start)  # every layer's host length and the device cursor
+            if self.cache is not None:
+                self.cache.set_length(start)  # every layer's host length and the device cursor
         return g
 
     def _capture_cuda(self, buffers: dict[str, torch.Tensor], start: int) -> tuple[object, object]:
@@ -121,7 +146,8 @@ class StepRunner:
             with torch.cuda.stream(side):
                 for _ in range(self.warmup):  # kernels choose their algorithms outside the capture
                     self.fn(**buffers)
-                    self.cache.set_length(start)
+                    if self.cache is not None:
+                        self.cache.set_length(start)
         finally:  # the eager fallback must not race a warm-up that is still running on the side stream
             torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
@@ -132,21 +158,46 @@ class StepRunner:
         return graph, outputs
 
 
+def _tensors(out) -> list[torch.Tensor]:
+    """A forward's outputs (a tensor, or a tuple / list of them, possibly nested) as a flat list."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for o in out for t in _tensors(o)]
+
+
 class StaticPool:
     """The static caches and their :class:`StepRunner` s a decoder keeps across calls, one per
     ``(role, rows, capacity)``: role "target", "draft" or "head"; rows, the batch the cache holds
     (the draft's views); capacity, a power of two (at least 512), so a slightly longer prompt
     reuses the cache and the graphs captured on it."""
 
-    MIN_CAPACITY = 512
+    MIN_CAPACITY = MIN_CAPACITY
 
     def __init__(self, mode: str):
         self.mode = mode  # a MODES entry, for every runner
         self.entries: dict[tuple[str, int, int], tuple[object, StepRunner]] = {}
+        self.leased: dict[str, tuple[object, object]] = {}  # role -> (a batch's forwards, weakref to its holder)
+
+    def lease(self, role: str, holder: object, make: Callable[[], object]) -> object:
+        """A batch's static forwards of ``role`` (``make()``: e.g. a
+        :class:`~mmspec.forwards.RaggedRows` on a static ragged cache) kept across batches, so
+        the next ``generate_batch`` reuses the buffer and the graphs captured on it. One holder
+        at a time: while another live holder has it, ``make()`` gives a fresh one of its own."""
+        entry = self.leased.get(role)
+        if entry is not None:
+            forwards, ref = entry
+            other = ref()
+            if other is None or other is holder:
+                self.leased[role] = (forwards, weakref.ref(holder))
+                return forwards
+            return make()
+        forwards = make()
+        self.leased[role] = (forwards, weakref.ref(holder))
+        return forwards
 
     @classmethod
     def capacity(cls, needed: int) -> int:
-        return max(cls.MIN_CAPACITY, 1 << (needed - 1).bit_length())
+        return capacity_bucket(needed)
 
     def get(self, role: str, rows: int, needed: int, new_cache: Callable[[int], object],
             forward: Callable[[object], Callable[..., object]], name: str | None = None):

@@ -61,6 +61,15 @@ def test_batch_speed():
     assert all(r["same_as_target_batched"].endswith("/2") for r in rows[1:])
 
 
+def test_batch_speed_engines():
+    """The batched engine eager, with fixed shapes, and with (emulated) graphs: the same tokens."""
+    out = run_script("batch_speed", "--batch", "3", "--new", "4", "--engine", "eager", "static", "graphs")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["system"] for r in rows[1:]] == [f"mmspec M speculate=always engine={e}" for e in ("eager", "static", "graphs")]
+    assert all(r["same_as_target_batched"] == "3/3" for r in rows[1:])
+
+
 def test_batch_speed_admission():
     out = run_script("batch_speed", "--batch", "3", "--new", "3", "--admission", "--repeats", "1")
     assert out.returncode == 0, out.stderr[-3000:]

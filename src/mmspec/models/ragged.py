@@ -14,6 +14,16 @@ A newcomer is prefilled on a :class:`~mmspec.models.cache.DecodeCache` of its ow
 copies a finished row's out (for the prefix cache). The host-side ``lengths`` are
 the truth; roll-back after verification is :meth:`set_row_length` (O(1)), and a tree's accepted
 path is moved into place in one row with :meth:`move_row` (O(path)).
+
+**Static mode** (``static=True``, a decoder on static caches / CUDA graphs): the buffer is
+allocated once for a bucket of rows and a power-of-two capacity and kept (``release`` keeps it;
+a request that needs more grows it, which bumps :attr:`RaggedCache.generation`: graphs captured
+on the old buffer are then dropped); a *fixed-shape* forward (:meth:`RaggedCache.begin_forward`
+with ``rows=``) runs over a bucket of rows (the rows past the active ones are free: they write
+at slot 0 and see only themselves), reads each row's write slot from a buffer of fixed address
+and attends over the WHOLE capacity under the caller's 4-D mask, so every forward of one
+``(rows, new tokens)`` shape runs the same kernels on the same addresses: capturable as a CUDA
+graph (:class:`~mmspec.forwards.StaticRagged`). Prefills stay eager (ragged spans) on the same buffer.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import torch
 from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
+from mmspec.graphs import bucket, capacity_bucket
 from mmspec.models.cache import DecodeCache
 
 
@@ -33,6 +44,10 @@ class _RaggedStore:
         self.write: torch.Tensor | None = None  # [active - first] long: this forward's first slot per row (device)
         self.first = 0  # the first row this forward runs over (a batched prefill runs over its newcomers only)
         self.want = (0, 0)  # (rows, capacity) to allocate at the first forward (rows joined before any key was seen)
+        self.static = False  # RaggedCache.static: buffers bucketed and kept
+        self.span: int | None = None  # a fixed-shape forward attends over this many slots (the capacity); None: ragged
+        self.write_buf: torch.Tensor | None = None  # [rows] long, static mode: every fixed-shape forward's write slots
+        self.generation = 0  # bumped whenever kv is (re)allocated: addresses captured before are stale
 
 
 class RaggedLayer(DynamicLayer):
@@ -51,14 +66,17 @@ class RaggedLayer(DynamicLayer):
         B, _, n, _ = key_states.shape
         if st.kv is None:  # rows joined with nothing to copy: the buffer takes this forward's shapes
             rows, cap = st.want
+            if st.static:
+                rows, cap = bucket(rows), capacity_bucket(cap)
             st.kv = key_states.new_zeros(st.n_layers, 2, rows, key_states.shape[1], cap, key_states.shape[3])
+            st.generation += 1
         keys, values = st.kv[self.index, 0], st.kv[self.index, 1]  # [rows, H, cap, D]
         f = st.first
         slots = st.write[:, None] + torch.arange(n, device=keys.device)  # [B, n]
         rows = f + torch.arange(B, device=keys.device)[:, None]  # [B, 1]
         keys[rows, :, slots] = key_states.transpose(1, 2)  # indexed view [B, n, H, D]
         values[rows, :, slots] = value_states.transpose(1, 2)
-        end = max(st.lengths[f:]) + n
+        end = max(st.lengths[f:]) + n if st.span is None else st.span  # static: the whole capacity
         return keys[f:f + B, :, :end], values[f:f + B, :, :end]
 
     def get_seq_length(self) -> int:
@@ -77,10 +95,21 @@ class RaggedLayer(DynamicLayer):
 class RaggedCache(Cache):
     """The target's cache for a batch of decodes (module docstring)."""
 
-    def __init__(self, n_layers: int):
+    def __init__(self, n_layers: int, static: bool = False):
         store = _RaggedStore(n_layers)
         super().__init__(layers=[RaggedLayer(store, i) for i in range(n_layers)])
         self.store = store
+        self.static = static  # module docstring: buffers kept, fixed-shape forwards capturable
+        store.static = static
+
+    @property
+    def generation(self) -> int:
+        """Bumped at every (re)allocation of the buffer: graphs captured before it are stale."""
+        return self.store.generation
+
+    @property
+    def rows_allocated(self) -> int:
+        return 0 if self.store.kv is None else self.store.kv.shape[2]
 
     # ------------------------------------------------------------------ rows
     @property
@@ -135,12 +164,22 @@ class RaggedCache(Cache):
         if st.kv is None or need_rows > st.kv.shape[2] or need_cap > st.kv.shape[4]:
             ref = st.kv[0, 0] if st.kv is not None else like
             rows = max(need_rows, 2 * (0 if st.kv is None else st.kv.shape[2]))
+            if self.static:  # a bucket of rows and a power-of-two capacity, so later requests fit as they are
+                rows, need_cap = bucket(rows), capacity_bucket(need_cap)
             shape = (st.n_layers, 2, rows, ref.shape[-3], need_cap, ref.shape[-1])
             kv = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
             if st.kv is not None:
                 kv[:, :, :self.active, :, :st.kv.shape[4]] = st.kv[:, :, :self.active]
             st.kv = kv
+            st.generation += 1
         return self.active
+
+    def ensure(self, rows: int, span: int) -> None:
+        """Static mode: room for a fixed-shape forward over ``rows`` rows writing up to slot
+        ``span - 1`` (the buffer grown, and its generation bumped, when it has not)."""
+        st = self.store
+        if st.kv is not None and (rows > st.kv.shape[2] or span > st.kv.shape[4]):
+            self._reserve(max(0, rows - self.active), span, None)
 
     def remove(self, row: int) -> int | None:
         """Hand back ``row``: the last active row moves into it. Returns the index that moved
@@ -157,12 +196,22 @@ class RaggedCache(Cache):
         return moved
 
     def release(self) -> None:
-        """Free the buffer (no active rows left): the next join allocates again."""
+        """Free the buffer (no active rows left): the next join allocates again. A static cache
+        keeps its buffer (and so the graphs captured on it)."""
         if self.active:
             raise RuntimeError(f"release() with {self.active} active rows")
+        if self.static:
+            return
         self.store.kv = None
         self.store.write = None
         self.store.want = (0, 0)
+
+    def clear(self) -> None:
+        """No active rows (a reused static cache: its buffer stays)."""
+        self.store.lengths.clear()
+        self.store.first = 0
+        if not self.static:
+            self.release()
 
     def set_row_length(self, row: int, length: int) -> None:
         """Keep the first ``length`` positions of ``row`` (O(1))."""
@@ -183,12 +232,28 @@ class RaggedCache(Cache):
         return [(kv[i, 0, row:row + 1, :, start:start + n].clone(), kv[i, 1, row:row + 1, :, start:start + n].clone())
                 for i in range(kv.shape[0])]
 
-    def begin_forward(self, first: int = 0, device=None) -> None:
+    def begin_forward(self, first: int = 0, device=None, rows: int | None = None) -> None:
         """Before a forward over rows ``first ..`` (0: every active row; a batched prefill: its
-        newcomers): each row writes at its own length (one small host-to-device copy)."""
+        newcomers): each row writes at its own length (one small host-to-device copy).
+        ``rows`` (static mode): a fixed-shape forward over rows ``0 .. rows - 1`` (the active
+        ones and free ones up to the bucket, which write at slot 0), attending over the whole
+        capacity; its write slots live in a buffer of fixed address."""
         st = self.store
         st.first = int(first)
-        st.write = torch.tensor(st.lengths[first:], dtype=torch.long, device=st.kv.device if device is None else device)
+        dev = st.kv.device if device is None else device
+        if rows is None:
+            st.span = None
+            st.write = torch.tensor(st.lengths[first:], dtype=torch.long, device=dev)
+            return
+        if not self.static or first or rows < self.active or rows > self.rows_allocated:
+            raise RuntimeError(f"a fixed-shape forward over {rows} rows needs a static cache of at least that many "
+                               f"rows and the active {self.active}")
+        if st.write_buf is None or st.write_buf.shape[0] != st.kv.shape[2] or st.write_buf.device != st.kv.device:
+            st.write_buf = torch.zeros(st.kv.shape[2], dtype=torch.long, device=st.kv.device)
+        slots = st.lengths + [0] * (rows - self.active)
+        st.write_buf[:rows].copy_(torch.tensor(slots, dtype=torch.long))
+        st.write = st.write_buf[:rows]  # the same address at every forward of this many rows
+        st.span = st.kv.shape[4]
 
     def forward_rows(self, first: int, device, run):
         """``run()``, a forward over rows ``first ..`` only (a batched prefill of newcomers: the
