@@ -117,7 +117,9 @@ async def _complete(service: Service, request: Request, completion: bool):
     body = await request.body()  # (bounded by the Guard while it arrives)
     try:
         req = parse_request(body, service.config.model_name, completion)
+        parse_s = time.perf_counter() - t0
         prepared = await run_in_threadpool(service.prepare, req)
+        prepared.timings["parse"] = parse_s
     except RequestError as e:
         _count(service, e.status)
         return refusal(e)
