@@ -58,7 +58,8 @@ def create_app(service: Service) -> FastAPI:
     cfg = service.config
     metrics = service.metrics
     app.add_middleware(Guard, max_body=int(cfg.max_request_mb * 2**20), api_key=cfg.api_key,
-                       allowed_hosts=cfg.allowed_hosts, on_refusal=metrics.refused if metrics else None)
+                       allowed_hosts=cfg.allowed_hosts, on_refusal=metrics.refused if metrics else None,
+                       on_response=metrics.responded if metrics else None)
     if cfg.cors_origins:  # outermost: a browser's preflight (OPTIONS, no key) is answered here
         from starlette.middleware.cors import CORSMiddleware
 

@@ -20,7 +20,9 @@ Owns :class:`Metrics` (one registry per server, no global state) and what it cou
 * ``mmspec_prefix_cache_hit_tokens_total`` (prompt tokens not prefilled again) and the gauges
   ``mmspec_prefix_cache_bytes`` / ``mmspec_prefix_cache_budget_bytes``;
 * where an answered request's time went, ``mmspec_request_phase_seconds{phase}`` (:data:`PHASES`;
-  they add up to its e2e latency), and how much of the server's CPU is the engine's:
+  they add up to its e2e latency), ``mmspec_http_request_seconds`` (its arrival in the app to its
+  response's last byte sent: the phases, the response's JSON and its sending), and how much of the
+  server's CPU is the engine's:
   ``mmspec_engine_seconds_total`` / ``mmspec_engine_cpu_seconds_total`` (the worker thread inside
   the scheduler: admission, prefill, steps) beside prometheus-client's ``process_cpu_seconds_total``.
 """
@@ -33,12 +35,14 @@ OUTCOME_BY_STATUS = {401: "unauthorized", 413: "too_large", 415: "unsupported_me
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-# a request's arrival to its last token, in turn (handlers: parse; a pool thread: images, processor;
-# the worker thread: prefill, decode, engine_other; handoff: the rest, between the threads)
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+# a request's arrival to its last token, in turn (the event loop: parse; a pool thread: images, processor;
+# the worker thread: queue, prefill, decode, engine_other; handoff: the rest, between the threads)
 PHASES = {
     "parse": "the body read, its JSON and checks",
     "images": "decoding the image data",
     "processor": "the prompt framed, the processor, the inputs to the device",
+    "queue": "handed to the worker thread until it takes it, between two steps",
     "prefill": "vision encoding and the target's and draft's prefill",
     "decode": "the blocks it was in (the shared steps' draft and verify phases)",
     "engine_other": "in the scheduler but not its own prefill or blocks: waiting for admission, other requests' "
@@ -81,6 +85,8 @@ class Metrics:
         self.phase = Histogram("mmspec_request_phase_seconds", "Where an answered request's time went, by phase: "
                                f"{', '.join(PHASES)} (they add up to its e2e latency)", ["phase"],
                                buckets=LATENCY_BUCKETS, registry=r)
+        self.http = Histogram("mmspec_http_request_seconds", "Answered completions: the request's arrival in the "
+                              "app to its response's last byte sent", buckets=LATENCY_BUCKETS, registry=r)
         self.engine_s = Counter("mmspec_engine_seconds", "Wall seconds the worker thread spent in the scheduler",
                                 registry=r)
         self.engine_cpu_s = Counter("mmspec_engine_cpu_seconds", "CPU seconds of the worker thread in the scheduler",
@@ -110,6 +116,11 @@ class Metrics:
     def step(self, batch_size: int) -> None:
         if batch_size:
             self.batch.observe(batch_size)
+
+    def responded(self, path: str, status: int | None, seconds: float) -> None:
+        """A response's last byte was sent ``seconds`` after its request arrived in the app."""
+        if status == 200 and path in COMPLETION_PATHS:
+            self.http.observe(seconds)
 
     def engine(self, wall_s: float, cpu_s: float) -> None:
         """The worker thread spent ``wall_s`` (``cpu_s`` of its CPU) in a scheduler call."""
@@ -155,7 +166,7 @@ class Metrics:
     def _phases(self, e2e: float, timings: dict, st) -> None:
         """A request's ``e2e`` seconds by phase. Without stats (an answer cut at a stop string: the
         scheduler never finished it) only the phases before the scheduler are known."""
-        spent = {k: timings.get(k, 0.0) for k in ("parse", "images", "processor")}
+        spent = {k: timings.get(k, 0.0) for k in ("parse", "images", "processor", "queue")}
         if st is not None:
             spent["prefill"] = st.vision_s + st.caption_s + st.substitute_s + st.prefill_s
             spent["decode"] = st.draft_s + st.verify_s
