@@ -20,7 +20,8 @@ latency mean / p50 / p90, answers identical to `generate`'s; per server also whe
 `mmspec_request_phase_seconds` (parse, images, processor, queue, prefill, decode, engine_other,
 handoff; docs/serve.md), `respond` (`mmspec_http_request_seconds` beyond the e2e latency: the
 response's JSON and its sending), `client_side` (the client's latency beyond that: uvicorn's read
-of the request, the transport, the openai client on the client's core), and the worker thread's
+of the request, the transport, the openai client on the client's core; the client's own CPU
+seconds per request beside it), and the worker thread's
 share of the server's CPU (`mmspec_engine_cpu_seconds_total` / `process_cpu_seconds_total`).
 "Not the engine" is parse + images + processor + handoff + respond, as a share of the client's
 latency, and the server's CPU outside the worker thread. Prints one JSON line per
@@ -221,13 +222,14 @@ class Server:
     def run(self, reqs: list[dict], clients: int) -> tuple[list[dict], float, dict]:
         """The requests from ``clients`` threads -> (results, wall seconds, /metrics deltas)."""
         before = self.metrics()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with ThreadPoolExecutor(clients) as pool:
             results = list(pool.map(self.one, reqs))
-        wall = time.perf_counter() - t0
+        wall, client_cpu = time.perf_counter() - t0, time.process_time() - c0
         after = self.metrics()
         deltas = {k: round(v - before.get(k, 0.0), 6) for k, v in after.items()
                   if "_bucket{" not in k and "_created" not in k}  # (the sums and counts are what is read)
+        deltas["client_cpu_s"] = client_cpu  # this process: the clients' own work (the openai client, JSON)
         return results, wall, {k: v for k, v in deltas.items() if v}
 
     def stop(self) -> int | str:
@@ -274,7 +276,8 @@ def phase_shares(deltas: list[dict], results: list[dict]) -> dict:
             "not_engine_share": round(sum(mean[k] for k in NOT_ENGINE) / client, 4),
             "server_cpu_s": round(cpu, 2), "engine_thread_cpu_s": round(engine_cpu, 2),
             "engine_thread_cpu_share": round(engine_cpu / cpu, 4) if cpu else None,
-            "engine_thread_wall_s": round(total("mmspec_engine_seconds_total"), 2)}
+            "engine_thread_wall_s": round(total("mmspec_engine_seconds_total"), 2),
+            "client_cpu_per_request_s": round(total("client_cpu_s") / len(results), 4)}
 
 
 def summarise(system: str, clients: int, runs: list[dict], reference: dict) -> dict:
