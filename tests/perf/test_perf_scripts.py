@@ -33,7 +33,7 @@ ELSEWHERE = {
                     "tests/train/test_video_pair.py": "video_speed.py"},
 }
 TESTED_HERE = ["batch_speed", "prefix_speed", "tree_sweep", "cpu_shapes", "serve_load", "head_formats_check",
-               "serve_overhead", "lookup_speed"]
+               "serve_overhead", "lookup_speed", "serve_speed"]
 
 
 def run_script(name: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -118,6 +118,27 @@ def test_serve_load(tmp_path):
     assert (res["good"], res["bad"]) == (4, 2)
     assert res["good_identical_to_solo"] == 4 and res["bad_got_400"] == 2
     assert res["server_alive_after"] and res["server"]["exit_code_on_sigterm"] == 0
+
+
+@pytest.mark.slow
+def test_serve_speed(tmp_path):
+    """Two real servers and the generate worker (~20 s on a free machine: three processes load the
+    pack), --quick: every system at 1 and 2 clients, answers identical to generate's, where the
+    servers' time went read from their /metrics, the goals computed."""
+    for module in ("fastapi", "uvicorn", "openai", "httpx", "prometheus_client"):
+        pytest.importorskip(module)
+    out_json = tmp_path / "serve_speed.json"
+    out = run_script("serve_speed", "--quick", "--core", "none", "--out", str(out_json))
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]  # exit 1: a failed request or a 1-client diff
+    res = json.loads(out_json.read_text())
+    rows = {(r["system"], r["clients"]): r for r in res["rows"]}
+    assert set(rows) == {(s, c) for s in ("serve always", "serve never", "generate") for c in (1, 2)}
+    assert all(r["identical_to_generate"] == "2/2" and r["tokens_per_s"] > 0 for r in rows.values())
+    t = rows[("serve always", 1)]["time_goes"]
+    assert t["mean_s"]["decode"] > 0 and t["mean_s"]["images"] > 0 and 0 < t["engine_thread_cpu_share"] <= 1
+    assert sum(t["share_of_client_latency"].values()) == pytest.approx(1, abs=0.02)  # the phases cover it all
+    assert {"speculation_vs_never_1_clients", "one_client_vs_generate"} <= set(res["goals"])
+    assert res["setup"]["exit_codes_on_sigterm"] == {"always": 0, "never": 0}
 
 
 @pytest.mark.slow

@@ -352,6 +352,16 @@ def test_api_key_and_metrics_on_a_real_server(tmp_path, solo):
         assert f"mmspec_spec_block_tokens_total {float(got[1])}" in metrics
         assert 'mmspec_spec_draft_accepted_total{position="1"}' in metrics
         assert "mmspec_batch_size_count" in metrics and "mmspec_prefix_cache_bytes" in metrics
+        # the one answered request's time, by phase: each observed once, adding up to its e2e latency
+        lines = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#"))
+        phases = ("parse", "images", "processor", "queue", "prefill", "decode", "engine_other", "handoff")
+        assert all(float(lines[f'mmspec_request_phase_seconds_count{{phase="{p}"}}']) == 1 for p in phases)
+        spent = {p: float(lines[f'mmspec_request_phase_seconds_sum{{phase="{p}"}}']) for p in phases}
+        e2e = float(lines["mmspec_e2e_request_latency_seconds_sum"])
+        assert sum(spent.values()) == pytest.approx(e2e, rel=1e-6) and spent["decode"] > spent["images"] > 0
+        assert float(lines["mmspec_http_request_seconds_count"]) == 1  # (the 401 is not an answer)
+        assert float(lines["mmspec_http_request_seconds_sum"]) > e2e
+        assert 0 < float(lines["mmspec_engine_cpu_seconds_total"]) <= float(lines["process_cpu_seconds_total"])
     finally:
         assert s.stop() == 0, s.log.read_text()
 

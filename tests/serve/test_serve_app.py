@@ -292,6 +292,40 @@ def test_serve_without_the_extra_is_one_line(monkeypatch):
     assert "Traceback" not in r.output
 
 
+def test_the_bound_socket_gives_connections_tcp_nodelay():
+    """serve binds its port itself; asyncio sets TCP_NODELAY on what such a socket accepts only when
+    it is made with IPPROTO_TCP. Without it a kept-alive connection's every response after the
+    first waited 40 ms more (Nagle against the client's delayed ACK; perf/serve_speed.py found it)."""
+    import asyncio
+
+    from mmspec.cli.serve import _bind
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sock = _bind("127.0.0.1", port)
+    sock.listen()
+    seen = []
+
+    class Record(asyncio.Protocol):
+        def connection_made(self, transport):
+            seen.append(transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            transport.close()
+
+    async def main():
+        server = await asyncio.get_running_loop().create_server(Record, sock=sock)
+        async with server:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            for _ in range(100):
+                if seen:
+                    break
+                await asyncio.sleep(0.01)
+            writer.close()
+
+    asyncio.run(main())
+    assert seen and seen[0] != 0
+
+
 def test_the_worker_gives_memory_back_when_the_batch_empties(app_server, monkeypatch):
     import mmspec.serve.worker as worker
 

@@ -266,5 +266,43 @@ def test_metrics_count_what_happened(decoder):
     for name in ("mmspec_requests_running", "mmspec_requests_waiting", "mmspec_prefix_cache_bytes",
                  "mmspec_time_per_output_token_seconds_count", "mmspec_prompt_tokens_total"):
         assert name in lines, name
+    # where the two answered requests' time went: the phases before the scheduler (this double
+    # returns no stats, so none of the engine's), and the worker thread's time in the scheduler
+    for phase in ("parse", "images", "processor", "queue"):
+        assert float(lines[f'mmspec_request_phase_seconds_count{{phase="{phase}"}}']) == 2, phase
+    assert 'mmspec_request_phase_seconds_count{phase="decode"}' not in lines
+    assert float(lines["mmspec_http_request_seconds_count"]) == 2  # the answers, to their last byte (not the 4xx)
+    assert float(lines["mmspec_http_request_seconds_sum"]) >= float(lines["mmspec_e2e_request_latency_seconds_sum"])
+    assert 0 < float(lines["mmspec_engine_cpu_seconds_total"]) and 0 < float(lines["mmspec_engine_seconds_total"])
+    assert float(lines["process_cpu_seconds_total"]) >= float(lines["mmspec_engine_cpu_seconds_total"])
     with serve(decoder, metrics=False) as (url, _, _):
         assert httpx.get(url + "/metrics").status_code == 404
+
+
+def test_a_requests_phases_add_up_to_its_latency():
+    """Each phase from its own clock; with the scheduler's stats the engine's phases too, and the
+    hand-offs between threads are what is left of the e2e latency."""
+    from types import SimpleNamespace
+
+    from mmspec.serve.metrics import PHASES, Metrics
+    from mmspec.stats import BlockRecord, GenerationStats
+
+    m = Metrics(SimpleNamespace(worker=SimpleNamespace(active=0, pending=0), decoder=None))
+    st = GenerationStats(gamma=5, views=("M",), vision_s=0.01, prefill_target_s=0.02, prefill_draft_s=0.005,
+                         total_s=0.5, blocks=[BlockRecord(5, 3, 4, draft_s=0.05, verify_s=0.1)] * 2)
+    t0 = time.perf_counter() - 1.0  # the request arrived a second ago
+    m.answered("length", 90, 8, t0, t0 + 0.6, SimpleNamespace(stats=st),
+               timings={"parse": 0.001, "images": 0.002, "processor": 0.03, "queue": 0.004})
+
+    def read() -> dict:
+        return dict(line.rsplit(" ", 1) for line in m.render()[0].decode().splitlines() if not line.startswith("#"))
+
+    lines = read()
+    spent = {p: float(lines[f'mmspec_request_phase_seconds_sum{{phase="{p}"}}']) for p in PHASES}
+    assert spent["prefill"] == pytest.approx(0.035) and spent["decode"] == pytest.approx(0.3)
+    assert spent["engine_other"] == pytest.approx(0.5 - 0.335)
+    assert sum(spent.values()) == pytest.approx(float(lines["mmspec_e2e_request_latency_seconds_sum"]), abs=1e-9)
+    assert 0.463 <= spent["handoff"] < 0.5  # 1 s less the 0.537 s above, and the moment since t0 was read
+    m.answered("length", 0, 8, t0, None, SimpleNamespace(stats=st))  # a second choice: its phases are not counted
+    lines = read()
+    assert all(float(lines[f'mmspec_request_phase_seconds_count{{phase="{p}"}}']) == 1 for p in PHASES)

@@ -152,8 +152,11 @@ def _bind(host: str, port: int) -> socket.socket:
     except socket.gaierror as e:
         raise MMSpecError(f"--host {host!r} is not an address of this machine ({e.strerror}); use 127.0.0.1 or "
                           "0.0.0.0") from None
-    family, _, _, _, addr = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    family, kind, proto, _, addr = infos[0]
+    # proto IPPROTO_TCP (not 0): asyncio sets TCP_NODELAY on the connections it accepts only then;
+    # without it a response's header and body segments meet Nagle and the client's delayed ACK, and
+    # every request after the first on a kept-alive connection waited 40 ms more (perf/serve_speed.py)
+    sock = socket.socket(family, kind, proto or socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(addr)

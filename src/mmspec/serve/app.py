@@ -58,7 +58,8 @@ def create_app(service: Service) -> FastAPI:
     cfg = service.config
     metrics = service.metrics
     app.add_middleware(Guard, max_body=int(cfg.max_request_mb * 2**20), api_key=cfg.api_key,
-                       allowed_hosts=cfg.allowed_hosts, on_refusal=metrics.refused if metrics else None)
+                       allowed_hosts=cfg.allowed_hosts, on_refusal=metrics.refused if metrics else None,
+                       on_response=metrics.responded if metrics else None)
     if cfg.cors_origins:  # outermost: a browser's preflight (OPTIONS, no key) is answered here
         from starlette.middleware.cors import CORSMiddleware
 
@@ -117,7 +118,9 @@ async def _complete(service: Service, request: Request, completion: bool):
     body = await request.body()  # (bounded by the Guard while it arrives)
     try:
         req = parse_request(body, service.config.model_name, completion)
+        parse_s = time.perf_counter() - t0
         prepared = await run_in_threadpool(service.prepare, req)
+        prepared.timings["parse"] = parse_s
     except RequestError as e:
         _count(service, e.status)
         return refusal(e)

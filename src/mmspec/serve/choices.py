@@ -92,8 +92,12 @@ class Run:
                 self.service.worker.cancel(self.jobs[i])  # cut at a stop string: free the rows
             self.done[i] = True
             if self.service.metrics is not None:
-                self.service.metrics.answered(answer.finish_reason, self.prepared.prompt_tokens if i == 0 else 0,
-                                              len(answer.token_ids), self.t0, answer.first_token_at, answer.result)
+                first = i == 0  # the request's own numbers once: its prompt, where its time went
+                job = self.jobs[0]
+                timings = {**self.prepared.timings, "queue": (job.taken_at or job.submitted_at) - job.submitted_at}
+                self.service.metrics.answered(answer.finish_reason, self.prepared.prompt_tokens if first else 0,
+                                              len(answer.token_ids), self.t0, answer.first_token_at, answer.result,
+                                              timings=timings if first else None)
         return piece
 
     # ------------------------------------------------------------------ whole answers

@@ -12,7 +12,9 @@ order, for each HTTP request:
 * a body past ``max_body`` bytes is refused from its ``Content-Length``, or, sent without one
   (chunked), as soon as the bytes received pass the limit: 413. Nothing is buffered past it.
 
-Every refusal is OpenAI's error body. This module knows nothing about models or the decoder.
+Every refusal is OpenAI's error body, counted by ``on_refusal``; ``on_response`` is told how long
+each request took, from its arrival to its response's last byte sent (both: the server's metrics).
+This module knows nothing about models or the decoder.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import hmac
 import json
 import os
 import re
+import time
 
 from mmspec.serve.schema import RequestError
 
@@ -31,12 +34,13 @@ class Guard:
     """ASGI middleware: host, API key, content type and body size (module docstring)."""
 
     def __init__(self, app, *, max_body: int, api_key: str | None = None, allowed_hosts: list[str] | None = None,
-                 on_refusal=None):
+                 on_refusal=None, on_response=None):
         self.app = app
         self.max_body = max_body
         self._key = api_key.encode() if api_key else None
         self.allowed_hosts = None if allowed_hosts is None else {h.lower().strip("[]") for h in allowed_hosts}
         self.on_refusal = on_refusal  # called with the HTTP status of each refusal (metrics)
+        self.on_response = on_response  # called with (path, status, seconds from arrival to the last byte sent)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -46,13 +50,16 @@ class Guard:
             self._check(scope, headers)
         except RequestError as e:
             return await self._refuse(send, e)
-        sent = False
+        sent, status, t0 = False, None, time.perf_counter()
 
         async def tracked_send(message):
-            nonlocal sent
+            nonlocal sent, status
             if message["type"] == "http.response.start":
-                sent = True
+                sent, status = True, message["status"]
             await send(message)
+            if self.on_response is not None and message["type"] == "http.response.body" \
+                    and not message.get("more_body", False):
+                self.on_response(scope.get("path", ""), status, time.perf_counter() - t0)
 
         try:
             await self.app(scope, self._bounded(receive), tracked_send)

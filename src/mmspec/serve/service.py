@@ -53,6 +53,7 @@ class Prepared:
     max_tokens: int
     seed: int | None  # the sampling seed (chosen here when the client gave none); None when greedy
     inputs: dict = field(default_factory=dict)  # the processor's output on the target's device (for logprobs)
+    timings: dict = field(default_factory=dict)  # seconds of its phases so far: parse, images, processor (metrics)
 
 
 class Service:
@@ -115,7 +116,9 @@ class Service:
                                f"request{per}; send fewer images", param="messages")
         self.check_text_size(req.messages)
         budget = PixelBudget(self.config.max_image_pixels, self.config.max_request_pixels)
+        t0 = time.perf_counter()
         images = [load_image(r, self.config.allowed_media, budget) for r in refs]  # before any prompt work
+        t1 = time.perf_counter()
         if req.prompt is not None:  # /v1/completions: the text as sent
             prompt = raw_prompt(req.messages[0])
         else:
@@ -126,6 +129,7 @@ class Service:
             raise RequestError(str(e)) from None
         dev = self.decoder.target.device
         inputs = to_target(inputs, dev, self.decoder.target_model.dtype)
+        timings = {"images": t1 - t0, "processor": time.perf_counter() - t1}
         n_prompt = int(inputs["input_ids"].shape[-1])
         max_tokens = self._max_tokens(req, n_prompt)
         seed = req.seed
@@ -133,7 +137,8 @@ class Service:
             seed = int.from_bytes(os.urandom(8), "little") >> 1  # reported back, so the answer can be reproduced
         request = {**inputs, "images": images or None, "max_new_tokens": max_tokens,
                    "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": seed}
-        return Prepared(request=request, prompt_tokens=n_prompt, max_tokens=max_tokens, seed=seed, inputs=inputs)
+        return Prepared(request=request, prompt_tokens=n_prompt, max_tokens=max_tokens, seed=seed, inputs=inputs,
+                        timings=timings)
 
     def requests(self, prepared: Prepared, n: int) -> list[dict]:
         """The scheduler requests of ``n`` choices: the same prompt, seeds ``seed, seed + 1, ...``."""

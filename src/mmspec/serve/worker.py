@@ -65,6 +65,7 @@ class Job:
     rid: int | None = None  # the scheduler's id, once admitted
     cancelled: bool = False
     submitted_at: float = field(default_factory=time.perf_counter)
+    taken_at: float | None = None  # when the worker thread took it (between two steps) and handed it to the scheduler
 
 
 class Worker:
@@ -167,6 +168,7 @@ class Worker:
             self.pending -= 1
             if job.cancelled:
                 return
+            job.taken_at = time.perf_counter()
             try:  # (a job queued before drain() is still taken: drain only closes the door)
                 job.rid = self.scheduler.submit(job.request)
             except MMSpecError as e:  # the scheduler's own checks: this request only
