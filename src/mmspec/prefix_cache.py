@@ -183,6 +183,8 @@ class PrefixCache:
     def __init__(self, budget_mb: float):
         self.budget = int(float(budget_mb) * 2**20)
         self.entries: OrderedDict[int, PrefixEntry] = OrderedDict()
+        self.sizes: dict[int, int] = {}  # entry id -> its bytes, counted once when stored (entries never change)
+        self._bytes = 0  # their sum: storing is O(1) in the entries held, not a walk over all of them
         self._next = 0
 
     @property
@@ -191,10 +193,13 @@ class PrefixCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self.entries.values())
+        """Bytes held by the stored entries (each entry's :attr:`PrefixEntry.nbytes`, summed)."""
+        return self._bytes
 
     def clear(self) -> None:
         self.entries.clear()
+        self.sizes.clear()
+        self._bytes = 0
 
     def encoded_for(self, digests: tuple):
         """A stored prompt's encoded images when they are exactly these (None: encode them)."""
@@ -241,9 +246,12 @@ class PrefixCache:
         size = entry.nbytes
         if not self.enabled or size > self.budget:
             return
-        while self.entries and self.nbytes + size > self.budget:
-            self.entries.popitem(last=False)
+        while self.entries and self._bytes + size > self.budget:
+            eid, _ = self.entries.popitem(last=False)
+            self._bytes -= self.sizes.pop(eid)
         self.entries[self._next] = entry
+        self.sizes[self._next] = size
+        self._bytes += size
         self._next += 1
 
 
