@@ -1,7 +1,9 @@
 """Verification batched over a step's rows equals each row verified alone: random padded batches
 of trees (chains, branching trees, different sizes, with and without drawn nodes, relaxed
 thresholds), greedy and sampling with the same uniforms, row by row and exactly; padding nodes
-are never accepted, whatever they hold."""
+are never accepted, whatever they hold; the engine's step 3 groups rows (greedy, then one call
+per SamplingParams), draws each row's uniforms from its own generator, and a row whose
+verification fails fails alone."""
 
 from __future__ import annotations
 
@@ -10,8 +12,13 @@ import math
 import pytest
 import torch
 
-from mmspec.tree import DraftTree, ancestors, pad_rows, pad_trees
+from mmspec.engine import Row, verify_rows
+from mmspec.options import AcceptanceConfig, EngineOptions, RelaxedAcceptance
+from mmspec.tree import DraftTree, TreeSpec, ancestors, pad_rows, pad_trees
 from mmspec.verify import (
+    SamplingParams,
+    logits_to_probs,
+    uniforms,
     verify_tree_greedy,
     verify_tree_sampling,
     verify_trees_greedy,
@@ -172,6 +179,56 @@ def test_padding_nodes_are_never_accepted_whatever_they_hold():
     assert out.n_accepted.tolist() == [2, 0]
     assert out.next_token[0] == 3  # drawn from p after node 2: the decoy's token is not removed from it
     assert verify_trees_sampling(tokens, parents, depth, anc, None, p, None, None, u, 4).n_accepted.tolist() == [4, 0]
+
+
+# --------------------------------------------------------------------------- the engine's step 3
+def _row(params: SamplingParams, tree: DraftTree, seed: int, relaxed: float | None = None) -> Row:
+    acc = AcceptanceConfig(RelaxedAcceptance(vision=relaxed, text=relaxed)) if relaxed else AcceptanceConfig()
+    row = Row(drafter=None, options=EngineOptions(tree=TreeSpec(), sampling=params, acceptance=acc),
+              generator=torch.Generator().manual_seed(seed), stats=None, device=torch.device("cpu"), past=3,
+              pending=tree.tokens[:1])
+    row.tree = tree
+    return row
+
+
+def test_step_groups_rows_draws_each_rows_uniforms_and_a_failing_row_fails_alone():
+    """Greedy rows (one relaxed) and sampling rows of two SamplingParams in one step, the rows of
+    one group not consecutive: each row's outcome is its tree verified alone with uniforms from
+    its own generator; a row with a malformed q fails alone; a row that failed drafting draws
+    nothing."""
+    g = torch.Generator().manual_seed(4)
+    hot, cool = SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4)
+    bad = _tree(4, 1, g, drawn=True)
+    bad.q = torch.softmax(torch.randn(4, V + 1, generator=g, dtype=torch.float64), -1)  # not the target's vocabulary
+    plan = [(SamplingParams(), _tree(7, 3, g), None), (hot, _tree(5, 1, g, drawn=True), None),
+            (cool, _tree(9, 2, g), None), (SamplingParams(), _tree(3, 1, g), 0.2), (hot, _tree(6, 3, g), None),
+            (hot, bad, None), (cool, _tree(2, 1, g, drawn=True), None), (hot, _tree(4, 2, g), None)]
+    rows = [_row(params, tree, 10 + b, relaxed) for b, (params, tree, relaxed) in enumerate(plan)]
+    rows[7].error = RuntimeError("drafting failed")
+    logits = torch.randn(len(rows), 9, V, generator=g) * 2
+    for b, r in enumerate(rows):
+        logits[b, :r.tree.size] = _favour_children(logits[b, :r.tree.size], r.tree, g, 4.0)
+
+    done = verify_rows(rows, logits)
+    got = {b: (v.outcome.row(i), v.packed[i]) for v in done for i, b in enumerate(v.rows)}
+    assert sorted(got) == [0, 1, 2, 3, 4, 6] and isinstance(rows[5].error, RuntimeError)
+    assert rows[7].generator.get_state().equal(torch.Generator().manual_seed(17).get_state())  # drew nothing
+    assert [v.rows for v in done if len(v.rows) > 1] == [[0, 3], [2, 6]]  # batched: greedy rows, cool rows
+    for b, (out, pk) in got.items():
+        t, params = rows[b].tree, rows[b].options.sampling
+        lg = logits[b, :t.size]
+        if params.greedy:
+            ref = verify_tree_greedy(t.tokens, t.parents, t.depth, t.anc, lg, t.max_depth, relaxed=plan[b][2])
+        else:
+            p = logits_to_probs(lg, params)
+            u = uniforms(t.size + 1, torch.Generator().manual_seed(10 + b), torch.device("cpu"))
+            ref = verify_tree_sampling(t.tokens, t.parents, t.depth, t.anc, p, None if t.q is None else t.q.to(p.dtype),
+                                       t.sampled, u, t.max_depth)
+        acc = out.unpack(pk.tolist())
+        n = int(ref.n_accepted)
+        assert (acc.n_accepted, acc.next_token) == (n, int(ref.next_token))
+        assert acc.path == ref.path[:n + 1].tolist()
+        assert acc.along == (t.tokens[ref.path[:n + 1]].tolist(), t.fed[ref.path[:n + 1]].tolist())
 
 
 def test_pad_rows_and_pad_trees_shapes():
