@@ -16,10 +16,13 @@ next tree. One step:
 2. verify forward: the target scores every row's nodes in ONE forward: node i at position
    ``past + depth[i]``, under a 4-D mask in which it sees its row's committed tokens and its own
    ancestors;
-3. accept: verification (greedy or sampling) of each row on the device, every random draw from
-   the row's own generator (the drafter's uniforms in step 1, then verification's: the order a
-   seeded request has alone, so it decodes the same in any batch); the packed outcomes of ALL
-   rows are read in ONE host read;
+3. accept: verification BATCHED over the rows on the device (:func:`verify_rows`): the trees
+   padded to the largest, ONE call for every greedy row and one per SamplingParams of the
+   sampling rows (each row keeps its own temperature / top-k / top-p and relaxed threshold); every
+   random draw from the row's own generator (the drafter's uniforms in step 1, then
+   verification's, drawn row by row before the batched call: the order a seeded request has
+   alone, so it decodes the same in any batch); the packed outcomes of ALL rows are read in ONE
+   host read. A call that raises is redone row by row: the culprit fails alone;
 4. commit / roll back: per row, the accepted path's keys/values moved into place in both caches
    (O(path), nothing when the path is already contiguous, as in a chain) and the rest dropped by
    setting the row's length; adaptive ensemble weights updated from the confirmed tokens;
@@ -28,6 +31,7 @@ next tree. One step:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -38,8 +42,15 @@ from mmspec.forwards import DraftForwards, SoloRows, TargetRows, TargetState
 from mmspec.options import EngineOptions
 from mmspec.stats import BlockRecord, GenerationStats
 from mmspec.timing import BlockClock
-from mmspec.tree import DraftTree
-from mmspec.verify import TreeOutcome, logits_to_probs, uniforms, verify_tree_greedy, verify_tree_sampling
+from mmspec.tree import DraftTree, pad_rows, pad_trees
+from mmspec.verify import (
+    SamplingParams,
+    TreeOutcome,
+    logits_to_probs,
+    uniforms,
+    verify_trees_greedy,
+    verify_trees_sampling,
+)
 
 __all__ = ["Engine", "Row", "TargetState", "cut_at_eos", "run_loop"]
 
@@ -87,18 +98,6 @@ class Row:
                                                        feats=self.feats)
         self.drafted = spec is not None
         return on_device(tree, self.device)
-
-    def verify(self, logits: torch.Tensor) -> TreeOutcome:
-        """Step 3 on the device: greedy or sampling verification of this row's tree (logits [N, V])."""
-        tree, params = self.tree, self.options.sampling
-        if params.greedy:
-            return verify_tree_greedy(tree.tokens, tree.parents, tree.depth, tree.anc, logits, tree.max_depth,
-                                      relaxed=self.options.acceptance.threshold(self.past))
-        p = logits_to_probs(logits, params)  # [N, V]
-        q = None if tree.q is None else tree.q.to(p.device, p.dtype)
-        sampled = None if tree.sampled is None else tree.sampled.to(p.device)
-        return verify_tree_sampling(tree.tokens, tree.parents, tree.depth, tree.anc, p, q, sampled,
-                                    uniforms(tree.size + 1, self.generator, p.device), tree.max_depth)
 
     def commit(self, out: TreeOutcome, host: list[int], logits: torch.Tensor, hidden: torch.Tensor | None,
                target: TargetRows, b: int, clock: BlockClock) -> list[int]:
@@ -191,19 +190,15 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - the shared forward failed: every row in it
             return [e for _ in rows]
 
-        # 3. accept: each row verified on the device, the packed outcomes of all rows read ONCE
-        outs: dict[int, TreeOutcome] = {}
-        for b, r in enumerate(rows):
-            if r.error is None:
-                try:
-                    outs[b] = r.verify(logits[b, :r.tree.size])
-                except Exception as e:  # noqa: BLE001
-                    r.error = e
-        packed = {b: out.packed(rows[b].tree.tokens, rows[b].tree.fed) for b, out in outs.items()}
-        host = torch.cat(list(packed.values())).tolist() if packed else []  # the step's one host read
-        at, per_row = 0, {}
-        for b, t in packed.items():
-            per_row[b], at = host[at:at + t.shape[0]], at + t.shape[0]
+        # 3. accept: ONE batched verification of the greedy rows (and one per SamplingParams of the
+        #    sampling rows), the packed outcomes of all rows read ONCE
+        outs, per_row, at = {}, {}, 0
+        verified = verify_rows(rows, logits)
+        host = torch.cat([v.packed.flatten() for v in verified]).tolist() if verified else []  # the one host read
+        for v in verified:
+            w = v.packed.shape[1]
+            for g, b in enumerate(v.rows):
+                outs[b], per_row[b], at = v.outcome.row(g), host[at:at + w], at + w
 
         # 4-5. commit / roll back, emit: per row
         emitted: list[list[int] | BaseException] = []
@@ -220,6 +215,89 @@ class Engine:
                 emitted.append(e)
         clock.mark()
         return emitted
+
+
+@dataclass
+class Verified:
+    """One batched verification of step 3: its rows (indices into the step's rows), the outcome
+    (row g's: ``outcome.row(g)``) and its packed form, one row each, read with the step's one
+    host read."""
+
+    rows: list[int]
+    outcome: TreeOutcome  # path [G, D + 1], n_accepted [G], next_token [G]
+    packed: torch.Tensor  # [G, W] long: n_accepted, next token, path, tokens and draft slots along it
+
+
+def verify_rows(rows: list[Row], logits: torch.Tensor) -> list[Verified]:
+    """Step 3 on the device for every row without an error: the greedy rows in ONE batched
+    verification, the sampling rows in one per SamplingParams (each row's uniforms drawn first,
+    from its own generator, in row order: as it would alone). logits [B, N_max, V]. When a call
+    raises, its rows are verified one by one, so the culprit fails alone (``row.error``)."""
+    groups: dict[SamplingParams | None, list[int]] = {}
+    us: dict[int, torch.Tensor] = {}
+    for b, r in enumerate(rows):
+        if r.error is not None:
+            continue
+        params = r.options.sampling
+        if not params.greedy:
+            try:
+                us[b] = uniforms(r.tree.size + 1, r.generator, r.device)
+            except Exception as e:  # noqa: BLE001 - this row fails alone
+                r.error = e
+                continue
+        groups.setdefault(None if params.greedy else params, []).append(b)
+    done = []
+    for bs in groups.values():
+        try:
+            done.append(Verified(bs, *_verify_alike([rows[b] for b in bs], _rows_of(logits, bs),
+                                                    [us.get(b) for b in bs])))
+        except Exception:  # noqa: BLE001 - one by one: the culprit fails alone, the others go on
+            for b in bs:
+                try:
+                    done.append(Verified([b], *_verify_alike([rows[b]], logits[b:b + 1], [us.get(b)])))
+                except Exception as e:  # noqa: BLE001
+                    rows[b].error = e
+    return done
+
+
+def _verify_alike(rows: list[Row], logits: torch.Tensor,
+                  us: list[torch.Tensor | None]) -> tuple[TreeOutcome, torch.Tensor]:
+    """ONE batched verification of rows verified alike (all greedy, or all sampling with one
+    SamplingParams): logits [G, N, V] (row g's first ``tree.size`` nodes are its own), us: each
+    row's uniforms [size + 1] (None when greedy). -> the outcome and its packed form [G, W]."""
+    params = rows[0].options.sampling
+    logits = logits[:, :max(r.tree.size for r in rows)]  # [G, N, V]
+    if params.greedy:
+        t = pad_trees([r.tree for r in rows])
+        out = verify_trees_greedy(t.tokens, t.parents, t.depth, t.anc, t.valid, logits, t.max_depth,
+                                  relaxed=_thresholds(rows, logits.device))
+    else:
+        p = logits_to_probs(logits, params)  # [G, N, V]
+        t = pad_trees([r.tree for r in rows], q_dtype=p.dtype)
+        out = verify_trees_sampling(t.tokens, t.parents, t.depth, t.anc, t.valid, p, t.q, t.sampled, pad_rows(us),
+                                    t.max_depth)
+    return out, out.packed(t.tokens, t.fed)
+
+
+def _thresholds(rows: list[Row], dev: torch.device) -> torch.Tensor | None:
+    """Each row's relaxed threshold (LOSSY) as [G] float32 on the device, inf where exact; None
+    when every row is exact. Filled on the device: no host->device copy."""
+    thr = [r.options.acceptance.threshold(r.past) for r in rows]
+    if all(x is None for x in thr):
+        return None
+    out = torch.full((len(rows),), math.inf, dtype=torch.float32, device=dev)
+    for g, x in enumerate(thr):
+        if x is not None:
+            out[g] = x
+    return out
+
+
+def _rows_of(x: torch.Tensor, bs: list[int]) -> torch.Tensor:
+    """x's rows ``bs`` (ascending): a view when they are consecutive, else one copy (no index
+    copied from the host)."""
+    if bs[-1] - bs[0] == len(bs) - 1:
+        return x[bs[0]:bs[-1] + 1]
+    return torch.stack([x[b] for b in bs])
 
 
 def run_loop(target: TargetState, drafter: TreeDrafter, options: EngineOptions,

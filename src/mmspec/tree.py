@@ -287,6 +287,65 @@ class DraftTree:
         return int(self.tokens.shape[0])
 
 
+@dataclass
+class TreeBatch:
+    """B drafted trees padded to N nodes (the most of any), for one batched verification
+    (:func:`mmspec.verify.verify_trees_greedy`, :func:`mmspec.verify.verify_trees_sampling`).
+
+    Padding node i of row b (i >= its size): token 0, parent -1, depth -1, no ancestors, fed -1,
+    ``valid`` False; q zero and not sampled. ``valid`` is None when no row is padded."""
+
+    tokens: torch.Tensor  # [B, N] long
+    parents: torch.Tensor  # [B, N] long
+    depth: torch.Tensor  # [B, N] long
+    anc: torch.Tensor  # [B, N, N] bool
+    fed: torch.Tensor  # [B, N] long
+    valid: torch.Tensor | None  # [B, N] bool
+    max_depth: int  # the deepest node of any row
+    q: torch.Tensor | None = None  # [B, N, V] where any row has q
+    sampled: torch.Tensor | None = None  # [B, N] bool, with q
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[1])
+
+
+def pad_rows(xs: Sequence[torch.Tensor], value: float = 0) -> torch.Tensor:
+    """[n_b, ...] tensors (trailing dims alike) -> [B, max n_b, ...], each padded with ``value``
+    (one row: a view, no copy)."""
+    if len(xs) == 1:
+        return xs[0][None]
+    return torch.nn.utils.rnn.pad_sequence(list(xs), batch_first=True, padding_value=value)
+
+
+def pad_trees(trees: Sequence[DraftTree], q_dtype: torch.dtype | None = None) -> TreeBatch:
+    """The trees of one step's rows as one :class:`TreeBatch` (their q, where present, in
+    ``q_dtype``, default the first's; a row without q gets zeros). Sizes are host ints: no host
+    sync. One tree: views of it (no copy)."""
+    sizes = [t.size for t in trees]
+    n = max(sizes)
+    dev = trees[0].tokens.device
+    if len(trees) == 1:
+        anc = trees[0].anc[None]
+    else:
+        anc = torch.zeros(len(trees), n, n, dtype=torch.bool, device=dev)
+        for b, t in enumerate(trees):
+            anc[b, :sizes[b], :sizes[b]] = t.anc
+    depth = pad_rows([t.depth for t in trees], -1)
+    q = sampled = None
+    with_q = [t for t in trees if t.q is not None]
+    if with_q:
+        v, q_dtype = with_q[0].q.shape[-1], q_dtype or with_q[0].q.dtype
+        q = pad_rows([t.q.to(dtype=q_dtype) if t.q is not None else torch.zeros(t.size, v, dtype=q_dtype, device=dev)
+                      for t in trees])
+        sampled = pad_rows([t.sampled if t.q is not None else torch.zeros(t.size, dtype=torch.bool, device=dev)
+                            for t in trees], False)
+    return TreeBatch(tokens=pad_rows([t.tokens for t in trees]), parents=pad_rows([t.parents for t in trees], -1),
+                     depth=depth, anc=anc, fed=pad_rows([t.fed for t in trees], -1),
+                     valid=None if min(sizes) == n else depth >= 0, max_depth=max(t.max_depth for t in trees),
+                     q=q, sampled=sampled)
+
+
 def ancestors(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     """parents [N] (root -1) -> anc [N, N] bool, anc[i, j] = j is i or an ancestor of i.
     Exactly ``max_depth`` passes, no data-dependent exit (no host sync on a GPU)."""

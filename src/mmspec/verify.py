@@ -15,9 +15,13 @@ Every block therefore emits ``n_accepted + 1`` tokens (before any EOS / length c
 Token trees (:mod:`mmspec.tree`): a block drafts a tree whose node 0 (the root) is the newest
 committed token; :func:`verify_tree_greedy` and :func:`verify_tree_sampling` decide the accepted
 path in closed form over all nodes at once (pure tensor ops on the device, no host sync: the
-engine reads the packed outcome once per block). A chain is a tree with one branch: the engine
-verifies chains with the tree functions too (the chain forms and the node-by-node statement of
-the sampling rule are the tests' references, in ``tests/helpers/verify_ref.py``).
+engine reads the packed outcome once per block). The engine verifies all the rows of a step at
+once: :func:`verify_trees_greedy` and :func:`verify_trees_sampling` are the same maths over B
+trees padded to one size (a validity mask: a padding node is never accepted, reached or removed
+from a residual; each row its own uniforms and relaxed threshold); the one-tree functions are
+their B = 1 case. A chain is a tree with one branch: the engine verifies chains with the tree
+functions too (the chain forms and the node-by-node statement of the sampling rule are the
+tests' references, in ``tests/helpers/verify_ref.py``).
 
 Sampling over siblings is multi-candidate recursive rejection sampling (SpecInfer, Miao et al.
 2024, "multi-step speculative sampling"): the children of a reached node are tested in order;
@@ -137,25 +141,32 @@ def uniforms(n: int, generator: torch.Generator | None, device: torch.device) ->
 # --------------------------------------------------------------------------- trees
 @dataclass
 class TreeOutcome:
-    """What one tree verification produced, as device tensors (read with :meth:`packed`).
+    """What tree verification produced, as device tensors (read with :meth:`packed`): for one
+    tree, or batched over B padded trees (one step's rows; :meth:`row` is row b's view).
 
     ``path`` lists the root and the accepted nodes (tree indices, parents first), padded to
     ``max_depth + 1`` entries by repeating the last accepted node."""
 
-    path: torch.Tensor  # [D + 1] long
-    n_accepted: torch.Tensor  # [] long: accepted draft tokens (depth of the deepest accepted node)
-    next_token: torch.Tensor  # [] long: recovered (after a rejection) or bonus token
+    path: torch.Tensor  # [D + 1] long, or [B, D + 1]
+    n_accepted: torch.Tensor  # [] long (or [B]): accepted draft tokens (depth of the deepest accepted node)
+    next_token: torch.Tensor  # [] long (or [B]): recovered (after a rejection) or bonus token
+
+    def row(self, b: int) -> TreeOutcome:
+        """Row b of a batched outcome: one tree's outcome (views, no copy; its path keeps the
+        batch's padding to ``D + 1``, its accepted part is the row's own)."""
+        return TreeOutcome(path=self.path[b], n_accepted=self.n_accepted[b], next_token=self.next_token[b])
 
     def packed(self, *per_node: torch.Tensor) -> torch.Tensor:
-        """[2 + (1 + len(per_node)) (D + 1)] long: n_accepted, next_token, the path, then each
-        per-node tensor ([N] long) read along the path. One ``.tolist()`` of this is the
-        block's single host sync."""
-        return torch.cat([self.n_accepted.view(1), self.next_token.view(1), self.path,
-                          *[t[self.path] for t in per_node]])
+        """[2 + (1 + len(per_node)) (D + 1)] long (batched: one such row per tree, [B, ...]):
+        n_accepted, next_token, the path, then each per-node tensor ([N] long, or [B, N]) read
+        along the path. One ``.tolist()`` of this is the block's single host sync."""
+        return torch.cat([self.n_accepted.unsqueeze(-1), self.next_token.unsqueeze(-1), self.path,
+                          *[t.gather(-1, self.path) for t in per_node]], dim=-1)
 
     def unpack(self, host: list[int]) -> AcceptedPath:
-        """The host list of :meth:`packed` (its one ``.tolist()``) as named fields, cut to the
-        accepted path. Reads only shapes of this outcome: no further host sync."""
+        """The host list of one tree's :meth:`packed` (its one ``.tolist()``; batched: a row's
+        part, with :meth:`row`'s view) as named fields, cut to the accepted path. Reads only
+        shapes of this outcome: no further host sync."""
         d1 = self.path.shape[0]  # D + 1
         n = host[0]
         rows = [host[2 + i * d1:2 + (i + 1) * d1][: n + 1] for i in range((len(host) - 2) // d1)]
@@ -177,21 +188,28 @@ class AcceptedPath:
         return self.path == list(range(self.n_accepted + 1))
 
 
-def _path_of(leaf: torch.Tensor, anc: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """Tree indices root..leaf (parents-first order makes ascending index = ascending depth),
-    padded with the leaf to max_depth + 1. leaf [] long, anc [N, N] -> [max_depth + 1]."""
-    n = anc.shape[0]
+def _paths_of(leaf: torch.Tensor, anc: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """Per row, tree indices root..leaf (parents-first order makes ascending index = ascending
+    depth), padded with the leaf to max_depth + 1. leaf [B] long, anc [B, N, N] -> [B, max_depth + 1]."""
+    n = anc.shape[-1]
     idx = torch.arange(n, device=anc.device)
-    key = torch.where(anc[leaf], idx, n)  # [N]: path nodes keep their index, others sort last
-    path = key.sort().values[: max_depth + 1]
-    if path.shape[0] < max_depth + 1:
-        path = torch.cat([path, path.new_full((max_depth + 1 - path.shape[0],), n)])
-    return torch.where(path == n, leaf, path)
+    on_path = anc.gather(1, leaf[:, None, None].expand(-1, 1, n))[:, 0]  # [B, N]: anc[b, leaf_b]
+    key = torch.where(on_path, idx, n)  # [B, N]: path nodes keep their index, others sort last
+    path = key.sort(dim=-1).values[:, : max_depth + 1]
+    if path.shape[1] < max_depth + 1:
+        path = torch.cat([path, path.new_full((path.shape[0], max_depth + 1 - path.shape[1]), n)], dim=1)
+    return torch.where(path == n, leaf[:, None], path)
 
 
 def _deepest(ok: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
-    """Index of the deepest node with ok True (the accepted path is a chain: unique per depth)."""
-    return torch.where(ok, depth, -1).argmax()
+    """Per row, the index of the deepest node with ok True (the accepted path is a chain:
+    unique per depth). ok, depth [B, N] -> [B]."""
+    return torch.where(ok, depth, -1).argmax(dim=-1)
+
+
+def _at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [B, N, ...] at one node per row: index [B] long -> [B, ...]."""
+    return x[torch.arange(x.shape[0], device=x.device), index]
 
 
 def verify_tree_greedy(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor,
@@ -200,32 +218,54 @@ def verify_tree_greedy(tokens: torch.Tensor, parents: torch.Tensor, depth: torch
     argmax at its parent; the next token is the target's argmax after that path.
 
     tokens, parents, depth: [N] long (root first, parents first); anc: [N, N] bool;
-    p_logits: [N, V] target logits at every node.
+    p_logits: [N, V] target logits at every node. The one-tree case (B = 1) of
+    :func:`verify_trees_greedy`.
 
     ``relaxed`` (LOSSY, opt-in; MSD's relaxed acceptance): also accept a token whose target
     probability at its parent is at least this threshold. The output then differs from the
     target's greedy output wherever such a token is not the argmax.
     """
-    choice = p_logits.argmax(dim=-1)  # [N] the target's token after each node
-    correct = tokens == choice[parents.clamp_min(0)]  # [N]
+    thr = None if relaxed is None else torch.full((1,), relaxed, dtype=torch.float32, device=tokens.device)
+    return verify_trees_greedy(tokens[None], parents[None], depth[None], anc[None], None, p_logits[None],
+                               max_depth, relaxed=thr).row(0)
+
+
+def verify_trees_greedy(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor,
+                        valid: torch.Tensor | None, p_logits: torch.Tensor, max_depth: int,
+                        relaxed: torch.Tensor | None = None) -> TreeOutcome:
+    """:func:`verify_tree_greedy` for B trees at once, each padded to N nodes (its real nodes first).
+
+    tokens, parents, depth: [B, N] long; anc: [B, N, N] bool (a real node's ancestors are real);
+    valid: [B, N] bool, False at padding nodes (None: none padded); p_logits: [B, N, V];
+    max_depth: the deepest node of any row; relaxed: None, or [B] float32 thresholds (LOSSY; a
+    row's inf: exact). A padding node is never accepted, whatever its token and logits.
+    -> path [B, max_depth + 1], n_accepted [B], next_token [B].
+    """
+    choice = p_logits.argmax(dim=-1)  # [B, N] the target's token after each node
+    par = parents.clamp_min(0)  # [B, N]
+    correct = tokens == choice.gather(1, par)  # [B, N]
     if relaxed is not None:
-        p_tok = torch.softmax(p_logits.float(), -1)[parents.clamp_min(0), tokens]  # [N]
-        correct = correct | (p_tok >= relaxed)
-    correct[0] = True  # the root is committed
-    ok = ~(anc & ~correct[None, :]).any(-1)  # [N]: every node on the path is correct
-    leaf = _deepest(ok, depth)
-    return TreeOutcome(path=_path_of(leaf, anc, max_depth), n_accepted=depth[leaf], next_token=choice[leaf])
+        rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
+        p_tok = torch.softmax(p_logits.float(), -1)[rows, par, tokens]  # [B, N] p at the parent of each token
+        correct = correct | (p_tok >= relaxed[:, None])
+    correct[:, 0] = True  # the root is committed
+    ok = ~(anc & ~correct[:, None, :]).any(-1)  # [B, N]: every node on the path is correct
+    if valid is not None:
+        ok = ok & valid
+    leaf = _deepest(ok, depth)  # [B]
+    return TreeOutcome(path=_paths_of(leaf, anc, max_depth), n_accepted=depth.gather(1, leaf[:, None])[:, 0],
+                       next_token=choice.gather(1, leaf[:, None])[:, 0])
 
 
 def remaining_mass(p_elder: torch.Tensor) -> torch.Tensor:
     """Target mass left for a point-mass candidate after its elder siblings were rejected:
-    1 - sum of their p. p_elder [N, N] (p of each elder sibling's token, 0 elsewhere) -> [N]."""
+    1 - sum of their p. p_elder [..., N, N] (p of each elder sibling's token, 0 elsewhere) -> [..., N]."""
     return 1.0 - p_elder.sum(-1)
 
 
 def remove_tokens(p: torch.Tensor, removed: torch.Tensor) -> torch.Tensor:
     """The residual after rejecting point-mass candidates: p with ``removed`` tokens zeroed,
-    renormalised. p [V], removed [V] bool -> [V] (p itself if nothing would be left)."""
+    renormalised. p [..., V], removed [..., V] bool -> [..., V] (p itself if nothing would be left)."""
     r = p.masked_fill(removed, 0.0)
     mass = r.sum(-1, keepdim=True)
     return torch.where(mass > 0, r / mass.clamp_min(torch.finfo(r.dtype).tiny), p)
@@ -235,7 +275,8 @@ def verify_tree_sampling(tokens: torch.Tensor, parents: torch.Tensor, depth: tor
                          p_probs: torch.Tensor, q_probs: torch.Tensor | None, sampled: torch.Tensor | None,
                          u: torch.Tensor, max_depth: int) -> TreeOutcome:
     """Lossless multi-candidate verification of a tree (recursive rejection over siblings,
-    module docstring), evaluated for every node at once.
+    module docstring), evaluated for every node at once. The one-tree case (B = 1) of
+    :func:`verify_trees_sampling`.
 
     tokens, parents, depth: [N] long; anc: [N, N] bool; p_probs: [N, V] target distributions
     (same SamplingParams as q); q_probs: [N, V], row i the distribution node i was DRAWN from
@@ -246,32 +287,57 @@ def verify_tree_sampling(tokens: torch.Tensor, parents: torch.Tensor, depth: tor
     ``u_i * q_i(x_i) < p_a'(x_i)`` where p_a' is a's residual after the elders:
     point mass: ``u_i * (1 - sum_e p_a(x_e)) < p_a(x_i)``; drawn: ``u_i * q_i(x_i) < p_a(x_i)``.
     """
-    n = tokens.shape[0]
+    return verify_trees_sampling(tokens[None], parents[None], depth[None], anc[None], None, p_probs[None],
+                                 None if q_probs is None else q_probs[None],
+                                 None if sampled is None else sampled[None], u[None], max_depth).row(0)
+
+
+def verify_trees_sampling(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor,
+                          valid: torch.Tensor | None, p_probs: torch.Tensor, q_probs: torch.Tensor | None,
+                          sampled: torch.Tensor | None, u: torch.Tensor, max_depth: int) -> TreeOutcome:
+    """:func:`verify_tree_sampling` for B trees at once, each padded to N nodes (its real nodes first).
+
+    tokens, parents, depth: [B, N] long; anc: [B, N, N] bool (a real node's ancestors are real);
+    valid: [B, N] bool, False at padding nodes (None: none padded); p_probs: [B, N, V]; q_probs:
+    [B, N, V] and sampled [B, N] bool, or both None (no row drew a node; a row without q: zeros,
+    never sampled); u: [B, N + 1] uniforms, row b's own [n_b + 1] first (n_b its real nodes):
+    u[b, i] tests node i, u[b, n_b] draws its final token. A padding node is never reached or
+    removed from a residual, whatever its token and probabilities.
+    -> path [B, max_depth + 1], n_accepted [B], next_token [B].
+    """
+    B, n = tokens.shape
     dev = tokens.device
-    par = parents.clamp_min(0)  # [N]
-    p_tok = p_probs[par, tokens].double()  # [N] p at the parent of each node's token
+    par = parents.clamp_min(0)  # [B, N]
+    rows = torch.arange(B, device=dev)[:, None]  # [B, 1]
+    p_tok = p_probs[rows, par, tokens].double()  # [B, N] p at the parent of each node's token
     idx = torch.arange(n, device=dev)
-    sib = (parents[:, None] == parents[None, :]) & (parents[:, None] >= 0)  # [N, N] same parent
-    elder = sib & (idx[None, :] < idx[:, None])  # [N, N]: j is an elder sibling of i
-    left = remaining_mass(torch.where(elder, p_tok[None, :], 0.0))  # [N]
+    sib = (parents[:, :, None] == parents[:, None, :]) & (parents[:, :, None] >= 0)  # [B, N, N] same parent
+    elder = sib & (idx[None, :] < idx[:, None])  # [B, N, N]: j is an elder sibling of i (padding: never of a real node)
+    left = remaining_mass(torch.where(elder, p_tok[:, None, :], 0.0))  # [B, N]
+    ui = u[:, :n]  # [B, N]
     if sampled is not None:  # the caller passes None when no node was drawn (no host check here)
-        q_tok = q_probs[idx, tokens].double()  # [N]
-        passes = torch.where(sampled, u[:n] * q_tok < p_tok, u[:n] * left < p_tok)
+        q_tok = q_probs.gather(-1, tokens[..., None])[..., 0].double()  # [B, N]
+        passes = torch.where(sampled, ui * q_tok < p_tok, ui * left < p_tok)
     else:
-        passes = u[:n] * left < p_tok  # [N]
-    chosen = passes & ~(elder & passes[None, :]).any(-1)  # first passing sibling only
-    chosen[0] = True
-    ok = ~(anc & ~chosen[None, :]).any(-1)  # [N] reached and chosen all the way
-    leaf = _deepest(ok, depth)
+        passes = ui * left < p_tok  # [B, N]
+    chosen = passes & ~(elder & passes[:, None, :]).any(-1)  # first passing sibling only
+    chosen[:, 0] = True
+    ok = ~(anc & ~chosen[:, None, :]).any(-1)  # [B, N] reached and chosen all the way
+    if valid is not None:
+        ok = ok & valid
+    leaf = _deepest(ok, depth)  # [B]
 
     # the final token: from p at the leaf, or the residual after its children were all rejected
-    kids = parents == leaf  # [N]
-    p_leaf = p_probs[leaf]  # [V]
-    removed = torch.zeros(p_leaf.shape[-1], device=dev).scatter_add_(0, tokens, kids.to(torch.float32)) > 0
-    final = torch.where(kids.any(), remove_tokens(p_leaf, removed), p_leaf)
+    kids = parents == leaf[:, None]  # [B, N]
+    if valid is not None:
+        kids = kids & valid
+    p_leaf = _at(p_probs, leaf)  # [B, V]
+    removed = torch.zeros(B, p_leaf.shape[-1], device=dev).scatter_add_(1, tokens, kids.to(torch.float32)) > 0
+    final = torch.where(kids.any(-1, keepdim=True), remove_tokens(p_leaf, removed), p_leaf)
     if sampled is not None:
-        drawn_kid = kids & sampled  # [N]: at most one (a drawn node is an only child)
-        q_kid = (drawn_kid.to(q_probs.dtype)[:, None] * q_probs).sum(0)  # [V]
-        final = torch.where(drawn_kid.any(), residual(p_leaf, q_kid.to(p_leaf.dtype)), final)
-    return TreeOutcome(path=_path_of(leaf, anc, max_depth), n_accepted=depth[leaf],
-                       next_token=sample(final, u[n]))
+        drawn_kid = kids & sampled  # [B, N]: at most one a row (a drawn node is an only child)
+        q_kid = (drawn_kid.to(q_probs.dtype)[..., None] * q_probs).sum(1)  # [B, V]
+        final = torch.where(drawn_kid.any(-1, keepdim=True), residual(p_leaf, q_kid.to(p_leaf.dtype)), final)
+    u_last = u[:, n] if valid is None else u.gather(1, valid.sum(-1, keepdim=True))[:, 0]  # [B]: u[b, n_b]
+    return TreeOutcome(path=_paths_of(leaf, anc, max_depth), n_accepted=depth.gather(1, leaf[:, None])[:, 0],
+                       next_token=sample(final, u_last))

@@ -1,0 +1,243 @@
+"""Verification batched over a step's rows equals each row verified alone: random padded batches
+of trees (chains, branching trees, different sizes, with and without drawn nodes, relaxed
+thresholds), greedy and sampling with the same uniforms, row by row and exactly; padding nodes
+are never accepted, whatever they hold; the engine's step 3 groups rows (greedy, then one call
+per SamplingParams), draws each row's uniforms from its own generator, and a row whose
+verification fails fails alone."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mmspec.engine import Row, verify_rows
+from mmspec.options import AcceptanceConfig, EngineOptions, RelaxedAcceptance
+from mmspec.tree import DraftTree, TreeSpec, ancestors, pad_rows, pad_trees
+from mmspec.verify import (
+    SamplingParams,
+    logits_to_probs,
+    uniforms,
+    verify_tree_greedy,
+    verify_tree_sampling,
+    verify_trees_greedy,
+    verify_trees_sampling,
+)
+
+V = 8
+
+
+def _tree(n: int, width: int, g: torch.Generator, drawn: bool = False) -> DraftTree:
+    """A random tree of n nodes, parents first, distinct siblings, at most ``width`` children a
+    node; ``drawn``: a chain whose nodes were drawn from q (q and sampled set)."""
+    parents = [-1]
+    for i in range(1, n):
+        while True:
+            p = i - 1 if width == 1 else int(torch.randint(0, i, (1,), generator=g))
+            if parents.count(p) < width:
+                break
+        parents.append(p)
+    depth = [0] * n
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+    order = sorted(range(n), key=lambda i: (depth[i], parents[i], i))  # parents first, siblings in order
+    inv = {old: new for new, old in enumerate(order)}
+    par = torch.tensor([-1 if parents[i] < 0 else inv[parents[i]] for i in order])
+    dep = torch.tensor([depth[i] for i in order])
+    tokens = torch.zeros(n, dtype=torch.long)
+    tokens[0] = int(torch.randint(0, V, (1,), generator=g))
+    for a in range(n):
+        kids = (par == a).nonzero().flatten()
+        tokens[kids] = torch.randperm(V, generator=g)[: len(kids)]
+    max_depth = int(dep.max())
+    q = sampled = None
+    if drawn:
+        q = torch.softmax(torch.randn(n, V, generator=g, dtype=torch.float64) * 2, -1)
+        sampled = torch.arange(n) > 0
+    return DraftTree(tokens=tokens, parents=par, depth=dep, anc=ancestors(par, max_depth),
+                     fed=torch.randperm(n, generator=g), max_depth=max_depth, is_chain=width == 1, q=q, sampled=sampled)
+
+
+def _favour_children(scores: torch.Tensor, tree: DraftTree, g: torch.Generator, boost: float) -> torch.Tensor:
+    """scores [n, V] with, at most nodes, one child's token made likely (acceptance goes deep)."""
+    scores = scores.clone()
+    for a in range(tree.size):
+        kids = (tree.parents == a).nonzero().flatten()
+        if len(kids) and float(torch.rand(1, generator=g)) < 0.75:
+            kid = kids[int(torch.randint(0, len(kids), (1,), generator=g))]
+            scores[a, tree.tokens[kid]] += boost
+    return scores
+
+
+def _batch(g: torch.Generator, b: int, drawn_rows: str):
+    trees = []
+    for i in range(b):
+        n = int(torch.randint(1, 11, (1,), generator=g))
+        width = 1 if i % 3 == 0 else int(torch.randint(2, 4, (1,), generator=g))
+        drawn = width == 1 and (drawn_rows == "all" or (drawn_rows == "some" and i % 2 == 0))
+        trees.append(_tree(n, width, g, drawn))
+    return trees
+
+
+def _padded(rows: list[torch.Tensor], g: torch.Generator, extra: int = 0) -> torch.Tensor:
+    """[n_b, ...] rows -> [B, N + extra, ...] with random junk (not zeros) in the padding."""
+    n = max(r.shape[0] for r in rows) + extra
+    out = torch.rand(len(rows), n, *rows[0].shape[1:], generator=g, dtype=rows[0].dtype) * 50
+    for b, r in enumerate(rows):
+        out[b, :r.shape[0]] = r
+    return out
+
+
+def _same(out, b: int, ref, tree: DraftTree) -> None:
+    row = out.row(b)
+    d1 = tree.max_depth + 1
+    assert (int(row.n_accepted), int(row.next_token)) == (int(ref.n_accepted), int(ref.next_token))
+    assert row.path[:d1].tolist() == ref.path.tolist()
+    assert (row.path[d1:] == ref.path[-1]).all()  # padded by repeating the leaf
+
+
+@pytest.mark.parametrize("relaxed", [False, True])
+def test_batched_greedy_equals_each_tree_alone(relaxed):
+    g = torch.Generator().manual_seed(1)
+    deep = 0
+    for _ in range(60):
+        trees = _batch(g, int(torch.randint(1, 7, (1,), generator=g)), "some")
+        logits = [_favour_children(torch.randn(t.size, V, generator=g), t, g, 1.5 if relaxed else 6.0) for t in trees]
+        thr = [None if not relaxed or b % 3 == 2 else float(torch.rand(1, generator=g)) * 0.4 for b in range(len(trees))]
+        tb = pad_trees(trees)
+        rel = None if not relaxed else torch.tensor([math.inf if x is None else x for x in thr], dtype=torch.float32)
+        out = verify_trees_greedy(tb.tokens, tb.parents, tb.depth, tb.anc, tb.valid, _padded(logits, g), tb.max_depth,
+                                  relaxed=rel)
+        assert out.path.shape == (len(trees), tb.max_depth + 1)
+        for b, t in enumerate(trees):
+            ref = verify_tree_greedy(t.tokens, t.parents, t.depth, t.anc, logits[b], t.max_depth, relaxed=thr[b])
+            _same(out, b, ref, t)
+            deep += int(ref.n_accepted) >= 2
+    assert deep >= 30  # the batches exercised long accepted paths, not only roots
+
+
+@pytest.mark.parametrize("drawn_rows", ["none", "some", "all"])
+def test_batched_sampling_equals_each_tree_alone_with_the_same_uniforms(drawn_rows):
+    g = torch.Generator().manual_seed(2)
+    deep = 0
+    for _ in range(60):
+        trees = _batch(g, int(torch.randint(1, 7, (1,), generator=g)), drawn_rows)
+        p = [torch.softmax(_favour_children(torch.randn(t.size, V, generator=g), t, g, 3.0), -1).double() for t in trees]
+        us = [torch.rand(t.size + 1, generator=g, dtype=torch.float64) for t in trees]
+        tb = pad_trees(trees, q_dtype=torch.float64)
+        assert (tb.q is None) == (drawn_rows == "none")
+        u = _padded(us, g)  # junk after each row's own u[n_b]: the final draw must read the row's own
+        out = verify_trees_sampling(tb.tokens, tb.parents, tb.depth, tb.anc, tb.valid, _padded(p, g), tb.q, tb.sampled,
+                                    u, tb.max_depth)
+        for b, t in enumerate(trees):
+            ref = verify_tree_sampling(t.tokens, t.parents, t.depth, t.anc, p[b], t.q, t.sampled, us[b], t.max_depth)
+            _same(out, b, ref, t)
+            deep += int(ref.n_accepted) >= 2
+    assert deep >= 20
+
+
+def test_batched_trees_of_one_size_need_no_mask():
+    g = torch.Generator().manual_seed(3)
+    trees = [_tree(6, w, g) for w in (1, 2, 3, 1)]
+    tb = pad_trees(trees)
+    assert tb.valid is None and tb.tokens.shape == (4, 6)
+    logits = torch.stack([_favour_children(torch.randn(6, V, generator=g), t, g, 6.0) for t in trees])
+    out = verify_trees_greedy(tb.tokens, tb.parents, tb.depth, tb.anc, tb.valid, logits, tb.max_depth)
+    for b, t in enumerate(trees):
+        _same(out, b, verify_tree_greedy(t.tokens, t.parents, t.depth, t.anc, logits[b], t.max_depth), t)
+
+
+def _decoy_batch():
+    """Row 0: a chain root -> 1 -> 2 (3 real nodes) whose padding nodes 3, 4 continue the chain
+    with the target's own tokens, as if drafted; row 1: 5 real nodes. Target: argmax after node i
+    of row 0 is token i + 1 (so nodes 1, 2 and the decoys 3, 4 are all 'correct')."""
+    n = 5
+    tokens = torch.tensor([[0, 1, 2, 3, 4], [0, 5, 6, 7, 1]])
+    parents = torch.tensor([[-1, 0, 1, 2, 3], [-1, 0, 0, 1, 2]])
+    depth = torch.tensor([[0, 1, 2, 3, 4], [0, 1, 1, 2, 2]])
+    anc = torch.stack([ancestors(parents[0], 4), ancestors(parents[1], 2)])
+    valid = torch.tensor([[True, True, True, False, False], [True] * 5])
+    logits = torch.full((2, n, V), -4.0)
+    for i in range(n):
+        logits[0, i, (i + 1) % V] = 4.0
+    logits[1, :, 7] = 4.0  # row 1 accepts nothing
+    return tokens, parents, depth, anc, valid, logits
+
+
+def test_padding_nodes_are_never_accepted_whatever_they_hold():
+    tokens, parents, depth, anc, valid, logits = _decoy_batch()
+    out = verify_trees_greedy(tokens, parents, depth, anc, valid, logits, 4)
+    assert out.n_accepted.tolist() == [2, 0] and out.path[0].tolist() == [0, 1, 2, 2, 2]
+    assert out.next_token.tolist() == [3, 7]
+    # the control: without the mask, the decoys would be accepted
+    assert verify_trees_greedy(tokens, parents, depth, anc, None, logits, 4).n_accepted.tolist() == [4, 0]
+
+    p = torch.softmax(logits.double() * 4, -1)  # near point masses on the same tokens
+    u = torch.full((2, 6), 0.5, dtype=torch.float64)
+    out = verify_trees_sampling(tokens, parents, depth, anc, valid, p, None, None, u, 4)
+    assert out.n_accepted.tolist() == [2, 0]
+    assert out.next_token[0] == 3  # drawn from p after node 2: the decoy's token is not removed from it
+    assert verify_trees_sampling(tokens, parents, depth, anc, None, p, None, None, u, 4).n_accepted.tolist() == [4, 0]
+
+
+# --------------------------------------------------------------------------- the engine's step 3
+def _row(params: SamplingParams, tree: DraftTree, seed: int, relaxed: float | None = None) -> Row:
+    acc = AcceptanceConfig(RelaxedAcceptance(vision=relaxed, text=relaxed)) if relaxed else AcceptanceConfig()
+    row = Row(drafter=None, options=EngineOptions(tree=TreeSpec(), sampling=params, acceptance=acc),
+              generator=torch.Generator().manual_seed(seed), stats=None, device=torch.device("cpu"), past=3,
+              pending=tree.tokens[:1])
+    row.tree = tree
+    return row
+
+
+def test_step_groups_rows_draws_each_rows_uniforms_and_a_failing_row_fails_alone():
+    """Greedy rows (one relaxed) and sampling rows of two SamplingParams in one step, the rows of
+    one group not consecutive: each row's outcome is its tree verified alone with uniforms from
+    its own generator; a row with a malformed q fails alone; a row that failed drafting draws
+    nothing."""
+    g = torch.Generator().manual_seed(4)
+    hot, cool = SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4)
+    bad = _tree(4, 1, g, drawn=True)
+    bad.q = torch.softmax(torch.randn(4, V + 1, generator=g, dtype=torch.float64), -1)  # not the target's vocabulary
+    plan = [(SamplingParams(), _tree(7, 3, g), None), (hot, _tree(5, 1, g, drawn=True), None),
+            (cool, _tree(9, 2, g), None), (SamplingParams(), _tree(3, 1, g), 0.2), (hot, _tree(6, 3, g), None),
+            (hot, bad, None), (cool, _tree(2, 1, g, drawn=True), None), (hot, _tree(4, 2, g), None)]
+    rows = [_row(params, tree, 10 + b, relaxed) for b, (params, tree, relaxed) in enumerate(plan)]
+    rows[7].error = RuntimeError("drafting failed")
+    logits = torch.randn(len(rows), 9, V, generator=g) * 2
+    for b, r in enumerate(rows):
+        logits[b, :r.tree.size] = _favour_children(logits[b, :r.tree.size], r.tree, g, 4.0)
+
+    done = verify_rows(rows, logits)
+    got = {b: (v.outcome.row(i), v.packed[i]) for v in done for i, b in enumerate(v.rows)}
+    assert sorted(got) == [0, 1, 2, 3, 4, 6] and isinstance(rows[5].error, RuntimeError)
+    assert rows[7].generator.get_state().equal(torch.Generator().manual_seed(17).get_state())  # drew nothing
+    assert [v.rows for v in done if len(v.rows) > 1] == [[0, 3], [2, 6]]  # batched: greedy rows, cool rows
+    for b, (out, pk) in got.items():
+        t, params = rows[b].tree, rows[b].options.sampling
+        lg = logits[b, :t.size]
+        if params.greedy:
+            ref = verify_tree_greedy(t.tokens, t.parents, t.depth, t.anc, lg, t.max_depth, relaxed=plan[b][2])
+        else:
+            p = logits_to_probs(lg, params)
+            u = uniforms(t.size + 1, torch.Generator().manual_seed(10 + b), torch.device("cpu"))
+            ref = verify_tree_sampling(t.tokens, t.parents, t.depth, t.anc, p, None if t.q is None else t.q.to(p.dtype),
+                                       t.sampled, u, t.max_depth)
+        acc = out.unpack(pk.tolist())
+        n = int(ref.n_accepted)
+        assert (acc.n_accepted, acc.next_token) == (n, int(ref.next_token))
+        assert acc.path == ref.path[:n + 1].tolist()
+        assert acc.along == (t.tokens[ref.path[:n + 1]].tolist(), t.fed[ref.path[:n + 1]].tolist())
+
+
+def test_pad_rows_and_pad_trees_shapes():
+    g = torch.Generator().manual_seed(5)
+    a, b = _tree(3, 1, g), _tree(5, 2, g, drawn=False)
+    tb = pad_trees([a, b])
+    assert tb.tokens.shape == (2, 5) and tb.anc.shape == (2, 5, 5) and tb.max_depth == max(a.max_depth, b.max_depth)
+    assert tb.valid.tolist() == [[True] * 3 + [False] * 2, [True] * 5]
+    assert tb.parents[0, 3:].tolist() == [-1, -1] and tb.fed[0, 3:].tolist() == [-1, -1] and not tb.anc[0, 3:].any()
+    one = pad_trees([a])
+    assert one.valid is None and one.tokens.data_ptr() == a.tokens.data_ptr()  # one row: views, no copy
+    assert pad_rows([torch.ones(2), torch.ones(3)], 7.0).tolist() == [[1, 1, 7], [1, 1, 1]]
