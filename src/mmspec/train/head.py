@@ -432,6 +432,8 @@ def _write_head(head: FeatureHead, res: FitResult, out: Path, cfg: HeadTrainConf
 #   prompt (through the target's processor) followed by the TARGET's own greedy answer from an
 #   answers file made by ``mmspec train answers`` (``--answers``), or, without one, the world's
 #   reference answer (the loss still follows the target's distribution at every position).
+#   For a Video-LLaVA target (``mmspec train video``'s pair), the world's video clips instead
+#   (:func:`world_video_sequences`).
 # * ``llava-instruct:FILE.json`` with ``--image-dir DIR``: LLaVA-Instruct conversations (a JSON
 #   list of ``{"id", "image", "conversations": [{"from": "human", "value": "<image>\\n..."},
 #   {"from": "gpt", "value": "..."}]}``): the first turn in the LLaVA-1.5 format

@@ -1,6 +1,6 @@
 """``mmspec train head``: flags onto :class:`~mmspec.train.head.HeadTrainConfig`; the training
 sequences come from :func:`~mmspec.train.head.world_sequences` (the embedded world, LLaVA-1.5
-targets) or :func:`~mmspec.train.conversations.conversation_sequences` (the user's LLaVA-Instruct
+targets), :func:`~mmspec.train.head.world_video_sequences` (its video clips, Video-LLaVA targets) or :func:`~mmspec.train.conversations.conversation_sequences` (the user's LLaVA-Instruct
 or ShareGPT conversations, any family, through the target's own processor and chat template).
 """
 
