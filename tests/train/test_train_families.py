@@ -89,6 +89,25 @@ def test_a_head_for_every_family(family, tok, media, tmp_path):
     assert torch.equal(a, b)
 
 
+def test_a_processor_that_ignores_the_media_is_refused(tok, media, tmp_path):
+    """A processor that takes ``videos=`` (or ``images=``) and makes nothing of it (Video-LLaVA's
+    directory read as a LlavaProcessor where torchvision is missing) left the ``<video>`` marker one
+    token and dropped the clip: every record was "used" and the head trained on text alone."""
+
+    class Ignoring:  # the tokenizer alone, as such a processor is for the media it ignores
+        tokenizer, chat_template = tok, None
+
+        def __call__(self, text, return_tensors="pt", **media):
+            return dict(tok(text, return_tensors=return_tensors))
+
+    path = write_jsonl(tmp_path / "v.jsonl", conversations(2, True, seed=4))
+    with pytest.raises(MMSpecError, match="made no pixel_values_videos .* does not read videos"):
+        conversation_sequences(Ignoring(), path, media, max_length=1000, log=lambda s: None)
+    path = write_jsonl(tmp_path / "i.jsonl", conversations(2, False, seed=4))
+    with pytest.raises(MMSpecError, match="made no pixel values .* does not read images"):
+        conversation_sequences(Ignoring(), path, media, max_length=1000, log=lambda s: None)
+
+
 def test_bad_records_are_counted_and_skipped(tok, media, tmp_path):
     target, proc = family_pair("llava_next", tok)
     good = conversations(3, False, seed=3)

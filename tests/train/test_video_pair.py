@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from mmspec.cli import app
@@ -56,3 +57,42 @@ def test_align_then_video_speed_on_the_pair(video_pair, tmp_path):
     e = res["draft_encoding_s"]
     assert e["video_tower_and_projector"] > 0 and e["events_encoder_only"] > 0 and e["events_recorded_bin_encode"] > 0
     assert (tmp_path / "speed" / "video_speed.md").read_text().startswith("# Video pair")
+
+
+def test_a_head_on_the_world_clips_of_the_pair(video_pair, tmp_path):
+    """`train head --data world` on a Video-LLaVA target reads the world's video clips the way the
+    pair was trained on them (no torchvision needed); decoding with the head is the target's output."""
+    from transformers import AutoProcessor, VideoLlavaForConditionalGeneration
+
+    from mmspec import SpecDecoder
+    from mmspec.train.head import world_video_sequences
+    from mmspec.train.video import clip_inputs
+    from mmspec.world import make_video_sample
+
+    target = VideoLlavaForConditionalGeneration.from_pretrained(video_pair / "target", dtype=torch.float32).eval()
+    proc = AutoProcessor.from_pretrained(video_pair / "target")
+    seqs = world_video_sequences(target, proc, ["motion", "order"], 2, 0)
+    vid = target.config.video_token_index
+    assert len(seqs) == 4 and all((s.input_ids == vid).sum() == target.config.video_seq_length for s in seqs)
+    assert all(not s.loss_mask[s.input_ids == vid].any() and s.loss_mask.sum() > 20 for s in seqs)
+    assert seqs[0].mm["pixel_values_videos"].shape[:2] == (1, 4)
+
+    out = tmp_path / "head"
+    r = CliRunner().invoke(app, ["train", "head", "--target", str(video_pair / "target"), "--variant", "eagle3",
+                                 "--data", "world", "--samples", "2", "--steps", "2", "--batch-size", "2",
+                                 "--out", str(out), "--threads", "1"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "mmspec_head.json").read_text())["trained"]["families"] == "motion,order"
+    r = CliRunner().invoke(app, ["train", "head", "--target", str(video_pair / "target"), "--data", "world",
+                                 "--families", "chartqa", "--out", str(tmp_path / "h2")])
+    assert r.exit_code != 0 and "unknown world video family 'chartqa'" in r.output
+
+    s = make_video_sample("motion", "test", 0)
+    per_frame = target.config.video_seq_length // 4
+    x = clip_inputs(s, proc.tokenizer, proc.image_processor, vid, 4, per_frame)
+    ids = x["input_ids"][None]
+    ref = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                          pixel_values_videos=x["pixel_values_videos"])[0, ids.shape[1]:].tolist()
+    dec = SpecDecoder(target, str(out), proc.tokenizer, gamma=3, prefix_cache_mb=0)
+    res = dec.generate(input_ids=ids, pixel_values_videos=x["pixel_values_videos"], max_new_tokens=12)
+    assert res.token_ids == ref

@@ -227,9 +227,19 @@ def _run(processor, text: str, images, videos) -> dict:
     if videos:
         kw["videos"] = [list(v) for v in videos]
     try:
-        return dict(processor(text=text, return_tensors="pt", **kw))
+        out = dict(processor(text=text, return_tensors="pt", **kw))
     except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
         raise Skipped(f"rejected by the processor ({type(e).__name__})") from e
+    # A processor that takes no videos (or images) may accept the argument and ignore it: the
+    # marker then stays one token and the media are dropped without a word. Refuse, whatever the record.
+    if videos and "pixel_values_videos" not in out:
+        raise MMSpecError(f"the target's processor ({type(processor).__name__}) made no pixel_values_videos for a "
+                          "conversation's video: it does not read videos, and training on it would drop every clip. "
+                          "The video families' processors need torchvision: pip install 'mmspec[video]'")
+    if images and not any(k.startswith("pixel_values") and k != "pixel_values_videos" for k in out):
+        raise MMSpecError(f"the target's processor ({type(processor).__name__}) made no pixel values for a "
+                          "conversation's images: it does not read images; save the target's own processor beside it")
+    return out
 
 
 def _load_media(conv: Conversation, media_dir: Path | None, n_frames: int):

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from mmspec.errors import MMSpecError
 from mmspec.heads.model import VARIANTS, FeatureHead, build_head
+from mmspec.prompt import VIDEO_MARKER
 from mmspec.train.feature_cache import target_features
 from mmspec.train.loop import FitConfig, FitResult, StepInfo, TrainingInterrupted, fit, fmt_loss, write_atomically
 
@@ -431,6 +432,8 @@ def _write_head(head: FeatureHead, res: FitResult, out: Path, cfg: HeadTrainConf
 #   prompt (through the target's processor) followed by the TARGET's own greedy answer from an
 #   answers file made by ``mmspec train answers`` (``--answers``), or, without one, the world's
 #   reference answer (the loss still follows the target's distribution at every position).
+#   For a Video-LLaVA target (``mmspec train video``'s pair), the world's video clips instead
+#   (:func:`world_video_sequences`).
 # * ``llava-instruct:FILE.json`` with ``--image-dir DIR``: LLaVA-Instruct conversations (a JSON
 #   list of ``{"id", "image", "conversations": [{"from": "human", "value": "<image>\\n..."},
 #   {"from": "gpt", "value": "..."}]}``): the first turn in the LLaVA-1.5 format
@@ -475,6 +478,40 @@ def world_sequences(processor, families: list[str], n: int, seed: int, answers: 
     for s in samples:
         cont = answer_ids.get(s.uid) or tok(" " + s.answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         out.append(_encode(processor, s.prompt, s.images, cont, image_token_id))
+    return out
+
+
+def world_video_sequences(target, processor, families: list[str], n: int, seed: int) -> list[Sequence_]:
+    """The world's video clips (:data:`mmspec.world.VIDEO_FAMILIES`, train split) for a Video-LLaVA
+    target such as ``mmspec train video``'s: each clip's prompt and reference answer as that pair
+    was trained on (:func:`mmspec.train.video.clip_inputs`: evenly spaced frames, each keeping its
+    CLS token; no torchvision needed), the frame count read off the target's ``video_seq_length``.
+    The loss covers every token but the video's slots."""
+    from mmspec.train.video import clip_inputs
+    from mmspec.world import VIDEO_FAMILIES, make_video_sample
+
+    unknown = [f for f in families if f not in VIDEO_FAMILIES]
+    if unknown or not families:
+        raise MMSpecError(f"unknown world video family {unknown[0] if unknown else '(none)'!r}; use some of "
+                          f"{', '.join(VIDEO_FAMILIES)}")
+    cfg = target.config
+    vid = getattr(cfg, "video_token_index", None)
+    vc = getattr(cfg, "vision_config", None)
+    per_frame = (vc.image_size // vc.patch_size) ** 2 + 1 if vc is not None else 0
+    if vid is None or not per_frame or getattr(cfg, "video_seq_length", 0) % per_frame:
+        raise MMSpecError("the world's clips are made for a Video-LLaVA target whose video_seq_length is its frames "
+                          "x (grid^2 + 1) slots (mmspec train video's); train on your own clips with --data "
+                          "sharegpt:FILE --media-dir DIR")
+    n_frames = cfg.video_seq_length // per_frame
+    tok, ip = processor.tokenizer, processor.image_processor
+    out = []
+    for s in (make_video_sample(f, "train", i, seed) for i in range(n) for f in families):
+        x = clip_inputs(s, tok, ip, vid, n_frames, per_frame, answer=s.answer)
+        ids = x["input_ids"]
+        cont = ids[x["labels"] != -100]
+        t_ids = tok(s.prompt.replace(VIDEO_MARKER + " ", "").replace(VIDEO_MARKER, ""), return_tensors="pt")["input_ids"][0]
+        out.append(Sequence_(ids, None, text_only=Sequence_(torch.cat([t_ids, cont]), None),
+                             mm={"pixel_values_videos": x["pixel_values_videos"]}, loss_mask=ids != vid))
     return out
 
 

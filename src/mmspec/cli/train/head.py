@@ -1,6 +1,6 @@
 """``mmspec train head``: flags onto :class:`~mmspec.train.head.HeadTrainConfig`; the training
 sequences come from :func:`~mmspec.train.head.world_sequences` (the embedded world, LLaVA-1.5
-targets) or :func:`~mmspec.train.conversations.conversation_sequences` (the user's LLaVA-Instruct
+targets), :func:`~mmspec.train.head.world_video_sequences` (its video clips, Video-LLaVA targets) or :func:`~mmspec.train.conversations.conversation_sequences` (the user's LLaVA-Instruct
 or ShareGPT conversations, any family, through the target's own processor and chat template).
 """
 
@@ -21,7 +21,7 @@ from mmspec.cli.train.common import (
     training_errors,
 )
 from mmspec.errors import MMSpecError
-from mmspec.train.head import HeadTrainConfig, train_head, world_sequences
+from mmspec.train.head import HeadTrainConfig, train_head, world_sequences, world_video_sequences
 
 CONVERSATION_FORMATS = ("llava-instruct", "sharegpt", "conversations")  # --data FORMAT:FILE, read alike
 TARGET_FAMILIES = ("llava", "llava_next", "llava_onevision", "video_llava", "qwen2_vl", "qwen2_5_vl")
@@ -32,7 +32,8 @@ def head(
     variant: str = typer.Option("eagle", help="eagle (EAGLE-1/2), eagle3 (low/mid/high features, training-time "
                                 "test) or msd (decoupled modality, text-first)."),
     out: Path = typer.Option(..., help="Where the head is saved (and its checkpoint: a rerun resumes)."),
-    data: str = typer.Option("world", help="world (the embedded world; LLaVA-1.5 targets), or your conversations: "
+    data: str = typer.Option("world", help="world (the embedded world: LLaVA-1.5 targets, and Video-LLaVA targets "
+                             "such as mmspec train video's on its video clips), or your conversations: "
                              "llava-instruct:FILE.json, sharegpt:FILE.json[l] (any family; with --media-dir)."),
     image_dir: Path | None = typer.Option(None, "--media-dir", "--image-dir",
                                           help="The folder the conversations' image / video paths are read from."),
@@ -43,8 +44,8 @@ def head(
                                            "training answers use most (default: the target's whole vocabulary)."),
     answers: Path | None = typer.Option(None, help="The target's own greedy answers (mmspec train answers) "
                                            "to the world's training prompts."),
-    families: str = typer.Option("chartqa,textvqa,vqav2,hallusionbench,spot_the_diff,iedit,pororosv,vist",
-                                 help="World families to train on."),
+    families: str | None = typer.Option(None, help="World families to train on (default: the eight image "
+                                        "families; motion,order, the video ones, for a Video-LLaVA target)."),
     samples: int | None = typer.Option(None, help="Training samples per world family (default 200), or the first "
                                        "N conversations of --data FILE (default: all)."),
     world_seed: int = typer.Option(0, help="World seed of the samples (must match the answers file's)."),
@@ -79,6 +80,8 @@ def head(
     with training_errors():
         if samples is None and data == "world":
             samples = 200
+        if families is None:
+            families = ",".join(world_families(target, data))
         local = os.environ.get("LOCAL_RANK")
         if device == "cuda" and local is not None:
             device = f"cuda:{local}"
@@ -99,7 +102,9 @@ def head(
         processor = load_processor(str(target))
         img = getattr(model.config, "image_token_id", None)
         head = None
-        if data == "world":
+        if data == "world" and is_video_llava(target):
+            seqs = world_video_sequences(model, processor, names(families), samples, world_seed)
+        elif data == "world":
             seqs = world_sequences(processor, names(families), samples, world_seed, answers, img)
         else:
             seqs = user_sequences(model, processor, data, image_dir, samples, max_length, frames)
@@ -159,6 +164,22 @@ def check_conversation_options(variant: str, data: str, max_length: int | None, 
         raise MMSpecError(f"--draft-vocab must be >= 1, got {draft_vocab}")
 
 
+def is_video_llava(target: Path) -> bool:
+    import json
+
+    try:
+        return json.loads((target / "config.json").read_text()).get("model_type") == "video_llava"
+    except (OSError, ValueError, AttributeError):
+        return False  # check_head_options says what is wrong with it
+
+
+def world_families(target: Path, data: str) -> tuple[str, ...]:
+    """The world families ``--families`` defaults to: the video ones for a Video-LLaVA target."""
+    from mmspec.world import FAMILIES, VIDEO_FAMILIES
+
+    return tuple(VIDEO_FAMILIES) if data == "world" and is_video_llava(target) else tuple(FAMILIES)
+
+
 def names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
@@ -169,7 +190,7 @@ def check_head_options(cfg: HeadTrainConfig, target: Path, data: str, image_dir:
     config itself are checked by :class:`HeadTrainConfig`)."""
     from mmspec.train.head import CHECKPOINT, head_settings
     from mmspec.train.loop import read_checkpoint
-    from mmspec.world import FAMILIES
+    from mmspec.world import FAMILIES, VIDEO_FAMILIES
 
     check_threads(threads)
     if samples is not None and (isinstance(samples, bool) or samples < 1):
@@ -177,18 +198,24 @@ def check_head_options(cfg: HeadTrainConfig, target: Path, data: str, image_dir:
     check_device(cfg.device)
     check_model_dir(target, "--target", "a target model")
     if data == "world":
-        check_model_type(target, "--target", "llava", "the embedded world's sequences are in LLaVA-1.5's prompt and "
-                         "image format: give a LLaVA-1.5 target, or train on your own conversations with "
-                         "--data sharegpt:FILE --media-dir DIR (any family)")
+        check_model_type(target, "--target", ("llava", "video_llava"), "the embedded world's sequences are in "
+                         "LLaVA-1.5's prompt and image format (its video clips: Video-LLaVA's): give such a target, "
+                         "or train on your own conversations with --data sharegpt:FILE --media-dir DIR (any family)")
     else:
         check_model_type(target, "--target", TARGET_FAMILIES, "`train head --data` builds sequences for the vision-language "
                          "families mmspec decodes")
     check_processor(target, "--target")
     if data == "world":
-        unknown = [f for f in names(families) if f not in FAMILIES]
+        video = is_video_llava(target)
+        allowed = VIDEO_FAMILIES if video else FAMILIES
+        unknown = [f for f in names(families) if f not in allowed]
         if unknown or not names(families):
-            raise MMSpecError(f"--families {families!r}: unknown world family {unknown[0] if unknown else '(none)'!r}; "
-                              f"use some of {', '.join(FAMILIES)}")
+            kind, why = ("video family", " (a Video-LLaVA target reads the world's clips)") if video else ("family", "")
+            raise MMSpecError(f"--families {families!r}: unknown world {kind} {unknown[0] if unknown else '(none)'!r}"
+                              f"{why}; use some of {', '.join(allowed)}")
+        if video and answers is not None:
+            raise MMSpecError("--answers holds the target's answers to the world's image prompts; a Video-LLaVA "
+                              "target trains on the clips' reference answers: drop --answers")
         if answers is not None and not answers.is_file():
             raise MMSpecError(f"answers file {answers} not found; make it with `mmspec train answers --out {answers}` "
                               "for the same families, counts and world seed, or leave --answers out")
