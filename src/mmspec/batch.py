@@ -30,7 +30,8 @@ forwards: each request drafts its own tree (its own code path and draws, as step
 their forwards; no threads). A decoder set up for static caches / CUDA graphs steps its batches
 with fixed shapes too (:class:`~mmspec.forwards.StaticRagged`: rows and new tokens padded to
 buckets, one graph per bucket pair, captured on first use; eager fallback when capture fails),
-on static ragged caches the decoder keeps across batches; prefills stay eager.
+on static ragged caches the decoder keeps across batches (one scheduler at a time holds them;
+:meth:`BatchScheduler.close` hands them to the next); prefills stay eager.
 
 Exactness is per row: in float64 (the tests) a request's tokens never depend on its
 neighbours; in float32 / half precision a batched matrix product may round the last bit
@@ -223,6 +224,14 @@ class BatchScheduler:
 
     def has_work(self) -> bool:
         return bool(self._queue or self._active)
+
+    def close(self) -> None:
+        """Done with this scheduler (it must not step again): the static forwards it leased from
+        the decoder (buffers and CUDA graphs) go to the next scheduler, as a server's renewal wants."""
+        if self._active or self._queue:
+            raise MMSpecError(f"close() with {len(self._active)} active and {len(self._queue)} queued requests; "
+                              "cancel or finish them first")
+        self.decoder.static_pool.give_back(self)
 
     @torch.inference_mode()
     def cancel(self, rid: int) -> None:

@@ -158,6 +158,11 @@ class StepRunner:
         return graph, outputs
 
 
+def _nobody() -> None:
+    """A lease's holder reference once the holder gave it back."""
+    return None
+
+
 def _tensors(out) -> list[torch.Tensor]:
     """A forward's outputs (a tensor, or a tuple / list of them, possibly nested) as a flat list."""
     if isinstance(out, torch.Tensor):
@@ -194,6 +199,13 @@ class StaticPool:
         forwards = make()
         self.leased[role] = (forwards, weakref.ref(holder))
         return forwards
+
+    def give_back(self, holder: object) -> None:
+        """``holder`` is done with what it leased: the next holder gets it (its buffers and graphs),
+        even while ``holder`` itself is still referenced (a server renewing its scheduler)."""
+        for role, (forwards, ref) in list(self.leased.items()):
+            if ref() is holder:
+                self.leased[role] = (forwards, _nobody)
 
     @classmethod
     def capacity(cls, needed: int) -> int:

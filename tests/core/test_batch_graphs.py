@@ -150,6 +150,24 @@ def test_a_second_live_scheduler_gets_forwards_of_its_own(target, draft_shared, 
     assert [ev.result.token_ids for ev in events_b if ev.finished and ev.rid == rb] == [ref[1]]
 
 
+def test_a_closed_scheduler_hands_its_graphs_to_the_next(target, draft_shared, tok):
+    """A server renews its scheduler after a burst while the old one is still referenced: close()
+    hands the static buffers and their graphs over (without it the new one would make its own)."""
+    dec = decoder(target, draft_shared, tok, "M", cuda_graphs="emulate")
+    old = BatchScheduler(dec)
+    old.submit(requests(1)[0])
+    with pytest.raises(Exception, match="close\\(\\) with"):
+        old.close()  # not while it has work
+    while old.has_work():
+        old.step()
+    shapes = forwards(dec)["batch-target"].shapes
+    assert BatchScheduler(dec).cache is not old.cache  # still held: a fresh one
+    old.close()
+    new = BatchScheduler(dec)
+    assert new.cache is old.cache and new.draft_cache is old.draft_cache
+    assert forwards(dec)["batch-target"].shapes == shapes and shapes
+
+
 def test_mrope_batch_with_graphs(tok):
     target = make_qwen(0)
     dec = SpecDecoder(target, noisy_copy(target, 1), tok, views="MT", cuda_graphs="emulate")

@@ -78,9 +78,15 @@ class Service:
         renew = None
         if scheduler is None:
             scheduler = make_scheduler(decoder, config.max_batch, config.speculate)
-            renew = lambda old: self._metered(make_scheduler(decoder, config.max_batch, old.policy))  # noqa: E731
+            renew = lambda old: self._renewed(old, decoder, config)  # noqa: E731
         self.worker = Worker(self._metered(scheduler), renew=renew)
         self.started = time.time()
+
+    def _renewed(self, old, decoder, config: ServeConfig):
+        """A fresh scheduler for the next burst: the old one's policy carried over, its static
+        forwards (buffers, CUDA graphs) handed over rather than made again."""
+        old.close()
+        return self._metered(make_scheduler(decoder, config.max_batch, old.policy))
 
     def _metered(self, scheduler):
         if self.metrics is None:
