@@ -38,7 +38,7 @@ import torch
 from mmspec.graphs import StepRunner, bucket
 from mmspec.models.cache import DecodeCache, set_cache_length
 from mmspec.models.ragged import RaggedCache
-from mmspec.tree import tree_attention_mask
+from mmspec.tree import pad_trees, tree_attention_mask
 
 # target_step(ids [1, N], pos [1, N], mask) -> logits [1, N, V], or (logits, hidden [1, N, F])
 StepFn = Callable[..., object]
@@ -123,26 +123,31 @@ class RaggedRows(TargetRows):
     def score(self, rows):
         dev = rows[0].device
         B = len(rows)
-        sizes = [r.tree.size for r in rows]
-        n_max = max(sizes)
-        lengths = self.cache.lengths
+        t = pad_trees([r.tree for r in rows])  # [B, n]: each row's tree, padding nodes depth -1, no ancestors
+        n_max = t.size
+        lengths = self.cache.lengths  # row b's committed slots (the cache's rows are the step's rows)
         if self.static is not None:  # padded to the buckets, the mask over the whole capacity
             R, N = bucket(B), bucket(n_max)
             span = self.static.prepare(R, max(lengths) + N)
         else:
             R, N, span = B, n_max, max(lengths) + n_max
+        past, base = torch.tensor([lengths, [p + r.pos_offset for p, r in zip(lengths, rows)]],
+                                  device=dev)  # [B] each: one host-to-device copy
+        node = torch.zeros(B, N, dtype=torch.bool, device=dev)  # a real node (not padding)
+        node[:, :n_max] = True if t.valid is None else t.valid
         ids = torch.zeros(R, N, dtype=torch.long, device=dev)
-        pos = torch.zeros(R, N, dtype=torch.long, device=dev)
-        mask = torch.zeros(R, 1, N, span, dtype=torch.bool, device=dev)
+        ids[:B, :n_max] = t.tokens
+        pos = torch.zeros(R, N, dtype=torch.long, device=dev)  # node i at past + offset + depth (padding: depth 0)
+        pos[:B, :n_max] = t.depth.clamp_min(0)
+        pos[:B] += base[:, None]
         eye = torch.eye(N, dtype=torch.bool, device=dev)
-        for b, r in enumerate(rows):
-            t, n, past = r.tree, sizes[b], lengths[b]
-            ids[b, :n] = t.tokens
-            pos[b, :n] = past + r.pos_offset + t.depth
-            pos[b, n:] = past + r.pos_offset
-            mask[b, 0, :n, :past] = True
-            mask[b, 0, :n, past:past + n] = t.anc
-            mask[b, 0, n:, past:past + N] = eye[n:]  # padding nodes see themselves only
+        tree = torch.zeros(B, N, N, dtype=torch.bool, device=dev)  # [B, N, N]: its ancestors; padding: itself only
+        tree[:, :n_max, :n_max] = t.anc
+        tree |= eye & ~node[:, :, None]
+        mask = torch.zeros(R, 1, N, span, dtype=torch.bool, device=dev)
+        mask[:B, 0] = (torch.arange(span, device=dev) < past[:, None, None]) & node[:, :, None]  # committed slots
+        slots = (past[:, None, None] + torch.arange(N, device=dev)).expand(B, N, N)  # node j's slot
+        mask[:B, 0].scatter_(-1, slots, tree)
         mask[B:, 0, :, :N] = eye  # padding rows (free rows of a static cache) write at slot 0, see themselves only
         if self.static is not None:
             out = self.static(ids=ids, pos=pos, mask=mask)
