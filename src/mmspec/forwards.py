@@ -178,18 +178,17 @@ class StaticRagged:
         self.cache = cache
         self.runner = StepRunner(fn, None, mode=mode, name=f"batched {name}")
         self.generation = cache.generation
-        self.rows = 0
 
     def prepare(self, rows: int, span: int) -> int:
         self.cache.ensure(rows, span)
         if self.cache.generation != self.generation:  # a new buffer: the old graphs point at freed memory
             self.runner.reset()
             self.generation = self.cache.generation
-        self.rows = rows
         return self.cache.capacity
 
     def __call__(self, **inputs: torch.Tensor):
-        self.cache.begin_forward(rows=self.rows)  # the write slots into their fixed buffer (outside any graph)
+        rows = inputs["pos"].shape[0]  # every input is [rows, n, ...]
+        self.cache.begin_forward(rows=rows)  # the write slots into their fixed buffer (outside any graph)
         return self.runner(**inputs)
 
     @property
