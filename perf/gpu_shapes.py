@@ -68,6 +68,9 @@ class ShapesConfig:
     warmup: int = 3
     modes: tuple[str, ...] = ("eager", "graph")
     compile: bool = False  # also T_p with torch.compile (minutes of compiling at 7B)
+    compile_modes: tuple[str, ...] = ("layers+mmspec-graph", "default+mmspec-graph", "reduce-overhead")
+    capacities: tuple[int, ...] = ()  # T_p (graph) with the same context in caches this large
+    kernels: bool = False  # a profiler's kernel table of one eager T_p step
     engine: bool = True  # SpecDecoder end to end at these shapes
     engine_gamma: int = 5
     engine_new_tokens: int = 128
@@ -161,7 +164,7 @@ def _graph_mode(device: torch.device) -> str:
 class _Probe:
     """One model prefilled with ``context`` random tokens on mmspec's cache, and steps over it."""
 
-    def __init__(self, model, batch: int, context: int, room: int, mode: str):
+    def __init__(self, model, batch: int, context: int, room: int, mode: str, capacity: int = 0):
         from mmspec.graphs import StepRunner
         from mmspec.models.base import adapter_for
 
@@ -169,7 +172,7 @@ class _Probe:
         self.adapter = adapter_for(model)
         dev = self.adapter.device
         self.static = mode != "eager"
-        self.cache = self.adapter.new_cache(context + room, static=self.static)
+        self.cache = self.adapter.new_cache(max(context + room, capacity), static=self.static)
         hi = min(model.config.text_config.vocab_size, model.config.image_token_index)
         g = torch.Generator().manual_seed(0)
         self.prompt = torch.randint(5, hi, (batch, context), generator=g).to(dev)
@@ -226,17 +229,27 @@ def graph_vs_eager(model, context: int, n: int) -> float:
     return float((step().float() - ref).abs().max())
 
 
-def compile_times(model, context: int, repeats: int, warmup: int) -> dict:
-    """T_p with torch.compile: reduce-overhead (its own CUDA graphs), and default-mode kernels
-    captured by mmspec's StepRunner; each with its compile (first calls) time."""
+def compile_times(model, context: int, repeats: int, warmup: int, modes: Sequence[str]) -> dict:
+    """T_p with torch.compile, each with its compile (first calls) time:
+
+    - ``layers+mmspec-graph``: each decoder layer compiled (default mode: inductor fuses norms,
+      rotary, casts; one compilation shared by the layers), the step captured by mmspec's graph;
+    - ``default+mmspec-graph``: the whole model compiled, captured by mmspec's graph;
+    - ``reduce-overhead``: the whole model compiled with torch's own CUDA graphs.
+    """
     out = {}
-    for name in ("reduce-overhead", "default+mmspec-graph"):
+    for name in modes:
+        layers = model.model.language_model.layers
+        originals = [layer.forward for layer in layers]
         try:
             torch._dynamo.reset()
-            probe = _Probe(model, 1, context, 8, "graph" if name.startswith("default") else "static")
-            compiled = torch.compile(model, mode=None if name.startswith("default") else "reduce-overhead",
-                                     dynamic=False)
-            probe.adapter.model = compiled  # the adapter calls the compiled module
+            probe = _Probe(model, 1, context, 8, "static" if name == "reduce-overhead" else "graph")
+            if name.startswith("layers"):
+                for layer in layers:
+                    layer.compile(dynamic=False)
+            else:
+                probe.adapter.model = torch.compile(model, mode="reduce-overhead" if name == "reduce-overhead"
+                                                    else None, dynamic=False)
             step = probe.step_fn(1)
             t0 = time.perf_counter()
             with torch.inference_mode():
@@ -248,8 +261,39 @@ def compile_times(model, context: int, repeats: int, warmup: int) -> dict:
             out[name] = {"s": s, "compile_and_first_calls_s": first}
         except Exception as e:  # noqa: BLE001 - report what failed, keep the run
             out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        finally:
+            for layer in layers:  # undo Module.compile
+                layer._compiled_call_impl = None
+            del originals
     torch._dynamo.reset()
     return out
+
+
+@torch.inference_mode()
+def kernel_table(model, context: int, top: int = 25) -> dict:
+    """The device kernels of one eager T_p step (torch.profiler, 3 steps averaged): count and
+    microseconds per kernel name, and their sum, which a captured graph cannot beat."""
+    from torch.profiler import ProfilerActivity, profile
+
+    probe = _Probe(model, 1, context, 4, "eager")
+    step = probe.step_fn(1)
+    for _ in range(3):
+        step()
+    sync(probe.adapter.device)
+    steps = 3
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        sync(probe.adapter.device)
+    agg: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            a = agg.setdefault(e.name, [0, 0.0])
+            a[0] += 1
+            a[1] += e.device_time
+    rows = sorted(([n, c / steps, us / steps] for n, (c, us) in agg.items()), key=lambda r: -r[2])
+    return {"kernels_per_step": sum(r[1] for r in rows), "kernel_us_per_step": sum(r[2] for r in rows),
+            "top": [{"name": n[:120], "count": c, "us": us} for n, c, us in rows[:top]]}
 
 
 # --------------------------------------------------------------------------- engine end to end
@@ -393,17 +437,33 @@ def run(cfg: ShapesConfig, log: Callable[[str], None] = print) -> dict:
         r["T_q_batch_over_batch1"] = {b: v["s"] / t_q1 for b, v in r["T_q"].items()}
         result["modes"][mode] = r
         write_report(result, cfg.out)  # results written as they are produced
+    if cfg.kernels and device.type == "cuda":
+        log("[kernels] profiling one eager T_p step ...")
+        result["kernels"] = kernel_table(target, cfg.context)
+        write_report(result, cfg.out)
+    if cfg.capacities:
+        mode = "graph" if "graph" in cfg.modes else cfg.modes[0]
+        log(f"[capacity] T_p ({mode}) at context {cfg.context} in caches of {list(cfg.capacities)} ...")
+        result["capacity"] = {"mode": mode, "T_p": {}}
+        for cap in cfg.capacities:
+            probe = _Probe(target, 1, cfg.context, 4, mode, capacity=cap)
+            result["capacity"]["T_p"][str(probe.cache.max_len)] = step_time(probe, 1, cfg.repeats, cfg.warmup)
+            del probe
+            write_report(result, cfg.out)
     if cfg.engine:
         log("[engine] SpecDecoder end to end ...")
         result["engine"] = engine_run(cfg, target, draft, result, log)
         write_report(result, cfg.out)
     if cfg.compile and device.type == "cuda":
         log("[compile] T_p with torch.compile (compiling takes a while) ...")
-        result["compile"] = compile_times(target, cfg.context, cfg.repeats, cfg.warmup)
-        for v in result["compile"].values():
+        result["compile"] = {}
+        for name in cfg.compile_modes:  # one at a time, each written as it ends
+            result["compile"] |= compile_times(target, cfg.context, cfg.repeats, cfg.warmup, [name])
+            v = result["compile"][name]
             if "s" in v:
                 v["T_p_over_floor"] = v["s"] / result["T_p_floor_weights_kv_s"]
-        write_report(result, cfg.out)
+            log(f"[compile] {name}: {v}")
+            write_report(result, cfg.out)
     jp, mp = write_report(result, cfg.out)
     log(markdown(result))
     log(f"wrote {jp} and {mp}")
@@ -448,6 +508,19 @@ def markdown(res: dict) -> str:
     for mode, r in res["modes"].items():
         lines.append(f"| {mode} | " + " | ".join(f"{ms(r['T_q'][b]['s'])} ({r['T_q_batch_over_batch1'][b]:.2f}x)"
                                                  for b in bs) + " |")
+    cap = res.get("capacity")
+    if cap:
+        lines += ["", f"T_p ({cap['mode']}) at context {res['config']['context']} by cache capacity (attention reads "
+                  "the whole buffer under a dense mask):", "", "| capacity | T_p ms | T_p / floor |", "|---|---|---|"]
+        for c, v in cap["T_p"].items():
+            lines.append(f"| {c} | {ms(v['s'])} | {v['s'] / res['T_p_floor_weights_kv_s']:.2f} |")
+    kt = res.get("kernels")
+    if kt:
+        lines += ["", f"Kernels of one eager T_p step: {kt['kernels_per_step']:.0f} kernels, "
+                  f"{kt['kernel_us_per_step'] / 1e3:.3f} ms of kernel time (the floor of any graph of them):", "",
+                  "| kernel | per step | us |", "|---|---|---|"]
+        for r in kt["top"]:
+            lines.append(f"| `{r['name']}` | {r['count']:.0f} | {r['us']:.1f} |")
     eng = res.get("engine")
     if eng:
         base = eng["target_alone_s_per_token"]
@@ -490,6 +563,9 @@ def parse_args(argv: Sequence[str] | None = None) -> ShapesConfig:
     ap.add_argument("--warmup", type=int, default=d.warmup)
     ap.add_argument("--modes", default=",".join(d.modes), help="eager,graph")
     ap.add_argument("--compile", action="store_true", help="also T_p with torch.compile (CUDA only)")
+    ap.add_argument("--compile-modes", default=",".join(d.compile_modes))
+    ap.add_argument("--capacities", default="", help="T_p at the same context in caches this large")
+    ap.add_argument("--kernels", action="store_true", help="profile one eager T_p step's kernels (CUDA only)")
     ap.add_argument("--no-engine", dest="engine", action="store_false", help="skip the SpecDecoder runs")
     ap.add_argument("--engine-gamma", type=int, default=d.engine_gamma)
     ap.add_argument("--engine-new-tokens", type=int, default=d.engine_new_tokens)
@@ -502,6 +578,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ShapesConfig:
     if set(modes) - {"eager", "graph"}:
         ap.error(f"--modes takes eager and/or graph, got {a.modes}")
     kw = vars(a) | {"gammas": _ints(a.gammas), "trees": _ints(a.trees), "batches": _ints(a.batches), "modes": modes,
+                    "capacities": _ints(a.capacities), "compile_modes": tuple(x for x in a.compile_modes.split(",") if x),
                     "engine_noise": tuple(float(x) for x in a.engine_noise.split(",") if x)}
     return ShapesConfig(**kw, command=" ".join(["python", "perf/gpu_shapes.py",
                                                  *(argv if argv is not None else sys.argv[1:])]))

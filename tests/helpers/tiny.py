@@ -71,12 +71,13 @@ def make_llava(seed: int, *, hidden: int = 64, layers: int = 2, image_size: int 
 def noisy_copy(model, seed: int, scale: float = 0.15, lm_only: bool = True):
     """A draft that agrees with the target often but not always."""
     draft = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)  # CPU draws: the same draft on every device
     with torch.no_grad():
         for name, p in draft.named_parameters():
             if lm_only and "vision_tower" in name:
                 continue
-            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale * p.std().clamp_min(1e-3))
+            noise = torch.randn(p.shape, generator=g, dtype=p.dtype).to(p.device)
+            p.add_(noise * scale * p.std().clamp_min(1e-3))
     return draft
 
 
