@@ -693,6 +693,44 @@ class SpecDecoder:
                 "max_new_tokens, shorten the prompt or use fewer images"
             )
 
+    # ------------------------------------------------------------------ the batched engine
+    def engine_for(self, holder):
+        """The engine a scheduler steps (:class:`~mmspec.batching.engine.Engine`): a fresh one, or
+        with static shapes the one this decoder keeps (its buffers and graphs) for one holder at a time."""
+        from mmspec.batching.engine import Engine
+        from mmspec.batching.ensemble import EnsembleDrafting
+
+        def make():
+            drafting = None
+            feat_dim = feat_dtype = None
+            if self.head is not None:
+                from mmspec.batching.heads import HeadDrafting
+
+                drafting = HeadDrafting(self.head, self.target, self.tree, static=self.static, graphs=self.graph_mode)
+                feat_dim, feat_dtype = self.head.config.feature_size, self.head.dtype
+            elif self.draft is not None:
+                drafting = EnsembleDrafting(self.draft, self.weights, self.target.vocab_size, self.tree,
+                                            static=self.static, graphs=self.graph_mode)
+                if self.adaptive is not None:
+                    from mmspec.batching.adaptive import BatchAdaptive
+
+                    drafting.adaptive = BatchAdaptive(self.adaptive, len(self.views), self.draft.device)
+            n_layers = self.target_model.config.get_text_config(decoder=True).num_hidden_layers
+            return Engine(self.target, n_layers, self.tree, drafting, hidden_layers=self.hidden_layers,
+                          relaxed=self.acceptance, static=self.static, graphs=self.graph_mode, feat_dim=feat_dim,
+                          feat_dtype=feat_dtype or torch.float32)
+
+        return self._static_pool.lease("engine", holder, make) if self.static else make()
+
+    def proposer_for_request(self, prompt: EncodedRequest):
+        """A model-free drafter's proposer for one admitted request (None without lookup / suffix)."""
+        if not self.model_free:
+            return None
+        return self._proposer(prompt.ids, prompt.encoded, prompt.captions)
+
+    def check_draft_context(self, view: View, row_len: int, max_new_tokens: int) -> None:
+        self._check_draft_context(view, row_len, max_new_tokens)
+
     def _check_draft_context(self, view: View, row_len: int, max_new_tokens: int) -> None:
         limit = self.draft.max_positions
         depth = self.tree.max_depth

@@ -341,3 +341,113 @@ def verify_trees_sampling(tokens: torch.Tensor, parents: torch.Tensor, depth: to
     u_last = u[:, n] if valid is None else u.gather(1, valid.sum(-1, keepdim=True))[:, 0]  # [B]: u[b, n_b]
     return TreeOutcome(path=_paths_of(leaf, anc, max_depth), n_accepted=depth.gather(1, leaf[:, None])[:, 0],
                        next_token=sample(final, u_last))
+
+
+# --------------------------------------------------------------------------- one step's rows
+@dataclass
+class RowSampling:
+    """Each row's :class:`SamplingParams` as device tensors (one step's rows, [B] each), with what
+    the host knows of them (which filters any row uses), so that a step's rows are filtered,
+    verified and drawn from in a fixed number of tensor operations whatever B and whatever mix
+    of greedy and sampling rows.
+
+    ``temperature`` is 1 on greedy rows (their distributions are only mixed and argmax-ed, as
+    :func:`logits_to_probs` does); ``top_k`` 0 and ``top_p`` 1 mean no filter."""
+
+    temperature: torch.Tensor  # [B] float64
+    top_k: torch.Tensor  # [B] long
+    top_p: torch.Tensor  # [B] float64
+    greedy: torch.Tensor  # [B] bool
+    any_sampling: bool = False
+    all_sampling: bool = False
+    any_top_k: bool = False
+    any_top_p: bool = False
+    any_tiny: bool = False  # a temperature below float32's smallest normal number (done in float64)
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], device: torch.device) -> RowSampling:
+        """From host params (one H2D copy per tensor; the engine keeps these across steps)."""
+        t = [1.0 if p.greedy else p.temperature for p in params]
+        k = [p.top_k or 0 for p in params]
+        tp = [p.top_p if p.top_p is not None else 1.0 for p in params]
+        g = [p.greedy for p in params]
+        return cls(torch.tensor(t, dtype=torch.float64, device=device), torch.tensor(k, dtype=torch.long, device=device),
+                   torch.tensor(tp, dtype=torch.float64, device=device), torch.tensor(g, device=device),
+                   **flags(params))
+
+    def rows(self, index: torch.Tensor | slice) -> RowSampling:
+        """These parameters at other rows (e.g. each request's repeated for its draft views)."""
+        return RowSampling(self.temperature[index], self.top_k[index], self.top_p[index], self.greedy[index],
+                           self.any_sampling, self.all_sampling, self.any_top_k, self.any_top_p, self.any_tiny)
+
+
+def flags(params: list[SamplingParams]) -> dict:
+    """What the host knows of a step's rows' parameters (:class:`RowSampling`'s flags)."""
+    tiny = torch.finfo(torch.float32).tiny
+    return dict(any_sampling=any(not p.greedy for p in params), all_sampling=all(not p.greedy for p in params),
+                any_top_k=any(p.top_k for p in params),
+                any_top_p=any(p.top_p is not None and 0.0 < p.top_p < 1.0 for p in params),
+                any_tiny=any(not p.greedy and p.temperature < tiny for p in params))
+
+
+def _per_row(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """[B] -> [B, 1, ..., 1] broadcasting against ``like`` [B, ..., V]."""
+    return x.view(-1, *([1] * (like.dim() - 1)))
+
+
+def logits_to_probs_rows(logits: torch.Tensor, rs: RowSampling) -> torch.Tensor:
+    """:func:`logits_to_probs` with row b's parameters on row b: logits [B, ..., V] -> probs. Each
+    row gets exactly the bits :func:`logits_to_probs` gives it alone (the same element-wise
+    operations; a filter no row uses is skipped, one some rows use leaves the others unchanged)."""
+    x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    if rs.any_sampling:
+        shifted = x - x.amax(dim=-1, keepdim=True)
+        t = _per_row(rs.temperature, x)
+        tempered = shifted / t.to(x.dtype)
+        if rs.any_tiny:
+            tiny = t < torch.finfo(x.dtype).tiny
+            tempered = torch.where(tiny, (shifted.double() / t).to(x.dtype), tempered)
+        x = torch.where(_per_row(rs.greedy, x), x, tempered)
+    if rs.any_top_k or rs.any_top_p:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        V = x.shape[-1]
+        if rs.any_top_k:
+            k = _per_row(rs.top_k, x)
+            kth = sorted_x.gather(-1, (k - 1).clamp(0, V - 1).expand(*x.shape[:-1], 1))  # [..., 1]
+            x = x.masked_fill((x < kth) & (k > 0) & (k < V), float("-inf"))
+            if rs.any_top_p:
+                sorted_x, order = torch.sort(x, dim=-1, descending=True)  # as logits_to_probs sorts again
+        if rs.any_top_p:
+            top_p = _per_row(rs.top_p, x)
+            sm = torch.softmax(sorted_x, dim=-1)
+            drop_sorted = ((sm.cumsum(dim=-1) - sm) >= top_p.to(sm.dtype)) & (top_p > 0) & (top_p < 1)
+            drop_sorted[..., 0] = False
+            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+            x = x.masked_fill(drop, float("-inf"))
+    return torch.softmax(x, dim=-1)
+
+
+def verify_steps(t, logits: torch.Tensor, rs: RowSampling, u: torch.Tensor | None,
+                 relaxed: torch.Tensor | None = None) -> TreeOutcome:
+    """ONE verification of a step's rows, greedy and sampling together: t, a
+    :class:`~mmspec.tree.TreeBatch` [B, N] (its ``q`` / ``sampled`` where a row drew nodes);
+    logits [B, N, V]; rs: each row's parameters; u [B, N + 1]: each row's uniforms (None when
+    no row samples); relaxed: [B] LOSSY thresholds of greedy rows (inf: exact) or None. A greedy
+    row gets :func:`verify_trees_greedy`'s outcome, a sampling row :func:`verify_trees_sampling`'s,
+    selected per row on the device (both run when the step mixes them: a fixed op count)."""
+    greedy = sampling = None
+    if not rs.all_sampling:
+        greedy = verify_trees_greedy(t.tokens, t.parents, t.depth, t.anc, t.valid, logits, t.max_depth,
+                                     relaxed=relaxed)
+    if rs.any_sampling:
+        p = logits_to_probs_rows(logits, rs)  # [B, N, V]
+        q = None if t.q is None else t.q.to(p.dtype)
+        sampling = verify_trees_sampling(t.tokens, t.parents, t.depth, t.anc, t.valid, p, q, t.sampled, u, t.max_depth)
+    if greedy is None:
+        return sampling
+    if sampling is None:
+        return greedy
+    g = rs.greedy
+    return TreeOutcome(path=torch.where(g[:, None], greedy.path, sampling.path),
+                       n_accepted=torch.where(g, greedy.n_accepted, sampling.n_accepted),
+                       next_token=torch.where(g, greedy.next_token, sampling.next_token))

@@ -1,0 +1,270 @@
+"""THE STEP: one round of speculative decoding over every active request; a request is a row.
+
+``generate`` and ``stream`` are one request submitted and stepped to its end; ``generate_batch``,
+:class:`~mmspec.batching.scheduler.BatchScheduler` and ``mmspec serve`` step many: the same
+:meth:`Engine.step`, the same caches, forwards, prefill and graphs.
+
+Between steps every row's state is on the device (:class:`~mmspec.batching.state.BatchState`):
+its committed target slots, its pending tokens (the newest is the root of its next tree), its
+token budget, its sampling parameters and random stream. One step, a fixed number of tensor
+operations whatever the number of rows:
+
+1. draft: the drafter feeds every row's pending tokens and drafts every row's tree in batched
+   forwards (:mod:`mmspec.batching.trees`); a step that does not speculate (the policy's choice)
+   verifies each row's root alone: a plain target step;
+2. verify forward: the target scores every row's nodes in ONE forward: node i at position
+   ``length + pos_offset + depth[i]``, under a mask in which it sees its row's committed slots
+   and its own ancestors (:mod:`mmspec.masks`);
+3. accept: ONE verification of all rows, greedy and sampling together
+   (:func:`~mmspec.verify.verify_steps`), every random draw from the row's own stream
+   (:mod:`mmspec.rng`): a seeded request decodes the same alone or in any batch;
+4. commit, on the device: the accepted path's keys/values moved into place in both caches (only
+   when a tree's path is not its first branch), lengths advanced, the next pending tokens;
+5. ONE host read of the packed outcomes of all rows, from which the host emits each row's tokens
+   and cuts them at EOS or the row's limit.
+
+Nothing else crosses between host and device inside a step: no ``.item()``, no tensor made from
+a host list, no host value written into a device tensor (``tests/core/test_host_free.py``
+counts them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mmspec import rng
+from mmspec.batching.forwards import RowForward
+from mmspec.batching.state import BatchState
+from mmspec.batching.trees import Drafted, StepInput
+from mmspec.graphs import bucket, capacity_bucket
+from mmspec.masks import rows_mask
+from mmspec.models.rows import RowCache
+from mmspec.options import RelaxedAcceptance
+from mmspec.stats import BlockRecord, GenerationStats
+from mmspec.timing import BlockClock
+from mmspec.tree import TreeBatch, TreeSpec
+from mmspec.verify import verify_steps
+
+
+@dataclass
+class RowHost:
+    """What the host keeps of one active row (the engine's row b is ``rows[b]``)."""
+
+    max_new_tokens: int
+    eos_ids: frozenset[int]
+    stats: GenerationStats
+    tokens: list[int] = field(default_factory=list)
+    pending_len: int = 1  # pending tokens on the device (host mirror)
+    done: bool = False
+    clocks: list[BlockClock] = field(default_factory=list)
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - len(self.tokens)
+
+    def record_times(self) -> None:
+        """Each block's draft and verify seconds into its record (one device sync on a GPU)."""
+        blocks = self.stats.blocks[len(self.stats.blocks) - len(self.clocks):]
+        for rec, clock in zip(blocks, self.clocks):
+            rec.draft_s, rec.verify_s = clock.durations()[0]
+        self.clocks = []
+
+
+def root_only(x: StepInput) -> TreeBatch:
+    """Every row's root alone ([R, 1]): a plain target step."""
+    R, dev = x.rows, x.pending.device
+    root = x.pending.gather(1, (x.pending_len - 1)[:, None])
+    zeros = torch.zeros(R, 1, dtype=torch.long, device=dev)
+    return TreeBatch(tokens=root, parents=zeros - 1, depth=zeros, anc=torch.ones(R, 1, 1, dtype=torch.bool, device=dev),
+                     fed=zeros - 1, valid=None, max_depth=0)
+
+
+class Engine:
+    """The step over a batch's rows (module docstring). ``drafting``: the draft model's or head's
+    :class:`~mmspec.batching.trees.Drafting` (None: model-free or plain decoding only);
+    ``hidden_layers``: the target layers a head reads; ``static``: shapes padded to buckets
+    (row counts and attention spans), ``graphs``: a :data:`~mmspec.graphs.MODES` entry."""
+
+    def __init__(self, target, n_layers: int, spec: TreeSpec, drafting=None, *, hidden_layers: tuple[int, ...] = (),
+                 relaxed: RelaxedAcceptance | None = None, static: bool = False, graphs: str = "eager",
+                 feat_dim: int | None = None, feat_dtype: torch.dtype = torch.float32):
+        self.target = target
+        self.spec = spec
+        self.drafting = drafting
+        self.hidden_layers = hidden_layers
+        self.relaxed = relaxed
+        self.static = static
+        self.device = target.device
+        self.width = spec.max_depth + 2  # pending tokens a row may hold (P)
+        self.state = BatchState(self.device, self.width, feat_dim, feat_dtype=feat_dtype)
+        self.cache = RowCache(n_layers)
+        cache = self.cache
+        self.forward = RowForward(lambda mask, ids, pos: target.forward(
+            cache=cache, attention_mask=mask, position_ids=pos, input_ids=ids, hidden=hidden_layers),
+            cache, graphs, "target")
+        self.rows: list[RowHost] = []
+        self.draft_later = True  # False: rows never draft again (plain decoding only): nothing to catch up
+
+    # ------------------------------------------------------------------ rows
+    @property
+    def active(self) -> int:
+        return self.state.active
+
+    def step_rows(self) -> int:
+        """R: the rows a step runs over (the active ones, padded to a bucket with static shapes)."""
+        B = self.state.active
+        return bucket(B) if self.static else B
+
+    def ensure(self, requests: int, capacity: int) -> None:
+        """Room for ``requests`` rows of ``capacity`` target slots (a bucket of each, static)."""
+        rows = bucket(requests) if self.static else requests
+        self.state.ensure(rows)
+        self.cache.ensure(rows, capacity_bucket(capacity) if self.static else capacity)
+
+    def remove(self, b: int) -> int | None:
+        """Row b leaves (finished or cancelled): the last row moves into its place. -> the index
+        that moved (None: b was the last)."""
+        last = self.state.active - 1
+        moved = self.state.remove(b)
+        self.cache.copy_row(b, last)
+        if self.drafting is not None:
+            self.drafting.remove(b, last)
+        self.rows[b] = self.rows[last]
+        self.rows.pop()
+        return moved
+
+    # ------------------------------------------------------------------ the step
+    def _input(self, R: int, depth: int) -> StepInput:
+        st = self.state
+        rs = st.sampling(R)
+        u = rng.uniforms(st.seed[:R], st.step[:R], rng.DRAFT, max(depth, 1)) if rs.any_sampling else None
+        return StepInput(rows=R, pending=st.pending[:R], pending_len=st.pending_len[:R], remaining=st.remaining[:R],
+                         sampling=rs, u=u, feats=None if st.feat_dim is None else st.pending_feats[:R])
+
+    def step(self, depth: int | None = None, proposers: list | None = None) -> list[list[int]]:
+        """One step over every active row, each drafting at most ``depth`` deep (None: the
+        decoder's whole tree; 0: plain decoding) -> the tokens each row emitted."""
+        st, B, R = self.state, self.state.active, self.step_rows()
+        clock = BlockClock(self.device)
+        clock.start()
+        spec = self.spec if depth is None else (self.spec.for_remaining(depth + 1) if depth > 0 else None)
+        x = self._input(R, self.spec.max_depth)
+        drafted: Drafted | None = None
+        caught_up = False
+        if spec is not None and self.drafting is not None:  # 1. draft
+            drafted = self.drafting.draft(x, spec)
+            tree, is_chain = drafted.tree, spec.is_chain
+        else:
+            tree, is_chain = root_only(x), True
+            if self.drafting is not None and self.draft_later and max(r.pending_len for r in self.rows) + 1 > self.width:
+                self.drafting.catch_up(x, st.live[:R])
+                caught_up = True
+        clock.mark()
+
+        logits, hidden = self._verify_forward(tree, R)  # 2. ONE target forward, [R, N, V]
+        rs = x.sampling
+        N = tree.tokens.shape[1]
+        u = rng.uniforms(st.seed[:R], st.step[:R], rng.VERIFY, N + 1) if rs.any_sampling else None
+        out = verify_steps(tree, logits, rs, u, self._thresholds(R))  # 3. ONE verification
+
+        # 4. commit on the device
+        path, n = out.path, out.n_accepted  # [R, D + 1], [R]
+        if drafted is not None:
+            m = self.drafting.commit(x, drafted, path, n, is_chain, st.live[:R])
+        else:
+            m = torch.zeros_like(n)
+        if not is_chain:
+            D = path.shape[1] - 1
+            length = st.length[:R]
+            self.cache.move_paths(torch.arange(R, device=self.device), length[:, None] + path[:, 1:],
+                                  length[:, None] + 1 + torch.arange(D, device=self.device))
+        live = st.live[:R]
+        step_len = (n + 1) * live  # a free row of the bucket does not advance
+        st.length[:R] += step_len
+        st.remaining[:R] -= step_len
+        st.step[:R] += live
+        tok_path = tree.tokens.gather(1, path)  # [R, D + 1]
+        plain_keep = spec is None and self.drafting is not None and self.draft_later and not caught_up
+        self._next_pending(x, tok_path, path, n, m, out.next_token, hidden, plain_keep)
+        n_valid = tree.valid.sum(1) if tree.valid is not None else torch.full_like(n, N)
+        packed = torch.cat([n[:, None], out.next_token[:, None], m[:, None], n_valid[:, None], tok_path], 1)
+
+        host = packed[:B].tolist()  # 5. the step's ONE host read
+        clock.mark()
+        emitted = []
+        advance = []
+        for b, (row, h) in enumerate(zip(self.rows, host)):
+            n_acc, nxt, kept_m, nv, toks = h[0], h[1], h[2], h[3], h[4:]
+            advance.append((row.pending_len + kept_m) if (drafted is not None or caught_up) else 0)
+            if drafted is not None:
+                row.pending_len = n_acc - kept_m + 1
+            elif spec is None and self.drafting is not None and self.draft_later and not caught_up:
+                row.pending_len += 1
+            else:
+                row.pending_len = 1
+            st.lengths[b] += n_acc + 1
+            emitted.append(self._emit(row, toks[1:n_acc + 1] + [nxt], n_acc, nv, spec, clock))
+        if self.drafting is not None and advance:
+            self.drafting.advance(advance)
+        return emitted
+
+    def _emit(self, row: RowHost, tokens: list[int], n_acc: int, n_valid: int, spec, clock) -> list[int]:
+        kept = tokens[:row.remaining]
+        for i, t in enumerate(kept):
+            if t in row.eos_ids:
+                kept = kept[:i + 1]
+                break
+        depth = 0 if spec is None else min(spec.max_depth, row.remaining - 1)
+        row.tokens.extend(kept)
+        row.stats.blocks.append(BlockRecord(n_drafted=n_valid - 1, n_accepted=min(n_acc, len(kept)),
+                                            n_emitted=len(kept), depth=depth))
+        row.clocks.append(clock)
+        if kept and (kept[-1] in row.eos_ids or len(row.tokens) >= row.max_new_tokens):
+            row.done = True
+        return kept
+
+    def _next_pending(self, x: StepInput, tok_path, path, n, m, next_token, hidden, plain_keep: bool) -> None:
+        """Each row's pending tokens for the next step: the accepted nodes the drafter did not
+        keep, then the target's token (a plain step that fed nothing: the old pending + it)."""
+        st, R, P = self.state, x.rows, self.width
+        j = torch.arange(P, device=self.device)[None]  # [1, P]
+        if plain_keep:  # nothing was fed to the draft: the target's token joins the pending ones
+            at = x.pending_len[:, None]  # [R, 1]
+            st.pending[:R] = torch.where(j == at, next_token[:, None], st.pending[:R])
+            if hidden is not None:
+                f = st.pending_feats[:R]
+                st.pending_feats[:R] = torch.where((j == at)[..., None], hidden[:, :1], f)
+            st.pending_len[:R] += st.live[:R]
+            return
+        left = n - m  # accepted nodes not in the draft cache
+        D1 = tok_path.shape[1]
+        src = (m[:, None] + 1 + j).clamp(max=D1 - 1)  # [R, P]
+        vals = tok_path.gather(1, src)
+        st.pending[:R] = torch.where(j == left[:, None], next_token[:, None], vals)
+        st.pending_len[:R] = torch.where(st.live[:R], left + 1, 1)
+        if hidden is not None:  # the target's feature before each pending token
+            at = path.gather(1, (m[:, None] + j).clamp(max=D1 - 1))  # [R, P] tree nodes
+            st.pending_feats[:R] = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1])).to(st.feat_dtype)
+
+    def _verify_forward(self, tree: TreeBatch, R: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        st = self.state
+        N = tree.tokens.shape[1]
+        length = st.length[:R]
+        need = max(st.lengths, default=0) + N
+        span = min(capacity_bucket(need), self.cache.capacity) if self.static else need
+        pos = (length + st.pos_offset[:R])[:, None] + tree.depth.clamp_min(0)  # [R, N]
+        mask = rows_mask(length, span, tree.anc)
+        out = self.forward(write=length, mask=mask, ids=tree.tokens, pos=pos)
+        return (out[0], out[1]) if self.hidden_layers else (out, None)
+
+    def _thresholds(self, R: int) -> torch.Tensor | None:
+        """Each row's relaxed threshold (LOSSY) [R]: the vision one within the window after its
+        prompt's last image, else the text one; None with the exact acceptance."""
+        rel = self.relaxed
+        if rel is None:
+            return None
+        st = self.state
+        near = (st.length[:R] - st.last_image[:R]) <= rel.window
+        return torch.where(near, rel.vision, rel.text).to(torch.float32)

@@ -1,0 +1,262 @@
+"""In-batch ensemble drafting (IbED Algorithm 1) for every request of a step at once.
+
+Every view of every request is one row of the draft model's :class:`~mmspec.models.rows.RowCache`:
+request b's views are rows ``b * V .. b * V + V - 1``. Each step feeds every row's pending tokens
+and each depth's tree nodes in ONE forward of the draft model over all rows; each request's rows'
+next-token distributions are mixed with that request's weights (fixed, or adapting after every
+block: :mod:`mmspec.batching.adaptive`), and the mixture is what the request drafts from (and the
+q its sampling verification uses). A single view is the ensemble of one.
+
+The draft rows' committed lengths and next positions live in device tensors (``length``,
+``position``) with host mirrors the engine advances from the step's one read, so a forward's
+write slots and masks come from the device and its span from the host, never a copy between
+them. A newcomer's views are prefilled straight into their rows (ONE forward for all newcomers,
+a stored prefix reused per row), never on a cache of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from mmspec.batching.forwards import PromptRow, RowForward, prefill_rows
+from mmspec.batching.trees import Drafted, Drafting, StepInput, drop_duplicates
+from mmspec.graphs import capacity_bucket
+from mmspec.masks import causal, rows_mask
+from mmspec.models.base import ModelAdapter
+from mmspec.models.rows import KV, RowCache
+from mmspec.tree import TreeSpec, static_structure
+from mmspec.verify import RowSampling, logits_to_probs_rows
+
+
+def inblock_slots(spec: TreeSpec) -> int:
+    """In-block slots a step's tree feeds after the pending tokens (its fed nodes)."""
+    if spec.kind == "chain":
+        return spec.depth - 1
+    if spec.kind == "dynamic":
+        return (spec.depth - 1) * spec.topk
+    parents, _, _ = static_structure(spec.paths)
+    return len(set(parents) - {0})  # the nodes with children (the root is pending, not in-block)
+
+
+class DraftRows:
+    """The rows of one draft model (or head) over a :class:`RowCache`: their committed lengths
+    and next positions (device tensors and host mirrors), ``per`` rows per request."""
+
+    def __init__(self, n_layers: int, per: int, device: torch.device, static: bool):
+        self.cache = RowCache(n_layers)
+        self.per = per
+        self.device = device
+        self.static = static
+        self.lengths: list[int] = []  # host: committed slots per draft row (active requests' rows)
+        self.length = torch.zeros(per, dtype=torch.long, device=device)  # [rows]
+        self.position = torch.zeros(per, dtype=torch.long, device=device)  # [rows] next position id
+
+    def ensure(self, requests: int, capacity: int) -> bool:
+        """Room for ``requests`` requests' rows of ``capacity`` slots. -> whether anything was
+        reallocated (graphs captured on the old tensors are stale)."""
+        rows = requests * self.per
+        grown = False
+        if rows > self.length.shape[0]:
+            n = len(self.lengths)
+            length = torch.zeros(max(rows, 2 * self.length.shape[0]), dtype=torch.long, device=self.device)
+            position = torch.zeros_like(length)
+            length[:n], position[:n] = self.length[:n], self.position[:n]
+            self.length, self.position, grown = length, position, True
+        return self.cache.ensure(rows, capacity_bucket(capacity) if self.static else capacity) or grown
+
+    def span(self, extra: int) -> int:
+        """Slots a step's forwards attend over: every row's committed ones plus ``extra``."""
+        need = max(self.lengths, default=0) + extra
+        return min(capacity_bucket(need), self.cache.capacity) if self.static else need
+
+    def remove(self, b: int, last: int) -> None:
+        """Request b's rows leave; the last request's rows move into them."""
+        p = self.per
+        for v in range(p):
+            dst, src = b * p + v, last * p + v
+            if dst != src:
+                self.cache.copy_row(dst, src)
+                self.length[dst], self.position[dst] = self.length[src], self.position[src]
+                self.lengths[dst] = self.lengths[src]
+        for v in range(p):
+            self.length[last * p + v] = 0
+            self.position[last * p + v] = 0
+        del self.lengths[last * p:]
+
+
+class EnsembleDrafting(Drafting):
+    """Token-level drafting with an ensemble of views over all requests (module docstring)."""
+
+    keeps_path = True
+
+    def __init__(self, adapter: ModelAdapter, weights: Sequence[float], vocab: int, spec: TreeSpec,
+                 static: bool = False, graphs: str = "eager", n_layers: int | None = None):
+        self.adapter = adapter
+        self.V = len(weights)
+        w = torch.tensor(list(weights), dtype=torch.float64)
+        self.base_weights = (w / w.sum()).to(adapter.device)  # [V]
+        self.vocab = vocab
+        self.spec = spec
+        n_layers = n_layers or adapter.model.config.get_text_config(decoder=True).num_hidden_layers
+        self.rows = DraftRows(n_layers, self.V, adapter.device, static)
+        self.weights = self.base_weights.expand(1, self.V).clone()  # [requests, V]
+        self.adaptive = None  # mmspec.batching.adaptive state, when the weights adapt
+        cache = self.rows.cache
+        self.forward = RowForward(lambda mask, ids, pos: adapter.forward(cache=cache, attention_mask=mask,
+                                                                         position_ids=pos, input_ids=ids),
+                                  cache, graphs, "draft")
+        self._base = self._pos = None
+        self._span = 0
+
+    # ------------------------------------------------------------------ rows
+    def ensure(self, requests: int, capacity: int) -> bool:
+        grown = self.rows.ensure(requests, capacity)
+        if requests > self.weights.shape[0]:
+            w = self.base_weights.expand(max(requests, 2 * self.weights.shape[0]), self.V).clone()
+            w[:self.weights.shape[0]] = self.weights
+            self.weights, grown = w, True
+        if self.adaptive is not None:
+            self.adaptive.ensure(requests)
+        return grown
+
+    def admit(self, first: int, prompts: list, reqs: list, feats=None, inputs=None) -> None:
+        """Requests ``first ..`` join (their :class:`~mmspec.decoder.EncodedRequest` s and
+        checked requests): each request's view rows (its prompt rows, less the pending last token)
+        prefilled in ONE forward into rows ``first * V ..``, each reusing what the prefix cache
+        holds of it; adaptive weights start from the request's ``initial`` weights."""
+        dev, V = self.adapter.device, self.V
+        rows: list[PromptRow] = []
+        next_pos: list[int] = []
+        three_d = any(r.position_ids is not None for p in prompts for r in p.rows)
+        for i, p in enumerate(prompts):
+            match = p.match
+            for v, r in enumerate(p.rows):
+                ids = r.token_ids[:-1]  # the last prompt token is pending
+                L = ids.shape[0]
+                row = (first + i) * V + v
+                s = 0
+                if match is not None and v < len(match.rows) and match.rows[v]:
+                    s = min(self.rows.cache.write_prefix(row, match.row_kv(v)), L)
+                embeds = self.adapter.embed(ids.to(dev)[None])[0]  # [L, H]
+                if r.features is not None:
+                    embeds[r.feature_positions.to(dev)] = r.features.to(dev, embeds.dtype)
+                if r.position_ids is not None:
+                    pos = r.position_ids[:, :L].to(dev)
+                    nxt = int(r.position_ids[:, :L].amax()) + 1
+                else:
+                    pos = torch.arange(L, device=dev)
+                    nxt = L
+                    if three_d:
+                        pos = pos[None].expand(3, L)
+                rows.append(PromptRow(embeds=embeds[s:], positions=pos[..., s:], reused=s))
+                next_pos.append(nxt)
+                self.rows.lengths.append(L)
+        cache = self.rows.cache
+        prefill_rows(cache, first * V, rows, lambda **kw: self.adapter.forward(cache=cache, logits_to_keep=1, **kw))
+        sl = slice(first * V, first * V + len(rows))
+        self.rows.length[sl] = torch.tensor([r.embeds.shape[0] + r.reused for r in rows], dtype=torch.long).to(dev)
+        self.rows.position[sl] = torch.tensor(next_pos, dtype=torch.long).to(dev)
+        self.weights[first:first + len(reqs)] = self.base_weights
+        if self.adaptive is not None:
+            self.adaptive.admit(first, [req.initial for req in reqs])
+            self.weights[first:first + len(reqs)] = self.adaptive.weights[first:first + len(reqs)]
+
+    def remove(self, b: int, last: int) -> None:
+        self.rows.remove(b, last)
+        if b != last:
+            self.weights[b] = self.weights[last]
+        self.weights[last] = self.base_weights
+        if self.adaptive is not None:
+            self.adaptive.remove(b, last)
+
+    def advance(self, delta: list[int]) -> None:
+        """Host mirrors after a step's read: request b's rows committed ``delta[b]`` more slots."""
+        for b, d in enumerate(delta):
+            for v in range(self.V):
+                self.rows.lengths[b * self.V + v] += d
+
+    # ------------------------------------------------------------------ Drafting hooks
+    def _rep(self, t: torch.Tensor) -> torch.Tensor:
+        """Per request [R, ...] -> per draft row [R V, ...] (each request's repeated per view)."""
+        return t if self.V == 1 else t.repeat_interleave(self.V, dim=0)
+
+    def feed_pending(self, x: StepInput) -> torch.Tensor:
+        R, P, dev = x.rows * self.V, x.pending.shape[1], self.adapter.device
+        self._span = self.rows.span(P + inblock_slots(self.spec) + 1)
+        length, position = self.rows.length[:R], self.rows.position[:R]
+        ids = self._rep(x.pending)  # [R V, P]
+        pos = position[:, None] + torch.arange(P, device=dev)
+        mask = rows_mask(length, self._span, causal(P, dev))
+        logits = self.forward(write=length, mask=mask, ids=ids, pos=pos)  # [R V, P, V_draft]
+        plen = self._rep(x.pending_len)
+        self._base, self._pos = length + plen, position + plen  # in-block slot 0; the depth-1 position
+        return logits.gather(1, (plen - 1)[:, None, None].expand(R, 1, logits.shape[-1]))  # [R V, 1, V_draft]
+
+    def feed(self, x, nodes, tokens, parents, depth, first_slot, inblock) -> torch.Tensor:
+        n = tokens.shape[1]
+        mask = rows_mask(self._base, self._span, self._rep(inblock))
+        pos = (self._pos + depth - 1)[:, None].expand(-1, n)
+        return self.forward(write=self._base + first_slot, mask=mask, ids=self._rep(tokens), pos=pos)
+
+    def distributions(self, logits: torch.Tensor, rs: RowSampling) -> torch.Tensor:
+        """Row logits [R V, F, V_draft] -> each request's mixture q [R, F, vocab]."""
+        probs = logits_to_probs_rows(logits, self._rep_sampling(rs))  # [R V, F, V_draft]
+        R = probs.shape[0] // self.V
+        probs = probs.view(R, self.V, *probs.shape[1:])
+        w = self.weights[:R].to(probs.dtype)[:, :, None, None]
+        q = (w * probs).sum(1)  # [R, F, V_draft]
+        if q.shape[-1] < self.vocab:  # the draft's vocabulary is a prefix of the target's
+            q = torch.nn.functional.pad(q, (0, self.vocab - q.shape[-1]))
+        return q
+
+    def _rep_sampling(self, rs: RowSampling) -> RowSampling:
+        if self.V == 1:
+            return rs
+        return rs.rows(torch.arange(rs.greedy.shape[0], device=rs.greedy.device).repeat_interleave(self.V))
+
+    def greedy_argmax(self, logits: torch.Tensor) -> torch.Tensor | None:
+        return logits.argmax(-1) if self.V == 1 else None
+
+    def top_children(self, logits, k, rs):
+        if self.spec.children != "views" or self.V == 1:
+            return super().top_children(logits, k, rs)
+        logp = logits_to_probs_rows(logits, self._rep_sampling(rs)).clamp_min(1e-30).log()  # [R V, F, V_draft]
+        R = logp.shape[0] // self.V
+        s, t = logp.view(R, self.V, *logp.shape[1:]).topk(k, dim=-1)  # [R, V, F, k]
+        s, t = s.permute(0, 2, 1, 3).flatten(2), t.permute(0, 2, 1, 3).flatten(2)  # [R, F, V k]
+        best = drop_duplicates(t, s).topk(k, dim=-1)  # [R, F, k]
+        return t.gather(-1, best.indices), best.values
+
+    # ------------------------------------------------------------------ after verification
+    def commit(self, x: StepInput, d: Drafted, path: torch.Tensor, n_accepted: torch.Tensor,
+               is_chain: bool, live: torch.Tensor) -> torch.Tensor:
+        """Keep the accepted fed nodes (moved into place when the path is not the first branch),
+        drop the rest. -> m [R]: accepted nodes now in the draft cache."""
+        slot, m = self.kept(d, path, n_accepted)  # [R, D], [R]
+        R = x.rows * self.V
+        if not is_chain:
+            D = slot.shape[1]
+            src = self._base[:, None] + self._rep(slot).clamp_min(0)
+            dst = self._base[:, None] + torch.arange(D, device=slot.device)
+            self.rows.cache.move_paths(torch.arange(R, device=slot.device), src, dst)
+        self._advance(R, self._rep(m), live)
+        return m
+
+    def _advance(self, R: int, m: torch.Tensor, live: torch.Tensor) -> None:
+        """Rows' committed slots: the pending tokens fed this step and ``m`` [R V] kept nodes (a
+        free row of the bucket keeps its length)."""
+        lv = self._rep(live)
+        self.rows.length[:R] = torch.where(lv, self._base + m, self.rows.length[:R])
+        self.rows.position[:R] = torch.where(lv, self._pos + m, self.rows.position[:R])
+
+    def catch_up(self, x: StepInput, live: torch.Tensor) -> None:
+        """A step that drafts nothing still feeds the pending tokens (their count stays bounded)."""
+        self.feed_pending(x)
+        R = x.rows * self.V
+        self._advance(R, torch.zeros(R, dtype=torch.long, device=live.device), live)
+
+    def snapshot(self, b: int) -> list[KV | None]:
+        """Request b's view rows as the prefix cache keeps them (committed slots)."""
+        return [self.rows.cache.snapshot(b * self.V + v, 0, self.rows.lengths[b * self.V + v]) for v in range(self.V)]

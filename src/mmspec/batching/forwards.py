@@ -1,0 +1,94 @@
+"""The forwards of the batched engine over a :class:`~mmspec.models.rows.RowCache`: a step's
+fixed-shape forwards (eager, or one CUDA graph per shape), and the prefill of newcomers' rows.
+
+:class:`RowForward` runs one model's step forwards (the target's verify forward, a draft round,
+a head round): inputs are device tensors only, the write slots and the 4-D mask among them, so
+every call of one shape ``(rows, new tokens, span)`` runs the same kernels on the same addresses
+and a :class:`~mmspec.graphs.StepRunner` can capture it once and replay it. Growing the cache
+drops the graphs captured on the old buffer.
+
+:func:`prefill_rows` runs newcomers' prompts (each its own length, right-padded to the longest,
+a stored prefix reused where the prefix cache had one) as ONE eager forward over their rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from mmspec.graphs import StepRunner
+from mmspec.masks import causal, rows_mask
+from mmspec.models.rows import RowCache
+
+
+class RowForward:
+    """``self(write=[R], mask=[R, 1, n, span], **inputs)`` -> ``fn(mask=mask, **inputs)`` after
+    the cache is told where the rows write (module docstring); ``mode``: a
+    :data:`~mmspec.graphs.MODES` entry."""
+
+    def __init__(self, fn: Callable[..., object], cache: RowCache, mode: str = "eager", name: str = "model"):
+        self.fn = fn
+        self.cache = cache
+        self.runner = StepRunner(self._run, None, mode=mode, name=name)
+        self.generation = cache.generation
+
+    def _run(self, write: torch.Tensor, mask: torch.Tensor, **inputs: torch.Tensor):
+        self.cache.begin(0, write, mask.shape[-1])
+        return self.fn(mask=mask, **inputs)
+
+    def __call__(self, write: torch.Tensor, mask: torch.Tensor, **inputs: torch.Tensor):
+        if self.cache.generation != self.generation:  # a new buffer: the old graphs point at freed memory
+            self.runner.reset()
+            self.generation = self.cache.generation
+        return self.runner(write=write, mask=mask, **inputs)
+
+    @property
+    def mode(self) -> str:
+        return self.runner.mode
+
+    @property
+    def shapes(self) -> set:
+        """The input shapes captured so far (one graph each)."""
+        return set(self.runner.graphs)
+
+
+@dataclass
+class PromptRow:
+    """One newcomer row's prefill: what it feeds after its reused prefix."""
+
+    embeds: torch.Tensor  # [n, H] the inputs past the reused slots
+    positions: torch.Tensor  # [n] long, or [3, n] (multimodal RoPE)
+    reused: int  # slots its row already holds (a prefix-cache hit), before these
+
+
+def prefill_rows(cache: RowCache, first: int, rows: list[PromptRow], run: Callable[..., object]):
+    """ONE forward over rows ``first .. first + k - 1`` of ``cache``, row i fed ``rows[i]`` (right-
+    padded to the longest; padding queries at the row's last position, their outputs never read).
+    ``run(inputs_embeds=, position_ids=, attention_mask=)`` is the model's forward on ``cache``.
+    -> its output, or None when no row has anything to feed."""
+    sizes = [r.embeds.shape[0] for r in rows]
+    n_max = max(sizes)
+    if n_max == 0:
+        return None
+    dev = rows[0].embeds.device
+    k, H = len(rows), rows[0].embeds.shape[-1]
+    embeds = rows[0].embeds.new_zeros(k, n_max, H)
+    pos = []
+    for i, (r, n) in enumerate(zip(rows, sizes)):
+        embeds[i, :n] = r.embeds
+        p = r.positions
+        if n < n_max:
+            last = p[..., -1:] if n else p.new_full((*p.shape[:-1], 1), r.reused)
+            p = torch.cat([p, last.expand(*p.shape[:-1], n_max - n)], dim=-1)
+        pos.append(p)
+    position_ids = torch.stack(pos, dim=-2)  # [k, n_max] or [3, k, n_max]
+    reused = torch.tensor([r.reused for r in rows], dtype=torch.long).to(dev)
+    span = max(r.reused for r in rows) + n_max
+    mask = rows_mask(reused, span, causal(n_max, dev))
+    cache.begin(first, reused, span)
+    try:
+        return run(inputs_embeds=embeds, position_ids=position_ids, attention_mask=mask)
+    finally:
+        cache.store.first = 0

@@ -1,0 +1,327 @@
+"""Many requests at once: continuous batching on the one engine, and ``generate`` as a batch of one.
+
+:class:`BatchScheduler` owns an :class:`~mmspec.batching.engine.Engine` and the requests on it.
+Each :meth:`BatchScheduler.step` admits queued requests (checked at submit by
+:func:`mmspec.request.prepare`; prefilled together straight into their rows by
+:func:`mmspec.batching.admission.admit`), runs ONE engine step over every active request, then
+turns each row's tokens into events: the text delta (:class:`~mmspec.streaming.TextDelta`, a
+multi-byte character never split), the result when a request ends. A finished (or cancelled)
+request leaves at once (its row compacted away); what its caches hold, prompt and answer, goes to
+the prefix cache, so a conversation's next turn prefills only its new part.
+
+Lossless per request, whatever else is in the batch: greedy output equals the target's own; a
+seeded request's draws come from its own stream (:mod:`mmspec.rng`), so it returns what it returns
+alone (with ``speculate="always"``; the other policies keep the exact distribution).
+
+:class:`SpeculationPolicy` ("auto") picks each step's draft depth, plain decoding included, for
+the most expected accepted tokens per second at the batch size (goodput).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from mmspec.batching.admission import admit
+from mmspec.errors import MMSpecError
+from mmspec.prefix_cache import make_entry
+from mmspec.request import Request, prepare
+from mmspec.results import GenerationResult
+from mmspec.streaming import TextDelta
+
+SPECULATE = ("always", "never", "auto")
+
+
+@dataclass
+class StepEvent:
+    rid: int  # the id submit() returned
+    new_token_ids: list[int]  # tokens this block committed for the request (may be empty)
+    text: str  # the decoded text delta of those tokens
+    finished: bool
+    result: object | None  # GenerationResult when finished (stats included)
+    error: str | None = None  # set when the request failed alone (others go on)
+
+
+# ---------------------------------------------------------------------------- the policy
+@dataclass
+class SpeculationPolicy:
+    """How deep to draft, per step. "always" (the default: every request's own shape, so a seeded
+    request equals its solo ``generate``), "never" (plain target decoding steps, batched), or
+    "auto", the goodput policy: per step, the draft depth d (γ of a chain, the depth a tree is
+    cut to; 0 = plain decoding) that maximises the expected accepted tokens per second at the
+    current batch size B,
+
+        goodput(B, d) = B · (1 + α + α² + … + α^d) / T(B, d),
+
+    from the recent acceptance α (per drafted position, a truncated-geometric estimate from the
+    blocks' accepted and rejected drafts: an exponential average) and T(B, d), the measured
+    seconds of one step at that batch size and depth: measured where that depth ran (an
+    exponential average), else interpolated linearly in d between the measured depths around it.
+    The full depth is tried first at each batch size, then plain steps, then whichever wins; a
+    depth that loses is tried again every ``probe_every`` steps. Every choice is lossless by
+    construction (a shallower tree, or the root alone, is verified exactly as any other)."""
+
+    mode: str = "always"
+    probe_every: int = 32
+    smoothing: float = 0.3  # weight of the newest step in the averages
+    costs: dict = field(default_factory=dict)  # (batch size, depth) -> seconds per step
+    blocks: dict = field(default_factory=dict)  # batch size -> steps decided
+    accepted: float = 0.0  # averaged accepted drafts per step (over rows)
+    rejected: float = 0.0  # averaged rejections per step (blocks that stopped before their depth)
+
+    def __post_init__(self) -> None:
+        if self.mode not in SPECULATE:
+            raise MMSpecError(f"speculate must be one of {SPECULATE}, got {self.mode!r}")
+
+    @property
+    def acceptance(self) -> float | None:
+        """α, the estimated probability that a drafted token is accepted (None: nothing drafted yet)."""
+        n = self.accepted + self.rejected
+        return None if n <= 0 else self.accepted / n
+
+    def cost(self, batch: int, depth: int) -> float | None:
+        """T(B, d): measured, or interpolated between the measured depths around d (None: neither)."""
+        if (batch, depth) in self.costs:
+            return self.costs[(batch, depth)]
+        known = sorted(d for b, d in self.costs if b == batch)
+        lo = [d for d in known if d < depth]
+        hi = [d for d in known if d > depth]
+        if not lo or not hi:
+            return None
+        a, b = lo[-1], hi[0]
+        ta, tb = self.costs[(batch, a)], self.costs[(batch, b)]
+        return ta + (tb - ta) * (depth - a) / (b - a)
+
+    def goodput(self, batch: int, depth: int) -> float | None:
+        """Expected emitted tokens per second with drafts of ``depth`` at ``batch`` (None: unknown)."""
+        t, alpha = self.cost(batch, depth), self.acceptance
+        if t is None or (alpha is None and depth > 0):
+            return None
+        tokens = sum((alpha or 0.0) ** i for i in range(depth + 1))  # 1 + α + … + α^d
+        return batch * tokens / max(t, 1e-9)
+
+    def decide(self, batch: int, max_depth: int) -> int:
+        """The draft depth of the next step at ``batch`` requests (0: plain decoding)."""
+        if self.mode != "auto":
+            return max_depth if self.mode == "always" else 0
+        k = self.blocks.get(batch, 0)
+        self.blocks[batch] = k + 1
+        if (batch, max_depth) not in self.costs:
+            return max_depth
+        if (batch, 0) not in self.costs:
+            return 0
+        rates = {d: self.goodput(batch, d) for d in range(max_depth + 1)}
+        best = max((d for d in rates if rates[d] is not None), key=lambda d: rates[d], default=max_depth)
+        if k % self.probe_every == 0:  # now and then the extreme that lost, measured again
+            return 0 if best != 0 else max_depth
+        return best
+
+    def record(self, batch: int, depth: int, seconds: float, accepted: int = 0, rejected: int = 0) -> None:
+        """One step's measured time at (batch, depth) and its rows' accepted drafts and rejections."""
+        w = self.smoothing
+        old = self.costs.get((batch, depth))
+        self.costs[(batch, depth)] = seconds if old is None else (1 - w) * old + w * seconds
+        if depth > 0:
+            self.accepted = (1 - w) * self.accepted + w * accepted
+            self.rejected = (1 - w) * self.rejected + w * rejected
+
+
+# ---------------------------------------------------------------------------- requests
+@dataclass
+class _Active:
+    rid: int
+    req: Request
+    prompt: object  # the decoder's EncodedRequest: the prompt's keys and encoded images, for the prefix cache
+    t_start: float
+    delta: TextDelta
+    proposer: object | None = None  # a model-free drafter's proposer (lookup / suffix)
+
+
+class BatchScheduler:
+    """Continuous batching over one :class:`~mmspec.decoder.SpecDecoder` (module docstring).
+
+    Driven by ONE thread (not thread-safe). ``speculate``: "always", "never", "auto" or a
+    :class:`SpeculationPolicy`."""
+
+    def __init__(self, decoder, *, max_batch: int = 16, speculate="always"):
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise MMSpecError(f"max_batch must be a whole number >= 1, got {max_batch!r}")
+        self.decoder = decoder
+        self.max_batch = max_batch
+        self.policy = speculate if isinstance(speculate, SpeculationPolicy) else SpeculationPolicy(speculate)
+        self.engine = decoder.engine_for(self)
+        self.engine.draft_later = self.policy.mode != "never"
+        if self.engine.active:  # a leased engine may come back with rows of a failed batch
+            while self.engine.active:
+                self.engine.remove(self.engine.active - 1)
+        self._queue: deque = deque()  # (rid, Request, t_submit)
+        self._active: list[_Active] = []  # row b of the engine is _active[b]
+        self._next_rid = 0
+
+    # ------------------------------------------------------------------ the API
+    def submit(self, request: dict | Request, **defaults) -> int:
+        """Check the request now (MMSpecError), queue it; returns its id."""
+        if isinstance(request, Request):
+            req = request
+        elif not isinstance(request, dict):
+            raise MMSpecError(f"a request is a dict of generate()'s arguments (input_ids, pixel_values, ...), "
+                              f"got {type(request).__name__}")
+        else:
+            req = prepare(self.decoder, request, defaults)
+        rid = self._next_rid
+        self._next_rid += 1
+        self._queue.append((rid, req, time.perf_counter()))
+        return rid
+
+    def has_work(self) -> bool:
+        return bool(self._queue or self._active)
+
+    def close(self) -> None:
+        """Done with this scheduler (it must not step again): the static engine it leased from
+        the decoder (buffers and CUDA graphs) goes to the next scheduler."""
+        if self._active or self._queue:
+            raise MMSpecError(f"close() with {len(self._active)} active and {len(self._queue)} queued requests; "
+                              "cancel or finish them first")
+        self.decoder.static_pool.give_back(self)
+
+    @torch.inference_mode()
+    def cancel(self, rid: int) -> None:
+        """Drop a queued or active request (its rows freed); unknown or finished ids are ignored."""
+        self._queue = deque(q for q in self._queue if q[0] != rid)
+        for b, a in enumerate(self._active):
+            if a.rid == rid:
+                self._remove(b)
+                return
+
+    @torch.inference_mode()
+    def step(self) -> list[StepEvent]:
+        """Admit queued requests (prefill), then run ONE engine step over every active request."""
+        events: list[StepEvent] = []
+        self._admit(events)
+        if not self._active:
+            return events
+        t0 = time.perf_counter()
+        B = len(self._active)
+        depth = self.policy.decide(B, self.decoder.tree.max_depth)
+        proposers = [a.proposer for a in self._active]
+        try:
+            outcomes = self.engine.step(depth, proposers if any(p is not None for p in proposers) else None)
+        except Exception as e:  # noqa: BLE001 - the shared step failed: every request in it
+            for a in self._active:
+                events.append(StepEvent(a.rid, [], "", True, None, error=_message(e)))
+            while self._active:
+                self._remove(len(self._active) - 1)
+            return events
+        accepted = rejected = 0
+        finished: list[int] = []
+        for b, (a, kept) in enumerate(zip(self._active, outcomes)):
+            row = self.engine.rows[b]
+            rec = row.stats.blocks[-1]
+            accepted += rec.n_accepted
+            rejected += rec.n_drafted > 0 and rec.n_accepted < rec.drafted_depth and len(kept) == rec.n_accepted + 1
+            text = a.delta.push(kept)
+            result = None
+            if row.done:
+                text += a.delta.finish()
+                result = self._finish(b, a)
+            events.append(StepEvent(a.rid, kept, text, row.done, result))
+            if row.done:
+                finished.append(b)
+        self.policy.record(B, depth, time.perf_counter() - t0, accepted, rejected)
+        for b in sorted(finished, reverse=True):
+            self._remove(b)
+        return events
+
+    # ------------------------------------------------------------------ internals
+    def _admit(self, events: list[StepEvent]) -> None:
+        """Admit what the free rows allow; a request that fails, fails alone."""
+        group = []
+        while self._queue and len(self._active) + len(group) < self.max_batch:
+            group.append(self._queue.popleft())
+        if not group:
+            return
+        dec = self.decoder
+        admitted = admit(dec, self.engine, [req for _, req, _ in group])
+        for (rid, req, t_submit), ad in zip(group, admitted):
+            if ad.error is not None:
+                events.append(StepEvent(rid, [], "", True, None, error=_message(ad.error)))
+                continue
+            a = _Active(rid, req, ad.prompt, t_submit, TextDelta(dec.tokenizer), proposer=dec.proposer_for_request(ad.prompt))
+            self._active.append(a)  # row ad.row of the engine
+        for b in range(len(self._active) - sum(1 for ad in admitted if ad.error is None), len(self._active)):
+            self._remember(b, self._active[b])  # the prompt, for a later request that extends it
+
+    def _remove(self, b: int) -> None:
+        self.engine.remove(b)
+        last = len(self._active) - 1
+        self._active[b] = self._active[last]
+        self._active.pop()
+
+    def _finish(self, b: int, a: _Active) -> GenerationResult:
+        """The request's result; its prompt and answer kept for the conversation's next turn."""
+        row = self.engine.rows[b]
+        st = row.stats
+        row.record_times()
+        self._remember(b, a)
+        st.total_s = time.perf_counter() - a.t_start
+        if a.proposer is not None:  # suffix decoding: the request joins the decoder's store
+            a.proposer.finish(list(row.tokens))
+        adaptive = getattr(self.engine.drafting, "adaptive", None)
+        if adaptive is not None:  # the weights' trajectory, read once
+            st.view_weights, st.final_weights = adaptive.trajectory(b)
+        text = self.decoder.tokenizer.decode(row.tokens, skip_special_tokens=True)
+        return GenerationResult(token_ids=list(row.tokens), text=text, stats=st, seed=a.req.seed)
+
+    def _remember(self, b: int, a: _Active) -> None:
+        """What row b's caches hold (prompt + answer, as far as committed) into the prefix cache."""
+        keys = a.prompt.keys
+        if keys is None:
+            return
+        row = self.engine.rows[b]
+        seq_len = keys.target.shape[0] + len(row.tokens)
+        target = self.engine.cache.snapshot(b, 0, min(self.engine.state.lengths[b], seq_len))
+        if target is None:
+            return
+        drafting = self.engine.drafting
+        if drafting is None:  # a model-free drafter (lookup / suffix): the target's rows alone
+            entry = make_entry(keys, a.prompt.encoded, row.tokens, target)
+        elif self.decoder.head is not None:
+            head = drafting.snapshot(b)
+            entry = make_entry(keys, a.prompt.encoded, row.tokens, target, head=head) if head is not None else None
+        else:
+            kvs = drafting.snapshot(b)
+            entry = make_entry(keys, a.prompt.encoded, row.tokens, target, rows=None if None in kvs else kvs)
+        if entry is not None:
+            self.decoder.prefix_cache.store(entry)
+
+
+def _message(e: Exception) -> str:
+    return str(e) if isinstance(e, MMSpecError) else f"{type(e).__name__}: {e}"
+
+
+def generate_batch(dec, requests: list[dict], *, max_batch: int = 16, speculate="always", **defaults) -> list:
+    """:meth:`SpecDecoder.generate_batch`: every request checked first ("request N: ..."), then
+    decoded with continuous batching; results in input order."""
+    if not isinstance(requests, (list, tuple)):
+        raise MMSpecError(f"requests must be a list of dicts (one per prompt), got {type(requests).__name__}")
+    if speculate == "auto":  # the decoder's own policy: what it measured in earlier calls carries over
+        speculate = dec.speculation_policy
+    sched = BatchScheduler(dec, max_batch=max_batch, speculate=speculate)
+    rids = []
+    for i, req in enumerate(requests):
+        try:
+            rids.append(sched.submit(req, **defaults))
+        except MMSpecError as e:
+            raise MMSpecError(f"request {i}: {e}") from None
+    results: dict[int, object] = {}
+    while sched.has_work():
+        for ev in sched.step():
+            if ev.error is not None:
+                raise MMSpecError(f"request {rids.index(ev.rid)}: {ev.error}")
+            if ev.finished:
+                results[ev.rid] = ev.result
+    sched.close()
+    return [results[r] for r in rids]
