@@ -146,6 +146,22 @@ def confirmed_evidence(q: torch.Tensor, p: torch.Tensor, tokens: torch.Tensor, v
     return kl * valid, lq * valid
 
 
+def evidence_rows(q: torch.Tensor, p: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`confirmed_evidence` with every row its own target: q [N, m, V_draft], p [N, m, V],
+    tokens [N, m] long, valid [N, m] bool -> kl, logq [N, m] (the same maths, row by row)."""
+    V = p.shape[-1]
+    q = q.double()
+    if q.shape[-1] < V:
+        q = torch.nn.functional.pad(q, (0, V - q.shape[-1]))
+    p = p.double()
+    logq = q.clamp_min(1e-300).log().clamp_min(LOG_FLOOR)  # [N, m, V]
+    plogp = torch.where(p > 0, p * p.clamp_min(1e-300).log(), torch.zeros_like(p))
+    kl = (plogp - p * logq).sum(-1).clamp_min(0.0)  # [N, m]
+    lq = logq.gather(-1, tokens[..., None])[..., 0]
+    return kl * valid, lq * valid
+
+
 def tabed_weights(kl_sum: torch.Tensor, prior: torch.Tensor, temperature: float) -> torch.Tensor:
     """TABED: kl_sum [B] (summed KL over the history), prior [B] -> weights [B] summing to 1:
     ``prior · norm(1 / kl_sum) ** (1 / temperature)``, renormalised."""

@@ -14,7 +14,6 @@ token for token; with sampling the output is distributed exactly as the target's
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -22,19 +21,14 @@ from dataclasses import dataclass, replace
 import torch
 
 from mmspec import checks
-from mmspec.adaptive import AdaptiveState, AdaptiveWeights
-from mmspec.drafter import EnsembleDrafter
-from mmspec.engine import run_loop
+from mmspec.adaptive import AdaptiveWeights
 from mmspec.errors import MMSpecError
-from mmspec.forwards import TargetState
 from mmspec.graphs import StaticPool, graph_mode
 from mmspec.heads.directory import is_head_dir, load_head
-from mmspec.heads.drafter import HeadDrafter
 from mmspec.heads.model import FeatureHead, check_head_fits
-from mmspec.heads.positions import prompt_positions
-from mmspec.lookup import MergedDrafter, ModelFreeDrafter, SuffixStore, history, proposer_for
+from mmspec.lookup import SuffixStore, history, proposer_for
 from mmspec.models.base import adapter_for, same_vision
-from mmspec.models.cache import set_cache_length, supports_trees
+from mmspec.models.cache import supports_trees
 from mmspec.models.captioner import HFCaptioner
 from mmspec.models.loading import (
     check_same_vocabulary,
@@ -54,33 +48,19 @@ from mmspec.prefix_cache import (
     PrefixMatch,
     PromptKeys,
     check_budget,
-    entry_after_decode,
     prompt_keys,
     segment_digests,
-    write_kv,
 )
 from mmspec.request import prepare
 from mmspec.results import GenerationResult
 from mmspec.stats import GenerationStats
 from mmspec.streaming import TextStream
-from mmspec.timing import sync
 from mmspec.tree import parse_tree
-from mmspec.views import View, ViewRow, ensemble_name, parse_views
+from mmspec.views import View, ensemble_name, parse_views
 
 # processor outputs generate() passes on to the families that read them (models/*.py: mm_keys)
 MM_KEYS = ("image_sizes", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids",
            "second_per_grid_ts", "batch_num_images")
-
-
-@dataclass
-class Prefilled:
-    """One request after :meth:`SpecDecoder.prefill_request`: what the loop runs on, and what
-    :meth:`SpecDecoder.remember` keeps of it afterwards."""
-
-    state: TargetState
-    drafter: object  # an EnsembleDrafter or a HeadDrafter
-    keys: PromptKeys | None  # the prompt's content keys (None: prefix caching off)
-    encoded: EncodedPrompt
 
 
 @dataclass
@@ -373,39 +353,36 @@ class SpecDecoder:
         tokens [n], then ``end()``. ``initial_weights``: with
         adaptive weights, where this request's weights start (e.g. the previous turn's
         ``stats.final_weights``)."""
-        t_start = time.perf_counter()
         req = prepare(self, dict(input_ids=input_ids, pixel_values=pixel_values, attention_mask=attention_mask,
                                  max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, top_k=top_k,
                                  top_p=top_p, images=images, captions=captions, videos=videos,
                                  substitutes=substitutes, initial_weights=initial_weights, **unused))
-        stats = self.new_stats()
-        captured = self._static_pool.capture_s
-        pre = self.prefill_request(req.ids, req.mm, req.layout, req.max_new_tokens, stats, **req.extra,
-                                   initial=req.initial)
-        options = self.options_for(req)
+        from mmspec.batching.scheduler import BatchScheduler
+
+        sched = BatchScheduler(self, max_batch=1)  # one request: a batch of one on the one engine
+        captured = sched.engine.capture_s
+        sched.submit(req)
         if streamer is not None:
             streamer.put(req.ids[None])  # the prompt first, as transformers' generate does
+        result = None
         try:
-            tokens = run_loop(pre.state, pre.drafter, options, req.generator(self.target.device), stats,
-                              on_block=None if streamer is None else lambda kept: streamer.put(torch.tensor(kept)))
+            while sched.has_work():
+                for ev in sched.step():
+                    if ev.exception is not None:
+                        raise ev.exception
+                    if streamer is not None and ev.new_token_ids:
+                        streamer.put(torch.tensor(ev.new_token_ids))
+                    if ev.finished:
+                        result = ev.result
         finally:
+            if sched.has_work():  # an error or a cancelled stream: the rows go back
+                for rid in list(range(sched._next_rid)):
+                    sched.cancel(rid)
+            sched.close()
             if streamer is not None:
                 streamer.end()
-        self.remember(pre, tokens)
-        finish = getattr(pre.drafter, "finish", None)  # suffix decoding: the request joins the decoder's store
-        if finish is not None:
-            finish(tokens)
-        if pre.drafter.adaptive is not None:  # the weights' trajectory: one host read, at the end
-            stats.view_weights, stats.final_weights = pre.drafter.adaptive.trajectory()
-        stats.capture_s = self._static_pool.capture_s - captured
-        stats.total_s = time.perf_counter() - t_start
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return GenerationResult(token_ids=tokens, text=text, stats=stats, seed=req.seed)
-
-    def options_for(self, req) -> EngineOptions:
-        """The engine's settings for one checked request (:class:`~mmspec.request.Request`)."""
-        img = (req.ids == self.target.image_token_id).nonzero()
-        return self.options.for_call(req.max_new_tokens, req.params, int(img[-1, 0]) if img.numel() else None)
+        result.stats.capture_s = sched.engine.capture_s - captured
+        return result
 
     def generate_batch(self, requests: list[dict], *, max_batch: int = 16, speculate: str = "always",
                        **defaults) -> list[GenerationResult]:
@@ -446,21 +423,7 @@ class SpecDecoder:
         return TextStream(self, (input_ids, pixel_values, attention_mask), kwargs)
 
     # ------------------------------------------------------------------ one request's prefill
-    def prefill_request(self, ids: torch.Tensor, mm: dict, layout, max_new_tokens: int, stats: GenerationStats,
-                        images=None, captions=None, videos=None, substitutes=None, initial=None,
-                        static: bool | None = None) -> Prefilled:
-        """Encode (or reuse the encoded images of a stored prompt), then prefill the target and
-        the drafter of ONE checked request on fresh caches of this decoder, each reusing what the
-        prefix cache holds of its prompt (only the rest is prefilled). ``static``: on the
-        decoder's static caches (default: its mode) or on eager caches of the request's own
-        (False). Its three steps, :meth:`encode_prompt`, the target's prefill on
-        :meth:`target_inputs` and :meth:`prefill_drafter`, are what :mod:`mmspec.admission` runs
-        for a batch's newcomers, their target prefills as one forward."""
-        static = self.static if static is None else static
-        prompt = self.encode_prompt(ids, mm, layout, stats, images, captions, videos, substitutes)
-        state, feats = self._prefill_target(ids, mm, prompt, max_new_tokens, stats, static)
-        return self.prefill_drafter(prompt, state, feats, max_new_tokens, stats, initial, static)
-
+    # ------------------------------------------------------------------ one request's prompt
     def encode_prompt(self, ids: torch.Tensor, mm: dict, layout, stats: GenerationStats, images=None,
                       captions=None, videos=None, substitutes=None) -> EncodedRequest:
         """Step 1 of a prefill: the prompt's images encoded (or the encoded images of a stored
@@ -480,54 +443,6 @@ class SpecDecoder:
             keys = prompt_keys(ids, self.target.placeholders(), enc, rows, self.views, digests)
             match = self.prefix_cache.match(keys.target[:-1], [k[:-1] for k in keys.rows], head=self.head is not None)
         return EncodedRequest(ids=ids, mm=mm, encoded=enc, rows=rows, keys=keys, match=match, captions=captions)
-
-    def prefill_drafter(self, prompt: EncodedRequest, state: TargetState, feats: torch.Tensor | None,
-                        max_new_tokens: int, stats: GenerationStats, initial=None, static: bool = False) -> Prefilled:
-        """Step 3 of a prefill (after the target's): the drafter of the request, reusing what the
-        prefix cache holds of its rows (a head reads the target's prefill features ``feats``)."""
-        ids, enc, match = prompt.ids, prompt.encoded, prompt.match
-        drafter = None
-        if self.head is not None:  # the head drafts over the target's features
-            drafter = self._prefill_head(feats, ids, max_new_tokens, stats, match, prompt.mm, static)
-        elif self.draft is not None:
-            prefix = None if match is None else [match.row_kv(b) if n else None for b, n in enumerate(match.rows)]
-            drafter = self._prefill_draft(prompt.rows, max_new_tokens, stats, prefix=prefix, initial=initial,
-                                          static=static)
-        if self.model_free:  # the request's text (captions, prompt) for lookup / suffix decoding
-            proposer = self._proposer(ids, enc, prompt.captions)
-            drafter = ModelFreeDrafter(proposer, self.target.vocab_size, self.target.device) \
-                if self.model_free_alone else MergedDrafter(drafter, proposer, self.target.vocab_size)
-        return Prefilled(state=state, drafter=drafter, keys=prompt.keys, encoded=enc)
-
-    def remember(self, pre: Prefilled, tokens: list[int], copy: bool | None = None) -> None:
-        """Keep what a finished request's caches hold (its prompt and new tokens) for the next
-        prompt that extends it (no-op when prefix caching is off). ``copy``: copy the caches
-        (default: only static ones, which later decodes reuse; an eager decode's are taken over);
-        pass True when anything may still write them (a batch that keeps using them)."""
-        if pre.keys is not None:
-            entry = entry_after_decode(pre.keys, pre.encoded, pre.state.cache, pre.drafter, tokens,
-                                       head=self.head is not None, copy=self.static if copy is None else copy)
-            if entry is not None:
-                self.prefix_cache.store(entry)
-
-    # ------------------------------------------------------------------ pieces of generate
-    @torch.inference_mode()
-    def new_drafter(self, input_ids, pixel_values=None, *, max_new_tokens: int = 128,
-                    images: Sequence | None = None, captions: Sequence[str] | None = None,
-                    cache=None) -> EnsembleDrafter:
-        """The draft side of :meth:`generate` alone: vision, captions and the prefilled ensemble
-        drafter for this prompt (its last token not fed). Used to time draft steps in isolation;
-        ``cache`` runs it on a cache of the caller's (e.g. a ``DynamicCache``, to compare)."""
-        if self.draft is None:
-            raise MMSpecError("new_drafter times token-level drafters; a head or a model-free draft drafts inside "
-                              "generate()")
-        ids = checks.check_ids(input_ids, None)
-        checks.check_images_and_captions(images, captions)
-        mm = {"pixel_values": pixel_values}
-        layout = self.mm.layout(ids, mm)
-        stats = self.new_stats()
-        enc = self.mm.encode(layout, mm, stats, images=images, captions=captions)
-        return self._prefill_draft(self.mm.rows(enc), max_new_tokens, stats, cache, static=self.static)
 
     def mm_inputs(self, pixel_values, unused: dict) -> dict:
         """generate()'s extra keywords -> the multimodal inputs, unknown ones refused."""
@@ -593,91 +508,6 @@ class SpecDecoder:
         return TargetInputs(embeds=embeds[:, s:], positions=positions[..., s:], reused=s,
                             pos_offset=int(next_pos[0]) - (L - 1))
 
-    def _prefill_target(self, ids: torch.Tensor, mm: dict, prompt: EncodedRequest, max_new_tokens: int,
-                        stats: GenerationStats, static: bool = False) -> tuple[TargetState, torch.Tensor | None]:
-        """The target's prefill on :meth:`target_inputs`, the first ``match.target`` positions
-        copied from the prefix cache instead. -> the target's state and, for a head, the target's
-        features at the prefilled positions [1, L - 1 - reused, F], images included."""
-        t0 = time.perf_counter()
-        dev = self.target.device
-        L = ids.shape[0]
-        cache, step = self._target_cache(L + self.room(max_new_tokens), static)
-        x = self.target_inputs(prompt)
-        s, match = x.reused, prompt.match
-        if s:
-            write_kv(cache, match.target_kv())
-            set_cache_length(cache, s)
-        stats.prompt_tokens_reused = s
-        if static:
-            attn = torch.ones(L - 1, cache.max_len, dtype=torch.bool, device=dev).tril()[None, None, s:]
-        else:
-            attn = torch.ones(1, L - 1, dtype=torch.long, device=dev)
-        out = None
-        if s < L - 1:
-            out = self.target.forward(cache=cache, attention_mask=attn, position_ids=x.positions,
-                                      inputs_embeds=x.embeds, logits_to_keep=1, hidden=self.hidden_layers)
-        sync(dev)
-        stats.prefill_target_s = time.perf_counter() - t0
-        feats = out[1] if self.head is not None else None  # [1, L - 1 - s, F]
-        state = TargetState(cache=cache, step=step, length=L - 1, pending=int(ids[-1]), device=dev,
-                            pos_offset=x.pos_offset,  # multimodal RoPE: text after the prompt is not at past + i
-                            first_feats=None if feats is None else feats[0, -1:])  # [1, F] before the pending token
-        return state, feats
-
-    def _target_cache(self, needed: int, static: bool):
-        """The target's cache for one decode and the function that runs its block forwards."""
-        if not static:
-            cache = self.target.new_cache(needed)  # preallocated, O(1) roll-back
-            return cache, token_forward(self.target, cache, self.hidden_layers)
-        cache, runner = self._static_pool.get(
-            "target", 1, needed, lambda n: self.target.new_cache(n, static=True),
-            lambda c: token_forward(self.target, c, self.hidden_layers))
-        cache.reset()
-        return cache, runner
-
-    def _prefill_draft(self, rows: list[ViewRow], max_new_tokens: int, stats: GenerationStats,
-                       cache=None, prefix: list | None = None, initial: Sequence[float] | None = None,
-                       static: bool = False) -> EnsembleDrafter:
-        """Every view one row of one batch, prefilled on the prompt less its pending last token."""
-        t0 = time.perf_counter()
-        for v, r in zip(self.views, rows):
-            self._check_draft_context(v, r.token_ids.shape[0], max_new_tokens)
-            r.token_ids = r.token_ids[:-1]  # the last prompt token is pending
-        room = self.room(max_new_tokens)
-        runner = None
-        if static and cache is None:
-            needed = max(r.token_ids.shape[0] for r in rows) + room
-            cache, runner = self._static_pool.get("draft", len(rows), needed,
-                                                  lambda n: self.draft.new_cache(n, static=True),
-                                                  lambda c: token_forward(self.draft, c))
-        drafter = EnsembleDrafter(self.draft, self.weights, target_vocab=self.target.vocab_size, room=room,
-                                  static=static, cache=cache, step_fn=runner)
-        if self.adaptive is not None:  # this request's weights, on the draft's device
-            drafter.adaptive = AdaptiveState(self.adaptive, len(rows), self.draft.device, initial)
-            drafter.weights = drafter.adaptive.weights
-        drafter.prefill(rows, prefix)
-        sync(self.draft.device)
-        stats.prefill_draft_s = time.perf_counter() - t0
-        return drafter
-
-    def _prefill_head(self, feats: torch.Tensor, ids: torch.Tensor, max_new_tokens: int,
-                      stats: GenerationStats, match: PrefixMatch | None = None, mm: dict | None = None,
-                      static: bool = False) -> HeadDrafter:
-        """The head over the target's features ``feats`` [1, L - 1 - k, F] and the prompt ``ids``
-        [L], its first k = ``match.head`` slots copied from the prefix cache."""
-        t0 = time.perf_counter()
-        room = self.room(max_new_tokens)
-        drafter = HeadDrafter(self.head, self.target, room, static=static)
-        if static:
-            drafter.cache, drafter.step_fn = self._static_pool.get(
-                "head", 1, ids.shape[0] + room, lambda n: self.head.new_cache(n, static=True),
-                lambda c: head_forward(self.head, c), name="draft head")
-        drafter.prefill(feats, ids, match.head_kv() if match is not None and match.head else None,
-                        positions=prompt_positions(self.head, self.target, ids, mm or {}))  # M-RoPE heads
-        sync(self.target.device)
-        stats.prefill_draft_s = time.perf_counter() - t0
-        return drafter
-
     def _draft_positions(self) -> str:
         """How the block's draft depth is set, for error messages."""
         return f"gamma={self.gamma}" if self.tree.kind == "chain" else f"a tree {self.tree.max_depth} deep"
@@ -699,18 +529,21 @@ class SpecDecoder:
         with static shapes the one this decoder keeps (its buffers and graphs) for one holder at a time."""
         from mmspec.batching.engine import Engine
         from mmspec.batching.ensemble import EnsembleDrafting
+        from mmspec.graphs import GraphPool
 
         def make():
+            pool = GraphPool(self.graph_mode)  # one pool for every graph of the engine
             drafting = None
             feat_dim = feat_dtype = None
             if self.head is not None:
                 from mmspec.batching.heads import HeadDrafting
 
-                drafting = HeadDrafting(self.head, self.target, self.tree, static=self.static, graphs=self.graph_mode)
+                drafting = HeadDrafting(self.head, self.target, self.tree, static=self.static, graphs=self.graph_mode,
+                                        pool=pool)
                 feat_dim, feat_dtype = self.head.config.feature_size, self.head.dtype
             elif self.draft is not None:
                 drafting = EnsembleDrafting(self.draft, self.weights, self.target.vocab_size, self.tree,
-                                            static=self.static, graphs=self.graph_mode)
+                                            static=self.static, graphs=self.graph_mode, pool=pool)
                 if self.adaptive is not None:
                     from mmspec.batching.adaptive import BatchAdaptive
 
@@ -718,7 +551,8 @@ class SpecDecoder:
             n_layers = self.target_model.config.get_text_config(decoder=True).num_hidden_layers
             return Engine(self.target, n_layers, self.tree, drafting, hidden_layers=self.hidden_layers,
                           relaxed=self.acceptance, static=self.static, graphs=self.graph_mode, feat_dim=feat_dim,
-                          feat_dtype=feat_dtype or torch.float32)
+                          feat_dtype=feat_dtype or torch.float32, pool=pool,
+                          proposals_beside=bool(self.model_free) and not self.model_free_alone)
 
         return self._static_pool.lease("engine", holder, make) if self.static else make()
 
@@ -742,18 +576,4 @@ class SpecDecoder:
                 "fewer image tokens (text, caption or pooled:N)"
             )
 
-
-def token_forward(adapter, cache, hidden: tuple[int, ...] = ()):
-    """The fixed-shape forward of one model on one cache: ids, position ids and mask in, logits
-    out (and the hidden states of ``hidden`` layers, for a head, from the same forward)."""
-    def fn(ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor):
-        return adapter.forward(cache=cache, attention_mask=mask, position_ids=pos, input_ids=ids, hidden=hidden)
-    return fn
-
-
-def head_forward(head, cache):
-    """A head's fixed-shape forward on its cache: features, embeddings, positions, mask in."""
-    def fn(feats: torch.Tensor, embeds: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return head(feats, embeds, cache=cache, position_ids=pos, attention_mask=mask)
-    return fn
 

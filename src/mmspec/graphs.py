@@ -2,12 +2,12 @@
 
 At 7B shapes an eager decode step is launch-bound: Python and ~1,000 kernel launches per step
 cost 5.8x the memory-bandwidth floor (docs/perf.md §5). A CUDA graph replays the same kernels
-with one launch. A graph fixes every address and shape, so the forwards it captures run on a
-*static* cache (:class:`~mmspec.models.cache.DecodeCache` with ``static=True``: the write
-position is a device cursor, attention spans the whole buffer under a 4-D mask) and read their
-inputs from buffers this module owns: per input shape ``(rows, new tokens)`` one graph, captured
-on first use (after two warm-up runs on a side stream) and replayed for every later call of the
-same shape, for as long as its :class:`StepRunner` lives (one per model, cache and decoder).
+with one launch. A graph fixes every address and shape, so the forwards it captures run on the
+engine's fixed buffers (:class:`~mmspec.models.rows.RowCache`: each row's write slots a device
+tensor, attention over a bucket of slots under a 4-D mask) and read their inputs from buffers
+this module owns: per input shape ``(rows, new tokens, span)`` one graph, captured on first use
+(after two warm-up runs on a side stream) and replayed for every later call of the same shape,
+for as long as its :class:`StepRunner` lives; every graph of an engine in one :class:`GraphPool`.
 
 Why explicit ``torch.cuda.CUDAGraph`` capture rather than ``torch.compile(mode="reduce-overhead")``:
 measured in ``perf/gpu_shapes.py`` (docs/perf.md, "GPU path"); the short version is that
@@ -17,8 +17,8 @@ engine needs a graph per verify size and per draft row count.
 Modes: ``"eager"`` (no capture), ``"cuda"`` (capture), ``"emulate"`` (CPU tests: the same
 buffer and cursor bookkeeping; the capture runs the forward's Python side once, as a CUDA capture
 does, and each replay re-runs it). Anything that fails to capture falls back to eager with one
-clear warning, the cache restored to where the attempt found it: the tokens are the same, only
-slower. :class:`StaticPool` keeps a decoder's static caches and runners across calls.
+clear warning: the tokens are the same, only slower. :class:`StaticPool` keeps a decoder's engine
+(buffers and graphs) across calls.
 """
 
 from __future__ import annotations
@@ -48,6 +48,57 @@ def capacity_bucket(needed: int) -> int:
     return max(MIN_CAPACITY, bucket(needed))
 
 
+class GraphPool:
+    """The memory pool the CUDA graphs of one engine are captured into (its target's and its
+    drafter's, every bucket), alive as long as any of its graphs: captures share one pool, and
+    once every graph of it has been dropped (their buffers were reallocated) the next capture
+    opens a fresh one. Capturing into a pool whose graphs are all gone is what made the CUDA
+    caching allocator assert (``use_count > 0``) after a static cache grew; the emulated pool of
+    the CPU tests refuses it the same way, so the CPU tests see that defect too."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.handle = None  # torch.cuda.graph_pool_handle(), or an _EmulatedPool
+        self.graphs = 0  # live graphs captured into it
+
+    def acquire(self):
+        """The handle to capture one more graph into."""
+        if self.handle is None:
+            self.handle = torch.cuda.graph_pool_handle() if self.mode == "cuda" else _EmulatedPool()
+        if isinstance(self.handle, _EmulatedPool):
+            self.handle.use()
+        self.graphs += 1
+        return self.handle
+
+    def release(self, n: int) -> None:
+        """``n`` graphs of this pool were dropped; with the last one the pool goes."""
+        self.graphs -= n
+        if isinstance(self.handle, _EmulatedPool):
+            self.handle.drop(n)
+        if self.graphs <= 0:
+            self.graphs, self.handle = 0, None
+
+
+class _EmulatedPool:
+    """A CUDA graph pool's lifetime as the caching allocator keeps it: graphs hold it; capturing
+    into it once it was emptied is the allocator's internal assert."""
+
+    def __init__(self):
+        self.count = 0
+        self.emptied = False
+
+    def use(self) -> None:
+        if self.emptied:
+            raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED at CUDACachingAllocator.cpp "
+                               "(emulated): a capture into a graph pool whose graphs were all freed")
+        self.count += 1
+
+    def drop(self, n: int) -> None:
+        self.count -= n
+        if self.count <= 0:
+            self.emptied = True
+
+
 @dataclass
 class _Graph:
     inputs: dict[str, torch.Tensor]  # input buffers, by keyword
@@ -70,7 +121,7 @@ class StepRunner:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.fn, self.cache, self.mode, self.name = fn, cache, mode, name
         self.warmup = warmup
-        self.pool = pool
+        self.pool = pool if pool is not None else GraphPool(mode)
         self.graphs: dict[tuple, _Graph] = {}
         self.failed: str | None = None  # why capture was given up, if it was
         self.capture_s = 0.0  # time spent warming up and capturing (first calls of each shape)
@@ -95,17 +146,18 @@ class StepRunner:
             self.graphs[key] = g
         for k, v in inputs.items():
             g.inputs[k].copy_(v)
-        n = next(iter(inputs.values())).shape[1]  # new positions: every input is [B, n, ...]
         if self.mode == "cuda":
             g.graph.replay()  # writes K/V at the device cursor and advances it
         else:
             self._replay_emulated(g)
         if self.cache is not None:
+            n = next(iter(inputs.values())).shape[1]  # new positions: every input is [B, n, ...]
             self.cache.set_host_length(self.cache.length + n)
         return g.outputs
 
     def reset(self) -> None:
         """Drop every captured graph (the buffers they were captured on were reallocated)."""
+        self.pool.release(len(self.graphs))
         self.graphs.clear()
 
     def _replay_emulated(self, g: _Graph) -> None:
@@ -129,7 +181,12 @@ class StepRunner:
         start = None if self.cache is None else self.cache.length
         try:
             if self.mode == "emulate":  # the CPU stand-in: the capture's one run of the Python side
-                g.outputs = self.fn(**g.inputs)
+                self.pool.acquire()
+                try:
+                    g.outputs = self.fn(**g.inputs)
+                except BaseException:
+                    self.pool.release(1)
+                    raise
                 g.graph = "emulated"
             else:
                 g.graph, g.outputs = self._capture_cuda(g.inputs, start)
@@ -151,10 +208,13 @@ class StepRunner:
         finally:  # the eager fallback must not race a warm-up that is still running on the side stream
             torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self.fn(**buffers)
+        handle = self.pool.acquire()
+        try:
+            with torch.cuda.graph(graph, pool=handle):
+                outputs = self.fn(**buffers)
+        except BaseException:
+            self.pool.release(1)
+            raise
         return graph, outputs
 
 
@@ -171,67 +231,36 @@ def _tensors(out) -> list[torch.Tensor]:
 
 
 class StaticPool:
-    """The static caches and their :class:`StepRunner` s a decoder keeps across calls, one per
-    ``(role, rows, capacity)``: role "target", "draft" or "head"; rows, the batch the cache holds
-    (the draft's views); capacity, a power of two (at least 512), so a slightly longer prompt
-    reuses the cache and the graphs captured on it."""
-
-    MIN_CAPACITY = MIN_CAPACITY
+    """What a decoder on static caches / CUDA graphs keeps across calls: its engine (the static
+    buffers and every graph captured on them), leased to one scheduler at a time."""
 
     def __init__(self, mode: str):
         self.mode = mode  # a MODES entry, for every runner
-        self.entries: dict[tuple[str, int, int], tuple[object, StepRunner]] = {}
-        self.leased: dict[str, tuple[object, object]] = {}  # role -> (a batch's forwards, weakref to its holder)
+        self.leased: dict[str, tuple[object, object]] = {}  # role -> (an engine, weakref to its holder)
 
     def lease(self, role: str, holder: object, make: Callable[[], object]) -> object:
-        """A batch's static forwards of ``role`` (``make()``: e.g. a
-        :class:`~mmspec.forwards.RaggedRows` on a static ragged cache) kept across batches, so
-        the next ``generate_batch`` reuses the buffer and the graphs captured on it. One holder
-        at a time: while another live holder has it, ``make()`` gives a fresh one of its own."""
+        """The static ``role`` object (``make()``: the engine, its buffers and graphs) kept across
+        schedulers, so the next ``generate`` or ``generate_batch`` reuses the buffers and the graphs
+        captured on them. One holder at a time: while another live holder has it, ``make()`` gives
+        a fresh one of its own."""
         entry = self.leased.get(role)
         if entry is not None:
-            forwards, ref = entry
+            kept, ref = entry
             other = ref()
             if other is None or other is holder:
-                self.leased[role] = (forwards, weakref.ref(holder))
-                return forwards
+                self.leased[role] = (kept, weakref.ref(holder))
+                return kept
             return make()
-        forwards = make()
-        self.leased[role] = (forwards, weakref.ref(holder))
-        return forwards
+        kept = make()
+        self.leased[role] = (kept, weakref.ref(holder))
+        return kept
 
     def give_back(self, holder: object) -> None:
         """``holder`` is done with what it leased: the next holder gets it (its buffers and graphs),
         even while ``holder`` itself is still referenced (a server renewing its scheduler)."""
-        for role, (forwards, ref) in list(self.leased.items()):
+        for role, (kept, ref) in list(self.leased.items()):
             if ref() is holder:
-                self.leased[role] = (forwards, _nobody)
-
-    @classmethod
-    def capacity(cls, needed: int) -> int:
-        return capacity_bucket(needed)
-
-    def get(self, role: str, rows: int, needed: int, new_cache: Callable[[int], object],
-            forward: Callable[[object], Callable[..., object]], name: str | None = None):
-        """-> (cache, runner) of at least ``needed`` positions, made on first use:
-        ``new_cache(capacity)`` the static cache, ``forward(cache)`` the eager forward on it.
-        The cache comes back as it was left; callers reset it (or prefill it from 0)."""
-        key = (role, rows, self.capacity(needed))
-        if key not in self.entries:
-            cache = new_cache(key[2])
-            self.entries[key] = (cache, StepRunner(forward(cache), cache, mode=self.mode, name=name or role))
-        return self.entries[key]
-
-    def items(self):
-        return self.entries.items()
-
-    def values(self):
-        return self.entries.values()
-
-    @property
-    def capture_s(self) -> float:
-        """Seconds spent capturing so far, every runner together."""
-        return sum(r.capture_s for _, r in self.entries.values())
+                self.leased[role] = (kept, _nobody)
 
 
 def graph_mode(requested, *devices: torch.device) -> str:

@@ -1,9 +1,9 @@
 """Drafting with no model: prompt lookup and suffix decoding, alone or beside a draft.
 
 Owns the two model-free proposers, their settings (:class:`LookupConfig`, checked before
-anything loads), the drafter that turns a proposal into the engine's :class:`~mmspec.tree.DraftTree`
-(:class:`ModelFreeDrafter`) and the one that adds a proposal to a draft model's or head's tree as
-other branches (:class:`MergedDrafter`), so the target verifies both in one forward.
+anything loads) and the cut of a proposal to a block's shape (:func:`pick`); the engine turns
+every row's proposal into its tree, or adds it to a draft model's or head's tree as other
+branches, so the target verifies both in one forward (:mod:`mmspec.batching.proposals`).
 
 * **lookup** (prompt lookup; transformers' ``prompt_lookup_num_tokens``, vLLM / SGLang ``ngram``):
   the longest n-gram (``ngram_max`` .. ``ngram_min`` tokens) ending the request's text so far
@@ -44,10 +44,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from mmspec.drafter import DraftSteps, drive
 from mmspec.errors import MMSpecError
-from mmspec.tree import DraftTree, TreeSpec, ancestors
-from mmspec.verify import SamplingParams, uniforms
+from mmspec.tree import TreeSpec
 
 MODEL_FREE = ("lookup", "suffix")
 SEP = -1  # an image / video placeholder, or a boundary between texts: never matched, never proposed
@@ -426,29 +424,6 @@ def pick(root: Node, spec: TreeSpec, min_prob: float, u: torch.Tensor | None = N
     return out
 
 
-def tree_from(root_token: torch.Tensor, picked: Picked, vocab: int, device: torch.device) -> DraftTree:
-    """A :class:`DraftTree` of the root and the picked nodes (nothing fed: ``fed`` all -1)."""
-    n = 1 + len(picked.tokens)
-    tokens = torch.cat([root_token.view(1).to(device), torch.tensor(picked.tokens, dtype=torch.long, device=device)])
-    parents = torch.tensor([-1] + picked.parents, dtype=torch.long, device=device)
-    depth = torch.tensor([0] + picked.depths, dtype=torch.long, device=device)
-    max_depth = max(picked.depths, default=0)
-    kids = [0] * n
-    for p in picked.parents:
-        kids[p] += 1
-    q = sampled = None
-    if picked.q:  # a drawn chain: q = the counts it was drawn from
-        q = torch.zeros(n, vocab, dtype=torch.float64)
-        for i, dist in enumerate(picked.q, start=1):
-            for t, pr in dist.items():
-                q[i, t] = pr
-        q = q.to(device)
-        sampled = torch.arange(n, device=device) > 0
-    return DraftTree(tokens=tokens, parents=parents, depth=depth, anc=ancestors(parents, max_depth),
-                     fed=torch.full((n,), -1, dtype=torch.long, device=device), max_depth=max_depth,
-                     is_chain=max(kids) <= 1, q=q, sampled=sampled)
-
-
 # --------------------------------------------------------------------------- drafters
 def history(prompt_ids: torch.Tensor, placeholders: Iterable[int], captions: Sequence[torch.Tensor] | None = None
             ) -> list[int]:
@@ -461,132 +436,6 @@ def history(prompt_ids: torch.Tensor, placeholders: Iterable[int], captions: Seq
         out += [int(t) for t in cap] + [SEP]
     out += [SEP if t in ph else t for t in prompt_ids[:-1].tolist()]
     return out
-
-
-class ModelFreeDrafter:
-    """``draft="lookup"`` / ``"suffix"``: the engine's drafter interface with no model and no
-    cache. Every committed token comes back as pending (``commit`` keeps nothing), so the
-    proposer sees each exactly once."""
-
-    needs_hidden: tuple[int, ...] = ()
-    keeps_path = True
-    adaptive = None
-
-    def __init__(self, proposer, target_vocab: int, device: torch.device) -> None:
-        self.proposer = proposer
-        self.target_vocab = target_vocab
-        self.device = device
-
-    def draft(self, pending: torch.Tensor, spec: TreeSpec, params: SamplingParams,
-              generator: torch.Generator | None = None, feats: torch.Tensor | None = None) -> DraftTree:
-        self.proposer.extend(pending.tolist())
-        root, min_prob = self.proposer.propose(spec.max_depth)
-        drawn = not params.greedy and spec.kind == "chain"
-        u = uniforms(spec.max_depth, generator, torch.device("cpu")) if drawn else None  # drawn even unused: a seed's draws stay aligned
-        picked = Picked([], [], []) if root is None else pick(root, spec, min_prob, u)
-        return tree_from(pending[-1:], picked, self.target_vocab, self.device)
-
-    step_fn = None  # no forward to run: draft_steps asks for none
-
-    def draft_steps(self, pending: torch.Tensor, spec: TreeSpec, params: SamplingParams,
-                    generator: torch.Generator | None = None, feats: torch.Tensor | None = None) -> DraftSteps:
-        """The engine's drafting protocol (:data:`mmspec.drafter.DraftSteps`): no forward is asked
-        for, the tree is built on the host."""
-        return self.draft(pending, spec, params, generator, feats)
-        yield  # a generator that yields nothing
-
-    def commit(self, fed_path, tree_fed, path) -> int:
-        return 0
-
-    def finish(self, answer: Sequence[int]) -> None:
-        self.proposer.finish(answer)
-
-
-class MergedDrafter:
-    """A draft model's or head's drafter with a model-free proposal added to each block's tree as
-    other branches (``M+lookup``, ``M+suffix+tree``): a proposed path that starts like a drafted
-    one continues it, the rest become siblings; at most as many nodes are added as the block's
-    spec verifies. The inner drafter's state (cache, slots) is read through this object."""
-
-    def __init__(self, inner, proposer, target_vocab: int) -> None:
-        self.inner = inner
-        self.proposer = proposer
-        self.target_vocab = target_vocab
-        self._slot_token: dict[int, int] = {}
-        self._carried: list[int] = []  # accepted tokens the inner drafter kept (never pending again)
-
-    def __getattr__(self, name):  # cache, committed, length, valid, adaptive, needs_hidden, ... of the inner drafter
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def __setattr__(self, name, value):  # the batch path sets the inner drafter's cache and step_fn
-        if name in ("inner", "proposer", "target_vocab", "_slot_token", "_carried"):
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self.inner, name, value)
-
-    def draft_steps(self, pending: torch.Tensor, spec: TreeSpec, params: SamplingParams,
-                    generator: torch.Generator | None = None, feats: torch.Tensor | None = None) -> DraftSteps:
-        """The inner drafter's steps (its forwards yielded, merged in a batch), then the proposal
-        added to its tree."""
-        self.proposer.extend(self._carried + pending.tolist())
-        self._carried = []
-        tree = yield from self.inner.draft_steps(pending, spec, params, generator, feats=feats)
-        return self._merge(tree, spec)
-
-    def draft(self, pending: torch.Tensor, spec: TreeSpec, params: SamplingParams,
-              generator: torch.Generator | None = None, feats: torch.Tensor | None = None) -> DraftTree:
-        return drive(self.draft_steps(pending, spec, params, generator, feats), self.inner.step_fn)
-
-    def _merge(self, tree: DraftTree, spec: TreeSpec) -> DraftTree:
-        host = torch.cat([tree.tokens, tree.parents, tree.fed]).tolist()
-        n = tree.size
-        tokens, parents, fed = host[:n], host[n:2 * n], host[2 * n:]
-        self._slot_token = {s: t for s, t in zip(fed, tokens) if s >= 0}
-        root, min_prob = self.proposer.propose(spec.max_depth)
-        if root is None:
-            return tree
-        picked = pick(root, spec, min_prob)  # as many nodes as the draft's own block at most
-        if not picked.tokens:
-            return tree
-        kids: dict[int, dict[int, int]] = {}
-        for i in range(1, n):
-            kids.setdefault(parents[i], {})[tokens[i]] = i
-        depth = tree.depth.tolist()
-        where = [0]  # picked node i (1-based) -> merged index
-        for tok, par, d in zip(picked.tokens, picked.parents, picked.depths):
-            mp = where[par]
-            idx = kids.setdefault(mp, {}).get(tok)
-            if idx is None:
-                idx = len(tokens)
-                tokens.append(tok), parents.append(mp), fed.append(-1), depth.append(d)
-                kids[mp][tok] = idx
-            where.append(idx)
-        if len(tokens) == n and tree.sampled is None:  # all merged into drafted nodes (greedy): the draft's tree
-            return tree
-        dev = tree.tokens.device
-        par_t = torch.tensor(parents, dtype=torch.long, device=dev)
-        max_depth = max(depth)
-        # Every node a point mass (q, sampled None), the draft's drawn tokens too, whenever a proposal
-        # was added: how a drawn token is verified must not depend on its value (a proposal that
-        # coincides with it merges into it), and the point-mass rule is exact for any candidate set
-        # chosen independently of the verification's draws (the negative test in tests/core/test_lookup.py).
-        return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long, device=dev), parents=par_t,
-                         depth=torch.tensor(depth, dtype=torch.long, device=dev), anc=ancestors(par_t, max_depth),
-                         fed=torch.tensor(fed, dtype=torch.long, device=dev), max_depth=max_depth,
-                         is_chain=all(len(v) <= 1 for v in kids.values()), stats=tree.stats)
-
-    def commit(self, fed_path, tree_fed, path) -> int:
-        m = self.inner.commit(fed_path, tree_fed, path)
-        self._carried = [self._slot_token[s] for s in fed_path[:m]]
-        return m
-
-    def adapt(self, *args, **kwargs) -> None:
-        self.inner.adapt(*args, **kwargs)
-
-    def finish(self, answer: Sequence[int]) -> None:
-        self.proposer.finish(answer)
 
 
 def proposer_for(kind: str, cfg: LookupConfig, store: SuffixStore | None):

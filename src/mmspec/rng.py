@@ -54,3 +54,20 @@ def uniforms(seed: torch.Tensor, step: torch.Tensor, first: int, n: int) -> torc
     counter = step[:, None] * SLOTS + slot  # [B, n]
     z = mix(mix(seed)[:, None] + counter * GAMMA)
     return _srl(z, 11).to(torch.float64) * (1.0 / (1 << 53))
+
+
+_MASK = (1 << 64) - 1
+
+
+def _mix_host(z: int) -> int:
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def host_uniforms(seed: int, step: int, first: int, n: int) -> list[float]:
+    """:func:`uniforms` of one row computed on the host, bit for bit (for a search that runs on
+    the host: a model-free proposer drawing a chain from its counts)."""
+    base = _mix_host(seed & _MASK)
+    return [(_mix_host((base + (step * SLOTS + first + i) * 0x9E3779B97F4A7C15) & _MASK) >> 11) / float(1 << 53)
+            for i in range(n)]

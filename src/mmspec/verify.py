@@ -248,7 +248,7 @@ def verify_trees_greedy(tokens: torch.Tensor, parents: torch.Tensor, depth: torc
         rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
         p_tok = torch.softmax(p_logits.float(), -1)[rows, par, tokens]  # [B, N] p at the parent of each token
         correct = correct | (p_tok >= relaxed[:, None])
-    correct[:, 0] = True  # the root is committed
+    correct = correct | (torch.arange(correct.shape[1], device=correct.device) == 0)  # the root is committed
     ok = ~(anc & ~correct[:, None, :]).any(-1)  # [B, N]: every node on the path is correct
     if valid is not None:
         ok = ok & valid
@@ -300,9 +300,9 @@ def verify_trees_sampling(tokens: torch.Tensor, parents: torch.Tensor, depth: to
     tokens, parents, depth: [B, N] long; anc: [B, N, N] bool (a real node's ancestors are real);
     valid: [B, N] bool, False at padding nodes (None: none padded); p_probs: [B, N, V]; q_probs:
     [B, N, V] and sampled [B, N] bool, or both None (no row drew a node; a row without q: zeros,
-    never sampled); u: [B, N + 1] uniforms, row b's own [n_b + 1] first (n_b its real nodes):
-    u[b, i] tests node i, u[b, n_b] draws its final token. A padding node is never reached or
-    removed from a residual, whatever its token and probabilities.
+    never sampled); u: [B, N + 1] uniforms: u[b, i] tests node i, u[b, N] draws the final token.
+    A padding node (anywhere in the row) is never reached or removed from a residual, whatever its
+    token and probabilities.
     -> path [B, max_depth + 1], n_accepted [B], next_token [B].
     """
     B, n = tokens.shape
@@ -313,15 +313,19 @@ def verify_trees_sampling(tokens: torch.Tensor, parents: torch.Tensor, depth: to
     idx = torch.arange(n, device=dev)
     sib = (parents[:, :, None] == parents[:, None, :]) & (parents[:, :, None] >= 0)  # [B, N, N] same parent
     elder = sib & (idx[None, :] < idx[:, None])  # [B, N, N]: j is an elder sibling of i (padding: never of a real node)
-    left = remaining_mass(torch.where(elder, p_tok[:, None, :], 0.0))  # [B, N]
+    # a sibling repeating an elder's token (two proposals of one token: a model-free branch beside a
+    # drafted one) has nothing left to take: the elder's rejection removed its token from the residual
+    repeat = (elder & (tokens[:, :, None] == tokens[:, None, :])).any(-1)  # [B, N]
+    left = remaining_mass(torch.where(elder & ~repeat[:, None, :], p_tok[:, None, :], 0.0))  # [B, N]
     ui = u[:, :n]  # [B, N]
     if sampled is not None:  # the caller passes None when no node was drawn (no host check here)
         q_tok = q_probs.gather(-1, tokens[..., None])[..., 0].double()  # [B, N]
         passes = torch.where(sampled, ui * q_tok < p_tok, ui * left < p_tok)
     else:
         passes = ui * left < p_tok  # [B, N]
+    passes = passes & ~repeat
     chosen = passes & ~(elder & passes[:, None, :]).any(-1)  # first passing sibling only
-    chosen[:, 0] = True
+    chosen = chosen | (idx == 0)
     ok = ~(anc & ~chosen[:, None, :]).any(-1)  # [B, N] reached and chosen all the way
     if valid is not None:
         ok = ok & valid
@@ -338,7 +342,7 @@ def verify_trees_sampling(tokens: torch.Tensor, parents: torch.Tensor, depth: to
         drawn_kid = kids & sampled  # [B, N]: at most one a row (a drawn node is an only child)
         q_kid = (drawn_kid.to(q_probs.dtype)[..., None] * q_probs).sum(1)  # [B, V]
         final = torch.where(drawn_kid.any(-1, keepdim=True), residual(p_leaf, q_kid.to(p_leaf.dtype)), final)
-    u_last = u[:, n] if valid is None else u.gather(1, valid.sum(-1, keepdim=True))[:, 0]  # [B]: u[b, n_b]
+    u_last = u[:, n]  # [B]: no node's test reads it (valid nodes need not come first: a merged proposal's)
     return TreeOutcome(path=_paths_of(leaf, anc, max_depth), n_accepted=depth.gather(1, leaf[:, None])[:, 0],
                        next_token=sample(final, u_last))
 
@@ -421,7 +425,7 @@ def logits_to_probs_rows(logits: torch.Tensor, rs: RowSampling) -> torch.Tensor:
             top_p = _per_row(rs.top_p, x)
             sm = torch.softmax(sorted_x, dim=-1)
             drop_sorted = ((sm.cumsum(dim=-1) - sm) >= top_p.to(sm.dtype)) & (top_p > 0) & (top_p < 1)
-            drop_sorted[..., 0] = False
+            drop_sorted = drop_sorted & (torch.arange(V, device=x.device) > 0)  # the likeliest token stays
             drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
             x = x.masked_fill(drop, float("-inf"))
     return torch.softmax(x, dim=-1)

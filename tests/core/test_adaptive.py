@@ -12,8 +12,9 @@ import torch
 from helpers.reference import captions, exact_sequence_probs, pvalues, reference
 from helpers.tiny import BOS, IMG, make_llava, make_prompt, make_tokenizer
 from mmspec import MMSpecError, SpecDecoder
-from mmspec import drafter as drafter_mod
 from mmspec.adaptive import AdaptiveState, AdaptiveWeights, confirmed_evidence, loglik_weights, tabed_weights
+from mmspec.batching.ensemble import EnsembleDrafting
+from mmspec.batching.forwards import RowForward
 from mmspec.bench.config import parse_method
 
 SAMPLING_VOCAB, SAMPLING_NEW, SAMPLING_TEMP = 8, 3, 1.0  # test_sampling's setting
@@ -118,15 +119,17 @@ def test_weights_follow_the_view_that_is_the_target(target, tok):
 def test_rows_survive_a_reused_output_buffer(target, tok, monkeypatch):
     """A CUDA-graph replay hands back the same output tensor every time: the rows kept for the
     weights' update must be copies, or every depth would read the last one's distributions."""
-    orig = drafter_mod.EnsembleDrafter._eager_step
+    orig = RowForward.__call__
     buffers = {}
 
-    def replay_like(self, ids, pos, mask):
-        out = orig(self, ids, pos, mask)
+    def replay_like(self, **inputs):
+        out = orig(self, **inputs)
+        if self.runner.name != "draft":
+            return out
         buf = buffers.setdefault(tuple(out.shape), torch.empty_like(out))
         return buf.copy_(out)
 
-    monkeypatch.setattr(drafter_mod.EnsembleDrafter, "_eager_step", replay_like)
+    monkeypatch.setattr(RowForward, "__call__", replay_like)
     ids, pv = make_prompt(1, 16, seed=23)
     dec = SpecDecoder(target, target, tok, views="TM", weights="adaptive")
     res = dec.generate(ids, pv, max_new_tokens=24)
@@ -196,18 +199,25 @@ def test_stale_q_under_adaptive_weights_is_caught(sampling_setup, monkeypatch):
     target, draft, tok, ids, pv = sampling_setup
     draft = vivid(draft)
     exact = exact_sequence_probs(target, ids, pv)
-    orig = drafter_mod.TreeDrafter._children
+    orig_mix, orig_chain = EnsembleDrafting.distributions, EnsembleDrafting._chain
+    stale_qs = []
 
-    def stale(self, logits, k, params, children, u, need_scores=True):
-        tok_, s, q = orig(self, logits, k, params, children, u, need_scores)
-        if q is not None:
-            w = self.weights
-            self.weights = torch.tensor([0.0, 1.0], dtype=torch.float64)
-            q = self.mixture(logits, params)
-            self.weights = w
-        return tok_, s, q
+    def mix(self, logits, rs):  # the adapted mixture (drafted from), and the text row's alone (stale)
+        w = self.weights
+        self.weights = torch.tensor([[0.0, 1.0]], dtype=torch.float64).expand_as(w).clone()
+        stale_qs.append(orig_mix(self, logits, rs))
+        self.weights = w
+        return orig_mix(self, logits, rs)
 
-    monkeypatch.setattr(drafter_mod.TreeDrafter, "_children", stale)
+    def chain(self, *args, **kwargs):
+        stale_qs.clear()
+        d = orig_chain(self, *args, **kwargs)
+        if d.tree.q is not None:  # verification gets the stale q of each drawn token
+            d.tree.q[:, 1:] = torch.stack([q[:, 0] for q in stale_qs], 1).to(d.tree.q.dtype)
+        return d
+
+    monkeypatch.setattr(EnsembleDrafting, "distributions", mix)
+    monkeypatch.setattr(EnsembleDrafting, "_chain", chain)
     dec = SpecDecoder(target, draft, tok, views="MT", gamma=2,
                       weights=AdaptiveWeights(temperature=0.25, initial=(0.99, 0.01)))
     assert min(pvalues(sampled(dec, ids, pv, N_CONTROL), exact)) < 1e-5

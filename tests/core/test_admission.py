@@ -44,7 +44,7 @@ def test_a_group_prefills_in_one_forward_and_equals_solo(target, draft_shared, t
         rids = [sched.submit(r) for r in reqs]
         events = sched.step()
         assert len(calls) == 2  # ONE prefill forward for the 4 requests, then one shared step
-        assert sched.cache.active == 4
+        assert sched.engine.active == 4
         while sched.has_work():
             events += sched.step()
     finally:

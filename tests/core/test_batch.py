@@ -262,7 +262,7 @@ def test_join_mid_decode_and_one_target_forward_per_block(target, draft_shared, 
         sched = BatchScheduler(dec, max_batch=3)
         rids = [sched.submit(reqs[0]), sched.submit(reqs[1])]
         events = sched.step()
-        assert sched.cache.active == 2  # both prefilled, each in its own row
+        assert sched.engine.active == 2  # both prefilled, each in its own row
         events += sched.step()
         rids += [sched.submit(reqs[2]), sched.submit(reqs[3])]  # join at the next block
         n_steps = 2
@@ -286,7 +286,7 @@ def test_join_mid_decode_and_one_target_forward_per_block(target, draft_shared, 
     assert [finished[r].token_ids for r in rids] == refs[:4]
     texts = {rid: "".join(ev.text for ev in events if ev.rid == rid) for rid in rids}
     assert texts[rids[0]] == finished[rids[0]].text == tok.decode(refs[0], skip_special_tokens=True)
-    assert sched.cache.active == 0
+    assert sched.engine.active == 0
 
 
 def test_cancel_frees_rows_and_others_go_on(target, draft_shared, tok, refs):
@@ -296,7 +296,7 @@ def test_cancel_frees_rows_and_others_go_on(target, draft_shared, tok, refs):
     a, b, c = (sched.submit(r) for r in reqs)
     events = sched.step()
     sched.cancel(a)  # active: its row goes, the last row moves into it
-    assert sched.cache.active == 2
+    assert sched.engine.active == 2
     events = drain(sched)
     assert all(ev.rid != a for ev in events)
     got = {ev.rid: ev.result.token_ids for ev in events if ev.finished}
@@ -345,20 +345,24 @@ def test_generate_batch_checks_every_request_first(target, draft_shared, tok):
         dec.generate_batch(reqs[0])
 
 
-def test_a_request_failing_while_drafting_fails_alone(target, draft_shared, tok, refs, monkeypatch):
-    dec = SpecDecoder(target, draft_shared, tok, views="MT")
+def test_a_request_whose_proposer_fails_fails_alone(target, draft_shared, tok, refs, monkeypatch):
+    """Drafting is one set of tensor operations for every row (a failure there is the step's);
+    what runs per request is a model-free proposer's search on the host: one that raises fails
+    its request alone, the others go on and their caches' memory goes back once idle."""
+    dec = SpecDecoder(target, draft_shared, tok, views="MT", model_free="lookup")
     reqs = requests(3)
     sched = BatchScheduler(dec)
     rids = [sched.submit(r) for r in reqs]
     sched.step()
-    broken = sched._active[0].row.drafter
-    monkeypatch.setattr(broken, "_feed_pending", lambda *a: (_ for _ in ()).throw(RuntimeError("draft broke")))
+    broken = sched._active[0].proposer
+    monkeypatch.setattr(broken, "propose", lambda *a: (_ for _ in ()).throw(RuntimeError("lookup broke")))
     events = drain(sched)
     errors = {ev.rid: ev.error for ev in events if ev.error}
-    assert list(errors) == [rids[0]] and "draft broke" in errors[rids[0]]
+    assert list(errors) == [rids[0]] and "lookup broke" in errors[rids[0]]
     done = {ev.rid: ev.result.token_ids for ev in events if ev.finished and ev.result}
     assert done == {rids[1]: refs[1]}  # (request 2 ended in the first block: one token)
-    assert sched.cache.active == 0 and sched.cache.store.kv is None and sched.draft_cache.store.kv is None
+    assert sched.engine.active == 0 and sched.engine.cache.store.kv is None
+    assert sched.engine.drafting.rows.cache.store.kv is None
 
 
 def test_static_cache_decoder_batches_eagerly(target, draft_shared, tok, refs):
@@ -389,15 +393,15 @@ def test_auto_policy_decodes_plainly_where_drafting_was_measured_slower(target, 
 
 def test_a_failed_shared_forward_ends_its_requests_and_the_scheduler_goes_on(target, draft_shared, tok, refs,
                                                                               monkeypatch):
-    from mmspec import forwards
+    from mmspec.batching.engine import Engine
 
     sched = BatchScheduler(SpecDecoder(target, draft_shared, tok, views="M"))
     first = [sched.submit(r) for r in requests(2)]
     with monkeypatch.context() as m:
-        m.setattr(forwards.RaggedRows, "score", lambda *a: (_ for _ in ()).throw(RuntimeError("out of memory")))
+        m.setattr(Engine, "_verify_forward", lambda *a: (_ for _ in ()).throw(RuntimeError("out of memory")))
         events = sched.step()
     assert sorted(ev.rid for ev in events if ev.error) == first and "out of memory" in events[0].error
-    assert not sched.has_work() and sched.cache.active == 0
+    assert not sched.has_work() and sched.engine.active == 0
     later = sched.submit(requests(1)[0])
     done = {ev.rid: ev.result.token_ids for ev in drain(sched) if ev.finished}
     assert done == {later: refs[0]}

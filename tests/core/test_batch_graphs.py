@@ -1,7 +1,7 @@
-"""The batched engine with fixed shapes (issue 42, item 3): a decoder on static caches / CUDA graphs
-steps its batches on static ragged caches, rows and new tokens padded to buckets, one graph per
-(row bucket, token bucket) captured on first use and reused across batches, eager fallback when
-capture fails. On the CPU the capture is emulated (``cuda_graphs="emulate"``: the same buffers,
+"""The engine with fixed shapes: a decoder on static caches / CUDA graphs steps its rows padded
+to a bucket, attending over a bucket of slots (not the whole buffer), one graph per (row
+bucket, new tokens, span bucket) captured on first use and reused across batches, eager fallback
+when capture fails. On the CPU the capture is emulated (``cuda_graphs="emulate"``: the same buffers,
 bookkeeping and output aliasing as a replay). Every request still equals the target's greedy
 output, a seeded one its solo run."""
 
@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 
+from helpers.reference import engine_forwards
 from helpers.tiny import make_prompt, make_qwen, noisy_copy, qwen_inputs
 from mmspec import SpecDecoder
 from mmspec.batch import BatchScheduler
@@ -43,8 +44,8 @@ def want(target, reqs):
 
 
 def forwards(dec):
-    """The batch's static forwards the decoder keeps, by role."""
-    return {role: f.static for role, (f, _) in dec.static_pool.leased.items()}
+    """The step forwards of the engine the decoder keeps, by role."""
+    return engine_forwards(dec)
 
 
 def decoder(target, draft, tok, how, **kw):
@@ -64,14 +65,16 @@ def test_graphs_per_bucket_equal_target_and_are_reused(target, draft_shared, tok
     dec = decoder(target, draft_shared, tok, how, cuda_graphs="emulate")
     assert [r.token_ids for r in dec.generate_batch(reqs)] == ref
     static = forwards(dec)
-    assert set(static) == {"batch-target", "batch-head" if how == "head" else "batch-draft"}
+    assert set(static) == {"target", "draft"}
     shapes = {role: s.shapes for role, s in static.items()}
     for role, keys in shapes.items():
         assert keys, role  # captured
         for key in keys:
             rows, n = dict((k, shape) for k, shape, _ in key)["pos"]
-            assert rows == bucket(rows) and n == bucket(n)  # padded to the buckets
-            assert dict((k, shape) for k, shape, _ in key)["mask"][-1] == s_capacity(static[role])
+            span = dict((k, shape) for k, shape, _ in key)["mask"][-1]
+            per = len(dec.views) if role == "draft" and how != "head" else 1  # a request's draft rows: one per view
+            assert rows % per == 0 and rows // per == bucket(rows // per)  # padded to the row bucket
+            assert span == bucket(span) >= 512 and span <= s_capacity(static[role])  # a span bucket, not the buffer
     # a second batch on the same decoder: the same buffers, nothing new captured, the same tokens
     assert [r.token_ids for r in dec.generate_batch(reqs)] == ref
     assert {role: s.shapes for role, s in forwards(dec).items()} == shapes
@@ -105,14 +108,15 @@ def test_growing_the_buffer_drops_the_old_graphs(target, draft_shared, tok):
     sched = BatchScheduler(dec)
     rids = [sched.submit(reqs[0])]
     events = sched.step() + sched.step()
-    target_static = forwards(dec)["batch-target"]
-    generation, rows = target_static.cache.generation, target_static.cache.rows_allocated
+    target_static = forwards(dec)["target"]
+    generation, rows = target_static.cache.generation, target_static.cache.rows
     assert target_static.shapes
     rids += [sched.submit(r) for r in reqs[1:]]
     while sched.has_work():
         events += sched.step()
-    assert target_static.cache.rows_allocated > rows and target_static.cache.generation > generation
+    assert target_static.cache.rows > rows and target_static.cache.generation > generation
     assert target_static.generation == target_static.cache.generation
+    assert not any(f.runner.failed for f in forwards(dec).values())  # recaptured after the growth, no fallback
     assert all(key[0][1][0] >= 1 for key in target_static.shapes)
     done = {ev.rid: ev.result for ev in events if ev.finished}
     assert all(ev.error is None for ev in events)
@@ -138,7 +142,7 @@ def test_a_second_live_scheduler_gets_forwards_of_its_own(target, draft_shared, 
     """Two schedulers alive on one decoder never share a static cache (the second gets its own)."""
     dec = decoder(target, draft_shared, tok, "M", cuda_graphs="emulate")
     a, b = BatchScheduler(dec), BatchScheduler(dec)
-    assert a.cache is not b.cache and a.draft_cache is not b.draft_cache
+    assert a.engine is not b.engine
     reqs = requests(2)
     ra, rb = a.submit(reqs[0]), b.submit(reqs[1])
     events_a, events_b = [], []
@@ -160,12 +164,12 @@ def test_a_closed_scheduler_hands_its_graphs_to_the_next(target, draft_shared, t
         old.close()  # not while it has work
     while old.has_work():
         old.step()
-    shapes = forwards(dec)["batch-target"].shapes
-    assert BatchScheduler(dec).cache is not old.cache  # still held: a fresh one
+    shapes = forwards(dec)["target"].shapes
+    assert BatchScheduler(dec).engine is not old.engine  # still held: a fresh one
     old.close()
     new = BatchScheduler(dec)
-    assert new.cache is old.cache and new.draft_cache is old.draft_cache
-    assert forwards(dec)["batch-target"].shapes == shapes and shapes
+    assert new.engine is old.engine
+    assert forwards(dec)["target"].shapes == shapes and shapes
 
 
 def test_mrope_batch_with_graphs(tok):
@@ -177,7 +181,7 @@ def test_mrope_batch_with_graphs(tok):
         reqs.append(dict(input_ids=ids, max_new_tokens=n, **mm))
         ref.append(reference(target, ids, n, **mm))
     assert [r.token_ids for r in dec.generate_batch(reqs)] == ref
-    assert forwards(dec)["batch-target"].shapes
+    assert forwards(dec)["target"].shapes
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -6,18 +6,18 @@ bookkeeping with an emulated capture."""
 from __future__ import annotations
 
 import warnings
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from helpers.reference import captions, reference
+from helpers.reference import captions, engine_forwards, reference
 from helpers.tiny import VOCAB, make_llava, make_prompt, noisy_copy
 from mmspec import SpecDecoder
+from mmspec.batching.forwards import RowForward
 from mmspec.errors import MMSpecError
-from mmspec.graphs import StaticPool, StepRunner, graph_mode
+from mmspec.graphs import GraphPool, StepRunner, graph_mode
+from mmspec.masks import causal, rows_mask
 from mmspec.models.base import adapter_for
-from mmspec.tree import tree_attention_mask
+from mmspec.models.rows import RowCache
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -43,10 +43,10 @@ def test_emulated_graphs_are_captured_once_and_reused(target, draft_shared, tok)
     dec = SpecDecoder(target, draft_shared, tok, views="MTC", captioner=captions(2), tree="dynamic",
                       cuda_graphs="emulate")
     assert dec.generate(ids, pv, max_new_tokens=20).token_ids == ref
-    shapes = {k: set(r.graphs) for k, (_, r) in dec._static_pool.items()}
-    assert any(shapes.values())
+    shapes = {k: f.shapes for k, f in engine_forwards(dec).items()}
+    assert all(shapes.values()) and set(shapes) == {"target", "draft"}
     assert dec.generate(ids, pv, max_new_tokens=20).token_ids == ref
-    assert {k: set(r.graphs) for k, (_, r) in dec._static_pool.items()} == shapes  # nothing new captured
+    assert {k: f.shapes for k, f in engine_forwards(dec).items()} == shapes  # nothing new captured
 
 
 def test_capture_failure_falls_back_to_eager_with_one_warning(target, draft_shared, tok, monkeypatch):
@@ -61,20 +61,25 @@ def test_capture_failure_falls_back_to_eager_with_one_warning(target, draft_shar
         assert dec.generate(ids, pv, max_new_tokens=16).token_ids == reference(target, ids, pv, 16)
     msgs = [str(w.message) for w in caught if "CUDA graph" in str(w.message)]
     assert len(msgs) == 2 and "running it eagerly" in msgs[0]  # one per model (target, draft), not per step
-    assert all(r.failed for _, r in dec._static_pool.values())
+    assert all(f.runner.failed for f in engine_forwards(dec).values())
 
 
-def test_static_pool_keeps_one_cache_per_role_rows_and_power_of_two_capacity():
-    made = []
-
-    def get(needed, role="draft", rows=2):
-        return pool.get(role, rows, needed, lambda n: made.append(n) or SimpleNamespace(length=0, max_len=n),
-                        lambda cache: (lambda **inputs: None))
-
-    pool = StaticPool("emulate")
-    a, b, c, d = get(100), get(512), get(513), get(513, rows=3)
-    assert a is b and a[0].max_len == 512 and c[0].max_len == 1024 and d is not c and made == [512, 1024, 1024]
-    assert get(600, role="target") is not c and all(r.mode == "emulate" for _, r in pool.values())
+def test_a_pool_whose_graphs_are_all_gone_is_never_captured_into_again():
+    """Issue 51: after a static cache grew, its runner dropped its graphs but kept their pool, and
+    the next capture into it made the CUDA allocator assert (``use_count > 0``); the emulated pool
+    asserts the same way, and a GraphPool opens a fresh pool once its last graph is gone."""
+    pool = GraphPool("emulate")
+    runner = StepRunner(lambda x: x * 2, None, mode="emulate", pool=pool)
+    runner(x=torch.ones(2, 1))
+    held = pool.handle
+    runner.reset()  # the buffers were reallocated: every graph dropped
+    assert pool.handle is None and pool.graphs == 0
+    with pytest.raises(RuntimeError, match="use_count > 0"):
+        held.use()  # the old pool: what the allocator refuses
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no capture falls back
+        assert runner(x=torch.ones(2, 1)).tolist() == [[2.0], [2.0]]
+    assert runner.graphs and pool.graphs == 1
 
 
 @pytest.mark.parametrize("mode, fail_at, where", [
@@ -83,26 +88,31 @@ def test_static_pool_keeps_one_cache_per_role_rows_and_power_of_two_capacity():
     pytest.param("cuda", 3, "layers.1", marks=cuda), pytest.param("cuda", 3, "norm", marks=cuda),  # the capture fails
 ])
 @torch.inference_mode()
-def test_capture_failing_part_way_leaves_the_cache_as_it_was(target, mode, fail_at, where):
+def test_capture_failing_part_way_falls_back_to_the_right_logits(target, mode, fail_at, where):
     """A REAL capture (emulated on the CPU; on a GPU a warm-up or the capture itself) that raises
-    part-way: after the first layer wrote ("layers.1": the cursor not yet moved) or after every
-    layer wrote ("norm": the cursor moved too). The eager fallback must start from the cache the
-    attempt found: its logits are the target's, and every layer's length and the device cursor
-    count exactly the new tokens."""
+    part-way, after the first layer wrote its keys ("layers.1") or after every layer did ("norm"):
+    the eager fallback writes the same slots again, so its logits are the target's, and so are
+    the next step's."""
     model = target if mode == "emulate" else make_llava(0, dtype=torch.float32).cuda()
     dev = next(model.parameters()).device
     adapter = adapter_for(model)
-    cache = adapter.new_cache(64, static=True)
-
-    def forward(ids, pos, mask):
-        return adapter.forward(cache=cache, attention_mask=mask, position_ids=pos, input_ids=ids)
-
+    cache = RowCache(model.config.text_config.num_hidden_layers)
+    cache.ensure(1, 64)
+    fwd = RowForward(lambda mask, ids, pos: adapter.forward(cache=cache, attention_mask=mask, position_ids=pos,
+                                                            input_ids=ids), cache, mode, "target")
     ids = torch.randint(5, VOCAB, (1, 14), generator=torch.Generator().manual_seed(4)).to(dev)
     L = 8
-    chain = lambda n: torch.ones(n, n, dtype=torch.bool, device=dev).tril()
-    at = lambda start, n: torch.arange(start, start + n, device=dev)[None]
-    forward(ids[:, :L], at(0, L), tree_attention_mask(chain(L), 0, 64))  # prefill, eagerly
-    runner = StepRunner(forward, cache, mode=mode, name="target")
+
+    def run(start, n):
+        committed = torch.full((1,), start, dtype=torch.long, device=dev)
+        mask = rows_mask(committed, 64, causal(n, dev))
+        pos = torch.arange(start, start + n, device=dev)[None]
+        return fwd(write=committed, mask=mask, ids=ids[:, start:start + n], pos=pos)
+
+    eager = RowForward(fwd.fn, cache, "eager", "target")
+    committed0 = torch.zeros(1, dtype=torch.long, device=dev)
+    eager(write=committed0, mask=rows_mask(committed0, 64, causal(L, dev)), ids=ids[:, :L],
+          pos=torch.arange(L, device=dev)[None])  # prefill, eagerly
     calls = {"n": 0}
 
     def fail_once(module, args):
@@ -113,17 +123,14 @@ def test_capture_failing_part_way_leaves_the_cache_as_it_was(target, mode, fail_
     hook = model.model.language_model.get_submodule(where).register_forward_pre_hook(fail_once)
     try:
         with pytest.warns(RuntimeWarning, match="running it eagerly"):
-            first = runner(ids=ids[:, L:L + 3], pos=at(L, 3), mask=tree_attention_mask(chain(3), L, 64))
+            first = run(L, 3).clone()
     finally:
         hook.remove()
-    assert calls["n"] > fail_at and runner.failed  # the capture did fail part-way (then ran eagerly)
-    assert cache.length == L + 3 and {layer.length for layer in cache.layers} == {L + 3}
-    assert int(cache.store.cursor) == L + 3
-    second = runner(ids=ids[:, L + 3:L + 6], pos=at(L + 3, 3), mask=tree_attention_mask(chain(3), L + 3, 64))
+    assert calls["n"] > fail_at and fwd.runner.failed  # the capture did fail part-way (then ran eagerly)
+    second = run(L + 3, 3)
     full = model(input_ids=ids[:, :L + 6]).logits  # [1, L + 6, V]
     tol = {} if mode == "emulate" else dict(atol=1e-4, rtol=1e-4)  # float32 on a GPU: other kernels
     torch.testing.assert_close(torch.cat([first, second], 1), full[:, L:L + 6], **tol)
-    assert cache.length == L + 6 and int(cache.store.cursor) == L + 6
 
 
 @cuda
@@ -144,7 +151,7 @@ def test_cuda_graphs_match_target_on_gpu(kw, method, tok):
             res = graphs.generate(ids, pv, max_new_tokens=24)
             assert res.token_ids == ref
         assert res.stats.capture_s == 0.0  # the second call replayed what the first captured
-        assert not any(r.failed for _, r in graphs._static_pool.values())
+        assert not any(f.runner.failed for f in engine_forwards(graphs).values())
 
 
 @cuda

@@ -1,9 +1,8 @@
 """Verification batched over a step's rows equals each row verified alone: random padded batches
 of trees (chains, branching trees, different sizes, with and without drawn nodes, relaxed
 thresholds), greedy and sampling with the same uniforms, row by row and exactly; padding nodes
-are never accepted, whatever they hold; the engine's step 3 groups rows (greedy, then one call
-per SamplingParams), draws each row's uniforms from its own generator, and a row whose
-verification fails fails alone."""
+are never accepted, whatever they hold; the engine's step 3 verifies greedy and sampling rows of
+different parameters in ONE call, each row exactly as alone."""
 
 from __future__ import annotations
 
@@ -12,13 +11,12 @@ import math
 import pytest
 import torch
 
-from mmspec.engine import Row, verify_rows
-from mmspec.options import AcceptanceConfig, EngineOptions, RelaxedAcceptance
-from mmspec.tree import DraftTree, TreeSpec, ancestors, pad_rows, pad_trees
+from mmspec.tree import DraftTree, ancestors, pad_rows, pad_trees
 from mmspec.verify import (
+    RowSampling,
     SamplingParams,
     logits_to_probs,
-    uniforms,
+    verify_steps,
     verify_tree_greedy,
     verify_tree_sampling,
     verify_trees_greedy,
@@ -127,7 +125,7 @@ def test_batched_sampling_equals_each_tree_alone_with_the_same_uniforms(drawn_ro
         us = [torch.rand(t.size + 1, generator=g, dtype=torch.float64) for t in trees]
         tb = pad_trees(trees, q_dtype=torch.float64)
         assert (tb.q is None) == (drawn_rows == "none")
-        u = _padded(us, g)  # junk after each row's own u[n_b]: the final draw must read the row's own
+        u = _final_last(us, tb.size, g)  # junk at the padding nodes; each row's final uniform in the last column
         out = verify_trees_sampling(tb.tokens, tb.parents, tb.depth, tb.anc, tb.valid, _padded(p, g), tb.q, tb.sampled,
                                     u, tb.max_depth)
         for b, t in enumerate(trees):
@@ -181,54 +179,59 @@ def test_padding_nodes_are_never_accepted_whatever_they_hold():
     assert verify_trees_sampling(tokens, parents, depth, anc, None, p, None, None, u, 4).n_accepted.tolist() == [4, 0]
 
 
+def _final_last(us: list[torch.Tensor], n: int, g: torch.Generator) -> torch.Tensor:
+    """Per-row uniforms [n_b + 1] -> [B, n + 1]: node i's test at column i (junk at padding
+    nodes), the final draw's at column n, where the batched verification reads it."""
+    u = torch.rand(len(us), n + 1, generator=g, dtype=torch.float64)
+    for b, x in enumerate(us):
+        u[b, :x.shape[0] - 1], u[b, n] = x[:-1], x[-1]
+    return u
+
+
 # --------------------------------------------------------------------------- the engine's step 3
-def _row(params: SamplingParams, tree: DraftTree, seed: int, relaxed: float | None = None) -> Row:
-    acc = AcceptanceConfig(RelaxedAcceptance(vision=relaxed, text=relaxed)) if relaxed else AcceptanceConfig()
-    row = Row(drafter=None, options=EngineOptions(tree=TreeSpec(), sampling=params, acceptance=acc),
-              generator=torch.Generator().manual_seed(seed), stats=None, device=torch.device("cpu"), past=3,
-              pending=tree.tokens[:1])
-    row.tree = tree
-    return row
-
-
-def test_step_groups_rows_draws_each_rows_uniforms_and_a_failing_row_fails_alone():
-    """Greedy rows (one relaxed) and sampling rows of two SamplingParams in one step, the rows of
-    one group not consecutive: each row's outcome is its tree verified alone with uniforms from
-    its own generator; a row with a malformed q fails alone; a row that failed drafting draws
-    nothing."""
+def test_one_call_verifies_greedy_and_sampling_rows_each_as_alone():
+    """Greedy rows (one relaxed) and sampling rows of two SamplingParams in ONE verification: each
+    row's outcome is its tree verified alone with its own parameters and uniforms."""
     g = torch.Generator().manual_seed(4)
     hot, cool = SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4)
-    bad = _tree(4, 1, g, drawn=True)
-    bad.q = torch.softmax(torch.randn(4, V + 1, generator=g, dtype=torch.float64), -1)  # not the target's vocabulary
     plan = [(SamplingParams(), _tree(7, 3, g), None), (hot, _tree(5, 1, g, drawn=True), None),
             (cool, _tree(9, 2, g), None), (SamplingParams(), _tree(3, 1, g), 0.2), (hot, _tree(6, 3, g), None),
-            (hot, bad, None), (cool, _tree(2, 1, g, drawn=True), None), (hot, _tree(4, 2, g), None)]
-    rows = [_row(params, tree, 10 + b, relaxed) for b, (params, tree, relaxed) in enumerate(plan)]
-    rows[7].error = RuntimeError("drafting failed")
-    logits = torch.randn(len(rows), 9, V, generator=g) * 2
-    for b, r in enumerate(rows):
-        logits[b, :r.tree.size] = _favour_children(logits[b, :r.tree.size], r.tree, g, 4.0)
-
-    done = verify_rows(rows, logits)
-    got = {b: (v.outcome.row(i), v.packed[i]) for v in done for i, b in enumerate(v.rows)}
-    assert sorted(got) == [0, 1, 2, 3, 4, 6] and isinstance(rows[5].error, RuntimeError)
-    assert rows[7].generator.get_state().equal(torch.Generator().manual_seed(17).get_state())  # drew nothing
-    assert [v.rows for v in done if len(v.rows) > 1] == [[0, 3], [2, 6]]  # batched: greedy rows, cool rows
-    for b, (out, pk) in got.items():
-        t, params = rows[b].tree, rows[b].options.sampling
+            (cool, _tree(2, 1, g, drawn=True), None), (hot, _tree(4, 2, g), None)]
+    trees = [t for _, t, _ in plan]
+    tb = pad_trees(trees, q_dtype=torch.float64)
+    logits = torch.randn(len(plan), tb.size, V, generator=g) * 2
+    for b, t in enumerate(trees):
+        logits[b, :t.size] = _favour_children(logits[b, :t.size], t, g, 4.0)
+    us = [torch.rand(t.size + 1, generator=g, dtype=torch.float64) for t in trees]
+    rs = RowSampling.of([params for params, _, _ in plan], torch.device("cpu"))
+    relaxed = torch.tensor([math.inf if r is None else r for _, _, r in plan], dtype=torch.float32)
+    out = verify_steps(tb, logits, rs, _final_last(us, tb.size, g), relaxed)
+    for b, (params, t, rel) in enumerate(plan):
         lg = logits[b, :t.size]
         if params.greedy:
-            ref = verify_tree_greedy(t.tokens, t.parents, t.depth, t.anc, lg, t.max_depth, relaxed=plan[b][2])
+            ref = verify_tree_greedy(t.tokens, t.parents, t.depth, t.anc, lg, t.max_depth, relaxed=rel)
         else:
             p = logits_to_probs(lg, params)
-            u = uniforms(t.size + 1, torch.Generator().manual_seed(10 + b), torch.device("cpu"))
             ref = verify_tree_sampling(t.tokens, t.parents, t.depth, t.anc, p, None if t.q is None else t.q.to(p.dtype),
-                                       t.sampled, u, t.max_depth)
-        acc = out.unpack(pk.tolist())
-        n = int(ref.n_accepted)
-        assert (acc.n_accepted, acc.next_token) == (n, int(ref.next_token))
-        assert acc.path == ref.path[:n + 1].tolist()
-        assert acc.along == (t.tokens[ref.path[:n + 1]].tolist(), t.fed[ref.path[:n + 1]].tolist())
+                                       t.sampled, us[b], t.max_depth)
+        _same(out, b, ref, t)
+
+
+def test_repeated_sibling_tokens_take_nothing_twice():
+    """Two siblings proposing one token (a model-free branch beside a drafted one): once the first
+    is rejected its token is gone from the residual, so the second never passes; the rest of the
+    siblings see the same remaining mass as without the repeat."""
+    tokens = torch.tensor([[0, 1, 1, 2]])
+    parents = torch.tensor([[-1, 0, 0, 0]])
+    depth = torch.tensor([[0, 1, 1, 1]])
+    anc = ancestors(parents[0], 1)[None]
+    p = torch.tensor([[[0.0, 0.5, 0.3, 0.2]] * 4], dtype=torch.float64)
+    u = torch.tensor([[0.0, 0.9, 0.0, 0.5, 0.5]], dtype=torch.float64)  # node 1 rejected (0.9 >= 0.5)
+    out = verify_trees_sampling(tokens, parents, depth, anc, None, p, None, None, u, 1)
+    assert out.path[0, 1] == 3 and int(out.n_accepted) == 1  # node 2 (the repeat) skipped; node 3: 0.5 * 0.5 < 0.3
+    alone = verify_trees_sampling(tokens[:, [0, 1, 3]], torch.tensor([[-1, 0, 0]]), depth[:, :3], ancestors(
+        torch.tensor([-1, 0, 0]), 1)[None], None, p[:, :3], None, None, u[:, [0, 1, 3, 4]], 1)
+    assert int(alone.n_accepted) == 1 and int(alone.next_token) == int(out.next_token)
 
 
 def test_pad_rows_and_pad_trees_shapes():

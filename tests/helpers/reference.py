@@ -83,3 +83,10 @@ def pvalues(samples, exact, V: int = 8) -> list[float]:
             m_obs[s[pos] if len(s) > pos else V] += 1
         out.append(chi2_pvalue(m_obs, m_exact))
     return out
+
+
+def engine_forwards(dec) -> dict:
+    """The step forwards of the engine a static decoder keeps (its lease), by role: "target",
+    "draft" (each a :class:`mmspec.batching.forwards.RowForward`: ``.shapes``, ``.runner``)."""
+    engine = dec.static_pool.leased["engine"][0]
+    return engine.forwards()

@@ -60,7 +60,7 @@ def admit(dec, engine: Engine, reqs: list, max_rows: int | None = None) -> list[
     first = engine.active
     k = len(group)
     capacity = max(reqs[i].ids.shape[0] + dec.room(reqs[i].max_new_tokens) for i in group)
-    capacity = max([capacity] + [max(inputs[i].reused + inputs[i].embeds.shape[1] for i in group)])
+    capacity = max(capacity, max(inputs[i].reused for i in group) + max(inputs[i].embeds.shape[1] for i in group))
     try:
         engine.ensure(first + k, capacity)
         rows = []
@@ -76,7 +76,7 @@ def admit(dec, engine: Engine, reqs: list, max_rows: int | None = None) -> list[
         t1 = time.perf_counter()
         drafting = engine.drafting
         if drafting is not None:
-            drafting.ensure(first + k, max(max(len(r.token_ids) for r in prompts[i].rows) if prompts[i].rows
+            drafting.ensure(engine.rows_for(first + k), max(max(len(r.token_ids) for r in prompts[i].rows) if prompts[i].rows
                                            else reqs[i].ids.shape[0] for i in group)
                             + max(dec.room(reqs[i].max_new_tokens) for i in group) + engine.width + 1)
             drafting.admit(first, [prompts[i] for i in group], [reqs[i] for i in group], feats, [inputs[i] for i in group])
@@ -105,7 +105,8 @@ def admit(dec, engine: Engine, reqs: list, max_rows: int | None = None) -> list[
         a.stats.prompt_tokens_reused = inputs[i].reused
         a.stats.prefill_target_s = t1 - t0
         a.stats.prefill_draft_s = t2 - t1
-        engine.rows.append(RowHost(max_new_tokens=req.max_new_tokens, eos_ids=dec.eos_ids, stats=a.stats))
+        engine.rows.append(RowHost(max_new_tokens=req.max_new_tokens, eos_ids=dec.eos_ids, stats=a.stats,
+                                   seed=0 if req.seed is None else req.seed, unseen=[int(req.ids[-1])]))
     return out
 
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mmspec import rng
+from mmspec.batching import proposals as mf
 from mmspec.batching.forwards import RowForward
 from mmspec.batching.state import BatchState
 from mmspec.batching.trees import Drafted, StepInput
@@ -56,6 +57,10 @@ class RowHost:
     eos_ids: frozenset[int]
     stats: GenerationStats
     tokens: list[int] = field(default_factory=list)
+    seed: int = 0  # the row's random stream (mmspec.rng) and the steps it took
+    steps: int = 0
+    unseen: list[int] = field(default_factory=list)  # committed tokens a model-free proposer has not been given
+    drafted: list[bool] = field(default_factory=list)  # per step the drafter ran: whether this row drafted a node
     pending_len: int = 1  # pending tokens on the device (host mirror)
     done: bool = False
     clocks: list[BlockClock] = field(default_factory=list)
@@ -89,7 +94,8 @@ class Engine:
 
     def __init__(self, target, n_layers: int, spec: TreeSpec, drafting=None, *, hidden_layers: tuple[int, ...] = (),
                  relaxed: RelaxedAcceptance | None = None, static: bool = False, graphs: str = "eager",
-                 feat_dim: int | None = None, feat_dtype: torch.dtype = torch.float32):
+                 feat_dim: int | None = None, feat_dtype: torch.dtype = torch.float32, pool=None,
+                 proposals_beside: bool = False):
         self.target = target
         self.spec = spec
         self.drafting = drafting
@@ -97,13 +103,18 @@ class Engine:
         self.relaxed = relaxed
         self.static = static
         self.device = target.device
-        self.width = spec.max_depth + 2  # pending tokens a row may hold (P)
+        # pending tokens a row may hold (P): after a drafted step, at most the last accepted node a
+        # draft model did not feed and the target's token (a head: every accepted node), plus room
+        # for one plain step's token before the drafter must catch up
+        # (model-free branches beside a draft are never fed: every accepted node of one is pending)
+        short = drafting is None or (drafting.keeps_path and not proposals_beside)
+        self.width = (2 if short else spec.max_depth + 1) + 1
         self.state = BatchState(self.device, self.width, feat_dim, feat_dtype=feat_dtype)
         self.cache = RowCache(n_layers)
         cache = self.cache
         self.forward = RowForward(lambda mask, ids, pos: target.forward(
             cache=cache, attention_mask=mask, position_ids=pos, input_ids=ids, hidden=hidden_layers),
-            cache, graphs, "target")
+            cache, graphs, "target", pool)
         self.rows: list[RowHost] = []
         self.draft_later = True  # False: rows never draft again (plain decoding only): nothing to catch up
 
@@ -112,16 +123,38 @@ class Engine:
     def active(self) -> int:
         return self.state.active
 
+    def forwards(self) -> dict:
+        """The engine's step forwards by role ("target", "draft"): their runners and graphs."""
+        return {"target": self.forward, **({"draft": self.drafting.forward} if self.drafting is not None else {})}
+
+    @property
+    def capture_s(self) -> float:
+        """Seconds spent capturing CUDA graphs so far (the target's and the drafter's forwards)."""
+        return sum(f.runner.capture_s for f in self.forwards().values())
+
     def step_rows(self) -> int:
         """R: the rows a step runs over (the active ones, padded to a bucket with static shapes)."""
         B = self.state.active
         return bucket(B) if self.static else B
 
+    def rows_for(self, requests: int) -> int:
+        """Rows a step over ``requests`` requests runs over (a bucket of them, static)."""
+        return bucket(requests) if self.static else requests
+
     def ensure(self, requests: int, capacity: int) -> None:
         """Room for ``requests`` rows of ``capacity`` target slots (a bucket of each, static)."""
-        rows = bucket(requests) if self.static else requests
+        rows = self.rows_for(requests)
         self.state.ensure(rows)
         self.cache.ensure(rows, capacity_bucket(capacity) if self.static else capacity)
+
+    def release(self) -> None:
+        """No rows left: the caches' memory goes back (a static engine keeps its buffers, and so
+        the graphs captured on them)."""
+        if self.state.active or self.static:
+            return
+        for cache in [self.cache] + ([self.drafting.rows.cache] if self.drafting is not None else []):
+            cache.store.kv = None
+            cache.store.want = (0, 0)
 
     def remove(self, b: int) -> int | None:
         """Row b leaves (finished or cancelled): the last row moves into its place. -> the index
@@ -143,9 +176,12 @@ class Engine:
         return StepInput(rows=R, pending=st.pending[:R], pending_len=st.pending_len[:R], remaining=st.remaining[:R],
                          sampling=rs, u=u, feats=None if st.feat_dim is None else st.pending_feats[:R])
 
-    def step(self, depth: int | None = None, proposers: list | None = None) -> list[list[int]]:
+    def step(self, depth: int | None = None, proposers: list | None = None) -> list[list[int] | BaseException]:
         """One step over every active row, each drafting at most ``depth`` deep (None: the
-        decoder's whole tree; 0: plain decoding) -> the tokens each row emitted."""
+        decoder's whole tree; 0: plain decoding) -> the tokens each row emitted, or the exception
+        a row failed with alone (its model-free proposer's). ``proposers``: each row's model-free
+        proposer (:mod:`mmspec.lookup`), searched on the host first. A failure of the step's
+        shared work is raised: it is every row's."""
         st, B, R = self.state, self.state.active, self.step_rows()
         clock = BlockClock(self.device)
         clock.start()
@@ -153,9 +189,24 @@ class Engine:
         x = self._input(R, self.spec.max_depth)
         drafted: Drafted | None = None
         caught_up = False
+        props = None
+        failed: dict[int, BaseException] = {}
+        if spec is not None and proposers is not None:  # model-free proposals, searched on the host
+            props = mf.propose([(p, r.unseen) for p, r in zip(proposers, self.rows)], spec, R, self.target.vocab_size,
+                               self.device, [not p.greedy for p in st.params], [r.seed for r in self.rows],
+                               [r.steps for r in self.rows], failed)
+            for r in self.rows:
+                r.unseen = []
         if spec is not None and self.drafting is not None:  # 1. draft
             drafted = self.drafting.draft(x, spec)
             tree, is_chain = drafted.tree, spec.is_chain
+            if props is not None:
+                tree = drafted.tree = mf.merged(tree, props)
+                drafted.fed, is_chain = tree.fed, False
+                tree.valid = tree.valid & (tree.depth < x.remaining[:, None])
+        elif props is not None:  # drafting with no model
+            tree, is_chain = mf.alone(x.pending.gather(1, (x.pending_len - 1)[:, None])[:, 0], props, spec.max_depth), False
+            tree.valid = tree.valid & (tree.depth < x.remaining[:, None])
         else:
             tree, is_chain = root_only(x), True
             if self.drafting is not None and self.draft_later and max(r.pending_len for r in self.rows) + 1 > self.width:
@@ -171,7 +222,11 @@ class Engine:
 
         # 4. commit on the device
         path, n = out.path, out.n_accepted  # [R, D + 1], [R]
+        n_valid = tree.valid.sum(1) if tree.valid is not None else torch.full_like(n, N)
         if drafted is not None:
+            if getattr(self.drafting, "adaptive", None) is not None:  # each view scored on what the target confirmed
+                self.drafting.adaptive.record(R)
+                self.drafting.adapt(x, drafted, path, n, out.next_token, logits, st.live[:R] & (n_valid > 1))
             m = self.drafting.commit(x, drafted, path, n, is_chain, st.live[:R])
         else:
             m = torch.zeros_like(n)
@@ -188,7 +243,6 @@ class Engine:
         tok_path = tree.tokens.gather(1, path)  # [R, D + 1]
         plain_keep = spec is None and self.drafting is not None and self.draft_later and not caught_up
         self._next_pending(x, tok_path, path, n, m, out.next_token, hidden, plain_keep)
-        n_valid = tree.valid.sum(1) if tree.valid is not None else torch.full_like(n, N)
         packed = torch.cat([n[:, None], out.next_token[:, None], m[:, None], n_valid[:, None], tok_path], 1)
 
         host = packed[:B].tolist()  # 5. the step's ONE host read
@@ -205,7 +259,10 @@ class Engine:
             else:
                 row.pending_len = 1
             st.lengths[b] += n_acc + 1
-            emitted.append(self._emit(row, toks[1:n_acc + 1] + [nxt], n_acc, nv, spec, clock))
+            if drafted is not None:
+                row.drafted.append(nv > 1)
+            kept = self._emit(row, toks[1:n_acc + 1] + [nxt], n_acc, nv, spec, clock)
+            emitted.append(failed.get(b, kept))
         if self.drafting is not None and advance:
             self.drafting.advance(advance)
         return emitted
@@ -216,6 +273,8 @@ class Engine:
             if t in row.eos_ids:
                 kept = kept[:i + 1]
                 break
+        row.steps += 1
+        row.unseen.extend(kept)
         depth = 0 if spec is None else min(spec.max_depth, row.remaining - 1)
         row.tokens.extend(kept)
         row.stats.blocks.append(BlockRecord(n_drafted=n_valid - 1, n_accepted=min(n_acc, len(kept)),
@@ -238,7 +297,7 @@ class Engine:
                 st.pending_feats[:R] = torch.where((j == at)[..., None], hidden[:, :1], f)
             st.pending_len[:R] += st.live[:R]
             return
-        left = n - m  # accepted nodes not in the draft cache
+        left = n - m if self.drafting is not None else torch.zeros_like(n)  # accepted nodes the drafter has not seen
         D1 = tok_path.shape[1]
         src = (m[:, None] + 1 + j).clamp(max=D1 - 1)  # [R, P]
         vals = tok_path.gather(1, src)

@@ -92,7 +92,7 @@ class EnsembleDrafting(Drafting):
     keeps_path = True
 
     def __init__(self, adapter: ModelAdapter, weights: Sequence[float], vocab: int, spec: TreeSpec,
-                 static: bool = False, graphs: str = "eager", n_layers: int | None = None):
+                 static: bool = False, graphs: str = "eager", n_layers: int | None = None, pool=None):
         self.adapter = adapter
         self.V = len(weights)
         w = torch.tensor(list(weights), dtype=torch.float64)
@@ -106,7 +106,7 @@ class EnsembleDrafting(Drafting):
         cache = self.rows.cache
         self.forward = RowForward(lambda mask, ids, pos: adapter.forward(cache=cache, attention_mask=mask,
                                                                          position_ids=pos, input_ids=ids),
-                                  cache, graphs, "draft")
+                                  cache, graphs, "draft", pool)
         self._base = self._pos = None
         self._span = 0
 
@@ -130,29 +130,34 @@ class EnsembleDrafting(Drafting):
         rows: list[PromptRow] = []
         next_pos: list[int] = []
         three_d = any(r.position_ids is not None for p in prompts for r in p.rows)
+        plan = []  # (row, view row, its length less the pending token, reused slots, stored prefix)
         for i, p in enumerate(prompts):
             match = p.match
             for v, r in enumerate(p.rows):
-                ids = r.token_ids[:-1]  # the last prompt token is pending
-                L = ids.shape[0]
-                row = (first + i) * V + v
-                s = 0
-                if match is not None and v < len(match.rows) and match.rows[v]:
-                    s = min(self.rows.cache.write_prefix(row, match.row_kv(v)), L)
-                embeds = self.adapter.embed(ids.to(dev)[None])[0]  # [L, H]
-                if r.features is not None:
-                    embeds[r.feature_positions.to(dev)] = r.features.to(dev, embeds.dtype)
-                if r.position_ids is not None:
-                    pos = r.position_ids[:, :L].to(dev)
-                    nxt = int(r.position_ids[:, :L].amax()) + 1
-                else:
-                    pos = torch.arange(L, device=dev)
-                    nxt = L
-                    if three_d:
-                        pos = pos[None].expand(3, L)
-                rows.append(PromptRow(embeds=embeds[s:], positions=pos[..., s:], reused=s))
-                next_pos.append(nxt)
-                self.rows.lengths.append(L)
+                L = r.token_ids.shape[0] - 1  # the last prompt token is pending
+                kv = match.row_kv(v) if match is not None and v < len(match.rows) and match.rows[v] else None
+                s = 0 if kv is None else min(kv[0][0].shape[-2], L)
+                plan.append(((first + i) * V + v, r, L, s, kv))
+        room = max(self.rows.cache.capacity, max(s for *_, s, _ in plan) + max(L - s for _, _, L, s, _ in plan))
+        self.ensure(max(first + len(prompts), self.rows.length.shape[0] // self.rows.per), room)
+        for row, r, L, s, kv in plan:
+            if kv is not None:
+                self.rows.cache.write_prefix(row, [(k[..., :s, :], v_[..., :s, :]) for k, v_ in kv])
+            ids = r.token_ids[:L]
+            embeds = self.adapter.embed(ids.to(dev)[None])[0]  # [L, H]
+            if r.features is not None:
+                embeds[r.feature_positions.to(dev)] = r.features.to(dev, embeds.dtype)
+            if r.position_ids is not None:
+                pos = r.position_ids[:, :L].to(dev)
+                nxt = int(r.position_ids[:, :L].amax()) + 1
+            else:
+                pos = torch.arange(L, device=dev)
+                nxt = L
+                if three_d:
+                    pos = pos[None].expand(3, L)
+            rows.append(PromptRow(embeds=embeds[s:], positions=pos[..., s:], reused=s))
+            next_pos.append(nxt)
+            self.rows.lengths.append(L)
         cache = self.rows.cache
         prefill_rows(cache, first * V, rows, lambda **kw: self.adapter.forward(cache=cache, logits_to_keep=1, **kw))
         sl = slice(first * V, first * V + len(rows))
@@ -192,13 +197,18 @@ class EnsembleDrafting(Drafting):
         logits = self.forward(write=length, mask=mask, ids=ids, pos=pos)  # [R V, P, V_draft]
         plen = self._rep(x.pending_len)
         self._base, self._pos = length + plen, position + plen  # in-block slot 0; the depth-1 position
-        return logits.gather(1, (plen - 1)[:, None, None].expand(R, 1, logits.shape[-1]))  # [R V, 1, V_draft]
+        last = logits.gather(1, (plen - 1)[:, None, None].expand(R, 1, logits.shape[-1]))  # [R V, 1, V_draft]
+        self._seen = [last] if self.adaptive is not None else []  # a copy (gather): a replay reuses its output
+        return last
 
     def feed(self, x, nodes, tokens, parents, depth, first_slot, inblock) -> torch.Tensor:
         n = tokens.shape[1]
         mask = rows_mask(self._base, self._span, self._rep(inblock))
         pos = (self._pos + depth - 1)[:, None].expand(-1, n)
-        return self.forward(write=self._base + first_slot, mask=mask, ids=self._rep(tokens), pos=pos)
+        out = self.forward(write=self._base + first_slot, mask=mask, ids=self._rep(tokens), pos=pos)
+        if self.adaptive is not None:  # kept for adapt (a copy: a graph replay overwrites its output)
+            self._seen.append(out.clone())
+        return out
 
     def distributions(self, logits: torch.Tensor, rs: RowSampling) -> torch.Tensor:
         """Row logits [R V, F, V_draft] -> each request's mixture q [R, F, vocab]."""
@@ -243,6 +253,26 @@ class EnsembleDrafting(Drafting):
             self.rows.cache.move_paths(torch.arange(R, device=slot.device), src, dst)
         self._advance(R, self._rep(m), live)
         return m
+
+    def adapt(self, x: StepInput, d: Drafted, path: torch.Tensor, n_accepted: torch.Tensor, next_token: torch.Tensor,
+              target_logits: torch.Tensor, live: torch.Tensor) -> None:
+        """Adaptive weights after verification: each view's distribution at every row's accepted
+        path, scored against the target's there and the tokens it confirmed (all rows at once)."""
+        R, dev = x.rows, path.device
+        D1 = path.shape[1]
+        j = torch.arange(D1, device=dev)[None]  # [1, D + 1]
+        slot = d.fed.gather(1, path)  # [R, D + 1]: in-block slot of each path node (-1: never fed)
+        idx = torch.where(j == 0, 0, slot + 1).clamp_min(0)  # index into the seen logits (0: the root's)
+        valid = ((j == 0) | (slot >= 0)) & (j <= n_accepted[:, None])
+        seen = torch.cat(self._seen, 1)  # [R V, S, V_draft]
+        rows = seen.gather(1, self._rep(idx)[:, :, None].expand(-1, -1, seen.shape[-1]))  # [R V, D + 1, V_draft]
+        q = logits_to_probs_rows(rows, self._rep_sampling(x.sampling)).view(R, self.V, D1, -1)
+        p = logits_to_probs_rows(target_logits.gather(1, path[:, :, None].expand(-1, -1, target_logits.shape[-1])),
+                                 x.sampling)  # [R, D + 1, V]
+        tok = d.tree.tokens.gather(1, path)
+        confirmed = torch.where(j == n_accepted[:, None], next_token[:, None],
+                                torch.cat([tok[:, 1:], tok[:, -1:]], 1))  # the token after each path node
+        self.weights[:R] = self.adaptive.update(q, p, confirmed, valid, n_accepted + 1, live)
 
     def _advance(self, R: int, m: torch.Tensor, live: torch.Tensor) -> None:
         """Rows' committed slots: the pending tokens fed this step and ``m`` [R V] kept nodes (a

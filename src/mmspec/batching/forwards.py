@@ -28,10 +28,11 @@ class RowForward:
     the cache is told where the rows write (module docstring); ``mode``: a
     :data:`~mmspec.graphs.MODES` entry."""
 
-    def __init__(self, fn: Callable[..., object], cache: RowCache, mode: str = "eager", name: str = "model"):
+    def __init__(self, fn: Callable[..., object], cache: RowCache, mode: str = "eager", name: str = "model",
+                 pool=None):
         self.fn = fn
         self.cache = cache
-        self.runner = StepRunner(self._run, None, mode=mode, name=name)
+        self.runner = StepRunner(self._run, None, mode=mode, name=f"batched {name}", pool=pool)
         self.generation = cache.generation
 
     def _run(self, write: torch.Tensor, mask: torch.Tensor, **inputs: torch.Tensor):

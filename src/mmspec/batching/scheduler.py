@@ -43,6 +43,7 @@ class StepEvent:
     finished: bool
     result: object | None  # GenerationResult when finished (stats included)
     error: str | None = None  # set when the request failed alone (others go on)
+    exception: BaseException | None = None  # the failure itself (generate raises it)
 
 
 # ---------------------------------------------------------------------------- the policy
@@ -211,13 +212,17 @@ class BatchScheduler:
             outcomes = self.engine.step(depth, proposers if any(p is not None for p in proposers) else None)
         except Exception as e:  # noqa: BLE001 - the shared step failed: every request in it
             for a in self._active:
-                events.append(StepEvent(a.rid, [], "", True, None, error=_message(e)))
+                events.append(StepEvent(a.rid, [], "", True, None, error=_message(e), exception=e))
             while self._active:
                 self._remove(len(self._active) - 1)
             return events
         accepted = rejected = 0
         finished: list[int] = []
         for b, (a, kept) in enumerate(zip(self._active, outcomes)):
+            if isinstance(kept, BaseException):  # this request fails alone
+                events.append(StepEvent(a.rid, [], "", True, None, error=_message(kept), exception=kept))
+                finished.append(b)
+                continue
             row = self.engine.rows[b]
             rec = row.stats.blocks[-1]
             accepted += rec.n_accepted
@@ -247,18 +252,21 @@ class BatchScheduler:
         admitted = admit(dec, self.engine, [req for _, req, _ in group])
         for (rid, req, t_submit), ad in zip(group, admitted):
             if ad.error is not None:
-                events.append(StepEvent(rid, [], "", True, None, error=_message(ad.error)))
+                events.append(StepEvent(rid, [], "", True, None, error=_message(ad.error), exception=ad.error))
                 continue
             a = _Active(rid, req, ad.prompt, t_submit, TextDelta(dec.tokenizer), proposer=dec.proposer_for_request(ad.prompt))
             self._active.append(a)  # row ad.row of the engine
-        for b in range(len(self._active) - sum(1 for ad in admitted if ad.error is None), len(self._active)):
-            self._remember(b, self._active[b])  # the prompt, for a later request that extends it
+        if self.max_batch > 1:  # the prompt, for a request in the same batch that extends it (generate: none)
+            for b in range(len(self._active) - sum(1 for ad in admitted if ad.error is None), len(self._active)):
+                self._remember(b, self._active[b])
 
     def _remove(self, b: int) -> None:
         self.engine.remove(b)
         last = len(self._active) - 1
         self._active[b] = self._active[last]
         self._active.pop()
+        if not self._active:  # idle: the caches' memory goes back (a static engine keeps them)
+            self.engine.release()
 
     def _finish(self, b: int, a: _Active) -> GenerationResult:
         """The request's result; its prompt and answer kept for the conversation's next turn."""
@@ -271,7 +279,7 @@ class BatchScheduler:
             a.proposer.finish(list(row.tokens))
         adaptive = getattr(self.engine.drafting, "adaptive", None)
         if adaptive is not None:  # the weights' trajectory, read once
-            st.view_weights, st.final_weights = adaptive.trajectory(b)
+            st.view_weights, st.final_weights = adaptive.trajectory(b, row.drafted)
         text = self.decoder.tokenizer.decode(row.tokens, skip_special_tokens=True)
         return GenerationResult(token_ids=list(row.tokens), text=text, stats=st, seed=a.req.seed)
 

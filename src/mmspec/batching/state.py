@@ -63,6 +63,7 @@ class BatchState:
         self.active = 0
         self.lengths: list[int] = []  # host: each active row's committed target slots
         self.params: list[SamplingParams] = []
+        self._flags = flags([SamplingParams()])  # what the host knows of the rows' parameters
         self._alloc(max(1, rows))
 
     def _alloc(self, rows: int) -> None:
@@ -122,6 +123,7 @@ class BatchState:
         self.active += k
         self.lengths += [s.length for s in starts]
         self.params += [s.params for s in starts]
+        self._flags = flags(self.params)
         return list(range(first, first + k))
 
     def remove(self, b: int) -> int | None:
@@ -143,6 +145,7 @@ class BatchState:
         self.lengths.pop()
         self.params.pop()
         self.active -= 1
+        self._flags = flags(self.params or [SamplingParams()])
         return moved
 
     def _tensors(self) -> list[torch.Tensor]:
@@ -156,4 +159,4 @@ class BatchState:
     def sampling(self, rows: int) -> RowSampling:
         """The first ``rows`` rows' parameters (free rows beyond the active ones: greedy)."""
         return RowSampling(self.temperature[:rows], self.top_k[:rows], self.top_p[:rows], self.greedy[:rows],
-                           **flags(self.params or [SamplingParams()]))
+                           **self._flags)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mmspec.tree import TreeBatch, TreeSpec, static_structure
-from mmspec.verify import RowSampling, logits_to_probs_rows, sample
+from mmspec.verify import RowSampling, sample
 
 NEG = float("-inf")
 
@@ -184,7 +184,8 @@ class Drafting:
         score = torch.zeros(R, M, dtype=torch.float32, device=dev)
         fed = torch.full((R, M), -1, dtype=torch.long, device=dev)
         tokens[:, 0] = root[:, 0]
-        anc = torch.eye(M, dtype=torch.bool, device=dev).expand(R, M, M).clone()
+        eye = torch.eye(M, dtype=torch.bool, device=dev)
+        anc = eye.expand(R, M, M).clone()
         frontier = torch.zeros(R, 1, dtype=torch.long, device=dev)  # node ids whose logits we hold
         fed_nodes: list[torch.Tensor] = []  # [R, k] node ids per fed depth, in slot order
         made = 1
@@ -195,10 +196,9 @@ class Drafting:
             par = frontier.repeat_interleave(k, dim=1)  # [R, F k]
             tokens[:, new] = tok.flatten(1)
             parents[:, new] = par
-            depth[:, new] = d
+            depth.index_fill_(1, new, d)
             score[:, new] = (score.gather(1, frontier)[:, :, None] + s.float()).flatten(1)
-            anc[:, new] = anc.gather(1, par[:, :, None].expand(R, F * k, M))
-            anc[:, new, new] = True
+            anc[:, new] = anc.gather(1, par[:, :, None].expand(R, F * k, M)) | eye[new]  # its parent's, and itself
             made += F * k
             if d == spec.depth:
                 break

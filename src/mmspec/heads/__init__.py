@@ -1,13 +1,12 @@
 """Feature-level draft heads (EAGLE, EAGLE-3, MSD) that draft from the target's hidden states.
 
 :mod:`.model` owns the head itself (config, weights, save/load, :func:`build_head`);
-:mod:`.drafter` drives it through the engine's drafter interface; :mod:`mmspec.train.head` trains it on
+:mod:`mmspec.batching.heads` drafts with it on the engine; :mod:`mmspec.train.head` trains it on
 the target's own answers (``mmspec train head``).
 """
 
 from mmspec.heads.directory import describe_head, head_kind, is_head_dir, load_head
-from mmspec.heads.drafter import HeadDrafter
 from mmspec.heads.model import VARIANTS, FeatureHead, HeadConfig, build_head
 
-__all__ = ["VARIANTS", "FeatureHead", "HeadConfig", "HeadDrafter", "build_head", "describe_head", "head_kind", "is_head_dir",
+__all__ = ["VARIANTS", "FeatureHead", "HeadConfig", "build_head", "describe_head", "head_kind", "is_head_dir",
            "load_head"]
