@@ -517,7 +517,8 @@ class SpecDecoder:
                     cache=None) -> EnsembleDrafter:
         """The draft side of :meth:`generate` alone: vision, captions and the prefilled ensemble
         drafter for this prompt (its last token not fed). Used to time draft steps in isolation;
-        ``cache`` runs it on a cache of the caller's (e.g. a ``DynamicCache``, to compare)."""
+        ``cache`` runs it on a cache of the caller's (e.g. a ``DynamicCache``, to compare), in that
+        cache's mode: a static decoder's masks span its whole buffer, a DynamicCache's keys only what it holds."""
         if self.draft is None:
             raise MMSpecError("new_drafter times token-level drafters; a head or a model-free draft drafts inside "
                               "generate()")
@@ -527,7 +528,8 @@ class SpecDecoder:
         layout = self.mm.layout(ids, mm)
         stats = self.new_stats()
         enc = self.mm.encode(layout, mm, stats, images=images, captions=captions)
-        return self._prefill_draft(self.mm.rows(enc), max_new_tokens, stats, cache, static=self.static)
+        static = self.static if cache is None else bool(getattr(cache, "static", False))
+        return self._prefill_draft(self.mm.rows(enc), max_new_tokens, stats, cache, static=static)
 
     def mm_inputs(self, pixel_values, unused: dict) -> dict:
         """generate()'s extra keywords -> the multimodal inputs, unknown ones refused."""
