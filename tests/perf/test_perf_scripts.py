@@ -89,12 +89,16 @@ def test_prefix_speed(tmp_path):
 
 
 def test_tree_sweep(tmp_path):
-    """Exits 1 if a tree's output differs from the target's."""
+    """Exits 1 if a tree's output differs from the target's. With emulated graphs (fixed shapes,
+    the GPU's path); the report is written after each repeat."""
     out = run_script("tree_sweep", "--families", "chartqa", "--n-per-family", "1", "--max-new-tokens", "8",
-                     "--shapes", "3x2x4", "--repeats", "1", "--threads", "1", "--out", str(tmp_path))
+                     "--shapes", "3x2x4", "--repeats", "2", "--threads", "1", "--graphs", "emulate",
+                     "--out", str(tmp_path))
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert {"tree_sweep.json", "tree_sweep.md"} <= {p.name for p in tmp_path.iterdir()}
     assert "tree 3x2x4" in (tmp_path / "tree_sweep.md").read_text()
+    res = json.loads((tmp_path / "tree_sweep.json").read_text())
+    assert res["repeats_done"] == 2 and res["config"]["graphs"] == "emulate" and res["identical"]
 
 
 def test_cpu_shapes(monkeypatch, capsys):
