@@ -70,6 +70,28 @@ def test_batch_speed_engines():
     assert all(r["same_as_target_batched"] == "3/3" for r in rows[1:])
 
 
+def test_batch_speed_writes_each_row_and_goes_past_a_failing_setting(tmp_path, monkeypatch, capsys):
+    """--out gets each row as it is measured; a setting that raises becomes an error row, the
+    settings after it still run, and the exit status is 3."""
+    bs = load_script("batch_speed")
+    real = bs.spec_batched
+
+    def flaky(dec, em, batch, new, speculate):
+        if speculate == "never" and len(batch) == 2:
+            raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED")
+        return real(dec, em, batch, new, speculate)
+
+    monkeypatch.setattr(bs, "spec_batched", flaky)
+    out = tmp_path / "batch.jsonl"
+    assert bs.main(["--batch", "2", "1", "--new", "3", "--speculate", "never", "always", "--out", str(out)]) == 3
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["B"], r["system"], "error" in r) for r in rows] == [
+        (2, "target.generate", False), (2, "mmspec M speculate=never", True), (2, "mmspec M speculate=always", False),
+        (1, "target.generate", False), (1, "mmspec M speculate=never", False), (1, "mmspec M speculate=always", False)]
+    assert "INTERNAL ASSERT" in rows[1]["error"]
+    assert capsys.readouterr().out.count("{") == 6  # the same rows on stdout
+
+
 def test_batch_speed_admission():
     out = run_script("batch_speed", "--batch", "3", "--new", "3", "--admission", "--repeats", "1")
     assert out.returncode == 0, out.stderr[-3000:]
