@@ -253,6 +253,43 @@ def test_gpu_shapes_small_cpu(tmp_path):
     assert (tmp_path / "gpu_shapes.json").exists() and "Fig. 9" in (tmp_path / "gpu_shapes.md").read_text()
 
 
+def test_gpu_shapes_keeps_going_past_a_failing_section(tmp_path, monkeypatch):
+    """A section that raises (here one cache capacity, as an out-of-memory would) is recorded
+    under ``errors``; the sections after it run and every engine run is on disk. Also: the
+    kernel table on the CPU (aten ops), engine runs in graph mode only."""
+    gs = load_script("gpu_shapes")
+    real = gs.capacity_time
+
+    def flaky(cfg, target, mode, capacity):
+        if capacity == 256:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
+        return real(cfg, target, mode, capacity)
+
+    monkeypatch.setattr(gs, "capacity_time", flaky)
+    saved = []
+    real_write = gs.write_report
+    monkeypatch.setattr(gs, "write_report", lambda res, out: (saved.append(json.loads(json.dumps(res))),
+                                                              real_write(res, out))[1])
+    cfg = gs.parse_args(["--small", "--device", "cpu", "--context", "32", "--gammas", "5", "--trees", "8",
+                         "--batches", "1", "--repeats", "1", "--warmup", "1", "--copy-mib", "1", "--modes",
+                         "eager,graph", "--engine-modes", "graph", "--kernels", "--capacities", "0,256,512",
+                         "--engine-new-tokens", "6", "--engine-repeats", "1", "--engine-noise", "0",
+                         "--out", str(tmp_path)])
+    res = gs.run(cfg, log=lambda s: None)
+    assert list(res["errors"]) == ["capacity 256"] and "out of memory" in res["errors"]["capacity 256"]
+    assert set(res["capacity"]["T_p"]) == {"36", "512"}  # context + room (32 + 4), and the next one
+    assert res["kernels"]["device"] == "cpu" and res["kernels"]["kernels_per_step"] > 0
+    assert set(res["engine"]["runs"]) == {"noise0-graph-chain", "noise0-graph-tree"}
+    assert "engine_efficiency" in res["engine"]["runs"]["noise0-graph-chain"]
+    engine_saves = [len(x.get("engine", {}).get("runs", {})) for x in saved]
+    assert 1 in engine_saves and 2 in engine_saves  # each engine run written as it ended
+    md = (tmp_path / "gpu_shapes.md").read_text()
+    assert "capacity 256 failed" in md and "aten ops" in md
+    assert gs.main(["--small", "--device", "cpu", "--context", "16", "--gammas", "1", "--trees", "4",
+                    "--batches", "1", "--repeats", "1", "--warmup", "0", "--copy-mib", "1", "--modes", "eager",
+                    "--no-engine", "--capacities", "256", "--out", str(tmp_path / "b")]) == 3
+
+
 @pytest.mark.parametrize("script", ["speed", "gpu_shapes"])
 def test_help(script):
     out = subprocess.run([sys.executable, str(ROOT / "perf" / f"{script}.py"), "--help"], capture_output=True,
