@@ -26,6 +26,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -165,7 +166,8 @@ class Rows:
     def __init__(self, out: str | None):
         self.out, self.errors = out, 0
         if out:
-            open(out, "w").close()
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text("")
 
     def emit(self, row: dict) -> None:
         line = json.dumps(row)

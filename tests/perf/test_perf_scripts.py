@@ -4,7 +4,8 @@ script rots between the measurements that use it.
 
 These check code paths and the files a run writes, not speed: timings under a test runner mean
 nothing. ``speed.py`` (with its helpers ``breakdown.py`` and ``draftstep.py``), ``gpu_shapes.py``,
-``profile_draft_step.py`` and ``video_speed.py`` are run by the tests :data:`ELSEWHERE` names.
+``profile_draft_step.py``, ``video_speed.py`` and ``ceilings.py`` are run by the tests
+:data:`ELSEWHERE` names (``gpu_pass.sh``, the GPU pass: ``tests/perf/test_gpu_pass.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ ELSEWHERE = {
     "serve_probes": {"tests/serve/test_serve_probes.py": "load_script(\"serve_probes\")"},
     "video_speed": {"tests/bench/test_speed_bench.py": "load_script(\"video_speed\")",
                     "tests/train/test_video_pair.py": "video_speed.py"},
+    "ceilings": {"tests/perf/test_gpu_pass.py": "env.json"},  # gpu_pass.sh's env step, dry run
 }
 TESTED_HERE = ["batch_speed", "prefix_speed", "tree_sweep", "cpu_shapes", "serve_load", "head_formats_check",
                "serve_overhead", "lookup_speed", "serve_speed"]
