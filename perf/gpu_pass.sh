@@ -20,7 +20,7 @@
 #   bash perf/gpu_pass.sh /tmp/gpu-pass --pack "$OUT/results.tgz" > "$OUT/pass.txt" 2>&1; tail -n 40 "$OUT/pass.txt"
 # Environment: PY (default python3).
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 ALL="env tests speed bf16 batch trees shapes compile"
 OUT="" DRY=0 STEPS="" PACK="" BUDGET="" LIST=0
 while [ $# -gt 0 ]; do
@@ -54,7 +54,7 @@ CUDA_TESTS=$(grep -rlE "skipif\(not torch\.cuda\.is_available\(\)" tests | sort 
 declare -A LIMIT CMD
 if [ $DRY = 0 ]; then
   LIMIT[env]=60;      CMD[env]="$PY perf/ceilings.py --device cuda --out $OUT/env/env.json"
-  LIMIT[tests]=150;   CMD[tests]="$PY -m pytest -q -rs -p no:cacheprovider -n 4 --junitxml=$OUT/tests/junit.xml $CUDA_TESTS"
+  LIMIT[tests]=150;   CMD[tests]="$PY -m pytest -q -rs -p no:cacheprovider -n 8 --junitxml=$OUT/tests/junit.xml $CUDA_TESTS"
   LIMIT[speed]=150;   CMD[speed]="$PY perf/speed.py --device cuda --repeats 3 --out $OUT/speed"
   LIMIT[bf16]=100;    CMD[bf16]="$PY perf/speed.py --device cuda --dtype bfloat16 --repeats 1 --no-profile --out $OUT/speed-bf16"
   LIMIT[batch]=120;   CMD[batch]="$PY perf/batch_speed.py --device cuda --batch 1 8 32 --engine eager graphs --speculate always never auto --engine-time --out $OUT/batch/batch_speed.jsonl"
@@ -95,8 +95,8 @@ pack
 SUMMARY=""
 for s in ${STEPS//,/ }; do
   left=$((BUDGET - (SECONDS - START) - 10))  # 10 s kept for the last pack
-  limit=${LIMIT[$s]}; [ $left -lt $limit ] && limit=$left
-  if [ $limit -lt 20 ]; then
+  limit=${LIMIT[$s]}; [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 20 ]; then
     say "--- $s skipped: ${left}s of the budget left"; record "$s" -1 0 0 "skipped: no time left"
     SUMMARY+="$(printf '%-8s skipped (no time left)' "$s")"$'\n'; continue
   fi
