@@ -55,8 +55,8 @@ declare -A LIMIT CMD
 if [ $DRY = 0 ]; then
   LIMIT[env]=60;      CMD[env]="$PY perf/ceilings.py --device cuda --out $OUT/env/env.json"
   LIMIT[tests]=150;   CMD[tests]="$PY -m pytest -q -rs -p no:cacheprovider -n 8 --junitxml=$OUT/tests/junit.xml $CUDA_TESTS"
-  LIMIT[speed]=150;   CMD[speed]="$PY perf/speed.py --device cuda --repeats 3 --out $OUT/speed"
-  LIMIT[bf16]=100;    CMD[bf16]="$PY perf/speed.py --device cuda --dtype bfloat16 --repeats 1 --no-profile --out $OUT/speed-bf16"
+  LIMIT[speed]=150;   CMD[speed]="$PY perf/speed.py --device cuda --repeats 3 --step-rounds 10 --out $OUT/speed"
+  LIMIT[bf16]=100;    CMD[bf16]="$PY perf/speed.py --device cuda --dtype bfloat16 --repeats 1 --latency-repeats 3 --step-rounds 5 --no-profile --out $OUT/speed-bf16"
   LIMIT[batch]=120;   CMD[batch]="$PY perf/batch_speed.py --device cuda --batch 1 8 32 --engine eager graphs --speculate always never auto --engine-time --out $OUT/batch/batch_speed.jsonl"
   LIMIT[trees]=90;    CMD[trees]="$PY perf/tree_sweep.py --device cuda --repeats 1 --out $OUT/trees"
   LIMIT[shapes]=150;  CMD[shapes]="$PY perf/gpu_shapes.py --device cuda --modes eager,graph --engine-modes graph --gammas 1,2,3,5,8 --trees 16,32,64 --batches 1,2,4,8 --repeats 15 --engine-repeats 2 --kernels --capacities 0,2048,8192,32768 --out $OUT/shapes"
