@@ -41,9 +41,8 @@ STEPS=${STEPS:-${ALL// /,}}
 for s in ${STEPS//,/ }; do
   case " $ALL " in *" $s "*) ;; *) echo "gpu_pass.sh: unknown step '$s'; steps: ${ALL// /,}" >&2; exit 2 ;; esac
 done
-mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-PACK=${PACK:-$OUT.tgz}
-mkdir -p "$(dirname "$PACK")" && PACK="$(cd "$(dirname "$PACK")" && pwd)/$(basename "$PACK")"
+OUT=$(realpath -m "$OUT")
+PACK=$(realpath -m "${PACK:-$OUT.tgz}")
 case "$PACK/" in "$OUT"/*) echo "gpu_pass.sh: --pack $PACK lies inside OUTDIR $OUT; put it beside" >&2; exit 2 ;; esac
 BUDGET=${BUDGET:-$([ $DRY = 1 ] && echo 600 || echo 400)}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 MPLBACKEND=Agg
@@ -78,6 +77,7 @@ if [ $LIST = 1 ]; then
   exit 0
 fi
 
+mkdir -p "$OUT" "$(dirname "$PACK")" || exit 2
 say() { echo "$*" | tee -a "$OUT/pass.txt"; }
 pack() {  # atomically: a call killed mid-tar leaves the previous pack whole
   tar czf "$PACK.tmp" -C "$OUT" . 2>/dev/null && mv -f "$PACK.tmp" "$PACK"
