@@ -10,7 +10,7 @@
 #   --dry-run   every step on the CPU: tiny shapes, few repeats, graphs emulated, the tests
 #               collected but not run; proves every argument, path and import (about a minute
 #               here; tests/perf/test_gpu_pass.py runs a part of it and checks every command line)
-#   --steps     a subset, in the pass's order: env,tests,speed,bf16,batch,trees,shapes,compile
+#   --steps     a subset, run in the order given (the pass's: env,tests,speed,bf16,batch,trees,shapes,compile)
 #   --pack      the tar.gz written after each step (default: OUTDIR.tgz); not inside OUTDIR
 #   --budget    seconds for the whole pass (default 400 on a GPU, 600 dry): each step's limit is
 #               cut to what is left, and a step with under 20 s left is skipped
