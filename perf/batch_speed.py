@@ -11,6 +11,9 @@ embedded pack. One run per setting (the full sweep with latency percentiles is
 ``--engine``: the batched engine on eager ragged caches (``eager``), with fixed shapes run
 eagerly (``static``), or with fixed shapes captured as CUDA graphs (``graphs``: on the CPU the
 capture is emulated, which times the bookkeeping, not a replay).
+
+``--out FILE``: each row is also appended to FILE (JSON lines) the moment it is measured. A
+setting that raises prints a row with its ``error`` and the run goes on (exit status 3).
 """
 
 from __future__ import annotations
@@ -18,8 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+import traceback
 from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -137,8 +144,8 @@ def admission(dec, em, batch, new: int, together: bool) -> dict:
             "total_wall_s": wall, "total_cpu_s": cpu, "tokens": [out[r] for r in sorted(out)]}
 
 
-def compare_admission(dec, em, B: int, new: int, repeats: int) -> None:
-    """Prefilled together vs one by one, interleaved ``repeats`` times; medians; one JSON line each."""
+def compare_admission(dec, em, B: int, new: int, repeats: int, emit=print) -> None:
+    """Prefilled together vs one by one, interleaved ``repeats`` times; medians; one row each."""
     batch = prompts(em.processor, B)
     runs: dict[bool, list[dict]] = {False: [], True: []}
     for _ in range(repeats):
@@ -150,16 +157,45 @@ def compare_admission(dec, em, B: int, new: int, repeats: int) -> None:
                "same_tokens": same}
         for key in ("ttft_wall_s", "ttft_cpu_s", "total_wall_s", "total_cpu_s"):
             row[key] = round(statistics.median(r[key] for r in rs), 3)
-        print(json.dumps(row), flush=True)
+        emit(row)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+class Rows:
+    """Prints each row as one JSON line and appends it to ``--out`` (if given) at once."""
+
+    def __init__(self, out: str | None):
+        self.out, self.errors = out, 0
+        if out:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text("")
+
+    def emit(self, row: dict) -> None:
+        line = json.dumps(row)
+        print(line, flush=True)
+        if self.out:
+            with open(self.out, "a") as f:
+                f.write(line + "\n")
+
+    def attempt(self, where: dict, make_row, *args) -> None:
+        """Emit ``make_row(*args)`` (unless None); if it raises, a row ``where | {"error": ...}``
+        instead, and the run goes on."""
+        try:
+            row = make_row(*args)
+            if row is not None:
+                self.emit(row)
+        except Exception as e:  # noqa: BLE001 - one setting's failure must not lose the others
+            self.errors += 1
+            traceback.print_exc()
+            self.emit(where | {"error": f"{type(e).__name__}: {str(e)[:500]}"})
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--new", type=int, default=48)
     ap.add_argument("--views", default="M")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--speculate", nargs="+", default=["always"])
+    ap.add_argument("--speculate", nargs="+", default=["always"], choices=("always", "never", "auto"))
     ap.add_argument("--one-by-one", action="store_true", help="also decode each batch's requests with generate, one by one")
     ap.add_argument("--engine-time", action="store_true",
                     help="also time the models' forwards inside each mmspec run: forward_s, host_s = wall - forwards, "
@@ -170,7 +206,13 @@ def main() -> None:
     ap.add_argument("--engine", nargs="+", default=["eager"], choices=sorted(ENGINES),
                     help="eager ragged caches, fixed shapes run eagerly (static), or captured as CUDA graphs (graphs)")
     ap.add_argument("--device", default="cpu")
-    args = ap.parse_args()
+    ap.add_argument("--out", default=None, help="also append each row to this JSON-lines file as it is measured")
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    rows = Rows(args.out)
     torch.set_num_threads(args.threads)
     em = mmspec.load_embedded(device=args.device)
     eos = em.target.generation_config.eos_token_id
@@ -189,38 +231,54 @@ def main() -> None:
             spec_batched(d, em, prompts(em.processor, 2), 8, "always")
         target_batched(em, prompts(em.processor, 2), 8)
         for B in args.batch if args.admission else ():
-            compare_admission(dec, em, B, args.new, args.repeats)
+            rows.attempt({"B": B, "admission": "both"}, compare_admission, dec, em, B, args.new, args.repeats,
+                         rows.emit)
         for B in () if args.admission else args.batch:
             batch = prompts(em.processor, B)
             ref, wall_t = target_batched(em, batch, args.new)
             cpu_t = CPU_S["last"]
-            print(json.dumps({"B": B, "system": "target.generate", "tok_s": round(B * args.new / wall_t, 1),
-                              "wall_s": round(wall_t, 3), "cpu_s": round(cpu_t, 3)}), flush=True)
+            rows.emit({"B": B, "system": "target.generate", "tok_s": round(B * args.new / wall_t, 1),
+                       "wall_s": round(wall_t, 3), "cpu_s": round(cpu_t, 3)})
+            base = {"ref": ref, "wall_t": wall_t, "cpu_t": cpu_t}
             for engine, mode in [(e, m) for e in decs for m in args.speculate]:
-                timer = ForwardTimer(em.target, em.draft) if args.engine_time else None
-                got, wall = spec_batched(decs[engine], em, batch, args.new, mode)
-                same = sum(a == b for a, b in zip(got, ref))
                 tag = "" if len(decs) == 1 else f" engine={engine}"
-                row = {"B": B, "system": f"mmspec {args.views} speculate={mode}{tag}",
-                       "tok_s": round(B * args.new / wall, 1), "wall_s": round(wall, 3),
-                       "speedup": round(wall_t / wall, 2), "same_as_target_batched": f"{same}/{B}",
-                       "cpu_s": round(CPU_S["last"], 3), "cpu_speedup": round(cpu_t / max(CPU_S["last"], 1e-9), 2)}
-                if timer is not None:
-                    timer.close()
-                    row |= {"forward_s": round(timer.seconds, 3), "host_s": round(wall - timer.seconds, 3),
-                            "engine_efficiency": round(timer.seconds / wall, 3), "steps": CPU_S["steps"],
-                            "host_ms_per_step": round(1e3 * (wall - timer.seconds) / CPU_S["steps"], 2)}
-                print(json.dumps(row), flush=True)
+                system = f"mmspec {args.views} speculate={mode}{tag}"
+                rows.attempt({"B": B, "system": system}, spec_row, decs[engine], em, batch, args, mode, system, base)
             if args.one_by_one:
-                got, wall = spec_one_by_one(dec, em, batch, args.new)
-                print(json.dumps({"B": B, "system": f"mmspec {args.views} generate one by one",
-                                  "tok_s": round(B * args.new / wall, 1), "wall_s": round(wall, 3),
-                                  "speedup": round(wall_t / wall, 2),
-                                  "same_as_target_batched": f"{sum(a == b for a, b in zip(got, ref))}/{B}",
-                                  "cpu_s": round(CPU_S["last"], 3),
-                                  "cpu_speedup": round(cpu_t / max(CPU_S["last"], 1e-9), 2)}), flush=True)
+                system = f"mmspec {args.views} generate one by one"
+                rows.attempt({"B": B, "system": system}, one_by_one_row, dec, em, batch, args, system, base)
     em.target.generation_config.eos_token_id = eos
+    return 3 if rows.errors else 0
+
+
+def spec_row(dec, em, batch, args, mode: str, system: str, base: dict) -> dict:
+    """One ``generate_batch`` run of ``batch`` against the target's (``base``), as a row."""
+    B = len(batch)
+    timer = ForwardTimer(em.target, em.draft) if args.engine_time else None
+    try:
+        got, wall = spec_batched(dec, em, batch, args.new, mode)
+    finally:
+        if timer is not None:
+            timer.close()
+    same = sum(a == b for a, b in zip(got, base["ref"]))
+    row = {"B": B, "system": system, "tok_s": round(B * args.new / wall, 1), "wall_s": round(wall, 3),
+           "speedup": round(base["wall_t"] / wall, 2), "same_as_target_batched": f"{same}/{B}",
+           "cpu_s": round(CPU_S["last"], 3), "cpu_speedup": round(base["cpu_t"] / max(CPU_S["last"], 1e-9), 2)}
+    if timer is not None:
+        row |= {"forward_s": round(timer.seconds, 3), "host_s": round(wall - timer.seconds, 3),
+                "engine_efficiency": round(timer.seconds / wall, 3), "steps": CPU_S["steps"],
+                "host_ms_per_step": round(1e3 * (wall - timer.seconds) / CPU_S["steps"], 2)}
+    return row
+
+
+def one_by_one_row(dec, em, batch, args, system: str, base: dict) -> dict:
+    B = len(batch)
+    got, wall = spec_one_by_one(dec, em, batch, args.new)
+    return {"B": B, "system": system, "tok_s": round(B * args.new / wall, 1), "wall_s": round(wall, 3),
+            "speedup": round(base["wall_t"] / wall, 2),
+            "same_as_target_batched": f"{sum(a == b for a, b in zip(got, base['ref']))}/{B}",
+            "cpu_s": round(CPU_S["last"], 3), "cpu_speedup": round(base["cpu_t"] / max(CPU_S["last"], 1e-9), 2)}
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -21,6 +21,11 @@ repeats of per-repeat aggregates (tokens over all prompts / wall over all prompt
 Greedy outputs must be identical token for token to the target's; a mismatch is printed
 loudly and the command exits with status 1 (the report is still written).
 
+Results are written as they come (``speed.json`` / ``speed.md`` under ``--out``): after each timed
+repeat, after the timed runs, and after each optional probe (latency, draft step on the decoder's
+cache and on a DynamicCache, breakdown). A probe that crashes is recorded under ``errors`` and the
+run goes on; the command then exits with status 3 (1 wins when outputs differ).
+
 This script knows nothing about the engine's internals beyond public attributes: models load
 through the library's own loaders (``mmspec.bench.backend.load_models``, the vocabulary check
 included); the breakdown (`perf/breakdown.py`) reads the decoder's own stats clock for one
@@ -39,6 +44,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -82,7 +88,8 @@ class SpeedConfig:
     ensemble: str = "MTC"
     trees: tuple[str, ...] = ("M+tree",)  # tree systems: VIEWS+tree[:DxKxB] (dynamic tree; empty: none)
     heads: tuple[str, ...] = ()  # feature-level heads, VARIANT=DIR: systems mmspec_VARIANT and mmspec_VARIANT+tree
-    eager: bool = True  # on a GPU, also run mmspec M without CUDA graphs
+    eager: bool = True  # with graphs (a GPU, or emulated), also run mmspec M without them
+    graphs: str = "auto"  # mmspec systems' cuda_graphs: auto (CUDA graphs on a GPU) | emulate (the CPU, fixed shapes)
     step_views: str = "MTCP"  # the ensemble whose draft step is timed against one view (M)
     step_rounds: int = 30  # interleaved rounds of the draft-step timing
     assisted: str = "matched"  # "matched" (gamma, constant, no early exit) or "default"
@@ -91,7 +98,7 @@ class SpeedConfig:
     latency_repeats: int = 7
     profile: bool = True  # one extra untimed pass with the per-piece timers
     device: str | None = None  # default: cuda if available, else cpu
-    dtype: str = "float32"  # checkpoints only; the embedded pack always loads float32
+    dtype: str = "float32"  # of every model, the embedded pack's too (bfloat16: the GPU's losslessness check)
     threads: int | None = None  # torch.set_num_threads
     out: str = "runs/speed"
     command: str = ""  # filled by the CLI: the command line that produced the report
@@ -134,9 +141,8 @@ def load_models(cfg: SpeedConfig, device: torch.device) -> BenchModels:
     from mmspec.bench.backend import load_models as load_bench_models
     from mmspec.bench.config import BenchConfig
 
-    dtype = "float32" if cfg.target is None and cfg.draft is None else cfg.dtype  # the pack loads float32
     bench = BenchConfig(target=cfg.target, draft=cfg.draft, captioner=cfg.captioner,
-                        captioner_prompt=cfg.captioner_prompt, dtype=dtype)  # refuses bad flags before loading
+                        captioner_prompt=cfg.captioner_prompt, dtype=cfg.dtype)  # refuses bad flags before loading
     models = load_bench_models(bench)
     for mod in (models.target, models.draft, getattr(models.captioner, "model", None)):
         if mod is not None:
@@ -181,16 +187,23 @@ def _assistant_config(draft, mode: str, gamma: int) -> Iterator[None]:
         draft.generation_config = saved
 
 
+def uses_graphs(cfg: SpeedConfig, models: BenchModels) -> bool:
+    """The mmspec systems run on fixed shapes with (real or emulated) graphs."""
+    return cfg.graphs == "emulate" or next(models.target.parameters()).device.type == "cuda"
+
+
 def build_decoders(cfg: SpeedConfig, models: BenchModels) -> dict[str, Any]:
-    """``mmspec_M``, ``mmspec_<ensemble>``, the tree systems, and on a GPU ``mmspec_M(eager)``
+    """``mmspec_M``, ``mmspec_<ensemble>``, the tree systems, and with graphs ``mmspec_M(eager)``
     (SpecDecoders built once, reused: their CUDA graphs are captured in the warm-up pass)."""
     from mmspec.bench.config import split_methods
     from mmspec.decoder import SpecDecoder
 
+    graphs = {"cuda_graphs": "emulate"} if cfg.graphs == "emulate" else {}
+
     def make(views: str, **kw):
         cap = models.captioner if "C" in views.upper() else None
         return SpecDecoder(models.target, models.draft, models.tokenizer, views=views, captioner=cap, gamma=cfg.gamma,
-                           processor=models.processor, prefix_cache_mb=0, **kw)  # repeats: no reuse
+                           processor=models.processor, prefix_cache_mb=0, **(graphs | kw))  # repeats: no reuse
 
     out = {"mmspec_M": make("M")}
     for name in split_methods([cfg.ensemble]):  # ensembles in the bench's method notation (MTC, MT+adaptive)
@@ -204,8 +217,9 @@ def build_decoders(cfg: SpeedConfig, models: BenchModels) -> dict[str, Any]:
         variant, _, path = spec.partition("=")
         for suffix, kw in (("", {}), ("+tree", {"tree": "dynamic"})):
             out[f"mmspec_{variant}{suffix}"] = SpecDecoder(models.target, path, models.tokenizer, gamma=cfg.gamma,
-                                                          processor=models.processor, prefix_cache_mb=0, **kw)
-    if cfg.eager and next(models.target.parameters()).device.type == "cuda":
+                                                          processor=models.processor, prefix_cache_mb=0,
+                                                          **(graphs | kw))
+    if cfg.eager and uses_graphs(cfg, models):
         out["mmspec_M(eager)"] = make("M", cuda_graphs=False)
     return out
 
@@ -269,8 +283,10 @@ def make_systems(cfg: SpeedConfig, models: BenchModels, decoders: dict[str, Any]
 
 
 def round_robin(systems: dict[str, Callable], prompts: Sequence[SpeedPrompt], repeats: int, warmup: bool,
-                device: torch.device, log: Callable[[str], None] = print) -> list[RunRecord]:
-    """Every repeat x prompt runs every system; order rotated by (repeat + prompt index)."""
+                device: torch.device, log: Callable[[str], None] = print,
+                on_repeat: Callable[[list[RunRecord], int], None] | None = None) -> list[RunRecord]:
+    """Every repeat x prompt runs every system; order rotated by (repeat + prompt index).
+    ``on_repeat(records, r)`` after each repeat (the run saves what it has)."""
     names = list(systems)
     if warmup:  # untimed: allocator, kernels, lazy imports
         for name in names:
@@ -289,6 +305,8 @@ def round_robin(systems: dict[str, Callable], prompts: Sequence[SpeedPrompt], re
                 records.append(RunRecord(r, p.name, name, slot, wall, len(tokens), tokens,
                                          (stats or {}).get("n_blocks"), stats))
         log(f"  repeat {r + 1}/{repeats} done")
+        if on_repeat is not None:
+            on_repeat(records, r + 1)
     return records
 
 
@@ -376,39 +394,44 @@ def measure_engine(cfg: SpeedConfig, models: BenchModels, prompts: Sequence[Spee
             if base_decode > 0 and loop_s > 0:
                 eff[n]["decode_only_speedup"] = base_decode / loop_s
                 eff[n]["decode_only_efficiency"] = base_decode / loop_s / pred
-    step = measure_draft_step(cfg, models, prompts)
     return {"T_p_s": t_p, "T_V_s": t_v, "T_q_s": {str(b): t for b, t in t_q.items()}, "T_prefill_s": t_pre,
             "T_q_over_T_p": {str(b): t / t_p for b, t in t_q.items()}, "T_V_over_T_p": t_v / t_p,
-            "draft_forward_4_rows_over_1": t_q[4] / t_q[1], "draft_step": step,
-            "draft_step_views_over_1": step["ratio_median"], "gamma": cfg.gamma, "efficiency": eff,
+            "draft_forward_4_rows_over_1": t_q[4] / t_q[1], "gamma": cfg.gamma, "efficiency": eff,
             "per_prompt": lat}
 
 
-def measure_draft_step(cfg: SpeedConfig, models: BenchModels, prompts: Sequence[SpeedPrompt]) -> dict:
-    """The engine's own draft step (feed + mix + pick) for ``cfg.step_views`` vs the M view alone,
-    per prompt, interleaved (`perf/draftstep.py`); the ratio is the IbED claim that an
-    in-batch ensemble costs about one draft forward."""
-    draft_step_times = sibling("draftstep").draft_step_times
+def step_decoders(cfg: SpeedConfig, models: BenchModels, prompts: Sequence[SpeedPrompt]) -> dict[str, Any]:
+    """The decoders whose draft step is timed: M and ``cfg.step_views`` (without C when there is no
+    captioner), in the mode of the timed systems (graphs or not)."""
     from mmspec.decoder import SpecDecoder
 
     views = cfg.step_views.upper()
     if "C" in views and models.captioner is None and not all(p.captions for p in prompts):
         views = views.replace("C", "")  # no captioner: time the views that need none
-    decs = {v: SpecDecoder(models.target, models.draft, models.tokenizer, views=v, gamma=cfg.gamma,
+    graphs = {"cuda_graphs": "emulate"} if cfg.graphs == "emulate" else {}
+    return {v: SpecDecoder(models.target, models.draft, models.tokenizer, views=v, gamma=cfg.gamma,
                            captioner=models.captioner if "C" in v else None, processor=models.processor,
-                           prefix_cache_mb=0)
+                           prefix_cache_mb=0, **graphs)
             for v in dict.fromkeys(["M", views])}
+
+
+def measure_draft_step(cfg: SpeedConfig, decs: dict[str, Any], prompts: Sequence[SpeedPrompt],
+                       dynamic_cache: bool = False) -> dict:
+    """The engine's own draft step (feed + mix + pick) for the ensemble of ``decs`` vs the M view
+    alone, per prompt, interleaved (`perf/draftstep.py`); the ratio is the IbED claim that an
+    in-batch ensemble costs about one draft forward. ``dynamic_cache``: on a growing
+    DynamicCache (the engine before the preallocated cache) instead of the decoder's own."""
+    draft_step_times = sibling("draftstep").draft_step_times
+    views = list(decs)[-1]
     per = []
     for p in prompts:
         kw = dict(captions=p.captions, images=p.images, rounds=cfg.step_rounds, max_new_tokens=cfg.max_new_tokens)
-        t = draft_step_times(decs, p.inputs["input_ids"], p.inputs.get("pixel_values"), **kw)
-        dyn = draft_step_times(decs, p.inputs["input_ids"], p.inputs.get("pixel_values"), dynamic_cache=True, **kw)
-        per.append({"prompt": p.name, "step_s": t, "ratio": t[views] / t["M"],
-                    "dynamic_cache_step_s": dyn, "dynamic_cache_ratio": dyn[views] / dyn["M"]})
-    return {"views": views, "n_views": len(views), "per_prompt": per,
-            "ratio_median": statistics.median(x["ratio"] for x in per),
-            "ratio_max": max(x["ratio"] for x in per),
-            "dynamic_cache_ratio_median": statistics.median(x["dynamic_cache_ratio"] for x in per)}
+        t = draft_step_times(decs, p.inputs["input_ids"], p.inputs.get("pixel_values"), dynamic_cache=dynamic_cache,
+                             **kw)
+        per.append({"prompt": p.name, "step_s": t, "ratio": t[views] / t["M"]})
+    return {"views": views, "n_views": len(views), "cache": "DynamicCache" if dynamic_cache else "the decoder's",
+            "per_prompt": per, "ratio_median": statistics.median(x["ratio"] for x in per),
+            "ratio_max": max(x["ratio"] for x in per)}
 
 
 # --------------------------------------------------------------------------- report
@@ -426,8 +449,12 @@ def markdown(result: dict) -> str:
              f"- models: {result['models']}; prompts: {len(result['prompts'])}; repeats: {result['config']['repeats']}; "
              f"gamma {result['config']['gamma']}; max_new_tokens {result['config']['max_new_tokens']}; "
              f"assisted: {result['config']['assisted']}",
-             f"- outputs identical to the target: **{'YES' if result['identical'] else 'NO'}**", "",
-             "| system | tokens/s (median) | tau (incl. bonus) | speed-up vs target |", "|---|---|---|---|"]
+             f"- outputs identical to the target: **{'YES' if result['identical'] else 'NO'}**"]
+    if result.get("progress", "done") != "done":
+        lines.append(f"- **partial report** ({result['progress']})")
+    lines += [f"- **{name} failed**: `{err.splitlines()[0]}` (the traceback is in speed.json)"
+              for name, err in result.get("errors", {}).items()]
+    lines += ["", "| system | tokens/s (median) | tau (incl. bonus) | speed-up vs target |", "|---|---|---|---|"]
     for n in names:
         lines.append(f"| {n} | {_fmt(sm['tokens_per_s'][n])} | {_fmt(sm['tau'][n])} | "
                      f"{_fmt(sm['ratio_row_over_col'][n][SYSTEM_TARGET])}x |")
@@ -440,17 +467,9 @@ def markdown(result: dict) -> str:
         lines += ["", f"Latency (medians over prompts): T_p {eng['T_p_s'] * 1e3:.2f} ms, "
                       f"T_V({eng['gamma']}) {eng['T_V_s'] * 1e3:.2f} ms (T_V/T_p {eng['T_V_over_T_p']:.2f}), "
                       f"T_q/T_p by batch {', '.join(f'{b}: {v:.3f}' for b, v in eng['T_q_over_T_p'].items())}; "
-                      f"bare draft forward, 4 rows / 1 row: {eng['draft_forward_4_rows_over_1']:.2f}x", "",
-                  f"Engine draft step (feed + mix + pick), {eng['draft_step']['views']} "
-                  f"({eng['draft_step']['n_views']} views) / M: median over prompts "
-                  f"**{eng['draft_step']['ratio_median']:.2f}x** (max {eng['draft_step']['ratio_max']:.2f}x); "
-                  f"on a growing DynamicCache (the engine before the preallocated cache): "
-                  f"{eng['draft_step']['dynamic_cache_ratio_median']:.2f}x", "",
-                  "| prompt | " + " | ".join(f"{v} step (ms)" for v in eng['draft_step']['per_prompt'][0]['step_s'])
-                  + " | ratio | ratio, DynamicCache |",
-                  "|---" * (len(eng['draft_step']['per_prompt'][0]['step_s']) + 3) + "|"]
-        lines += [f"| {x['prompt']} | " + " | ".join(f"{t * 1e3:.3f}" for t in x["step_s"].values())
-                  + f" | {x['ratio']:.2f} | {x['dynamic_cache_ratio']:.2f} |" for x in eng["draft_step"]["per_prompt"]]
+                      f"bare draft forward, 4 rows / 1 row: {eng['draft_forward_4_rows_over_1']:.2f}x"]
+        for key in ("draft_step", "draft_step_dynamic_cache"):
+            lines += _draft_step_lines(eng.get(key))
         lines += ["",
                   "| system | measured speed-up | eq.2 predicted | engine efficiency | decode-only efficiency |",
                   "|---|---|---|---|---|"]
@@ -466,19 +485,46 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _draft_step_lines(step: dict | None) -> list[str]:
+    """The draft-step table of one cache kind (none when that probe did not run)."""
+    if not step:
+        return []
+    views = list(step["per_prompt"][0]["step_s"])
+    lines = ["", f"Engine draft step (feed + mix + pick) on {step['cache']} cache, {step['views']} "
+                 f"({step['n_views']} views) / M: median over prompts **{step['ratio_median']:.2f}x** "
+                 f"(max {step['ratio_max']:.2f}x)", "",
+             "| prompt | " + " | ".join(f"{v} step (ms)" for v in views) + " | ratio |", "|---" * (len(views) + 2) + "|"]
+    return lines + [f"| {x['prompt']} | " + " | ".join(f"{t * 1e3:.3f}" for t in x["step_s"].values())
+                    + f" | {x['ratio']:.2f} |" for x in step["per_prompt"]]
+
+
 def write_report(result: dict, out: str | Path) -> tuple[Path, Path]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     jp, mp = out / "speed.json", out / "speed.md"
-    jp.write_text(json.dumps(result, indent=1, default=str))
-    mp.write_text(markdown(result))
+    for path, text in ((jp, json.dumps(result, indent=1, default=str)), (mp, markdown(result))):
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)  # a run killed mid-write leaves the previous report whole
     return jp, mp
 
 
 # --------------------------------------------------------------------------- entry points
+def optional(result: dict, name: str, fn: Callable[[], Any], log: Callable[[str], None]) -> Any:
+    """``fn()``, or None when it raises: the error goes to ``result["errors"][name]`` (with its
+    traceback) and the log, so a probe's crash never loses what was measured before it."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - an optional probe; the timed results are kept
+        result.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"[:6000]
+        log(f"!!! {name} failed ({type(e).__name__}: {str(e)[:300]}); the results before it are kept")
+        return None
+
+
 def run(cfg: SpeedConfig, models: BenchModels | None = None, prompts: Sequence[SpeedPrompt] | None = None,
         log: Callable[[str], None] = print) -> dict:
-    """One full measurement; writes ``speed.json`` and ``speed.md`` under ``cfg.out``."""
+    """One full measurement; writes ``speed.json`` and ``speed.md`` under ``cfg.out`` after each
+    timed repeat and each probe (the module docstring)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = pick_device(cfg)
@@ -486,33 +532,58 @@ def run(cfg: SpeedConfig, models: BenchModels | None = None, prompts: Sequence[S
     prompts = list(prompts) if prompts is not None else load_prompts(cfg, models, device)
     decoders = build_decoders(cfg, models)
     systems = make_systems(cfg, models, decoders, device)
+    result = {"date": now(), "machine": machine_info(str(device)), "config": asdict(cfg), "models": models.source,
+              "prompts": [p.name for p in prompts]}
+
+    def save(records: list[RunRecord], progress: str) -> None:
+        mismatches = check_identical(records)
+        result.update(identical=not mismatches, mismatches=mismatches, summary=summarise(records),
+                      raw=[asdict(x) for x in records], progress=progress)
+        write_report(result, cfg.out)
+
     log(f"{len(systems)} systems x {len(prompts)} prompts x {cfg.repeats} repeats on {device}")
-    records = round_robin(systems, prompts, cfg.repeats, cfg.warmup, device, log)
-    mismatches = check_identical(records)
-    summary = summarise(records)
-    result = {"date": now(),
-              "machine": machine_info(str(device)), "config": asdict(cfg), "models": models.source,
-              "prompts": [p.name for p in prompts], "identical": not mismatches, "mismatches": mismatches,
-              "summary": summary}
+    records = round_robin(systems, prompts, cfg.repeats, cfg.warmup, device, log,
+                          on_repeat=lambda recs, r: save(recs, f"timed repeat {r} of {cfg.repeats}; probes to come"))
+    save(records, "timed runs done; probes to come")
     log("latency probes (T_p, T_q, T_V) ...")
-    result["engine"] = measure_engine(cfg, models, prompts, summary)
+    result["engine"] = optional(result, "latency probes", lambda: measure_engine(cfg, models, prompts,
+                                                                                 result["summary"]), log)
+    write_report(result, cfg.out)
+    if result["engine"] is not None:
+        decs = optional(result, "draft step", lambda: step_decoders(cfg, models, prompts), log) or {}
+        for key, dyn in (("draft_step", False), ("draft_step_dynamic_cache", True)):
+            log("draft step on " + ("a DynamicCache" if dyn else "the decoder's cache") + " ...")
+            step = optional(result, key.replace("_", " "), lambda dyn=dyn: measure_draft_step(cfg, decs, prompts, dyn),
+                            log) if decs else None
+            if step is not None:
+                result["engine"][key] = step
+                write_report(result, cfg.out)
+        if "draft_step" in result["engine"]:
+            result["engine"]["draft_step_views_over_1"] = result["engine"]["draft_step"]["ratio_median"]
     if cfg.profile:
         profile_breakdown = sibling("breakdown").profile_breakdown
-        result["breakdown"] = {n: profile_breakdown(d, prompts, cfg.max_new_tokens, device) for n, d in decoders.items()
-                               if d.head is None}  # a head has no draft model to hook
-    result["raw"] = [asdict(x) for x in records]
+        result["breakdown"] = {}
+        for n, d in decoders.items():
+            if d.head is None:  # a head has no draft model to hook
+                b = optional(result, f"breakdown of {n}",
+                             lambda d=d: profile_breakdown(d, prompts, cfg.max_new_tokens, device), log)
+                if b is not None:
+                    result["breakdown"][n] = b
+                    write_report(result, cfg.out)
+    result["progress"] = "done"
     jp, mp = write_report(result, cfg.out)
     log(markdown(result))
     log(f"wrote {jp} and {mp}")
-    if mismatches:
-        log("!" * 72 + f"\n!!! OUTPUTS DIFFER FROM THE TARGET in {len(mismatches)} run(s): "
-            f"{mismatches[:3]}\n" + "!" * 72)
+    if result["mismatches"]:
+        log("!" * 72 + f"\n!!! OUTPUTS DIFFER FROM THE TARGET in {len(result['mismatches'])} run(s): "
+            f"{result['mismatches'][:3]}\n" + "!" * 72)
     return result
 
 
 _HELP = {"target": "target checkpoint dir (default: the embedded pack)", "draft": "draft checkpoint dir",
          "trees": "tree systems, comma-separated: VIEWS+tree or VIEWS+tree:DxKxB (empty: none)",
-         "eager": "on a GPU, also mmspec M without CUDA graphs",
+         "eager": "with graphs, also mmspec M without them",
+         "graphs": "auto (CUDA graphs on a GPU) | emulate (fixed shapes and emulated capture on the CPU)",
          "heads": "feature-level heads, comma-separated VARIANT=DIR (made by mmspec train head)",
          "captioner": "captioner dir (checkpoints; needed for C views)", "families": "comma-separated world families",
          "ensemble": "ensemble systems, comma-separated, in the bench's method notation (MTC, MT+adaptive)",
@@ -540,6 +611,8 @@ def parse_args(argv: Sequence[str] | None = None) -> SpeedConfig:
         ap.error(f"--assisted must be matched or default, got {a.assisted!r}")
     if a.dtype not in ("float32", "bfloat16", "float16"):
         ap.error(f"--dtype must be float32, bfloat16 or float16, got {a.dtype!r}")
+    if a.graphs not in ("auto", "emulate"):
+        ap.error(f"--graphs must be auto or emulate, got {a.graphs!r}")
     kw = vars(a) | {"families": tuple(x for x in a.families.split(",") if x),
                     "trees": tuple(x for x in a.trees.split(",") if x),
                     "heads": tuple(x for x in a.heads.split(",") if x)}
@@ -555,7 +628,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MMSpecError as e:  # a bad flag or checkpoint: one line, before anything is timed
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0 if result["identical"] else 1
+    return 1 if not result["identical"] else 3 if result.get("errors") else 0
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ the chain, on the same prompts and models, in ONE interleaved run (the defaults'
 Owns the sweep over (depth, topk, budget) for one view set, plus the comparison of tree
 children drawn from the views' mixture against each view's own top tokens (``--views MT``).
 Every output is checked against the target's greedy output. Writes ``tree_sweep.json``,
-``tree_sweep.md`` and ``tree_sweep.png`` (tau and tokens/s against the number of tree nodes).
+``tree_sweep.md`` and ``tree_sweep.png`` (tau and tokens/s against the number of tree nodes),
+after each timed repeat (a run stopped part-way keeps the repeats it finished).
 
 Models and prompts are those of ``perf/speed.py`` (the embedded pack by default; ``--target``
 / ``--draft`` for checkpoints). Run ``python perf/tree_sweep.py --help``.
@@ -58,6 +59,7 @@ class SweepConfig:
     repeats: int = 3
     device: str | None = None
     dtype: str = "float32"
+    graphs: str = "auto"  # cuda_graphs of every setting: auto (CUDA graphs on a GPU) | emulate (CPU dry runs)
     threads: int | None = None
     out: str = "runs/tree_sweep"
     command: str = ""
@@ -74,6 +76,8 @@ def decoders(cfg: SweepConfig, models) -> dict[str, object]:
     cap = models.captioner if "C" in cfg.views.upper() else None
     kw = dict(views=cfg.views, captioner=cap, processor=models.processor, gamma=cfg.gamma,
               prefix_cache_mb=0)  # repeats of a prompt are timed from scratch
+    if cfg.graphs == "emulate":
+        kw["cuda_graphs"] = "emulate"
     out = {f"chain(γ={cfg.gamma})": SpecDecoder(models.target, models.draft, models.tokenizer, **kw)}
     for c in cfg.chains:
         g, _, stop = c.partition("s")
@@ -123,6 +127,18 @@ def run(cfg: SweepConfig, log: Callable[[str], None] = print, models=None, promp
     blocks = {n: 0 for n in names}
     nodes = {n: 0 for n in names}
     mismatches = []
+    result = {"date": now(), "machine": machine_info(str(device)), "config": asdict(cfg), "models": models.source,
+              "prompts": [p.name for p in prompts]}
+    chain = names[0]
+
+    def save(done: int) -> None:
+        tps = {n: [t / w for t, w in zip(toks[n][:done], wall[n][:done])] for n in names}
+        rows = [{"setting": n, "tau": toks[n][0] / blocks[n], "tokens_per_s": statistics.median(tps[n]),
+                 "nodes_per_block": nodes[n] / blocks[n],
+                 "speed_vs_chain": statistics.median(a / b for a, b in zip(tps[n], tps[chain]))} for n in names]
+        result.update(identical=not mismatches, mismatches=mismatches, rows=rows, repeats_done=done)
+        write(result, cfg.out)
+
     log(f"{len(names)} settings x {len(prompts)} prompts x {cfg.repeats} repeats on {device}")
     for r in range(cfg.repeats):
         for i, p in enumerate(prompts):
@@ -136,18 +152,8 @@ def run(cfg: SweepConfig, log: Callable[[str], None] = print, models=None, promp
                     nodes[name] += sum(b.n_drafted for b in st.blocks)
                 if ids != refs[p.name]:
                     mismatches.append({"setting": name, "prompt": p.name, "repeat": r})
+        save(r + 1)
         log(f"  repeat {r + 1}/{cfg.repeats} done")
-    rows = []
-    chain = names[0]
-    tps = {n: [t / w for t, w in zip(toks[n], wall[n])] for n in names}
-    for n in names:
-        rows.append({"setting": n, "tau": toks[n][0] / blocks[n], "tokens_per_s": statistics.median(tps[n]),
-                     "nodes_per_block": nodes[n] / blocks[n],
-                     "speed_vs_chain": statistics.median(a / b for a, b in zip(tps[n], tps[chain]))})
-    result = {"date": now(), "machine": machine_info(str(device)), "config": asdict(cfg), "models": models.source,
-              "prompts": [p.name for p in prompts], "identical": not mismatches, "mismatches": mismatches,
-              "rows": rows}
-    write(result, cfg.out)
     log(markdown(result))
     return result
 
@@ -160,7 +166,9 @@ def markdown(res: dict) -> str:
              f"device {m['device']}{' ' + m['gpu'] if 'gpu' in m else ''}",
              f"- models: {res['models']}; views {res['config']['views']}; prompts: {len(res['prompts'])}; "
              f"repeats {res['config']['repeats']}; max_new_tokens {res['config']['max_new_tokens']}",
-             f"- outputs identical to the target's greedy output: **{'YES' if res['identical'] else 'NO'}**", "",
+             f"- outputs identical to the target's greedy output: **{'YES' if res['identical'] else 'NO'}**",
+             *([f"- **partial**: {res['repeats_done']} of {res['config']['repeats']} repeats"]
+               if res.get("repeats_done", res["config"]["repeats"]) < res["config"]["repeats"] else []), "",
              "| setting (depth x topk x budget) | nodes / block | τ | tokens/s | vs chain |", "|---|---|---|---|---|"]
     for r in res["rows"]:
         lines.append(f"| {r['setting']} | {r['nodes_per_block']:.1f} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
@@ -205,6 +213,8 @@ def parse_args(argv: Sequence[str] | None = None) -> SweepConfig:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for name in ("target", "draft", "split", "views", "device", "dtype", "out"):
         ap.add_argument("--" + name, default=getattr(d, name))
+    ap.add_argument("--graphs", default=d.graphs, choices=("auto", "emulate"),
+                    help="auto: CUDA graphs on a GPU; emulate: fixed shapes on the CPU (dry runs)")
     for name in ("n_per_family", "max_new_tokens", "gamma", "repeats", "threads"):
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     for name in ("families", "shapes", "children", "chains"):

@@ -75,8 +75,10 @@ def test_speed_run_on_tiny_models(speed, tmp_path):
     for x in step["per_prompt"]:
         assert set(x["step_s"]) == {"M", "MTCP"} and all(t > 0 for t in x["step_s"].values())
         assert x["ratio"] == pytest.approx(x["step_s"]["MTCP"] / x["step_s"]["M"])
-        assert set(x["dynamic_cache_step_s"]) == {"M", "MTCP"}
+    dyn = eng["draft_step_dynamic_cache"]  # the same step on a growing DynamicCache
+    assert dyn["cache"] == "DynamicCache" and [set(x["step_s"]) for x in dyn["per_prompt"]] == [{"M", "MTCP"}] * 2
     assert eng["draft_step_views_over_1"] == pytest.approx(statistics.median(x["ratio"] for x in step["per_prompt"]))
+    assert res["progress"] == "done" and "errors" not in res
     b = res["breakdown"]["mmspec_MTC"]
     parts = b["parts_s"]
     assert parts["draft_forward"] > 0 and parts["target_forward"] > 0 and parts["verify_other"] > 0
@@ -87,6 +89,78 @@ def test_speed_run_on_tiny_models(speed, tmp_path):
     saved = json.loads((tmp_path / "speed.json").read_text())
     assert saved["machine"]["torch"] == torch.__version__ and saved["config"]["command"] == "test"
     assert "tokens/s" in (tmp_path / "speed.md").read_text()
+
+
+def test_speed_with_emulated_graphs(speed, tmp_path):
+    """--graphs emulate: the mmspec systems on fixed shapes as on a GPU (the M(eager) system beside
+    them), and the draft-step probe on a DynamicCache of a static decoder, which crashed in the GPU
+    pass of 2026-11-27 and lost the whole report."""
+    target = make_llava(0)
+    models = BenchModels(target, noisy_copy(target, 1), make_tokenizer(), None, _Captioner(), source="tiny")
+    cfg = speed.SpeedConfig(max_new_tokens=6, repeats=1, latency_repeats=1, device="cpu", out=str(tmp_path),
+                            command="test", step_rounds=1, ensemble="MT", trees=(), step_views="MT", profile=False,
+                            graphs="emulate")
+    res = speed.run(cfg, models=models, prompts=_tiny_prompts(speed, (1,)), log=lambda s: None)
+    assert res["identical"] and "errors" not in res, res.get("errors")
+    assert res["summary"]["systems"] == ["target", "assisted", "mmspec_M", "mmspec_MT", "mmspec_M(eager)"]
+    engines = {x["system"]: x["stats"]["engine"] for x in res["raw"] if x["stats"]}
+    assert engines == {"mmspec_M": "static", "mmspec_MT": "static", "mmspec_M(eager)": "eager"}  # emulated graphs
+    assert res["engine"]["draft_step_dynamic_cache"]["per_prompt"][0]["step_s"]["MT"] > 0
+
+
+def test_a_failing_probe_keeps_the_timed_results(speed, tmp_path, monkeypatch):
+    """An optional probe that raises is recorded under ``errors``; what came before it, and the
+    probes after it, are written (the report of the 2026-11-27 GPU pass was lost this way)."""
+    target = make_llava(0)
+    models = BenchModels(target, noisy_copy(target, 1), make_tokenizer(), None, source="tiny")
+    real = speed.measure_draft_step
+
+    def flaky(cfg, decs, prompts, dynamic_cache=False):
+        if dynamic_cache:
+            raise RuntimeError("The expanded size of the tensor (96) must match the existing size (167)")
+        return real(cfg, decs, prompts, dynamic_cache)
+
+    monkeypatch.setattr(speed, "measure_draft_step", flaky)
+    cfg = speed.SpeedConfig(max_new_tokens=4, repeats=2, latency_repeats=1, device="cpu", out=str(tmp_path),
+                            command="test", step_rounds=1, ensemble="M", trees=(), step_views="MT")
+    res = speed.run(cfg, models=models, prompts=_tiny_prompts(speed, (1,)), log=lambda s: None)
+    saved = json.loads((tmp_path / "speed.json").read_text())
+    assert list(saved["errors"]) == ["draft step dynamic cache"] and "expanded size" in saved["errors"]["draft step dynamic cache"]
+    assert saved["identical"] and len(saved["raw"]) == 3 * 2 and saved["progress"] == "done"
+    assert "draft_step" in saved["engine"] and "draft_step_dynamic_cache" not in saved["engine"]
+    assert set(saved["breakdown"]) == {"mmspec_M"}  # the probe after the failing one still ran
+    assert "draft step dynamic cache failed" in (tmp_path / "speed.md").read_text()
+    assert res["errors"] == saved["errors"]
+
+
+def test_speed_saves_after_each_repeat(speed, tmp_path, monkeypatch):
+    """A run stopped during its second timed repeat has the first one on disk."""
+    target = make_llava(0)
+    models = BenchModels(target, noisy_copy(target, 1), make_tokenizer(), None, source="tiny")
+    seen = []
+    real = speed.write_report
+
+    def write_then_stop(result, out):
+        real(result, out)
+        seen.append(result["progress"])
+        if result["progress"].startswith("timed repeat 1"):
+            raise KeyboardInterrupt  # the step's timeout, as far as the report can tell
+    monkeypatch.setattr(speed, "write_report", write_then_stop)
+    cfg = speed.SpeedConfig(max_new_tokens=4, repeats=2, device="cpu", out=str(tmp_path), command="test",
+                            ensemble="M", trees=())
+    with pytest.raises(KeyboardInterrupt):
+        speed.run(cfg, models=models, prompts=_tiny_prompts(speed, (1,)), log=lambda s: None)
+    saved = json.loads((tmp_path / "speed.json").read_text())
+    assert saved["progress"] == "timed repeat 1 of 2; probes to come" and len(saved["raw"]) == 3
+    assert saved["summary"]["tokens_per_s"]["mmspec_M"] > 0
+    assert "partial report" in (tmp_path / "speed.md").read_text()
+
+
+def test_speed_loads_the_embedded_pack_in_the_dtype_asked(speed):
+    """--dtype bfloat16 on the embedded pack loads it in bfloat16 (the GPU pass's "bf16" step
+    of 2026-11-27 ran the pack in float32: the flag was ignored for it)."""
+    models = speed.load_models(speed.SpeedConfig(dtype="bfloat16"), torch.device("cpu"))
+    assert {next(m.parameters()).dtype for m in (models.target, models.draft)} == {torch.bfloat16}
 
 
 def test_breakdown_hooks_are_removed_and_nothing_is_patched(speed):
@@ -177,6 +251,43 @@ def test_gpu_shapes_small_cpu(tmp_path):
     assert chain["tau"] == 6.0 and chain["identical_runs"]  # the agreeing pair accepts every draft
     assert 0 < chain["engine_efficiency"] and chain["predicted_speedup"] > 0
     assert (tmp_path / "gpu_shapes.json").exists() and "Fig. 9" in (tmp_path / "gpu_shapes.md").read_text()
+
+
+def test_gpu_shapes_keeps_going_past_a_failing_section(tmp_path, monkeypatch):
+    """A section that raises (here one cache capacity, as an out-of-memory would) is recorded
+    under ``errors``; the sections after it run and every engine run is on disk. Also: the
+    kernel table on the CPU (aten ops), engine runs in graph mode only."""
+    gs = load_script("gpu_shapes")
+    real = gs.capacity_time
+
+    def flaky(cfg, target, mode, capacity):
+        if capacity == 256:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
+        return real(cfg, target, mode, capacity)
+
+    monkeypatch.setattr(gs, "capacity_time", flaky)
+    saved = []
+    real_write = gs.write_report
+    monkeypatch.setattr(gs, "write_report", lambda res, out: (saved.append(json.loads(json.dumps(res))),
+                                                              real_write(res, out))[1])
+    cfg = gs.parse_args(["--small", "--device", "cpu", "--context", "32", "--gammas", "5", "--trees", "8",
+                         "--batches", "1", "--repeats", "1", "--warmup", "1", "--copy-mib", "1", "--modes",
+                         "eager,graph", "--engine-modes", "graph", "--kernels", "--capacities", "0,256,512",
+                         "--engine-new-tokens", "6", "--engine-repeats", "1", "--engine-noise", "0",
+                         "--out", str(tmp_path)])
+    res = gs.run(cfg, log=lambda s: None)
+    assert list(res["errors"]) == ["capacity 256"] and "out of memory" in res["errors"]["capacity 256"]
+    assert set(res["capacity"]["T_p"]) == {"36", "512"}  # context + room (32 + 4), and the next one
+    assert res["kernels"]["device"] == "cpu" and res["kernels"]["kernels_per_step"] > 0
+    assert set(res["engine"]["runs"]) == {"noise0-graph-chain", "noise0-graph-tree"}
+    assert "engine_efficiency" in res["engine"]["runs"]["noise0-graph-chain"]
+    engine_saves = [len(x.get("engine", {}).get("runs", {})) for x in saved]
+    assert 1 in engine_saves and 2 in engine_saves  # each engine run written as it ended
+    md = (tmp_path / "gpu_shapes.md").read_text()
+    assert "capacity 256 failed" in md and "aten ops" in md
+    assert gs.main(["--small", "--device", "cpu", "--context", "16", "--gammas", "1", "--trees", "4",
+                    "--batches", "1", "--repeats", "1", "--warmup", "0", "--copy-mib", "1", "--modes", "eager",
+                    "--no-engine", "--capacities", "256", "--out", str(tmp_path / "b")]) == 3
 
 
 @pytest.mark.parametrize("script", ["speed", "gpu_shapes"])

@@ -4,7 +4,8 @@ script rots between the measurements that use it.
 
 These check code paths and the files a run writes, not speed: timings under a test runner mean
 nothing. ``speed.py`` (with its helpers ``breakdown.py`` and ``draftstep.py``), ``gpu_shapes.py``,
-``profile_draft_step.py`` and ``video_speed.py`` are run by the tests :data:`ELSEWHERE` names.
+``profile_draft_step.py``, ``video_speed.py`` and ``ceilings.py`` are run by the tests
+:data:`ELSEWHERE` names (``gpu_pass.sh``, the GPU pass: ``tests/perf/test_gpu_pass.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ ELSEWHERE = {
     "serve_probes": {"tests/serve/test_serve_probes.py": "load_script(\"serve_probes\")"},
     "video_speed": {"tests/bench/test_speed_bench.py": "load_script(\"video_speed\")",
                     "tests/train/test_video_pair.py": "video_speed.py"},
+    "ceilings": {"tests/perf/test_gpu_pass.py": "env.json"},  # gpu_pass.sh's env step, dry run
 }
 TESTED_HERE = ["batch_speed", "prefix_speed", "tree_sweep", "cpu_shapes", "serve_load", "head_formats_check",
                "serve_overhead", "lookup_speed", "serve_speed"]
@@ -70,6 +72,28 @@ def test_batch_speed_engines():
     assert all(r["same_as_target_batched"] == "3/3" for r in rows[1:])
 
 
+def test_batch_speed_writes_each_row_and_goes_past_a_failing_setting(tmp_path, monkeypatch, capsys):
+    """--out gets each row as it is measured; a setting that raises becomes an error row, the
+    settings after it still run, and the exit status is 3."""
+    bs = load_script("batch_speed")
+    real = bs.spec_batched
+
+    def flaky(dec, em, batch, new, speculate):
+        if speculate == "never" and len(batch) == 2:
+            raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED")
+        return real(dec, em, batch, new, speculate)
+
+    monkeypatch.setattr(bs, "spec_batched", flaky)
+    out = tmp_path / "batch.jsonl"
+    assert bs.main(["--batch", "2", "1", "--new", "3", "--speculate", "never", "always", "--out", str(out)]) == 3
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["B"], r["system"], "error" in r) for r in rows] == [
+        (2, "target.generate", False), (2, "mmspec M speculate=never", True), (2, "mmspec M speculate=always", False),
+        (1, "target.generate", False), (1, "mmspec M speculate=never", False), (1, "mmspec M speculate=always", False)]
+    assert "INTERNAL ASSERT" in rows[1]["error"]
+    assert capsys.readouterr().out.count("{") == 6  # the same rows on stdout
+
+
 def test_batch_speed_admission():
     out = run_script("batch_speed", "--batch", "3", "--new", "3", "--admission", "--repeats", "1")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -89,12 +113,16 @@ def test_prefix_speed(tmp_path):
 
 
 def test_tree_sweep(tmp_path):
-    """Exits 1 if a tree's output differs from the target's."""
+    """Exits 1 if a tree's output differs from the target's. With emulated graphs (fixed shapes,
+    the GPU's path); the report is written after each repeat."""
     out = run_script("tree_sweep", "--families", "chartqa", "--n-per-family", "1", "--max-new-tokens", "8",
-                     "--shapes", "3x2x4", "--repeats", "1", "--threads", "1", "--out", str(tmp_path))
+                     "--shapes", "3x2x4", "--repeats", "2", "--threads", "1", "--graphs", "emulate",
+                     "--out", str(tmp_path))
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert {"tree_sweep.json", "tree_sweep.md"} <= {p.name for p in tmp_path.iterdir()}
     assert "tree 3x2x4" in (tmp_path / "tree_sweep.md").read_text()
+    res = json.loads((tmp_path / "tree_sweep.json").read_text())
+    assert res["repeats_done"] == 2 and res["config"]["graphs"] == "emulate" and res["identical"]
 
 
 def test_cpu_shapes(monkeypatch, capsys):
