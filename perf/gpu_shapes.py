@@ -2,7 +2,7 @@
 
 Owns: building randomly initialised LLaVA models with REAL shapes from configs (decode latency
 does not depend on weight values), and timing on them, through mmspec's own decode path
-(:class:`~mmspec.models.cache.DecodeCache` + :class:`~mmspec.graphs.StepRunner`):
+(:class:`~mmspec.models.cache.DecodeCache` + :class:`~mmspec.engine.graphs.StepRunner`):
 
 - T_p (target one-token decode) against the memory-bandwidth floor: bytes the decode must read
   (LM weights + lm_head, plus the KV cache) / measured device-to-device copy bandwidth;
@@ -171,7 +171,7 @@ class _Probe:
     """One model prefilled with ``context`` random tokens on mmspec's cache, and steps over it."""
 
     def __init__(self, model, batch: int, context: int, room: int, mode: str, capacity: int = 0):
-        from mmspec.graphs import StepRunner
+        from mmspec.engine.graphs import StepRunner
         from mmspec.models.base import adapter_for
 
         self.model, self.batch, self.context, self.mode = model, batch, context, mode

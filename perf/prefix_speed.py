@@ -34,20 +34,26 @@ def conversation(models, family: str, index: int, n1: int):
 def what_caching_adds(dec, ids, pv, answer: list[int], repeats: int = 9) -> dict:
     """The work the cache adds to a decode that reuses nothing, timed alone (median): digesting
     the pixels and keying the prompt, and copying its caches into an entry after the decode."""
+    from mmspec.batch import BatchScheduler
     from mmspec.prefix_cache import prompt_keys, segment_digests
     from mmspec.timing import median_time
 
     cpu = torch.device("cpu")
     mm = {"pixel_values": pv}
     layout = dec.mm.layout(ids[0], mm)
-    pre = dec.prefill_request(ids[0], mm, layout, len(answer), dec.new_stats())
+    enc = dec.encode_prompt(ids[0], mm, layout, dec.new_stats())
 
     def keys():
         digests = (tuple(segment_digests(mm, layout.kinds)), None)
-        prompt_keys(ids[0], dec.target.placeholders(), pre.encoded, dec.mm.rows(pre.encoded), dec.views, digests)
+        prompt_keys(ids[0], dec.target.placeholders(), enc.encoded, dec.mm.rows(enc.encoded), dec.views, digests)
 
+    sched = BatchScheduler(dec, max_batch=1)  # a request admitted, holding the answer's length of tokens
+    sched.submit(dict(input_ids=ids, pixel_values=pv, max_new_tokens=len(answer)))
+    sched.admit()
+    active = sched._active[0]
     out = {"keys_ms": 1e3 * median_time(keys, cpu, repeats),
-           "store_ms": 1e3 * median_time(lambda: dec.remember(pre, answer), cpu, repeats)}
+           "store_ms": 1e3 * median_time(lambda: sched._remember(0, active), cpu, repeats)}
+    sched.cancel(active.rid)
     dec.prefix_cache.clear()
     return out
 

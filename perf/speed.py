@@ -29,7 +29,7 @@ run goes on; the command then exits with status 3 (1 wins when outputs differ).
 This script knows nothing about the engine's internals beyond public attributes: models load
 through the library's own loaders (``mmspec.bench.backend.load_models``, the vocabulary check
 included); the breakdown (`perf/breakdown.py`) reads the decoder's own stats clock for one
-extra, untimed pass; the draft-step ratio uses ``SpecDecoder.new_drafter`` (`perf/draftstep.py`).
+extra, untimed pass; the draft-step ratio times the engine's own drafting (`perf/draftstep.py`).
 Both helpers are imported by their path, beside this file (:func:`sibling`).
 
 Run ``python perf/speed.py --help``. Tests call :func:`run` with tiny random models.
@@ -415,21 +415,18 @@ def step_decoders(cfg: SpeedConfig, models: BenchModels, prompts: Sequence[Speed
             for v in dict.fromkeys(["M", views])}
 
 
-def measure_draft_step(cfg: SpeedConfig, decs: dict[str, Any], prompts: Sequence[SpeedPrompt],
-                       dynamic_cache: bool = False) -> dict:
+def measure_draft_step(cfg: SpeedConfig, decs: dict[str, Any], prompts: Sequence[SpeedPrompt]) -> dict:
     """The engine's own draft step (feed + mix + pick) for the ensemble of ``decs`` vs the M view
     alone, per prompt, interleaved (`perf/draftstep.py`); the ratio is the IbED claim that an
-    in-batch ensemble costs about one draft forward. ``dynamic_cache``: on a growing
-    DynamicCache (the engine before the preallocated cache) instead of the decoder's own."""
+    in-batch ensemble costs about one draft forward."""
     draft_step_times = sibling("draftstep").draft_step_times
     views = list(decs)[-1]
     per = []
     for p in prompts:
         kw = dict(captions=p.captions, images=p.images, rounds=cfg.step_rounds, max_new_tokens=cfg.max_new_tokens)
-        t = draft_step_times(decs, p.inputs["input_ids"], p.inputs.get("pixel_values"), dynamic_cache=dynamic_cache,
-                             **kw)
+        t = draft_step_times(decs, p.inputs["input_ids"], p.inputs.get("pixel_values"), **kw)
         per.append({"prompt": p.name, "step_s": t, "ratio": t[views] / t["M"]})
-    return {"views": views, "n_views": len(views), "cache": "DynamicCache" if dynamic_cache else "the decoder's",
+    return {"views": views, "n_views": len(views), "cache": "the engine's rows",
             "per_prompt": per, "ratio_median": statistics.median(x["ratio"] for x in per),
             "ratio_max": max(x["ratio"] for x in per)}
 
@@ -468,8 +465,7 @@ def markdown(result: dict) -> str:
                       f"T_V({eng['gamma']}) {eng['T_V_s'] * 1e3:.2f} ms (T_V/T_p {eng['T_V_over_T_p']:.2f}), "
                       f"T_q/T_p by batch {', '.join(f'{b}: {v:.3f}' for b, v in eng['T_q_over_T_p'].items())}; "
                       f"bare draft forward, 4 rows / 1 row: {eng['draft_forward_4_rows_over_1']:.2f}x"]
-        for key in ("draft_step", "draft_step_dynamic_cache"):
-            lines += _draft_step_lines(eng.get(key))
+        lines += _draft_step_lines(eng.get("draft_step"))
         lines += ["",
                   "| system | measured speed-up | eq.2 predicted | engine efficiency | decode-only efficiency |",
                   "|---|---|---|---|---|"]
@@ -551,13 +547,11 @@ def run(cfg: SpeedConfig, models: BenchModels | None = None, prompts: Sequence[S
     write_report(result, cfg.out)
     if result["engine"] is not None:
         decs = optional(result, "draft step", lambda: step_decoders(cfg, models, prompts), log) or {}
-        for key, dyn in (("draft_step", False), ("draft_step_dynamic_cache", True)):
-            log("draft step on " + ("a DynamicCache" if dyn else "the decoder's cache") + " ...")
-            step = optional(result, key.replace("_", " "), lambda dyn=dyn: measure_draft_step(cfg, decs, prompts, dyn),
-                            log) if decs else None
-            if step is not None:
-                result["engine"][key] = step
-                write_report(result, cfg.out)
+        log("draft step on the engine's rows ...")
+        step = optional(result, "draft step", lambda: measure_draft_step(cfg, decs, prompts), log) if decs else None
+        if step is not None:
+            result["engine"]["draft_step"] = step
+            write_report(result, cfg.out)
         if "draft_step" in result["engine"]:
             result["engine"]["draft_step_views_over_1"] = result["engine"]["draft_step"]["ratio_median"]
     if cfg.profile:

@@ -1,6 +1,6 @@
 """Many requests at once: :class:`BatchScheduler` (continuous batching), :class:`SpeculationPolicy`
-and :func:`generate_batch`, on the one engine (:mod:`mmspec.batching`)."""
+and :func:`generate_batch`, on the one engine (:mod:`mmspec.engine`)."""
 
-from mmspec.batching.scheduler import SPECULATE, BatchScheduler, SpeculationPolicy, StepEvent, generate_batch
+from mmspec.engine.scheduler import SPECULATE, BatchScheduler, SpeculationPolicy, StepEvent, generate_batch
 
 __all__ = ["SPECULATE", "BatchScheduler", "SpeculationPolicy", "StepEvent", "generate_batch"]

@@ -4,7 +4,7 @@ prefills both models, then hands the loop to :func:`mmspec.engine.run_loop` (one
 
 Owns the keyword API and its grouping into typed settings (:class:`~mmspec.options.EngineOptions`,
 :class:`~mmspec.options.AcceptanceConfig`, :class:`~mmspec.options.EngineMode`), the static
-caches kept across calls (:class:`~mmspec.graphs.StaticPool`) and both prefills. The prompt's
+caches kept across calls (:class:`~mmspec.engine.graphs.StaticPool`) and both prefills. The prompt's
 images, captions and draft rows are :class:`~mmspec.multimodal.MultimodalPrompt`'s; the checks
 of the arguments are :mod:`mmspec.checks`', gathered per request by :func:`mmspec.request.prepare`.
 
@@ -22,8 +22,8 @@ import torch
 
 from mmspec import checks
 from mmspec.adaptive import AdaptiveWeights
+from mmspec.engine.graphs import StaticPool, graph_mode
 from mmspec.errors import MMSpecError
-from mmspec.graphs import StaticPool, graph_mode
 from mmspec.heads.directory import is_head_dir, load_head
 from mmspec.heads.model import FeatureHead, check_head_fits
 from mmspec.lookup import SuffixStore, history, proposer_for
@@ -357,7 +357,7 @@ class SpecDecoder:
                                  max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, top_k=top_k,
                                  top_p=top_p, images=images, captions=captions, videos=videos,
                                  substitutes=substitutes, initial_weights=initial_weights, **unused))
-        from mmspec.batching.scheduler import BatchScheduler
+        from mmspec.engine.scheduler import BatchScheduler
 
         sched = BatchScheduler(self, max_batch=1)  # one request: a batch of one on the one engine
         captured = sched.engine.capture_s
@@ -525,27 +525,26 @@ class SpecDecoder:
 
     # ------------------------------------------------------------------ the batched engine
     def engine_for(self, holder):
-        """The engine a scheduler steps (:class:`~mmspec.batching.engine.Engine`): a fresh one, or
+        """The engine a scheduler steps (:class:`~mmspec.engine.step.Engine`): a fresh one, or
         with static shapes the one this decoder keeps (its buffers and graphs) for one holder at a time."""
-        from mmspec.batching.engine import Engine
-        from mmspec.batching.ensemble import EnsembleDrafting
-        from mmspec.graphs import GraphPool
+        from mmspec.drafting.ensemble import EnsembleDrafting
+        from mmspec.engine.graphs import GraphPool
+        from mmspec.engine.step import Engine
 
         def make():
-            pool = GraphPool(self.graph_mode)  # one pool for every graph of the engine
+            pool = GraphPool(self.graph_mode)  # one pool for every graph of the engine (a whole step each)
             drafting = None
             feat_dim = feat_dtype = None
             if self.head is not None:
-                from mmspec.batching.heads import HeadDrafting
+                from mmspec.drafting.heads import HeadDrafting
 
-                drafting = HeadDrafting(self.head, self.target, self.tree, static=self.static, graphs=self.graph_mode,
-                                        pool=pool)
+                drafting = HeadDrafting(self.head, self.target, self.tree, static=self.static)
                 feat_dim, feat_dtype = self.head.config.feature_size, self.head.dtype
             elif self.draft is not None:
                 drafting = EnsembleDrafting(self.draft, self.weights, self.target.vocab_size, self.tree,
-                                            static=self.static, graphs=self.graph_mode, pool=pool)
+                                            static=self.static)
                 if self.adaptive is not None:
-                    from mmspec.batching.adaptive import BatchAdaptive
+                    from mmspec.drafting.weights import BatchAdaptive
 
                     drafting.adaptive = BatchAdaptive(self.adaptive, len(self.views), self.draft.device)
             n_layers = self.target_model.config.get_text_config(decoder=True).num_hidden_layers

@@ -3,7 +3,7 @@
 Owns the two model-free proposers, their settings (:class:`LookupConfig`, checked before
 anything loads) and the cut of a proposal to a block's shape (:func:`pick`); the engine turns
 every row's proposal into its tree, or adds it to a draft model's or head's tree as other
-branches, so the target verifies both in one forward (:mod:`mmspec.batching.proposals`).
+branches, so the target verifies both in one forward (:mod:`mmspec.drafting.proposals`).
 
 * **lookup** (prompt lookup; transformers' ``prompt_lookup_num_tokens``, vLLM / SGLang ``ngram``):
   the longest n-gram (``ngram_max`` .. ``ngram_min`` tokens) ending the request's text so far

@@ -113,7 +113,7 @@ class EngineOptions:
 class EngineMode:
     """Eager decoding, fixed shapes on static caches, or those shapes captured as CUDA graphs."""
 
-    graphs: str = "eager"  # a mmspec.graphs.MODES entry: "eager", "cuda" or "emulate" (CPU tests)
+    graphs: str = "eager"  # a mmspec.engine.graphs.MODES entry: "eager", "cuda" or "emulate" (CPU tests)
     static: bool = False  # static caches, whole-buffer 4-D masks (always when graphs != "eager")
 
     @property

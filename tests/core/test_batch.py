@@ -393,7 +393,7 @@ def test_auto_policy_decodes_plainly_where_drafting_was_measured_slower(target, 
 
 def test_a_failed_shared_forward_ends_its_requests_and_the_scheduler_goes_on(target, draft_shared, tok, refs,
                                                                               monkeypatch):
-    from mmspec.batching.engine import Engine
+    from mmspec.engine.step import Engine
 
     sched = BatchScheduler(SpecDecoder(target, draft_shared, tok, views="M"))
     first = [sched.submit(r) for r in requests(2)]

@@ -10,11 +10,11 @@ import warnings
 import pytest
 import torch
 
-from helpers.reference import engine_forwards
+from helpers.reference import engine_of, step_graphs
 from helpers.tiny import make_prompt, make_qwen, noisy_copy, qwen_inputs
 from mmspec import SpecDecoder
 from mmspec.batch import BatchScheduler
-from mmspec.graphs import StepRunner, bucket
+from mmspec.engine.graphs import StepRunner, bucket
 from mmspec.heads import build_head
 from mmspec.models.captioner import FixedCaptioner
 
@@ -43,9 +43,9 @@ def want(target, reqs):
                       **({} if r["pixel_values"] is None else {"pixel_values": r["pixel_values"]})) for r in reqs]
 
 
-def forwards(dec):
-    """The step forwards of the engine the decoder keeps, by role."""
-    return engine_forwards(dec)
+def plans(dec):
+    """The whole-step graphs the decoder's engine captured: plan -> its captured shapes."""
+    return step_graphs(dec)
 
 
 def decoder(target, draft, tok, how, **kw):
@@ -64,25 +64,18 @@ def test_graphs_per_bucket_equal_target_and_are_reused(target, draft_shared, tok
     ref = want(target, reqs)
     dec = decoder(target, draft_shared, tok, how, cuda_graphs="emulate")
     assert [r.token_ids for r in dec.generate_batch(reqs)] == ref
-    static = forwards(dec)
-    assert set(static) == {"target", "draft"}
-    shapes = {role: s.shapes for role, s in static.items()}
-    for role, keys in shapes.items():
-        assert keys, role  # captured
-        for key in keys:
-            rows, n = dict((k, shape) for k, shape, _ in key)["pos"]
-            span = dict((k, shape) for k, shape, _ in key)["mask"][-1]
-            per = len(dec.views) if role == "draft" and how != "head" else 1  # a request's draft rows: one per view
-            assert rows % per == 0 and rows // per == bucket(rows // per)  # padded to the row bucket
-            assert span == bucket(span) >= 512 and span <= s_capacity(static[role])  # a span bucket, not the buffer
+    shapes = plans(dec)
+    engine = engine_of(dec)
+    assert shapes and all(shapes.values())  # captured, a whole step each
+    for plan in shapes:
+        assert plan.rows == bucket(plan.rows)  # padded to the row bucket
+        assert plan.span == bucket(plan.span) >= 512 and plan.span <= engine.cache.capacity  # a span bucket
+        if plan.span_draft:
+            assert plan.span_draft == bucket(plan.span_draft) <= engine.drafting.rows.cache.capacity
     # a second batch on the same decoder: the same buffers, nothing new captured, the same tokens
     assert [r.token_ids for r in dec.generate_batch(reqs)] == ref
-    assert {role: s.shapes for role, s in forwards(dec).items()} == shapes
-    assert all(s.runner.failed is None for s in forwards(dec).values())
-
-
-def s_capacity(static):
-    return static.cache.capacity
+    assert plans(dec) == shapes
+    assert engine_of(dec).graphs_failed is None
 
 
 def test_static_without_graphs_and_a_seeded_request_equal_solo(target, draft_shared, tok):
@@ -91,7 +84,7 @@ def test_static_without_graphs_and_a_seeded_request_equal_solo(target, draft_sha
     reqs = requests()
     dec = decoder(target, draft_shared, tok, "M", static_cache=True)
     assert [r.token_ids for r in dec.generate_batch(reqs)] == want(target, reqs)
-    assert all(not s.shapes for s in forwards(dec).values())  # eager: nothing captured
+    assert not engine_of(dec).step_graphs_by_plan  # eager: nothing captured
     sampled = [dict(r, temperature=0.8, seed=100 + i) for i, r in enumerate(reqs[:3])]
     solo = [dec.generate(r["input_ids"], r["pixel_values"], max_new_tokens=r["max_new_tokens"], temperature=0.8,
                          seed=r["seed"]).token_ids for r in sampled]
@@ -108,16 +101,16 @@ def test_growing_the_buffer_drops_the_old_graphs(target, draft_shared, tok):
     sched = BatchScheduler(dec)
     rids = [sched.submit(reqs[0])]
     events = sched.step() + sched.step()
-    target_static = forwards(dec)["target"]
-    generation, rows = target_static.cache.generation, target_static.cache.rows
-    assert target_static.shapes
+    engine = engine_of(dec)
+    generation, rows = engine.cache.generation, engine.cache.rows
+    assert plans(dec)
     rids += [sched.submit(r) for r in reqs[1:]]
     while sched.has_work():
         events += sched.step()
-    assert target_static.cache.rows > rows and target_static.cache.generation > generation
-    assert target_static.generation == target_static.cache.generation
-    assert not any(f.runner.failed for f in forwards(dec).values())  # recaptured after the growth, no fallback
-    assert all(key[0][1][0] >= 1 for key in target_static.shapes)
+    assert engine.cache.rows > rows and engine.cache.generation > generation
+    assert engine._graphs_generation == engine.generation  # the old graphs dropped, new ones captured
+    assert engine.graphs_failed is None  # recaptured after the growth, no fallback (the pool is a fresh one)
+    assert max(p.rows for p in plans(dec)) >= 8
     done = {ev.rid: ev.result for ev in events if ev.finished}
     assert all(ev.error is None for ev in events)
     assert [done[r].token_ids for r in rids] == ref
@@ -133,9 +126,9 @@ def test_capture_failure_falls_back_to_eager_once_per_runner(target, draft_share
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert [r.token_ids for r in dec.generate_batch(reqs)] == want(target, reqs)
-    msgs = [str(w.message) for w in caught if "batched" in str(w.message)]
-    assert len(msgs) == 2 and all("running it eagerly" in m for m in msgs)  # the target's and the draft's, once each
-    assert all(s.runner.failed for s in forwards(dec).values())
+    msgs = [str(w.message) for w in caught if "CUDA graph" in str(w.message)]
+    assert len(msgs) == 1 and "running it eagerly" in msgs[0]  # once for the engine
+    assert engine_of(dec).graphs_failed
 
 
 def test_a_second_live_scheduler_gets_forwards_of_its_own(target, draft_shared, tok):
@@ -164,12 +157,12 @@ def test_a_closed_scheduler_hands_its_graphs_to_the_next(target, draft_shared, t
         old.close()  # not while it has work
     while old.has_work():
         old.step()
-    shapes = forwards(dec)["target"].shapes
+    shapes = plans(dec)
     assert BatchScheduler(dec).engine is not old.engine  # still held: a fresh one
     old.close()
     new = BatchScheduler(dec)
     assert new.engine is old.engine
-    assert forwards(dec)["target"].shapes == shapes and shapes
+    assert plans(dec) == shapes and shapes
 
 
 def test_mrope_batch_with_graphs(tok):
@@ -181,7 +174,7 @@ def test_mrope_batch_with_graphs(tok):
         reqs.append(dict(input_ids=ids, max_new_tokens=n, **mm))
         ref.append(reference(target, ids, n, **mm))
     assert [r.token_ids for r in dec.generate_batch(reqs)] == ref
-    assert forwards(dec)["target"].shapes
+    assert plans(dec)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -198,7 +191,32 @@ def test_cuda_graphs_in_a_batch_on_gpu(how, tok):
     ref = want(target, reqs)
     dec = decoder(target, noisy_copy(target, 1), tok, how, cuda_graphs=True)
     assert [r.token_ids for r in dec.generate_batch(reqs)] == ref
-    shapes = {role: s.shapes for role, s in forwards(dec).items()}
+    shapes = plans(dec)
     assert [r.token_ids for r in dec.generate_batch(reqs)] == ref
-    assert {role: s.shapes for role, s in forwards(dec).items()} == shapes and all(shapes.values())
-    assert all(s.runner.failed is None for s in forwards(dec).values())
+    assert plans(dec) == shapes and all(shapes.values())
+    assert engine_of(dec).graphs_failed is None
+
+
+def test_a_step_attends_over_the_filled_slots_not_the_buffer(target, draft_shared, tok):
+    """Issue 52 item 2: with fixed shapes a step's attention spans a bucket of the slots its rows
+    fill, not the whole buffer. The same request decoded again on buffers grown 4x reads exactly
+    as many keys per forward (the step's attention costs the same: 1.0x <= 1.2x), and the same
+    tokens come out."""
+    reqs = requests(2)
+    ref = want(target, reqs)
+    dec = decoder(target, draft_shared, tok, "M", static_cache=True, prefix_cache_mb=0)  # both runs prefill
+    spans: list[int] = []
+    hook = target.model.language_model.register_forward_pre_hook(
+        lambda m, a, k: spans.append(k["attention_mask"].shape[-1]), with_kwargs=True)
+    try:
+        assert [r.token_ids for r in dec.generate_batch(reqs)] == ref
+        small, spans[:] = list(spans), []
+        engine = engine_of(dec)
+        cap = engine.cache.capacity
+        engine.cache.ensure(engine.cache.rows, 4 * cap)  # a buffer 4x larger
+        engine.drafting.rows.cache.ensure(engine.drafting.rows.cache.rows, 4 * engine.drafting.rows.cache.capacity)
+        assert engine.cache.capacity == 4 * cap
+        assert [r.token_ids for r in dec.generate_batch(reqs)] == ref
+    finally:
+        hook.remove()
+    assert spans == small and max(spans) <= cap  # every forward read the same keys as on the smaller buffer

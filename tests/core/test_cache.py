@@ -8,12 +8,8 @@ import torch
 from transformers import DynamicCache, LlamaConfig
 
 from helpers.tiny import make_llama
-from mmspec.drafter import EnsembleDrafter
-from mmspec.models.base import adapter_for, cache_argument
+from mmspec.models.base import cache_argument
 from mmspec.models.cache import DecodeCache, DecodeLayer, new_decode_cache
-from mmspec.tree import TreeSpec
-from mmspec.verify import SamplingParams
-from mmspec.views import ViewRow
 
 
 def _mask(valid: torch.Tensor, n: int, span: int | None) -> torch.Tensor:
@@ -108,47 +104,3 @@ def test_move_copies_positions_and_set_length_moves_the_cursor(static):
         assert layer.get_seq_length() == 3
         if static:
             assert int(layer.cursor) == 3
-
-
-def _drafter(model, room, static=False, weights=(1.0, 2.0, 1.0)):
-    rows = [ViewRow(torch.randint(5, 90, (n,), generator=torch.Generator().manual_seed(n)),
-                    torch.zeros(0, dtype=torch.long), None) for n in (11, 4, 7)]
-    d = EnsembleDrafter(adapter_for(model), list(weights), target_vocab=model.config.vocab_size, room=room,
-                        static=static)
-    d.prefill(rows)
-    return d
-
-
-@pytest.mark.parametrize("spec", [TreeSpec("chain", depth=4), TreeSpec("dynamic", depth=3, topk=2, budget=5),
-                                  TreeSpec("static", paths=((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))])
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-@torch.inference_mode()
-def test_static_drafter_drafts_like_the_view_drafter(spec, temperature):
-    """The fixed-shape path (full-buffer cache and masks) drafts the same trees and the same q
-    as the view path, block after block, through commits of various accepted paths."""
-    model = make_llama(1)
-    params = SamplingParams(temperature=temperature)
-    view, static = _drafter(model, 60), _drafter(model, 60, static=True)
-    pending = torch.tensor([9])
-    for block, pick in enumerate([1, 0, 3, 2, 5, 0]):
-        g1, g2 = torch.Generator().manual_seed(block), torch.Generator().manual_seed(block)
-        t1, t2 = view.draft(pending, spec, params, g1), static.draft(pending, spec, params, g2)
-        assert t1.tokens.tolist() == t2.tokens.tolist() and t1.parents.tolist() == t2.parents.tolist()
-        assert torch.equal(t1.fed, t2.fed)
-        if t1.q is not None:
-            torch.testing.assert_close(t1.q, t2.q, rtol=1e-10, atol=1e-12)
-        leaf = min(pick, t1.size - 1)  # accept the path to some node, as verification would
-        path = torch.tensor([i for i in range(t1.size) if bool(t1.anc[leaf, i])])
-        fed = t1.fed[path].tolist()
-        m1 = view.commit(fed[1:], t1.fed, path)
-        m2 = static.commit(fed[1:], t2.fed, path)
-        assert m1 == m2 and view.length == static.length and torch.equal(view.next_pos, static.next_pos)
-        pending = torch.cat([t1.tokens[path[1 + m1:]], torch.tensor([20 + block])])
-    assert torch.equal(view.valid[:, :view.length], static.valid[:, :static.length])
-
-
-@torch.inference_mode()
-def test_drafter_refuses_to_overrun_its_room():
-    d = _drafter(make_llama(2), room=3)
-    with pytest.raises(RuntimeError, match="draft cache full"):
-        d.draft(torch.tensor([9]), TreeSpec("chain", depth=5), SamplingParams(), None)

@@ -6,16 +6,17 @@ bookkeeping with an emulated capture."""
 from __future__ import annotations
 
 import warnings
+
 import pytest
 import torch
 
-from helpers.reference import captions, engine_forwards, reference
+from helpers.reference import captions, engine_of, reference, step_graphs
 from helpers.tiny import VOCAB, make_llava, make_prompt, noisy_copy
 from mmspec import SpecDecoder
-from mmspec.batching.forwards import RowForward
+from mmspec.engine.forwards import RowForward
+from mmspec.engine.graphs import GraphPool, StepRunner, graph_mode
+from mmspec.engine.masks import causal, rows_mask
 from mmspec.errors import MMSpecError
-from mmspec.graphs import GraphPool, StepRunner, graph_mode
-from mmspec.masks import causal, rows_mask
 from mmspec.models.base import adapter_for
 from mmspec.models.rows import RowCache
 
@@ -43,10 +44,10 @@ def test_emulated_graphs_are_captured_once_and_reused(target, draft_shared, tok)
     dec = SpecDecoder(target, draft_shared, tok, views="MTC", captioner=captions(2), tree="dynamic",
                       cuda_graphs="emulate")
     assert dec.generate(ids, pv, max_new_tokens=20).token_ids == ref
-    shapes = {k: f.shapes for k, f in engine_forwards(dec).items()}
-    assert all(shapes.values()) and set(shapes) == {"target", "draft"}
+    shapes = step_graphs(dec)
+    assert shapes and all(shapes.values())  # the whole step of each plan, captured
     assert dec.generate(ids, pv, max_new_tokens=20).token_ids == ref
-    assert {k: f.shapes for k, f in engine_forwards(dec).items()} == shapes  # nothing new captured
+    assert step_graphs(dec) == shapes  # nothing new captured
 
 
 def test_capture_failure_falls_back_to_eager_with_one_warning(target, draft_shared, tok, monkeypatch):
@@ -60,8 +61,8 @@ def test_capture_failure_falls_back_to_eager_with_one_warning(target, draft_shar
         warnings.simplefilter("always")
         assert dec.generate(ids, pv, max_new_tokens=16).token_ids == reference(target, ids, pv, 16)
     msgs = [str(w.message) for w in caught if "CUDA graph" in str(w.message)]
-    assert len(msgs) == 2 and "running it eagerly" in msgs[0]  # one per model (target, draft), not per step
-    assert all(f.runner.failed for f in engine_forwards(dec).values())
+    assert len(msgs) == 1 and "running it eagerly" in msgs[0]  # once for the engine, not per step or plan
+    assert engine_of(dec).graphs_failed
 
 
 def test_a_pool_whose_graphs_are_all_gone_is_never_captured_into_again():
@@ -151,7 +152,7 @@ def test_cuda_graphs_match_target_on_gpu(kw, method, tok):
             res = graphs.generate(ids, pv, max_new_tokens=24)
             assert res.token_ids == ref
         assert res.stats.capture_s == 0.0  # the second call replayed what the first captured
-        assert not any(f.runner.failed for f in engine_forwards(graphs).values())
+        assert not engine_of(graphs).graphs_failed
 
 
 @cuda

@@ -11,6 +11,7 @@ import torch
 
 from helpers.tiny import IMAGE, IMG, VEND, VIDEO, VSTART, make_prompt, make_qwen, noisy_copy, qwen_inputs
 from mmspec import MMSpecError, SpecDecoder
+from mmspec.batch import BatchScheduler
 from mmspec.heads import build_head
 from mmspec.models.cache import DecodeCache
 from mmspec.prefix_cache import PrefixCache, PrefixEntry, RowPrefix, common_prefix, content_key, segment_digests
@@ -130,27 +131,27 @@ def test_edited_history_reuses_nothing_stale(target, draft_shared, tok):
 
 
 def test_reused_caches_equal_a_fresh_prefill(target, draft_shared, tok):
-    """Target, draft rows of different lengths (M and T: different left padding): after a reused
-    prefill every filled slot holds what a fresh prefill computes."""
+    """Target and draft rows of different lengths (M and T): after an admission that reused a
+    stored prefix, every filled slot holds what a fresh prefill computes."""
     ids1, pv = make_prompt(2, 16, seed=7)
     dec = SpecDecoder(target, draft_shared, tok, views="MT")
     fresh = SpecDecoder(target, draft_shared, tok, views="MT", prefix_cache_mb=0)
     r1 = dec.generate(ids1, pv, max_new_tokens=8)
     ids2 = next_turn(ids1, r1.token_ids)
-    got, want = [], []
-    for d, out in ((dec, got), (fresh, want)):
-        layout = d.mm.layout(ids2[0], {"pixel_values": pv})
-        pre = d.prefill_request(ids2[0], {"pixel_values": pv}, layout, 8, d.new_stats())
-        out.append((pre.state.cache, pre.drafter.cache, pre.drafter.valid.clone(), pre.state.length))
-    (tc, dc, valid, n), (tc2, dc2, valid2, n2) = got[0], want[0]
-    assert n == n2 and torch.equal(valid, valid2)
-    for a, b in zip(tc.layers, tc2.layers):
-        assert torch.allclose(a.keys[:, :, :n], b.keys[:, :, :n], atol=1e-10)
-    L = dc.length
-    for a, b in zip(dc.layers, dc2.layers):
-        m = valid[:, None, :L, None]
-        assert torch.allclose(a.keys[:, :, :L] * m, b.keys[:, :, :L] * m, atol=1e-10)
-        assert torch.allclose(a.values[:, :, :L] * m, b.values[:, :, :L] * m, atol=1e-10)
+    got = []
+    for d in (dec, fresh):
+        sched = BatchScheduler(d, max_batch=1)
+        sched.submit(dict(input_ids=ids2, pixel_values=pv, max_new_tokens=8))
+        assert sched.admit() == []
+        e = sched.engine
+        got.append((e.cache.store.kv, e.drafting.rows.cache.store.kv, list(e.drafting.rows.lengths),
+                    e.state.lengths[0], e.rows[0].stats.prompt_tokens_reused))
+    (tc, dc, lens, n, reused), (tc2, dc2, lens2, n2, reused2) = got
+    assert reused > ids1.shape[1] and reused2 == 0  # the first reused turn 1, the second prefilled all
+    assert n == n2 == ids2.shape[1] - 1 and lens == lens2
+    assert torch.allclose(tc[:, :, 0, :, :n], tc2[:, :, 0, :, :n], atol=1e-10)
+    for row, L in enumerate(lens):  # each view's row: its own length, no padding
+        assert torch.allclose(dc[:, :, row, :, :L], dc2[:, :, row, :, :L], atol=1e-10)
 
 
 @pytest.mark.parametrize("static", [False, True])
@@ -237,23 +238,21 @@ def test_seeded_sampling_turn_two_equals_a_fresh_decode(target, draft_shared, to
 
 
 def test_the_batch_path_pieces(target, draft_shared, tok):
-    """The pieces a request's caches go through: prefill_request (reusing the cache),
-    remember(pre, [], copy=True) right after it (the prompt kept), and make_entry on the rows a
-    cache holds (kv_rows of a one-buffer cache), as a batch's finished request leaves them."""
+    """The pieces a request's caches go through in a batch: admitted (its prompt kept at once,
+    for a request of the same batch that extends it), its rows snapshotted as the engine holds
+    them (kv_rows of the one buffer), and a later turn reusing the prompt."""
     from helpers.caches import kv_rows
-    from mmspec.prefix_cache import make_entry, snapshot
 
     dec = SpecDecoder(target, draft_shared, tok, views="MT")
     ids1, pv = make_prompt(1, 16, seed=16)
-    mm = {"pixel_values": pv}
-    pre = dec.prefill_request(ids1[0], mm, dec.mm.layout(ids1[0], mm), 8, dec.new_stats())
-    dec.remember(pre, [], copy=True)  # the prompt alone: L - 1 target positions
-    assert stored_len(dec) == ids1.shape[1] - 1
-    cache = pre.state.cache
-    for (k, v), (k2, v2) in zip(kv_rows(cache.store.kv, 0, 0, 5), snapshot(cache, 0, 0, 5)):
+    sched = BatchScheduler(dec, max_batch=2)
+    sched.submit(dict(input_ids=ids1, pixel_values=pv, max_new_tokens=8))
+    sched.admit()
+    assert stored_len(dec) == ids1.shape[1] - 1  # the prompt alone: L - 1 target positions
+    cache = sched.engine.cache
+    for (k, v), (k2, v2) in zip(kv_rows(cache.store.kv, 0, 0, 5), cache.snapshot(0, 0, 5)):
         assert torch.equal(k, k2) and torch.equal(v, v2)
-    entry = make_entry(pre.keys, pre.encoded, [7, 8], kv_rows(cache.store.kv, 0, 0, cache.length))
-    assert torch.equal(entry.target.key, pre.keys.target[:-1]) and not entry.rows
+    sched.cancel(0)
     ids2 = next_turn(ids1, [9, 10])
     r = dec.generate(ids2, pv, max_new_tokens=8)
     assert r.stats.prompt_tokens_reused == ids1.shape[1] - 1

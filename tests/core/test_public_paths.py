@@ -8,7 +8,7 @@ import pytest
 
 PUBLIC = {
     "mmspec": ["SpecDecoder", "GenerationResult", "GenerationStats", "MMSpecError", "load_embedded"],
-    "mmspec.heads": ["VARIANTS", "FeatureHead", "HeadConfig", "HeadDrafter", "build_head", "is_head_dir", "load_head"],
+    "mmspec.heads": ["VARIANTS", "FeatureHead", "HeadConfig", "build_head", "is_head_dir", "load_head"],
     "mmspec.world": ["FAMILIES", "make_sample"],
     "mmspec.bench.datasets": ["BenchSample"],
     "mmspec.events": ["EventStream"],

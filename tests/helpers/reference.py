@@ -85,8 +85,11 @@ def pvalues(samples, exact, V: int = 8) -> list[float]:
     return out
 
 
-def engine_forwards(dec) -> dict:
-    """The step forwards of the engine a static decoder keeps (its lease), by role: "target",
-    "draft" (each a :class:`mmspec.batching.forwards.RowForward`: ``.shapes``, ``.runner``)."""
-    engine = dec.static_pool.leased["engine"][0]
-    return engine.forwards()
+def engine_of(dec):
+    """The engine a static decoder keeps (its lease): its buffers and graphs."""
+    return dec.static_pool.leased["engine"][0]
+
+
+def step_graphs(dec) -> dict:
+    """The whole-step graphs the kept engine captured: plan -> the input shapes captured for it."""
+    return {plan: frozenset(r.graphs) for plan, r in engine_of(dec).step_graphs_by_plan.items()}

@@ -53,8 +53,7 @@ def test_every_command_line_parses(tmp_path, mode):
         if argv[1] == "-m":
             assert argv[2] == "pytest"
             files = [a for a in argv if a.endswith(".py")]
-            assert {"tests/core/test_graphs.py", "tests/core/test_batch_graphs.py",
-                    "tests/core/test_new_drafter.py"} <= set(files)
+            assert {"tests/core/test_graphs.py", "tests/core/test_batch_graphs.py"} <= set(files)
             assert all((ROOT / f).is_file() for f in files)
             assert ("--collect-only" in argv) != gpu
             continue

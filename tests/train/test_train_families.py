@@ -11,7 +11,6 @@ import torch
 
 from helpers.conversations import FAMILIES, FRAMES, VIDEO_FAMILIES, conversations, family_pair, write_jsonl, write_media
 from mmspec import SpecDecoder
-from mmspec.drafter import drive
 from mmspec.errors import MMSpecError
 from mmspec.heads import build_head
 from mmspec.train.conversations import (
@@ -207,9 +206,8 @@ def test_an_mrope_head_drafts_at_the_positions_it_was_trained_at(family, tok, me
     """A Qwen2-VL-family head reads the target's 3-D M-RoPE positions: the drafter's first draft
     after a prompt with two images and a video scores exactly what training scores at that slot,
     and 1-D positions would score otherwise (after an image M-RoPE runs behind the token count)."""
-    from mmspec.heads.drafter import HeadDrafter
-    from mmspec.heads.positions import prompt_positions
-    from mmspec.models.base import adapter_for
+    from mmspec import SpecDecoder
+    from mmspec.batch import BatchScheduler
     from mmspec.train.feature_cache import target_features
     from mmspec.train.head import collate, slot_positions
 
@@ -231,12 +229,14 @@ def test_an_mrope_head_drafts_at_the_positions_it_was_trained_at(family, tok, me
         flat = head.logits(head(head.fused(feats[:, :-1]), emb, position_ids=torch.arange(L - 1)[None],
                                 attention_mask=batch["attention_mask"][:, 1:])[:, -1], target.lm_head)
     mm = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask", "loss_mask") and v is not None}
-    adapter = adapter_for(target)
-    drafter = HeadDrafter(head, adapter, room=8)
-    with torch.no_grad():
-        drafter.prefill(feats[:, :L - 1], ids[0], positions=prompt_positions(head, adapter, ids[0], mm))
-        drafter._begin_block(1)
-        drafted = drive(drafter._feed_pending(ids[0, -1:], feats[0, L - 2:L - 1]), drafter.step_fn)[:, -1]
+    sched = BatchScheduler(SpecDecoder(target, head, tok, prefix_cache_mb=0), max_batch=1)
+    sched.submit(dict(input_ids=ids, max_new_tokens=4, **mm))
+    assert sched.admit() == []  # the target's prefill and the head's, as the engine runs them
+    engine = sched.engine
+    x = engine._input(engine.step_rows(), 1, engine.drafting.span_for(None, engine.width))
+    with torch.inference_mode():
+        engine.drafting.begin(x.rows, 2)
+        drafted = engine.drafting.feed_pending(x)[0, -1]  # the first draft's logits: after the pending token
     assert torch.allclose(drafted, trained_at, atol=1e-9)
     assert not torch.allclose(drafted, flat, atol=1e-3)
 

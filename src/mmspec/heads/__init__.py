@@ -1,7 +1,7 @@
 """Feature-level draft heads (EAGLE, EAGLE-3, MSD) that draft from the target's hidden states.
 
 :mod:`.model` owns the head itself (config, weights, save/load, :func:`build_head`);
-:mod:`mmspec.batching.heads` drafts with it on the engine; :mod:`mmspec.train.head` trains it on
+:mod:`mmspec.drafting.heads` drafts with it on the engine; :mod:`mmspec.train.head` trains it on
 the target's own answers (``mmspec train head``).
 """
 

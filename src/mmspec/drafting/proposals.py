@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mmspec import rng
-from mmspec.batching.trees import ancestors_rows
+from mmspec.drafting.trees import ancestors_rows
+from mmspec.engine import rng
 from mmspec.lookup import Picked, pick
 from mmspec.tree import TreeBatch, TreeSpec
 

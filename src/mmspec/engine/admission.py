@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mmspec.batching.engine import Engine, RowHost
-from mmspec.batching.forwards import PromptRow, prefill_rows
-from mmspec.batching.state import RowStart
+from mmspec.engine.forwards import PromptRow, prefill_rows
+from mmspec.engine.state import RowStart
+from mmspec.engine.step import Engine, RowHost
 from mmspec.errors import MMSpecError
 from mmspec.timing import sync
 

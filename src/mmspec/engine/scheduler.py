@@ -1,16 +1,16 @@
 """Many requests at once: continuous batching on the one engine, and ``generate`` as a batch of one.
 
-:class:`BatchScheduler` owns an :class:`~mmspec.batching.engine.Engine` and the requests on it.
+:class:`BatchScheduler` owns an :class:`~mmspec.engine.step.Engine` and the requests on it.
 Each :meth:`BatchScheduler.step` admits queued requests (checked at submit by
 :func:`mmspec.request.prepare`; prefilled together straight into their rows by
-:func:`mmspec.batching.admission.admit`), runs ONE engine step over every active request, then
+:func:`mmspec.engine.admission.admit`), runs ONE engine step over every active request, then
 turns each row's tokens into events: the text delta (:class:`~mmspec.streaming.TextDelta`, a
 multi-byte character never split), the result when a request ends. A finished (or cancelled)
 request leaves at once (its row compacted away); what its caches hold, prompt and answer, goes to
 the prefix cache, so a conversation's next turn prefills only its new part.
 
 Lossless per request, whatever else is in the batch: greedy output equals the target's own; a
-seeded request's draws come from its own stream (:mod:`mmspec.rng`), so it returns what it returns
+seeded request's draws come from its own stream (:mod:`mmspec.engine.rng`), so it returns what it returns
 alone (with ``speculate="always"``; the other policies keep the exact distribution).
 
 :class:`SpeculationPolicy` ("auto") picks each step's draft depth, plain decoding included, for
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mmspec.batching.admission import admit
+from mmspec.engine.admission import admit
 from mmspec.errors import MMSpecError
 from mmspec.prefix_cache import make_entry
 from mmspec.request import Request, prepare
@@ -198,10 +198,17 @@ class BatchScheduler:
                 return
 
     @torch.inference_mode()
-    def step(self) -> list[StepEvent]:
-        """Admit queued requests (prefill), then run ONE engine step over every active request."""
+    def admit(self) -> list[StepEvent]:
+        """Admit what the free rows allow (their prefills, together) without stepping; -> the
+        events of requests that failed to."""
         events: list[StepEvent] = []
         self._admit(events)
+        return events
+
+    @torch.inference_mode()
+    def step(self) -> list[StepEvent]:
+        """Admit queued requests (prefill), then run ONE engine step over every active request."""
+        events = self.admit()
         if not self._active:
             return events
         t0 = time.perf_counter()

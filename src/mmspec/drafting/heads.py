@@ -1,11 +1,11 @@
 """Drafting with a feature-level head (:mod:`mmspec.heads.model`) for every request of a step at
-once: the batched tree maths of :mod:`mmspec.batching.trees`, fed the target's own hidden states.
+once: the batched tree maths of :mod:`mmspec.drafting.trees`, fed the target's own hidden states.
 
 Each request is one row of the head's :class:`~mmspec.models.rows.RowCache`. The head's sequence
 is the target's shifted by one: slot t holds the pair (target feature at t, token t + 1). After
 its prefill a row holds the prompt's pairs but the last; each step feeds the pending tokens with
 the TARGET's features before each (taken from the verify forward that accepted them, no extra
-target pass: :class:`~mmspec.batching.state.BatchState` keeps them beside the pending tokens),
+target pass: :class:`~mmspec.engine.state.BatchState` keeps them beside the pending tokens),
 and the tree nodes with the head's OWN predicted feature of their parent. Every tree slot is
 dropped after verification (``keeps_path`` False): the accepted tokens come back pending with
 the target's true features, as EAGLE does.
@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from mmspec.batching.ensemble import DraftRows, inblock_slots
-from mmspec.batching.forwards import PromptRow, RowForward, prefill_rows
-from mmspec.batching.trees import Drafted, Drafting, StepInput
+from mmspec.drafting.ensemble import DraftRows
+from mmspec.drafting.trees import Drafted, Drafting, StepInput
+from mmspec.engine.forwards import PromptRow, RowForward, prefill_rows
+from mmspec.engine.masks import causal, rows_mask
 from mmspec.heads.model import FeatureHead
 from mmspec.heads.positions import head_positions, next_position, prompt_positions
-from mmspec.masks import causal, rows_mask
 from mmspec.models.base import ModelAdapter
 from mmspec.models.rows import KV
 from mmspec.tree import TreeSpec
@@ -118,19 +118,22 @@ class HeadDrafting(Drafting):
     def remove(self, b: int, last: int) -> None:
         self.rows.remove(b, last)
 
+    def step_state(self) -> list[torch.Tensor]:
+        return super().step_state() + ([self.hnode] if self.hnode is not None else [])
+
     def advance(self, delta: list[int]) -> None:
         for b, d in enumerate(delta):
             self.rows.lengths[b] += d
 
     # ------------------------------------------------------------------ Drafting hooks
-    def begin(self, x: StepInput, n_nodes: int) -> None:
+    def begin(self, rows: int, n_nodes: int) -> None:
         H = self.head.config.hidden_size
-        if self.hnode is None or self.hnode.shape[0] < x.rows or self.hnode.shape[1] < n_nodes:
-            self.hnode = torch.zeros(x.rows, n_nodes, H, dtype=self.head.dtype, device=self.target.device)
+        if self.hnode is None or self.hnode.shape[0] < rows or self.hnode.shape[1] < n_nodes:
+            self.hnode = torch.zeros(rows, n_nodes, H, dtype=self.head.dtype, device=self.target.device)
 
     def feed_pending(self, x: StepInput) -> torch.Tensor:
         R, P, dev = x.rows, x.pending.shape[1], self.target.device
-        self._span = self.rows.span(P + inblock_slots(self.spec) + 1)
+        self._span = x.span
         length, position = self.rows.length[:R], self.rows.position[:R]
         pos = position[:, None] + torch.arange(P, device=dev)
         mask = rows_mask(length, self._span, causal(P, dev))
@@ -167,7 +170,6 @@ class HeadDrafting(Drafting):
         return torch.zeros_like(n_accepted)
 
     def catch_up(self, x: StepInput, live: torch.Tensor) -> None:
-        self.begin(x, 1)
         self.feed_pending(x)
         self.commit(x, None, None, x.pending_len, True, live)
 

@@ -1,23 +1,23 @@
 """THE STEP: one round of speculative decoding over every active request; a request is a row.
 
 ``generate`` and ``stream`` are one request submitted and stepped to its end; ``generate_batch``,
-:class:`~mmspec.batching.scheduler.BatchScheduler` and ``mmspec serve`` step many: the same
+:class:`~mmspec.engine.scheduler.BatchScheduler` and ``mmspec serve`` step many: the same
 :meth:`Engine.step`, the same caches, forwards, prefill and graphs.
 
-Between steps every row's state is on the device (:class:`~mmspec.batching.state.BatchState`):
+Between steps every row's state is on the device (:class:`~mmspec.engine.state.BatchState`):
 its committed target slots, its pending tokens (the newest is the root of its next tree), its
 token budget, its sampling parameters and random stream. One step, a fixed number of tensor
 operations whatever the number of rows:
 
 1. draft: the drafter feeds every row's pending tokens and drafts every row's tree in batched
-   forwards (:mod:`mmspec.batching.trees`); a step that does not speculate (the policy's choice)
+   forwards (:mod:`mmspec.drafting.trees`); a step that does not speculate (the policy's choice)
    verifies each row's root alone: a plain target step;
 2. verify forward: the target scores every row's nodes in ONE forward: node i at position
    ``length + pos_offset + depth[i]``, under a mask in which it sees its row's committed slots
-   and its own ancestors (:mod:`mmspec.masks`);
+   and its own ancestors (:mod:`mmspec.engine.masks`);
 3. accept: ONE verification of all rows, greedy and sampling together
    (:func:`~mmspec.verify.verify_steps`), every random draw from the row's own stream
-   (:mod:`mmspec.rng`): a seeded request decodes the same alone or in any batch;
+   (:mod:`mmspec.engine.rng`): a seeded request decodes the same alone or in any batch;
 4. commit, on the device: the accepted path's keys/values moved into place in both caches (only
    when a tree's path is not its first branch), lengths advanced, the next pending tokens;
 5. ONE host read of the packed outcomes of all rows, from which the host emits each row's tokens
@@ -34,13 +34,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mmspec import rng
-from mmspec.batching import proposals as mf
-from mmspec.batching.forwards import RowForward
-from mmspec.batching.state import BatchState
-from mmspec.batching.trees import Drafted, StepInput
-from mmspec.graphs import bucket, capacity_bucket
-from mmspec.masks import rows_mask
+from mmspec.drafting import proposals as mf
+from mmspec.drafting.trees import Drafted, StepInput
+from mmspec.engine import rng
+from mmspec.engine.forwards import RowForward
+from mmspec.engine.graphs import StepRunner, bucket, capacity_bucket
+from mmspec.engine.masks import rows_mask
+from mmspec.engine.state import BatchState
 from mmspec.models.rows import RowCache
 from mmspec.options import RelaxedAcceptance
 from mmspec.stats import BlockRecord, GenerationStats
@@ -57,7 +57,7 @@ class RowHost:
     eos_ids: frozenset[int]
     stats: GenerationStats
     tokens: list[int] = field(default_factory=list)
-    seed: int = 0  # the row's random stream (mmspec.rng) and the steps it took
+    seed: int = 0  # the row's random stream (mmspec.engine.rng) and the steps it took
     steps: int = 0
     unseen: list[int] = field(default_factory=list)  # committed tokens a model-free proposer has not been given
     drafted: list[bool] = field(default_factory=list)  # per step the drafter ran: whether this row drafted a node
@@ -77,6 +77,22 @@ class RowHost:
         self.clocks = []
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """What the host decides of a step before it runs (its shape): the rows (a bucket with static
+    shapes), the tree drafted (None: plain decoding), whether a plain step feeds the drafter its
+    pending tokens, whether model-free proposals ride along, the attention spans, and which
+    sampling filters any row uses. One CUDA graph per plan."""
+
+    rows: int
+    spec: TreeSpec | None
+    catch_up: bool
+    proposals: bool
+    span: int  # target slots attended
+    span_draft: int  # draft slots attended
+    flags: tuple
+
+
 def root_only(x: StepInput) -> TreeBatch:
     """Every row's root alone ([R, 1]): a plain target step."""
     R, dev = x.rows, x.pending.device
@@ -88,9 +104,9 @@ def root_only(x: StepInput) -> TreeBatch:
 
 class Engine:
     """The step over a batch's rows (module docstring). ``drafting``: the draft model's or head's
-    :class:`~mmspec.batching.trees.Drafting` (None: model-free or plain decoding only);
+    :class:`~mmspec.drafting.trees.Drafting` (None: model-free or plain decoding only);
     ``hidden_layers``: the target layers a head reads; ``static``: shapes padded to buckets
-    (row counts and attention spans), ``graphs``: a :data:`~mmspec.graphs.MODES` entry."""
+    (row counts and attention spans), ``graphs``: a :data:`~mmspec.engine.graphs.MODES` entry."""
 
     def __init__(self, target, n_layers: int, spec: TreeSpec, drafting=None, *, hidden_layers: tuple[int, ...] = (),
                  relaxed: RelaxedAcceptance | None = None, static: bool = False, graphs: str = "eager",
@@ -114,7 +130,13 @@ class Engine:
         cache = self.cache
         self.forward = RowForward(lambda mask, ids, pos: target.forward(
             cache=cache, attention_mask=mask, position_ids=pos, input_ids=ids, hidden=hidden_layers),
-            cache, graphs, "target", pool)
+            cache, "eager", "target")  # inside the step's graph, with fixed shapes
+        self.graphs = graphs  # "eager", or the whole step captured per plan ("cuda"; "emulate" on the CPU)
+        self.step_graphs = graphs != "eager"
+        self.graphs_failed: str | None = None
+        self.pool = pool
+        self._step_runners: dict = {}
+        self._graphs_generation = None
         self.rows: list[RowHost] = []
         self.draft_later = True  # False: rows never draft again (plain decoding only): nothing to catch up
 
@@ -124,13 +146,26 @@ class Engine:
         return self.state.active
 
     def forwards(self) -> dict:
-        """The engine's step forwards by role ("target", "draft"): their runners and graphs."""
+        """The engine's step forwards by role ("target", "draft")."""
         return {"target": self.forward, **({"draft": self.drafting.forward} if self.drafting is not None else {})}
 
     @property
+    def step_graphs_by_plan(self) -> dict:
+        """The whole-step graphs captured so far: plan -> its runner (``.graphs``, ``.failed``)."""
+        return dict(self._step_runners)
+
+    @property
+    def generation(self) -> tuple:
+        """Changes whenever a buffer a step's graph reads or writes is reallocated."""
+        ids = tuple(id(t) for t in self.state._tensors())
+        caches = [self.cache] + ([self.drafting.rows.cache] if self.drafting is not None else [])
+        extra = tuple(id(t) for t in (self.drafting.step_state() if self.drafting is not None else []))
+        return ids + extra + tuple(c.generation for c in caches)
+
+    @property
     def capture_s(self) -> float:
-        """Seconds spent capturing CUDA graphs so far (the target's and the drafter's forwards)."""
-        return sum(f.runner.capture_s for f in self.forwards().values())
+        """Seconds spent capturing CUDA graphs so far."""
+        return sum(r.capture_s for r in self._step_runners.values())
 
     def step_rows(self) -> int:
         """R: the rows a step runs over (the active ones, padded to a bucket with static shapes)."""
@@ -169,12 +204,12 @@ class Engine:
         return moved
 
     # ------------------------------------------------------------------ the step
-    def _input(self, R: int, depth: int) -> StepInput:
+    def _input(self, R: int, depth: int, span: int = 0) -> StepInput:
         st = self.state
         rs = st.sampling(R)
         u = rng.uniforms(st.seed[:R], st.step[:R], rng.DRAFT, max(depth, 1)) if rs.any_sampling else None
         return StepInput(rows=R, pending=st.pending[:R], pending_len=st.pending_len[:R], remaining=st.remaining[:R],
-                         sampling=rs, u=u, feats=None if st.feat_dim is None else st.pending_feats[:R])
+                         sampling=rs, u=u, feats=None if st.feat_dim is None else st.pending_feats[:R], span=span)
 
     def step(self, depth: int | None = None, proposers: list | None = None) -> list[list[int] | BaseException]:
         """One step over every active row, each drafting at most ``depth`` deep (None: the
@@ -182,39 +217,133 @@ class Engine:
         a row failed with alone (its model-free proposer's). ``proposers``: each row's model-free
         proposer (:mod:`mmspec.lookup`), searched on the host first. A failure of the step's
         shared work is raised: it is every row's."""
-        st, B, R = self.state, self.state.active, self.step_rows()
+        st, B = self.state, self.state.active
+        plan, props, failed = self._plan(depth, proposers)
         clock = BlockClock(self.device)
         clock.start()
+        if self.step_graphs and not self.graphs_failed:  # the whole step, one replay of its plan's graph
+            packed = self._runner(plan)(**(props or {"rows": st.live[:plan.rows]}))
+            clock.mark()
+        else:
+            packed = self._device(plan, clock, **(props or {}))
+        host = packed[:B].tolist()  # 5. the step's ONE host read
+        clock.mark()
+        drafted = plan.spec is not None and self.drafting is not None
+        plain_keep = plan.spec is None and self.drafting is not None and self.draft_later and not plan.catch_up
+        emitted, advance = [], []
+        for b, (row, h) in enumerate(zip(self.rows, host)):
+            n_acc, nxt, kept_m, nv, toks = h[0], h[1], h[2], h[3], h[4:]
+            advance.append((row.pending_len + kept_m) if (drafted or plan.catch_up) else 0)
+            if drafted:
+                row.pending_len = n_acc - kept_m + 1
+            elif plain_keep:
+                row.pending_len += 1
+            else:
+                row.pending_len = 1
+            st.lengths[b] += n_acc + 1
+            if drafted:
+                row.drafted.append(nv > 1)
+            kept = self._emit(row, toks[1:n_acc + 1] + [nxt], n_acc, nv, plan.spec, clock)
+            emitted.append(failed.get(b, kept))
+        if self.drafting is not None and advance:
+            self.drafting.advance(advance)
+        return emitted
+
+    def _plan(self, depth: int | None, proposers: list | None) -> tuple[StepPlan, dict | None, dict]:
+        """What the host decides before a step (its shape), and the model-free proposals it
+        searches and stages; -> (the plan, the staged proposal tensors or None, rows failed)."""
+        st, R = self.state, self.step_rows()
         spec = self.spec if depth is None else (self.spec.for_remaining(depth + 1) if depth > 0 else None)
-        x = self._input(R, self.spec.max_depth)
-        drafted: Drafted | None = None
-        caught_up = False
         props = None
         failed: dict[int, BaseException] = {}
         if spec is not None and proposers is not None:  # model-free proposals, searched on the host
-            props = mf.propose([(p, r.unseen) for p, r in zip(proposers, self.rows)], spec, R, self.target.vocab_size,
-                               self.device, [not p.greedy for p in st.params], [r.seed for r in self.rows],
-                               [r.steps for r in self.rows], failed)
+            staged = mf.propose([(p, r.unseen) for p, r in zip(proposers, self.rows)], spec, R,
+                                self.target.vocab_size, self.device, [not p.greedy for p in st.params],
+                                [r.seed for r in self.rows], [r.steps for r in self.rows], failed)
+            props = {k: v for k, v in vars(staged).items() if v is not None}
             for r in self.rows:
                 r.unseen = []
+        catch_up = (spec is None and self.drafting is not None and self.draft_later
+                    and max(r.pending_len for r in self.rows) + 1 > self.width)
+        n_nodes = 1  # the root, then the drafted nodes and a model-free proposal's
+        if spec is not None:
+            n_nodes += (spec.n_nodes - 1 if self.drafting is not None else 0) + (spec.n_nodes - 1 if props else 0)
+        need = max(st.lengths, default=0) + n_nodes
+        span = min(capacity_bucket(need), self.cache.capacity) if self.static else need
+        span_d = 0
+        if self.drafting is not None and (spec is not None or catch_up):
+            span_d = self.drafting.span_for(spec, self.width)
+            self.drafting.begin(R, 1 + (spec.n_generated if spec is not None else 0))
+        drafting_adapts = spec is not None and getattr(self.drafting, "adaptive", None) is not None
+        if drafting_adapts:  # the weights this step drafts with, kept for the request's stats
+            self.drafting.adaptive.record(R)
+        flags = st.sampling(R)
+        plan = StepPlan(rows=R, spec=spec, catch_up=catch_up, proposals=props is not None, span=span,
+                        span_draft=span_d, flags=(flags.any_sampling, flags.all_sampling, flags.any_top_k,
+                                                  flags.any_top_p, flags.any_tiny))
+        return plan, props, failed
+
+    def _runner(self, plan: StepPlan) -> StepRunner:
+        """The whole step of ``plan`` as a CUDA graph (captured on first use, replayed after)."""
+        if self.generation != self._graphs_generation:  # reallocated buffers: the old graphs are stale
+            for r in self._step_runners.values():
+                r.reset()
+            self._step_runners.clear()
+            self._graphs_generation = self.generation
+        runner = self._step_runners.get(plan)
+        if runner is None:
+            runner = StepRunner(lambda **props: self._device(plan, None, **props), None, mode=self.graphs,
+                                name="step", pool=self.pool, keep=self._keep)
+            runner.on_failure = self._graphs_gave_up
+            self._step_runners[plan] = runner
+        return runner
+
+    def _graphs_gave_up(self, why: str) -> None:
+        self.graphs_failed = why  # one warning: every later step runs eagerly
+
+    def _keep(self):
+        """Snapshot the state a step writes (a capture's warm-up runs write it); -> restore."""
+        saved = [(t, t.clone()) for t in self._step_state()]
+
+        def restore() -> None:
+            for t, c in saved:
+                t.copy_(c)
+        return restore
+
+    def _step_state(self) -> list[torch.Tensor]:
+        st = self.state
+        out = [st.length, st.pending, st.pending_len, st.remaining, st.step]
+        if st.feat_dim is not None:
+            out.append(st.pending_feats)
+        if self.drafting is not None:
+            out += self.drafting.step_state()
+        return out
+
+    def _device(self, plan: StepPlan, clock: BlockClock | None, **props: torch.Tensor) -> torch.Tensor:
+        """Steps 1-4 on the device, every row at once, and the packed outcomes [R, W] (what the
+        host reads). Reads no host value but ``plan``'s: a CUDA graph can capture it."""
+        st, R, spec = self.state, plan.rows, plan.spec
+        x = self._input(R, self.spec.max_depth, plan.span_draft)
+        drafted: Drafted | None = None
+        p = mf.Proposals(**props) if plan.proposals else None
         if spec is not None and self.drafting is not None:  # 1. draft
             drafted = self.drafting.draft(x, spec)
             tree, is_chain = drafted.tree, spec.is_chain
-            if props is not None:
-                tree = drafted.tree = mf.merged(tree, props)
+            if p is not None:
+                tree = drafted.tree = mf.merged(tree, p)
                 drafted.fed, is_chain = tree.fed, False
                 tree.valid = tree.valid & (tree.depth < x.remaining[:, None])
-        elif props is not None:  # drafting with no model
-            tree, is_chain = mf.alone(x.pending.gather(1, (x.pending_len - 1)[:, None])[:, 0], props, spec.max_depth), False
+        elif p is not None:  # drafting with no model
+            tree, is_chain = mf.alone(x.pending.gather(1, (x.pending_len - 1)[:, None])[:, 0], p, spec.max_depth), False
             tree.valid = tree.valid & (tree.depth < x.remaining[:, None])
         else:
             tree, is_chain = root_only(x), True
-            if self.drafting is not None and self.draft_later and max(r.pending_len for r in self.rows) + 1 > self.width:
+            if plan.catch_up:
                 self.drafting.catch_up(x, st.live[:R])
-                caught_up = True
-        clock.mark()
+        if clock is not None:
+            clock.mark()
 
-        logits, hidden = self._verify_forward(tree, R)  # 2. ONE target forward, [R, N, V]
+        logits, hidden = self._verify_forward(tree, R, plan.span)  # 2. ONE target forward, [R, N, V]
         rs = x.sampling
         N = tree.tokens.shape[1]
         u = rng.uniforms(st.seed[:R], st.step[:R], rng.VERIFY, N + 1) if rs.any_sampling else None
@@ -225,7 +354,6 @@ class Engine:
         n_valid = tree.valid.sum(1) if tree.valid is not None else torch.full_like(n, N)
         if drafted is not None:
             if getattr(self.drafting, "adaptive", None) is not None:  # each view scored on what the target confirmed
-                self.drafting.adaptive.record(R)
                 self.drafting.adapt(x, drafted, path, n, out.next_token, logits, st.live[:R] & (n_valid > 1))
             m = self.drafting.commit(x, drafted, path, n, is_chain, st.live[:R])
         else:
@@ -241,31 +369,9 @@ class Engine:
         st.remaining[:R] -= step_len
         st.step[:R] += live
         tok_path = tree.tokens.gather(1, path)  # [R, D + 1]
-        plain_keep = spec is None and self.drafting is not None and self.draft_later and not caught_up
+        plain_keep = spec is None and self.drafting is not None and self.draft_later and not plan.catch_up
         self._next_pending(x, tok_path, path, n, m, out.next_token, hidden, plain_keep)
-        packed = torch.cat([n[:, None], out.next_token[:, None], m[:, None], n_valid[:, None], tok_path], 1)
-
-        host = packed[:B].tolist()  # 5. the step's ONE host read
-        clock.mark()
-        emitted = []
-        advance = []
-        for b, (row, h) in enumerate(zip(self.rows, host)):
-            n_acc, nxt, kept_m, nv, toks = h[0], h[1], h[2], h[3], h[4:]
-            advance.append((row.pending_len + kept_m) if (drafted is not None or caught_up) else 0)
-            if drafted is not None:
-                row.pending_len = n_acc - kept_m + 1
-            elif spec is None and self.drafting is not None and self.draft_later and not caught_up:
-                row.pending_len += 1
-            else:
-                row.pending_len = 1
-            st.lengths[b] += n_acc + 1
-            if drafted is not None:
-                row.drafted.append(nv > 1)
-            kept = self._emit(row, toks[1:n_acc + 1] + [nxt], n_acc, nv, spec, clock)
-            emitted.append(failed.get(b, kept))
-        if self.drafting is not None and advance:
-            self.drafting.advance(advance)
-        return emitted
+        return torch.cat([n[:, None], out.next_token[:, None], m[:, None], n_valid[:, None], tok_path], 1)
 
     def _emit(self, row: RowHost, tokens: list[int], n_acc: int, n_valid: int, spec, clock) -> list[int]:
         kept = tokens[:row.remaining]
@@ -307,12 +413,9 @@ class Engine:
             at = path.gather(1, (m[:, None] + j).clamp(max=D1 - 1))  # [R, P] tree nodes
             st.pending_feats[:R] = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1])).to(st.feat_dtype)
 
-    def _verify_forward(self, tree: TreeBatch, R: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _verify_forward(self, tree: TreeBatch, R: int, span: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         st = self.state
-        N = tree.tokens.shape[1]
         length = st.length[:R]
-        need = max(st.lengths, default=0) + N
-        span = min(capacity_bucket(need), self.cache.capacity) if self.static else need
         pos = (length + st.pos_offset[:R])[:, None] + tree.depth.clamp_min(0)  # [R, N]
         mask = rows_mask(length, span, tree.anc)
         out = self.forward(write=length, mask=mask, ids=tree.tokens, pos=pos)

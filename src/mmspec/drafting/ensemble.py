@@ -4,7 +4,7 @@ Every view of every request is one row of the draft model's :class:`~mmspec.mode
 request b's views are rows ``b * V .. b * V + V - 1``. Each step feeds every row's pending tokens
 and each depth's tree nodes in ONE forward of the draft model over all rows; each request's rows'
 next-token distributions are mixed with that request's weights (fixed, or adapting after every
-block: :mod:`mmspec.batching.adaptive`), and the mixture is what the request drafts from (and the
+block: :mod:`mmspec.drafting.weights`), and the mixture is what the request drafts from (and the
 q its sampling verification uses). A single view is the ensemble of one.
 
 The draft rows' committed lengths and next positions live in device tensors (``length``,
@@ -20,24 +20,14 @@ from collections.abc import Sequence
 
 import torch
 
-from mmspec.batching.forwards import PromptRow, RowForward, prefill_rows
-from mmspec.batching.trees import Drafted, Drafting, StepInput, drop_duplicates
-from mmspec.graphs import capacity_bucket
-from mmspec.masks import causal, rows_mask
+from mmspec.drafting.trees import Drafted, Drafting, StepInput, drop_duplicates
+from mmspec.engine.forwards import PromptRow, RowForward, prefill_rows
+from mmspec.engine.graphs import capacity_bucket
+from mmspec.engine.masks import causal, rows_mask
 from mmspec.models.base import ModelAdapter
 from mmspec.models.rows import KV, RowCache
-from mmspec.tree import TreeSpec, static_structure
+from mmspec.tree import TreeSpec
 from mmspec.verify import RowSampling, logits_to_probs_rows
-
-
-def inblock_slots(spec: TreeSpec) -> int:
-    """In-block slots a step's tree feeds after the pending tokens (its fed nodes)."""
-    if spec.kind == "chain":
-        return spec.depth - 1
-    if spec.kind == "dynamic":
-        return (spec.depth - 1) * spec.topk
-    parents, _, _ = static_structure(spec.paths)
-    return len(set(parents) - {0})  # the nodes with children (the root is pending, not in-block)
 
 
 class DraftRows:
@@ -102,7 +92,7 @@ class EnsembleDrafting(Drafting):
         n_layers = n_layers or adapter.model.config.get_text_config(decoder=True).num_hidden_layers
         self.rows = DraftRows(n_layers, self.V, adapter.device, static)
         self.weights = self.base_weights.expand(1, self.V).clone()  # [requests, V]
-        self.adaptive = None  # mmspec.batching.adaptive state, when the weights adapt
+        self.adaptive = None  # mmspec.drafting.weights state, when the weights adapt
         cache = self.rows.cache
         self.forward = RowForward(lambda mask, ids, pos: adapter.forward(cache=cache, attention_mask=mask,
                                                                          position_ids=pos, input_ids=ids),
@@ -176,6 +166,13 @@ class EnsembleDrafting(Drafting):
         if self.adaptive is not None:
             self.adaptive.remove(b, last)
 
+    def step_state(self) -> list[torch.Tensor]:
+        out = [self.rows.length, self.rows.position, self.weights]
+        if self.adaptive is not None:
+            a = self.adaptive
+            out += [a.weights, a.kl_sum, a.score, a.hist, a.ptr]
+        return out
+
     def advance(self, delta: list[int]) -> None:
         """Host mirrors after a step's read: request b's rows committed ``delta[b]`` more slots."""
         for b, d in enumerate(delta):
@@ -189,7 +186,7 @@ class EnsembleDrafting(Drafting):
 
     def feed_pending(self, x: StepInput) -> torch.Tensor:
         R, P, dev = x.rows * self.V, x.pending.shape[1], self.adapter.device
-        self._span = self.rows.span(P + inblock_slots(self.spec) + 1)
+        self._span = x.span
         length, position = self.rows.length[:R], self.rows.position[:R]
         ids = self._rep(x.pending)  # [R V, P]
         pos = position[:, None] + torch.arange(P, device=dev)

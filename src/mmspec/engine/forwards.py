@@ -4,7 +4,7 @@ fixed-shape forwards (eager, or one CUDA graph per shape), and the prefill of ne
 :class:`RowForward` runs one model's step forwards (the target's verify forward, a draft round,
 a head round): inputs are device tensors only, the write slots and the 4-D mask among them, so
 every call of one shape ``(rows, new tokens, span)`` runs the same kernels on the same addresses
-and a :class:`~mmspec.graphs.StepRunner` can capture it once and replay it. Growing the cache
+and a :class:`~mmspec.engine.graphs.StepRunner` can capture it once and replay it. Growing the cache
 drops the graphs captured on the old buffer.
 
 :func:`prefill_rows` runs newcomers' prompts (each its own length, right-padded to the longest,
@@ -18,15 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
-from mmspec.graphs import StepRunner
-from mmspec.masks import causal, rows_mask
+from mmspec.engine.graphs import StepRunner
+from mmspec.engine.masks import causal, rows_mask
 from mmspec.models.rows import RowCache
 
 
 class RowForward:
     """``self(write=[R], mask=[R, 1, n, span], **inputs)`` -> ``fn(mask=mask, **inputs)`` after
     the cache is told where the rows write (module docstring); ``mode``: a
-    :data:`~mmspec.graphs.MODES` entry."""
+    :data:`~mmspec.engine.graphs.MODES` entry."""
 
     def __init__(self, fn: Callable[..., object], cache: RowCache, mode: str = "eager", name: str = "model",
                  pool=None):

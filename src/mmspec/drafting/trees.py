@@ -30,6 +30,16 @@ from mmspec.verify import RowSampling, sample
 NEG = float("-inf")
 
 
+def inblock_slots(spec: TreeSpec) -> int:
+    """In-block slots a step's tree feeds after the pending tokens (its fed nodes)."""
+    if spec.kind == "chain":
+        return spec.depth - 1
+    if spec.kind == "dynamic":
+        return (spec.depth - 1) * spec.topk
+    parents, _, _ = static_structure(spec.paths)
+    return len(set(parents) - {0})  # the nodes with children (the root is pending, not in-block)
+
+
 @dataclass
 class StepInput:
     """What a step's drafting reads of the batch (all device tensors over the step's R rows)."""
@@ -41,6 +51,7 @@ class StepInput:
     sampling: RowSampling  # [R]
     u: torch.Tensor | None  # [R, >= depth] the drafter's uniforms (None: no row samples)
     feats: torch.Tensor | None = None  # [R, P, F] a head's target features before the pending tokens
+    span: int = 0  # draft slots the step's forwards attend over (the host's choice: StepPlan)
 
 
 @dataclass
@@ -112,14 +123,23 @@ class Drafting:
         """[R, F] the argmax child where that needs no distribution (one view), else None."""
         return None
 
-    def begin(self, x: StepInput, n_nodes: int) -> None:
-        """Called before a step drafts up to ``n_nodes`` nodes a row (a head sizes a buffer)."""
+    def begin(self, rows: int, n_nodes: int) -> None:
+        """Called by the host before a step drafts up to ``n_nodes`` nodes for each of ``rows``
+        rows (a head sizes a buffer here: never inside the step, whose graph keeps its addresses)."""
+
+    def span_for(self, spec: TreeSpec | None, width: int) -> int:
+        """Draft slots a step of ``spec`` (None: a catch-up feed) attends over: every row's
+        committed ones, its pending tokens (``width`` at most) and the tree's fed nodes."""
+        return self.rows.span(width + (inblock_slots(spec) if spec is not None else 0) + 1)
+
+    def step_state(self) -> list[torch.Tensor]:
+        """The tensors a step writes (restored after a capture's warm-up runs)."""
+        return [self.rows.length, self.rows.position]
 
     # ------------------------------------------------------------------ a step's tree
     def draft(self, x: StepInput, spec: TreeSpec) -> Drafted:
         """Feed the pending tokens, then draft ``spec`` (the decoder's tree, cut to the step's
         depth) for every row."""
-        self.begin(x, 1 + spec.n_generated)
         logits = self.feed_pending(x)
         root = x.pending.gather(1, (x.pending_len - 1)[:, None])  # [R, 1]
         if spec.kind == "chain":

@@ -116,12 +116,14 @@ class StepRunner:
     :class:`~mmspec.models.ragged.RaggedCache`'s: its rows' lengths are the engine's to set)."""
 
     def __init__(self, fn: Callable[..., object], cache, mode: str = "eager", name: str = "model",
-                 warmup: int = 2, pool=None):
+                 warmup: int = 2, pool=None, keep: Callable[[], Callable[[], None]] | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.fn, self.cache, self.mode, self.name = fn, cache, mode, name
         self.warmup = warmup
         self.pool = pool if pool is not None else GraphPool(mode)
+        self.keep = keep  # snapshots the state fn writes (a whole step); -> the function that restores it
+        self.on_failure: Callable[[str], None] | None = None
         self.graphs: dict[tuple, _Graph] = {}
         self.failed: str | None = None  # why capture was given up, if it was
         self.capture_s = 0.0  # time spent warming up and capturing (first calls of each shape)
@@ -137,6 +139,8 @@ class StepRunner:
                 g = self._capture(inputs)
             except Exception as e:  # noqa: BLE001 - any capture failure: say it once, run eagerly
                 self.failed = f"{type(e).__name__}: {str(e)[:200]}"
+                if self.on_failure is not None:
+                    self.on_failure(self.failed)
                 warnings.warn(f"mmspec: could not capture the {self.name}'s decode step as a CUDA graph "
                               f"({self.failed}); running it eagerly instead (same tokens, slower)",
                               RuntimeWarning, stacklevel=2)
@@ -179,6 +183,7 @@ class StepRunner:
         it run, the device cursor), which the eager fallback must not inherit."""
         g = _Graph(inputs={k: v.clone() for k, v in inputs.items()})
         start = None if self.cache is None else self.cache.length
+        restore = self.keep() if self.keep is not None else None
         try:
             if self.mode == "emulate":  # the CPU stand-in: the capture's one run of the Python side
                 self.pool.acquire()
@@ -193,6 +198,8 @@ class StepRunner:
         finally:
             if self.cache is not None:
                 self.cache.set_length(start)  # every layer's host length and the device cursor
+            if restore is not None:  # the capture's runs wrote state the replay writes again
+                restore()
         return g
 
     def _capture_cuda(self, buffers: dict[str, torch.Tensor], start: int) -> tuple[object, object]:
@@ -202,9 +209,12 @@ class StepRunner:
         try:
             with torch.cuda.stream(side):
                 for _ in range(self.warmup):  # kernels choose their algorithms outside the capture
+                    restore = self.keep() if self.keep is not None else None
                     self.fn(**buffers)
                     if self.cache is not None:
                         self.cache.set_length(start)
+                    if restore is not None:
+                        restore()
         finally:  # the eager fallback must not race a warm-up that is still running on the side stream
             torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
