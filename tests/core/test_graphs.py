@@ -156,23 +156,42 @@ def test_cuda_graphs_match_target_on_gpu(kw, method, tok):
 
 
 @cuda
-def test_one_host_sync_per_block_on_gpu(tok):
+@pytest.mark.parametrize("kw, n_requests", [(dict(tree="dynamic"), 1), (dict(temperature=0.8), 4)],
+                         ids=["greedy tree, one request", "sampling chain, a batch"])
+def test_one_host_sync_per_step_on_gpu(tok, monkeypatch, kw, n_requests):
+    """On a GPU every engine step (its graph's replay) synchronises with the host exactly once:
+    its packed read. Counted by CUDA's sync debug mode around each step (admission, prefills and
+    the results' timing read values outside the steps)."""
+    from mmspec.engine.step import Engine
+
     target = make_llava(0, dtype=torch.float32).cuda()
     draft = noisy_copy(target, 1)
-    ids, pv = make_prompt(1, 16, seed=3)
-    ids, pv = ids.cuda(), pv.float().cuda()
-    dec = SpecDecoder(target, draft, tok, views="M", tree="dynamic", cuda_graphs=True)
-    dec.generate(ids, pv, max_new_tokens=32)  # captures
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            res = dec.generate(ids, pv, max_new_tokens=32)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    # the prefill and the input checks read a few values; every block reads its packed outcome once
-    assert len(syncs) <= res.stats.n_blocks + 8, [str(w.message)[:120] for w in syncs]
+    temperature = kw.pop("temperature", 0.0)
+    dec = SpecDecoder(target, draft, tok, views="M", cuda_graphs=True, **kw)
+    reqs = []
+    for i in range(n_requests):
+        ids, pv = make_prompt(1, 16, seed=3 + i)
+        reqs.append(dict(input_ids=ids.cuda(), pixel_values=pv.float().cuda(), max_new_tokens=32,
+                         temperature=temperature, seed=i))
+    dec.generate_batch(reqs)  # captures
+    counts = []
+    orig = Engine.step
+
+    def counted(self, *a, **k):
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = orig(self, *a, **k)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        counts.append(sum("synchroniz" in str(w.message) for w in caught))
+        return out
+
+    monkeypatch.setattr(Engine, "step", counted)
+    dec.generate_batch(reqs)
+    assert counts and all(c == 1 for c in counts), counts
+    assert not engine_of(dec).graphs_failed
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(tree="dynamic")])
