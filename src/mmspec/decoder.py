@@ -470,13 +470,13 @@ class SpecDecoder:
         extra = self.tree.n_nodes if self.model_free and not self.model_free_alone else 0  # branches added beside a draft
         return max_new_tokens + self.tree.n_nodes + extra + 1
 
-    def _proposer(self, ids: torch.Tensor, enc: EncodedPrompt, captions):
+    def _proposer(self, ids: torch.Tensor, enc: EncodedPrompt, captions, sampled: bool = False):
         """A model-free proposer for one request, fed its text before the pending last token:
         the captions (the caption view's, else ``captions=``), then the prompt."""
         caps = enc.caption_ids
         if caps is None and captions:
             caps = [self.tokenizer.encode(" " + c.strip(), add_special_tokens=False) for c in captions]
-        proposer = proposer_for(self.model_free, self.lookup, self.suffix_store)
+        proposer = proposer_for(self.model_free, self.lookup, self.suffix_store, sampled)
         proposer.begin(history(ids, self.target.placeholders(), caps))
         return proposer
 
@@ -555,11 +555,13 @@ class SpecDecoder:
 
         return self._static_pool.lease("engine", holder, make) if self.static else make()
 
-    def proposer_for_request(self, prompt: EncodedRequest):
-        """A model-free drafter's proposer for one admitted request (None without lookup / suffix)."""
+    def proposer_for_request(self, prompt: EncodedRequest, sampled: bool = False):
+        """A model-free drafter's proposer for one admitted request (None without lookup / suffix);
+        ``sampled``: the request samples (its suffix proposals: its own text alone, so that its
+        seed reproduces it: :func:`mmspec.lookup.proposer_for`)."""
         if not self.model_free:
             return None
-        return self._proposer(prompt.ids, prompt.encoded, prompt.captions)
+        return self._proposer(prompt.ids, prompt.encoded, prompt.captions, sampled)
 
     def check_draft_context(self, view: View, row_len: int, max_new_tokens: int) -> None:
         self._check_draft_context(view, row_len, max_new_tokens)

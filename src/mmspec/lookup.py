@@ -272,9 +272,10 @@ class SuffixDecoding:
     """Suffix decoding for one request: its own trie (prompt, captions, answer so far) and the
     decoder's :class:`SuffixStore` of earlier requests (module docstring)."""
 
-    def __init__(self, cfg: LookupConfig, store: SuffixStore) -> None:
+    def __init__(self, cfg: LookupConfig, store: SuffixStore, shared: bool = True) -> None:
         self.cfg = cfg
         self.store = store
+        self.shared = shared  # search the decoder's store of earlier requests too (False: this request's text only)
         self.local = SuffixTrie(cfg.suffix_depth)
         self.hist: list[int] = []
         self.answer_start = 0
@@ -292,7 +293,7 @@ class SuffixDecoding:
     def propose(self, depth: int) -> tuple[Node | None, float]:
         ctx = self.hist[-(self.cfg.suffix_depth - 1):]
         best, best_score = None, 0.0
-        for trie in (self.local, self.store.trie):
+        for trie in (self.local, self.store.trie) if self.shared else (self.local,):
             node, k = trie.match(ctx)
             if node is None:
                 continue
@@ -438,9 +439,13 @@ def history(prompt_ids: torch.Tensor, placeholders: Iterable[int], captions: Seq
     return out
 
 
-def proposer_for(kind: str, cfg: LookupConfig, store: SuffixStore | None):
+def proposer_for(kind: str, cfg: LookupConfig, store: SuffixStore | None, sampled: bool = False):
+    """A request's proposer. ``sampled``: the request samples, so its suffix proposals come from
+    its own text alone: a sampled answer then depends on its request and seed only (the trees
+    verified, and so the draws they consume, never on what earlier requests left in the store);
+    a greedy answer is the target's whatever the proposals, and searches the store too."""
     if kind == "lookup":
         return PromptLookup(cfg)
     if store is None:
         raise RuntimeError("suffix decoding needs the decoder's SuffixStore")
-    return SuffixDecoding(cfg, store)
+    return SuffixDecoding(cfg, store, shared=not sampled)

@@ -301,3 +301,23 @@ def test_generate_batch_equals_target(target, draft_shared, tok, method):
         assert res.token_ids == reference(target, ids, pv, 20)
     if dec.suffix_store is not None:
         assert len(dec.suffix_store.requests) == 3
+
+
+@pytest.mark.parametrize("alongside", [False, True], ids=["suffix alone", "M + suffix"])
+def test_a_seed_reproduces_a_sampled_answer_with_suffix_decoding(target, draft_shared, tok, alongside):
+    """Issue 51 (a user's report): the same request with the same seed, four times, with suffix
+    decoding, gave different answers, because each finished request joins the decoder's suffix
+    store and the next one's trees (and so the draws they consume) changed. A sampled request's
+    suffix proposals now come from its own text: the seed alone decides its answer, in a batch
+    too. Greedy requests still search the store (their answer is the target's whatever it holds)."""
+    draft = draft_shared if alongside else "suffix"
+    kw = dict(model_free="suffix") if alongside else {}
+    dec = SpecDecoder(target, draft, tok, gamma=4, **kw)
+    ids, pv = make_prompt(1, 16, seed=77)
+    runs = [dec.generate(ids, pv, max_new_tokens=24, temperature=0.9, seed=11).token_ids for _ in range(4)]
+    assert len(dec.suffix_store.trie.root.kids) > 0  # the store did fill up between the runs
+    assert all(r == runs[0] for r in runs), runs
+    batch = dec.generate_batch([dict(input_ids=ids, pixel_values=pv, max_new_tokens=24, temperature=0.9, seed=11),
+                                dict(input_ids=make_prompt(1, 16, seed=78)[0], pixel_values=pv, max_new_tokens=24,
+                                     temperature=0.9, seed=5)])
+    assert batch[0].token_ids == runs[0]

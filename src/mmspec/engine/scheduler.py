@@ -261,7 +261,7 @@ class BatchScheduler:
             if ad.error is not None:
                 events.append(StepEvent(rid, [], "", True, None, error=_message(ad.error), exception=ad.error))
                 continue
-            a = _Active(rid, req, ad.prompt, t_submit, TextDelta(dec.tokenizer), proposer=dec.proposer_for_request(ad.prompt))
+            a = _Active(rid, req, ad.prompt, t_submit, TextDelta(dec.tokenizer), proposer=dec.proposer_for_request(ad.prompt, not req.params.greedy))
             self._active.append(a)  # row ad.row of the engine
         if self.max_batch > 1:  # the prompt, for a request in the same batch that extends it (generate: none)
             for b in range(len(self._active) - sum(1 for ad in admitted if ad.error is None), len(self._active)):
