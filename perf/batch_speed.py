@@ -241,7 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         kw = ENGINES[engine]
         if engine == "graphs" and em.target.device.type != "cuda":
             kw = {"cuda_graphs": "emulate"}
-        dec = mmspec.SpecDecoder(em.target, em.draft, em.tokenizer, views=args.views, **kw)
+        # no prefix cache: each system prefills its prompts as the target's batched generate does
+        dec = mmspec.SpecDecoder(em.target, em.draft, em.tokenizer, views=args.views, prefix_cache_mb=0, **kw)
         dec.options = type(dec.options)(**{**dec.options.__dict__, "eos_ids": frozenset()})
         decs[engine] = dec
     dec = decs[args.engine[0]]

@@ -1,10 +1,12 @@
-"""The public entry point: :class:`SpecDecoder` checks its inputs, prepares the draft views and
-prefills both models, then hands the loop to :func:`mmspec.engine.run_loop` (one request) or
-:mod:`mmspec.batch` (many: the same :class:`~mmspec.engine.Engine` step).
+"""The public entry point: :class:`SpecDecoder` loads and checks its models and inputs and
+prepares each request's prompt (its images encoded, its draft rows, the prefix cache matched,
+the target's prefill inputs); every decode, one request (``generate``, ``stream``) or many
+(``generate_batch``, ``mmspec serve``), runs on the one engine (:mod:`mmspec.engine`: a request is
+a row of :class:`~mmspec.engine.step.Engine`, ``generate`` a batch of one).
 
 Owns the keyword API and its grouping into typed settings (:class:`~mmspec.options.EngineOptions`,
-:class:`~mmspec.options.AcceptanceConfig`, :class:`~mmspec.options.EngineMode`), the static
-caches kept across calls (:class:`~mmspec.engine.graphs.StaticPool`) and both prefills. The prompt's
+:class:`~mmspec.options.AcceptanceConfig`, :class:`~mmspec.options.EngineMode`) and the engine it
+keeps across calls with static shapes (:class:`~mmspec.engine.graphs.StaticPool`). The prompt's
 images, captions and draft rows are :class:`~mmspec.multimodal.MultimodalPrompt`'s; the checks
 of the arguments are :mod:`mmspec.checks`', gathered per request by :func:`mmspec.request.prepare`.
 

@@ -1,5 +1,5 @@
 """The decoding loop's typed settings: what :class:`mmspec.SpecDecoder` checks once from its
-keywords and :func:`mmspec.engine.run_loop` receives, so the engine never sees a loose parameter.
+keywords and hands to the engine (:mod:`mmspec.engine`), so the engine never sees a loose parameter.
 
 * :class:`AcceptanceConfig`: exact (lossless, the default) or relaxed acceptance; the relaxed
   thresholds live in :class:`RelaxedAcceptance` (LOSSY, opt-in).
@@ -95,7 +95,7 @@ def _two_probabilities(thresholds) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """How :func:`mmspec.engine.run_loop` decodes: fixed per decoder (tree, EOS ids, acceptance),
+    """How the engine decodes: fixed per decoder (tree, EOS ids, acceptance),
     completed per call (``max_new_tokens``, ``sampling``; the prompt's acceptance)."""
 
     tree: TreeSpec  # the block's shape: a chain of gamma drafts is a tree with one branch

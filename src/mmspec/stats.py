@@ -19,8 +19,8 @@ class BlockRecord:
     n_drafted: int  # draft tokens proposed: tree nodes, root excluded (a chain: gamma, fewer near the end)
     n_accepted: int  # draft tokens accepted by verification (the depth of the accepted path)
     n_emitted: int  # tokens appended to the output by this block (after any EOS / limit cut)
-    draft_s: float = 0.0  # wall time of the draft forwards of this block
-    verify_s: float = 0.0  # wall time of the target forward + acceptance maths
+    draft_s: float = 0.0  # the block's step: its drafting (eager) or its whole graph's replay (CUDA graphs)
+    verify_s: float = 0.0  # the rest of the step: target forward + acceptance (eager) or the one host read (graphs)
     depth: int | None = None  # the deepest draft position of the block; None: n_drafted (a chain)
 
     @property

@@ -39,14 +39,15 @@ from mmspec.errors import MMSpecError
 KINDS = ("chain", "static", "dynamic")
 CHILDREN = ("mixture", "views")
 
-# Dynamic-tree defaults per device type (depth, topk, budget). CPU: the best tokens/s of the
-# budget sweep in docs/perf.md §8 (perf/tree_sweep.py on the embedded pack, 2026-11-25: tau
-# 8.17 against the chain's 4.45; a CPU verify over many nodes is not free, so tokens/s gains
-# stay small). CUDA: not measured yet (no GPU was lent); EAGLE-2's order of magnitude, since on
-# a GPU extra tree tokens are nearly free (T_V(8)/T_p ~ 1.2 at 7B shapes, docs/perf.md §5).
+# Dynamic-tree defaults per device type (depth, topk, budget): the best tokens/s of the budget sweep
+# on each (perf/tree_sweep.py on the embedded pack). CPU (2026-11-25, docs/perf.md §8): tau 8.17
+# against the chain's 4.45, a CPU verify over many nodes is not free, so gains stay small. CUDA
+# (one H200, 2026-11-28, docs/results/gpu-2026-11-28/): 6x4x24, tau 5.94 at 0.98x the chain's
+# tokens/s, the best of nine shapes (6x8x48, the old guess, 0.66x): on a model this small the verify
+# forward is not memory-bound, so a tree does not pay there; the chain stays the default.
 DYNAMIC_DEFAULTS: dict[str, tuple[int, int, int]] = {
     "cpu": (9, 3, 24),
-    "cuda": (6, 8, 48),
+    "cuda": (6, 4, 24),
 }
 
 
