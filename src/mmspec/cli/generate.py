@@ -98,19 +98,13 @@ def check_loaded_head(o, dec) -> None:
     (:func:`mmspec.heads.check.calibrate`) and says what it measured; near τ 1, why."""
     if o.head is None or not o.check_head:
         return
-    from mmspec.cli.checks import model_type_of
     from mmspec.heads.check import calibrate
 
-    if o.target is not None and model_type_of(o.target) != "llava":
-        common.err_console.print("head check skipped: its prompts (the world's) are in LLaVA-1.5's format; run mmspec "
-                                 "check head DIR --target T --prompts FILE with prompts in this target's format",
-                                 markup=False, highlight=False)
-        return
     try:
-        report = calibrate(dec)
-    except MMSpecError as e:  # the world's LLaVA-format prompts do not fit every family's processor
+        report = calibrate(dec)  # the world's questions, framed by the target's own chat template
+    except MMSpecError as e:  # a processor or template that cannot take the world's pictures and questions
         common.err_console.print(f"head check skipped ({e}); run mmspec check head DIR --target T --prompts FILE "
-                                 "with prompts in this target's format", markup=False, highlight=False)
+                                 "with prompts of your own", markup=False, highlight=False)
         return
     for line in report.lines():
         (common.err_console if report.warnings else common.console).print(

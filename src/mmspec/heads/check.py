@@ -70,14 +70,18 @@ class HeadReport:
 
 # --------------------------------------------------------------------------- prompts
 def world_prompts(n: int = 4) -> list[CalibrationPrompt]:
-    """``n`` test-split samples of the embedded world, one family each (1, 2 and 5 images)."""
+    """``n`` test-split samples of the embedded world, one family each (1, 2 and 5 images): each
+    one's question without LLaVA-1.5's ``USER: ... ASSISTANT:`` frame, so that every target frames
+    it its own way (:func:`mmspec.inputs.chat_prompt`: its chat template; the embedded target's
+    frame gives the world's prompt back exactly)."""
     from mmspec.world import make_sample
 
     fams = ("chartqa", "spot_the_diff", "textvqa", "pororosv", "vqav2", "iedit")
     out = []
     for i in range(n):
         s = make_sample(fams[i % len(fams)], "test", i // len(fams))
-        out.append(CalibrationPrompt(s.prompt, tuple(s.images)))
+        question = s.prompt.strip().removeprefix("USER:").removesuffix("ASSISTANT:").strip()
+        out.append(CalibrationPrompt(question, tuple(s.images)))
     return out
 
 
@@ -140,16 +144,27 @@ def layers_source(head) -> str:
     return "recorded in mmspec_head.json at training"
 
 
-def _run(dec, prompts, max_new_tokens: int):
-    from mmspec.inputs import load_images, processor_inputs
+def prompt_inputs(dec, cp: CalibrationPrompt) -> tuple[dict, list]:
+    """One calibration prompt -> (the target processor's WHOLE output on the target's device, the
+    PIL images): whatever the target's family reads (LLaVA-NeXT's ``image_sizes``, Qwen's
+    ``image_grid_thw``, ...) goes to the decode and to the feature forward alike. The text is framed
+    as ``mmspec generate`` frames ``--prompt`` (the chat template; a prompt starting ``USER:`` as written)."""
+    from mmspec.inputs import chat_prompt, load_images, processor_inputs, to_target
 
+    images = load_images(list(cp.images)) if cp.images and isinstance(cp.images[0], str) else list(cp.images)
+    if cp.inputs is not None:
+        inputs = cp.inputs
+    else:
+        inputs = processor_inputs(dec.processor, chat_prompt(dec.processor, cp.prompt, len(images)), images)
+    return to_target(inputs, dec.target.device, dec.target_model.dtype), images
+
+
+def _run(dec, prompts, max_new_tokens: int):
     blocks: list[int] = []
     scale = []
     for cp in prompts:
-        images = load_images(list(cp.images)) if cp.images and isinstance(cp.images[0], str) else list(cp.images)
-        inputs = cp.inputs if cp.inputs is not None else processor_inputs(dec.processor, cp.prompt, images)
-        res = dec.generate(inputs["input_ids"], inputs.get("pixel_values"), inputs.get("attention_mask"),
-                           max_new_tokens=max_new_tokens, images=images or None)
+        inputs, images = prompt_inputs(dec, cp)
+        res = dec.generate(**inputs, max_new_tokens=max_new_tokens, images=images or None)
         blocks += list(res.stats.tokens_per_block)
         s = _feature_scale(dec, inputs)
         if s is not None:
@@ -159,13 +174,13 @@ def _run(dec, prompts, max_new_tokens: int):
 
 def _feature_scale(dec, inputs) -> float | None:
     """RMS of the head's prediction of the target's next feature, over the true feature's, on the
-    prompt's last text positions (eagle / msd: both in the target's final-state space)."""
+    prompt's last text positions (eagle / msd: both in the target's final-state space). The
+    target's forward gets every input its family reads."""
     head = dec.head
     if head.config.layer == "eagle3" or len(head.config.feature_layers) != 1:
         return None
     with torch.inference_mode():
-        out = dec.target_model(**{k: v for k, v in inputs.items() if k in ("input_ids", "pixel_values", "attention_mask")},
-                               output_hidden_states=True)
+        out = dec.target_model(**inputs, output_hidden_states=True)
         layer = head.config.feature_layers[0]
         hs = out.hidden_states[-1] if layer == -1 else out.hidden_states[layer + 1]  # [1, L, H]; [-1]: post-norm
         ids = inputs["input_ids"][0]
