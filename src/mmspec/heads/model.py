@@ -217,6 +217,7 @@ class FeatureHead(nn.Module):
         from transformers import LlamaModel
 
         self.config = cfg
+        self.path: Path | None = None  # the directory it was loaded from (None: made or held in memory)
         H = cfg.hidden_size
         lcfg = llama_config(cfg)
         self.decoder = LlamaModel(lcfg)
@@ -421,6 +422,7 @@ def load_saved_head(path: str | Path, target=None) -> FeatureHead:
     if missing or unexpected:
         raise MMSpecError(f"the head in '{path}' does not match its config (missing {missing[:3]}, "
                           f"unexpected {unexpected[:3]}); re-save it with this mmspec version")
+    head.path = path
     if target is not None:
         check_head_fits(head, target)
         from mmspec.models.base import ModelAdapter, adapter_for
