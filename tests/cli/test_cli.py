@@ -247,3 +247,19 @@ def test_generate_prints_prompt_and_answer_literally(checkpoints):
                "--prompt", "USER: <image> [INST] w5 [/INST] ASSISTANT:", "--max-new-tokens", "4", "--dtype", "float64")
     assert r.exit_code == 0, r.output
     assert "[INST] w5 [/INST]" in r.output
+
+
+def test_help_texts_point_the_right_way():
+    """Issue 53's words that pointed the wrong way: serve has a key now; demo has no -m; bench's and
+    demo's methods include the model-free drafts."""
+    def help_of(*args):
+        r = CliRunner().invoke(app, [*args, "--help"], env={"COLUMNS": "200"})
+        assert r.exit_code == 0, r.output
+        return " ".join(r.output.replace("│", " ").split())
+
+    serve = help_of("serve")
+    assert "no authentication" not in serve and "--api-key" in serve
+    demo = help_of("demo")
+    assert "-m M,eagle" not in demo and "--methods M,eagle,eagle+tree --head eagle=DIR" in demo
+    for text in (demo, help_of("bench", "run")):
+        assert "lookup / suffix" in text and "M+suffix" in text

@@ -274,9 +274,18 @@ def test_a_request_that_fails_alone_or_a_failing_step_spare_the_rest(app_server)
 
 
 def test_unknown_routes_get_openai_style_errors(app_server):
+    """A client's mistake is a 4xx of OpenAI's invalid_request_error (404: not_found_error), never
+    server_error; a 404 lists every route, /v1/completions included, and a 405 names the method."""
     url, _, _ = app_server
     r = httpx.get(url + "/v1/completions", timeout=10)
-    assert r.status_code in (404, 405) and "POST /v1/chat/completions" in r.json()["error"]["message"]
+    error = r.json()["error"]
+    assert r.status_code == 405 and error["type"] == "invalid_request_error", error
+    assert "GET /v1/completions (/v1/completions takes POST)" in error["message"], error
+    r = httpx.get(url + "/v1/nosuch", timeout=10)
+    error = r.json()["error"]
+    assert r.status_code == 404 and error["type"] == "not_found_error"
+    for route in ("POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /health"):
+        assert route in error["message"], (route, error)
 
 
 def test_serve_without_the_extra_is_one_line(monkeypatch):

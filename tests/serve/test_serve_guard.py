@@ -191,6 +191,9 @@ def test_bodies_past_the_limit_are_413_while_they_arrive(decoder):
             head = head.decode()
         assert head.startswith("HTTP/1.1 413") and "refused while it arrived" in head, head
         assert sched.submitted == 0 and post(url, ask()).status_code == 200
+        text = httpx.get(url + "/metrics").text
+    lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    assert float(lines['mmspec_requests_total{outcome="too_large"}']) == 2  # the declared one and the chunked one
 
 
 @pytest.mark.parametrize("headers, status, phrase", [

@@ -244,6 +244,7 @@ BAD = [
     (["train", "video", "--eval-samples", "0"], r"--eval-samples must be >= 1"),
     # train align
     (["train", "align", "--draft", "{D}", "--samples", "0"], r"--samples must be >= 1"),
+    (["train", "align", "--draft", "{D}", "--n-tokens", "7"], r"--n-tokens 7: .*8x8 patch grid.*64, 16, 4, 1"),
     (["train", "align", "--draft", "{D}", "--steps", "0"], r"--steps must be a whole number >= 1"),
     (["train", "align", "--draft", "{D}", "--minutes", "-1"], r"--minutes must be a finite number > 0"),
     (["train", "align", "--draft", "{tmp}/nope"], r"--draft .*nope not found"),

@@ -62,7 +62,7 @@ def _factory(spec: str):
 @bench_app.command("run")
 def run_command(
     out: Path = typer.Option(Path("bench_results"), "--out", "-o", help="Results directory (resumable)."),
-    method: list[str] | None = typer.Option(None, "--method", "-m", help=f"Drafting method(s), repeat or comma-separate: views (M, MTC, ...) or a head variant (eagle, eagle3, msd), then in any order +tree, +tree:DEPTHxTOPKxBUDGET (6x4x16), +tree:[[0],[1]] (README, \"Token trees\"), +relaxed (lossy). Default: {','.join(DEFAULT_METHODS)}."),  # noqa: B008 (a help text, built once)
+    method: list[str] | None = typer.Option(None, "--method", "-m", help=f"Drafting method(s), repeat or comma-separate: views (M, MTC, ...), a head variant (eagle, eagle3, msd), or lookup / suffix (no draft model: prompt lookup, suffix decoding; beside views or a head: M+suffix, eagle+lookup), then in any order +tree, +tree:DEPTHxTOPKxBUDGET (6x4x16), +tree:[[0],[1]] (README, \"Token trees\"), +relaxed (lossy). Default: {','.join(DEFAULT_METHODS)}."),  # noqa: B008 (a help text, built once)
     dataset: list[str] | None = typer.Option(None, "--dataset", "-d", help="NAME (embedded world) or NAME=PATH[:SPLIT] (real benchmark: a parquet file, a directory of parquet files such as a hub snapshot, of which only SPLIT's files are read, or a save_to_disk dir; SPLIT defaults to the benchmark's own: chartqa test, textvqa and vqav2 validation, hallusionbench image, the interleave tasks test; relative image paths in it are read from its directory, then the working directory). Repeat or comma-separate. Default: the 8 IbED families, embedded."),
     n_samples: int = typer.Option(100, "--n-samples", "-n", help="Samples per dataset."),
     gamma: int = typer.Option(5, help="Draft tokens per block."),

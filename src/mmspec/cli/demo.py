@@ -16,8 +16,9 @@ from mmspec.errors import MMSpecError
 
 def demo(
     methods: str = typer.Option("M,T,C,P,MT,MTC,MTCP,M+tree", help="Drafting methods to compare, comma-separated, "
-                                "as bench's -m (+tree: a dynamic token tree, e.g. M+tree, MTC+tree:6x4x16; "
-                                "README, \"Token trees\")."),
+                                "as bench's -m: views (M, MTC, ...), a head variant (eagle, eagle3, msd), or lookup / "
+                                "suffix (no draft model; M+suffix: beside the views); +tree: a dynamic token tree, "
+                                "e.g. M+tree, MTC+tree:6x4x16, suffix+tree (README, \"Token trees\")."),
     families: str = typer.Option("chartqa,textvqa,spot_the_diff,pororosv", help="World families (1, 2 and 5 images)."),
     max_new_tokens: int = typer.Option(64),
     gamma: int = typer.Option(5),
@@ -26,7 +27,7 @@ def demo(
     threads: int | None = typer.Option(None, help="CPU threads for torch (default: torch's choice)."),
     head: list[str] | None = typer.Option(None, "--head", help="VARIANT=DIR: a feature-level head (mmspec's, "
                                           "EAGLE-1/2, EAGLE-3 or speculators) for a head method in --methods "
-                                          "(e.g. -m M,eagle,eagle+tree --head eagle=DIR)."),
+                                          "(e.g. --methods M,eagle,eagle+tree --head eagle=DIR)."),
 ):
     """Run every drafting method on a few synthetic-world samples with the embedded models.
 

@@ -19,15 +19,15 @@ from mmspec.cli import common
 from mmspec.cli.common import fail
 from mmspec.cli.generate import CAPTIONER, CHECK_HEAD, DRAFT, HEAD, LOOKUP_OPTIONS, MODEL_FREE, TARGET, WORLD_WORDING
 from mmspec.errors import MMSpecError
-from mmspec.serve.guard import default_hosts
+from mmspec.serve.guard import check_origins, default_hosts
 
 EMBEDDED_NAME = "mmspec-embedded"
 SPECULATE = ("always", "never", "auto")  # mmspec.batch.SPECULATE (not imported: it loads torch)
 
 
 def serve(
-    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface; the server has "
-                             "no authentication)."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface; give it an "
+                             "--api-key, and --allowed-hosts, before others can reach it)."),
     port: int = typer.Option(8000, help="TCP port."),
     target: str | None = TARGET,
     draft: str | None = DRAFT,
@@ -114,6 +114,7 @@ def serve(
         if api_key is not None and not api_key.strip():
             raise MMSpecError("--api-key (or MMSPEC_API_KEY) is empty; give a key, or leave it unset for no key")
         hosts = None if "*" in allowed_hosts else (list(allowed_hosts) or default_hosts(host))
+        check_origins(cors_origins)
         _check_extra(metrics)
         sock = _bind(host, port)  # the port is ours before minutes of loading, or refused now
     except MMSpecError as e:
