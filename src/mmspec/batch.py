@@ -54,12 +54,11 @@ from mmspec.engine import Engine, Row
 from mmspec.errors import MMSpecError
 from mmspec.forwards import DraftForwards, RaggedRows
 from mmspec.models.ragged import RaggedCache, RowGroup
+from mmspec.options import SPECULATE
 from mmspec.prefix_cache import make_entry
 from mmspec.request import Request, prepare
 from mmspec.results import GenerationResult
 from mmspec.streaming import TextDelta
-
-SPECULATE = ("always", "never", "auto")
 
 
 @dataclass
@@ -211,12 +210,15 @@ class BatchScheduler:
         self._next_rid = 0
 
     # ------------------------------------------------------------------ the API
-    def submit(self, request: dict, **defaults) -> int:
-        """Check the request now (MMSpecError), queue it; returns its id."""
-        if not isinstance(request, dict):
+    def submit(self, request: dict | Request, **defaults) -> int:
+        """Check the request now (MMSpecError), queue it; returns its id. A :class:`~mmspec.request.Request`
+        already checked by :func:`~mmspec.request.prepare` (``mmspec serve``'s) is queued as it is."""
+        if not isinstance(request, dict | Request):
             raise MMSpecError(f"a request is a dict of generate()'s arguments (input_ids, pixel_values, ...), "
                               f"got {type(request).__name__}")
-        req = prepare(self.decoder, request, defaults)
+        if isinstance(request, Request) and defaults:
+            raise MMSpecError(f"{sorted(defaults)} given with a prepared Request; set them when preparing it")
+        req = request if isinstance(request, Request) else prepare(self.decoder, request, defaults)
         rid = self._next_rid
         self._next_rid += 1
         self._queue.append((rid, req, time.perf_counter()))
