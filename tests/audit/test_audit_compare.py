@@ -78,13 +78,14 @@ def test_world_requests_frame_as_the_world_prompt():
     from mmspec.embedded import load_embedded
     from mmspec.inputs import chat_prompt
     from mmspec.serve.messages import build_prompt
+    from mmspec.serve.protocol import parse_messages
     from mmspec.world import iter_all
 
     reqs = world_requests(8, max_tokens=16)
     e = load_embedded()
     for r, s in zip(reqs, iter_all("test", 1)):
         assert r.id == s.uid and r.body["max_tokens"] == 16
-        got = build_prompt(e.processor, e.tokenizer, r.body["messages"])
+        got = build_prompt(e.processor, e.tokenizer, parse_messages(r.body["messages"]))
         assert got == chat_prompt(e.processor, s.prompt, len(s.images)), s.uid
 
 

@@ -114,6 +114,13 @@ class Event:
     error: str | None = None
 
 
+@dataclass
+class Asked:
+    """What these scheduler doubles read of a request (the server hands a mmspec.request.Request)."""
+
+    max_new_tokens: int
+
+
 class EndlessScheduler:
     """Hands each active request one token (" w9") per step, until its max_new_tokens; a request
     whose max_new_tokens is 13 fails alone; a step raises while one with 17 is active."""
@@ -126,7 +133,7 @@ class EndlessScheduler:
 
     def submit(self, request, **defaults):
         rid, self.next_rid = self.next_rid, self.next_rid + 1
-        self.active[rid] = [request["max_new_tokens"], 0]
+        self.active[rid] = [request.max_new_tokens, 0]
         return rid
 
     def step(self):
@@ -364,7 +371,7 @@ def test_the_worker_renews_the_scheduler_when_the_batch_empties_and_a_stale_canc
 
         def run(name: str, n: int) -> Job:
             ups: list = []
-            job = Job(request={"max_new_tokens": n}, sink=ups.append)
+            job = Job(request=Asked(n), sink=ups.append)
             done[name] = ups
             w.submit(job)
             return job
@@ -416,10 +423,10 @@ def test_the_worker_outlives_a_broken_scheduler_call(monkeypatch):
     w.start()
     try:
         first, second = [], []
-        w.submit(Job(request={"max_new_tokens": 3}, sink=first.append))
+        w.submit(Job(request=Asked(3), sink=first.append))
         assert wait_until(lambda: first and first[-1].kind == "failed")
         assert first[-1].status == 500 and "has_work broke" in first[-1].message
-        w.submit(Job(request={"max_new_tokens": 3}, sink=second.append))
+        w.submit(Job(request=Asked(3), sink=second.append))
         assert wait_until(lambda: second and second[-1].kind == "event" and second[-1].event.finished)
     finally:
         w.stop()

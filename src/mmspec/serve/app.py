@@ -132,7 +132,7 @@ async def _complete(service: Service, request: Request, completion: bool):
     except RequestError as e:
         _count(service, e.status)
         return refusal(e)
-    run = Run(service, req, prepared, t0, completion)
+    run = Run(service, req, prepared, t0)
     failure = await run.submit()
     if failure is None and req.stream:
         return StreamingResponse(run.stream(), media_type="text/event-stream",
