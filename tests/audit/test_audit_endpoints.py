@@ -321,12 +321,9 @@ def test_mmspec_serve_is_identical_to_the_local_target(tmp_path, speculate):
         stop(proc)
 
 
-def tamperer(upstream: str, tokenizer, kind: str, tampered: list) -> FastAPI:
-    """A proxy in front of mmspec serve that changes the 4th token of every answer long enough:
-    ``kind`` "text" in ``message.content`` only (its logprobs left alone), "token" in the logprobs
-    only (the token, its id and bytes; the text left alone)."""
+def proxy(upstream: str, change) -> FastAPI:
+    """A proxy in front of mmspec serve: ``change(body, data)`` may rewrite each 200 answer's JSON."""
     api = FastAPI()
-    (other,) = tokenizer.encode(" purple", add_special_tokens=False)  # one token of the world's vocabulary
 
     @api.get("/v1/models")
     def models():
@@ -337,7 +334,21 @@ def tamperer(upstream: str, tokenizer, kind: str, tampered: list) -> FastAPI:
         body = json.loads(await request.body())
         r = httpx.post(upstream + "/v1/chat/completions", json=body, timeout=300)
         data = r.json()
-        choice = data["choices"][0] if r.status_code == 200 else {}
+        if r.status_code == 200:
+            change(body, data)
+        return JSONResponse(data, status_code=r.status_code)
+
+    return api
+
+
+def tamperer(upstream: str, tokenizer, kind: str, tampered: list) -> FastAPI:
+    """A proxy that changes the 4th token of every answer long enough: ``kind`` "text" in
+    ``message.content`` only (its logprobs left alone), "token" in the logprobs only (the token,
+    its id and bytes; the text left alone)."""
+    (other,) = tokenizer.encode(" purple", add_special_tokens=False)  # one token of the world's vocabulary
+
+    def change(body: dict, data: dict) -> None:
+        choice = data["choices"][0]
         content = (choice.get("logprobs") or {}).get("content") or []
         if len(content) > 4 and content[3]["token_id"] != other:
             if kind == "text":
@@ -348,9 +359,8 @@ def tamperer(upstream: str, tokenizer, kind: str, tampered: list) -> FastAPI:
                 piece = tokenizer.decode([other])
                 content[3].update(token=piece, token_id=other, bytes=list(piece.encode()))
             tampered.append(json.dumps(body["messages"]))
-        return JSONResponse(data, status_code=r.status_code)
 
-    return api
+    return proxy(upstream, change)
 
 
 @pytest.fixture(scope="module")
@@ -396,21 +406,10 @@ def test_tampered_answers_are_bugs(served, tmp_path, kind, reference):
 
 
 def flipper(upstream: str, tokenizer, flipped: list) -> FastAPI:
-    """A proxy in front of mmspec serve that replaces the 4th token of about half the answers."""
-    api = FastAPI()
+    """A proxy that drops the logprobs and replaces the 4th token of about half the answers."""
     other = tokenizer.encode(" zebra", add_special_tokens=False)[0]
 
-    @api.get("/v1/models")
-    def models():
-        return httpx.get(upstream + "/v1/models").json()
-
-    @api.post("/v1/chat/completions")
-    async def chat(request: Request):
-        body = json.loads(await request.body())
-        r = httpx.post(upstream + "/v1/chat/completions", json=body, timeout=300)
-        if r.status_code != 200:
-            return JSONResponse(r.json(), status_code=r.status_code)
-        data = r.json()
+    def change(body: dict, data: dict) -> None:
         question = json.dumps(body["messages"])
         choice = data["choices"][0]
         choice.pop("logprobs", None)
@@ -419,9 +418,8 @@ def flipper(upstream: str, tokenizer, flipped: list) -> FastAPI:
             ids[3] = other
             choice["message"]["content"] = tokenizer.decode(ids)
             flipped.append(question)
-        return data
 
-    return api
+    return proxy(upstream, change)
 
 
 def test_flipped_tokens_are_bugs(tmp_path):

@@ -56,8 +56,10 @@ def test_check_head_command_on_a_llava_next_target(tok, tmp_path):
     write_media(tmp_path / "media", n_images=2, n_videos=0)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "<image> w12 w13", "images": ["media/img0.png"]}) + "\n")
-    for extra in ([], ["--prompts", str(prompts)]):
+    for extra in ([], ["--prompts", str(prompts)], ["--tree", "3x2x4"]):
         r = CliRunner().invoke(app, ["check", "head", str(tmp_path / "head"), "--target", str(tmp_path / "target"),
                                      "--max-new-tokens", "6", "--threads", "1", *extra])
         out = " ".join(r.output.split())
         assert r.exit_code == 1 and "head check: tau" in out and "near 1" in out, out
+        assert ("(greedy, dynamic(depth 3, top-2, 4 nodes))" if extra[:1] == ["--tree"] else "(greedy, chain(γ=5))") \
+            in out, out  # measured in the shape asked for, as the server would draft it

@@ -68,15 +68,6 @@ class Prepared:
     inputs: dict = field(default_factory=dict)  # the processor's output on the target's device (for logprobs)
     timings: dict = field(default_factory=dict)  # seconds of its phases so far: parse, images, processor (metrics)
 
-    @property
-    def max_tokens(self) -> int:
-        return self.request.max_new_tokens
-
-    @property
-    def seed(self) -> int | None:
-        """The sampling seed (chosen by mmspec.request.prepare when the client gave none); None when greedy."""
-        return self.request.seed
-
 
 class Service:
     """The decoder being served, its processor and the worker thread that decodes."""

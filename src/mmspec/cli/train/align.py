@@ -9,6 +9,7 @@ from pathlib import Path
 
 import typer
 
+from mmspec.cli import options
 from mmspec.cli.common import set_threads
 from mmspec.cli.train.common import check_model_dir, check_out, check_processor, check_threads, training_errors
 from mmspec.errors import MMSpecError
@@ -27,8 +28,8 @@ def align_command(
     batch_size: int = typer.Option(16, help="Clips per step."),
     lr: float = typer.Option(2e-3, help="Peak learning rate (cosine decay)."),
     world_seed: int = typer.Option(0, help="World seed of the clips."),
-    threads: int | None = typer.Option(None, help="CPU threads."),
-    fresh: bool = typer.Option(False, help="Start over instead of resuming the checkpoint in --out."),
+    threads: int | None = options.THREADS,
+    fresh: bool = options.FRESH,
 ) -> None:
     """Train the draft's substitute encoder + alignment layer (events -> the draft's video features).
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import typer
 
+from mmspec.cli import options
 from mmspec.cli.common import set_threads
 from mmspec.cli.train.common import (
     check_device,
@@ -51,8 +52,8 @@ def head(
     world_seed: int = typer.Option(0, help="World seed of the samples (must match the answers file's)."),
     layers: int = typer.Option(1, help="Decoder layers of the head."),
     feature_layers: str | None = typer.Option(None, help="The target's decoder layers the head reads, by their output "
-                                              "(0-based, comma-separated; eagle3: three ascending, default 1, N/2-1, N-4, moved apart in a target of "
-                                              "fewer than 8 layers)."),
+                                              "(0-based, comma-separated; eagle3: three ascending, default 1, N/2-1, "
+                                              "N-4, moved apart in a target of fewer than 8 layers)."),
     steps: int = typer.Option(1000, help="Optimizer steps in all (a resume may raise it, never lower it)."),
     minutes: float | None = typer.Option(None, help="Time budget: stop and save when it is spent."),
     batch_size: int = typer.Option(16, help="Global batch (split over torchrun's processes)."),
@@ -66,9 +67,9 @@ def head(
     cache_max_gb: float = typer.Option(50.0, help="Size limit of --cache-features; past it the remaining sequences' "
                                        "features are computed on the fly."),
     seed: int = typer.Option(0),
-    device: str = typer.Option("cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK)."),
-    threads: int | None = typer.Option(None, help="CPU threads per process."),
-    fresh: bool = typer.Option(False, help="Start over instead of resuming the checkpoint in --out."),
+    device: str = options.device("cpu", "Under torchrun, cuda is each process's cuda:LOCAL_RANK; "),
+    threads: int | None = options.THREADS,
+    fresh: bool = options.FRESH,
 ) -> None:
     """Train a feature-level draft head (EAGLE / EAGLE-3 / MSD) on the frozen target's features.
 
