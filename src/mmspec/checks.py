@@ -59,41 +59,67 @@ def model_free_name(draft) -> str | None:
     return None
 
 
-def check_model_free(alone: str | None, model_free, lookup_options, **given):
+# how the model-free drafters' arguments are named in messages: SpecDecoder's keywords or the CLI's flags
+MODEL_FREE_WORDS = {
+    "python": {"draft": "draft={!r}", "model_free": "model_free={!r}", "model_free_any": "model_free='lookup' or "
+               "'suffix'", "drop_model_free": "drop model_free", "lookup_options": "lookup_options", "lookup_options_given": "lookup_options=",
+               "drop_lookup_options": "leave lookup_options out", "views": "views={!r}", "drop_views": "leave views out",
+               "with_draft": "pass a draft model with model_free={!r}", "option": "{}=", "drop_option": "leave it out",
+               "tree_children": "tree_children='views'", "drop_tree_children": "leave tree_children out",
+               "captions": "; pass captions=[...] to generate() to add captions to what {} matches"},
+    "cli": {"draft": "--draft {}", "model_free": "--model-free {}", "model_free_any": "--model-free lookup|suffix",
+            "drop_model_free": "drop --model-free", "lookup_options": "--lookup-options",
+            "lookup_options_given": "--lookup-options",
+            "drop_lookup_options": "drop --lookup-options", "views": "--views {}", "drop_views": "drop --views",
+            "with_draft": "pass --draft MODEL_DIR --model-free {}", "option": "--{}", "drop_option": "drop it",
+            "tree_children": "--tree-children views", "drop_tree_children": "drop --tree-children",
+            "captions": ""},
+}
+
+
+def check_model_free(alone: str | None, model_free, lookup_options, *, spelling: str = "python",
+                     views_shown: str | None = None, **given):
     """The model-free drafters' arguments (:mod:`mmspec.lookup`) -> their checked settings.
 
     ``alone``: the draft is "lookup" / "suffix"; ``model_free``: one beside a draft. With no
-    model to draft, the options that shape a draft model's drafting would be ignored: refused."""
+    model to draft, the options that shape a draft model's drafting would be ignored: refused.
+    ``spelling``: "python" names SpecDecoder's keywords in the messages, "cli" the flags
+    (``views_shown``: ``--views`` as written)."""
     from mmspec.lookup import MODEL_FREE, LookupConfig
 
+    w = MODEL_FREE_WORDS[spelling]
+    mf_name = "model_free" if spelling == "python" else "--model-free"
     if model_free is not None and (not isinstance(model_free, str) or model_free not in MODEL_FREE):
-        raise MMSpecError(f"model_free must be one of {', '.join(MODEL_FREE)} (a model-free proposal added to the "
+        raise MMSpecError(f"{mf_name} must be one of {', '.join(MODEL_FREE)} (a model-free proposal added to the "
                           f"draft's tree), got {model_free!r}")
     if alone is not None and model_free is not None:
-        raise MMSpecError(f"draft={alone!r} already drafts with no model; model_free={model_free!r} adds a "
-                          "model-free proposal beside a draft model or head: drop model_free, or pass a draft")
+        raise MMSpecError(f"{w['draft'].format(alone)} already drafts with no model; {w['model_free'].format(model_free)} "
+                          f"adds a model-free proposal beside a draft model or head: {w['drop_model_free']}, or pass "
+                          "a draft")
     if alone is None and model_free is None:
         if lookup_options is not None:
-            raise MMSpecError("lookup_options= sets the model-free drafters; pass draft='lookup' or 'suffix' "
-                              "(or model_free= beside a draft), or leave lookup_options out")
+            raise MMSpecError(f"{w['lookup_options_given']} sets the model-free drafters; pass {w['draft'].format('lookup')} "
+                              f"or {w['draft'].format('suffix')} (or {w['model_free_any']} beside a draft), or "
+                              f"{w['drop_lookup_options']}")
         return None
     if alone is not None:
         views = given.pop("views")
         if [v.name for v in parse_views(views)] != list(DEFAULT_VIEWS):
-            raise MMSpecError(f"views={views!r} was given with draft={alone!r}; views are how a draft model sees the "
-                              f"prompt and {alone} has none: leave views out, or pass a draft model with "
-                              f"model_free={alone!r} to add {alone} to its views' tree")
+            shown = w["views"].format(views_shown if views_shown is not None else views)
+            raise MMSpecError(f"{shown} was given with {w['draft'].format(alone)}; views are how a draft model sees "
+                              f"the prompt and {alone} has none: {w['drop_views']}, or {w['with_draft'].format(alone)} "
+                              f"to add {alone} to its views' tree")
         if given.pop("tree_children") != "mixture":
-            raise MMSpecError(f"tree_children='views' makes each view's top tokens siblings; draft={alone!r} has no "
-                              "views (its children are its continuations by count): leave tree_children out")
+            raise MMSpecError(f"{w['tree_children']} makes each view's top tokens siblings; {w['draft'].format(alone)} "
+                              f"has no views (its children are its continuations by count): {w['drop_tree_children']}")
         for name, value in given.items():
             if value is not None:
-                hint = "; pass captions=[...] to generate() to add captions to what lookup matches" \
-                    if name == "captioner" else ""
-                raise MMSpecError(f"{name}= was given with draft={alone!r}, which drafts with no model; it applies to "
-                                  f"a draft model only: leave it out, or pass a draft model with "
-                                  f"model_free={alone!r}{hint}")
-    return LookupConfig.parse(lookup_options)
+                hint = w["captions"].format(alone) if name == "captioner" else ""
+                option = w["option"].format(name if spelling == "python" else name.replace("_", "-"))
+                raise MMSpecError(f"{option} was given with {w['draft'].format(alone)}, which drafts with no model; "
+                                  f"it applies to a draft model only: {w['drop_option']}, or "
+                                  f"{w['with_draft'].format(alone)}{hint}")
+    return LookupConfig.parse(lookup_options, flag=w["lookup_options"])
 
 
 def check_draft_processor_is_read(views) -> None:

@@ -53,7 +53,7 @@ from mmspec.prefix_cache import (
     prompt_keys,
     segment_digests,
 )
-from mmspec.request import prepare
+from mmspec.request import check_context, prepare
 from mmspec.results import GenerationResult
 from mmspec.stats import GenerationStats
 from mmspec.streaming import TextStream
@@ -515,15 +515,9 @@ class SpecDecoder:
         return f"gamma={self.gamma}" if self.tree.kind == "chain" else f"a tree {self.tree.max_depth} deep"
 
     def check_context(self, prompt_len: int, max_new_tokens: int) -> None:
-        limit = self.target.max_positions
-        depth = self.tree.max_depth
-        if limit is not None and prompt_len + max_new_tokens + depth > limit:
-            raise MMSpecError(
-                f"the prompt ({prompt_len} tokens, images expanded) plus max_new_tokens={max_new_tokens} plus "
-                f"{self._draft_positions()} draft positions ({prompt_len + max_new_tokens + depth} in all) exceeds "
-                f"the target's context length of {limit} tokens; lower gamma (or the tree depth) or "
-                "max_new_tokens, shorten the prompt or use fewer images"
-            )
+        check_context(self.target.max_positions, prompt_len, max_new_tokens, self.tree.max_depth, what="the prompt",
+                      note=", images expanded", whose="the target's", depth_words=self._draft_positions(),
+                      fix="lower gamma (or the tree depth) or max_new_tokens, shorten the prompt or use fewer images")
 
     # ------------------------------------------------------------------ the batched engine
     def engine_for(self, holder):
@@ -569,14 +563,9 @@ class SpecDecoder:
         self._check_draft_context(view, row_len, max_new_tokens)
 
     def _check_draft_context(self, view: View, row_len: int, max_new_tokens: int) -> None:
-        limit = self.draft.max_positions
-        depth = self.tree.max_depth
-        if limit is not None and row_len + max_new_tokens + depth > limit:
-            raise MMSpecError(
-                f"the {view.name} view's draft prompt ({row_len} tokens) plus max_new_tokens="
-                f"{max_new_tokens} plus {self._draft_positions()} draft positions exceeds the draft's context "
-                f"length of {limit}; lower gamma (or the tree depth) or max_new_tokens, or use a view with "
-                "fewer image tokens (text, caption or pooled:N)"
-            )
+        check_context(self.draft.max_positions, row_len, max_new_tokens, self.tree.max_depth,
+                      what=f"the {view.name} view's draft prompt", whose="the draft's", depth_words=self._draft_positions(),
+                      fix="lower gamma (or the tree depth) or max_new_tokens, or use a view with fewer image tokens "
+                      "(text, caption or pooled:N)")
 
 

@@ -109,6 +109,11 @@ class EventStream:
             raise MMSpecError(f"unknown time_unit {time_unit!r}; use one of {', '.join(_TIME_UNITS)}")
         scale = _TIME_UNITS[time_unit]
         t_us = np.asarray(t)
+        if t_us.size and np.issubdtype(t_us.dtype, np.floating) and not np.isfinite(t_us).all():
+            bad = np.flatnonzero(~np.isfinite(t_us))
+            raise MMSpecError(f"the timestamps hold {t_us[bad[0]]} at event {int(bad[0])} ({len(bad)} event(s) in all "
+                              "with no finite time); drop those events (or fill in their times) before building "
+                              "the EventStream")
         if scale != 1.0 or not np.issubdtype(t_us.dtype, np.integer):
             t_us = np.rint(t_us.astype(np.float64) * scale).astype(np.int64)
         p = np.asarray(p)

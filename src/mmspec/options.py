@@ -6,6 +6,8 @@ keywords and hands to the engine (:mod:`mmspec.engine`), so the engine never see
 * :class:`EngineOptions`: the block's tree, the EOS ids, the token limit, the sampling
   parameters and the acceptance of one decode.
 * :class:`EngineMode`: eager, static (fixed shapes) or CUDA-graph decoding.
+* :data:`SPECULATE`: the speculation policies a batch of requests runs (``generate_batch``,
+  ``BatchScheduler``, ``mmspec serve --speculate``), named once.
 
 This module checks values and says what they mean; it runs no model.
 """
@@ -20,6 +22,7 @@ from mmspec.tree import TreeSpec
 from mmspec.verify import SamplingParams
 
 ACCEPTANCES = ("exact", "relaxed")
+SPECULATE = ("always", "never", "auto")  # a batch's speculation policies (mmspec.batch.SpeculationPolicy)
 DEFAULT_THRESHOLDS = (0.6, 0.4)  # MSD's (vision, text)
 DEFAULT_WINDOW = 64
 

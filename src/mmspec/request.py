@@ -5,9 +5,13 @@ and ``mmspec serve`` (through :class:`~mmspec.batch.BatchScheduler`) alike.
 :func:`prepare` turns generate()'s keywords (or one request dict of generate_batch) into a
 :class:`Request`: token ids on the CPU, the family's multimodal inputs, the prompt's layout,
 the limit, the sampling settings and the seed (greedy: None; sampling without one: drawn from
-the OS, and reported in the result so the decode can be repeated). :func:`make_generator` is the
-explicit generator every random draw of the request comes from. Knows nothing of caches or the
-loop; the checks' texts are :mod:`mmspec.checks`'.
+the OS, and reported in the result so the decode can be repeated): the ONE place a request's seed
+is chosen. :func:`make_generator` is the explicit generator every random draw of the request
+comes from. :func:`context_room` and :func:`check_context` are the context rule, the one place it
+is written: a prompt, its new tokens and one block's draft positions must fit the context (the
+target's, and each draft row's; ``mmspec serve`` sizes its default ``max_tokens`` with it and
+rewords a :class:`ContextError` for its client). Knows nothing of caches or the loop; the
+checks' texts are :mod:`mmspec.checks`'.
 """
 
 from __future__ import annotations
@@ -75,6 +79,35 @@ def prepare(dec, kwargs: dict, defaults: dict | None = None) -> Request:
         dec.mm.check_substitutes(layout, extra["videos"], extra["substitutes"])
     return Request(ids=ids, mm=mm, layout=layout, max_new_tokens=max_new_tokens, params=params, seed=seed,
                    extra=extra, initial=initial)
+
+
+class ContextError(MMSpecError):
+    """A prompt and its new tokens past a context (:func:`check_context`): ``prompt_len``,
+    ``max_new_tokens``, ``limit`` and ``room`` (the new tokens that would fit; < 1: none)."""
+
+    def __init__(self, message: str, *, prompt_len: int, max_new_tokens: int, limit: int, room: int):
+        super().__init__(message)
+        self.prompt_len, self.max_new_tokens, self.limit, self.room = prompt_len, max_new_tokens, limit, room
+
+
+def context_room(limit: int | None, prompt_len: int, depth: int) -> int | None:
+    """THE context rule: the new tokens that fit after a prompt of ``prompt_len`` positions in a
+    context of ``limit`` (None: no limit), one block's ``depth`` draft positions kept free
+    (prompt + new tokens + draft positions <= limit)."""
+    return None if limit is None else limit - prompt_len - depth
+
+
+def check_context(limit: int | None, prompt_len: int, max_new_tokens: int, depth: int, *, what: str, whose: str,
+                  depth_words: str, fix: str, note: str = "") -> None:
+    """Raise :class:`ContextError` when ``max_new_tokens`` do not fit (:func:`context_room`): "{what}
+    (N tokens{note}) plus max_new_tokens=M plus {depth_words} draft positions (T in all) exceeds
+    {whose} context length of L tokens; {fix}"."""
+    room = context_room(limit, prompt_len, depth)
+    if room is not None and max_new_tokens > room:
+        raise ContextError(f"{what} ({prompt_len} tokens{note}) plus max_new_tokens={max_new_tokens} plus {depth_words} "
+                           f"draft positions ({prompt_len + max_new_tokens + depth} in all) exceeds {whose} context "
+                           f"length of {limit} tokens; {fix}", prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+                           limit=limit, room=room)
 
 
 def new_seed() -> int:

@@ -78,13 +78,14 @@ def test_world_requests_frame_as_the_world_prompt():
     from mmspec.embedded import load_embedded
     from mmspec.inputs import chat_prompt
     from mmspec.serve.messages import build_prompt
+    from mmspec.serve.protocol import parse_messages
     from mmspec.world import iter_all
 
     reqs = world_requests(8, max_tokens=16)
     e = load_embedded()
     for r, s in zip(reqs, iter_all("test", 1)):
         assert r.id == s.uid and r.body["max_tokens"] == 16
-        got = build_prompt(e.processor, e.tokenizer, r.body["messages"])
+        got = build_prompt(e.processor, e.tokenizer, parse_messages(r.body["messages"]))
         assert got == chat_prompt(e.processor, s.prompt, len(s.images)), s.uid
 
 
@@ -119,3 +120,56 @@ def test_local_reference_cuts_at_a_stop_string_as_the_server_does():
     assert local.tokenizer.decode(cut.ids, skip_special_tokens=True).startswith(cut.text)
     assert len(cut.ids) < len(full.ids)
     assert locate(cut, Reply(cut.text, "stop"), local.tokenizer) is None
+
+
+def _content(entries):
+    """``logprobs.content`` as mmspec serve writes it: each entry and alternative with its ``token_id``."""
+    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "token_id": i,
+                         "top_logprobs": [{"token": a, "logprob": b, "bytes": [], "token_id": j} for a, j, b in top]}
+                        for t, i, lp, top in entries]}
+
+
+def test_mmspecs_token_id_field_is_read_as_ids():
+    """mmspec (and SGLang) give each logprobs entry a ``token_id``; vLLM writes ``token_id:N`` as the
+    token. Both are ids: two answers whose token strings agree but whose ids differ are told apart."""
+    from mmspec.audit.client import _tokens
+
+    toks_ = _tokens(_content([("a", 7, -0.1, [("a", 7, -0.1), ("b", 9, -2.5)]), (" b", 8, -0.2, [])]))
+    assert [t.id for t in toks_] == [7, 8] and toks_[0].alternative(9) == -2.5 and toks_[0].alternative("b") == -2.5
+    vllm = _tokens({"content": [{"token": "token_id:7", "logprob": -0.1, "top_logprobs": [
+        {"token": "token_id:9", "logprob": -2.5}]}]})
+    assert vllm[0].id == 7 and vllm[0].alternative(9) == -2.5
+    other = _tokens(_content([("a", 7, -0.1, []), (" b", 5, -0.2, [])]))  # the same strings, another id
+    found = locate(Reference("a b", tokens=toks_), Reply("a b", "stop", other))
+    assert (found.position, found.own, found.ours, found.compared) == (1, 8, 5, "ids")
+
+
+def test_tokens_that_agree_with_texts_that_do_not_are_a_difference(tok):
+    """A proxy that rewrites the text and leaves the logprobs alone: the tokens agree, the texts do
+    not; the difference is located in the text (against ids and against token strings alike)."""
+    own = tok.encode("The tallest bar is red.", add_special_tokens=False)
+    text = tok.decode(own)
+    as_ids = [Token(tok.decode([i]), -0.1, token_id=i) for i in own]
+    changed = text.replace(" red", " blue")
+    found = locate(Reference(text, ids=own), Reply(changed, "length", as_ids), tok)
+    assert (found.position, found.own, found.compared) == (4, own[4], "text") and tok.decode([found.ours]) == " blue"
+    assert "texts differ" in found.note
+    strings = [Token(tok.decode([i]), -0.1) for i in own]
+    found = locate(Reference(text, tokens=strings), Reply(changed, "length", strings))
+    assert (found.position, found.own, found.compared) == (4, " red", "text") and "texts differ" in found.note
+    entry = judge(found, -0.1, None, "float32")
+    assert entry["note"] == found.note
+    assert locate(Reference(text, ids=own), Reply(text, "length", as_ids), tok) is None  # both agree: identical
+
+
+def test_a_stopped_answers_tokens_end_with_the_eos_the_reference_has(tok):
+    """An endpoint leaves the EOS out of its logprobs (mmspec) or keeps it (vLLM); a local reference's
+    ids end with it. A stopped answer is given its EOS; one that goes on past the reference differs."""
+    own = [*tok.encode("The tallest bar", add_special_tokens=False), 2]
+    text = tok.decode(own, skip_special_tokens=True)
+    without = [Token(tok.decode([i]), -0.1, token_id=i) for i in own[:-1]]
+    assert locate(Reference(text, ids=own), Reply(text, "stop", without), tok, eos_id=2) is None
+    assert locate(Reference(text, ids=own), Reply(text, "stop", [*without, Token("", -0.1, token_id=2)]),
+                  tok, eos_id=2) is None
+    found = locate(Reference(text, ids=own), Reply(text, "length", without), tok, eos_id=2)
+    assert (found.position, found.own, found.ours) == (len(own) - 1, 2, None)  # it did not stop: no EOS given

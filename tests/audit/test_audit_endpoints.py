@@ -22,7 +22,7 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from fastapi import FastAPI, Request  # noqa: E402
-from fastapi.responses import JSONResponse, PlainTextResponse  # noqa: E402
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from helpers.servers import ThreadServer, free_port  # noqa: E402
@@ -80,6 +80,77 @@ def spec_answer(q: str):
     word = " red" if q == "same" else " blue"
     text = f"The bar is{word}."
     return text, [(t, -0.1, {}) for t in ("The", " bar", " is", word, ".")]
+
+
+# a near-tie planted at a known margin, in mmspec's own logprobs form (each entry with its token_id)
+MARGIN = 3e-4
+IDS = {"The": 10, " bar": 11, " is": 12, " red": 13, " blue": 14, ".": 15}
+
+
+def id_entries(words: list[str], top3: dict[str, float] | None = None) -> list[dict]:
+    def entry(w, lp):
+        return {"token": w, "logprob": lp, "bytes": list(w.encode()), "token_id": IDS[w]}
+
+    tops = [top3 if k == 3 and top3 else {} for k in range(len(words))]
+    return [{**entry(w, top.get(w, -0.01)), "top_logprobs": [entry(a, b) for a, b in top.items()]}
+            for w, top in zip(words, tops)]
+
+
+def ids_server(words_of) -> FastAPI:
+    """An endpoint that writes mmspec's logprobs (a ``token_id`` per entry): ``words_of(question) ->
+    (words, top of position 3)``."""
+    api = FastAPI()
+
+    @api.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [{"id": "m", "object": "model"}]}
+
+    @api.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = json.loads(await request.body())
+        words, top = words_of(body["messages"][-1]["content"])
+        data = completion("".join(words), None)
+        data["choices"][0]["logprobs"] = {"content": id_entries(words, top)}
+        return data
+
+    return api
+
+
+def ids_reference(q: str):
+    top = {" red": math.log(0.5), " blue": math.log(0.5 - MARGIN)} if q == "tie" else \
+        {" red": math.log(0.9), " blue": math.log(0.05)}
+    return ["The", " bar", " is", " red", "."], top
+
+
+def ids_endpoint(q: str):
+    return ["The", " bar", " is", " red" if q == "same" else " blue", "."], None
+
+
+def test_a_near_tie_planted_at_a_known_margin_is_told_from_a_divergence(tmp_path):
+    """mmspec's ``token_id`` fields are compared as ids; the reference puts the endpoint's token
+    MARGIN below its own in one question ('tie') and 0.85 below in another ('far'). A tolerance
+    just above MARGIN calls the first a near-tie and the second a bug; just below, both are bugs;
+    the report gives the margin planted."""
+    ref, spec = ThreadServer(ids_server(ids_reference)), ThreadServer(ids_server(ids_endpoint))
+    try:
+        reqs = str(requests_file(tmp_path, ["same", "tie", "far"]))
+        for tol, exit_code, classes in ((MARGIN * 1.01, 1, ["near-tie", "bug"]), (MARGIN * 0.99, 1, ["bug", "bug"])):
+            out = tmp_path / f"out{tol}"
+            r = audit("--endpoint", spec.url, "--reference", ref.url, "--requests", reqs, "--tolerance", repr(tol),
+                      "--out", str(out))
+            assert r.exit_code == exit_code, r.output
+            rep = json.loads((out / "report.json").read_text())
+            assert rep["identical"] == 1 and [d["class"] for d in rep["differences"]] == classes, rep
+            tie, far = (d["difference"] for d in rep["differences"])
+            assert (tie["compared"], tie["position"], tie["reference_token"], tie["endpoint_token"]) == \
+                ("ids", 3, IDS[" red"], IDS[" blue"])
+            assert tie["margin"] == pytest.approx(MARGIN, rel=1e-9) and far["margin"] == pytest.approx(0.85)
+        r = audit("--endpoint", spec.url, "--reference", ref.url, "--requests",
+                  str(requests_file(tmp_path, ["same", "tie"])), "--tolerance", repr(MARGIN * 1.01))
+        assert r.exit_code == 0 and "near-ties" in r.output, r.output  # only a near-tie: exit 0
+    finally:
+        ref.stop()
+        spec.stop()
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +244,17 @@ def test_bad_endpoints_and_flags(fakes, tmp_path):
         assert r.exit_code == 2 and "not JSON" in r.output and "OpenAI-compatible" in r.output
     finally:
         s.stop()
+    page = ("<!DOCTYPE html>\n<html>\n<head>\n  <title>404 Not Found</title>\n</head>\n<body>\n<h1>Not Found</h1>\n"
+            + "<p>The requested URL was not found on this server.</p>\n" * 20 + "</body>\n</html>\n")
+    nginx = FastAPI()
+    nginx.get("/v1/models")(lambda: HTMLResponse(page, status_code=404))
+    s = ThreadServer(nginx)
+    try:  # a web server that is no OpenAI server: one line naming the page, no markup
+        raw = runner.invoke(app, ["audit", "--endpoint", s.url, "--reference", fakes["ref"].url, "--requests", reqs])
+        assert raw.exit_code == 2 and "HTTP 404 (an HTML page ('404 Not Found'))" in " ".join(raw.output.split())
+        assert "<" not in raw.output and len(raw.output) < 400, raw.output
+    finally:
+        s.stop()
     r = audit("--endpoint", fakes["spec"].url, "--model", "gpt-4o", "--reference", fakes["ref"].url, "--requests", reqs)
     assert r.exit_code == 2 and "does not serve the model 'gpt-4o'" in r.output
     bad = tmp_path / "bad.jsonl"
@@ -234,14 +316,14 @@ def test_mmspec_serve_is_identical_to_the_local_target(tmp_path, speculate):
         assert (rep["requests"], rep["identical"]) == (N, N), rep
         rows = [json.loads(x) for x in (out / "audit.jsonl").read_text().splitlines()[1:]]
         assert all(row["chars"] > 0 for row in rows)  # real answers, not empty ones
+        assert {row["compared"] for row in rows} == {"ids"}  # by mmspec's token ids (and the texts)
     finally:
         stop(proc)
 
 
-def flipper(upstream: str, tokenizer, flipped: list) -> FastAPI:
-    """A proxy in front of mmspec serve that replaces the 4th token of about half the answers."""
+def proxy(upstream: str, change) -> FastAPI:
+    """A proxy in front of mmspec serve: ``change(body, data)`` may rewrite each 200 answer's JSON."""
     api = FastAPI()
-    other = tokenizer.encode(" zebra", add_special_tokens=False)[0]
 
     @api.get("/v1/models")
     def models():
@@ -251,9 +333,83 @@ def flipper(upstream: str, tokenizer, flipped: list) -> FastAPI:
     async def chat(request: Request):
         body = json.loads(await request.body())
         r = httpx.post(upstream + "/v1/chat/completions", json=body, timeout=300)
-        if r.status_code != 200:
-            return JSONResponse(r.json(), status_code=r.status_code)
         data = r.json()
+        if r.status_code == 200:
+            change(body, data)
+        return JSONResponse(data, status_code=r.status_code)
+
+    return api
+
+
+def tamperer(upstream: str, tokenizer, kind: str, tampered: list) -> FastAPI:
+    """A proxy that changes the 4th token of every answer long enough: ``kind`` "text" in
+    ``message.content`` only (its logprobs left alone), "token" in the logprobs only (the token,
+    its id and bytes; the text left alone)."""
+    (other,) = tokenizer.encode(" purple", add_special_tokens=False)  # one token of the world's vocabulary
+
+    def change(body: dict, data: dict) -> None:
+        choice = data["choices"][0]
+        content = (choice.get("logprobs") or {}).get("content") or []
+        if len(content) > 4 and content[3]["token_id"] != other:
+            if kind == "text":
+                ids = [c["token_id"] for c in content]
+                ids[3] = other
+                choice["message"]["content"] = tokenizer.decode(ids)
+            else:
+                piece = tokenizer.decode([other])
+                content[3].update(token=piece, token_id=other, bytes=list(piece.encode()))
+            tampered.append(json.dumps(body["messages"]))
+
+    return proxy(upstream, change)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """One mmspec serve (speculation on) for the tampering tests, and the embedded tokenizer."""
+    from mmspec.embedded import default_path, load_embedded
+
+    proc, url = start_serve(tmp_path_factory.mktemp("serve"))
+    yield url, load_embedded().tokenizer, str(default_path() / "target")
+    stop(proc)
+
+
+@pytest.mark.parametrize("reference", ["local", "endpoint"])
+@pytest.mark.parametrize("kind", ["text", "token"])
+def test_tampered_answers_are_bugs(served, tmp_path, kind, reference):
+    """mmspec serve behind a proxy that changes one token of each answer in its text alone, or in its
+    logprobs alone: every tampered answer is a bug, the others identical, against the local target
+    and against mmspec serve itself as the reference (``--reference URL --tokenizer DIR``)."""
+    url, tok, tok_dir = served
+    tampered: list = []
+    proxy = ThreadServer(tamperer(url, tok, kind, tampered))
+    try:
+        out = tmp_path / "out"
+        ref = [] if reference == "local" else ["--reference", url, "--tokenizer", tok_dir]
+        r = audit("--endpoint", proxy.url, *ref, "-n", str(N), "--max-tokens", str(MAX_TOKENS), "--threads", "1",
+                  "--out", str(out))
+        rep = json.loads((out / "report.json").read_text())
+        assert tampered, "the proxy changed nothing: the answers are too short"
+        assert r.exit_code == 1, r.output
+        assert (rep["bugs"], rep["identical"]) == (len(tampered), N - len(tampered)), rep
+        rows = [json.loads(x) for x in (out / "audit.jsonl").read_text().splitlines()[1:]]
+        assert {row["compared"] for row in rows} == {"ids"}  # mmspec's token_id fields read as ids
+        for d in rep["differences"]:
+            diff = d["difference"]
+            assert d["class"] == "bug" and diff["position"] <= 3, diff
+            assert diff["compared"] == ("text" if kind == "text" else "ids")
+            if kind == "token":
+                assert diff["position"] == 3 and diff["endpoint_token"]["text"] == " purple"
+            else:
+                assert "texts differ" in diff["note"]
+    finally:
+        proxy.stop()
+
+
+def flipper(upstream: str, tokenizer, flipped: list) -> FastAPI:
+    """A proxy that drops the logprobs and replaces the 4th token of about half the answers."""
+    other = tokenizer.encode(" zebra", add_special_tokens=False)[0]
+
+    def change(body: dict, data: dict) -> None:
         question = json.dumps(body["messages"])
         choice = data["choices"][0]
         choice.pop("logprobs", None)
@@ -262,9 +418,8 @@ def flipper(upstream: str, tokenizer, flipped: list) -> FastAPI:
             ids[3] = other
             choice["message"]["content"] = tokenizer.decode(ids)
             flipped.append(question)
-        return data
 
-    return api
+    return proxy(upstream, change)
 
 
 def test_flipped_tokens_are_bugs(tmp_path):

@@ -247,3 +247,50 @@ def test_generate_prints_prompt_and_answer_literally(checkpoints):
                "--prompt", "USER: <image> [INST] w5 [/INST] ASSISTANT:", "--max-new-tokens", "4", "--dtype", "float64")
     assert r.exit_code == 0, r.output
     assert "[INST] w5 [/INST]" in r.output
+
+
+def test_help_texts_point_the_right_way():
+    """Issue 53's words that pointed the wrong way: serve has a key now; demo has no -m; bench's and
+    demo's methods include the model-free drafts."""
+    def help_of(*args):
+        r = CliRunner().invoke(app, [*args, "--help"], env={"COLUMNS": "200"})
+        assert r.exit_code == 0, r.output
+        return " ".join(r.output.replace("│", " ").split())
+
+    serve = help_of("serve")
+    assert "no authentication" not in serve and "--api-key" in serve
+    demo = help_of("demo")
+    assert "-m M,eagle" not in demo and "--methods M,eagle,eagle+tree --head eagle=DIR" in demo
+    for text in (demo, help_of("bench", "run")):
+        assert "lookup / suffix" in text and "M+suffix" in text
+
+
+def test_options_are_declared_once_across_the_commands():
+    """generate, serve and check head take the model, drafting and runtime options from one
+    declaration each (mmspec.cli.options): the same help text wherever an option appears, in the
+    same --help panel; the groups reach the commands as their dataclasses."""
+    import typer.main
+
+    from mmspec.cli.options import ModelFlags, RuntimeFlags, ShapeFlags, ViewFlags
+
+    root = typer.main.get_command(app)
+    ctx = root.make_context("mmspec", ["--help"], resilient_parsing=True)
+
+    def params(*path):
+        cmd = root
+        for name in path:
+            cmd = cmd.get_command(ctx, name)
+        return {p.name: p for p in cmd.params}
+
+    generate, serve, check = params("generate"), params("serve"), params("check", "head")
+    demo, bench, audit = params("demo"), params("bench", "run"), params("audit")
+    for group in (ModelFlags, ViewFlags, ShapeFlags, RuntimeFlags):
+        for name in group.__dataclass_fields__:
+            assert generate[name].help == serve[name].help and generate[name].help, name
+            assert generate[name].rich_help_panel == serve[name].rich_help_panel is not None, name
+    for name in ShapeFlags.__dataclass_fields__:
+        assert check[name].help == generate[name].help, name
+    for name in ("threads",):
+        assert check[name].help == generate[name].help == demo[name].help == audit[name].help
+    assert demo["methods"].help.split(". Default:")[0] == bench["method"].help.split(". Default:")[0]
+    assert demo["head"].help.split("(e.g.")[0] == bench["head"].help.split("(e.g.")[0]

@@ -70,12 +70,26 @@ def _check(target, head, prompts, tok):
     return calibrate(dec, prompts, max_new_tokens=24)
 
 
-def test_a_good_head_passes(world, tok):
+def test_a_good_head_passes(world, tok, tmp_path):
     target, head, prompts, _ = world
     rep = _check(target, head, prompts, tok)
     assert rep.ok and rep.tau > 4, rep.lines()
-    assert rep.feature_layers == (-1,) and "mmspec_head.json" in rep.layers_from
-    assert rep.acceptance_by_depth[0] > 0.7
+    assert rep.feature_layers == (-1,) and "held in memory" in rep.layers_from  # not read from any file
+    assert rep.acceptance_by_depth[0] > 0.7 and rep.diagnosis.startswith("drafts")
+    assert rep.feature_scale == pytest.approx(1.0) and rep.embedding_effect > 0.1  # exact at the answers' positions
+    head.save(tmp_path / "h")
+    rep = calibrate(SpecDecoder(target, str(tmp_path / "h"), tok), prompts, max_new_tokens=24)
+    assert f"recorded in {tmp_path / 'h' / 'mmspec_head.json'}" in rep.layers_from and rep.ok
+
+
+def test_the_check_measures_the_shape_the_decoder_drafts(world, tok):
+    """A server drafting a dynamic tree is measured in that tree, not in a chain: the report names
+    the shape, and acceptance by depth runs to the tree's depth."""
+    target, head, prompts, _ = world
+    dec = SpecDecoder(target, head, tok, tree="4x2x6")
+    rep = calibrate(dec, prompts, max_new_tokens=24)
+    assert rep.shape == dec.tree.label and rep.shape.startswith("dynamic(depth 4") and "chain" not in rep.lines()[0]
+    assert len(rep.acceptance_by_depth) == 4 and rep.ok
 
 
 def _planted(head, fault: str, w):
@@ -93,12 +107,48 @@ def _planted(head, fault: str, w):
 @pytest.mark.parametrize("fault", ["layers", "embedding", "norm"])
 def test_each_planted_fault_is_warned_with_its_cause(world, tok, fault):
     target, head, prompts, w = world
-    rep = _check(target, _planted(head, fault, w), prompts, tok)
+    bad = _planted(head, fault, w)
+    bad.config = replace(bad.config, trained={"steps": 5000, "batch_size": 16})  # trained long: no excuse
+    rep = _check(target, bad, prompts, tok)
     assert not rep.ok and rep.tau < 1.3, rep.lines()
     text = " ".join(rep.warnings)
     assert "near 1" in text
     assert {"layers": "feature-layer ids", "embedding": "token embedding", "norm": "final norm applied twice"}[fault] \
         in text
+    found = {"layers": "feature-layer ids look off by one", "embedding": "the token embedding is missing",
+             "norm": "a norm applied twice"}
+    assert rep.diagnosis.startswith("broken: ") and found[fault] in rep.diagnosis, rep.diagnosis  # the one found
+    assert all(v not in rep.diagnosis for k, v in found.items() if k != fault)
+
+
+@pytest.mark.parametrize("steps", [15, None])
+def test_an_under_trained_head_is_called_under_trained_not_broken(world, tok, steps):
+    """A head with little or no training drafts nothing and predicts small features; the check says
+    it is under-trained (naming the steps it records), not that a norm is applied twice."""
+    target, _, prompts, _ = world
+    head = build_head(target, "eagle", seed=3)
+    if steps is not None:
+        head.config = replace(head.config, trained={"steps": steps, "batch_size": 16, "final_loss": 4.5})
+    rep = _check(target, head, prompts, tok)
+    assert not rep.ok and rep.feature_scale < 0.5, rep.lines()
+    assert rep.diagnosis.startswith("under-trained: ") and "norm" not in rep.diagnosis, rep.diagnosis
+    assert ("records 15 training steps" if steps else "records no training") in rep.diagnosis
+    assert "under-trained" in rep.warnings[0].split("Likely")[0]
+    assert any(line.startswith("  trained: " + ("15 steps of 16 sequences, final loss 4.5" if steps else "not recorded"))
+               for line in rep.lines())
+
+
+def test_a_head_that_falls_apart_after_its_first_position_is_called_under_trained_in_depth(world, tok):
+    """The head's prediction halved: its argmax at the first position is unchanged (the target's
+    feature goes in), but the halved feature it feeds itself sends every deeper position wrong."""
+    target, head, prompts, _ = world
+    shallow = copy.deepcopy(head)
+    with torch.no_grad():
+        shallow.fc.weight.mul_(0.5)
+        shallow.fc.bias.mul_(0.5)
+    rep = _check(target, shallow, prompts, tok)
+    assert rep.ok and rep.acceptance_by_depth[0] > 0.7 and rep.acceptance_by_depth[1] < 0.2, rep.lines()
+    assert rep.diagnosis.startswith("under-trained in depth") and "falls apart" in rep.diagnosis, rep.diagnosis
 
 
 def test_calibration_prompts_are_checked_before_anything_loads(tmp_path):

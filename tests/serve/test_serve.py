@@ -510,6 +510,8 @@ def test_flags_are_checked_before_anything_loads(tmp_path):
                              (["--max-image-pixels", "0"], "--max-image-pixels must be >= 1"),
                              (["--max-request-pixels", "0"], "--max-request-pixels must be >= 1"),
                              (["--api-key", " "], "--api-key (or MMSPEC_API_KEY) is empty"),
+                             (["--cors-origins", "not a url"], "--cors-origins 'not a url' is not an origin"),
+                             (["--cors-origins", "https://app.example/"], "without the path: https://app.example"),
                              (["--target", str(tmp_path)], "--target was given without --draft")):
             r = CliRunner().invoke(app, ["serve", *args])
             assert r.exit_code == 2 and phrase in " ".join(r.output.split()), (args, r.output)

@@ -114,6 +114,13 @@ class Event:
     error: str | None = None
 
 
+@dataclass
+class Asked:
+    """What these scheduler doubles read of a request (the server hands a mmspec.request.Request)."""
+
+    max_new_tokens: int
+
+
 class EndlessScheduler:
     """Hands each active request one token (" w9") per step, until its max_new_tokens; a request
     whose max_new_tokens is 13 fails alone; a step raises while one with 17 is active."""
@@ -126,7 +133,7 @@ class EndlessScheduler:
 
     def submit(self, request, **defaults):
         rid, self.next_rid = self.next_rid, self.next_rid + 1
-        self.active[rid] = [request["max_new_tokens"], 0]
+        self.active[rid] = [request.max_new_tokens, 0]
         return rid
 
     def step(self):
@@ -274,9 +281,18 @@ def test_a_request_that_fails_alone_or_a_failing_step_spare_the_rest(app_server)
 
 
 def test_unknown_routes_get_openai_style_errors(app_server):
+    """A client's mistake is a 4xx of OpenAI's invalid_request_error (404: not_found_error), never
+    server_error; a 404 lists every route, /v1/completions included, and a 405 names the method."""
     url, _, _ = app_server
     r = httpx.get(url + "/v1/completions", timeout=10)
-    assert r.status_code in (404, 405) and "POST /v1/chat/completions" in r.json()["error"]["message"]
+    error = r.json()["error"]
+    assert r.status_code == 405 and error["type"] == "invalid_request_error", error
+    assert "GET /v1/completions (/v1/completions takes POST)" in error["message"], error
+    r = httpx.get(url + "/v1/nosuch", timeout=10)
+    error = r.json()["error"]
+    assert r.status_code == 404 and error["type"] == "not_found_error"
+    for route in ("POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /health"):
+        assert route in error["message"], (route, error)
 
 
 def test_serve_without_the_extra_is_one_line(monkeypatch):
@@ -355,7 +371,7 @@ def test_the_worker_renews_the_scheduler_when_the_batch_empties_and_a_stale_canc
 
         def run(name: str, n: int) -> Job:
             ups: list = []
-            job = Job(request={"max_new_tokens": n}, sink=ups.append)
+            job = Job(request=Asked(n), sink=ups.append)
             done[name] = ups
             w.submit(job)
             return job
@@ -407,10 +423,10 @@ def test_the_worker_outlives_a_broken_scheduler_call(monkeypatch):
     w.start()
     try:
         first, second = [], []
-        w.submit(Job(request={"max_new_tokens": 3}, sink=first.append))
+        w.submit(Job(request=Asked(3), sink=first.append))
         assert wait_until(lambda: first and first[-1].kind == "failed")
         assert first[-1].status == 500 and "has_work broke" in first[-1].message
-        w.submit(Job(request={"max_new_tokens": 3}, sink=second.append))
+        w.submit(Job(request=Asked(3), sink=second.append))
         assert wait_until(lambda: second and second[-1].kind == "event" and second[-1].event.finished)
     finally:
         w.stop()

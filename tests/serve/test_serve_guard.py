@@ -43,7 +43,7 @@ class CountingScheduler:
 
     def submit(self, request, **defaults):
         rid, self.next_rid = self.next_rid, self.next_rid + 1
-        self.active[rid] = [request["max_new_tokens"], 0]
+        self.active[rid] = [request.max_new_tokens, 0]
         self.submitted += 1
         return rid
 
@@ -191,6 +191,9 @@ def test_bodies_past_the_limit_are_413_while_they_arrive(decoder):
             head = head.decode()
         assert head.startswith("HTTP/1.1 413") and "refused while it arrived" in head, head
         assert sched.submitted == 0 and post(url, ask()).status_code == 200
+        text = httpx.get(url + "/metrics").text
+    lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    assert float(lines['mmspec_requests_total{outcome="too_large"}']) == 2  # the declared one and the chunked one
 
 
 @pytest.mark.parametrize("headers, status, phrase", [
@@ -306,3 +309,50 @@ def test_a_requests_phases_add_up_to_its_latency():
     m.answered("length", 0, 8, t0, None, SimpleNamespace(stats=st))  # a second choice: its phases are not counted
     lines = read()
     assert all(float(lines[f'mmspec_request_phase_seconds_count{{phase="{p}"}}']) == 1 for p in PHASES)
+
+
+def test_one_typed_request_from_the_wire_to_the_scheduler(decoder, monkeypatch):
+    """The scheduler gets mmspec.request.Request s (checked, their seed chosen once, by
+    mmspec.request.prepare); n choices get seed, seed + 1; the default max_tokens is the context's
+    room by the engine's own rule, and one token more is refused naming that room."""
+    import mmspec.request as request_mod
+    from mmspec.request import Request, context_room
+
+    got = []
+    with serve(decoder) as (url, sched, service):
+        real = sched.submit
+        sched.submit = lambda request, **kw: got.append(request) or real(request, **kw)
+        monkeypatch.setattr(request_mod, "new_seed", lambda: 2**63 - 1)
+        r = post(url, ask(temperature=0.5, n=2, max_tokens=2))
+        assert r.status_code == 200, r.text
+        seeds = [c["seed"] for c in r.json()["mmspec"]["choices"]]
+        assert seeds == [2**63 - 1, 0]  # chosen once, then seed + i (mod 2**63)
+        assert all(isinstance(q, Request) for q in got) and [q.seed for q in got] == seeds
+        dec = service.decoder
+        ids = dec.tokenizer("w5 " * 900)["input_ids"]  # near the tiny target's 1024 positions
+        text = "w5 " * 900
+        got.clear()
+        r = post(url, {"model": "m", "messages": [{"role": "user", "content": text}]})
+        assert r.status_code == 200, r.text
+        n_prompt = r.json()["usage"]["prompt_tokens"]
+        room = context_room(service.context, n_prompt, dec.tree.max_depth)
+        assert 0 < room < service.config.max_tokens and len(ids) <= n_prompt
+        assert got[0].max_new_tokens == room == r.json()["usage"]["completion_tokens"]
+        dec.check_context(n_prompt, room)  # the engine's rule agrees: it fits, one more does not
+        with pytest.raises(request_mod.ContextError):
+            dec.check_context(n_prompt, room + 1)
+        refused(post(url, {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": room + 1}),
+                400, f"so at most {room} new tokens fit; ask for max_tokens <= {room}")
+        refused(post(url, {"model": "m", "messages": [{"role": "user", "content": "w5 " * 1100}]}), 400,
+                "no room for an answer")
+
+
+def test_the_speculate_choices_are_the_engines():
+    from mmspec.options import SPECULATE
+    from mmspec.serve.service import ServeConfig
+
+    assert SPECULATE == ("always", "never", "auto")
+    for mode in SPECULATE:
+        ServeConfig(speculate=mode)
+    with pytest.raises(ValueError, match="speculate must be one of always, never, auto"):
+        ServeConfig(speculate="sometimes")

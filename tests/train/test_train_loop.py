@@ -224,6 +224,12 @@ BAD = [
     (["train", "video", "--target", "{BARE}"], r"--target .* lacks an image processor"),
     (["train", "head", "--target", "{T}", "--families", "motion"], r"unknown world family 'motion'"),
     (["train", "head", "--target", "{T}", "--samples", "0"], r"--samples must be >= 1"),
+    (["train", "head", "--target", "{T}", "--variant", "eagle3", "--feature-layers", "6,3,1"],
+     r"--feature-layers '6,3,1': an eagle3 head fuses three distinct decoder-layer outputs in ascending order.*"
+     r"e\.g\. --feature-layers 1,4,6"),
+    (["train", "head", "--target", "{T}", "--variant", "eagle3", "--feature-layers", "1,1,4"], r"ascending order"),
+    (["train", "head", "--target", "{T}", "--variant", "eagle3", "--feature-layers", "1,4"], r"ascending order"),
+    (["train", "head", "--target", "{T}", "--feature-layers", "0,40"], r"the target has 10 decoder layers"),
     (["train", "head", "--target", "{T}", "--data", "llava-instruct:{tmp}/x.json"], r"x\.json not found"),
     # train video
     (["train", "video", "--samples", "0"], r"--samples must be a whole number >= 1"),
@@ -238,6 +244,7 @@ BAD = [
     (["train", "video", "--eval-samples", "0"], r"--eval-samples must be >= 1"),
     # train align
     (["train", "align", "--draft", "{D}", "--samples", "0"], r"--samples must be >= 1"),
+    (["train", "align", "--draft", "{D}", "--n-tokens", "7"], r"--n-tokens 7: .*8x8 patch grid.*64, 16, 4, 1"),
     (["train", "align", "--draft", "{D}", "--steps", "0"], r"--steps must be a whole number >= 1"),
     (["train", "align", "--draft", "{D}", "--minutes", "-1"], r"--minutes must be a finite number > 0"),
     (["train", "align", "--draft", "{tmp}/nope"], r"--draft .*nope not found"),
@@ -494,3 +501,38 @@ def test_a_head_checkpoint_of_the_older_layout_is_named_not_ignored(tmp_path):
     (out / "checkpoint" / "train_state.pt").write_bytes(b"old")
     r = CliRunner().invoke(app, HEAD + ["--out", str(out)])
     assert r.exit_code == 2 and "oldermmspec" in _flat(r.output) and "--fresh" in _flat(r.output), r.output
+
+
+@pytest.mark.parametrize("layers", [2, 3, 5])
+def test_train_head_eagle3_chooses_layers_export_accepts_or_refuses_at_the_start(tmp_path, layers):
+    """A shallow target: the eagle3 default was [1, 0, 0] on 3 layers, which export then refused.
+    Now three ascending layers are chosen (3 layers: 0, 1, 2) and the head exports; a target of
+    2 layers has no three, and training is refused before anything loads or is written."""
+    from helpers.tiny import make_llava, make_processor, make_tokenizer
+
+    target = make_llava(0, layers=layers, dtype=torch.float32)
+    target.save_pretrained(tmp_path / "target")
+    make_processor(make_tokenizer()).save_pretrained(tmp_path / "target")
+    out = tmp_path / "head"
+    r = CliRunner().invoke(app, ["train", "head", "--target", str(tmp_path / "target"), "--variant", "eagle3",
+                                 "--families", "chartqa", "--samples", "2", "--steps", "1", "--batch-size", "2",
+                                 "--threads", "1", "--out", str(out)])
+    if layers == 2:
+        assert r.exit_code == 2 and "eagle3headfusestheoutputsofthreedistinct" in _flat(r.output), r.output
+        assert not out.exists()
+        return
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "mmspec_head.json").read_text())["feature_layers"] == ([0, 1, 2] if layers == 3
+                                                                                   else [1, 2, 3])
+    r = CliRunner().invoke(app, ["export", "head", str(out), "--format", "eagle3", "--out", str(tmp_path / "e3")])
+    assert r.exit_code == 0, r.output
+
+
+def test_default_eagle3_layers_are_three_ascending_at_every_depth():
+    from mmspec.heads.model import check_eagle3_layers, default_feature_layers
+
+    for n in range(3, 130):
+        check_eagle3_layers(default_feature_layers("eagle3", n), n)
+    assert default_feature_layers("eagle3", 32) == (1, 15, 28)  # the engines' own at real depths
+    with pytest.raises(MMSpecError, match="the target has 2"):
+        check_eagle3_layers(default_feature_layers("eagle3", 2), 2)

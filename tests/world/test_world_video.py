@@ -376,6 +376,9 @@ def test_event_stream_rejects_malformed_recordings():
         EventStream.from_arrays([0], [0], [0], [2], 1, 1)
     with pytest.raises(MMSpecError, match="unknown time_unit"):
         EventStream.from_arrays([0], [0], [0], [1], 1, 1, time_unit="min")
+    for bad in (np.nan, np.inf):  # named, not "not non-decreasing"
+        with pytest.raises(MMSpecError, match=f"the timestamps hold {bad} at event 1 \\(1 event\\(s\\) in all"):
+            EventStream.from_arrays([0.0, bad, 2.0], [0, 1, 1], [0, 0, 0], [1, 1, 1], 2, 2, time_unit="s")
 
 
 def test_structured_recordings_and_stats():

@@ -5,7 +5,9 @@ Owns :class:`Endpoint`: the base URL (``http://host:8000`` or ``.../v1``), the m
 there, is it OpenAI-compatible, which model) and :meth:`Endpoint.chat` (one greedy chat
 completion -> :class:`Reply`). It asks for ``logprobs`` (and ``top_logprobs`` where the caller
 needs them); an endpoint that refuses them (a 400 that names ``logprobs``) is asked again without,
-and remembered: its answers are then compared as text (:mod:`mmspec.audit.compare`).
+and remembered: its answers are then compared as text (:mod:`mmspec.audit.compare`). A token's id
+is read where the endpoint gives it: mmspec's (and SGLang's) ``token_id`` field, or vLLM's
+``return_tokens_as_token_ids`` form ``"token_id:N"`` as the token's text.
 
 Every failure is an :class:`AuditError` with one line that names the endpoint and the fix. This
 module knows nothing about models, tokenizers or the report.
@@ -14,6 +16,7 @@ module knows nothing about models, tokenizers or the report.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from dataclasses import dataclass, field
 
@@ -38,6 +41,16 @@ def _httpx():
     return httpx
 
 
+def token_id(text: str, given=None) -> int | None:
+    """A token's id: ``given`` (an entry's ``token_id`` field) when it is one, else the id of
+    vLLM's ``"token_id:N"`` text, else None."""
+    if isinstance(given, int) and not isinstance(given, bool) and given >= 0:
+        return given
+    if text.startswith(TOKEN_ID_PREFIX) and text[len(TOKEN_ID_PREFIX):].isdigit():
+        return int(text[len(TOKEN_ID_PREFIX):])
+    return None
+
+
 @dataclass
 class Token:
     """One position of an answer as the endpoint's ``logprobs.content`` gives it."""
@@ -45,13 +58,19 @@ class Token:
     text: str  # the token as the endpoint writes it (vLLM with return_tokens_as_token_ids: "token_id:N")
     logprob: float | None
     top: dict[str, float] = field(default_factory=dict)  # the alternatives' token text -> logprob
+    token_id: int | None = None  # its id, where the endpoint gave one (a token_id field, or "token_id:N")
+    top_ids: dict[int, float] = field(default_factory=dict)  # the alternatives' ids -> logprob, where given
 
     @property
     def id(self) -> int | None:
-        """The token id where the endpoint wrote it (``token_id:N``), else None."""
-        if self.text.startswith(TOKEN_ID_PREFIX) and self.text[len(TOKEN_ID_PREFIX):].isdigit():
-            return int(self.text[len(TOKEN_ID_PREFIX):])
-        return None
+        """The token id where the endpoint gave it, else None."""
+        return self.token_id if self.token_id is not None else token_id(self.text)
+
+    def alternative(self, token: int | str | None) -> float | None:
+        """The log-probability the endpoint listed here for ``token`` (an id or a token text), or None."""
+        if isinstance(token, int):
+            return self.top_ids.get(token)
+        return None if token is None else self.top.get(token)
 
 
 @dataclass
@@ -124,7 +143,7 @@ class Endpoint:
         try:
             return r.json()
         except ValueError:
-            raise AuditError(f"{self.base}{path} answered something that is not JSON ({r.text[:80]!r}); is it an "
+            raise AuditError(f"{self.base}{path} answered something that is not JSON ({one_line(r.text, 80)}); is it an "
                              "OpenAI-compatible server? pass its base URL, like http://host:8000/v1") from None
 
     # ------------------------------------------------------------------ one completion
@@ -160,7 +179,7 @@ class Endpoint:
             text = choice["message"]["content"] or ""
         except (ValueError, KeyError, IndexError, TypeError):
             raise RequestFailed(f"{self.base}/chat/completions answered without OpenAI's choices[0].message."
-                                f"content ({r.text[:80]!r}); not an OpenAI-compatible chat completion") from None
+                                f"content ({one_line(r.text, 80)}); not an OpenAI-compatible chat completion") from None
         tokens = _tokens(choice.get("logprobs"))
         with self._lock:
             if tokens is not None:
@@ -174,19 +193,43 @@ def _tokens(logprobs) -> list[Token] | None:
         return None
     out = []
     for c in content:
-        top = {t["token"]: float(t["logprob"]) for t in c.get("top_logprobs") or [] if "token" in t}
-        lp = c.get("logprob")
-        out.append(Token(str(c.get("token", "")), None if lp is None else float(lp), top))
+        if not isinstance(c, dict):
+            return None
+        top, top_ids = {}, {}
+        for t in c.get("top_logprobs") or []:
+            if isinstance(t, dict) and "token" in t and t.get("logprob") is not None:
+                top[str(t["token"])] = float(t["logprob"])
+                i = token_id(str(t["token"]), t.get("token_id"))
+                if i is not None:
+                    top_ids[i] = float(t["logprob"])
+        lp, text = c.get("logprob"), str(c.get("token", ""))
+        out.append(Token(text, None if lp is None else float(lp), top, token_id(text, c.get("token_id")), top_ids))
     return out
 
 
 def _message(r) -> str:
+    """The error an endpoint answered, in one line: OpenAI's ``error.message`` (FastAPI's
+    ``detail``), else the body's text (an HTML page by its title)."""
     try:
-        err = r.json().get("error")
-        msg = err.get("message") if isinstance(err, dict) else (err or r.json().get("detail"))
-        return str(msg)[:300] if msg else r.text[:300]
+        data = r.json()
+        err = data.get("error")
+        msg = err.get("message") if isinstance(err, dict) else (err or data.get("detail"))
+        return one_line(str(msg)) if msg else one_line(r.text)
     except (ValueError, AttributeError):
-        return r.text[:300]
+        return one_line(r.text)
+
+
+def one_line(text: str, limit: int = 160) -> str:
+    """A body shown in an error: one line of at most ``limit`` characters; an HTML page becomes
+    "an HTML page" and its title, never its markup."""
+    text = text.strip()
+    if text[:1] == "<" and re.search(r"<(!doctype html|html|head|body|title|h1|p)\b", text[:2000], re.I):
+        title = re.search(r"<title[^>]*>(.*?)</title>", text, re.I | re.S) or re.search(r"<h1[^>]*>(.*?)</h1>", text,
+                                                                                        re.I | re.S)
+        words = " ".join(re.sub(r"<[^>]+>", " ", title.group(1)).split()) if title else ""
+        return f"an HTML page ({words[:limit]!r})" if words else "an HTML page"
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
 def _reason(e: Exception) -> str:

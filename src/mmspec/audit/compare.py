@@ -5,9 +5,11 @@ and :func:`judge` (the reference's log-probabilities of both tokens there -> a c
 HTTP, no model; the local reference's forward is :mod:`mmspec.audit.reference`'s.
 
 **Which tokens are compared.** Token ids when both sides have them (a local reference's own ids;
-an endpoint's ``logprobs`` written as ``token_id:N``, vLLM's ``return_tokens_as_token_ids``);
-the endpoints' ``logprobs`` token strings when both gave logprobs; else the texts: two equal
-texts are identical, and a difference is located by tokenizing the answer with the target's
+an endpoint's ``logprobs`` with a ``token_id`` field, mmspec's, or written as ``token_id:N``,
+vLLM's ``return_tokens_as_token_ids``); the endpoints' ``logprobs`` token strings when both gave
+logprobs; and **the texts always**: tokens that agree with texts that do not (a proxy, a
+detokenizer or a stop-string cut that changed what the client reads) are a difference too, found
+from the text. Two equal texts with no tokens are identical, and a difference in text is located by tokenizing the answer with the target's
 tokenizer (against a reference with ids) or by aligning the text against the reference's token
 strings (the alternative there is the longest of the reference's ``top_logprobs`` that the rest
 of the answer starts with, else the tokenizer's first token of that rest). A text round trip can
@@ -26,6 +28,7 @@ even the best case (``ours`` just below the last listed) leaves a margin past th
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from mmspec.audit.client import Reply, Token
@@ -52,6 +55,7 @@ class Located:
     ours: int | str | None  # the speculative endpoint's token
     compared: str  # "ids", "tokens" or "text"
     unknown: bool = False  # the answer's token there could not be told (text only, no tokenizer)
+    note: str | None = None  # what the report should say about how it was found
 
 
 def _ids(tokens: list[Token] | None) -> list[int] | None:
@@ -61,24 +65,65 @@ def _ids(tokens: list[Token] | None) -> list[int] | None:
     return None if any(i is None for i in ids) else ids
 
 
-def locate(ref: Reference, ours: Reply, tokenizer=None, eos_id: int | None = None) -> Located | None:
-    """None when the answers agree, else where they first differ (see the module docstring).
-    ``eos_id``: appended to the answer's tokenized text when it stopped (``finish_reason`` stop),
-    so an answer that ends where the reference goes on differs by its EOS, as the reference's ids."""
+def locate(ref: Reference, ours: Reply, tokenizer=None, eos_id: int | None = None,
+           eos_ids: Collection[int] = ()) -> Located | None:
+    """None when the answers agree, token for token AND in their texts; else where they first
+    differ (see the module docstring). ``eos_id``: appended to the answer's tokens (or its
+    tokenized text) when it stopped (``finish_reason`` stop) without one of ``eos_ids`` (default
+    ``{eos_id}``) at its end, so an answer that ends where the reference goes on differs by its
+    EOS, as the reference's ids (an endpoint leaves the EOS out of its logprobs, or keeps it)."""
+    eos = _Eos(eos_id, frozenset(eos_ids) or frozenset([eos_id] if eos_id is not None else []))
     ref_ids = ref.ids if ref.ids is not None else _ids(ref.tokens)
     ours_ids = _ids(ours.tokens)
     if ref_ids is not None and ours_ids is not None:
-        return _located(ref_ids, ours_ids, "ids")
-    if ref.tokens is not None and ours.tokens is not None:
-        return _located([t.text for t in ref.tokens], [t.text for t in ours.tokens], "tokens")
-    if ref.text == ours.text:
-        return None
+        found = _located(ref_ids, eos.ended(ours_ids, ours, ref_ids), "ids")
+    elif ref.tokens is not None and ours.tokens is not None:
+        found = _located([t.text for t in ref.tokens], [t.text for t in ours.tokens], "tokens")
+    else:
+        return None if ref.text == ours.text else _by_text(ref, ours, ref_ids, tokenizer, eos)
+    if found is not None or ref.text == ours.text:
+        return found
+    # the tokens agree and the texts do not: what the client reads is not what the tokens spell
+    found = _by_text(ref, ours, ref_ids, tokenizer, eos)
+    found.note = (f"the answers' {_agreed(ref_ids, ours_ids)} agree but their texts differ: the text is not what "
+                  "the tokens spell (a proxy, detokenizer or stop-string cut changed it); located from the text")
+    return found
+
+
+def compared_by(ref: Reference, ours: Reply) -> str:
+    """How :func:`locate` compares two answers: "ids", "tokens" (and the texts too), or "text" alone."""
+    if (ref.ids is not None or _ids(ref.tokens) is not None) and _ids(ours.tokens) is not None:
+        return "ids"
+    return "tokens" if ref.tokens is not None and ours.tokens is not None else "text"
+
+
+def _agreed(ref_ids, ours_ids) -> str:
+    return "token ids" if ref_ids is not None and ours_ids is not None else "logprobs tokens"
+
+
+@dataclass(frozen=True)
+class _Eos:
+    """The EOS a stopped answer is given where its tokens lack one (None: none is added)."""
+
+    id: int | None
+    ids: frozenset
+
+    def ended(self, ids: list[int], reply: Reply, ref_ids: list[int]) -> list[int]:
+        if self.id is None or reply.finish_reason != "stop" or (ids and ids[-1] in self.ids):
+            return ids
+        there = ref_ids[len(ids)] if len(ids) < len(ref_ids) else None  # the reference's own EOS, if it ends there
+        return [*ids, there if there in self.ids else self.id]
+
+
+def _by_text(ref: Reference, ours: Reply, ref_ids: list[int] | None, tokenizer, eos: _Eos) -> Located:
+    """A difference of two texts, located: the answer tokenized against the reference's ids, else
+    aligned against the reference's token strings."""
     if ref_ids is not None and tokenizer is not None:
-        ids = tokenizer.encode(ours.text, add_special_tokens=False)
-        if eos_id is not None and ours.finish_reason == "stop":
-            ids = [*ids, eos_id]
+        ids = eos.ended(tokenizer.encode(ours.text, add_special_tokens=False), ours, ref_ids)
         found = _located(ref_ids, ids, "text")
-        return found or Located(len(ref_ids), None, None, "text")  # equal ids, other texts: a decoding quirk
+        return found or Located(len(ref_ids), None, None, "text", note=(  # equal ids, other texts: a decoding quirk
+            "the texts differ but the answer's text tokenizes to the reference's tokens (a decoding difference: "
+            "spaces, special tokens)"))
     return _align(ref, ours.text, tokenizer)
 
 
@@ -130,6 +175,8 @@ def judge(found: Located, logprob_own: float | None, logprob_ours: float | None,
     listed there, when ``ours`` was not among them (then ``logprob_ours`` is None)."""
     entry = {"position": found.position, "reference_token": found.own, "endpoint_token": found.ours,
              "compared": found.compared, "reference_logprob": logprob_own, "endpoint_token_logprob": logprob_ours}
+    if found.note:
+        entry["note"] = found.note
     tol = tolerance_for(dtype, tolerance)
     if logprob_own is None or found.own is None or found.ours is None:
         ended = (found.own is None) != (found.ours is None) and not found.unknown
@@ -149,6 +196,8 @@ def judge(found: Located, logprob_own: float | None, logprob_ours: float | None,
 
 
 def _why(found: Located, logprob_own) -> str:
+    if found.note and found.own is None and found.ours is None:
+        return found.note
     if found.unknown:
         return "the answers differ but could not be aligned token by token (no tokens, no tokenizer)"
     if found.own is None:

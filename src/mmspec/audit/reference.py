@@ -47,9 +47,10 @@ class LocalTarget:
         """The processor's tensors for a request's messages, framed as mmspec serve frames them."""
         from mmspec.inputs import processor_inputs, to_target
         from mmspec.serve.messages import build_prompt, image_refs, load_image
+        from mmspec.serve.protocol import parse_messages
 
-        messages = body["messages"]
         try:
+            messages = parse_messages(body["messages"])  # typed as the server reads them
             images = [load_image(ref, []) for ref in image_refs(messages)]
             prompt = build_prompt(self.processor, self.tokenizer, messages)
             enc = processor_inputs(self.processor, prompt, images)

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mmspec.audit.client import AuditError, Endpoint, RequestFailed
-from mmspec.audit.compare import CLASSES, Reference, judge, locate, tolerance_for
+from mmspec.audit.compare import CLASSES, Reference, compared_by, judge, locate, tolerance_for
 from mmspec.audit.requests import AuditRequest
 
 ROWS, REPORT = "audit.jsonl", "report.json"
@@ -74,8 +74,9 @@ class Auditor:
         except (RequestFailed, AuditError) as e:
             return {**row, "class": "error", "error": str(e), "seconds": time.perf_counter() - t0}
         eos = None if req.body.get("stop") else getattr(self.local, "eos_id", None)  # a stop string ends no token
-        found = locate(ref, ours, self.tokenizer, eos_id=eos)
+        found = locate(ref, ours, self.tokenizer, eos_id=eos, eos_ids=getattr(self.local, "eos_ids", ()))
         row["chars"] = len(ours.text)  # the answer's length: an empty answer is "identical" too
+        row["compared"] = compared_by(ref, ours)  # ids, tokens (each with the texts) or text alone
         if found is None:
             return {**row, "class": "identical", "seconds": time.perf_counter() - t0}
         diff = self._judge(ref, inputs, found)
@@ -94,8 +95,7 @@ class Auditor:
         if found.own is None or found.position >= len(tokens):
             return judge(found, None, None, c.dtype, c.tolerance)
         at = tokens[found.position]
-        key = found.ours if isinstance(found.ours, str) or found.ours is None else f"token_id:{found.ours}"
-        lp_ours = at.top.get(key) if key is not None else None
+        lp_ours = at.alternative(found.ours)
         floor = min(at.top.values()) if at.top and lp_ours is None else None
         return judge(found, at.logprob, lp_ours, c.dtype, c.tolerance, listed_floor=floor)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import typer
 
-from mmspec.cli import common
+from mmspec.cli import common, options
 from mmspec.cli.common import console, err_console, fail
 from mmspec.errors import MMSpecError
 
@@ -48,8 +48,8 @@ def audit(
     timeout: float = typer.Option(300.0, help="Seconds one request may take."),
     out: Path | None = typer.Option(None, help="Directory for audit.jsonl (rows as they finish; a rerun resumes) "
                                     "and report.json."),
-    device: str = typer.Option("cpu", help="The local reference's device."),
-    threads: int | None = common.THREADS,
+    device: str = options.device("cpu", "The local reference's device: "),
+    threads: int | None = options.THREADS,
 ):
     """Check that an OpenAI-compatible endpoint answers exactly as its target (docs/audit.md).
 

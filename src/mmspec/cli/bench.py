@@ -25,6 +25,7 @@ from pathlib import Path
 import typer
 
 from mmspec.bench.config import DEFAULT_DATASETS, DEFAULT_METHODS, BenchConfig, DatasetSpec
+from mmspec.cli import options
 from mmspec.errors import MMSpecError
 from mmspec.provenance import command_line
 
@@ -62,11 +63,11 @@ def _factory(spec: str):
 @bench_app.command("run")
 def run_command(
     out: Path = typer.Option(Path("bench_results"), "--out", "-o", help="Results directory (resumable)."),
-    method: list[str] | None = typer.Option(None, "--method", "-m", help=f"Drafting method(s), repeat or comma-separate: views (M, MTC, ...) or a head variant (eagle, eagle3, msd), then in any order +tree, +tree:DEPTHxTOPKxBUDGET (6x4x16), +tree:[[0],[1]] (README, \"Token trees\"), +relaxed (lossy). Default: {','.join(DEFAULT_METHODS)}."),  # noqa: B008 (a help text, built once)
+    method: list[str] | None = options.methods(None, "--method", "-m"),
     dataset: list[str] | None = typer.Option(None, "--dataset", "-d", help="NAME (embedded world) or NAME=PATH[:SPLIT] (real benchmark: a parquet file, a directory of parquet files such as a hub snapshot, of which only SPLIT's files are read, or a save_to_disk dir; SPLIT defaults to the benchmark's own: chartqa test, textvqa and vqav2 validation, hallusionbench image, the interleave tasks test; relative image paths in it are read from its directory, then the working directory). Repeat or comma-separate. Default: the 8 IbED families, embedded."),
     n_samples: int = typer.Option(100, "--n-samples", "-n", help="Samples per dataset."),
     gamma: int = typer.Option(5, help="Draft tokens per block."),
-    max_new_tokens: int = typer.Option(128, help="New tokens per sample."),
+    max_new_tokens: int = options.max_new_tokens(128, "sample"),
     temperature: float = typer.Option(0.0, help="0 = greedy (lossless: outputs must equal the target's)."),
     seed: int = typer.Option(0),
     target: str | None = typer.Option(None, help="Target checkpoint dir or hub id (default: embedded)."),
@@ -74,12 +75,9 @@ def run_command(
     captioner: str | None = typer.Option(None, help="Captioner checkpoint (needed by C methods)."),
     captioner_prompt: str | None = typer.Option(None, help="Prompt for the captioner (default: the one an `mmspec train` captioner records)."),
     pool_tokens: int | None = typer.Option(None, help="Tokens per image of the P (pooled) view, e.g. 144."),
-    head: list[str] | None = typer.Option(None, "--head", help="VARIANT=DIR: a trained feature-level head (made by "
-                                             "`mmspec train head`) for the head methods (eagle, eagle3+tree, ...); "
-                                             "every head method needs one (none ships with the embedded pack). "
-                                             "Repeat for several."),
+    head: list[str] | None = options.heads("-m eagle,eagle3+tree --head eagle=DIR --head eagle3=DIR2"),
     split: str | None = typer.Option(None, help="Split of every dataset that names none (NAME=PATH:SPLIT). Default: the embedded world's test; a real benchmark's own split (see --dataset)."),
-    device: str | None = typer.Option(None, help="Default: cuda:LOCAL_RANK if available, else cpu."),
+    device: str | None = options.device(None, "Default: cuda:LOCAL_RANK if available, else cpu; "),
     dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 (the embedded models too)."),
     latency: bool = typer.Option(True, "--latency/--no-latency", help="Measure T_p, T_q(b=1..8), T_V(γ) per dataset."),
     latency_repeats: int = typer.Option(5, help="Repeats per latency probe (median)."),

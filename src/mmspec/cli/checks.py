@@ -262,20 +262,26 @@ def _other_vision_family(target: str, draft: str) -> bool:
 
 
 def _check_views(o: GenerateOptions) -> None:
-    """Views that exist, one weight per view, a captioner only where a caption view reads it."""
+    """Views that exist, one weight per view, a captioner only where a caption view reads it. With
+    no draft model (``--draft lookup|suffix``, a head) there are no views to weigh: ``--weights``
+    is refused by the model checks, not matched against ``--views`` (whose advice would be refused)."""
+    from mmspec.checks import model_free_name
+    from mmspec.heads.directory import is_head_dir
     from mmspec.views import parse_views
 
     try:
         kinds = [v.kind for v in parse_views(o.view_list)]
     except MMSpecError as e:
         raise MMSpecError(f"--views {o.views}: {e}") from None
-    if o.weight_list is not None and not isinstance(o.weight_list, list) and len(kinds) < 2 and o.head is None:
+    o.caption_view = "caption" in kinds
+    if o.head is not None or model_free_name(o.draft) is not None or (o.draft is not None and is_head_dir(o.draft)):
+        return
+    if o.weight_list is not None and not isinstance(o.weight_list, list) and len(kinds) < 2:
         raise MMSpecError(f"--weights {o.weights}: adaptive weights weigh two views or more, --views {o.views} is "
                           "one; use e.g. --views MT --weights adaptive")
     if isinstance(o.weight_list, list) and len(o.weight_list) != len(kinds):
         raise MMSpecError(f"--weights gives {len(o.weight_list)} weight(s) for {len(kinds)} view(s) ({o.views}); "
                           "give one per view, e.g. --views MT --weights 1,0.5")
-    o.caption_view = "caption" in kinds
 
 
 def _check_model_free(o: GenerateOptions) -> None:
@@ -299,19 +305,9 @@ def _check_model_free(o: GenerateOptions) -> None:
     if o.alone is not None and o.head is not None:
         raise MMSpecError(f"--draft {o.alone} and --head both give the draft; pass --head DIR --model-free {o.alone} "
                           "to add it to the head's tree")
-    try:
-        check_model_free(o.alone, o.model_free, o.lookup_dict, views=o.view_list or ["M"], weights=o.weight_list,
-                         captioner=o.captioner, draft_processor=None, substitute=None, draft_tokenizer=None,
-                         tree_children=o.tree_children)
-    except MMSpecError as e:  # the same checks, in the CLI's spelling
-        msg = str(e).replace(f"views={o.view_list!r}", f"--views {o.views}")
-        for kw, flag in (("views=", "--views "), ("weights=", "--weights"), ("captioner=", "--captioner"),
-                         ("tree_children=", "--tree-children "), ("model_free=", "--model-free "),
-                         ("draft=", "--draft "), ("lookup_options=", "--lookup-options"),
-                         ("captions=[...] to generate()", "--captioner only with a caption view (C) of a draft "
-                          "model")):
-            msg = msg.replace(kw, flag)
-        raise MMSpecError(msg) from None
+    check_model_free(o.alone, o.model_free, o.lookup_dict, spelling="cli", views_shown=o.views,
+                     views=o.view_list or ["M"], weights=o.weights, captioner=o.captioner, draft_processor=None,
+                     substitute=None, draft_tokenizer=None, tree_children=o.tree_children)
     if o.model_free is not None and o.draft is None and o.head is None and o.target is not None:
         raise MMSpecError(f"--model-free {o.model_free} adds its proposals beside a draft; give --draft or --head, "
                           f"or draft with it alone: --draft {o.model_free}")

@@ -1,5 +1,6 @@
-"""What every ``mmspec`` command shares: the consoles, the one-line error exit, the ``--threads``
-option and the small flag checks. Nothing outside :mod:`mmspec.cli` imports this module.
+"""What every ``mmspec`` command shares: the consoles, the one-line error exit and the small flag
+checks (the options commands share: :mod:`mmspec.cli.options`). Nothing outside :mod:`mmspec.cli`
+imports this module.
 """
 
 from __future__ import annotations
@@ -13,10 +14,6 @@ from mmspec.threads import apply_threads
 
 console = Console()
 err_console = Console(stderr=True)
-
-THREADS = typer.Option(None, help="CPU threads for torch (default: torch's choice); give each of several runs "
-                       "side by side a share of the cores.")
-
 
 def fail(e: Exception) -> None:
     err_console.print(Text.assemble(("error:", "bold red"), " ", str(e)))  # literal: "[/INST]", ":x:" as written

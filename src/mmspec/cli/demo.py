@@ -8,25 +8,23 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from mmspec.cli import common
+from mmspec.cli import common, options
 from mmspec.cli.common import fail, names
 from mmspec.cli.generate import EMBEDDED_NOTE, baseline, load_models
 from mmspec.errors import MMSpecError
 
+DEMO_METHODS = "M,T,C,P,MT,MTC,MTCP,M+tree"
+
 
 def demo(
-    methods: str = typer.Option("M,T,C,P,MT,MTC,MTCP,M+tree", help="Drafting methods to compare, comma-separated, "
-                                "as bench's -m (+tree: a dynamic token tree, e.g. M+tree, MTC+tree:6x4x16; "
-                                "README, \"Token trees\")."),
+    methods: str = options.methods(DEMO_METHODS),
     families: str = typer.Option("chartqa,textvqa,spot_the_diff,pororosv", help="World families (1, 2 and 5 images)."),
-    max_new_tokens: int = typer.Option(64),
+    max_new_tokens: int = options.max_new_tokens(64, "sample"),
     gamma: int = typer.Option(5),
     repeats: int = typer.Option(3, help="Runs of the target alone and of each method per family, interleaved; "
                                 "the speed-up is the ratio of their medians."),
-    threads: int | None = typer.Option(None, help="CPU threads for torch (default: torch's choice)."),
-    head: list[str] | None = typer.Option(None, "--head", help="VARIANT=DIR: a feature-level head (mmspec's, "
-                                          "EAGLE-1/2, EAGLE-3 or speculators) for a head method in --methods "
-                                          "(e.g. -m M,eagle,eagle+tree --head eagle=DIR)."),
+    threads: int | None = options.THREADS,
+    head: list[str] | None = options.heads("--methods M,eagle,eagle+tree --head eagle=DIR"),
 ):
     """Run every drafting method on a few synthetic-world samples with the embedded models.
 

@@ -9,8 +9,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from mmspec.cli import common
+from mmspec.cli import common, options
 from mmspec.cli.common import fail
+from mmspec.cli.options import ModelFlags, RuntimeFlags, ShapeFlags, ViewFlags, takes
 from mmspec.errors import MMSpecError
 from mmspec.views import parse_views
 
@@ -98,27 +99,17 @@ def check_loaded_head(o, dec) -> None:
     (:func:`mmspec.heads.check.calibrate`) and says what it measured; near τ 1, why."""
     if o.head is None or not o.check_head:
         return
-    from mmspec.cli.checks import model_type_of
     from mmspec.heads.check import calibrate
 
-    if o.target is not None and model_type_of(o.target) != "llava":
-        common.err_console.print("head check skipped: its prompts (the world's) are in LLaVA-1.5's format; run mmspec "
-                                 "check head DIR --target T --prompts FILE with prompts in this target's format",
-                                 markup=False, highlight=False)
-        return
     try:
-        report = calibrate(dec)
-    except MMSpecError as e:  # the world's LLaVA-format prompts do not fit every family's processor
+        report = calibrate(dec)  # the world's questions, framed by the target's own chat template
+    except MMSpecError as e:  # a processor or template that cannot take the world's pictures and questions
         common.err_console.print(f"head check skipped ({e}); run mmspec check head DIR --target T --prompts FILE "
-                                 "with prompts in this target's format", markup=False, highlight=False)
+                                 "with prompts of your own", markup=False, highlight=False)
         return
     for line in report.lines():
         (common.err_console if report.warnings else common.console).print(
             line if report.warnings else f"[dim]{escape(line)}[/dim]", markup=not report.warnings, highlight=False)
-
-
-CHECK_HEAD = typer.Option(True, help="With a head: a short calibration on load (4 world prompts) that reports "
-                          "tau and warns when the head barely drafts (mmspec check head).")
 
 
 def stats_table(title: str, res, baseline_s: float | None = None, identical: bool | None = None) -> Table:
@@ -151,22 +142,9 @@ def baseline(target, inputs, max_new_tokens):
     return out[0, inputs["input_ids"].shape[1]:].tolist(), time.perf_counter() - t0
 
 
-# the model flags `generate` and `serve` share, declared once
-TARGET = typer.Option(None, help="Target VLM: local directory or hub id (default: embedded).")
-DRAFT = typer.Option(None, help="Draft model: local directory or hub id; or a draft head directory (as --head); "
-                     "or 'lookup' / 'suffix': drafting with no model (prompt lookup, suffix decoding; docs/lookup.md).")
-MODEL_FREE = typer.Option(None, "--model-free", help="lookup or suffix beside the draft model or head: their "
-                          "proposals join each block's tree as other branches (docs/lookup.md).")
-LOOKUP_OPTIONS = typer.Option(None, "--lookup-options", help="Settings of lookup / suffix, KEY=VALUE comma-separated: "
-                              "ngram_min, ngram_max, candidates, suffix_depth, suffix_mb, suffix_factor, "
-                              "suffix_min_prob (docs/lookup.md, \"Bounds\").")
-HEAD = typer.Option(None, "--head", help="A feature-level draft head directory (made by `mmspec train head`): it "
-                    "drafts from the target's own hidden states, so --views and --captioner do not apply. "
-                    "`--draft HEAD_DIR` works too.")
-CAPTIONER = typer.Option(None, help="Captioner (HF image-to-text) for the caption view.")
-
-
+@takes
 def generate(
+    *,
     prompt: str | None = typer.Option(None, help="Prompt text; `<image>` / `<video>` mark where each image / "
                                          "video goes (one each in front if missing). Framed by the target's chat "
                                          "template where it has one, else as `USER: ... ASSISTANT:`."),
@@ -175,42 +153,17 @@ def generate(
                                      "Video-LLaVA, Qwen2-VL, Qwen2.5-VL): a directory of its frames (PNG/JPEG, "
                                      "name order) or a video file (needs PyAV: pip install av). Repeatable."),
     frames: int = typer.Option(8, help="Frames taken from each --video, evenly spaced."),
-    target: str | None = TARGET,
-    draft: str | None = DRAFT,
-    head: str | None = HEAD,
-    model_free: str | None = MODEL_FREE,
-    lookup_options: str | None = LOOKUP_OPTIONS,
-    captioner: str | None = CAPTIONER,
-    captioner_prompt: str | None = typer.Option(None, help="Task prompt for the captioner, e.g. `<CAPTION>` for Florence-2 (default: the one an `mmspec train` captioner records)."),
-    views: str = typer.Option("M", help="Drafting views: letters M,T,C,P or names, comma-separated (pooled:36); "
-                              "several = the in-batch ensemble (e.g. MT, MTC). M is the fastest measured "
-                              "with the embedded pair (docs/perf.md)."),
-    weights: str | None = typer.Option(None, help="Ensemble weights: one number per view, comma-separated (default equal), or adaptive (adaptive:loglik, adaptive:tabed:0.2: per block, TABED)."),
-    gamma: int | None = typer.Option(None, help="Draft tokens per block of a chain (default 5); a tree's "
-                                        "shape is --tree's."),
-    tree: str | None = typer.Option(None, help="Block shape (README, \"Token trees\"): chain (default), dynamic "
-                                       "(EAGLE-2 with the device's measured defaults), DEPTHxTOPKxBUDGET such as "
-                                       "6x4x16, or a static tree as JSON child-rank paths, e.g. '[[0],[1],[0,0]]'."),
-    tree_depth: int | None = typer.Option(None, help="With --tree dynamic: expansion steps."),
-    tree_topk: int | None = typer.Option(None, help="With --tree dynamic: children per node and nodes expanded per depth."),
-    tree_budget: int | None = typer.Option(None, help="With --tree dynamic: nodes verified per block (root excluded)."),
-    tree_children: str = typer.Option("mixture", help="Tree children from the views' mixture, or 'views': each "
-                                      "view's own top tokens (trees only)."),
-    stop_below: float | None = typer.Option(None, help="Chains only: stop drafting a block when the draft's "
-                                               "probability of its proposal falls below this (lossless)."),
-    cuda_graphs: str = typer.Option("auto", help="auto (on for a CUDA device), on, off."),
-    max_new_tokens: int = typer.Option(128),
+    models: ModelFlags,
+    views: ViewFlags,
+    shape: ShapeFlags,
+    max_new_tokens: int = options.max_new_tokens(128),
     temperature: float = typer.Option(0.0, help="0 = greedy (exactly the target's greedy output)."),
     top_k: int | None = typer.Option(None, help="Sampling only (--temperature > 0): keep the k likeliest tokens."),
     top_p: float | None = typer.Option(None, help="Sampling only (--temperature > 0): nucleus filter."),
     seed: int | None = typer.Option(None, help="Seed for sampling (same seed, same output)."),
     compare: bool = typer.Option(True, help="Also run target.generate and report speed-up and identity (greedy)."),
-    dtype: str = typer.Option("auto", help="auto, float32, bfloat16, float16 (auto: float32 on the CPU, where "
-                              "half precision is several times slower; the checkpoint's own on a GPU)."),
-    device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, ..."),
-    threads: int | None = typer.Option(None, help="CPU threads for torch (default: torch's choice); give "
-                                          "each of several runs side by side a share of the cores."),
-    check_head: bool = CHECK_HEAD,
+    runtime: RuntimeFlags,
+    check_head: bool = options.CHECK_HEAD,
 ):
     """Answer one prompt with speculative decoding and print the block statistics.
 
@@ -222,13 +175,9 @@ def generate(
 
     try:
         opts = check_generate(GenerateOptions(
-            prompt=prompt, image=list(image), video=list(video), frames=frames, target=target, draft=draft,
-            head=head, captioner=captioner, captioner_prompt=captioner_prompt, views=views, weights=weights,
-            gamma=gamma, tree=tree, tree_depth=tree_depth, tree_topk=tree_topk, tree_budget=tree_budget,
-            tree_children=tree_children, stop_below=stop_below, cuda_graphs=cuda_graphs,
-            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-            dtype=dtype, device=device, threads=threads, model_free=model_free,
-            lookup_options=lookup_options, check_head=check_head))  # every option, before any model loads
+            prompt=prompt, image=list(image), video=list(video), frames=frames, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, check_head=check_head,
+            **models.fields(), **views.fields(), **shape.fields(), **runtime.fields()))  # every option, before any model loads
         _run(opts, compare)
     except MMSpecError as e:
         fail(e)

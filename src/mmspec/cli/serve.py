@@ -15,41 +15,26 @@ from pathlib import Path
 
 import typer
 
-from mmspec.cli import common
+from mmspec.cli import common, options
 from mmspec.cli.common import fail
-from mmspec.cli.generate import CAPTIONER, CHECK_HEAD, DRAFT, HEAD, LOOKUP_OPTIONS, MODEL_FREE, TARGET, WORLD_WORDING
+from mmspec.cli.generate import WORLD_WORDING
+from mmspec.cli.options import ModelFlags, RuntimeFlags, ShapeFlags, ViewFlags, takes
 from mmspec.errors import MMSpecError
-from mmspec.serve.guard import default_hosts
+from mmspec.serve.guard import check_origins, default_hosts
 
 EMBEDDED_NAME = "mmspec-embedded"
-SPECULATE = ("always", "never", "auto")  # mmspec.batch.SPECULATE (not imported: it loads torch)
 
 
+@takes
 def serve(
-    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface; the server has "
-                             "no authentication)."),
+    *,
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface; give it an "
+                             "--api-key, and --allowed-hosts, before others can reach it)."),
     port: int = typer.Option(8000, help="TCP port."),
-    target: str | None = TARGET,
-    draft: str | None = DRAFT,
-    head: str | None = HEAD,
-    model_free: str | None = MODEL_FREE,
-    lookup_options: str | None = LOOKUP_OPTIONS,
-    captioner: str | None = CAPTIONER,
-    captioner_prompt: str | None = typer.Option(None, help="Task prompt for the captioner (as in generate)."),
-    views: str = typer.Option("M", help="Drafting views, as in `mmspec generate` (e.g. M, MT, MTC)."),
-    weights: str | None = typer.Option(None, help="Ensemble weights: one number per view, comma-separated (default equal), or adaptive (adaptive:loglik, adaptive:tabed:0.2: per block, TABED)."),
-    gamma: int | None = typer.Option(None, help="Draft tokens per block of a chain (default 5)."),
-    tree: str | None = typer.Option(None, help="Block shape, as in `mmspec generate`: chain, dynamic, "
-                                       "DEPTHxTOPKxBUDGET or a static tree as JSON paths."),
-    tree_depth: int | None = typer.Option(None, help="With --tree dynamic: expansion steps."),
-    tree_topk: int | None = typer.Option(None, help="With --tree dynamic: children per node."),
-    tree_budget: int | None = typer.Option(None, help="With --tree dynamic: nodes verified per block."),
-    tree_children: str = typer.Option("mixture", help="Tree children from the views' mixture, or 'views'."),
-    stop_below: float | None = typer.Option(None, help="Chains only: dynamic draft length threshold."),
-    cuda_graphs: str = typer.Option("auto", help="auto (on for a CUDA device), on, off."),
-    dtype: str = typer.Option("auto", help="auto, float32, bfloat16, float16 (auto: float32 on the CPU)."),
-    device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, ..."),
-    threads: int | None = common.THREADS,
+    models: ModelFlags,
+    views: ViewFlags,
+    shape: ShapeFlags,
+    runtime: RuntimeFlags,
     max_batch: int = typer.Option(16, help="Requests decoded together; more wait for a free row."),
     speculate: str = typer.Option("always", help="always: draft every block; never: batched target steps "
                                   "only; auto: per batch size, draft only while it measures faster (all lossless; "
@@ -81,7 +66,7 @@ def serve(
     cors_origins: list[str] = typer.Option([], help="Origins browsers may call the server from (repeatable; "
                                            "default: none, CORS off)."),
     metrics: bool = typer.Option(True, help="GET /metrics in Prometheus' text format."),
-    check_head: bool = CHECK_HEAD,
+    check_head: bool = options.CHECK_HEAD,
 ):
     """Serve the models over HTTP with OpenAI's chat-completions API (docs/serve.md).
 
@@ -91,13 +76,11 @@ def serve(
     from mmspec.cli.checks import GenerateOptions, at_least, check_decoder
 
     try:
-        opts = check_decoder(GenerateOptions(
-            target=target, draft=draft, head=head, captioner=captioner, captioner_prompt=captioner_prompt,
-            views=views, weights=weights, gamma=gamma, tree=tree, tree_depth=tree_depth, tree_topk=tree_topk,
-            tree_budget=tree_budget, tree_children=tree_children, stop_below=stop_below, cuda_graphs=cuda_graphs,
-            dtype=dtype, device=device, threads=threads, model_free=model_free, lookup_options=lookup_options,
-            check_head=check_head))
+        opts = check_decoder(GenerateOptions(check_head=check_head, **models.fields(), **views.fields(),
+                                             **shape.fields(), **runtime.fields()))
         at_least("--max-batch", max_batch)
+        from mmspec.options import SPECULATE
+
         if speculate not in SPECULATE:
             raise MMSpecError(f"--speculate must be one of {', '.join(SPECULATE)}, got {speculate!r}")
         at_least("--max-tokens", max_tokens)
@@ -114,6 +97,7 @@ def serve(
         if api_key is not None and not api_key.strip():
             raise MMSpecError("--api-key (or MMSPEC_API_KEY) is empty; give a key, or leave it unset for no key")
         hosts = None if "*" in allowed_hosts else (list(allowed_hosts) or default_hosts(host))
+        check_origins(cors_origins)
         _check_extra(metrics)
         sock = _bind(host, port)  # the port is ours before minutes of loading, or refused now
     except MMSpecError as e:

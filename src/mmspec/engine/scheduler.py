@@ -27,12 +27,11 @@ import torch
 
 from mmspec.engine.admission import admit
 from mmspec.errors import MMSpecError
+from mmspec.options import SPECULATE
 from mmspec.prefix_cache import make_entry
 from mmspec.request import Request, prepare
 from mmspec.results import GenerationResult
 from mmspec.streaming import TextDelta
-
-SPECULATE = ("always", "never", "auto")
 
 
 @dataclass
@@ -164,8 +163,11 @@ class BatchScheduler:
 
     # ------------------------------------------------------------------ the API
     def submit(self, request: dict | Request, **defaults) -> int:
-        """Check the request now (MMSpecError), queue it; returns its id."""
+        """Check the request now (MMSpecError), queue it; returns its id. A :class:`~mmspec.request.Request`
+        already checked by :func:`~mmspec.request.prepare` (``mmspec serve``'s) is queued as it is."""
         if isinstance(request, Request):
+            if defaults:
+                raise MMSpecError(f"{sorted(defaults)} given with a prepared Request; set them when preparing it")
             req = request
         elif not isinstance(request, dict):
             raise MMSpecError(f"a request is a dict of generate()'s arguments (input_ids, pixel_values, ...), "

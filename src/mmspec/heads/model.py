@@ -33,6 +33,7 @@ run time.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -92,11 +93,34 @@ class HeadConfig:
 def default_feature_layers(variant: str, n_layers: int) -> tuple[int, ...]:
     """eagle / msd: the target's final (post-norm) state. eagle3: the outputs of decoder layers
     1, N/2 - 1 and N - 4 of an N-layer target, EAGLE-3's low, middle and high layer (SpecForge's,
-    SGLang's and vLLM's default), clamped into a shallow target."""
-    if variant == "eagle3":
-        last = n_layers - 1
+    SGLang's and vLLM's default); in a shallow target (N < 8) moved apart so that they stay three
+    distinct layers in ascending order, as the engines read them (3 layers: 0, 1, 2). A target of
+    fewer than 3 layers has no three: its layers are clamped (such a head cannot be exported;
+    ``mmspec train head`` refuses it: :func:`check_eagle3_layers`)."""
+    if variant != "eagle3":
+        return (-1,)
+    last = n_layers - 1
+    if n_layers < 3:
         return (min(1, last), min(max(n_layers // 2 - 1, 0), last), min(max(n_layers - 4, 0), last))
-    return (-1,)
+    low = min(1, n_layers - 3)
+    mid = max(low + 1, min(n_layers // 2 - 1, n_layers - 2))
+    return (low, mid, max(mid + 1, n_layers - 4))
+
+
+def check_eagle3_layers(layers: Sequence[int], n_layers: int, given: str | None = None) -> None:
+    """An eagle3 head's feature layers as SGLang and vLLM fuse them (and ``export head`` writes
+    them): three distinct decoder layers of the target, in ascending order. ``given``: the
+    ``--feature-layers`` text they came from (None: the default for this depth)."""
+    fl = list(layers)
+    if n_layers < 3:
+        raise MMSpecError(f"an eagle3 head fuses the outputs of three distinct decoder layers (low, middle, high), "
+                          f"and the target has {n_layers}; train --variant eagle (it reads the target's final state)")
+    if len(fl) != 3 or fl != sorted(set(fl)) or not all(0 <= i < n_layers for i in fl):
+        ok = ",".join(map(str, default_feature_layers("eagle3", n_layers)))
+        where = f"--feature-layers {given!r}" if given is not None else f"the feature layers {fl}"
+        raise MMSpecError(f"{where}: an eagle3 head fuses three distinct decoder-layer outputs in ascending order, "
+                          f"as SGLang and vLLM read them (export head refuses other layers); give three ascending "
+                          f"layers from 0 to {n_layers - 1}, e.g. --feature-layers {ok} (the default)")
 
 
 def saved_layer(raw: dict) -> dict:
@@ -193,6 +217,7 @@ class FeatureHead(nn.Module):
         from transformers import LlamaModel
 
         self.config = cfg
+        self.path: Path | None = None  # the directory it was loaded from (None: made or held in memory)
         H = cfg.hidden_size
         lcfg = llama_config(cfg)
         self.decoder = LlamaModel(lcfg)
@@ -397,6 +422,7 @@ def load_saved_head(path: str | Path, target=None) -> FeatureHead:
     if missing or unexpected:
         raise MMSpecError(f"the head in '{path}' does not match its config (missing {missing[:3]}, "
                           f"unexpected {unexpected[:3]}); re-save it with this mmspec version")
+    head.path = path
     if target is not None:
         check_head_fits(head, target)
         from mmspec.models.base import ModelAdapter, adapter_for

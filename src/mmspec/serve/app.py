@@ -76,10 +76,18 @@ def create_app(service: Service) -> FastAPI:
             data, kind = metrics.render()
             return Response(data, media_type=kind)
 
+    routes = ["POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /health"] + \
+        (["GET /metrics"] if metrics is not None else [])
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        hint = " (mmspec serve has POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics)"
-        return error_response(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}{hint}",
+        path = request.url.path
+        if exc.status_code == 405:
+            allowed = [r.split()[0] for r in routes if r.split()[1] == path]
+            hint = f" ({path} takes {' or '.join(allowed)})" if allowed else ""
+        else:
+            hint = f" (mmspec serve has {', '.join(routes)})"
+        return error_response(exc.status_code, f"{exc.detail}: {request.method} {path}{hint}",
                               type=_failure_type(exc.status_code))
 
     @app.get("/health")
@@ -124,7 +132,7 @@ async def _complete(service: Service, request: Request, completion: bool):
     except RequestError as e:
         _count(service, e.status)
         return refusal(e)
-    run = Run(service, req, prepared, t0, completion)
+    run = Run(service, req, prepared, t0)
     failure = await run.submit()
     if failure is None and req.stream:
         return StreamingResponse(run.stream(), media_type="text/event-stream",

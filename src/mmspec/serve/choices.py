@@ -21,8 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from mmspec.serve import protocol as P
 from mmspec.serve import responses as R
 from mmspec.serve.guard import redact_paths
-from mmspec.serve.schema import ChatRequest
-from mmspec.serve.service import Prepared, Service
+from mmspec.serve.service import Body, Prepared, Service
 from mmspec.serve.worker import Job, Update
 
 POLL_S = 0.5  # how often a waiting non-streaming handler checks that its client is still there
@@ -31,11 +30,11 @@ POLL_S = 0.5  # how often a waiting non-streaming handler checks that its client
 class Run:
     """The ``n`` choices of one request (module docstring)."""
 
-    def __init__(self, service: Service, req: ChatRequest, prepared: Prepared, t0: float, completion: bool):
+    def __init__(self, service: Service, req: Body, prepared: Prepared, t0: float):
         self.service, self.req, self.prepared, self.t0 = service, req, prepared, t0
-        self.completion = completion
+        self.completion = req.completion  # /v1/completions: text completions' shapes
         self.name = service.config.model_name
-        self.cid = R.new_id("cmpl-" if completion else "chatcmpl-")
+        self.cid = R.new_id("cmpl-" if self.completion else "chatcmpl-")
         self.queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
@@ -188,7 +187,7 @@ class Run:
     def _stats(self, i: int | None = None) -> P.MMSpecStats:
         """mmspec's numbers: choice ``i``'s, or (None) the first choice's with every choice's under "choices"."""
         latency = time.perf_counter() - self.t0
-        seed = lambda k: self.jobs[k].request.get("seed")  # noqa: E731
+        seed = lambda k: self.jobs[k].request.seed  # noqa: E731
         if i is not None:
             return R.mmspec_stats(self.answers[i], seed(i), latency)
         out = R.mmspec_stats(self.answers[0], seed(0), latency)
@@ -197,9 +196,9 @@ class Run:
         return out
 
     async def _logprobs(self, answer: R.Answer):
-        if not self.req.logprobs:
+        if self.req.logprobs_top is None:
             return None
         ids = R.content_token_ids(answer, self.service.tokenizer)
-        scored = await run_in_threadpool(self.service.logprobs, self.prepared, ids, self.req.top_logprobs)
+        scored = await run_in_threadpool(self.service.logprobs, self.prepared, ids, self.req.logprobs_top)
         tok = self.service.tokenizer
         return R.text_logprobs(scored, tok) if self.completion else R.chat_logprobs(scored, tok)

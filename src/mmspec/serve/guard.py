@@ -25,6 +25,7 @@ import os
 import re
 import time
 
+from mmspec.errors import MMSpecError
 from mmspec.serve.schema import RequestError
 
 JSON_TYPE = "application/json"
@@ -63,10 +64,10 @@ class Guard:
 
         try:
             await self.app(scope, self._bounded(receive), tracked_send)
-        except RequestError as e:  # the body passed the limit while a handler read it
+        except RequestError as e:  # the body passed the limit while a handler read it (counted there)
             if sent:
                 raise
-            await self._refuse(send, e)
+            await self._refuse(send, e, count=False)
 
     def _check(self, scope, headers: dict) -> None:
         if self.allowed_hosts is not None:
@@ -104,7 +105,9 @@ class Guard:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_body:
-                    raise self._too_large(seen, partial=True)
+                    e = self._too_large(seen, partial=True)
+                    self._count(e)  # whoever answers it (the app's handler or this middleware), counted once, here
+                    raise e
             return message
 
         return bounded
@@ -116,9 +119,13 @@ class Guard:
                             "send smaller or fewer images, or a shorter text", status=413,
                             code="request_too_large")
 
-    async def _refuse(self, send, e: RequestError) -> None:
+    def _count(self, e: RequestError) -> None:
         if self.on_refusal is not None:
             self.on_refusal(e.status)
+
+    async def _refuse(self, send, e: RequestError, count: bool = True) -> None:
+        if count:
+            self._count(e)
         body = json.dumps(e.body()).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if e.status == 401:
@@ -143,6 +150,26 @@ def default_hosts(bound: str) -> list[str] | None:
     if bound in ("127.0.0.1", "localhost", "::1") or bound.startswith("127."):
         return sorted({bound, "127.0.0.1", "localhost", "::1"})
     return [bound]
+
+
+_ORIGIN = re.compile(r"(https?)://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._~%-]+)(:\d{1,5})?")
+
+
+def check_origins(origins: list[str]) -> list[str]:
+    """``--cors-origins``: each ``*`` or an origin as a browser sends it, ``scheme://host[:port]``
+    (http or https, no path, no trailing slash: the header is compared as written)."""
+    for o in origins:
+        if o == "*":
+            continue
+        if _ORIGIN.fullmatch(o):
+            continue
+        parts = o.split("/", 3)  # ["https:", "", "host", "path"]
+        base = "/".join(parts[:3]) if len(parts) == 4 else ""
+        fix = f"; without the path: {base}" if _ORIGIN.fullmatch(base) else ""
+        raise MMSpecError(f"--cors-origins {o!r} is not an origin; give one as a browser sends it, "
+                          f"scheme://host[:port] such as https://app.example.com or http://localhost:3000 (or '*' "
+                          f"for any){fix}")
+    return list(origins)
 
 
 _PATH = re.compile(r"(?<![\w:/.])/(?:[^\s'\"/(),]+/)+[^\s'\"(),]*")

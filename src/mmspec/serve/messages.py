@@ -1,4 +1,5 @@
-"""Chat messages (OpenAI's form) -> the target's prompt text and its images.
+"""Chat messages (the typed :class:`~mmspec.serve.protocol.ChatMessage` s of a validated request)
+-> the target's prompt text and its images.
 
 Owns reading ``image_url`` parts (``data:image/...;base64,...`` URLs; local files, as a path or a
 ``file://`` URL, under the directories the server allows) with errors that name the part and
@@ -28,6 +29,7 @@ from urllib.parse import unquote, urlparse
 
 from mmspec.inputs import chat_prompt, frame_prompt, with_markers
 from mmspec.prompt import IMAGE_MARKER
+from mmspec.serve.protocol import ChatMessage, marked_text
 from mmspec.serve.schema import RequestError
 
 
@@ -39,16 +41,20 @@ class ImageRef:
     url: str
 
 
-def image_refs(messages: list[dict]) -> list[ImageRef]:
-    """The image_url parts of ``messages``, in order (schema checked their shape)."""
-    refs = []
-    for i, m in enumerate(messages):
-        if isinstance(m.get("content"), list):
-            for j, part in enumerate(m["content"]):
-                if part.get("type") == "image_url":
-                    ref = part["image_url"]
-                    refs.append(ImageRef(f"messages[{i}].content[{j}]", ref["url"] if isinstance(ref, dict) else ref))
-    return refs
+def image_refs(messages: list[ChatMessage]) -> list[ImageRef]:
+    """The image_url parts of ``messages``, in order."""
+    return [ImageRef(f"messages[{i}].content[{j}]", part.image_url.url)
+            for i, m in enumerate(messages) if isinstance(m.content, list)
+            for j, part in enumerate(m.content) if part.type == "image_url"]
+
+
+def texts(messages: list[ChatMessage]):
+    """Every text of ``messages``: string contents and text parts."""
+    for m in messages:
+        if isinstance(m.content, str):
+            yield m.content
+        elif isinstance(m.content, list):
+            yield from (p.text for p in m.content if p.type == "text")
 
 
 @dataclass
@@ -136,9 +142,9 @@ def _open(source, ref: ImageRef, what: str, budget: PixelBudget | None):
                            "Pillow can open", param=ref.where) from None
 
 
-def build_prompt(processor, tokenizer, messages: list[dict]) -> str:
+def build_prompt(processor, tokenizer, messages: list[ChatMessage]) -> str:
     """The prompt text for ``messages`` (images as markers where their parts are)."""
-    turns = [(m["role"], _marked_text(m)) for m in messages]
+    turns = [(m.role, marked_text(m)) for m in messages]
     n_images = [_image_count(m) for m in messages]
     try:
         if len(turns) == 1:
@@ -152,28 +158,8 @@ def build_prompt(processor, tokenizer, messages: list[dict]) -> str:
         raise RequestError(str(e).replace("--image", "image_url part").replace("--prompt", "the text")) from None
 
 
-def raw_prompt(message: dict) -> str:
-    """/v1/completions: the prompt's text as sent (no chat framing), an ``<image>`` marker where
-    each image part is (or the text's own markers)."""
-    return _marked_text(message) if isinstance(message["content"], list) else message["content"]
-
-
-def _image_count(message: dict) -> int:
-    content = message.get("content")
-    return sum(p.get("type") == "image_url" for p in content) if isinstance(content, list) else 0
-
-
-def _marked_text(message: dict) -> str:
-    """A message's text with an ``<image>`` marker per image part where it is; when the text
-    writes markers itself, the parts only fill them (in order)."""
-    content = message["content"]
-    if isinstance(content, str):
-        return content
-    texts = [p["text"] for p in content if p["type"] == "text"]
-    if any(IMAGE_MARKER in t for t in texts):
-        return " ".join(t.strip() for t in texts)
-    pieces = [IMAGE_MARKER if p["type"] == "image_url" else p["text"].strip() for p in content]
-    return " ".join(p for p in pieces if p)
+def _image_count(message: ChatMessage) -> int:
+    return sum(p.type == "image_url" for p in message.content) if isinstance(message.content, list) else 0
 
 
 def _templated(processor, turns: list[tuple[str, str]], n_images: list[int]) -> str:

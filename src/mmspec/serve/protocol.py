@@ -8,8 +8,12 @@ carries it through its ``ValidationError``) and :func:`parse_request` hands
 it on as the 400 body; a ``{where}`` in a nested model's message becomes the field's place
 (``messages[0].content[1]``). Fields OpenAI has and mmspec does not implement are declared and
 accepted only at the value that means "off"; any field not declared is refused by name
-(``extra="forbid"``). :meth:`ChatCompletionRequest.to_request` gives the
-:class:`~mmspec.serve.schema.ChatRequest` the server works with.
+(``extra="forbid"``). A validated request IS the server's data model, normalised as it is
+validated (the sampling fields as decoding reads them: greedy drops the filters and the seed,
+OpenAI's default temperature 1; ``max_tokens`` merged with ``max_completion_tokens``): the
+server reads its typed messages and fields (:attr:`_Request.chat_messages`,
+:attr:`_Request.logprobs_top`, ...), never the raw dicts again. :func:`parse_messages` checks a
+list of chat messages alone (``mmspec audit``'s local reference).
 
 Responses (:class:`ChatCompletionResponse`, :class:`ChatCompletionChunk`,
 :class:`CompletionResponse`, :class:`Usage`, the log-probability objects, :class:`ErrorResponse`)
@@ -27,12 +31,14 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
+from mmspec.prompt import IMAGE_MARKER
 from mmspec.serve.schema import (
     COMPLETION_MAX_TOKENS,
     IGNORED,
@@ -42,7 +48,6 @@ from mmspec.serve.schema import (
     MAX_TOP_LOGPROBS,
     ROLES,
     WHY_OFF,
-    ChatRequest,
     RequestError,
     json_object,
 )
@@ -160,6 +165,7 @@ class _Request(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     OFF: ClassVar[dict[str, tuple]] = {}  # field -> the values that mean "off" (the only ones accepted)
+    completion: ClassVar[bool] = False  # /v1/completions (a raw prompt, not chat-framed)
 
     model: Any = None
     max_tokens: Whole = None
@@ -242,18 +248,38 @@ class _Request(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream=true; drop it or set stream=true",
                                param="stream_options")
+        # checked: now the sampling fields as decoding reads them (greedy ignores the filters and the seed, as OpenAI)
+        self.temperature = 1.0 if self.temperature is None else float(self.temperature)  # OpenAI's and vLLM's default
+        greedy = self.temperature == 0
+        self.top_k = None if self.top_k in (None, 0, -1) or greedy else self.top_k  # vLLM: 0 and -1 mean no top-k
+        self.top_p = None if self.top_p in (None, 1.0) or greedy else float(self.top_p)
+        self.seed = None if greedy else self.seed
+        self.stream, self.stop = bool(self.stream), self.stop or []
         return self
 
-    def _sampling(self, req: ChatRequest) -> ChatRequest:
-        """The sampling fields, normalised: greedy (temperature 0) ignores the filters and the seed, as OpenAI."""
-        req.temperature = 1.0 if self.temperature is None else float(self.temperature)  # OpenAI's and vLLM's default
-        greedy = req.temperature == 0
-        req.top_k = None if self.top_k in (None, 0, -1) or greedy else self.top_k  # vLLM: 0 and -1 mean no top-k
-        req.top_p = None if self.top_p in (None, 1.0) or greedy else float(self.top_p)
-        req.seed = None if greedy else self.seed
-        req.n, req.stop, req.stream = self.n, self.stop or [], bool(self.stream)
-        req.include_usage = bool(self.stream_options and self.stream_options.include_usage)
-        return req
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def include_usage(self) -> bool:
+        """stream_options.include_usage: a last chunk with the usage."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def chat_messages(self) -> list[ChatMessage]:
+        """The conversation the prompt is made of (a completion's prompt: one user message)."""
+        raise NotImplementedError
+
+    @property
+    def raw_text(self) -> str | None:
+        """/v1/completions: the prompt's text as sent, not chat-framed (image parts as markers); None: chat."""
+        return None
+
+    @property
+    def logprobs_top(self) -> int | None:
+        """None: no log-probabilities asked for; else the alternatives wanted per token (0 or more)."""
+        raise NotImplementedError
 
 
 _OFF_CHAT = {
@@ -305,20 +331,23 @@ class ChatCompletionRequest(_Request):
             raise RequestError(f"top_logprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {top}", param="top_logprobs")
         if top and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs=true; set it, or drop top_logprobs", param="top_logprobs")
+        self.max_tokens = a if a is not None else b  # None: the server's default, capped by the context's room
         return self
 
-    def to_request(self, raw: dict) -> ChatRequest:
-        """-> the server's ChatRequest; ``raw``: the body as sent (its messages go on as dicts)."""
-        req = ChatRequest(messages=raw["messages"], model=self.model,
-                          max_tokens=self.max_tokens if self.max_tokens is not None else self.max_completion_tokens,
-                          logprobs=bool(self.logprobs), top_logprobs=self.top_logprobs or 0)
-        return self._sampling(req)
+    @property
+    def chat_messages(self) -> list[ChatMessage]:
+        return self.messages
+
+    @property
+    def logprobs_top(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Request):
     """``POST /v1/completions``: a raw prompt (mmspec's extension: or text and image_url parts)."""
 
     OFF: ClassVar[dict[str, tuple]] = {**_OFF_CHAT, "echo": (False, None), "suffix": (None, ""), "best_of": (1, None)}
+    completion: ClassVar[bool] = True
     prompt: Any = None
     logprobs: Whole = None  # here: the number of alternatives per token
     echo: Any = None
@@ -359,15 +388,24 @@ class CompletionRequest(_Request):
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise RequestError(f"logprobs must be from 0 to {MAX_TOP_LOGPROBS} (the alternatives per token), got "
                                f"{self.logprobs}", param="logprobs")
+        self.max_tokens = self.max_tokens or COMPLETION_MAX_TOKENS
+        parts = [{"type": "text", "text": self.prompt}] if isinstance(self.prompt, str) else self.prompt
+        self._turn = ChatMessage.model_validate({"role": "user", "content": parts})
         return self
 
-    def to_request(self, raw: dict) -> ChatRequest:
-        text = self.prompt if isinstance(self.prompt, str) else ""
-        parts = [{"type": "text", "text": text}] if text else raw["prompt"]
-        req = ChatRequest(messages=[{"role": "user", "content": parts}], model=self.model, prompt=text,
-                          max_tokens=self.max_tokens or COMPLETION_MAX_TOKENS,
-                          logprobs=self.logprobs is not None, top_logprobs=self.logprobs or 0)
-        return self._sampling(req)
+    _turn: ChatMessage | None = PrivateAttr(default=None)  # the prompt as one user message (its parts typed)
+
+    @property
+    def chat_messages(self) -> list[ChatMessage]:
+        return [self._turn]
+
+    @property
+    def raw_text(self) -> str | None:
+        return self.prompt if isinstance(self.prompt, str) else marked_text(self._turn)
+
+    @property
+    def logprobs_top(self) -> int | None:
+        return self.logprobs
 
 
 def _at_least_one(name: str, value: int | None) -> None:
@@ -519,17 +557,46 @@ class ErrorResponse(BaseModel):
         return self.model_dump()
 
 
-def parse_request(body: bytes, served_model: str, completion: bool = False) -> ChatRequest:
-    """``body`` (the raw HTTP body) -> ChatRequest; RequestError for anything mmspec cannot serve as asked.
-    ``completion``: a ``/v1/completions`` body (``prompt`` instead of ``messages``). The JSON is read
-    and its strings checked (depth, NUL, surrogates) before the pydantic models see it."""
+def parse_request(body: bytes, served_model: str, completion: bool = False) -> ChatCompletionRequest | CompletionRequest:
+    """``body`` (the raw HTTP body) -> the validated request, the server's data model from here on;
+    RequestError for anything mmspec cannot serve as asked. ``completion``: a ``/v1/completions``
+    body (``prompt`` instead of ``messages``). The JSON is read and its strings checked (depth, NUL,
+    surrogates) before the pydantic models see it."""
     data = json_object(body)
     model = CompletionRequest if completion else ChatCompletionRequest
     try:
-        parsed = model.model_validate(data, context={"served_model": served_model})
+        return model.model_validate(data, context={"served_model": served_model})
     except ValidationError as e:
         raise refusal_of(e) from None
-    return parsed.to_request(data)
+
+
+class _Messages(BaseModel):
+    messages: list[ChatMessage]
+
+
+def parse_messages(messages) -> list[ChatMessage]:
+    """A list of chat messages (dicts, as a JSONL line holds them) -> typed ones, or the
+    RequestError a server would answer (``messages[0].content[1] ...``)."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list of {\"role\": ..., \"content\": ...} objects",
+                           param="messages")
+    try:
+        return _Messages.model_validate({"messages": messages}).messages
+    except ValidationError as e:
+        raise refusal_of(e) from None
+
+
+def marked_text(message: ChatMessage) -> str:
+    """A message's text with an ``<image>`` marker per image part where it is; when the text
+    writes markers itself, the parts only fill them (in order)."""
+    content = message.content
+    if isinstance(content, str):
+        return content
+    texts = [p.text for p in content if p.type == "text"]
+    if any(IMAGE_MARKER in t for t in texts):
+        return " ".join(t.strip() for t in texts)
+    pieces = [IMAGE_MARKER if p.type == "image_url" else p.text.strip() for p in content]
+    return " ".join(p for p in pieces if p)
 
 
 def refusal_of(e) -> RequestError:

@@ -148,9 +148,10 @@ def usage_chunk(cid: str, model: str, usage_: P.Usage, stats: P.MMSpecStats, tex
 
 
 def failure_type(status: int) -> str:
-    return {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
-            413: "invalid_request_error", 415: "invalid_request_error", 503: "service_unavailable"}.get(
-        status, "server_error")
+    """OpenAI's error type of an HTTP status: a client's mistake (4xx) is an invalid request (404: not
+    found), the server's own failure (5xx) a server error (503: unavailable)."""
+    named = {404: "not_found_error", 503: "service_unavailable"}
+    return named.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
 
 
 # ----------------------------------------------------------------------- log-probabilities

@@ -1,13 +1,14 @@
-"""The OpenAI completions request body: read, checked and refused where mmspec cannot honour it,
-before anything touches a model.
+"""The OpenAI completions request body before the models see it: its bytes read and refused where
+no model should see them.
 
-Owns :class:`ChatRequest` (the fields mmspec serves, normalised), :class:`RequestError` (an HTTP
-status and an OpenAI-style error body whose message names the problem and the fix), the limits,
-and :func:`json_object` (bytes -> a checked JSON object; `mmspec.serve.protocol.parse_request` validates it). The body is decoded and its strings checked
-first (UTF-8, JSON depth, NUL characters, lone surrogates: no pydantic model sees them), then
-validated by the models of :mod:`.protocol` (what each field does and what is refused is
-declared there); a pydantic ``ValidationError`` becomes a 400 :class:`RequestError` naming the
-field (`mmspec.serve.protocol.refusal_of`), never FastAPI's 422.
+Owns :class:`RequestError` (an HTTP status and an OpenAI-style error body whose message names the
+problem and the fix), the limits, and :func:`json_object` (bytes -> a checked JSON object;
+:func:`mmspec.serve.protocol.parse_request` validates it). The body is decoded and its strings
+checked first (UTF-8, JSON depth, NUL characters, lone surrogates: no pydantic model sees them),
+then validated by the models of :mod:`.protocol`, which are the server's data model from there on
+(what each field does and what is refused is declared there); a pydantic ``ValidationError``
+becomes a 400 :class:`RequestError` naming the field (`mmspec.serve.protocol.refusal_of`), never
+FastAPI's 422.
 
 Like OpenAI and vLLM, a request without ``temperature`` samples at 1.0.
 """
@@ -15,7 +16,6 @@ Like OpenAI and vLLM, a request without ``temperature`` samples at 1.0.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 
 from mmspec.errors import MMSpecError
 
@@ -58,30 +58,6 @@ class RequestError(MMSpecError):
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
-
-
-@dataclass
-class ChatRequest:
-    """The fields of one chat-completions request that mmspec serves."""
-
-    messages: list[dict]
-    model: str | None = None
-    max_tokens: int | None = None  # None: the server's default, capped by the room left in the context
-    temperature: float = 1.0
-    top_p: float | None = None  # None: no nucleus filter
-    top_k: int | None = None
-    seed: int | None = None
-    stream: bool = False
-    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
-    stop: list[str] = field(default_factory=list)
-    n: int = 1  # choices: samples of the same prompt (seeds seed, seed + 1, ...)
-    logprobs: bool = False  # the target's log-probability of each answer token
-    top_logprobs: int = 0  # ... and of its likeliest alternatives there
-    prompt: str | None = None  # /v1/completions: the raw prompt (not chat-framed); messages then hold its parts
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
 
 def json_object(body: bytes) -> dict:

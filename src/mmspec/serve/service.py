@@ -1,24 +1,31 @@
 """The served decoder and what a request becomes before it reaches the worker.
 
 Owns :class:`ServeConfig` (the server's settings), :class:`Service` (the decoder, its processor,
-the :class:`~mmspec.serve.worker.Worker`) and :meth:`Service.prepare`: a parsed
-:class:`~mmspec.serve.schema.ChatRequest` -> the scheduler's request dict (the processor's whole
-output, the PIL images for a captioner or a draft with its own processor, the sampling settings),
-refusing with a :class:`~mmspec.serve.schema.RequestError` whatever would fail later: more images
-than the server takes, an unreadable image, a prompt or ``max_tokens`` past the context. It runs
-on the HTTP handlers' threads; only the worker thread decodes.
+the :class:`~mmspec.serve.worker.Worker`) and :meth:`Service.prepare`: a validated request (the
+pydantic model of :mod:`.protocol`, typed from the wire) -> a :class:`Prepared` holding the ONE
+request type the scheduler runs, :class:`mmspec.request.Request`, made by
+:func:`mmspec.request.prepare` (every check of ``generate``, the seed chosen there, the context
+rule there) from the processor's whole output, the PIL images (for a captioner or a draft with
+its own processor) and the sampling settings. Whatever would fail later is refused here with a
+:class:`~mmspec.serve.schema.RequestError`: more images than the server takes, an unreadable
+image, a prompt or ``max_tokens`` past the context (:func:`mmspec.request.context_room` sizes the
+default ``max_tokens``; a :class:`~mmspec.request.ContextError` is reworded for the client). It
+runs on the HTTP handlers' threads; only the worker thread decodes.
 """
 
 from __future__ import annotations
 
-import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mmspec.errors import MMSpecError
-from mmspec.serve.messages import PixelBudget, build_prompt, image_refs, load_image, raw_prompt
-from mmspec.serve.schema import MAX_SEED, ChatRequest, RequestError
+from mmspec.options import SPECULATE
+from mmspec.request import ContextError, Request, context_room
+from mmspec.request import prepare as prepare_request
+from mmspec.serve.messages import PixelBudget, build_prompt, image_refs, load_image, texts
+from mmspec.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from mmspec.serve.schema import MAX_SEED, RequestError
 from mmspec.serve.worker import Worker, make_scheduler
 
 TEXT_MARGIN = 4  # a normalizer may shorten text (NFKC: a 3-byte full-width letter -> 1 byte)
@@ -30,7 +37,7 @@ class ServeConfig:
 
     model_name: str = "mmspec"
     max_batch: int = 16  # requests decoded together
-    speculate: str = "always"  # BatchScheduler's policy: always, never, auto (drafting off where it loses)
+    speculate: str = "always"  # BatchScheduler's policy, one of mmspec.options.SPECULATE (auto: drafting off where it loses)
     max_tokens: int = 512  # a request's max_tokens when it gives none (capped by the room in the context)
     max_images: int | None = None  # images per request; None: as many as the target's context holds
     allowed_media: list[Path] = field(default_factory=list)  # directories local image files may come from
@@ -43,15 +50,21 @@ class ServeConfig:
     cors_origins: list[str] = field(default_factory=list)  # origins browsers may call from (none: CORS off)
     metrics: bool = True  # GET /metrics (prometheus-client)
 
+    def __post_init__(self) -> None:
+        if self.speculate not in SPECULATE:
+            raise MMSpecError(f"speculate must be one of {', '.join(SPECULATE)}, got {self.speculate!r}")
+
+
+Body = ChatCompletionRequest | CompletionRequest  # a validated request (mmspec.serve.protocol)
+
 
 @dataclass
 class Prepared:
-    """A request ready for the scheduler."""
+    """A request ready for the scheduler: its one :class:`~mmspec.request.Request` (checked, its
+    seed chosen), and what the response needs of it."""
 
-    request: dict  # generate_batch's form: the processor's output, images, sampling settings
+    request: Request  # what the scheduler runs (its seed: the request's own; choice i gets seed + i)
     prompt_tokens: int  # images expanded
-    max_tokens: int
-    seed: int | None  # the sampling seed (chosen here when the client gave none); None when greedy
     inputs: dict = field(default_factory=dict)  # the processor's output on the target's device (for logprobs)
     timings: dict = field(default_factory=dict)  # seconds of its phases so far: parse, images, processor (metrics)
 
@@ -95,64 +108,62 @@ class Service:
 
         return MeteredScheduler(scheduler, self.metrics)
 
-    def check_text_size(self, messages: list[dict]) -> None:
+    def check_text_size(self, messages: list[ChatMessage]) -> None:
         """Refuse a text that cannot fit the context from its length in bytes, before any
         tokenizing: no token covers more than ``max_token_bytes`` bytes of text (its longest
         vocabulary entry; TEXT_MARGIN more for a normalizer that shortens text), so a text of more
         than ``context * max_token_bytes * TEXT_MARGIN`` bytes has more tokens than the context."""
         if not self.context or not self.max_token_bytes:
             return
-        n = sum(len(t.encode("utf-8")) for t in _texts(messages))
+        n = sum(len(t.encode("utf-8")) for t in texts(messages))
         limit = self.context * self.max_token_bytes * TEXT_MARGIN
         if n > limit:
             raise RequestError(f"the messages' text is {n:,} bytes; the target's context of {self.context} tokens "
                                f"holds no more than {limit:,} bytes of text (a token covers at most "
                                f"{self.max_token_bytes} bytes); shorten the messages", param="messages")
 
-    def prepare(self, req: ChatRequest) -> Prepared:
+    def prepare(self, req: Body) -> Prepared:
         """``req`` -> the scheduler's request, or RequestError naming the problem and the fix."""
         from mmspec.inputs import processor_inputs, to_target
 
-        refs = image_refs(req.messages)
+        messages = req.chat_messages
+        refs = image_refs(messages)
         limit = self.config.max_images
         if limit is not None and len(refs) > limit:
             per = f" (each image takes {self.tokens_per_image} of the target's {self.context} context tokens)" \
                 if self.tokens_per_image and self.context else ""
             raise RequestError(f"the messages carry {len(refs)} images; this server takes at most {limit} per "
                                f"request{per}; send fewer images", param="messages")
-        self.check_text_size(req.messages)
+        self.check_text_size(messages)
         budget = PixelBudget(self.config.max_image_pixels, self.config.max_request_pixels)
         t0 = time.perf_counter()
         images = [load_image(r, self.config.allowed_media, budget) for r in refs]  # before any prompt work
         t1 = time.perf_counter()
-        if req.prompt is not None:  # /v1/completions: the text as sent
-            prompt = raw_prompt(req.messages[0])
-        else:
-            prompt = build_prompt(self.processor, self.tokenizer, req.messages)
+        prompt = req.raw_text if req.completion else build_prompt(self.processor, self.tokenizer, messages)
         try:
             inputs = processor_inputs(self.processor, prompt, images)
         except MMSpecError as e:
             raise RequestError(str(e)) from None
-        dev = self.decoder.target.device
-        inputs = to_target(inputs, dev, self.decoder.target_model.dtype)
+        inputs = to_target(inputs, self.decoder.target.device, self.decoder.target_model.dtype)
         timings = {"images": t1 - t0, "processor": time.perf_counter() - t1}
         n_prompt = int(inputs["input_ids"].shape[-1])
-        max_tokens = self._max_tokens(req, n_prompt)
-        seed = req.seed
-        if not req.greedy and seed is None:
-            seed = int.from_bytes(os.urandom(8), "little") >> 1  # reported back, so the answer can be reproduced
-        request = {**inputs, "images": images or None, "max_new_tokens": max_tokens,
-                   "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": seed}
-        return Prepared(request=request, prompt_tokens=n_prompt, max_tokens=max_tokens, seed=seed, inputs=inputs,
-                        timings=timings)
+        room = context_room(self.context, n_prompt, self.depth)
+        max_tokens = req.max_tokens or (self.config.max_tokens if room is None else max(1, min(self.config.max_tokens,
+                                                                                                 room)))
+        try:
+            request = prepare_request(self.decoder, {
+                **inputs, "images": images or None, "max_new_tokens": max_tokens, "temperature": req.temperature,
+                "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed})
+        except ContextError as e:
+            raise _past_the_context(e, req.max_tokens is not None) from None
+        except MMSpecError as e:
+            raise RequestError(str(e)) from None
+        return Prepared(request=request, prompt_tokens=n_prompt, inputs=inputs, timings=timings)
 
-    def requests(self, prepared: Prepared, n: int) -> list[dict]:
+    def requests(self, prepared: Prepared, n: int) -> list[Request]:
         """The scheduler requests of ``n`` choices: the same prompt, seeds ``seed, seed + 1, ...``."""
-        out = []
-        for i in range(n):
-            seed = None if prepared.seed is None else (prepared.seed + i) % (MAX_SEED + 1)
-            out.append({**prepared.request, "seed": seed})
-        return out
+        seed = prepared.request.seed
+        return [replace(prepared.request, seed=None if seed is None else (seed + i) % (MAX_SEED + 1)) for i in range(n)]
 
     def logprobs(self, prepared: Prepared, token_ids: list[int], top: int):
         """The target's own log-probabilities of an answer (:func:`mmspec.scoring.target_logprobs`):
@@ -160,23 +171,6 @@ class Service:
         from mmspec.scoring import target_logprobs
 
         return target_logprobs(self.decoder.target_model, prepared.inputs, token_ids, top)
-
-    def _max_tokens(self, req: ChatRequest, n_prompt: int) -> int:
-        """The request's max_tokens, or the server's default; both bounded by the context."""
-        if self.context is None:
-            return req.max_tokens or self.config.max_tokens
-        room = self.context - n_prompt - self.depth  # prompt + new tokens + one block's drafts must fit
-        if room < 1:
-            raise RequestError(f"the prompt takes {n_prompt} tokens (images expanded) and the target's context is "
-                               f"{self.context}: no room for an answer; shorten the messages or send fewer images",
-                               param="messages")
-        if req.max_tokens is None:
-            return min(self.config.max_tokens, room)
-        if req.max_tokens > room:
-            raise RequestError(f"max_tokens={req.max_tokens} is past the context: the prompt takes {n_prompt} tokens "
-                               f"(images expanded) of the target's {self.context}, so at most {room} new tokens "
-                               f"fit; ask for max_tokens <= {room}", param="max_tokens")
-        return req.max_tokens
 
     def _probe_image_tokens(self) -> tuple[int | None, int]:
         """(tokens one image adds to a prompt, tokens of a one-word prompt): the processor run on a
@@ -195,13 +189,15 @@ class Service:
         return (int(n1 - n0) or None), int(n0)
 
 
-def _texts(messages: list[dict]):
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, str):
-            yield content
-        elif isinstance(content, list):
-            yield from (p["text"] for p in content if isinstance(p, dict) and p.get("type") == "text")
+def _past_the_context(e: ContextError, asked: bool) -> RequestError:
+    """The engine's context rule, broken, in the words of the request (its ``max_tokens``)."""
+    if e.room < 1 or not asked:
+        return RequestError(f"the prompt takes {e.prompt_len} tokens (images expanded) and the target's context is "
+                            f"{e.limit}: no room for an answer; shorten the messages or send fewer images",
+                            param="messages")
+    return RequestError(f"max_tokens={e.max_new_tokens} is past the context: the prompt takes {e.prompt_len} tokens "
+                        f"(images expanded) of the target's {e.limit}, so at most {e.room} new tokens fit; ask for "
+                        f"max_tokens <= {e.room}", param="max_tokens")
 
 
 def _max_token_bytes(tokenizer) -> int | None:

@@ -57,10 +57,11 @@ class Update:
 
 @dataclass
 class Job:
-    """One request: the scheduler's request dict (``generate_batch``'s form, sampling settings
-    included) and the sink that receives its :class:`Update` items, called on the worker thread."""
+    """One request: what the scheduler runs (a :class:`mmspec.request.Request`, checked and its
+    seed chosen on the handler's thread) and the sink that receives its :class:`Update` items,
+    called on the worker thread."""
 
-    request: dict
+    request: Any
     sink: Callable[[Update], None]
     rid: int | None = None  # the scheduler's id, once admitted
     cancelled: bool = False

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import typer
 
+from mmspec.cli import options
 from mmspec.cli.common import set_threads
 from mmspec.cli.train.common import check_model_dir, check_out, check_processor, check_threads, training_errors
 from mmspec.errors import MMSpecError
@@ -27,8 +28,8 @@ def align_command(
     batch_size: int = typer.Option(16, help="Clips per step."),
     lr: float = typer.Option(2e-3, help="Peak learning rate (cosine decay)."),
     world_seed: int = typer.Option(0, help="World seed of the clips."),
-    threads: int | None = typer.Option(None, help="CPU threads."),
-    fresh: bool = typer.Option(False, help="Start over instead of resuming the checkpoint in --out."),
+    threads: int | None = options.THREADS,
+    fresh: bool = options.FRESH,
 ) -> None:
     """Train the draft's substitute encoder + alignment layer (events -> the draft's video features).
 
@@ -75,7 +76,27 @@ def check_align_options(cfg: AlignConfig, draft: Path, families: str, samples: i
                           f"use some of {', '.join(VIDEO_FAMILIES)}")
     check_model_dir(draft, "--draft", "a draft model")
     check_processor(draft, "--draft", tokenizer=False)
+    check_n_tokens(cfg.n_tokens, draft)
     check_out(Path(cfg.out))
     if cfg.resume:
         read_checkpoint(Path(cfg.out) / CHECKPOINT, align_settings(cfg), cfg.steps, cfg.minutes,
                         f"a {cfg.kind} encoder")
+
+
+def check_n_tokens(n_tokens: int, draft: Path) -> None:
+    """``--n-tokens``: the draft's features of each frame are pooled to that many tokens, a square
+    that divides its patch grid (read from its config.json, before it loads)."""
+    import json
+
+    from mmspec.models.pooling import valid_pool_sizes
+
+    try:
+        vision = json.loads((draft / "config.json").read_text())["vision_config"]
+        grid = int(vision["image_size"]) // int(vision["patch_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # loading the draft says what is wrong with it
+    sizes = valid_pool_sizes(grid)
+    if n_tokens not in sizes:
+        raise MMSpecError(f"--n-tokens {n_tokens}: the draft's video features are each frame's {grid}x{grid} patch "
+                          f"grid pooled to a square that divides it, so one of {', '.join(map(str, sizes))}; "
+                          "give one of them (default 16)")

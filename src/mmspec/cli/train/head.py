@@ -10,6 +10,7 @@ from pathlib import Path
 
 import typer
 
+from mmspec.cli import options
 from mmspec.cli.common import set_threads
 from mmspec.cli.train.common import (
     check_device,
@@ -51,7 +52,8 @@ def head(
     world_seed: int = typer.Option(0, help="World seed of the samples (must match the answers file's)."),
     layers: int = typer.Option(1, help="Decoder layers of the head."),
     feature_layers: str | None = typer.Option(None, help="The target's decoder layers the head reads, by their output "
-                                              "(0-based, comma-separated; eagle3: three, default 1, N/2-1, N-4)."),
+                                              "(0-based, comma-separated; eagle3: three ascending, default 1, N/2-1, "
+                                              "N-4, moved apart in a target of fewer than 8 layers)."),
     steps: int = typer.Option(1000, help="Optimizer steps in all (a resume may raise it, never lower it)."),
     minutes: float | None = typer.Option(None, help="Time budget: stop and save when it is spent."),
     batch_size: int = typer.Option(16, help="Global batch (split over torchrun's processes)."),
@@ -65,9 +67,9 @@ def head(
     cache_max_gb: float = typer.Option(50.0, help="Size limit of --cache-features; past it the remaining sequences' "
                                        "features are computed on the fly."),
     seed: int = typer.Option(0),
-    device: str = typer.Option("cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK)."),
-    threads: int | None = typer.Option(None, help="CPU threads per process."),
-    fresh: bool = typer.Option(False, help="Start over instead of resuming the checkpoint in --out."),
+    device: str = options.device("cpu", "Under torchrun, cuda is each process's cuda:LOCAL_RANK; "),
+    threads: int | None = options.THREADS,
+    fresh: bool = options.FRESH,
 ) -> None:
     """Train a feature-level draft head (EAGLE / EAGLE-3 / MSD) on the frozen target's features.
 
@@ -95,6 +97,7 @@ def head(
                                      "feature_layers": feature_layers})
         check_conversation_options(cfg.variant, data, max_length, frames, draft_vocab)
         check_head_options(cfg, target, data, image_dir, answers, families, samples, threads)
+        feature_ids = check_feature_layers(cfg.variant, feature_layers, target)  # before the target loads
         set_threads(threads)
         from mmspec.models.loading import load_model, load_processor
 
@@ -115,7 +118,7 @@ def head(
             vocab = None if draft_vocab is None else draft_vocabulary(
                 seqs, draft_vocab, model.get_output_embeddings().weight.shape[0])
             head = build_head(model, cfg.variant, num_layers=layers, draft_vocab=vocab, seed=seed,
-                              feature_layers=layer_ids(feature_layers, model))
+                              feature_layers=feature_ids)
         train_head(model, seqs, cfg, head=head)
 
 
@@ -134,21 +137,36 @@ def user_sequences(model, processor, data: str, media_dir: Path | None, samples:
     return seqs
 
 
-def layer_ids(text: str | None, model) -> tuple[int, ...] | None:
-    """``--feature-layers 1,13,24`` -> (1, 13, 24), each a decoder layer of the target."""
-    if not text:
-        return None
-    from mmspec.models.base import adapter_for
+def check_feature_layers(variant: str, text: str | None, target: Path) -> tuple[int, ...] | None:
+    """``--feature-layers 1,13,24`` -> (1, 13, 24), each a decoder layer of the target (its depth
+    read from its config.json, no weights loaded); an eagle3 head's layers, given or the default,
+    three ascending ones, as the engines read them and ``export head`` writes them."""
+    from mmspec.heads.model import check_eagle3_layers, default_feature_layers
 
-    n = adapter_for(model).num_layers
-    try:
-        ids = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise MMSpecError(f"--feature-layers {text!r}: give decoder layer numbers separated by commas, e.g. 1,13,24"
-                          ) from None
-    if any(not 0 <= i < n for i in ids):
-        raise MMSpecError(f"--feature-layers {text!r}: the target has {n} decoder layers (0 to {n - 1})")
+    n = target_depth(target)
+    ids = None
+    if text:
+        try:
+            ids = tuple(int(x) for x in text.split(","))
+        except ValueError:
+            raise MMSpecError(f"--feature-layers {text!r}: give decoder layer numbers separated by commas, e.g. "
+                              "1,13,24") from None
+        if n is not None and any(not 0 <= i < n for i in ids):
+            raise MMSpecError(f"--feature-layers {text!r}: the target has {n} decoder layers (0 to {n - 1})")
+    if variant == "eagle3" and n is not None:
+        check_eagle3_layers(ids or default_feature_layers(variant, n), n, text or None)
     return ids
+
+
+def target_depth(target: Path) -> int | None:
+    """The decoder layers of the target's language model, from its config (None: unreadable;
+    loading it says why)."""
+    from transformers import AutoConfig
+
+    try:
+        return int(AutoConfig.from_pretrained(str(target)).get_text_config(decoder=True).num_hidden_layers)
+    except Exception:  # noqa: BLE001 - an unknown architecture or a damaged config: the load names it
+        return None
 
 
 def check_conversation_options(variant: str, data: str, max_length: int | None, frames: int,

@@ -11,6 +11,7 @@ from pathlib import Path
 import typer
 
 from mmspec.bench.datasets import SINGLE_IMAGE  # the fact-recall goal's families; `facts` defaults to them
+from mmspec.cli import options
 from mmspec.cli.common import set_threads
 from mmspec.cli.train.common import require_model_dir
 
@@ -73,8 +74,8 @@ def facts_cmd(
     view: str = typer.Option("multimodal", help="multimodal | caption (each image replaced by its "
                              "ground-truth caption: can the LM copy the facts from text?)"),
     max_new_tokens: int = typer.Option(128),
-    device: str = typer.Option("cpu"),
-    threads: int | None = typer.Option(None),
+    device: str = options.device(),
+    threads: int | None = options.THREADS,
     out: Path | None = typer.Option(None, help="write the figures as JSON here"),
 ) -> None:
     """Fact recall of a target's greedy answers on the test split, without a benchmark run.

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import typer
 
+from mmspec.cli import options
 from mmspec.cli.common import set_threads
 from mmspec.cli.train.common import (
     BF16,
@@ -32,17 +33,16 @@ def embedded(
     out: Path = typer.Option(None, help="output dir (default: the package assets/embedded)"),
     minutes_budget: float | None = typer.Option(None, help="wall-clock budget; stages get shares of it"),
     steps_scale: float = typer.Option(1.0, help="multiply every stage's step count (no budget)"),
-    device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, ..."),
+    device: str = options.device(),
     seed: int = typer.Option(0),
-    threads: int | None = typer.Option(None, help="CPU threads for torch (default: torch's choice)"),
+    threads: int | None = options.THREADS,
     n_train_per_family: int = typer.Option(1500, help="training samples per task family"),
     bf16: bool = typer.Option(False, help="bf16 autocast (faster on a CPU with AVX512-BF16, and on a GPU)"),
     distill_per_family: int = typer.Option(200, help="train the draft's stage 2 and the pooled draft on the "
                                            "target's own greedy answers to this many train samples per family "
                                            "(0: on the world's reference answers)"),
     quiet: bool = typer.Option(False, help="no progress bars"),
-    fresh: bool = typer.Option(False, help="Start over instead of resuming the stage checkpoints an interrupted "
-                               "run left in OUT/checkpoints/"),
+    fresh: bool = options.FRESH,
 ) -> None:
     """Make a pack of the shipped shapes from nothing.
 
@@ -107,19 +107,18 @@ def stage(
     bf16: bool = BF16,
     half: bool = typer.Option(False, help="save fp16 safetensors (the embedded pack's format)"),
     evaluate: bool = typer.Option(False, "--eval", help="held-out loss and fact recall after training"),
-    device: str = typer.Option("cpu"),
+    device: str = options.device(),
     seed: int = typer.Option(0, help="training seed: initialisation, batch order, view draws, mixed-in practice"),
     world_seed: int | None = typer.Option(None, help="seed of the world's samples (and of a fresh model's "
                                              "tokenizer); default: --seed. Keep it to train again on the same "
                                              "samples, or the same --answers file, with another --seed"),
-    threads: int | None = typer.Option(None),
+    threads: int | None = options.THREADS,
     workers: int = typer.Option(0, help="build training batches in this many worker processes (0: in this one); "
                                 "a GPU step outruns one core's tokenising and image preprocessing"),
     answers: Path | None = typer.Option(None, help="train on a target's own greedy answers (a JSONL file from "
                                            "`mmspec train answers`, same world seed and sample counts) instead of the "
                                            "world's reference answers: draft distillation"),
-    fresh: bool = typer.Option(False, help="Start over instead of resuming the checkpoint an interrupted run "
-                               "left in OUT/checkpoints/"),
+    fresh: bool = options.FRESH,
 ) -> None:
     """One stage of the LLaVA recipe (stage 1: --trainable projector, stage 2: projector+lm).
 
@@ -286,8 +285,8 @@ def answers_cmd(
     max_new_tokens: int | None = typer.Option(None, help="longest answer (default: the answer length the "
                                                  "stages train on, RecipeConfig.max_answer_tokens = 96)"),
     batch_size: int = typer.Option(32, help="prompts per generate call (prompts of one token length each)"),
-    device: str = typer.Option("cpu"),
-    threads: int | None = typer.Option(None),
+    device: str = options.device(),
+    threads: int | None = options.THREADS,
     quiet: bool = typer.Option(False, help="no progress bar"),
 ) -> None:
     """The target's own greedy answers to training samples, for draft distillation.

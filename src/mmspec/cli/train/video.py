@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import typer
 
+from mmspec.cli import options
 from mmspec.cli.common import set_threads
 from mmspec.cli.train.common import (
     check_model_dir,
@@ -47,8 +48,8 @@ def video_command(
     batch_size: int = typer.Option(8, help="Clips per step."),
     lr: float = typer.Option(3e-4, help="Peak learning rate."),
     eval_samples: int = typer.Option(50, help="Test clips per family for the key-fact check."),
-    threads: int | None = typer.Option(None, help="CPU threads."),
-    fresh: bool = typer.Option(False, help="Start over instead of resuming the checkpoints in --out."),
+    threads: int | None = options.THREADS,
+    fresh: bool = options.FRESH,
 ) -> None:
     """Build the embedded video pair from an image pack and fine-tune it on the world's clips.
 
