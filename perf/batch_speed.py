@@ -70,7 +70,7 @@ def spec_batched(dec, em, batch, new: int, speculate: str) -> tuple[list[list[in
         reqs.append({k: v for k, v in enc.items() if k in ("input_ids", "pixel_values")} | {"max_new_tokens": new})
     policy = dec.speculation_policy if speculate == "auto" else speculate
     t0, c0 = time.perf_counter(), time.process_time()
-    sched = BatchScheduler(dec, max_batch=len(reqs), speculate=policy)
+    sched = BatchScheduler(dec, max_batch=len(reqs), speculate=policy, stream_text=False)
     rids = [sched.submit(r) for r in reqs]
     done, walls = {}, []
     while sched.has_work():

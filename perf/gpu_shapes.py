@@ -167,6 +167,16 @@ def _graph_mode(device: torch.device) -> str:
     return "cuda" if device.type == "cuda" else "emulate"
 
 
+def tree_attention_mask(anc: torch.Tensor, past: int, total: int) -> torch.Tensor:
+    """The target's 4-D mask for verifying a tree of N nodes written at slots past..past+N-1 of a
+    cache whose attention spans ``total`` slots: [1, 1, N, total] bool, True = attend."""
+    n = anc.shape[0]
+    mask = torch.zeros(1, 1, n, total, dtype=torch.bool, device=anc.device)
+    mask[..., :past] = True
+    mask[0, 0, :, past:past + n] = anc
+    return mask
+
+
 class _Probe:
     """One model prefilled with ``context`` random tokens on mmspec's cache, and steps over it."""
 
@@ -200,7 +210,7 @@ class _Probe:
 
     def step_fn(self, n: int, parents: torch.Tensor | None = None, depth: torch.Tensor | None = None) -> Callable:
         """A step over n new tokens (a causal run, or a tree given parents/depth), rewound after."""
-        from mmspec.tree import ancestors, tree_attention_mask
+        from mmspec.tree import ancestors
 
         dev, B, C = self.adapter.device, self.batch, self.context
         if parents is None:

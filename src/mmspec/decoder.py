@@ -361,7 +361,7 @@ class SpecDecoder:
                                  substitutes=substitutes, initial_weights=initial_weights, **unused))
         from mmspec.engine.scheduler import BatchScheduler
 
-        sched = BatchScheduler(self, max_batch=1)  # one request: a batch of one on the one engine
+        sched = BatchScheduler(self, max_batch=1, stream_text=False)  # one request: a batch of one on the one engine
         captured = sched.engine.capture_s
         sched.submit(req)
         if streamer is not None:

@@ -6,8 +6,8 @@ and ``mmspec serve`` (through :class:`~mmspec.batch.BatchScheduler`) alike.
 :class:`Request`: token ids on the CPU, the family's multimodal inputs, the prompt's layout,
 the limit, the sampling settings and the seed (greedy: None; sampling without one: drawn from
 the OS, and reported in the result so the decode can be repeated): the ONE place a request's seed
-is chosen. :func:`make_generator` is the explicit generator every random draw of the request
-comes from. :func:`context_room` and :func:`check_context` are the context rule, the one place it
+is chosen (every random draw of the request then comes from its own stream keyed by it:
+:mod:`mmspec.engine.rng`). :func:`context_room` and :func:`check_context` are the context rule, the one place it
 is written: a prompt, its new tokens and one block's draft positions must fit the context (the
 target's, and each draft row's; ``mmspec serve`` sizes its default ``max_tokens`` with it and
 rewords a :class:`ContextError` for its client). Knows nothing of caches or the loop; the
@@ -40,9 +40,6 @@ class Request:
     seed: int | None  # None: greedy (draws nothing)
     extra: dict  # images, captions, videos, substitutes
     initial: tuple[float, ...] | None = None  # adaptive weights' start (a conversation's previous turn)
-
-    def generator(self, device: torch.device) -> torch.Generator | None:
-        return None if self.seed is None else make_generator(self.seed, device)
 
 
 def prepare(dec, kwargs: dict, defaults: dict | None = None) -> Request:
@@ -113,14 +110,3 @@ def check_context(limit: int | None, prompt_len: int, max_new_tokens: int, depth
 def new_seed() -> int:
     """A fresh seed for a sampling request that gave none (reported in its result)."""
     return int.from_bytes(os.urandom(8), "little") >> 1
-
-
-def make_generator(seed: int, device: torch.device) -> torch.Generator:
-    """The explicit generator of one sampling request: a CPU generator seeded with ``seed``; on a
-    GPU, a generator on that device seeded from it, so uniforms never cross to the host."""
-    cpu = torch.Generator().manual_seed(seed)
-    if device.type == "cpu":
-        return cpu
-    gen = torch.Generator(device=device)
-    gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=cpu)))
-    return gen

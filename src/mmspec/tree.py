@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -263,38 +263,14 @@ def parse_tree(tree, *, gamma: int, device_type: str = "cpu", depth: int | None 
 
 # --------------------------------------------------------------------------- the drafted tree
 @dataclass
-class DraftTree:
-    """A drafted tree, all tensors on the target's device. N nodes, root first, parents first.
-
-    ``q`` and ``sampled`` matter only for sampling verification: ``sampled[i]`` says node i's
-    token was DRAWN from ``q[i]`` (a chain under sampling); otherwise it was chosen
-    deterministically (top-k), and its proposal is a point mass on its token.
-    ``fed`` is the drafter's business: node i's slot in the draft cache, -1 when never fed.
-    """
-
-    tokens: torch.Tensor  # [N] long; tokens[0] is the root (the newest committed token)
-    parents: torch.Tensor  # [N] long; -1 for the root
-    depth: torch.Tensor  # [N] long; root 0
-    anc: torch.Tensor  # [N, N] bool: anc[i, j] = j is i or an ancestor of i
-    fed: torch.Tensor  # [N] long: draft-cache slot, -1 when the node was never fed to the draft
-    max_depth: int  # deepest node (host int, known from the spec)
-    is_chain: bool = False  # host-known: every node has at most one child (no tree mask needed)
-    q: torch.Tensor | None = None  # [N, V]: distribution node i was drawn from (sampling only)
-    sampled: torch.Tensor | None = None  # [N] bool (sampling only)
-    stats: dict = field(default_factory=dict)  # drafter notes (e.g. stopped early)
-
-    @property
-    def size(self) -> int:
-        return int(self.tokens.shape[0])
-
-
-@dataclass
 class TreeBatch:
-    """B drafted trees padded to N nodes (the most of any), for one batched verification
-    (:func:`mmspec.verify.verify_trees_greedy`, :func:`mmspec.verify.verify_trees_sampling`).
-
-    Padding node i of row b (i >= its size): token 0, parent -1, depth -1, no ancestors, fed -1,
-    ``valid`` False; q zero and not sampled. ``valid`` is None when no row is padded."""
+    """B drafted trees of N nodes each (one step's rows), for one batched verification
+    (:func:`mmspec.verify.verify_steps`). ``q`` and ``sampled`` matter only for sampling
+    verification: ``sampled[b, i]`` says node i's token was DRAWN from ``q[b, i]`` (a chain under
+    sampling); otherwise it was chosen deterministically (top-k) and its proposal is a point mass on
+    its token. ``fed``: the drafter's in-block slot of each node (-1: never fed). ``valid`` False
+    marks a node the row does not use (past its token limit, after an unsure draft, a proposal's
+    padding): never accepted; None when every node is used."""
 
     tokens: torch.Tensor  # [B, N] long
     parents: torch.Tensor  # [B, N] long
@@ -311,51 +287,20 @@ class TreeBatch:
         return int(self.tokens.shape[1])
 
 
-def pad_rows(xs: Sequence[torch.Tensor], value: float = 0) -> torch.Tensor:
-    """[n_b, ...] tensors (trailing dims alike) -> [B, max n_b, ...], each padded with ``value``
-    (one row: a view, no copy)."""
-    if len(xs) == 1:
-        return xs[0][None]
-    return torch.nn.utils.rnn.pad_sequence(list(xs), batch_first=True, padding_value=value)
-
-
-def pad_trees(trees: Sequence[DraftTree], q_dtype: torch.dtype | None = None) -> TreeBatch:
-    """The trees of one step's rows as one :class:`TreeBatch` (their q, where present, in
-    ``q_dtype``, default the first's; a row without q gets zeros). Sizes are host ints: no host
-    sync. One tree: views of it (no copy)."""
-    sizes = [t.size for t in trees]
-    n = max(sizes)
-    dev = trees[0].tokens.device
-    if len(trees) == 1:
-        anc = trees[0].anc[None]
-    else:
-        anc = torch.zeros(len(trees), n, n, dtype=torch.bool, device=dev)
-        for b, t in enumerate(trees):
-            anc[b, :sizes[b], :sizes[b]] = t.anc
-    depth = pad_rows([t.depth for t in trees], -1)
-    q = sampled = None
-    with_q = [t for t in trees if t.q is not None]
-    if with_q:
-        v, q_dtype = with_q[0].q.shape[-1], q_dtype or with_q[0].q.dtype
-        q = pad_rows([t.q.to(dtype=q_dtype) if t.q is not None else torch.zeros(t.size, v, dtype=q_dtype, device=dev)
-                      for t in trees])
-        sampled = pad_rows([t.sampled if t.q is not None else torch.zeros(t.size, dtype=torch.bool, device=dev)
-                            for t in trees], False)
-    return TreeBatch(tokens=pad_rows([t.tokens for t in trees]), parents=pad_rows([t.parents for t in trees], -1),
-                     depth=depth, anc=anc, fed=pad_rows([t.fed for t in trees], -1),
-                     valid=None if min(sizes) == n else depth >= 0, max_depth=max(t.max_depth for t in trees),
-                     q=q, sampled=sampled)
+def ancestors_rows(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """parents [B, N] (root -1) -> anc [B, N, N] bool, anc[b, i, j] = j is i or an ancestor of i.
+    Exactly ``max_depth`` passes, no data-dependent exit (no host sync on a GPU)."""
+    B, n = parents.shape
+    anc = torch.eye(n, dtype=torch.bool, device=parents.device).expand(B, n, n).clone()
+    par, has = parents.clamp_min(0), (parents >= 0)[:, :, None]
+    for _ in range(max_depth):
+        anc = anc | (anc.gather(1, par[:, :, None].expand(B, n, n)) & has)
+    return anc
 
 
 def ancestors(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """parents [N] (root -1) -> anc [N, N] bool, anc[i, j] = j is i or an ancestor of i.
-    Exactly ``max_depth`` passes, no data-dependent exit (no host sync on a GPU)."""
-    n = parents.shape[0]
-    anc = torch.eye(n, dtype=torch.bool, device=parents.device)
-    par, has = parents.clamp_min(0), (parents >= 0)[:, None]
-    for _ in range(max_depth):
-        anc = anc | (anc[par] & has)
-    return anc
+    """:func:`ancestors_rows` of one tree: parents [N] -> anc [N, N]."""
+    return ancestors_rows(parents[None], max_depth)[0]
 
 
 def static_structure(paths: Sequence[Sequence[int]]) -> tuple[list[int], list[int], list[int]]:
@@ -370,25 +315,3 @@ def static_structure(paths: Sequence[Sequence[int]]) -> tuple[list[int], list[in
         depths.append(len(p))
         ranks.append(p[-1])
     return parents, depths, ranks
-
-
-def best_prefix_closed(scores: torch.Tensor, m: int) -> torch.Tensor:
-    """Indices of the ``m`` best nodes by score, parents-first order kept.
-
-    scores [M] (log-probabilities along paths: a child never scores above its parent); nodes are
-    in creation order, parents before children. A stable descending sort puts a parent before a
-    child that ties with it, so the top ``m`` always include every kept node's ancestors.
-    Returns [m] long, ascending (creation order).
-    """
-    order = torch.sort(scores, descending=True, stable=True).indices[:m]
-    return order.sort().values
-
-
-def tree_attention_mask(anc: torch.Tensor, past: int, total: int) -> torch.Tensor:
-    """The target's 4-D mask for verifying a tree of N nodes written at slots past..past+N-1 of a
-    cache whose attention spans ``total`` slots: [1, 1, N, total] bool, True = attend."""
-    n = anc.shape[0]
-    mask = torch.zeros(1, 1, n, total, dtype=torch.bool, device=anc.device)
-    mask[..., :past] = True
-    mask[0, 0, :, past:past + n] = anc
-    return mask

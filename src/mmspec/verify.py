@@ -122,20 +122,13 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draws: probs [..., V] and uniforms u [...] in [0, 1) -> token ids [...] long.
 
-    Runs on the device of ``probs`` with no host sync; the uniforms come from the engine's
-    explicit generator, so a seed reproduces a run. Never returns a zero-probability token:
+    Runs on the device of ``probs`` with no host sync; the uniforms come from the row's own
+    stream (:mod:`mmspec.engine.rng`), so a seed reproduces a run. Never returns a zero-probability token:
     ``searchsorted(right=True)`` lands on the first cumulative mass strictly above u * total.
     """
     cdf = probs.double().cumsum(-1)  # [..., V]
     x = (u.double() * cdf[..., -1])[..., None]  # [..., 1], < total because u < 1
     return torch.searchsorted(cdf, x, right=True)[..., 0].clamp_max(probs.shape[-1] - 1)
-
-
-def uniforms(n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    """n uniforms in [0, 1), float64, on ``device``, from the engine's explicit generator (drawn on
-    the generator's own device, so a CUDA generator needs no host round trip)."""
-    gdev = generator.device if generator is not None else torch.device("cpu")
-    return torch.rand(n, generator=generator, dtype=torch.float64, device=gdev).to(device)
 
 
 # --------------------------------------------------------------------------- trees
@@ -367,17 +360,6 @@ class RowSampling:
     any_top_k: bool = False
     any_top_p: bool = False
     any_tiny: bool = False  # a temperature below float32's smallest normal number (done in float64)
-
-    @classmethod
-    def of(cls, params: list[SamplingParams], device: torch.device) -> RowSampling:
-        """From host params (one H2D copy per tensor; the engine keeps these across steps)."""
-        t = [1.0 if p.greedy else p.temperature for p in params]
-        k = [p.top_k or 0 for p in params]
-        tp = [p.top_p if p.top_p is not None else 1.0 for p in params]
-        g = [p.greedy for p in params]
-        return cls(torch.tensor(t, dtype=torch.float64, device=device), torch.tensor(k, dtype=torch.long, device=device),
-                   torch.tensor(tp, dtype=torch.float64, device=device), torch.tensor(g, device=device),
-                   **flags(params))
 
     def rows(self, index: torch.Tensor | slice) -> RowSampling:
         """These parameters at other rows (e.g. each request's repeated for its draft views)."""

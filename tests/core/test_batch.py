@@ -405,3 +405,15 @@ def test_a_failed_shared_forward_ends_its_requests_and_the_scheduler_goes_on(tar
     later = sched.submit(requests(1)[0])
     done = {ev.rid: ev.result.token_ids for ev in drain(sched) if ev.finished}
     assert done == {later: refs[0]}
+
+
+def test_without_stream_text_a_step_decodes_no_text(target, draft_shared, tok, refs):
+    """generate and generate_batch read no per-step text: their scheduler decodes none (a
+    server's stream does), and the result's text is the whole answer decoded once."""
+    sched = BatchScheduler(SpecDecoder(target, draft_shared, tok, views="M"), stream_text=False)
+    rid = sched.submit(requests(1)[0])
+    events = drain(sched)
+    assert all(ev.text == "" for ev in events)
+    done = [ev.result for ev in events if ev.finished]
+    assert done[0].token_ids == refs[0] and done[0].text == tok.decode(refs[0], skip_special_tokens=True)
+    assert [ev.rid for ev in events] == [rid] * len(events)

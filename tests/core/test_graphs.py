@@ -99,8 +99,9 @@ def test_capture_failing_part_way_falls_back_to_the_right_logits(target, mode, f
     adapter = adapter_for(model)
     cache = RowCache(model.config.text_config.num_hidden_layers)
     cache.ensure(1, 64)
-    fwd = RowForward(lambda mask, ids, pos: adapter.forward(cache=cache, attention_mask=mask, position_ids=pos,
-                                                            input_ids=ids), cache, mode, "target")
+    eager = RowForward(lambda mask, ids, pos: adapter.forward(cache=cache, attention_mask=mask, position_ids=pos,
+                                                              input_ids=ids), cache, "target")
+    runner = StepRunner(eager, None, mode=mode, name="step")
     ids = torch.randint(5, VOCAB, (1, 14), generator=torch.Generator().manual_seed(4)).to(dev)
     L = 8
 
@@ -108,9 +109,8 @@ def test_capture_failing_part_way_falls_back_to_the_right_logits(target, mode, f
         committed = torch.full((1,), start, dtype=torch.long, device=dev)
         mask = rows_mask(committed, 64, causal(n, dev))
         pos = torch.arange(start, start + n, device=dev)[None]
-        return fwd(write=committed, mask=mask, ids=ids[:, start:start + n], pos=pos)
+        return runner(write=committed, mask=mask, ids=ids[:, start:start + n], pos=pos)
 
-    eager = RowForward(fwd.fn, cache, "eager", "target")
     committed0 = torch.zeros(1, dtype=torch.long, device=dev)
     eager(write=committed0, mask=rows_mask(committed0, 64, causal(L, dev)), ids=ids[:, :L],
           pos=torch.arange(L, device=dev)[None])  # prefill, eagerly
@@ -127,7 +127,7 @@ def test_capture_failing_part_way_falls_back_to_the_right_logits(target, mode, f
             first = run(L, 3).clone()
     finally:
         hook.remove()
-    assert calls["n"] > fail_at and fwd.runner.failed  # the capture did fail part-way (then ran eagerly)
+    assert calls["n"] > fail_at and runner.failed  # the capture did fail part-way (then ran eagerly)
     second = run(L + 3, 3)
     full = model(input_ids=ids[:, :L + 6]).logits  # [1, L + 6, V]
     tol = {} if mode == "emulate" else dict(atol=1e-4, rtol=1e-4)  # float32 on a GPU: other kernels

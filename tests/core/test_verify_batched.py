@@ -11,10 +11,12 @@ import math
 import pytest
 import torch
 
-from mmspec.tree import DraftTree, ancestors, pad_rows, pad_trees
+from helpers.verify_ref import DraftTree, pad_rows, pad_trees
+from mmspec.tree import ancestors
 from mmspec.verify import (
     RowSampling,
     SamplingParams,
+    flags,
     logits_to_probs,
     verify_steps,
     verify_tree_greedy,
@@ -203,7 +205,11 @@ def test_one_call_verifies_greedy_and_sampling_rows_each_as_alone():
     for b, t in enumerate(trees):
         logits[b, :t.size] = _favour_children(logits[b, :t.size], t, g, 4.0)
     us = [torch.rand(t.size + 1, generator=g, dtype=torch.float64) for t in trees]
-    rs = RowSampling.of([params for params, _, _ in plan], torch.device("cpu"))
+    ps = [params for params, _, _ in plan]
+    rs = RowSampling(torch.tensor([1.0 if p.greedy else p.temperature for p in ps], dtype=torch.float64),
+                     torch.tensor([p.top_k or 0 for p in ps]), torch.tensor([p.top_p or 1.0 for p in ps],
+                                                                           dtype=torch.float64),
+                     torch.tensor([p.greedy for p in ps]), **flags(ps))
     relaxed = torch.tensor([math.inf if r is None else r for _, _, r in plan], dtype=torch.float32)
     out = verify_steps(tb, logits, rs, _final_last(us, tb.size, g), relaxed)
     for b, (params, t, rel) in enumerate(plan):
@@ -244,3 +250,23 @@ def test_pad_rows_and_pad_trees_shapes():
     one = pad_trees([a])
     assert one.valid is None and one.tokens.data_ptr() == a.tokens.data_ptr()  # one row: views, no copy
     assert pad_rows([torch.ones(2), torch.ones(3)], 7.0).tolist() == [[1, 1, 7], [1, 1, 1]]
+
+
+def test_each_rows_parameters_filter_it_exactly_as_alone():
+    """logits_to_probs_rows: every row filtered with its own temperature, top-k and top-p, bit for
+    bit what logits_to_probs gives that row alone (greedy rows, a temperature below float32's
+    smallest normal, top-k and top-p together among them)."""
+    from mmspec.verify import logits_to_probs_rows
+
+    g = torch.Generator().manual_seed(6)
+    ps = [SamplingParams(), SamplingParams(0.7), SamplingParams(1.3, top_k=5), SamplingParams(0.9, top_p=0.8),
+          SamplingParams(1e-300), SamplingParams(0.5, top_k=3, top_p=0.5), SamplingParams(top_k=4)]
+    x = torch.randn(len(ps), 3, 50, generator=g)
+    x[:, :, 7] = x[:, :, 3]  # a tie, where an unstable sort could pick another order
+    rs = RowSampling(torch.tensor([1.0 if p.greedy else p.temperature for p in ps], dtype=torch.float64),
+                     torch.tensor([p.top_k or 0 for p in ps]),
+                     torch.tensor([p.top_p or 1.0 for p in ps], dtype=torch.float64),
+                     torch.tensor([p.greedy for p in ps]), **flags(ps))
+    out = logits_to_probs_rows(x, rs)
+    for b, p in enumerate(ps):
+        assert torch.equal(out[b], logits_to_probs(x[b], p)), p

@@ -40,6 +40,7 @@ class DraftRows:
         self.device = device
         self.static = static
         self.lengths: list[int] = []  # host: committed slots per draft row (active requests' rows)
+        self.step_span, self.base, self.pos = 0, None, None  # this step's: slots attended, in-block slot 0, depth-1 position
         self.length = torch.zeros(per, dtype=torch.long, device=device)  # [rows]
         self.position = torch.zeros(per, dtype=torch.long, device=device)  # [rows] next position id
 
@@ -60,6 +61,44 @@ class DraftRows:
         """Slots a step's forwards attend over: every row's committed ones plus ``extra``."""
         need = max(self.lengths, default=0) + extra
         return min(capacity_bucket(need), self.cache.capacity) if self.static else need
+
+    # ------------------------------------------------------------------ a step's forwards
+    def pending_inputs(self, R: int, P: int, span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first ``R`` rows' pending-token forward: write slots [R], mask [R, 1, P, span],
+        positions [R, P] (each row's P pending slots after its committed ones, causal)."""
+        self.step_span = span
+        length, position = self.length[:R], self.position[:R]
+        dev = length.device
+        return length, rows_mask(length, span, causal(P, dev)), position[:, None] + torch.arange(P, device=dev)
+
+    def open_block(self, R: int, plen: torch.Tensor) -> None:
+        """The pending tokens [R] fed: in-block slot 0 and the depth-1 position follow them."""
+        self.base, self.pos = self.length[:R] + plen, self.position[:R] + plen
+
+    def node_inputs(self, inblock: torch.Tensor, depth: int, first_slot: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A tree level's forward: inblock [R, n, S] -> write slots [R], mask, positions [R, n]."""
+        n = inblock.shape[1]
+        pos = (self.pos + depth - 1)[:, None].expand(-1, n)
+        return self.base + first_slot, rows_mask(self.base, self.step_span, inblock), pos
+
+    def keep(self, m: torch.Tensor, live: torch.Tensor) -> None:
+        """After verification: each live row keeps its pending tokens and ``m`` [R] accepted
+        nodes (a free row of the bucket keeps its length)."""
+        R = m.shape[0]
+        self.length[:R] = torch.where(live, self.base + m, self.length[:R])
+        self.position[:R] = torch.where(live, self.pos + m, self.position[:R])
+
+    def advance(self, delta: list[int]) -> None:
+        """Host mirrors after a step's read: request b's rows committed ``delta[b]`` more slots."""
+        for b, d in enumerate(delta):
+            for v in range(self.per):
+                self.lengths[b * self.per + v] += d
+
+    def snapshot(self, b: int) -> list[KV | None]:
+        """Request b's rows as the prefix cache keeps them (their committed slots)."""
+        p = self.per
+        return [self.cache.snapshot(b * p + v, 0, self.lengths[b * p + v]) for v in range(p)]
 
     def remove(self, b: int, last: int) -> None:
         """Request b's rows leave; the last request's rows move into them."""
@@ -82,7 +121,7 @@ class EnsembleDrafting(Drafting):
     keeps_path = True
 
     def __init__(self, adapter: ModelAdapter, weights: Sequence[float], vocab: int, spec: TreeSpec,
-                 static: bool = False, graphs: str = "eager", n_layers: int | None = None, pool=None):
+                 static: bool = False, n_layers: int | None = None):
         self.adapter = adapter
         self.V = len(weights)
         w = torch.tensor(list(weights), dtype=torch.float64)
@@ -96,9 +135,7 @@ class EnsembleDrafting(Drafting):
         cache = self.rows.cache
         self.forward = RowForward(lambda mask, ids, pos: adapter.forward(cache=cache, attention_mask=mask,
                                                                          position_ids=pos, input_ids=ids),
-                                  cache, graphs, "draft", pool)
-        self._base = self._pos = None
-        self._span = 0
+                                  cache, "draft")
 
     # ------------------------------------------------------------------ rows
     def ensure(self, requests: int, capacity: int) -> bool:
@@ -111,7 +148,7 @@ class EnsembleDrafting(Drafting):
             self.adaptive.ensure(requests)
         return grown
 
-    def admit(self, first: int, prompts: list, reqs: list, feats=None, inputs=None) -> None:
+    def admit(self, first: int, prompts: list, reqs: list, feats=None) -> None:
         """Requests ``first ..`` join (their :class:`~mmspec.decoder.EncodedRequest` s and
         checked requests): each request's view rows (its prompt rows, less the pending last token)
         prefilled in ONE forward into rows ``first * V ..``, each reusing what the prefix cache
@@ -174,10 +211,7 @@ class EnsembleDrafting(Drafting):
         return out
 
     def advance(self, delta: list[int]) -> None:
-        """Host mirrors after a step's read: request b's rows committed ``delta[b]`` more slots."""
-        for b, d in enumerate(delta):
-            for v in range(self.V):
-                self.rows.lengths[b * self.V + v] += d
+        self.rows.advance(delta)
 
     # ------------------------------------------------------------------ Drafting hooks
     def _rep(self, t: torch.Tensor) -> torch.Tensor:
@@ -185,25 +219,19 @@ class EnsembleDrafting(Drafting):
         return t if self.V == 1 else t.repeat_interleave(self.V, dim=0)
 
     def feed_pending(self, x: StepInput) -> torch.Tensor:
-        R, P, dev = x.rows * self.V, x.pending.shape[1], self.adapter.device
-        self._span = x.span
-        length, position = self.rows.length[:R], self.rows.position[:R]
-        ids = self._rep(x.pending)  # [R V, P]
-        pos = position[:, None] + torch.arange(P, device=dev)
-        mask = rows_mask(length, self._span, causal(P, dev))
-        logits = self.forward(write=length, mask=mask, ids=ids, pos=pos)  # [R V, P, V_draft]
+        R = x.rows * self.V
+        write, mask, pos = self.rows.pending_inputs(R, x.pending.shape[1], x.span)
+        logits = self.forward(write=write, mask=mask, ids=self._rep(x.pending), pos=pos)  # [R V, P, V_draft]
         plen = self._rep(x.pending_len)
-        self._base, self._pos = length + plen, position + plen  # in-block slot 0; the depth-1 position
+        self.rows.open_block(R, plen)
         last = logits.gather(1, (plen - 1)[:, None, None].expand(R, 1, logits.shape[-1]))  # [R V, 1, V_draft]
-        self._seen = [last] if self.adaptive is not None else []  # a copy (gather): a replay reuses its output
+        self._seen = [last] if self.adaptive is not None else []  # a copy (gather)
         return last
 
     def feed(self, x, nodes, tokens, parents, depth, first_slot, inblock) -> torch.Tensor:
-        n = tokens.shape[1]
-        mask = rows_mask(self._base, self._span, self._rep(inblock))
-        pos = (self._pos + depth - 1)[:, None].expand(-1, n)
-        out = self.forward(write=self._base + first_slot, mask=mask, ids=self._rep(tokens), pos=pos)
-        if self.adaptive is not None:  # kept for adapt (a copy: a graph replay overwrites its output)
+        write, mask, pos = self.rows.node_inputs(self._rep(inblock), depth, first_slot)
+        out = self.forward(write=write, mask=mask, ids=self._rep(tokens), pos=pos)
+        if self.adaptive is not None:  # kept for adapt (a copy: a forward may hand back a reused buffer)
             self._seen.append(out.clone())
         return out
 
@@ -245,10 +273,11 @@ class EnsembleDrafting(Drafting):
         R = x.rows * self.V
         if not is_chain:
             D = slot.shape[1]
-            src = self._base[:, None] + self._rep(slot).clamp_min(0)
-            dst = self._base[:, None] + torch.arange(D, device=slot.device)
+            base = self.rows.base
+            src = base[:, None] + self._rep(slot).clamp_min(0)
+            dst = base[:, None] + torch.arange(D, device=slot.device)
             self.rows.cache.move_paths(torch.arange(R, device=slot.device), src, dst)
-        self._advance(R, self._rep(m), live)
+        self.rows.keep(self._rep(m), self._rep(live))
         return m
 
     def adapt(self, x: StepInput, d: Drafted, path: torch.Tensor, n_accepted: torch.Tensor, next_token: torch.Tensor,
@@ -271,19 +300,11 @@ class EnsembleDrafting(Drafting):
                                 torch.cat([tok[:, 1:], tok[:, -1:]], 1))  # the token after each path node
         self.weights[:R] = self.adaptive.update(q, p, confirmed, valid, n_accepted + 1, live)
 
-    def _advance(self, R: int, m: torch.Tensor, live: torch.Tensor) -> None:
-        """Rows' committed slots: the pending tokens fed this step and ``m`` [R V] kept nodes (a
-        free row of the bucket keeps its length)."""
-        lv = self._rep(live)
-        self.rows.length[:R] = torch.where(lv, self._base + m, self.rows.length[:R])
-        self.rows.position[:R] = torch.where(lv, self._pos + m, self.rows.position[:R])
-
     def catch_up(self, x: StepInput, live: torch.Tensor) -> None:
         """A step that drafts nothing still feeds the pending tokens (their count stays bounded)."""
         self.feed_pending(x)
-        R = x.rows * self.V
-        self._advance(R, torch.zeros(R, dtype=torch.long, device=live.device), live)
+        self.rows.keep(torch.zeros(x.rows * self.V, dtype=torch.long, device=live.device), self._rep(live))
 
     def snapshot(self, b: int) -> list[KV | None]:
         """Request b's view rows as the prefix cache keeps them (committed slots)."""
-        return [self.rows.cache.snapshot(b * self.V + v, 0, self.rows.lengths[b * self.V + v]) for v in range(self.V)]
+        return self.rows.snapshot(b)

@@ -18,7 +18,6 @@ import torch
 from mmspec.drafting.ensemble import DraftRows
 from mmspec.drafting.trees import Drafted, Drafting, StepInput
 from mmspec.engine.forwards import PromptRow, RowForward, prefill_rows
-from mmspec.engine.masks import causal, rows_mask
 from mmspec.heads.model import FeatureHead
 from mmspec.heads.positions import head_positions, next_position, prompt_positions
 from mmspec.models.base import ModelAdapter
@@ -32,8 +31,7 @@ class HeadDrafting(Drafting):
 
     keeps_path = False
 
-    def __init__(self, head: FeatureHead, target: ModelAdapter, spec: TreeSpec, static: bool = False,
-                 graphs: str = "eager", pool=None):
+    def __init__(self, head: FeatureHead, target: ModelAdapter, spec: TreeSpec, static: bool = False):
         self.head = head
         self.target = target
         self.spec = spec
@@ -45,16 +43,14 @@ class HeadDrafting(Drafting):
         cache = self.rows.cache
         self.forward = RowForward(lambda mask, feats, embeds, pos: head(feats, embeds, cache=cache, position_ids=pos,
                                                                        attention_mask=mask),
-                                  cache, graphs, "draft head", pool)
+                                  cache, "draft head")
         self.hnode: torch.Tensor | None = None  # [R, M, H] the head's predicted feature at each tree node
-        self._base = self._pos = None
-        self._span = 0
 
     # ------------------------------------------------------------------ rows
     def ensure(self, requests: int, capacity: int) -> bool:
         return self.rows.ensure(requests, capacity)
 
-    def admit(self, first: int, prompts: list, reqs: list, feats=None, inputs=None) -> None:
+    def admit(self, first: int, prompts: list, reqs: list, feats=None) -> None:
         """Requests ``first ..`` join: each one's head row holds the pairs (target feature t,
         token t + 1) of its prompt, t = 0 .. L - 3, those past its reused slots fed in ONE forward
         from the target's prefill features ``feats`` [k, n_max, F] (request i's from its reused
@@ -122,8 +118,7 @@ class HeadDrafting(Drafting):
         return super().step_state() + ([self.hnode] if self.hnode is not None else [])
 
     def advance(self, delta: list[int]) -> None:
-        for b, d in enumerate(delta):
-            self.rows.lengths[b] += d
+        self.rows.advance(delta)
 
     # ------------------------------------------------------------------ Drafting hooks
     def begin(self, rows: int, n_nodes: int) -> None:
@@ -132,15 +127,12 @@ class HeadDrafting(Drafting):
             self.hnode = torch.zeros(rows, n_nodes, H, dtype=self.head.dtype, device=self.target.device)
 
     def feed_pending(self, x: StepInput) -> torch.Tensor:
-        R, P, dev = x.rows, x.pending.shape[1], self.target.device
-        self._span = x.span
-        length, position = self.rows.length[:R], self.rows.position[:R]
-        pos = position[:, None] + torch.arange(P, device=dev)
-        mask = rows_mask(length, self._span, causal(P, dev))
-        h = self.forward(write=length, mask=mask, feats=self.head.fused(x.feats), embeds=self._embed(x.pending),
+        R = x.rows
+        write, mask, pos = self.rows.pending_inputs(R, x.pending.shape[1], x.span)
+        h = self.forward(write=write, mask=mask, feats=self.head.fused(x.feats), embeds=self._embed(x.pending),
                          pos=pos)  # [R, P, H]
         plen = x.pending_len
-        self._base, self._pos = length + plen, position + plen
+        self.rows.open_block(R, plen)
         last = h.gather(1, (plen - 1)[:, None, None].expand(R, 1, h.shape[-1]))  # [R, 1, H]
         self.hnode[:R, 0] = last[:, 0]
         return self.head.logits(last, self._lm_head)  # [R, 1, V]
@@ -148,10 +140,9 @@ class HeadDrafting(Drafting):
     def feed(self, x, nodes, tokens, parents, depth, first_slot, inblock) -> torch.Tensor:
         R, n = tokens.shape
         H = self.hnode.shape[-1]
-        mask = rows_mask(self._base, self._span, inblock)
-        pos = (self._pos + depth - 1)[:, None].expand(-1, n)
+        write, mask, pos = self.rows.node_inputs(inblock, depth, first_slot)
         feats = self.hnode[:R].gather(1, parents[:, :, None].expand(R, n, H))
-        h = self.forward(write=self._base + first_slot, mask=mask, feats=feats, embeds=self._embed(tokens), pos=pos)
+        h = self.forward(write=write, mask=mask, feats=feats, embeds=self._embed(tokens), pos=pos)
         self.hnode[:R].scatter_(1, nodes[:, :, None].expand(R, n, H), h)
         return self.head.logits(h, self._lm_head)  # [R, n, V]
 
@@ -164,14 +155,13 @@ class HeadDrafting(Drafting):
     # ------------------------------------------------------------------ after verification
     def commit(self, x: StepInput, d: Drafted, path, n_accepted, is_chain: bool, live: torch.Tensor) -> torch.Tensor:
         """Every tree slot dropped: the rows keep the pending tokens fed this step. -> m = 0."""
-        R = x.rows
-        self.rows.length[:R] = torch.where(live, self._base, self.rows.length[:R])
-        self.rows.position[:R] = torch.where(live, self._pos, self.rows.position[:R])
-        return torch.zeros_like(n_accepted)
+        m = torch.zeros_like(n_accepted)
+        self.rows.keep(m, live)
+        return m
 
     def catch_up(self, x: StepInput, live: torch.Tensor) -> None:
         self.feed_pending(x)
-        self.commit(x, None, None, x.pending_len, True, live)
+        self.rows.keep(torch.zeros_like(x.pending_len), live)
 
     def snapshot(self, b: int) -> KV | None:
-        return self.rows.cache.snapshot(b, 0, self.rows.lengths[b])
+        return self.rows.snapshot(b)[0]

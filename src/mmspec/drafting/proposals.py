@@ -18,10 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mmspec.drafting.trees import ancestors_rows
 from mmspec.engine import rng
 from mmspec.lookup import Picked, pick
-from mmspec.tree import TreeBatch, TreeSpec
+from mmspec.tree import TreeBatch, TreeSpec, ancestors_rows
 
 PROPOSAL_SLOT = rng.DRAFT + 1024  # the proposer's draws (a drawn chain) within a step's slots
 

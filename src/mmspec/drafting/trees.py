@@ -11,7 +11,7 @@ sampling parameters and random draws, and a row's nodes past its token limit (or
 chain's unsure token, ``stop_below``) are marked invalid rather than not drafted: the step's
 work does not depend on any value read back from the device.
 
-Node numbering, per row (as :class:`~mmspec.tree.DraftTree`): node 0 is the root (the newest
+Node numbering, per row: node 0 is the root (the newest
 pending token, the last one fed), parents first. ``fed[b, i]``: the in-block slot node i was fed
 at (slots counted from the row's committed length after its pending tokens), -1 when never fed
 (the deepest level, and the root, which is committed). Verification reads a
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mmspec.tree import TreeBatch, TreeSpec, static_structure
+from mmspec.tree import TreeBatch, TreeSpec, ancestors_rows, static_structure
 from mmspec.verify import RowSampling, sample
 
 NEG = float("-inf")
@@ -53,6 +53,10 @@ class StepInput:
     feats: torch.Tensor | None = None  # [R, P, F] a head's target features before the pending tokens
     span: int = 0  # draft slots the step's forwards attend over (the host's choice: StepPlan)
 
+    def root(self) -> torch.Tensor:
+        """[R] each row's newest pending token: the root of its tree."""
+        return self.pending.gather(1, (self.pending_len - 1)[:, None])[:, 0]
+
 
 @dataclass
 class Drafted:
@@ -61,16 +65,6 @@ class Drafted:
     tree: TreeBatch
     fed: torch.Tensor  # [R, N] long in-block slot of each node, -1: never fed
     seen: list = field(default_factory=list)  # adaptive weights: each fed depth's per-view logits
-
-
-def ancestors_rows(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """parents [B, N] (root -1) -> anc [B, N, N] bool (node itself and its ancestors)."""
-    B, n = parents.shape
-    anc = torch.eye(n, dtype=torch.bool, device=parents.device).expand(B, n, n).clone()
-    par, has = parents.clamp_min(0), (parents >= 0)[:, :, None]
-    for _ in range(max_depth):
-        anc = anc | (anc.gather(1, par[:, :, None].expand(B, n, n)) & has)
-    return anc
 
 
 def drop_duplicates(tokens: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -141,16 +135,12 @@ class Drafting:
         """Feed the pending tokens, then draft ``spec`` (the decoder's tree, cut to the step's
         depth) for every row."""
         logits = self.feed_pending(x)
-        root = x.pending.gather(1, (x.pending_len - 1)[:, None])  # [R, 1]
+        root = x.root()[:, None]  # [R, 1]
         if spec.kind == "chain":
-            d = self._chain(x, root, logits, spec.max_depth, spec.stop_below)
-        elif spec.kind == "static":
-            d = self._static(x, root, logits, spec)
-        else:
-            d = self._dynamic(x, root, logits, spec)
-        valid = d.tree.depth < x.remaining[:, None]  # a row never drafts past its token limit
-        d.tree.valid = valid if d.tree.valid is None else d.tree.valid & valid
-        return d
+            return self._chain(x, root, logits, spec.max_depth, spec.stop_below)
+        if spec.kind == "static":
+            return self._static(x, root, logits, spec)
+        return self._dynamic(x, root, logits, spec)
 
     def _chain(self, x: StepInput, root: torch.Tensor, logits: torch.Tensor, depth: int,
                stop_below: float | None) -> Drafted:
@@ -254,7 +244,9 @@ class Drafting:
         """A Medusa-style static tree: node ``path`` is the ``path[-1]``-ranked child (by q) of node
         ``path[:-1]``; nodes with children are fed, one forward per depth."""
         R, dev = x.rows, root.device
-        plan = static_plan(spec, dev)
+        plans = self.__dict__.setdefault("_static_plans", {})  # made once per tree and device
+        key = (spec.paths, str(dev))
+        plan = plans[key] if key in plans else plans.setdefault(key, static_plan(spec, dev))
         M = plan["M"]
         tokens = torch.zeros(R, M, dtype=torch.long, device=dev)
         tokens[:, 0] = root[:, 0]
@@ -284,12 +276,8 @@ class Drafting:
 
 
 def static_plan(spec: TreeSpec, dev: torch.device) -> dict:
-    """The index tensors of a static tree, made once per tree and device (cached on the spec's
-    paths): per level its node ids, ranks and frontier, the nodes' parents, depths, ancestors and
-    in-block slots."""
-    key = (spec.paths, str(dev))
-    if key in _PLANS:
-        return _PLANS[key]
+    """The index tensors of a static tree (its drafter keeps them, one per tree and device): per
+    level its node ids, ranks and frontier, the nodes' parents, depths, ancestors and in-block slots."""
     par_l, dep_l, rank_l = static_structure(spec.paths)
     M = 1 + len(par_l)
     parents = torch.tensor([-1] + par_l, dtype=torch.long)
@@ -315,8 +303,4 @@ def static_plan(spec: TreeSpec, dev: torch.device) -> dict:
     plan = {"M": M, "parents": parents.to(dev), "depth": torch.tensor([0] + dep_l, dtype=torch.long, device=dev),
             "anc": anc.to(dev), "fed": torch.tensor(fed, dtype=torch.long, device=dev),
             "levels": [{k: on(v) for k, v in lv.items()} for lv in levels]}
-    _PLANS[key] = plan
     return plan
-
-
-_PLANS: dict = {}

@@ -20,7 +20,6 @@ import torch
 from mmspec.engine.forwards import PromptRow, prefill_rows
 from mmspec.engine.state import RowStart
 from mmspec.engine.step import Engine, RowHost
-from mmspec.errors import MMSpecError
 from mmspec.timing import sync
 
 
@@ -76,10 +75,10 @@ def admit(dec, engine: Engine, reqs: list, max_rows: int | None = None) -> list[
         t1 = time.perf_counter()
         drafting = engine.drafting
         if drafting is not None:
-            drafting.ensure(engine.rows_for(first + k), max(max(len(r.token_ids) for r in prompts[i].rows) if prompts[i].rows
-                                           else reqs[i].ids.shape[0] for i in group)
-                            + max(dec.room(reqs[i].max_new_tokens) for i in group) + engine.width + 1)
-            drafting.admit(first, [prompts[i] for i in group], [reqs[i] for i in group], feats, [inputs[i] for i in group])
+            longest = max(max((len(r.token_ids) for r in prompts[i].rows), default=reqs[i].ids.shape[0]) for i in group)
+            room = max(dec.room(reqs[i].max_new_tokens) for i in group) + engine.width + 1  # the decode's slots
+            drafting.ensure(engine.rows_for(first + k), longest + room)
+            drafting.admit(first, [prompts[i] for i in group], [reqs[i] for i in group], feats)
         sync(dec.target.device)
     except Exception as e:  # noqa: BLE001 - a shared forward: every request in it
         for i in group:
@@ -109,7 +108,3 @@ def admit(dec, engine: Engine, reqs: list, max_rows: int | None = None) -> list[
                                    seed=0 if req.seed is None else req.seed, unseen=[int(req.ids[-1])]))
     return out
 
-
-def refuse_batching(dec) -> MMSpecError | None:
-    """Why this decoder's models cannot decode in rows, if they cannot."""
-    return None

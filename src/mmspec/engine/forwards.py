@@ -1,11 +1,10 @@
 """The forwards of the batched engine over a :class:`~mmspec.models.rows.RowCache`: a step's
-fixed-shape forwards (eager, or one CUDA graph per shape), and the prefill of newcomers' rows.
+fixed-shape forwards, and the prefill of newcomers' rows.
 
 :class:`RowForward` runs one model's step forwards (the target's verify forward, a draft round,
 a head round): inputs are device tensors only, the write slots and the 4-D mask among them, so
 every call of one shape ``(rows, new tokens, span)`` runs the same kernels on the same addresses
-and a :class:`~mmspec.engine.graphs.StepRunner` can capture it once and replay it. Growing the cache
-drops the graphs captured on the old buffer.
+and the whole step around them can be captured as one CUDA graph (:mod:`mmspec.engine.step`).
 
 :func:`prefill_rows` runs newcomers' prompts (each its own length, right-padded to the longest,
 a stored prefix reused where the prefix cache had one) as ONE eager forward over their rows.
@@ -18,41 +17,22 @@ from dataclasses import dataclass
 
 import torch
 
-from mmspec.engine.graphs import StepRunner
 from mmspec.engine.masks import causal, rows_mask
 from mmspec.models.rows import RowCache
 
 
 class RowForward:
     """``self(write=[R], mask=[R, 1, n, span], **inputs)`` -> ``fn(mask=mask, **inputs)`` after
-    the cache is told where the rows write (module docstring); ``mode``: a
-    :data:`~mmspec.engine.graphs.MODES` entry."""
+    the cache is told where the rows write and how far they attend (module docstring)."""
 
-    def __init__(self, fn: Callable[..., object], cache: RowCache, mode: str = "eager", name: str = "model",
-                 pool=None):
+    def __init__(self, fn: Callable[..., object], cache: RowCache, name: str = "model"):
         self.fn = fn
         self.cache = cache
-        self.runner = StepRunner(self._run, None, mode=mode, name=f"batched {name}", pool=pool)
-        self.generation = cache.generation
-
-    def _run(self, write: torch.Tensor, mask: torch.Tensor, **inputs: torch.Tensor):
-        self.cache.begin(0, write, mask.shape[-1])
-        return self.fn(mask=mask, **inputs)
+        self.name = name
 
     def __call__(self, write: torch.Tensor, mask: torch.Tensor, **inputs: torch.Tensor):
-        if self.cache.generation != self.generation:  # a new buffer: the old graphs point at freed memory
-            self.runner.reset()
-            self.generation = self.cache.generation
-        return self.runner(write=write, mask=mask, **inputs)
-
-    @property
-    def mode(self) -> str:
-        return self.runner.mode
-
-    @property
-    def shapes(self) -> set:
-        """The input shapes captured so far (one graph each)."""
-        return set(self.runner.graphs)
+        self.cache.begin(0, write, mask.shape[-1])
+        return self.fn(mask=mask, **inputs)
 
 
 @dataclass

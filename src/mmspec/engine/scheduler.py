@@ -144,19 +144,21 @@ class BatchScheduler:
     """Continuous batching over one :class:`~mmspec.decoder.SpecDecoder` (module docstring).
 
     Driven by ONE thread (not thread-safe). ``speculate``: "always", "never", "auto" or a
-    :class:`SpeculationPolicy`."""
+    :class:`SpeculationPolicy`. ``stream_text``: each event carries its text delta (a server's
+    stream); without it a step decodes no text (``generate``, ``generate_batch``: the result's
+    text is decoded once, when a request ends)."""
 
-    def __init__(self, decoder, *, max_batch: int = 16, speculate="always"):
+    def __init__(self, decoder, *, max_batch: int = 16, speculate="always", stream_text: bool = True):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise MMSpecError(f"max_batch must be a whole number >= 1, got {max_batch!r}")
         self.decoder = decoder
         self.max_batch = max_batch
+        self.stream_text = stream_text
         self.policy = speculate if isinstance(speculate, SpeculationPolicy) else SpeculationPolicy(speculate)
         self.engine = decoder.engine_for(self)
         self.engine.draft_later = self.policy.mode != "never"
-        if self.engine.active:  # a leased engine may come back with rows of a failed batch
-            while self.engine.active:
-                self.engine.remove(self.engine.active - 1)
+        while self.engine.active:  # a leased engine may come back with rows of a failed batch
+            self.engine.remove(self.engine.active - 1)
         self._queue: deque = deque()  # (rid, Request, t_submit)
         self._active: list[_Active] = []  # row b of the engine is _active[b]
         self._next_rid = 0
@@ -236,10 +238,10 @@ class BatchScheduler:
             rec = row.stats.blocks[-1]
             accepted += rec.n_accepted
             rejected += rec.n_drafted > 0 and rec.n_accepted < rec.drafted_depth and len(kept) == rec.n_accepted + 1
-            text = a.delta.push(kept)
+            text = a.delta.push(kept) if self.stream_text else ""
             result = None
             if row.done:
-                text += a.delta.finish()
+                text += a.delta.finish() if self.stream_text else ""
                 result = self._finish(b, a)
             events.append(StepEvent(a.rid, kept, text, row.done, result))
             if row.done:
@@ -326,7 +328,7 @@ def generate_batch(dec, requests: list[dict], *, max_batch: int = 16, speculate=
         raise MMSpecError(f"requests must be a list of dicts (one per prompt), got {type(requests).__name__}")
     if speculate == "auto":  # the decoder's own policy: what it measured in earlier calls carries over
         speculate = dec.speculation_policy
-    sched = BatchScheduler(dec, max_batch=max_batch, speculate=speculate)
+    sched = BatchScheduler(dec, max_batch=max_batch, speculate=speculate, stream_text=False)
     rids = []
     for i, req in enumerate(requests):
         try:

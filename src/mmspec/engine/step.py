@@ -86,7 +86,8 @@ class StepPlan:
 
     rows: int
     spec: TreeSpec | None
-    catch_up: bool
+    catch_up: bool  # a plain step feeds the drafter its pending tokens (they would overflow)
+    keep_pending: bool  # a plain step that feeds nothing: the target's token joins the pending ones
     proposals: bool
     span: int  # target slots attended
     span_draft: int  # draft slots attended
@@ -96,9 +97,8 @@ class StepPlan:
 def root_only(x: StepInput) -> TreeBatch:
     """Every row's root alone ([R, 1]): a plain target step."""
     R, dev = x.rows, x.pending.device
-    root = x.pending.gather(1, (x.pending_len - 1)[:, None])
     zeros = torch.zeros(R, 1, dtype=torch.long, device=dev)
-    return TreeBatch(tokens=root, parents=zeros - 1, depth=zeros, anc=torch.ones(R, 1, 1, dtype=torch.bool, device=dev),
+    return TreeBatch(tokens=x.root()[:, None], parents=zeros - 1, depth=zeros, anc=torch.ones(R, 1, 1, dtype=torch.bool, device=dev),
                      fed=zeros - 1, valid=None, max_depth=0)
 
 
@@ -130,7 +130,7 @@ class Engine:
         cache = self.cache
         self.forward = RowForward(lambda mask, ids, pos: target.forward(
             cache=cache, attention_mask=mask, position_ids=pos, input_ids=ids, hidden=hidden_layers),
-            cache, "eager", "target")  # inside the step's graph, with fixed shapes
+            cache, "target")  # inside the step's graph, with fixed shapes
         self.graphs = graphs  # "eager", or the whole step captured per plan ("cuda"; "emulate" on the CPU)
         self.step_graphs = graphs != "eager"
         self.graphs_failed: str | None = None
@@ -144,10 +144,6 @@ class Engine:
     @property
     def active(self) -> int:
         return self.state.active
-
-    def forwards(self) -> dict:
-        """The engine's step forwards by role ("target", "draft")."""
-        return {"target": self.forward, **({"draft": self.drafting.forward} if self.drafting is not None else {})}
 
     @property
     def step_graphs_by_plan(self) -> dict:
@@ -229,14 +225,13 @@ class Engine:
         host = packed[:B].tolist()  # 5. the step's ONE host read
         clock.mark()
         drafted = plan.spec is not None and self.drafting is not None
-        plain_keep = plan.spec is None and self.drafting is not None and self.draft_later and not plan.catch_up
         emitted, advance = [], []
         for b, (row, h) in enumerate(zip(self.rows, host)):
             n_acc, nxt, kept_m, nv, toks = h[0], h[1], h[2], h[3], h[4:]
             advance.append((row.pending_len + kept_m) if (drafted or plan.catch_up) else 0)
             if drafted:
                 row.pending_len = n_acc - kept_m + 1
-            elif plain_keep:
+            elif plan.keep_pending:
                 row.pending_len += 1
             else:
                 row.pending_len = 1
@@ -278,7 +273,8 @@ class Engine:
         if drafting_adapts:  # the weights this step drafts with, kept for the request's stats
             self.drafting.adaptive.record(R)
         flags = st.sampling(R)
-        plan = StepPlan(rows=R, spec=spec, catch_up=catch_up, proposals=props is not None, span=span,
+        keep = spec is None and self.drafting is not None and self.draft_later and not catch_up
+        plan = StepPlan(rows=R, spec=spec, catch_up=catch_up, keep_pending=keep, proposals=props is not None, span=span,
                         span_draft=span_d, flags=(flags.any_sampling, flags.all_sampling, flags.any_top_k,
                                                   flags.any_top_p, flags.any_tiny))
         return plan, props, failed
@@ -332,14 +328,15 @@ class Engine:
             if p is not None:
                 tree = drafted.tree = mf.merged(tree, p)
                 drafted.fed, is_chain = tree.fed, False
-                tree.valid = tree.valid & (tree.depth < x.remaining[:, None])
         elif p is not None:  # drafting with no model
-            tree, is_chain = mf.alone(x.pending.gather(1, (x.pending_len - 1)[:, None])[:, 0], p, spec.max_depth), False
-            tree.valid = tree.valid & (tree.depth < x.remaining[:, None])
+            tree, is_chain = mf.alone(x.root(), p, spec.max_depth), False
         else:
             tree, is_chain = root_only(x), True
             if plan.catch_up:
                 self.drafting.catch_up(x, st.live[:R])
+        if spec is not None:  # a row never drafts past its token limit (nodes marked, not left out)
+            limit = tree.depth < x.remaining[:, None]
+            tree.valid = limit if tree.valid is None else tree.valid & limit
         if clock is not None:
             clock.mark()
 
@@ -369,8 +366,7 @@ class Engine:
         st.remaining[:R] -= step_len
         st.step[:R] += live
         tok_path = tree.tokens.gather(1, path)  # [R, D + 1]
-        plain_keep = spec is None and self.drafting is not None and self.draft_later and not plan.catch_up
-        self._next_pending(x, tok_path, path, n, m, out.next_token, hidden, plain_keep)
+        self._next_pending(x, tok_path, path, n, m, out.next_token, hidden, plan.keep_pending)
         return torch.cat([n[:, None], out.next_token[:, None], m[:, None], n_valid[:, None], tok_path], 1)
 
     def _emit(self, row: RowHost, tokens: list[int], n_acc: int, n_valid: int, spec, clock) -> list[int]:
