@@ -387,7 +387,7 @@ class SpecDecoder:
         return result
 
     def generate_batch(self, requests: list[dict], *, max_batch: int = 16, speculate: str = "always",
-                       **defaults) -> list[GenerationResult]:
+                       overlap: bool | None = None, **defaults) -> list[GenerationResult]:
         """Decode many prompts together (:mod:`mmspec.batch`): each request a dict of what
         :meth:`generate` takes for one prompt (``input_ids``, ``pixel_values``, the family's processor
         outputs, ``images``, ``captions``, ...) plus its own ``max_new_tokens``, ``temperature``,
@@ -397,10 +397,11 @@ class SpecDecoder:
         ``speculate``: "always", "never" (plain batched target steps) or "auto" (the goodput
         policy: per step the draft depth, plain decoding included, with the most expected tokens
         per second at the batch size: :class:`~mmspec.batch.SpeculationPolicy`); ``max_batch``:
-        requests decoded at once."""
+        requests decoded at once; ``overlap``: each step launched before the previous one is read
+        (None: on a GPU; :class:`~mmspec.batch.BatchScheduler`)."""
         from mmspec.batch import generate_batch
 
-        return generate_batch(self, requests, max_batch=max_batch, speculate=speculate, **defaults)
+        return generate_batch(self, requests, max_batch=max_batch, speculate=speculate, overlap=overlap, **defaults)
 
     @property
     def speculation_policy(self):

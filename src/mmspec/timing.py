@@ -54,7 +54,9 @@ class BlockClock:
 
     def durations(self) -> list[tuple[float, ...]]:
         """Seconds of each phase, per block."""
-        if self.cuda:
-            torch.cuda.synchronize()
+        if self.cuda:  # the last mark's event, not the device: a step launched since may still run (overlap)
+            last = next((m[-1] for m in reversed(self.marks) if m), None)
+            if last is not None:
+                last.synchronize()
             return [tuple(a.elapsed_time(b) / 1e3 for a, b in zip(m, m[1:])) for m in self.marks]
         return [tuple(b - a for a, b in zip(m, m[1:])) for m in self.marks]

@@ -156,12 +156,15 @@ def test_cuda_graphs_match_target_on_gpu(kw, method, tok):
 
 
 @cuda
+@pytest.mark.parametrize("overlap", [False, True], ids=["in turn", "overlapped"])
 @pytest.mark.parametrize("kw, n_requests", [(dict(tree="dynamic"), 1), (dict(temperature=0.8), 4)],
                          ids=["greedy tree, one request", "sampling chain, a batch"])
-def test_one_host_sync_per_step_on_gpu(tok, monkeypatch, kw, n_requests):
+def test_one_host_sync_per_step_on_gpu(tok, monkeypatch, kw, n_requests, overlap):
     """On a GPU every engine step (its graph's replay) synchronises with the host exactly once:
-    its packed read. Counted by CUDA's sync debug mode around each step (admission, prefills and
-    the results' timing read values outside the steps)."""
+    its packed read, an event waited on after the outcomes' copy into pinned memory. Nothing in a
+    launch or a read synchronises otherwise (CUDA's sync debug mode counts the rest; it does not
+    see an event's wait, counted apart). Admission, prefills and the results' timing read values
+    outside the steps."""
     from mmspec.engine.step import Engine
 
     target = make_llava(0, dtype=torch.float32).cuda()
@@ -173,24 +176,35 @@ def test_one_host_sync_per_step_on_gpu(tok, monkeypatch, kw, n_requests):
         ids, pv = make_prompt(1, 16, seed=3 + i)
         reqs.append(dict(input_ids=ids.cuda(), pixel_values=pv.float().cuda(), max_new_tokens=32,
                          temperature=temperature, seed=i))
-    dec.generate_batch(reqs)  # captures
-    counts = []
-    orig = Engine.step
+    ref = [r.token_ids for r in dec.generate_batch(reqs, overlap=False)]  # captures
+    flagged, waits, launches, reads, inside = [], [], [], [], []
+    event_sync = torch.cuda.Event.synchronize
 
-    def counted(self, *a, **k):
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                out = orig(self, *a, **k)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        counts.append(sum("synchroniz" in str(w.message) for w in caught))
-        return out
+    def counting(method, calls):
+        orig = getattr(Engine, method)
 
-    monkeypatch.setattr(Engine, "step", counted)
-    dec.generate_batch(reqs)
-    assert counts and all(c == 1 for c in counts), counts
+        def counted(self, *a, **k):
+            torch.cuda.set_sync_debug_mode("warn")
+            inside.append(method)
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    out = orig(self, *a, **k)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                inside.pop()
+            flagged.append(sum("synchroniz" in str(w.message) for w in caught))
+            calls.append(1)
+            return out
+        monkeypatch.setattr(Engine, method, counted)
+
+    counting("launch", launches)
+    counting("finish", reads)
+    monkeypatch.setattr(torch.cuda.Event, "synchronize",
+                        lambda ev: (inside and waits.append(1), event_sync(ev))[1])  # waits inside a step
+    assert [r.token_ids for r in dec.generate_batch(reqs, overlap=overlap)] == ref
+    assert launches and len(reads) == len(launches) == len(waits), (len(launches), len(reads), len(waits))
+    assert not any(flagged), flagged
     assert not engine_of(dec).graphs_failed
 
 

@@ -24,6 +24,7 @@ from mmspec.drafting.trees import Drafted, Drafting, StepInput, drop_duplicates
 from mmspec.engine.forwards import PromptRow, RowForward, prefill_rows
 from mmspec.engine.graphs import capacity_bucket
 from mmspec.engine.masks import causal, rows_mask
+from mmspec.engine.state import stage
 from mmspec.models.base import ModelAdapter
 from mmspec.models.rows import KV, RowCache
 from mmspec.tree import TreeSpec
@@ -60,7 +61,7 @@ class DraftRows:
     def span(self, extra: int) -> int:
         """Slots a step's forwards attend over: every row's committed ones plus ``extra``."""
         need = max(self.lengths, default=0) + extra
-        return min(capacity_bucket(need), self.cache.capacity) if self.static else need
+        return min(capacity_bucket(need) if self.static else need, self.cache.capacity)
 
     # ------------------------------------------------------------------ a step's forwards
     def pending_inputs(self, R: int, P: int, span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -188,8 +189,8 @@ class EnsembleDrafting(Drafting):
         cache = self.rows.cache
         prefill_rows(cache, first * V, rows, lambda **kw: self.adapter.forward(cache=cache, logits_to_keep=1, **kw))
         sl = slice(first * V, first * V + len(rows))
-        self.rows.length[sl] = torch.tensor([r.embeds.shape[0] + r.reused for r in rows], dtype=torch.long).to(dev)
-        self.rows.position[sl] = torch.tensor(next_pos, dtype=torch.long).to(dev)
+        self.rows.length[sl] = stage(torch.tensor([r.embeds.shape[0] + r.reused for r in rows], dtype=torch.long), dev)
+        self.rows.position[sl] = stage(torch.tensor(next_pos, dtype=torch.long), dev)
         self.weights[first:first + len(reqs)] = self.base_weights
         if self.adaptive is not None:
             self.adaptive.admit(first, [req.initial for req in reqs])

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from mmspec.engine import rng
+from mmspec.engine.state import stage
 from mmspec.lookup import Picked, pick
 from mmspec.tree import TreeBatch, TreeSpec, ancestors_rows
 
@@ -84,7 +85,7 @@ def propose(rows: list, spec: TreeSpec, R: int, vocab: int, device: torch.device
                 for tok, pr in dists[b][i].items():
                     row[4 + tok] = pr
     staged = torch.tensor(host, dtype=torch.float64).view(R, K, width)  # ONE tensor made on the host
-    dev = staged.to(device, non_blocking=True)  # and ONE copy to the device
+    dev = stage(staged, device)  # and ONE copy to the device (from pinned memory on a GPU)
     nodes = dev[..., :3].long()
     valid = dev[..., 3] > 0
     q = drawn_rows = None

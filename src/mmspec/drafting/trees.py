@@ -121,10 +121,11 @@ class Drafting:
         """Called by the host before a step drafts up to ``n_nodes`` nodes for each of ``rows``
         rows (a head sizes a buffer here: never inside the step, whose graph keeps its addresses)."""
 
-    def span_for(self, spec: TreeSpec | None, width: int) -> int:
+    def span_for(self, spec: TreeSpec | None, width: int, ahead: int = 0) -> int:
         """Draft slots a step of ``spec`` (None: a catch-up feed) attends over: every row's
-        committed ones, its pending tokens (``width`` at most) and the tree's fed nodes."""
-        return self.rows.span(width + (inblock_slots(spec) if spec is not None else 0) + 1)
+        committed ones, its pending tokens (``width`` at most) and the tree's fed nodes;
+        ``ahead``: slots a step in flight may still commit (the host has not read it)."""
+        return self.rows.span(width + (inblock_slots(spec) if spec is not None else 0) + 1 + ahead)
 
     def step_state(self) -> list[torch.Tensor]:
         """The tensors a step writes (restored after a capture's warm-up runs)."""

@@ -137,7 +137,8 @@ class BatchAdaptive:
         who = self.owner[b]
         steps = [t[rows.index(who)] for t, rows in zip(self.trail, self.trail_rows) if who in rows]
         picks = [w for w, d in zip(steps, drafted) if d]
-        final = self.weights[b]
+        # a step launched after the row's last (overlap) recorded its final weights before changing them
+        final = steps[len(drafted)] if len(steps) > len(drafted) else self.weights[b]
         rows = torch.stack(picks + [final]).tolist()
         return rows[:-1], rows[-1]
 

@@ -12,7 +12,6 @@ of a shared forward fails the requests in it (their rows are never taken).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +19,7 @@ import torch
 from mmspec.engine.forwards import PromptRow, prefill_rows
 from mmspec.engine.state import RowStart
 from mmspec.engine.step import Engine, RowHost
-from mmspec.timing import sync
+from mmspec.timing import BlockClock
 
 
 @dataclass
@@ -55,7 +54,8 @@ def admit(dec, engine: Engine, reqs: list, max_rows: int | None = None) -> list[
     group = sorted(inputs)
     if not group:
         return out
-    t0 = time.perf_counter()
+    clock = BlockClock(engine.device)  # the prefills' times, read when a request ends (no sync here)
+    clock.start()
     first = engine.active
     k = len(group)
     capacity = max(reqs[i].ids.shape[0] + dec.room(reqs[i].max_new_tokens) for i in group)
@@ -71,20 +71,18 @@ def admit(dec, engine: Engine, reqs: list, max_rows: int | None = None) -> list[
         hidden = prefill_rows(engine.cache, first, rows, lambda **kw: dec.target.forward(
             cache=engine.cache, logits_to_keep=1, hidden=dec.hidden_layers, **kw))
         feats = hidden[1] if (hidden is not None and dec.hidden_layers) else None  # [k, n_max, F]
-        sync(dec.target.device)
-        t1 = time.perf_counter()
+        clock.mark()
         drafting = engine.drafting
         if drafting is not None:
             longest = max(max((len(r.token_ids) for r in prompts[i].rows), default=reqs[i].ids.shape[0]) for i in group)
             room = max(dec.room(reqs[i].max_new_tokens) for i in group) + engine.width + 1  # the decode's slots
             drafting.ensure(engine.rows_for(first + k), longest + room)
             drafting.admit(first, [prompts[i] for i in group], [reqs[i] for i in group], feats)
-        sync(dec.target.device)
+        clock.mark()
     except Exception as e:  # noqa: BLE001 - a shared forward: every request in it
         for i in group:
             out[i].error = e
         return out
-    t2 = time.perf_counter()
     starts = []
     for j, i in enumerate(group):
         req, x = reqs[i], inputs[i]
@@ -102,9 +100,8 @@ def admit(dec, engine: Engine, reqs: list, max_rows: int | None = None) -> list[
         a, req = out[i], reqs[i]
         a.row, a.prompt = indices[j], prompts[i]
         a.stats.prompt_tokens_reused = inputs[i].reused
-        a.stats.prefill_target_s = t1 - t0
-        a.stats.prefill_draft_s = t2 - t1
         engine.rows.append(RowHost(max_new_tokens=req.max_new_tokens, eos_ids=dec.eos_ids, stats=a.stats,
-                                   seed=0 if req.seed is None else req.seed, unseen=[int(req.ids[-1])]))
+                                   seed=0 if req.seed is None else req.seed, unseen=[int(req.ids[-1])],
+                                   prefill=clock))
     return out
 

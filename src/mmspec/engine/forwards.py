@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from mmspec.engine.masks import causal, rows_mask
+from mmspec.engine.state import stage
 from mmspec.models.rows import RowCache
 
 
@@ -65,7 +66,7 @@ def prefill_rows(cache: RowCache, first: int, rows: list[PromptRow], run: Callab
             p = torch.cat([p, last.expand(*p.shape[:-1], n_max - n)], dim=-1)
         pos.append(p)
     position_ids = torch.stack(pos, dim=-2)  # [k, n_max] or [3, k, n_max]
-    reused = torch.tensor([r.reused for r in rows], dtype=torch.long).to(dev)
+    reused = stage(torch.tensor([r.reused for r in rows], dtype=torch.long), dev)
     span = max(r.reused for r in rows) + n_max
     mask = rows_mask(reused, span, causal(n_max, dev))
     cache.begin(first, reused, span)

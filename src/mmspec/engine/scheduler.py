@@ -146,9 +146,13 @@ class BatchScheduler:
     Driven by ONE thread (not thread-safe). ``speculate``: "always", "never", "auto" or a
     :class:`SpeculationPolicy`. ``stream_text``: each event carries its text delta (a server's
     stream); without it a step decodes no text (``generate``, ``generate_batch``: the result's
-    text is decoded once, when a request ends)."""
+    text is decoded once, when a request ends). ``overlap``: launch each step before reading the
+    one before it, so the host's emitting, detokenizing and admitting run while the device
+    computes (None: on a GPU; the CPU runs a step as it is launched, so there is nothing to hide
+    and a finishing request would pay one extra step)."""
 
-    def __init__(self, decoder, *, max_batch: int = 16, speculate="always", stream_text: bool = True):
+    def __init__(self, decoder, *, max_batch: int = 16, speculate="always", stream_text: bool = True,
+                 overlap: bool | None = None):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise MMSpecError(f"max_batch must be a whole number >= 1, got {max_batch!r}")
         self.decoder = decoder
@@ -159,6 +163,8 @@ class BatchScheduler:
         self.engine.draft_later = self.policy.mode != "never"
         while self.engine.active:  # a leased engine may come back with rows of a failed batch
             self.engine.remove(self.engine.active - 1)
+        self.overlap = self.engine.device.type == "cuda" if overlap is None else bool(overlap)
+        self._flight: deque = deque()  # launched engine steps: (InFlight, the requests in it, depth, t_launch)
         self._queue: deque = deque()  # (rid, Request, t_submit)
         self._active: list[_Active] = []  # row b of the engine is _active[b]
         self._next_rid = 0
@@ -182,7 +188,7 @@ class BatchScheduler:
         return rid
 
     def has_work(self) -> bool:
-        return bool(self._queue or self._active)
+        return bool(self._queue or self._active or self._flight)
 
     def close(self) -> None:
         """Done with this scheduler (it must not step again): the static engine it leased from
@@ -211,25 +217,46 @@ class BatchScheduler:
 
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
-        """Admit queued requests (prefill), then run ONE engine step over every active request."""
+        """Admit queued requests (prefill), then run ONE engine step over every active request.
+
+        With ``overlap`` the step is launched before the previous one's outcomes are read: the
+        events returned are the previous step's, emitted while the device runs this one."""
         events = self.admit()
-        if not self._active:
-            return events
+        if self._flight and any(a.proposer is not None for a in self._active):
+            events += self._collect()  # model-free proposals are searched in the last step's tokens
+        if self._active:
+            events += self._launch()
+        while len(self._flight) > (1 if self.overlap and self._active else 0):
+            events += self._collect()
+        return events
+
+    def _launch(self) -> list[StepEvent]:
+        """Plan and launch one engine step over every active request (a failure fails them all)."""
         t0 = time.perf_counter()
-        B = len(self._active)
-        depth = self.policy.decide(B, self.decoder.tree.max_depth)
+        depth = self.policy.decide(len(self._active), self.decoder.tree.max_depth)
         proposers = [a.proposer for a in self._active]
         try:
-            outcomes = self.engine.step(depth, proposers if any(p is not None for p in proposers) else None)
+            step = self.engine.launch(depth, proposers if any(p is not None for p in proposers) else None)
         except Exception as e:  # noqa: BLE001 - the shared step failed: every request in it
-            for a in self._active:
-                events.append(StepEvent(a.rid, [], "", True, None, error=_message(e), exception=e))
+            events = [StepEvent(a.rid, [], "", True, None, error=_message(e), exception=e) for a in self._active]
             while self._active:
                 self._remove(len(self._active) - 1)
             return events
+        self._flight.append((step, list(self._active), depth, t0))
+        return []
+
+    def _collect(self) -> list[StepEvent]:
+        """Read the oldest launched step and turn its rows' tokens into events; finished requests leave."""
+        step, actives, depth, t0 = self._flight.popleft()
+        outcomes = self.engine.finish(step)
+        where = {id(a): b for b, a in enumerate(self._active)}
+        events: list[StepEvent] = []
         accepted = rejected = 0
         finished: list[int] = []
-        for b, (a, kept) in enumerate(zip(self._active, outcomes)):
+        for a, kept in zip(actives, outcomes):
+            if kept is None:  # left (cancelled, failed or finished) while the step was in flight
+                continue
+            b = where[id(a)]
             if isinstance(kept, BaseException):  # this request fails alone
                 events.append(StepEvent(a.rid, [], "", True, None, error=_message(kept), exception=kept))
                 finished.append(b)
@@ -246,7 +273,7 @@ class BatchScheduler:
             events.append(StepEvent(a.rid, kept, text, row.done, result))
             if row.done:
                 finished.append(b)
-        self.policy.record(B, depth, time.perf_counter() - t0, accepted, rejected)
+        self.policy.record(len(actives), depth, time.perf_counter() - t0, accepted, rejected)
         for b in sorted(finished, reverse=True):
             self._remove(b)
         return events
@@ -321,14 +348,15 @@ def _message(e: Exception) -> str:
     return str(e) if isinstance(e, MMSpecError) else f"{type(e).__name__}: {e}"
 
 
-def generate_batch(dec, requests: list[dict], *, max_batch: int = 16, speculate="always", **defaults) -> list:
+def generate_batch(dec, requests: list[dict], *, max_batch: int = 16, speculate="always", overlap: bool | None = None,
+                   **defaults) -> list:
     """:meth:`SpecDecoder.generate_batch`: every request checked first ("request N: ..."), then
     decoded with continuous batching; results in input order."""
     if not isinstance(requests, (list, tuple)):
         raise MMSpecError(f"requests must be a list of dicts (one per prompt), got {type(requests).__name__}")
     if speculate == "auto":  # the decoder's own policy: what it measured in earlier calls carries over
         speculate = dec.speculation_policy
-    sched = BatchScheduler(dec, max_batch=max_batch, speculate=speculate, stream_text=False)
+    sched = BatchScheduler(dec, max_batch=max_batch, speculate=speculate, stream_text=False, overlap=overlap)
     rids = []
     for i, req in enumerate(requests):
         try:

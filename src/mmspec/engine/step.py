@@ -30,6 +30,7 @@ counts them).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -64,13 +65,18 @@ class RowHost:
     pending_len: int = 1  # pending tokens on the device (host mirror)
     done: bool = False
     clocks: list[BlockClock] = field(default_factory=list)
+    prefill: BlockClock | None = None  # its admission's target and draft prefills
 
     @property
     def remaining(self) -> int:
         return self.max_new_tokens - len(self.tokens)
 
     def record_times(self) -> None:
-        """Each block's draft and verify seconds into its record (one device sync on a GPU)."""
+        """The prefills' and each block's draft and verify seconds into the stats (read from
+        CUDA events on a GPU: no device sync, a step launched since may still run)."""
+        if self.prefill is not None:
+            self.stats.prefill_target_s, self.stats.prefill_draft_s = self.prefill.durations()[0]
+            self.prefill = None
         blocks = self.stats.blocks[len(self.stats.blocks) - len(self.clocks):]
         for rec, clock in zip(blocks, self.clocks):
             rec.draft_s, rec.verify_s = clock.durations()[0]
@@ -92,6 +98,18 @@ class StepPlan:
     span: int  # target slots attended
     span_draft: int  # draft slots attended
     flags: tuple
+
+
+@dataclass
+class InFlight:
+    """A step launched on the device whose outcomes the host has not read yet (:meth:`Engine.launch`)."""
+
+    plan: StepPlan
+    rows: list[RowHost]  # the rows it ran over, in its row order
+    failed: dict[int, BaseException]  # rows (by that order) whose model-free proposer failed
+    clock: BlockClock
+    packed: list | torch.Tensor  # its packed outcomes: read (CPU), or being copied to pinned memory (GPU)
+    ready: torch.cuda.Event | None  # recorded after that copy (GPU)
 
 
 def root_only(x: StepInput) -> TreeBatch:
@@ -138,6 +156,7 @@ class Engine:
         self._step_runners: dict = {}
         self._graphs_generation = None
         self.rows: list[RowHost] = []
+        self._inflight: deque[InFlight] = deque()  # launched, not read yet (oldest first)
         self.draft_later = True  # False: rows never draft again (plain decoding only): nothing to catch up
 
     # ------------------------------------------------------------------ rows
@@ -212,7 +231,21 @@ class Engine:
         decoder's whole tree; 0: plain decoding) -> the tokens each row emitted, or the exception
         a row failed with alone (its model-free proposer's). ``proposers``: each row's model-free
         proposer (:mod:`mmspec.lookup`), searched on the host first. A failure of the step's
-        shared work is raised: it is every row's."""
+        shared work is raised: it is every row's. :meth:`launch` then :meth:`finish`."""
+        return self.finish(self.launch(depth, proposers))
+
+    def launch(self, depth: int | None = None, proposers: list | None = None) -> InFlight:
+        """Plan a step and start it on the device; its outcomes are read by :meth:`finish`.
+
+        Overlap: one step may be launched while the one before it is in flight (a GPU runs it
+        while the host reads and emits the earlier one's tokens). The host plans it from what it
+        knows, the last step it read, and bounds for the step in flight (how far its rows'
+        lengths and pending tokens can grow); a row that finishes in the step in flight runs one
+        more step whose tokens :meth:`finish` drops. Model-free proposals are searched in the
+        tokens of the last step, so they never ride a step launched over one in flight."""
+        if len(self._inflight) > 1 or (proposers is not None and self._inflight):
+            raise RuntimeError("Engine.launch: finish the step in flight first (at most one step ahead, "
+                               "and none under model-free proposals)")
         st, B = self.state, self.state.active
         plan, props, failed = self._plan(depth, proposers)
         clock = BlockClock(self.device)
@@ -222,13 +255,42 @@ class Engine:
             clock.mark()
         else:
             packed = self._device(plan, clock, **(props or {}))
-        host = packed[:B].tolist()  # 5. the step's ONE host read
+        if self.device.type == "cuda":  # 5. the packed outcomes into pinned memory, read when they are ready
+            host = torch.empty(packed[:B].shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed[:B], non_blocking=True)  # before a later replay overwrites the graph's output
+            ready = torch.cuda.Event()
+            ready.record()
+        else:  # the CPU has run the step already: its one read now
+            host, ready = packed[:B].tolist(), None
         clock.mark()
+        step = InFlight(plan, list(self.rows), failed, clock, host, ready)
+        self._inflight.append(step)
+        return step
+
+    def finish(self, step: InFlight) -> list[list[int] | BaseException | None]:
+        """Read a launched step's outcomes (the step's ONE host read) and emit its rows' tokens:
+        -> per row it ran over (``step.rows``, in order), the tokens it emitted, the exception it
+        failed with alone, or None for a row that left or finished while the step was in flight."""
+        if not self._inflight or self._inflight[0] is not step:
+            raise RuntimeError("Engine.finish: steps are finished in the order they were launched")
+        self._inflight.popleft()
+        if step.ready is not None:
+            step.ready.synchronize()
+            host = step.packed.tolist()
+        else:
+            host = step.packed
+        st, plan = self.state, step.plan
+        index = {id(r): b for b, r in enumerate(self.rows)}  # rows may have moved or left since the launch
         drafted = plan.spec is not None and self.drafting is not None
-        emitted, advance = [], []
-        for b, (row, h) in enumerate(zip(self.rows, host)):
+        emitted: list = []
+        advance = [0] * len(self.rows)
+        for i, (row, h) in enumerate(zip(step.rows, host)):
+            b = index.get(id(row))
+            if b is None or row.done:  # its tokens past its end are dropped
+                emitted.append(None)
+                continue
             n_acc, nxt, kept_m, nv, toks = h[0], h[1], h[2], h[3], h[4:]
-            advance.append((row.pending_len + kept_m) if (drafted or plan.catch_up) else 0)
+            advance[b] = (row.pending_len + kept_m) if (drafted or plan.catch_up) else 0
             if drafted:
                 row.pending_len = n_acc - kept_m + 1
             elif plan.keep_pending:
@@ -238,11 +300,16 @@ class Engine:
             st.lengths[b] += n_acc + 1
             if drafted:
                 row.drafted.append(nv > 1)
-            kept = self._emit(row, toks[1:n_acc + 1] + [nxt], n_acc, nv, plan.spec, clock)
-            emitted.append(failed.get(b, kept))
-        if self.drafting is not None and advance:
+            kept = self._emit(row, toks[1:n_acc + 1] + [nxt], n_acc, nv, plan.spec, step.clock)
+            emitted.append(step.failed.get(i, kept))
+        if self.drafting is not None and any(advance):
             self.drafting.advance(advance)
         return emitted
+
+    @property
+    def in_flight(self) -> int:
+        """Steps launched whose outcomes the host has not read yet."""
+        return len(self._inflight)
 
     def _plan(self, depth: int | None, proposers: list | None) -> tuple[StepPlan, dict | None, dict]:
         """What the host decides before a step (its shape), and the model-free proposals it
@@ -258,16 +325,19 @@ class Engine:
             props = {k: v for k, v in vars(staged).items() if v is not None}
             for r in self.rows:
                 r.unseen = []
+        ahead = self._inflight[-1].plan if self._inflight else None  # launched, not read yet: bounded
         catch_up = (spec is None and self.drafting is not None and self.draft_later
-                    and max(r.pending_len for r in self.rows) + 1 > self.width)
+                    and self._pending_bound(ahead) + 1 > self.width)
         n_nodes = 1  # the root, then the drafted nodes and a model-free proposal's
         if spec is not None:
             n_nodes += (spec.n_nodes - 1 if self.drafting is not None else 0) + (spec.n_nodes - 1 if props else 0)
-        need = max(st.lengths, default=0) + n_nodes
-        span = min(capacity_bucket(need), self.cache.capacity) if self.static else need
+        grown = 0 if ahead is None else 1 + (ahead.spec.max_depth if ahead.spec is not None else 0)
+        need = max(st.lengths, default=0) + grown + n_nodes
+        span = min(capacity_bucket(need) if self.static else need, self.cache.capacity)  # a bound may overshoot
         span_d = 0
         if self.drafting is not None and (spec is not None or catch_up):
-            span_d = self.drafting.span_for(spec, self.width)
+            fed = ahead is not None and (ahead.catch_up or (ahead.spec is not None))
+            span_d = self.drafting.span_for(spec, self.width, self.width + self.spec.max_depth if fed else 0)
             self.drafting.begin(R, 1 + (spec.n_generated if spec is not None else 0))
         drafting_adapts = spec is not None and getattr(self.drafting, "adaptive", None) is not None
         if drafting_adapts:  # the weights this step drafts with, kept for the request's stats
@@ -278,6 +348,16 @@ class Engine:
                         span_draft=span_d, flags=(flags.any_sampling, flags.all_sampling, flags.any_top_k,
                                                   flags.any_top_p, flags.any_tiny))
         return plan, props, failed
+
+    def _pending_bound(self, ahead: StepPlan | None) -> int:
+        """The most pending tokens a row may hold once the step in flight (``ahead``) is done
+        (rows admitted after its launch hold one)."""
+        exact = max((r.pending_len for r in self.rows), default=1)  # as of the last step read
+        if ahead is None:
+            return exact
+        if ahead.spec is not None and self.drafting is not None:
+            return self.width - 1  # a drafted step leaves at most this many (the engine's width)
+        return exact + 1 if ahead.keep_pending else 1
 
     def _runner(self, plan: StepPlan) -> StepRunner:
         """The whole step of ``plan`` as a CUDA graph (captured on first use, replayed after)."""
@@ -335,7 +415,7 @@ class Engine:
             if plan.catch_up:
                 self.drafting.catch_up(x, st.live[:R])
         if spec is not None:  # a row never drafts past its token limit (nodes marked, not left out)
-            limit = tree.depth < x.remaining[:, None]
+            limit = tree.depth < x.remaining.clamp_min(1)[:, None]  # a root stays valid
             tree.valid = limit if tree.valid is None else tree.valid & limit
         if clock is not None:
             clock.mark()
