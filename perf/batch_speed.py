@@ -61,7 +61,7 @@ def target_batched(em, batch, new: int) -> tuple[list[list[int]], float]:
     return [row[L:].tolist() for row in out], wall
 
 
-def spec_batched(dec, em, batch, new: int, speculate: str) -> tuple[list[list[int]], float]:
+def spec_batched(dec, em, batch, new: int, speculate: str, overlap: bool | None = None) -> tuple[list[list[int]], float]:
     """``generate_batch``'s work, driven step by step: all requests submitted, the first step
     (admission: every prefill, then one step) timed apart from the steps after it."""
     reqs = []
@@ -70,12 +70,12 @@ def spec_batched(dec, em, batch, new: int, speculate: str) -> tuple[list[list[in
         reqs.append({k: v for k, v in enc.items() if k in ("input_ids", "pixel_values")} | {"max_new_tokens": new})
     policy = dec.speculation_policy if speculate == "auto" else speculate
     t0, c0 = time.perf_counter(), time.process_time()
-    sched = BatchScheduler(dec, max_batch=len(reqs), speculate=policy, stream_text=False)
+    sched = BatchScheduler(dec, max_batch=len(reqs), speculate=policy, stream_text=False, overlap=overlap)
     rids = [sched.submit(r) for r in reqs]
     done, walls = {}, []
     while sched.has_work():
         t = time.perf_counter()
-        for ev in sched.step():  # each step ends with its one host read: the device is done
+        for ev in sched.step():  # each step ends with a host read (overlap: of the step before, this one runs on)
             if ev.error is not None:
                 raise RuntimeError(ev.error)
             if ev.finished:
@@ -224,6 +224,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3, help="--admission: interleaved repeats (medians)")
     ap.add_argument("--engine", nargs="+", default=["eager"], choices=sorted(ENGINES),
                     help="eager ragged caches, fixed shapes run eagerly (static), or captured as CUDA graphs (graphs)")
+    ap.add_argument("--overlap", nargs="+", default=["auto"], choices=("auto", "on", "off"),
+                    help="each step launched before the previous one is read (auto: on a GPU); one system per value")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None, help="also append each row to this JSON-lines file as it is measured")
     return ap.parse_args(argv)
@@ -260,10 +262,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows.emit({"B": B, "system": "target.generate", "tok_s": round(B * args.new / wall_t, 1),
                        "wall_s": round(wall_t, 3), "cpu_s": round(cpu_t, 3)})
             base = {"ref": ref, "wall_t": wall_t, "cpu_t": cpu_t}
-            for engine, mode in [(e, m) for e in decs for m in args.speculate]:
-                tag = "" if len(decs) == 1 else f" engine={engine}"
+            for engine, mode, ov in [(e, m, o) for e in decs for m in args.speculate for o in args.overlap]:
+                tag = ("" if len(decs) == 1 else f" engine={engine}") + ("" if len(args.overlap) == 1 else f" overlap={ov}")
                 system = f"mmspec {args.views} speculate={mode}{tag}"
-                rows.attempt({"B": B, "system": system}, spec_row, decs[engine], em, batch, args, mode, system, base)
+                rows.attempt({"B": B, "system": system}, spec_row, decs[engine], em, batch, args, mode, system, base,
+                             OVERLAP[ov])
             if args.one_by_one:
                 system = f"mmspec {args.views} generate one by one"
                 rows.attempt({"B": B, "system": system}, one_by_one_row, dec, em, batch, args, system, base)
@@ -271,12 +274,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 3 if rows.errors else 0
 
 
-def spec_row(dec, em, batch, args, mode: str, system: str, base: dict) -> dict:
+OVERLAP = {"auto": None, "on": True, "off": False}
+
+
+def spec_row(dec, em, batch, args, mode: str, system: str, base: dict, overlap: bool | None = None) -> dict:
     """One ``generate_batch`` run of ``batch`` against the target's (``base``), as a row."""
     B = len(batch)
     timer = ForwardTimer(em.target, em.draft) if args.engine_time else None
     try:
-        got, wall = spec_batched(dec, em, batch, args.new, mode)
+        got, wall = spec_batched(dec, em, batch, args.new, mode, overlap)
     finally:
         if timer is not None:
             timer.close()

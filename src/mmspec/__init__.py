@@ -11,6 +11,11 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "SpecDecoder": ("mmspec.decoder", "SpecDecoder"),
+    "DecoderConfig": ("mmspec.config", "DecoderConfig"),
+    "DraftConfig": ("mmspec.config", "DraftConfig"),
+    "TreeConfig": ("mmspec.config", "TreeConfig"),
+    "RuntimeConfig": ("mmspec.config", "RuntimeConfig"),
+    "AcceptanceOptions": ("mmspec.config", "AcceptanceOptions"),
     "GenerationResult": ("mmspec.results", "GenerationResult"),
     "GenerationStats": ("mmspec.stats", "GenerationStats"),
     "MMSpecError": ("mmspec.errors", "MMSpecError"),

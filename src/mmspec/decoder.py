@@ -24,6 +24,7 @@ import torch
 
 from mmspec import checks
 from mmspec.adaptive import AdaptiveWeights
+from mmspec.config import DecoderConfig
 from mmspec.engine.graphs import StaticPool, graph_mode
 from mmspec.errors import MMSpecError
 from mmspec.heads.directory import is_head_dir, load_head
@@ -45,7 +46,6 @@ from mmspec.models.substitute import load_substitute_encoder
 from mmspec.multimodal import EncodedPrompt, MultimodalPrompt, for_prefix
 from mmspec.options import AcceptanceConfig, EngineMode, EngineOptions, RelaxedAcceptance
 from mmspec.prefix_cache import (
-    PREFIX_CACHE_MB,
     PrefixCache,
     PrefixMatch,
     PromptKeys,
@@ -91,6 +91,14 @@ class TargetInputs:
 
 class SpecDecoder:
     """Lossless speculative decoding of a VLM target with an (ensemble of) draft view(s).
+
+    Options come as flat keywords (below) or grouped in one typed :class:`~mmspec.config.DecoderConfig`
+    (``config=DecoderConfig(tree=TreeConfig(gamma=3), ...)``; keywords given beside it override its
+    fields); an unknown keyword is refused, naming the closest. ``self.config`` holds them grouped:
+    ``draft`` (views, weights, captioner, draft_tokenizer, draft_processor, substitute, model_free,
+    lookup_options, check_head), ``tree`` (gamma, tree, tree_depth, tree_topk, tree_budget,
+    tree_children, stop_below), ``runtime`` (dtype, cuda_graphs, static_cache, prefix_cache_mb),
+    ``acceptance`` (acceptance, relaxed_thresholds, relaxed_window).
 
     Args:
         target, draft: loaded HF models, or local directories / hub ids. The draft may also be a
@@ -157,35 +165,32 @@ class SpecDecoder:
             store's depth, memory, speculation factor and probability floor), bounds checked.
     """
 
-    def __init__(self, target, draft, tokenizer=None, *, views=("multimodal",), weights=None,
-                 captioner=None, gamma: int = 5, processor=None, dtype="auto", draft_tokenizer=None,
-                 tree=None, tree_depth: int | None = None, tree_topk: int | None = None,
-                 tree_budget: int | None = None, tree_children: str = "mixture", stop_below: float | None = None,
-                 cuda_graphs="auto", static_cache: bool | None = None, draft_processor=None, substitute=None,
-                 acceptance: str = "exact",
-                 relaxed_thresholds: tuple[float, float] = (0.6, 0.4), relaxed_window: int = 64,
-                 prefix_cache_mb: float = PREFIX_CACHE_MB, model_free: str | None = None, lookup_options=None,
-                 check_head: bool = False):
+    def __init__(self, target, draft, tokenizer=None, *, processor=None, config: DecoderConfig | None = None,
+                 **options):
+        cfg = DecoderConfig.of(config, **options)  # the keywords above, grouped (unknown ones refused)
+        self.config = cfg
+        d, t = cfg.draft, cfg.tree
         # checks that need no model: before anything loads
         alone = checks.model_free_name(draft)  # "lookup" / "suffix": drafting with no model
         head_given = alone is None and (isinstance(draft, FeatureHead) or is_head_dir(draft))
-        self.lookup = checks.check_model_free(alone, model_free, lookup_options, views=views, weights=weights,
-                                              captioner=captioner, draft_processor=draft_processor,
-                                              substitute=substitute, draft_tokenizer=draft_tokenizer,
-                                              tree_children=tree_children)
-        self.model_free = alone or model_free  # None: a draft model or head alone
+        self.lookup = checks.check_model_free(alone, d.model_free, d.lookup_options, views=d.views, weights=d.weights,
+                                              captioner=d.captioner, draft_processor=d.draft_processor,
+                                              substitute=d.substitute, draft_tokenizer=d.draft_tokenizer,
+                                              tree_children=t.tree_children)
+        self.model_free = alone or d.model_free  # None: a draft model or head alone
         self.model_free_alone = alone is not None
         if alone is not None:
             draft = None
         elif head_given:
-            checks.check_head_arguments(views, weights, captioner, draft_processor, substitute)
-        elif draft_processor is not None:
-            checks.check_draft_processor_is_read(views)
-        acceptance_cfg = AcceptanceConfig.parse(acceptance, relaxed_thresholds, relaxed_window)
-        prefix_mb = check_budget(prefix_cache_mb)
-        self.gamma = checks.check_gamma(gamma)
-        checks.check_dtype(dtype, target, draft, head_given)
-        dtype = compute_dtype(dtype, "cpu")  # models given as paths load on the CPU: "auto" means float32 there
+            checks.check_head_arguments(d.views, d.weights, d.captioner, d.draft_processor, d.substitute)
+        elif d.draft_processor is not None:
+            checks.check_draft_processor_is_read(d.views)
+        acceptance_cfg = AcceptanceConfig.parse(cfg.acceptance.acceptance, cfg.acceptance.relaxed_thresholds,
+                                                cfg.acceptance.relaxed_window)
+        prefix_mb = check_budget(cfg.runtime.prefix_cache_mb)
+        self.gamma = checks.check_gamma(t.gamma)
+        checks.check_dtype(cfg.runtime.dtype, target, draft, head_given)
+        dtype = compute_dtype(cfg.runtime.dtype, "cpu")  # models given as paths load on the CPU: "auto" means float32 there
 
         if tokenizer is None and checks.is_path(target):
             tokenizer = str(target)
@@ -200,6 +205,7 @@ class SpecDecoder:
                 processor = None
         # tokenizers first: a draft of another vocabulary is refused before any weights load
         self.tokenizer = load_tokenizer(str(tokenizer)) if checks.is_path(tokenizer) else tokenizer
+        draft_tokenizer = d.draft_tokenizer
         if checks.is_path(draft_tokenizer):  # asked for: must load
             draft_tokenizer = load_saved_tokenizer(str(draft_tokenizer))
         elif draft_tokenizer is None and checks.is_path(draft) and not head_given and alone is None:
@@ -215,11 +221,13 @@ class SpecDecoder:
         elif alone is None:
             self.draft_model = load_model(str(draft), dtype=dtype) if checks.is_path(draft) else draft.eval()
         self.processor = processor
-        self.draft_processor = load_processor(str(draft_processor)) if checks.is_path(draft_processor) else draft_processor
+        self.draft_processor = load_processor(str(d.draft_processor)) if checks.is_path(d.draft_processor) \
+            else d.draft_processor
+        substitute = d.substitute
         if substitute is not None and not isinstance(substitute, torch.nn.Module):
             substitute = load_substitute_encoder(substitute)
         self.substitute = substitute
-        self.captioner = HFCaptioner.from_pretrained(str(captioner)) if checks.is_path(captioner) else captioner
+        self.captioner = HFCaptioner.from_pretrained(str(d.captioner)) if checks.is_path(d.captioner) else d.captioner
 
         self.target = adapter_for(self.target_model)
         self.draft = None if self.draft_model is None else adapter_for(self.draft_model)
@@ -227,20 +235,21 @@ class SpecDecoder:
             raise MMSpecError(f"the target ({type(self.target_model).__name__}) is not a vision-language model; "
                               "pass an image-text-to-text checkpoint such as a LLaVA one as the target "
                               "(the draft may be text-only)")
-        self.tree = parse_tree(tree, gamma=gamma, device_type=self.target.device.type, depth=tree_depth,
-                               topk=tree_topk, budget=tree_budget, children=tree_children, stop_below=stop_below)
+        self.tree = parse_tree(t.tree, gamma=t.gamma, device_type=self.target.device.type, depth=t.tree_depth,
+                               topk=t.tree_topk, budget=t.tree_budget, children=t.tree_children,
+                               stop_below=t.stop_below)
         draft_vocab = self.target.vocab_size if self.draft is None else self.draft.vocab_size
         checks.check_tree_fits_vocab(self.tree, min(self.target.vocab_size, draft_vocab))
-        self.adaptive = None if self.draft is None else AdaptiveWeights.parse(weights)  # None: fixed weights
-        self.mode = self._engine_mode(cuda_graphs, static_cache)
+        self.adaptive = None if self.draft is None else AdaptiveWeights.parse(d.weights)  # None: fixed weights
+        self.mode = self._engine_mode(cfg.runtime.cuda_graphs, cfg.runtime.static_cache)
         self._static_pool = StaticPool(self.mode.graphs)
         self._speculation_policy = None  # generate_batch(speculate="auto")'s, made on first use
         if self.draft is None:  # a head reads the target's features, lookup its text: no views, no draft model
             self.views, self.weights, newline = [], [1.0], None
         else:
-            self.views = checks.resolve_views(parse_views(views), self.draft, type(self.draft_model).__name__,
+            self.views = checks.resolve_views(parse_views(d.views), self.draft, type(self.draft_model).__name__,
                                               self.captioner, self.substitute)
-            self.weights = checks.check_weights(None if self.adaptive else weights, len(self.views))
+            self.weights = checks.check_weights(None if self.adaptive else d.weights, len(self.views))
             if self.adaptive is not None and self.adaptive.initial is not None \
                     and len(self.adaptive.initial) != len(self.views):
                 raise MMSpecError(f"{len(self.adaptive.initial)} initial weights for {len(self.views)} views; "
@@ -257,7 +266,7 @@ class SpecDecoder:
         self.suffix_store = SuffixStore(self.lookup) if self.model_free == "suffix" else None  # this decoder's history
         checks.check_generation_config(self.target_model)
         self.head_report = None
-        if check_head and self.head is not None:  # a short calibration: mmspec.heads.check
+        if d.check_head and self.head is not None:  # a short calibration: mmspec.heads.check
             from mmspec.heads.check import calibrate
 
             self.head_report = calibrate(self)

@@ -3,8 +3,7 @@ keywords and hands to the engine (:mod:`mmspec.engine`), so the engine never see
 
 * :class:`AcceptanceConfig`: exact (lossless, the default) or relaxed acceptance; the relaxed
   thresholds live in :class:`RelaxedAcceptance` (LOSSY, opt-in).
-* :class:`EngineOptions`: the block's tree, the EOS ids, the token limit, the sampling
-  parameters and the acceptance of one decode.
+* :class:`EngineOptions`: the block's tree, the EOS ids and the acceptance of a decoder.
 * :class:`EngineMode`: eager, static (fixed shapes) or CUDA-graph decoding.
 * :data:`SPECULATE`: the speculation policies a batch of requests runs (``generate_batch``,
   ``BatchScheduler``, ``mmspec serve --speculate``), named once.
@@ -15,11 +14,10 @@ This module checks values and says what they mean; it runs no model.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from mmspec.errors import MMSpecError
 from mmspec.tree import TreeSpec
-from mmspec.verify import SamplingParams
 
 ACCEPTANCES = ("exact", "relaxed")
 SPECULATE = ("always", "never", "auto")  # a batch's speculation policies (mmspec.batch.SpeculationPolicy)
@@ -32,16 +30,11 @@ class RelaxedAcceptance:
     """MSD's modality-aware relaxed acceptance (LOSSY, opt-in): a drafted token is also accepted
     when the target's probability of it clears a threshold, ``vision`` for blocks that follow
     vision context (their root within ``window`` positions of the prompt's last image token),
-    ``text`` otherwise. Greedy decoding only."""
+    ``text`` otherwise (the engine applies it per row: ``Engine._thresholds``). Greedy decoding only."""
 
     vision: float = 0.6
     text: float = 0.4
     window: int = 64
-    last_image_pos: int | None = None  # position of the prompt's last image token (None: no image)
-
-    def threshold(self, past: int) -> float:
-        near = self.last_image_pos is not None and past - self.last_image_pos <= self.window
-        return self.vision if near else self.text
 
 
 @dataclass(frozen=True)
@@ -71,16 +64,6 @@ class AcceptanceConfig:
     def name(self) -> str:
         return "exact" if self.relaxed is None else "relaxed"
 
-    def for_prompt(self, last_image_pos: int | None) -> AcceptanceConfig:
-        """The same settings with the prompt's last image position (relaxed acceptance reads it)."""
-        if self.relaxed is None:
-            return self
-        return AcceptanceConfig(replace(self.relaxed, last_image_pos=last_image_pos))
-
-    def threshold(self, past: int) -> float | None:
-        """The relaxed threshold of a block whose root sits at ``past``; None: exact."""
-        return None if self.relaxed is None else self.relaxed.threshold(past)
-
 
 def _two_probabilities(thresholds) -> tuple[float, float]:
     """(vision, text) from ``relaxed_thresholds``, or a clear error naming the expected form."""
@@ -98,18 +81,12 @@ def _two_probabilities(thresholds) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """How the engine decodes: fixed per decoder (tree, EOS ids, acceptance),
-    completed per call (``max_new_tokens``, ``sampling``; the prompt's acceptance)."""
+    """How the engine decodes, fixed per decoder: the block's tree, the EOS ids, the acceptance
+    (a request's limit and sampling parameters are its own: :class:`~mmspec.request.Request`)."""
 
     tree: TreeSpec  # the block's shape: a chain of gamma drafts is a tree with one branch
     eos_ids: frozenset[int] = frozenset()
-    max_new_tokens: int = 128
-    sampling: SamplingParams = field(default_factory=SamplingParams)
     acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
-
-    def for_call(self, max_new_tokens: int, sampling: SamplingParams, last_image_pos: int | None) -> EngineOptions:
-        return replace(self, max_new_tokens=max_new_tokens, sampling=sampling,
-                       acceptance=self.acceptance.for_prompt(last_image_pos))
 
 
 @dataclass(frozen=True)

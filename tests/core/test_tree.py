@@ -329,12 +329,27 @@ def test_relaxed_acceptance_is_opt_in_named_lossy_and_accepts_more(tok):
             SpecDecoder(target, draft, tok, views="M", **bad)
 
 
-def test_relaxed_thresholds_follow_the_modality_of_the_context():
-    from mmspec.options import RelaxedAcceptance
+def test_relaxed_thresholds_follow_the_modality_of_the_context(target, draft_shared, tok):
+    """Each row's threshold: the vision one within ``relaxed_window`` slots after its prompt's last
+    image, the text one past it and in a row with no image."""
+    from mmspec.batch import BatchScheduler
 
-    r = RelaxedAcceptance(vision=0.6, text=0.4, window=10, last_image_pos=20)
-    assert r.threshold(25) == 0.6 and r.threshold(31) == 0.4
-    assert RelaxedAcceptance(last_image_pos=None).threshold(5) == 0.4
+    dec = SpecDecoder(target, draft_shared, tok, views="M", acceptance="relaxed", relaxed_window=10)
+    sched = BatchScheduler(dec, max_batch=2)
+    for n_img in (1, 0):
+        ids, pv = make_prompt(n_img, 16, seed=2, text_len=3)
+        sched.submit(dict(input_ids=ids, pixel_values=pv, max_new_tokens=4))
+    sched.admit()
+    st = sched.engine.state
+    vision, text = torch.tensor([0.6, 0.4], dtype=torch.float32).tolist()  # as float32 holds them
+    assert sched.engine._thresholds(2).tolist() == [vision, text]  # 3 text tokens after the image: near it
+    with torch.inference_mode():
+        st.length[0] = st.last_image[0] + 10
+        assert sched.engine._thresholds(2).tolist() == [vision, text]
+        st.length[0] += 1
+        assert sched.engine._thresholds(2).tolist() == [text, text]
+    for rid in (0, 1):
+        sched.cancel(rid)
 
 
 def test_outcome_is_read_once_and_unpacked_to_named_fields():

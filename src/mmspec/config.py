@@ -1,0 +1,112 @@
+"""What a :class:`~mmspec.SpecDecoder` is built with, grouped: :class:`DecoderConfig`.
+
+The decoder takes its options either as one typed object or as flat keywords (the names the
+docs, the CLI and earlier releases use); each keyword belongs to exactly one group:
+
+* :class:`DraftConfig`: what a draft model reads and how its views mix (``views``, ``weights``,
+  ``captioner``, ``draft_tokenizer``, ``draft_processor``, ``substitute``), model-free drafting
+  beside it (``model_free``, ``lookup_options``) and a head's check on load (``check_head``);
+* :class:`TreeConfig`: a block's shape (``gamma``, ``tree``, ``tree_depth``, ``tree_topk``,
+  ``tree_budget``, ``tree_children``, ``stop_below``);
+* :class:`RuntimeConfig`: how the models run (``dtype``, ``cuda_graphs``, ``static_cache``,
+  ``prefix_cache_mb``);
+* :class:`AcceptanceOptions`: exact (lossless) or relaxed (LOSSY) acceptance (``acceptance``,
+  ``relaxed_thresholds``, ``relaxed_window``).
+
+This module only groups and names; the values are checked where they are used (the decoder's
+constructor, :mod:`mmspec.checks`), so an error names the keyword the user wrote.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from mmspec.errors import MMSpecError
+from mmspec.options import DEFAULT_THRESHOLDS, DEFAULT_WINDOW
+from mmspec.prefix_cache import PREFIX_CACHE_MB
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """A draft model's views and their mixture; model-free drafting beside it; a head's check."""
+
+    views: Any = ("multimodal",)  # names ("multimodal", "text", ...) or letters ("MTC")
+    weights: Any = None  # one per view, "adaptive", "adaptive:loglik" or an AdaptiveWeights
+    captioner: Any = None  # caption(images) -> list[str], or a path to an image-to-text model
+    draft_tokenizer: Any = None
+    draft_processor: Any = None
+    substitute: Any = None  # the substitute view's encoder, or its directory
+    model_free: str | None = None  # "lookup" / "suffix" beside a draft model or head
+    lookup_options: dict | None = None  # mmspec.lookup.LookupConfig's fields
+    check_head: bool = False  # a feature-level head: a short calibration on load
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """A block's shape: a chain of ``gamma`` drafts, a static tree, or a dynamic one (EAGLE-2)."""
+
+    gamma: int = 5
+    tree: Any = None  # None / "chain", "dynamic", child-rank paths, or a TreeSpec
+    tree_depth: int | None = None
+    tree_topk: int | None = None
+    tree_budget: int | None = None
+    tree_children: str = "mixture"  # or "views": each view's own top tokens as siblings
+    stop_below: float | None = None  # a chain stops drafting below this draft probability
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How the models run: their dtype, CUDA graphs or static shapes, the prefix cache's memory."""
+
+    dtype: Any = "auto"
+    cuda_graphs: Any = "auto"  # "auto", True or False
+    static_cache: bool | None = None
+    prefix_cache_mb: float = PREFIX_CACHE_MB
+
+
+@dataclass(frozen=True)
+class AcceptanceOptions:
+    """Exact acceptance (the default: the output is the target's) or MSD's relaxed one (LOSSY)."""
+
+    acceptance: str = "exact"
+    relaxed_thresholds: tuple[float, float] = DEFAULT_THRESHOLDS  # (vision, text)
+    relaxed_window: int = DEFAULT_WINDOW
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """Every option of a :class:`~mmspec.SpecDecoder`, grouped (module docstring)."""
+
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    acceptance: AcceptanceOptions = field(default_factory=AcceptanceOptions)
+
+    @classmethod
+    def of(cls, config: DecoderConfig | None = None, **keywords) -> DecoderConfig:
+        """``config`` (default: every default) with the flat ``keywords`` set in their groups;
+        an unknown keyword is refused, naming the closest known ones."""
+        if config is not None and not isinstance(config, DecoderConfig):
+            raise MMSpecError(f"config must be a mmspec.DecoderConfig, got {type(config).__name__}")
+        cfg = config or cls()
+        groups: dict[str, dict] = {}
+        for name, value in keywords.items():
+            group = KEYWORDS.get(name)
+            if group is None:
+                near = difflib.get_close_matches(name, KEYWORDS, n=2)
+                hint = f"; did you mean {' or '.join(repr(n) for n in near)}?" if near else \
+                    f"; the options are {', '.join(sorted(KEYWORDS))}"
+                raise MMSpecError(f"SpecDecoder got an unknown option {name!r}{hint}")
+            groups.setdefault(group, {})[name] = value
+        return replace(cfg, **{g: replace(getattr(cfg, g), **kw) for g, kw in groups.items()})
+
+    def keywords(self) -> dict[str, Any]:
+        """The flat keywords this configuration sets (every option, defaults included)."""
+        return {f.name: getattr(getattr(self, g), f.name) for g in GROUPS for f in fields(getattr(self, g))}
+
+
+GROUPS = ("draft", "tree", "runtime", "acceptance")
+KEYWORDS: dict[str, str] = {f.name: g for g, t in zip(GROUPS, (DraftConfig, TreeConfig, RuntimeConfig,
+                                                                AcceptanceOptions)) for f in fields(t)}
