@@ -226,8 +226,8 @@ class BatchScheduler:
             events += self._collect()  # model-free proposals are searched in the last step's tokens
         if self._active:
             events += self._launch()
-        while len(self._flight) > (1 if self.overlap and self._active else 0):
-            events += self._collect()
+        while self._flight and (len(self._flight) > 1 or not (self.overlap and self._active)):
+            events += self._collect()  # overlap keeps one step in flight while requests remain
         return events
 
     def _launch(self) -> list[StepEvent]:
