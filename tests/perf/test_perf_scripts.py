@@ -78,10 +78,10 @@ def test_batch_speed_writes_each_row_and_goes_past_a_failing_setting(tmp_path, m
     bs = load_script("batch_speed")
     real = bs.spec_batched
 
-    def flaky(dec, em, batch, new, speculate):
+    def flaky(dec, em, batch, new, speculate, overlap=None):
         if speculate == "never" and len(batch) == 2:
             raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED")
-        return real(dec, em, batch, new, speculate)
+        return real(dec, em, batch, new, speculate, overlap)
 
     monkeypatch.setattr(bs, "spec_batched", flaky)
     out = tmp_path / "batch.jsonl"
