@@ -105,6 +105,7 @@ def admit(dec, engine: Engine, reqs: list, max_rows: int | None = None) -> list[
         a.stats.prefill_target_s = t1 - t0
         a.stats.prefill_draft_s = t2 - t1
         engine.rows.append(RowHost(max_new_tokens=req.max_new_tokens, eos_ids=dec.eos_ids, stats=a.stats,
-                                   seed=0 if req.seed is None else req.seed, unseen=[int(req.ids[-1])]))
+                                   seed=0 if req.seed is None else req.seed, unseen=[int(req.ids[-1])],
+                                   logprobs_top=req.logprobs))
     return out
 
