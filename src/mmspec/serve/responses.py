@@ -1,7 +1,8 @@
 """Answers in OpenAI's shapes (the models of :mod:`.protocol`): the chat completion, its stream
 chunks, and mmspec's own stats.
 
-Owns :class:`Answer` (one request's tokens and text as its blocks arrive, cut at a stop string:
+Owns :class:`Answer` (one request's tokens, their log-probabilities where asked, and text as its
+blocks arrive, cut at a stop string:
 the text before the first stop string is what the client gets, and text that might still
 become a stop string is held back while streaming), the response bodies, and the ``mmspec``
 key each response carries (:class:`~mmspec.serve.protocol.MMSpecStats`): tokens per block, blocks, tau (tokens per block including the
@@ -25,6 +26,7 @@ class Answer:
     stops: list[str]
     eos_ids: frozenset[int]
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # a TokenLogprob per token of token_ids, where the request asked
     tokens_per_block: list[int] = field(default_factory=list)
     text: str = ""  # everything decoded, uncut
     sent: int = 0  # characters of ``text`` already handed to the client
@@ -32,13 +34,15 @@ class Answer:
     result: object = None  # the GenerationResult, once finished
     first_token_at: float | None = None  # perf_counter() when the first token arrived (time to first token)
 
-    def add(self, token_ids: list[int], text: str) -> str:
-        """One block's tokens and text -> the text the client may have now."""
+    def add(self, token_ids: list[int], text: str, logprobs: list | None = None) -> str:
+        """One block's tokens, text and (where asked) the tokens' log-probabilities -> the text the
+        client may have now."""
         if self.stopped:
             return ""
         if token_ids and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         self.token_ids += token_ids
+        self.logprobs += logprobs or []
         self.tokens_per_block.append(len(token_ids))
         self.text += text
         cut = self._stop_at()
@@ -171,6 +175,12 @@ def content_token_ids(answer: Answer, tokenizer) -> list[int]:
 
 def _piece(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
+
+
+def answer_logprobs(answer: Answer, tokenizer) -> list:
+    """The :class:`~mmspec.results.TokenLogprob` of the answer's content tokens
+    (:func:`content_token_ids`: a prefix of its tokens), as the engine read them."""
+    return answer.logprobs[:len(content_token_ids(answer, tokenizer))]
 
 
 def chat_logprobs(scored, tokenizer) -> P.ChatLogprobs:
