@@ -173,8 +173,9 @@ def content_token_ids(answer: Answer, tokenizer) -> list[int]:
     return ids
 
 
-def _piece(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id])
+def _pieces(tokenizer, scored) -> dict[int, str]:
+    """Each distinct token of ``scored`` (its tokens and their alternatives) decoded once: id -> text."""
+    return {i: tokenizer.decode([i]) for i in {t.token_id for t in scored} | {i for t in scored for i, _ in t.top}}
 
 
 def answer_logprobs(answer: Answer, tokenizer) -> list:
@@ -185,8 +186,10 @@ def answer_logprobs(answer: Answer, tokenizer) -> list:
 
 def chat_logprobs(scored, tokenizer) -> P.ChatLogprobs:
     """Chat completions' ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs, token_id}]}``."""
+    piece = _pieces(tokenizer, scored)
+
     def entry(token_id: int, lp: float) -> dict:
-        s = _piece(tokenizer, token_id)
+        s = piece[token_id]
         return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "token_id": token_id}
 
     return P.ChatLogprobs(content=[P.TokenLogprob(**entry(t.token_id, t.logprob),
@@ -196,12 +199,13 @@ def chat_logprobs(scored, tokenizer) -> P.ChatLogprobs:
 
 def text_logprobs(scored, tokenizer) -> P.CompletionLogprobs:
     """Completions' (legacy) ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset."""
-    tokens = [_piece(tokenizer, t.token_id) for t in scored]
+    piece = _pieces(tokenizer, scored)
+    tokens = [piece[t.token_id] for t in scored]
     offsets, at = [], 0
     for s in tokens:
         offsets.append(at)
         at += len(s)
-    tops = [{_piece(tokenizer, i): v for i, v in t.top} for t in scored] if any(t.top for t in scored) else None
+    tops = [{piece[i]: v for i, v in t.top} for t in scored] if any(t.top for t in scored) else None
     return P.CompletionLogprobs(tokens=tokens, token_logprobs=[t.logprob for t in scored], top_logprobs=tops,
                                 text_offset=offsets, token_ids=[t.token_id for t in scored])
 
