@@ -7,7 +7,7 @@ change them), alone or in a batch beside requests that do not ask."""
 import pytest
 import torch
 
-from helpers.reference import target_logprobs
+from helpers.reference import engine_of, target_logprobs
 from helpers.tiny import make_prompt
 from mmspec import SpecDecoder
 from mmspec.heads import build_head
@@ -83,3 +83,19 @@ def test_a_greedy_answer_is_its_own_top_1(target, draft_shared, tok):
     r = SpecDecoder(target, draft_shared, tok).generate(ids, pv, max_new_tokens=8, logprobs=1)
     assert all(t.top[0] == (t.token_id, t.logprob) for t in r.logprobs)
     assert SpecDecoder(target, draft_shared, tok).generate(ids, pv, max_new_tokens=8).logprobs is None
+
+
+def test_the_whole_step_as_a_graph_reads_the_same_logprobs(target, draft_shared, tok):
+    """With the step captured per plan (emulated on the CPU), a step that asks is a plan of its own:
+    the same tokens and log-probabilities as eager decoding, beside a request that does not ask."""
+    prompts = [make_prompt(1, 16, seed=s) for s in (7, 8)]
+    reqs = [dict(input_ids=i, pixel_values=p, logprobs=k) for (i, p), k in zip(prompts, (2, None))]
+    eager = SpecDecoder(target, draft_shared, tok, tree="dynamic").generate_batch(reqs, max_new_tokens=10)
+    dec = SpecDecoder(target, draft_shared, tok, tree="dynamic", cuda_graphs="emulate")
+    graphed = dec.generate_batch(reqs, max_new_tokens=10)
+    assert [r.token_ids for r in graphed] == [r.token_ids for r in eager]
+    assert graphed[1].logprobs is None
+    for g, e in zip(graphed[0].logprobs, eager[0].logprobs):
+        assert g.token_id == e.token_id and g.logprob == pytest.approx(e.logprob, abs=1e-9)
+        assert [i for i, _ in g.top] == [i for i, _ in e.top]
+    assert 2 in {plan.logprobs for plan in engine_of(dec).step_graphs_by_plan}  # captured: a graph of its own
