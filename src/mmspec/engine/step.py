@@ -266,7 +266,7 @@ class Engine:
         clock.mark()
         drafted = plan.spec is not None and self.drafting is not None
         k = plan.logprobs
-        d1 = (packed.shape[1] - 4) // (2 + 2 * k if k else 1)  # the path's width: a token, and k's columns, each
+        d1 = (packed.shape[1] - 4) // (2 + 2 * k if k else 1)  # path positions: a token column each (+ 1 + 2k)
         emitted, advance = [], []
         for b, (row, h) in enumerate(zip(self.rows, host)):
             n_acc, nxt, kept_m, nv, toks = h[0], h[1], h[2], h[3], h[4:4 + d1]
