@@ -346,6 +346,21 @@ def check_max_new_tokens(max_new_tokens) -> int:
     return n
 
 
+def check_logprobs(logprobs, vocab: int) -> int | None:
+    """None (no log-probabilities), or the alternatives wanted per token: 0 up to the vocabulary."""
+    if logprobs is None:
+        return None
+    if not isinstance(logprobs, bool):
+        try:
+            k = operator.index(logprobs)
+        except TypeError:
+            k = None
+        if k is not None and 0 <= k <= vocab:
+            return k
+    raise MMSpecError(f"logprobs must be a whole number from 0 to the vocabulary's {vocab} (the likeliest "
+                      f"alternatives reported per token; 0: the token's own only) or None, got {logprobs!r}")
+
+
 def check_seed(seed) -> int | None:
     if seed is None:
         return None

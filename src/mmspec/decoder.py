@@ -352,7 +352,8 @@ class SpecDecoder:
                  top_p: float | None = None, images: Sequence | None = None,
                  captions: Sequence[str] | None = None, videos: Sequence | None = None,
                  substitutes: Sequence | None = None, streamer=None,
-                 initial_weights: Sequence[float] | None = None, **unused) -> GenerationResult:
+                 initial_weights: Sequence[float] | None = None, logprobs: int | None = None,
+                 **unused) -> GenerationResult:
         """Decode one prompt. Inputs are those of ``target.generate`` (the processor's output: for
         other families also ``image_sizes``, ``image_grid_thw``, ``pixel_values_videos``,
         ``video_grid_thw``, ``mm_token_type_ids``, ... as the target's family reads them; Video-LLaVA's
@@ -363,11 +364,14 @@ class SpecDecoder:
         it gets the prompt ids [1, L] first (``skip_prompt`` skips them), then each block's new
         tokens [n], then ``end()``. ``initial_weights``: with
         adaptive weights, where this request's weights start (e.g. the previous turn's
-        ``stats.final_weights``)."""
+        ``stats.final_weights``). ``logprobs=K``: the result's ``logprobs`` holds each new token's
+        log-probability under the target and its K likeliest alternatives
+        (:class:`~mmspec.results.TokenLogprob`), read from the verify forwards that emitted them."""
         req = prepare(self, dict(input_ids=input_ids, pixel_values=pixel_values, attention_mask=attention_mask,
                                  max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, top_k=top_k,
                                  top_p=top_p, images=images, captions=captions, videos=videos,
-                                 substitutes=substitutes, initial_weights=initial_weights, **unused))
+                                 substitutes=substitutes, initial_weights=initial_weights, logprobs=logprobs,
+                                 **unused))
         from mmspec.engine.scheduler import BatchScheduler
 
         sched = BatchScheduler(self, max_batch=1, stream_text=False)  # one request: a batch of one on the one engine

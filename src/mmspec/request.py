@@ -40,6 +40,7 @@ class Request:
     seed: int | None  # None: greedy (draws nothing)
     extra: dict  # images, captions, videos, substitutes
     initial: tuple[float, ...] | None = None  # adaptive weights' start (a conversation's previous turn)
+    logprobs: int | None = None  # each token's target log-probability and this many alternatives (None: not asked)
 
 
 def prepare(dec, kwargs: dict, defaults: dict | None = None) -> Request:
@@ -53,6 +54,7 @@ def prepare(dec, kwargs: dict, defaults: dict | None = None) -> Request:
     temperature, seed = kw.pop("temperature", 0.0), kw.pop("seed", None)
     top_k, top_p = kw.pop("top_k", None), kw.pop("top_p", None)
     initial_weights = kw.pop("initial_weights", None)
+    logprobs = checks.check_logprobs(kw.pop("logprobs", None), dec.target.vocab_size)
     extra = {k: kw.pop(k, None) for k in EXTRA_KEYS}
     mm = dec.mm_inputs(pixel_values, kw)  # the rest: the family's processor outputs, unknown ones refused
     ids = checks.check_ids(input_ids, attention_mask)  # [L] on CPU
@@ -75,7 +77,7 @@ def prepare(dec, kwargs: dict, defaults: dict | None = None) -> Request:
     if any(v.needs_substitute for v in dec.views):
         dec.mm.check_substitutes(layout, extra["videos"], extra["substitutes"])
     return Request(ids=ids, mm=mm, layout=layout, max_new_tokens=max_new_tokens, params=params, seed=seed,
-                   extra=extra, initial=initial)
+                   extra=extra, initial=initial, logprobs=logprobs)
 
 
 class ContextError(MMSpecError):

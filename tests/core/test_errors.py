@@ -718,7 +718,10 @@ def test_max_new_tokens_not_a_whole_number(target, draft_shared, tok, n):
                                      (dict(temperature="hot"), "temperature must be a number >= 0"),
                                      (dict(images=Image.new("RGB", (8, 8))), "images= takes a list of PIL images"),
                                      (dict(captions="a red square"), "captions= takes a list of strings"),
-                                     (dict(captions=[3]), "captions= takes a list of strings")])
+                                     (dict(captions=[3]), "captions= takes a list of strings"),
+                                     (dict(logprobs=-1), "logprobs must be a whole number from 0"),
+                                     (dict(logprobs=True), "logprobs must be a whole number from 0"),
+                                     (dict(logprobs=10**6), "logprobs must be a whole number from 0 to the")])
 def test_more_generate_arguments_of_the_wrong_type(target, draft_shared, tok, kw, msg):
     dec = SpecDecoder(target, draft_shared, tok, views="MC", captioner=FixedCaptioner(["x"]))
     with pytest.raises(MMSpecError, match=msg):

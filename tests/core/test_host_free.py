@@ -10,6 +10,8 @@ for every drafter, greedy and sampling:
 * at most ONE tensor made from host data per step (a model-free proposal's staging: its copy to
   the device; none for a draft model or head);
 * aten operations per step independent of the batch: 32 rows no more than 1.1x one row.
+
+The same holds with ``logprobs`` asked: they ride in the one packed read.
 """
 
 from __future__ import annotations
@@ -76,13 +78,15 @@ def decoder(how: str, target, draft, tok) -> SpecDecoder:
     return SpecDecoder(target, draft, tok, views=views, **kw)
 
 
-def counted_steps(dec, n_requests: int, temperature: float, steps: int = 2) -> tuple[list, list, int]:
+def counted_steps(dec, n_requests: int, temperature: float, steps: int = 2,
+                  logprobs: int | None = None) -> tuple[list, list, int]:
     """Admit ``n_requests`` long requests, take one step (warm-up: first-use plans, allocations),
     then count ``steps`` steps. -> host reads, host-made tensors, aten ops (all steps together)."""
     sched = BatchScheduler(dec, max_batch=n_requests)
     for i in range(n_requests):
         ids, pv = make_prompt(1, 16, seed=200 + i)
-        sched.submit(dict(input_ids=ids, pixel_values=pv, max_new_tokens=60, temperature=temperature, seed=i))
+        sched.submit(dict(input_ids=ids, pixel_values=pv, max_new_tokens=60, temperature=temperature, seed=i,
+                          logprobs=logprobs))
     sched.step()  # admission, then the first step
     assert sched.engine.active == n_requests
     traffic, ops = HostTraffic(), AtenOps()
@@ -116,3 +120,15 @@ def test_one_host_read_at_most_one_staged_copy_and_work_flat_in_the_batch(endles
     reads_32, makes_32, ops_32 = counted_steps(dec, 32, temperature)
     assert reads_32 == reads and len(makes_32) == len(makes), (reads_32, makes_32)
     assert ops_32 <= 1.1 * ops_1, (ops_1, ops_32)  # the same work launched for 32 rows as for 1
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampling"])
+@pytest.mark.parametrize("how", ["M", "MT+tree dynamic", "head", "lookup", "M+suffix"])
+def test_logprobs_ride_in_the_one_host_read(endless, tok, how, temperature):
+    dec = decoder(how, *endless, tok)
+    reads, makes, ops_1 = counted_steps(dec, 1, temperature, logprobs=3)
+    assert reads == ["tolist"] * 2, reads
+    assert len(makes) <= (2 if how in ("lookup", "M+suffix") else 0), makes
+    reads_32, makes_32, ops_32 = counted_steps(dec, 32, temperature, logprobs=3)
+    assert reads_32 == reads and len(makes_32) == len(makes), (reads_32, makes_32)
+    assert ops_32 <= 1.1 * ops_1, (ops_1, ops_32)

@@ -184,3 +184,14 @@ def test_engine_refuses_a_second_step_ahead(target, draft_shared, tok):
         with pytest.raises(RuntimeError, match="order"):
             sched.engine.finish(s2)
         assert sched.engine.finish(s1)[0] and sched.engine.finish(s2)[0]
+
+
+def test_overlap_keeps_each_tokens_logprobs(target, draft_shared, tok):
+    """Logprobs ride the step's one read: a step read after the next one was launched gives the same."""
+    reqs = requests(4)
+    for r in reqs:
+        r["logprobs"] = 3
+    got = [decoder(target, draft_shared, tok, "dynamic-tree").generate_batch(reqs, overlap=ov) for ov in (True, False)]
+    for a, b in zip(*got):
+        assert a.token_ids == b.token_ids and len(a.logprobs) == len(a.token_ids)
+        assert a.logprobs == b.logprobs

@@ -1,4 +1,5 @@
-"""What the tests check outputs against: the target's own ``generate`` and a chi-square test."""
+"""What the tests check outputs against: the target's own ``generate``, its own log-probabilities
+of an answer, and a chi-square test."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 import torch
 
 from helpers.tiny import IMG
+from mmspec.models.base import cache_argument
 from mmspec.models.captioner import FixedCaptioner
 
 
@@ -14,6 +16,25 @@ def reference(target, ids, pv, n):
     out = target.generate(input_ids=ids, pixel_values=pv, attention_mask=torch.ones_like(ids),
                           do_sample=False, max_new_tokens=n)
     return out[0, ids.shape[1]:].tolist()
+
+
+@torch.inference_mode()
+def target_logprobs(target, inputs: dict, answer: list[int]) -> torch.Tensor:
+    """The target's own ``log_softmax`` before each token of ``answer`` -> [n, V]: a forward over the
+    prompt (``inputs``: its processor's output, ``input_ids`` [1, L]), then one over the answer on
+    that cache (so an answer token that happens to be a placeholder id is read as text, as the
+    engine reads it); raw logits, temperature 1, in float32 or wider."""
+    ids = inputs["input_ids"]
+    L = ids.shape[1]
+    first = target(**{**inputs, "attention_mask": torch.ones_like(ids)}, use_cache=True)
+    logits = [first.logits[0, -1:]]
+    if len(answer) > 1:
+        rest = torch.tensor([answer[:-1]], dtype=ids.dtype, device=ids.device)
+        mask = torch.ones(1, L + rest.shape[1], dtype=ids.dtype, device=ids.device)
+        cache = {cache_argument(target): first.past_key_values}
+        logits.append(target(input_ids=rest, attention_mask=mask, **cache).logits[0])
+    x = torch.cat(logits)  # [n, V]
+    return torch.log_softmax(x.float() if x.dtype in (torch.float16, torch.bfloat16) else x, -1)
 
 
 def captions(n):

@@ -35,7 +35,7 @@ ELSEWHERE = {
     "ceilings": {"tests/perf/test_gpu_pass.py": "env.json"},  # gpu_pass.sh's env step, dry run
 }
 TESTED_HERE = ["batch_speed", "prefix_speed", "tree_sweep", "cpu_shapes", "serve_load", "head_formats_check",
-               "serve_overhead", "lookup_speed", "serve_speed"]
+               "serve_overhead", "lookup_speed", "serve_speed", "logprobs_cost"]
 
 
 def run_script(name: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -167,6 +167,19 @@ def test_serve_speed(tmp_path):
     assert sum(t["share_of_client_latency"].values()) == pytest.approx(1, abs=0.02)  # the phases cover it all
     assert {"speculation_vs_never_1_clients", "one_client_vs_generate"} <= set(res["goals"])
     assert res["setup"]["exit_codes_on_sigterm"] == {"always": 0, "never": 0}
+
+
+@pytest.mark.slow
+def test_logprobs_cost(tmp_path):
+    """One real server, --quick: each request without and with logprobs, the same answers, the cost computed."""
+    for module in ("fastapi", "uvicorn", "httpx"):
+        pytest.importorskip(module)
+    out_json = tmp_path / "logprobs_cost.json"
+    out = run_script("logprobs_cost", "--quick", "--out", str(out_json))
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]  # exit 1: an answer changed with logprobs
+    res = json.loads(out_json.read_text())
+    assert res["answers_differ"] == 0 and len(res["rows"]) == 2 and res["mean_with_s"] > 0 < res["mean_without_s"]
+    assert res["cost"] == pytest.approx(res["mean_with_s"] / res["mean_without_s"] - 1, abs=1e-3)
 
 
 @pytest.mark.slow

@@ -285,7 +285,7 @@ def _flat_png(w: int, h: int) -> str:
 def test_logprobs_are_the_targets_own(server, solo):
     import torch
 
-    from mmspec.scoring import target_logprobs
+    from helpers.reference import target_logprobs
 
     s = sample("chartqa", 10)
     r = server.client().chat.completions.create(model=MODEL, messages=user_message(s.prompt, s.images), max_tokens=12,
@@ -294,13 +294,29 @@ def test_logprobs_are_the_targets_own(server, solo):
     ref = solo.target_greedy(s.prompt, s.images, 12)
     ids = [t for t in ref if t not in solo.dec.eos_ids]
     assert [c.model_extra["token_id"] for c in content] == ids
-    want = target_logprobs(solo.e.target, {k: v for k, v in solo.inputs(s.prompt, s.images).items()}, ids, top=3)
-    for c, w in zip(content, want):
-        assert c.logprob == pytest.approx(w.logprob, abs=1e-4)
+    want = target_logprobs(solo.e.target, solo.inputs(s.prompt, s.images), ids)  # [n, V]
+    for c, w, t in zip(content, want, ids):
+        assert c.logprob == pytest.approx(w[t].item(), abs=1e-4)
         assert c.top_logprobs[0].model_extra["token_id"] == c.model_extra["token_id"]  # greedy: the top-1
-        assert [t.logprob for t in c.top_logprobs] == pytest.approx([v for _, v in w.top], abs=1e-4)
+        assert [x.logprob for x in c.top_logprobs] == pytest.approx(w.topk(3).values.tolist(), abs=1e-4)
+        assert c.bytes == list(c.token.encode("utf-8")) and len(c.top_logprobs) == 3
     assert "".join(c.token for c in content).strip() == r.choices[0].message.content.strip()
     assert torch.isfinite(torch.tensor([c.logprob for c in content])).all()
+    # sampled and streamed, two choices: each choice's last chunk carries its tokens' (raw logits, not tempered)
+    got = {}
+    for ch in server.client().chat.completions.create(model=MODEL, messages=user_message(s.prompt, s.images),
+                                                      max_tokens=8, temperature=0.8, seed=3, n=2, stream=True,
+                                                      logprobs=True, top_logprobs=2):
+        for c in ch.choices:
+            if c.logprobs is not None:
+                got[c.index] = c.logprobs.content
+    for i in (0, 1):
+        answer = solo.generate(s.prompt, s.images, 8, temperature=0.8, seed=3 + i).token_ids
+        ids = [t for t in answer if t not in solo.dec.eos_ids]
+        assert [c.model_extra["token_id"] for c in got[i]] == ids
+        want = target_logprobs(solo.e.target, solo.inputs(s.prompt, s.images), ids)
+        assert [c.logprob for c in got[i]] == pytest.approx([w[t].item() for w, t in zip(want, ids)], abs=1e-4)
+        assert all(len(c.top_logprobs) == 2 for c in got[i])
 
 
 def test_n_choices_and_raw_completions(server, solo):

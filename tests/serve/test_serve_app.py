@@ -103,6 +103,26 @@ def test_stop_strings_are_held_back_across_blocks():
     assert b.finish(None) == "" and b.finish_reason == "length"
 
 
+def test_an_answers_logprobs_are_those_of_its_content_tokens():
+    """The engine's TokenLogprob of each token, cut as the content is: an EOS and the tokens past a
+    stop string left out."""
+    from types import SimpleNamespace
+
+    from mmspec.results import TokenLogprob
+    from mmspec.serve.responses import answer_logprobs
+
+    tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "".join(f"w{i} " for i in ids if i != 2))
+    lps = [TokenLogprob(t, -0.1 * t, ((t, -0.1 * t),)) for t in (5, 6, 7, 2)]
+    a = Answer(stops=["w7"], eos_ids=frozenset({2}))
+    a.add([5, 6], "w5 w6 ", lps[:2])
+    a.add([7, 2], "w7 ", lps[2:])
+    assert a.stopped and a.content == "w5 w6 " and answer_logprobs(a, tok) == lps[:2]
+    b = Answer(stops=[], eos_ids=frozenset({2}))
+    b.add([5, 6], "w5 w6 ", lps[:2])
+    b.add([7, 2], "w7 ", lps[2:])
+    assert answer_logprobs(b, tok) == lps[:3]
+
+
 # ----------------------------------------------------------------------- app + worker, in process
 @dataclass
 class Event:
@@ -112,6 +132,7 @@ class Event:
     finished: bool
     result: object = None
     error: str | None = None
+    logprobs: list | None = None
 
 
 @dataclass

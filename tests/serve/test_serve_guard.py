@@ -31,6 +31,7 @@ class Event:
     finished: bool
     result: object = None
     error: str | None = None
+    logprobs: list | None = None
 
 
 class CountingScheduler:

@@ -102,6 +102,6 @@ def admit(dec, engine: Engine, reqs: list, max_rows: int | None = None) -> list[
         a.stats.prompt_tokens_reused = inputs[i].reused
         engine.rows.append(RowHost(max_new_tokens=req.max_new_tokens, eos_ids=dec.eos_ids, stats=a.stats,
                                    seed=0 if req.seed is None else req.seed, unseen=[int(req.ids[-1])],
-                                   prefill=clock))
+                                   prefill=clock, logprobs_top=req.logprobs))
     return out
 

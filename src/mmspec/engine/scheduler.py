@@ -43,6 +43,7 @@ class StepEvent:
     result: object | None  # GenerationResult when finished (stats included)
     error: str | None = None  # set when the request failed alone (others go on)
     exception: BaseException | None = None  # the failure itself (generate raises it)
+    logprobs: list | None = None  # a TokenLogprob per new token, where the request asked (logprobs=K)
 
 
 # ---------------------------------------------------------------------------- the policy
@@ -270,7 +271,8 @@ class BatchScheduler:
             if row.done:
                 text += a.delta.finish() if self.stream_text else ""
                 result = self._finish(b, a)
-            events.append(StepEvent(a.rid, kept, text, row.done, result))
+            lps = None if row.logprobs_top is None else row.logprobs[len(row.logprobs) - len(kept):]
+            events.append(StepEvent(a.rid, kept, text, row.done, result, logprobs=lps))
             if row.done:
                 finished.append(b)
         self.policy.record(len(actives), depth, time.perf_counter() - t0, accepted, rejected)
@@ -319,7 +321,8 @@ class BatchScheduler:
         if adaptive is not None:  # the weights' trajectory, read once
             st.view_weights, st.final_weights = adaptive.trajectory(b, row.drafted)
         text = self.decoder.tokenizer.decode(row.tokens, skip_special_tokens=True)
-        return GenerationResult(token_ids=list(row.tokens), text=text, stats=st, seed=a.req.seed)
+        return GenerationResult(token_ids=list(row.tokens), text=text, stats=st, seed=a.req.seed,
+                                logprobs=None if row.logprobs_top is None else list(row.logprobs))
 
     def _remember(self, b: int, a: _Active) -> None:
         """What row b's caches hold (prompt + answer, as far as committed) into the prefix cache."""

@@ -23,6 +23,14 @@ operations whatever the number of rows:
 5. ONE host read of the packed outcomes of all rows, from which the host emits each row's tokens
    and cuts them at EOS or the row's limit.
 
+Log-probabilities (a request's ``logprobs``, :class:`~mmspec.results.TokenLogprob`) come from the
+verify forward of step 2, not from a forward of their own: emitted token j of a row is verified
+(or drawn) at node ``path[j]`` of its accepted path (the root, then the accepted nodes: token j is
+the child of ``path[j]`` on the path, the last one the recovered or bonus token drawn there), so
+the log-softmax of the target's raw logits at those nodes is exactly what a plain decode reports
+at each position. Only a step in which some row asks computes them (:attr:`StepPlan.logprobs`),
+and they travel in the same packed read (:func:`path_logprobs`, :func:`unpack_logprobs`).
+
 Nothing else crosses between host and device inside a step: no ``.item()``, no tensor made from
 a host list, no host value written into a device tensor (``tests/core/test_host_free.py``
 counts them).
@@ -30,6 +38,7 @@ counts them).
 
 from __future__ import annotations
 
+import struct
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -44,6 +53,7 @@ from mmspec.engine.masks import rows_mask
 from mmspec.engine.state import BatchState
 from mmspec.models.rows import RowCache
 from mmspec.options import RelaxedAcceptance
+from mmspec.results import TokenLogprob
 from mmspec.stats import BlockRecord, GenerationStats
 from mmspec.timing import BlockClock
 from mmspec.tree import TreeBatch, TreeSpec
@@ -63,6 +73,8 @@ class RowHost:
     unseen: list[int] = field(default_factory=list)  # committed tokens a model-free proposer has not been given
     drafted: list[bool] = field(default_factory=list)  # per step the drafter ran: whether this row drafted a node
     pending_len: int = 1  # pending tokens on the device (host mirror)
+    logprobs_top: int | None = None  # the request asked for logprobs, with this many alternatives (None: not asked)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token of ``tokens`` where asked
     done: bool = False
     clocks: list[BlockClock] = field(default_factory=list)
     prefill: BlockClock | None = None  # its admission's target and draft prefills
@@ -88,7 +100,8 @@ class StepPlan:
     """What the host decides of a step before it runs (its shape): the rows (a bucket with static
     shapes), the tree drafted (None: plain decoding), whether a plain step feeds the drafter its
     pending tokens, whether model-free proposals ride along, the attention spans, and which
-    sampling filters any row uses. One CUDA graph per plan."""
+    sampling filters any row uses, and the alternatives the step's log-probabilities list. One CUDA
+    graph per plan."""
 
     rows: int
     spec: TreeSpec | None
@@ -98,6 +111,7 @@ class StepPlan:
     span: int  # target slots attended
     span_draft: int  # draft slots attended
     flags: tuple
+    logprobs: int = 0  # top alternatives per emitted token: the most any row asks, at least 1 (0: no row asks)
 
 
 @dataclass
@@ -118,6 +132,32 @@ def root_only(x: StepInput) -> TreeBatch:
     zeros = torch.zeros(R, 1, dtype=torch.long, device=dev)
     return TreeBatch(tokens=x.root()[:, None], parents=zeros - 1, depth=zeros, anc=torch.ones(R, 1, 1, dtype=torch.bool, device=dev),
                      fed=zeros - 1, valid=None, max_depth=0)
+
+
+def path_logprobs(logits: torch.Tensor, path: torch.Tensor, emitted: torch.Tensor, k: int) -> torch.Tensor:
+    """The target's log-probabilities along each row's accepted path, packed as int64 columns for
+    the step's one host read. logits [R, N, V] (the verify forward's raw logits); path [R, D1]
+    (tree nodes: emitted token j is verified or drawn at ``path[:, j]``); emitted [R, D1] (token j;
+    past the row's last one, anything); k >= 1 -> [R, D1 * (1 + 2k)]: per position the emitted
+    token's log-probability, the top k log-probabilities (float64 bits as int64), their k ids."""
+    V = logits.shape[-1]
+    x = logits.gather(1, path[..., None].expand(-1, -1, V))  # [R, D1, V]
+    lp = torch.log_softmax(x.float() if x.dtype in (torch.float16, torch.bfloat16) else x, dim=-1)
+    chosen = lp.gather(-1, emitted[..., None])  # [R, D1, 1]
+    top = lp.topk(k, dim=-1)  # [R, D1, k]
+    bits = torch.cat([chosen, top.values], -1).to(torch.float64).view(torch.int64)  # [R, D1, 1 + k]
+    return torch.cat([bits, top.indices], -1).flatten(1)
+
+
+def unpack_logprobs(cols: list[int], tokens: list[int], k: int, top: int) -> list[TokenLogprob]:
+    """One row's :func:`path_logprobs` columns from the host read -> a :class:`TokenLogprob` per
+    emitted token (``top`` <= k alternatives each)."""
+    per, out = 1 + 2 * k, []
+    for j, t in enumerate(tokens):
+        c = cols[j * per:(j + 1) * per]
+        lp = struct.unpack(f"{1 + k}d", struct.pack(f"{1 + k}q", *c[:1 + k]))  # the float64 bits back
+        out.append(TokenLogprob(t, lp[0], tuple(zip(c[1 + k:1 + k + top], lp[1:1 + top]))))
+    return out
 
 
 class Engine:
@@ -282,6 +322,7 @@ class Engine:
         st, plan = self.state, step.plan
         index = {id(r): b for b, r in enumerate(self.rows)}  # rows may have moved or left since the launch
         drafted = plan.spec is not None and self.drafting is not None
+        k = plan.logprobs
         emitted: list = []
         advance = [0] * len(self.rows)
         for i, (row, h) in enumerate(zip(step.rows, host)):
@@ -289,7 +330,8 @@ class Engine:
             if b is None or row.done:  # its tokens past its end are dropped
                 emitted.append(None)
                 continue
-            n_acc, nxt, kept_m, nv, toks = h[0], h[1], h[2], h[3], h[4:]
+            d1 = (len(h) - 4) // (2 + 2 * k if k else 1)  # path positions: a token column each (+ 1 + 2k)
+            n_acc, nxt, kept_m, nv, toks = h[0], h[1], h[2], h[3], h[4:4 + d1]
             advance[b] = (row.pending_len + kept_m) if (drafted or plan.catch_up) else 0
             if drafted:
                 row.pending_len = n_acc - kept_m + 1
@@ -300,7 +342,9 @@ class Engine:
             st.lengths[b] += n_acc + 1
             if drafted:
                 row.drafted.append(nv > 1)
-            kept = self._emit(row, toks[1:n_acc + 1] + [nxt], n_acc, nv, plan.spec, step.clock)
+            tokens = toks[1:n_acc + 1] + [nxt]
+            scored = None if row.logprobs_top is None else unpack_logprobs(h[4 + d1:], tokens, k, row.logprobs_top)
+            kept = self._emit(row, tokens, n_acc, nv, plan.spec, step.clock, scored)
             emitted.append(step.failed.get(i, kept))
         if self.drafting is not None and any(advance):
             self.drafting.advance(advance)
@@ -343,10 +387,12 @@ class Engine:
         if drafting_adapts:  # the weights this step drafts with, kept for the request's stats
             self.drafting.adaptive.record(R)
         flags = st.sampling(R)
+        asked = [r.logprobs_top for r in self.rows if r.logprobs_top is not None]
         keep = spec is None and self.drafting is not None and self.draft_later and not catch_up
         plan = StepPlan(rows=R, spec=spec, catch_up=catch_up, keep_pending=keep, proposals=props is not None, span=span,
                         span_draft=span_d, flags=(flags.any_sampling, flags.all_sampling, flags.any_top_k,
-                                                  flags.any_top_p, flags.any_tiny))
+                                                  flags.any_top_p, flags.any_tiny),
+                        logprobs=max(1, *asked) if asked else 0)
         return plan, props, failed
 
     def _pending_bound(self, ahead: StepPlan | None) -> int:
@@ -447,9 +493,16 @@ class Engine:
         st.step[:R] += live
         tok_path = tree.tokens.gather(1, path)  # [R, D + 1]
         self._next_pending(x, tok_path, path, n, m, out.next_token, hidden, plan.keep_pending)
-        return torch.cat([n[:, None], out.next_token[:, None], m[:, None], n_valid[:, None], tok_path], 1)
+        packed = [n[:, None], out.next_token[:, None], m[:, None], n_valid[:, None], tok_path]
+        if plan.logprobs:  # emitted token j: tok_path[j + 1] before the row's n-th, then the next token
+            nxt = out.next_token[:, None]
+            j = torch.arange(path.shape[1], device=self.device)
+            emitted = torch.where(j == n[:, None], nxt, torch.cat([tok_path[:, 1:], nxt], 1))  # [R, D + 1]
+            packed.append(path_logprobs(logits, path, emitted, plan.logprobs))
+        return torch.cat(packed, 1)
 
-    def _emit(self, row: RowHost, tokens: list[int], n_acc: int, n_valid: int, spec, clock) -> list[int]:
+    def _emit(self, row: RowHost, tokens: list[int], n_acc: int, n_valid: int, spec, clock,
+              scored: list[TokenLogprob] | None) -> list[int]:
         kept = tokens[:row.remaining]
         for i, t in enumerate(kept):
             if t in row.eos_ids:
@@ -459,6 +512,8 @@ class Engine:
         row.unseen.extend(kept)
         depth = 0 if spec is None else min(spec.max_depth, row.remaining - 1)
         row.tokens.extend(kept)
+        if scored is not None:
+            row.logprobs.extend(scored[:len(kept)])
         row.stats.blocks.append(BlockRecord(n_drafted=n_valid - 1, n_accepted=min(n_acc, len(kept)),
                                             n_emitted=len(kept), depth=depth))
         row.clocks.append(clock)

@@ -4,9 +4,9 @@ Owns :class:`Run`: it submits a request's ``n`` choices (the same prompt; seeds 
 1, ...``) to the :class:`~mmspec.serve.worker.Worker`, reads their updates from one queue,
 and either collects the whole answers or streams them as server-sent events (each chunk names
 its choice's ``index``). A choice that fails fails the request (the others are cancelled); a
-client that goes away cancels them all. With ``logprobs``, each finished choice is scored by one
-target forward (:meth:`Service.logprobs`) on a thread of its own, so the event loop never waits
-on a model. Chat completions and (legacy) completions differ only in their shapes
+client that goes away cancels them all. With ``logprobs``, each choice's come with its tokens
+(the engine reads them from the verify forward that emitted each: :mod:`mmspec.engine.step`) and
+are sent with its last chunk or in its whole answer. Chat completions and (legacy) completions differ only in their shapes
 (:mod:`.responses`).
 """
 
@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-
-from starlette.concurrency import run_in_threadpool
 
 from mmspec.serve import protocol as P
 from mmspec.serve import responses as R
@@ -83,7 +81,7 @@ class Run:
     def _add(self, i: int, up: Update) -> str:
         """One block's tokens for choice ``i`` -> the text the client may have now; marks it done."""
         answer, ev = self.answers[i], up.event
-        piece = answer.add(ev.new_token_ids, ev.text)
+        piece = answer.add(ev.new_token_ids, ev.text, ev.logprobs)
         if ev.finished:
             piece += answer.finish(ev.result)
         if ev.finished or answer.stopped:
@@ -128,7 +126,7 @@ class Run:
     async def body(self) -> dict:
         choices = []
         for i, answer in enumerate(self.answers):
-            lp = await self._logprobs(answer)
+            lp = self._logprobs(answer)
             choices.append(R.text_choice(i, answer.content, answer.finish_reason, lp) if self.completion
                            else R.chat_choice(i, answer, lp))
         return R.completion(self.cid, self.name, choices, self.prepared.prompt_tokens, self.answers, self._stats(),
@@ -158,7 +156,7 @@ class Run:
                 if piece:
                     yield self._sse(self._chunk(i, piece))
                 if self.done[i]:
-                    lp = await self._logprobs(self.answers[i])
+                    lp = self._logprobs(self.answers[i])
                     yield self._sse(self._chunk(i, "", self.answers[i].finish_reason, lp, mmspec=self._stats(i)))
             else:
                 finished = True
@@ -195,10 +193,9 @@ class Run:
             out.choices = [R.mmspec_stats(a, seed(k), latency) for k, a in enumerate(self.answers)]
         return out
 
-    async def _logprobs(self, answer: R.Answer):
+    def _logprobs(self, answer: R.Answer):
         if self.req.logprobs_top is None:
             return None
-        ids = R.content_token_ids(answer, self.service.tokenizer)
-        scored = await run_in_threadpool(self.service.logprobs, self.prepared, ids, self.req.logprobs_top)
         tok = self.service.tokenizer
+        scored = R.answer_logprobs(answer, tok)
         return R.text_logprobs(scored, tok) if self.completion else R.chat_logprobs(scored, tok)

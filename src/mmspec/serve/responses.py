@@ -1,7 +1,8 @@
 """Answers in OpenAI's shapes (the models of :mod:`.protocol`): the chat completion, its stream
 chunks, and mmspec's own stats.
 
-Owns :class:`Answer` (one request's tokens and text as its blocks arrive, cut at a stop string:
+Owns :class:`Answer` (one request's tokens, their log-probabilities where asked, and text as its
+blocks arrive, cut at a stop string:
 the text before the first stop string is what the client gets, and text that might still
 become a stop string is held back while streaming), the response bodies, and the ``mmspec``
 key each response carries (:class:`~mmspec.serve.protocol.MMSpecStats`): tokens per block, blocks, tau (tokens per block including the
@@ -25,6 +26,7 @@ class Answer:
     stops: list[str]
     eos_ids: frozenset[int]
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # a TokenLogprob per token of token_ids, where the request asked
     tokens_per_block: list[int] = field(default_factory=list)
     text: str = ""  # everything decoded, uncut
     sent: int = 0  # characters of ``text`` already handed to the client
@@ -32,13 +34,15 @@ class Answer:
     result: object = None  # the GenerationResult, once finished
     first_token_at: float | None = None  # perf_counter() when the first token arrived (time to first token)
 
-    def add(self, token_ids: list[int], text: str) -> str:
-        """One block's tokens and text -> the text the client may have now."""
+    def add(self, token_ids: list[int], text: str, logprobs: list | None = None) -> str:
+        """One block's tokens, text and (where asked) the tokens' log-probabilities -> the text the
+        client may have now."""
         if self.stopped:
             return ""
         if token_ids and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         self.token_ids += token_ids
+        self.logprobs += logprobs or []
         self.tokens_per_block.append(len(token_ids))
         self.text += text
         cut = self._stop_at()
@@ -169,14 +173,23 @@ def content_token_ids(answer: Answer, tokenizer) -> list[int]:
     return ids
 
 
-def _piece(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id])
+def _pieces(tokenizer, scored) -> dict[int, str]:
+    """Each distinct token of ``scored`` (its tokens and their alternatives) decoded once: id -> text."""
+    return {i: tokenizer.decode([i]) for i in {t.token_id for t in scored} | {i for t in scored for i, _ in t.top}}
+
+
+def answer_logprobs(answer: Answer, tokenizer) -> list:
+    """The :class:`~mmspec.results.TokenLogprob` of the answer's content tokens
+    (:func:`content_token_ids`: a prefix of its tokens), as the engine read them."""
+    return answer.logprobs[:len(content_token_ids(answer, tokenizer))]
 
 
 def chat_logprobs(scored, tokenizer) -> P.ChatLogprobs:
     """Chat completions' ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs, token_id}]}``."""
+    piece = _pieces(tokenizer, scored)
+
     def entry(token_id: int, lp: float) -> dict:
-        s = _piece(tokenizer, token_id)
+        s = piece[token_id]
         return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "token_id": token_id}
 
     return P.ChatLogprobs(content=[P.TokenLogprob(**entry(t.token_id, t.logprob),
@@ -186,12 +199,13 @@ def chat_logprobs(scored, tokenizer) -> P.ChatLogprobs:
 
 def text_logprobs(scored, tokenizer) -> P.CompletionLogprobs:
     """Completions' (legacy) ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset."""
-    tokens = [_piece(tokenizer, t.token_id) for t in scored]
+    piece = _pieces(tokenizer, scored)
+    tokens = [piece[t.token_id] for t in scored]
     offsets, at = [], 0
     for s in tokens:
         offsets.append(at)
         at += len(s)
-    tops = [{_piece(tokenizer, i): v for i, v in t.top} for t in scored] if any(t.top for t in scored) else None
+    tops = [{piece[i]: v for i, v in t.top} for t in scored] if any(t.top for t in scored) else None
     return P.CompletionLogprobs(tokens=tokens, token_logprobs=[t.logprob for t in scored], top_logprobs=tops,
                                 text_offset=offsets, token_ids=[t.token_id for t in scored])
 

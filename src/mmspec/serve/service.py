@@ -6,7 +6,8 @@ pydantic model of :mod:`.protocol`, typed from the wire) -> a :class:`Prepared` 
 request type the scheduler runs, :class:`mmspec.request.Request`, made by
 :func:`mmspec.request.prepare` (every check of ``generate``, the seed chosen there, the context
 rule there) from the processor's whole output, the PIL images (for a captioner or a draft with
-its own processor) and the sampling settings. Whatever would fail later is refused here with a
+its own processor), the sampling settings and the ``logprobs`` asked for (the engine reads them
+from its verify forwards: :mod:`mmspec.engine.step`). Whatever would fail later is refused here with a
 :class:`~mmspec.serve.schema.RequestError`: more images than the server takes, an unreadable
 image, a prompt or ``max_tokens`` past the context (:func:`mmspec.request.context_room` sizes the
 default ``max_tokens``; a :class:`~mmspec.request.ContextError` is reworded for the client). It
@@ -65,7 +66,6 @@ class Prepared:
 
     request: Request  # what the scheduler runs (its seed: the request's own; choice i gets seed + i)
     prompt_tokens: int  # images expanded
-    inputs: dict = field(default_factory=dict)  # the processor's output on the target's device (for logprobs)
     timings: dict = field(default_factory=dict)  # seconds of its phases so far: parse, images, processor (metrics)
 
 
@@ -153,24 +153,17 @@ class Service:
         try:
             request = prepare_request(self.decoder, {
                 **inputs, "images": images or None, "max_new_tokens": max_tokens, "temperature": req.temperature,
-                "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed})
+                "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed, "logprobs": req.logprobs_top})
         except ContextError as e:
             raise _past_the_context(e, req.max_tokens is not None) from None
         except MMSpecError as e:
             raise RequestError(str(e)) from None
-        return Prepared(request=request, prompt_tokens=n_prompt, inputs=inputs, timings=timings)
+        return Prepared(request=request, prompt_tokens=n_prompt, timings=timings)
 
     def requests(self, prepared: Prepared, n: int) -> list[Request]:
         """The scheduler requests of ``n`` choices: the same prompt, seeds ``seed, seed + 1, ...``."""
         seed = prepared.request.seed
         return [replace(prepared.request, seed=None if seed is None else (seed + i) % (MAX_SEED + 1)) for i in range(n)]
-
-    def logprobs(self, prepared: Prepared, token_ids: list[int], top: int):
-        """The target's own log-probabilities of an answer (:func:`mmspec.scoring.target_logprobs`):
-        one target forward over prompt + answer, on the calling thread."""
-        from mmspec.scoring import target_logprobs
-
-        return target_logprobs(self.decoder.target_model, prepared.inputs, token_ids, top)
 
     def _probe_image_tokens(self) -> tuple[int | None, int]:
         """(tokens one image adds to a prompt, tokens of a one-word prompt): the processor run on a
