@@ -142,4 +142,4 @@ async def _complete(service: Service, request: Request, completion: bool):
     if failure is not None:
         _count(service, failure.status)
         return error_response(failure.status, failure.message, _failure_type(failure.status))
-    return await run.body()
+    return JSONResponse(await run.body())  # plain JSON types: FastAPI's jsonable_encoder would walk every logprob again
