@@ -126,6 +126,11 @@ class SpecDecoder:
         cuda_graphs: "auto" (on when target and draft share one CUDA device), True, or False.
             Graphs need fixed shapes, so they run on static caches; the tokens are the same.
         static_cache: force the fixed-shape path without graphs (True; for tests on the CPU).
+        compile: the target's and the draft's step forwards through ``torch.compile`` (mode
+            "default": inductor's fused kernels for norms, rotary embeddings, casts; one compilation
+            per shape, so on static caches), captured by the step's CUDA graph as eager kernels
+            are. Seconds spent compiling: ``stats.compile_s``. If compiling fails: one warning and
+            the uncompiled forwards; the tokens are the same either way.
         acceptance: "exact" (the default: lossless) or "relaxed" — LOSSY, MSD's modality-aware
             relaxed acceptance: a drafted token is also accepted when the target's probability of
             it reaches ``relaxed_thresholds[0]`` (blocks within ``relaxed_window`` positions
@@ -161,7 +166,8 @@ class SpecDecoder:
                  captioner=None, gamma: int = 5, processor=None, dtype="auto", draft_tokenizer=None,
                  tree=None, tree_depth: int | None = None, tree_topk: int | None = None,
                  tree_budget: int | None = None, tree_children: str = "mixture", stop_below: float | None = None,
-                 cuda_graphs="auto", static_cache: bool | None = None, draft_processor=None, substitute=None,
+                 cuda_graphs="auto", static_cache: bool | None = None, compile: bool = False, draft_processor=None,
+                 substitute=None,
                  acceptance: str = "exact",
                  relaxed_thresholds: tuple[float, float] = (0.6, 0.4), relaxed_window: int = 64,
                  prefix_cache_mb: float = PREFIX_CACHE_MB, model_free: str | None = None, lookup_options=None,
@@ -232,7 +238,7 @@ class SpecDecoder:
         draft_vocab = self.target.vocab_size if self.draft is None else self.draft.vocab_size
         checks.check_tree_fits_vocab(self.tree, min(self.target.vocab_size, draft_vocab))
         self.adaptive = None if self.draft is None else AdaptiveWeights.parse(weights)  # None: fixed weights
-        self.mode = self._engine_mode(cuda_graphs, static_cache)
+        self.mode = self._engine_mode(cuda_graphs, static_cache, compile)
         self._static_pool = StaticPool(self.mode.graphs)
         self._speculation_policy = None  # generate_batch(speculate="auto")'s, made on first use
         if self.draft is None:  # a head reads the target's features, lookup its text: no views, no draft model
@@ -311,8 +317,8 @@ class SpecDecoder:
         return (name + (f"+{self.adaptive.label}" if self.adaptive else "")
                 + ("" if self.tree.kind == "chain" else "+tree") + ("+relaxed" if self.acceptance else ""))
 
-    def _engine_mode(self, cuda_graphs, static_cache) -> EngineMode:
-        """Decide eager / static / CUDA-graph decoding and check the tree fits the models."""
+    def _engine_mode(self, cuda_graphs, static_cache, compile) -> EngineMode:
+        """Decide eager / static / CUDA-graph decoding, compiled or not, and check the tree fits the models."""
         probes = [self.target.new_cache(8)] + [m.new_cache(8) for m in (self.head, self.draft) if m is not None]
         full_attention = all(supports_trees(c) for c in probes)
         if not self.tree.is_chain and not full_attention:
@@ -321,9 +327,12 @@ class SpecDecoder:
                               "layers: use tree=None (a chain)")
         if static_cache not in (None, True, False):
             raise MMSpecError(f"static_cache must be True, False or None, got {static_cache!r}")
-        if static_cache and not full_attention:
-            raise MMSpecError("static_cache=True needs models whose layers are all full attention; this target "
-                              "or draft has sliding-window or other layers: leave static_cache out")
+        if not isinstance(compile, bool):
+            raise MMSpecError(f"compile must be True or False, got {compile!r}")
+        for flag, on in (("static_cache=True", static_cache), ("compile=True", compile)):
+            if on and not full_attention:
+                raise MMSpecError(f"{flag} needs models whose layers are all full attention (fixed shapes); this "
+                                  f"target or draft has sliding-window or other layers: leave it out")
         dispatched = any(len(set(getattr(m, "hf_device_map", {}).values())) > 1
                          for m in (self.target_model, self.draft_model) if m is not None)
         draft_device = self.draft.device if self.draft is not None else \
@@ -334,7 +343,7 @@ class SpecDecoder:
                 raise MMSpecError("cuda_graphs=True needs both models on one device with full-attention layers "
                                   "only; use cuda_graphs='auto' to fall back to eager decoding")
             mode = "eager"
-        return EngineMode(graphs=mode, static=mode != "eager" or bool(static_cache))
+        return EngineMode(graphs=mode, static=mode != "eager" or bool(static_cache) or compile, compile=compile)
 
     # ------------------------------------------------------------------ generate
     @torch.inference_mode()
@@ -362,7 +371,7 @@ class SpecDecoder:
         from mmspec.engine.scheduler import BatchScheduler
 
         sched = BatchScheduler(self, max_batch=1, stream_text=False)  # one request: a batch of one on the one engine
-        captured = sched.engine.capture_s
+        captured, compiled = sched.engine.capture_s, sched.engine.compile_s
         sched.submit(req)
         if streamer is not None:
             streamer.put(req.ids[None])  # the prompt first, as transformers' generate does
@@ -384,6 +393,7 @@ class SpecDecoder:
             if streamer is not None:
                 streamer.end()
         result.stats.capture_s = sched.engine.capture_s - captured
+        result.stats.compile_s = sched.engine.compile_s - compiled
         return result
 
     def generate_batch(self, requests: list[dict], *, max_batch: int = 16, speculate: str = "always",
@@ -547,7 +557,8 @@ class SpecDecoder:
             return Engine(self.target, n_layers, self.tree, drafting, hidden_layers=self.hidden_layers,
                           relaxed=self.acceptance, static=self.static, graphs=self.graph_mode, feat_dim=feat_dim,
                           feat_dtype=feat_dtype or torch.float32, pool=pool,
-                          proposals_beside=bool(self.model_free) and not self.model_free_alone)
+                          proposals_beside=bool(self.model_free) and not self.model_free_alone,
+                          compile=self.mode.compile)
 
         return self._static_pool.lease("engine", holder, make) if self.static else make()
 

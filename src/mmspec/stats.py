@@ -37,6 +37,7 @@ class GenerationStats:
     tree: str = "chain"  # the block shape (TreeSpec.label)
     engine: str = "eager"  # "eager", "static" (fixed shapes) or "cuda-graphs"
     capture_s: float = 0.0  # CUDA-graph warm-up + capture inside this call (first calls of a shape)
+    compile_s: float = 0.0  # torch.compile's first calls of a shape inside this call (within capture_s with graphs)
     acceptance: str = "exact"  # "exact" (lossless) or "relaxed (lossy)"
     weighting: str = "fixed"  # the ensemble's weights: "fixed", or the adaptive rule ("adaptive", "adaptive:loglik")
     view_weights: list[list[float]] = field(default_factory=list)  # adaptive: the weights each drafted block mixed with

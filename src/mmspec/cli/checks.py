@@ -121,6 +121,7 @@ class GenerateOptions:
     tree_children: str = "mixture"
     stop_below: float | None = None
     cuda_graphs: str = "auto"
+    compile: bool = False
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_k: int | None = None

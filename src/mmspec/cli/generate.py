@@ -91,7 +91,7 @@ def build_decoder(o, target, draft, tokenizer, processor, captioner, **extra):
                        captioner=captioner if reads_captions else None, gamma=o.gamma, processor=processor,
                        draft_processor=draft_proc, tree=o.tree, tree_depth=o.tree_depth, tree_topk=o.tree_topk,
                        tree_budget=o.tree_budget, tree_children=o.tree_children, stop_below=o.stop_below,
-                       cuda_graphs=o.graphs, model_free=o.model_free, lookup_options=o.lookup_dict, **extra)
+                       cuda_graphs=o.graphs, compile=o.compile, model_free=o.model_free, lookup_options=o.lookup_dict, **extra)
 
 
 def check_loaded_head(o, dec) -> None:

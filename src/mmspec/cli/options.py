@@ -143,6 +143,9 @@ class RuntimeFlags(Flags):
     """Where and how the models run (``generate``, ``serve``)."""
 
     cuda_graphs: str = option("auto", help="auto (on for a CUDA device), on, off.", panel=RUNTIME)
+    compile: bool = option(False, "--compile/--no-compile", help="The step's forwards through torch.compile "
+                           "(inductor kernels, captured by the step's CUDA graph; compiling takes a while per "
+                           "shape; uncompiled if it fails). docs/perf.md, §7.", panel=RUNTIME)
     dtype: str = option("auto", help="auto, float32, bfloat16, float16 (auto: float32 on the CPU, where half "
                         "precision is several times slower; the checkpoint's own on a GPU).", panel=RUNTIME)
     device: str = option("cpu", help=DEVICE_HELP, panel=RUNTIME)

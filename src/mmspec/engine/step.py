@@ -37,7 +37,7 @@ import torch
 from mmspec.drafting import proposals as mf
 from mmspec.drafting.trees import Drafted, StepInput
 from mmspec.engine import rng
-from mmspec.engine.forwards import RowForward
+from mmspec.engine.forwards import Compiler, RowForward
 from mmspec.engine.graphs import StepRunner, bucket, capacity_bucket
 from mmspec.engine.masks import rows_mask
 from mmspec.engine.state import BatchState
@@ -106,12 +106,14 @@ class Engine:
     """The step over a batch's rows (module docstring). ``drafting``: the draft model's or head's
     :class:`~mmspec.drafting.trees.Drafting` (None: model-free or plain decoding only);
     ``hidden_layers``: the target layers a head reads; ``static``: shapes padded to buckets
-    (row counts and attention spans), ``graphs``: a :data:`~mmspec.engine.graphs.MODES` entry."""
+    (row counts and attention spans), ``graphs``: a :data:`~mmspec.engine.graphs.MODES` entry;
+    ``compile``: the target's and the drafter's forwards through ``torch.compile``
+    (:class:`~mmspec.engine.forwards.Compiler`; static shapes), captured by the step's graph."""
 
     def __init__(self, target, n_layers: int, spec: TreeSpec, drafting=None, *, hidden_layers: tuple[int, ...] = (),
                  relaxed: RelaxedAcceptance | None = None, static: bool = False, graphs: str = "eager",
                  feat_dim: int | None = None, feat_dtype: torch.dtype = torch.float32, pool=None,
-                 proposals_beside: bool = False):
+                 proposals_beside: bool = False, compile: bool = False):
         self.target = target
         self.spec = spec
         self.drafting = drafting
@@ -131,6 +133,11 @@ class Engine:
         self.forward = RowForward(lambda mask, ids, pos: target.forward(
             cache=cache, attention_mask=mask, position_ids=pos, input_ids=ids, hidden=hidden_layers),
             cache, "target")  # inside the step's graph, with fixed shapes
+        self.compiler = Compiler() if compile else None
+        if self.compiler is not None:
+            for fwd in [self.forward, getattr(drafting, "forward", None)]:
+                if fwd is not None:
+                    fwd.fn = self.compiler.wrap(fwd.fn, fwd.name)
         self.graphs = graphs  # "eager", or the whole step captured per plan ("cuda"; "emulate" on the CPU)
         self.step_graphs = graphs != "eager"
         self.graphs_failed: str | None = None
@@ -162,6 +169,12 @@ class Engine:
     def capture_s(self) -> float:
         """Seconds spent capturing CUDA graphs so far."""
         return sum(r.capture_s for r in self._step_runners.values())
+
+    @property
+    def compile_s(self) -> float:
+        """Seconds of the compiled forwards' first calls per shape (compiling), so far; inside
+        :attr:`capture_s` where the step is captured."""
+        return 0.0 if self.compiler is None else self.compiler.compile_s
 
     def step_rows(self) -> int:
         """R: the rows a step runs over (the active ones, padded to a bucket with static shapes)."""
