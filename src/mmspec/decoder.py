@@ -57,7 +57,7 @@ from mmspec.request import check_context, prepare
 from mmspec.results import GenerationResult
 from mmspec.stats import GenerationStats
 from mmspec.streaming import TextStream
-from mmspec.tree import parse_tree
+from mmspec.tree import parse_shapes
 from mmspec.views import View, ensemble_name, parse_views
 
 # processor outputs generate() passes on to the families that read them (models/*.py: mm_keys)
@@ -118,7 +118,11 @@ class SpecDecoder:
         tree: the block's shape (:mod:`mmspec.tree`): None or "chain" (gamma drafts in a chain);
             "dynamic" (EAGLE-2: ``tree_depth`` expansion steps of the ``tree_topk`` best
             frontier nodes, ``tree_budget`` best nodes verified; defaults measured per device);
-            a static tree as child-rank paths ``[[0], [1], [0, 0], ...]``; or a TreeSpec.
+            a static tree as child-rank paths ``[[0], [1], [0, 0], ...]``; a TreeSpec; or "auto":
+            per step the chain of ``gamma`` or the device's dynamic tree at one of two budgets,
+            whichever gives the most measured tokens per second on this device at the batch size
+            (:class:`~mmspec.engine.scheduler.ShapePolicy`; its figures in ``stats.shape_rates``;
+            lossless whatever it picks, though a seeded request's draws then follow the picks).
         tree_children: "mixture" (children from the views' mixed distribution) or "views"
             (each view's own top tokens become siblings).
         stop_below: dynamic draft length for chains: stop a block's drafting when the draft's
@@ -233,14 +237,17 @@ class SpecDecoder:
             raise MMSpecError(f"the target ({type(self.target_model).__name__}) is not a vision-language model; "
                               "pass an image-text-to-text checkpoint such as a LLaVA one as the target "
                               "(the draft may be text-only)")
-        self.tree = parse_tree(tree, gamma=gamma, device_type=self.target.device.type, depth=tree_depth,
-                               topk=tree_topk, budget=tree_budget, children=tree_children, stop_below=stop_below)
+        self.tree_shapes = parse_shapes(tree, gamma=gamma, device_type=self.target.device.type, depth=tree_depth,
+                                        topk=tree_topk, budget=tree_budget, children=tree_children,
+                                        stop_below=stop_below)  # one shape, or tree="auto"'s candidates
+        self.tree = self.tree_shapes[-1]  # the largest: every block, cache and buffer is sized for it
         draft_vocab = self.target.vocab_size if self.draft is None else self.draft.vocab_size
         checks.check_tree_fits_vocab(self.tree, min(self.target.vocab_size, draft_vocab))
         self.adaptive = None if self.draft is None else AdaptiveWeights.parse(weights)  # None: fixed weights
         self.mode = self._engine_mode(cuda_graphs, static_cache, compile)
         self._static_pool = StaticPool(self.mode.graphs)
         self._speculation_policy = None  # generate_batch(speculate="auto")'s, made on first use
+        self._shape_policy = None  # tree="auto"'s, made on first use
         if self.draft is None:  # a head reads the target's features, lookup its text: no views, no draft model
             self.views, self.weights, newline = [], [1.0], None
         else:
@@ -314,8 +321,8 @@ class SpecDecoder:
         name = self.head.config.variant if self.head is not None else ensemble_name(self.views)
         if self.model_free:
             name = self.model_free if self.model_free_alone else f"{name}+{self.model_free}"
-        return (name + (f"+{self.adaptive.label}" if self.adaptive else "")
-                + ("" if self.tree.kind == "chain" else "+tree") + ("+relaxed" if self.acceptance else ""))
+        tree = "+tree:auto" if len(self.tree_shapes) > 1 else "" if self.tree.kind == "chain" else "+tree"
+        return name + (f"+{self.adaptive.label}" if self.adaptive else "") + tree + ("+relaxed" if self.acceptance else "")
 
     def _engine_mode(self, cuda_graphs, static_cache, compile) -> EngineMode:
         """Decide eager / static / CUDA-graph decoding, compiled or not, and check the tree fits the models."""
@@ -424,6 +431,22 @@ class SpecDecoder:
             self._speculation_policy = SpeculationPolicy("auto")
         return self._speculation_policy
 
+    @property
+    def tree_label(self) -> str:
+        """The block shape (``TreeSpec.label``), or tree="auto"'s candidates ("auto: chain(γ=5) | ...")."""
+        return self.tree.label if len(self.tree_shapes) == 1 else "auto: " + " | ".join(t.label for t in self.tree_shapes)
+
+    @property
+    def shape_policy(self):
+        """With ``tree="auto"``: the :class:`~mmspec.engine.scheduler.ShapePolicy` every call of this
+        decoder shares (each shape's measured tokens and seconds per step carry over, so a short
+        request does not pay for measuring again); None with one shape."""
+        from mmspec.engine.scheduler import ShapePolicy
+
+        if self._shape_policy is None and len(self.tree_shapes) > 1:
+            self._shape_policy = ShapePolicy(self.tree_shapes)
+        return self._shape_policy
+
     def stream(self, input_ids, pixel_values=None, attention_mask=None, **kwargs) -> TextStream:
         """:meth:`generate` as an iterator of text pieces, at most one per block, that concatenate
         to ``generate(...).text`` (same arguments, ``streamer`` excepted); the result, stats
@@ -473,7 +496,7 @@ class SpecDecoder:
 
     def new_stats(self) -> GenerationStats:
         return GenerationStats(gamma=self.tree.max_depth, views=tuple(v.name for v in self.views),
-                               tree=self.tree.label, engine=self.engine,
+                               tree=self.tree_label, engine=self.engine,
                                weighting=self.adaptive.label if self.adaptive else "fixed",
                                acceptance="exact" if self.acceptance is None else "relaxed (lossy)")
 

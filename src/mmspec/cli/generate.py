@@ -126,6 +126,11 @@ def stats_table(title: str, res, baseline_s: float | None = None, identical: boo
                 f"{st.prefill_draft_s*1e3:.1f} ms")
     tab.add_row("time: drafting / verification / total",
                 f"{st.draft_s*1e3:.1f} / {st.verify_s*1e3:.1f} / {st.total_s*1e3:.1f} ms")
+    if st.shapes:  # tree auto: the shapes this answer's steps drafted, and the measured figures they were chosen by
+        tab.add_row("block shapes drafted (steps)", ", ".join(f"{k}: {v}" for k, v in st.shapes.items()))
+        for b, r in (st.shape_rates or {}).items():
+            tab.add_row(f"measured at batch {b}: tokens/s", ", ".join(
+                f"{k} {v['tokens_per_s']:.0f}" for k, v in r["shapes"].items()) + f" -> {r['choice']}")
     if baseline_s is not None:
         tab.add_row("target alone (generate)", f"{baseline_s*1e3:.1f} ms -> speed-up {baseline_s/st.total_s:.2f}x")
     if identical is not None:
@@ -213,6 +218,6 @@ def _run(o, compare: bool) -> None:
         identical = ref == res.token_ids
     common.console.print(f"[bold]Prompt:[/bold] {escape(prompt_text)}")  # user text: "[/INST]" is not markup
     common.console.print(f"[bold]Answer:[/bold] {escape(res.text)}")
-    common.console.print(stats_table(f"{dec.method}: {dec.tree.label}, {dec.engine} engine", res, base_s, identical))
+    common.console.print(stats_table(f"{dec.method}: {dec.tree_label}, {dec.engine} engine", res, base_s, identical))
     if identical is False:
         raise MMSpecError("the speculative output differs from target.generate; please report this")

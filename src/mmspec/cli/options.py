@@ -127,13 +127,14 @@ class ShapeFlags(Flags):
     gamma: int | None = option(None, help="Draft tokens per block of a chain (default 5); a tree's shape is --tree's.",
                                panel=DRAFTING)
     tree: str | None = option(None, help="Block shape (README, \"Token trees\"): chain (default), dynamic (EAGLE-2 "
-                              "with the device's measured defaults), DEPTHxTOPKxBUDGET such as 6x4x16, or a static "
-                              "tree as JSON child-rank paths, e.g. '[[0],[1],[0,0]]'.", panel=DRAFTING)
-    tree_depth: int | None = option(None, help="With --tree dynamic: expansion steps.", panel=DRAFTING)
-    tree_topk: int | None = option(None, help="With --tree dynamic: children per node and nodes expanded per depth.",
-                                   panel=DRAFTING)
-    tree_budget: int | None = option(None, help="With --tree dynamic: nodes verified per block (root excluded).",
-                                     panel=DRAFTING)
+                              "with the device's measured defaults), DEPTHxTOPKxBUDGET such as 6x4x16, a static "
+                              "tree as JSON child-rank paths, e.g. '[[0],[1],[0,0]]', or auto (per step the chain or "
+                              "the dynamic tree at one of two budgets, by measured tokens/s).", panel=DRAFTING)
+    tree_depth: int | None = option(None, help="With --tree dynamic (or auto): expansion steps.", panel=DRAFTING)
+    tree_topk: int | None = option(None, help="With --tree dynamic (or auto): children per node and nodes expanded "
+                                   "per depth.", panel=DRAFTING)
+    tree_budget: int | None = option(None, help="With --tree dynamic (or auto: the larger tree's): nodes verified per "
+                                     "block (root excluded).", panel=DRAFTING)
     stop_below: float | None = option(None, help="Chains only: stop drafting a block when the draft's probability of "
                                       "its proposal falls below this (lossless).", panel=DRAFTING)
 

@@ -220,9 +220,10 @@ class Engine:
         return StepInput(rows=R, pending=st.pending[:R], pending_len=st.pending_len[:R], remaining=st.remaining[:R],
                          sampling=rs, u=u, feats=None if st.feat_dim is None else st.pending_feats[:R], span=span)
 
-    def step(self, depth: int | None = None, proposers: list | None = None) -> list[list[int] | BaseException]:
+    def step(self, depth: int | TreeSpec | None = None, proposers: list | None = None) -> list[list[int] | BaseException]:
         """One step over every active row, each drafting at most ``depth`` deep (None: the
-        decoder's whole tree; 0: plain decoding) -> the tokens each row emitted, or the exception
+        decoder's whole tree; 0: plain decoding; a TreeSpec: that shape, within the engine's
+        ``spec``: ``tree="auto"``'s choice) -> the tokens each row emitted, or the exception
         a row failed with alone (its model-free proposer's). ``proposers``: each row's model-free
         proposer (:mod:`mmspec.lookup`), searched on the host first. A failure of the step's
         shared work is raised: it is every row's."""
@@ -257,11 +258,14 @@ class Engine:
             self.drafting.advance(advance)
         return emitted
 
-    def _plan(self, depth: int | None, proposers: list | None) -> tuple[StepPlan, dict | None, dict]:
+    def _plan(self, depth: int | TreeSpec | None, proposers: list | None) -> tuple[StepPlan, dict | None, dict]:
         """What the host decides before a step (its shape), and the model-free proposals it
         searches and stages; -> (the plan, the staged proposal tensors or None, rows failed)."""
         st, R = self.state, self.step_rows()
-        spec = self.spec if depth is None else (self.spec.for_remaining(depth + 1) if depth > 0 else None)
+        if isinstance(depth, TreeSpec):  # a shape chosen for this step (no deeper, no larger than self.spec)
+            spec = depth
+        else:
+            spec = self.spec if depth is None else (self.spec.for_remaining(depth + 1) if depth > 0 else None)
         props = None
         failed: dict[int, BaseException] = {}
         if spec is not None and proposers is not None:  # model-free proposals, searched on the host
