@@ -152,7 +152,7 @@ class ShapePolicy:
     shapes: tuple[TreeSpec, ...]
     explore: int = 2
     probe_every: int = 16
-    smoothing: float = 0.3  # weight of the newest step in the averages
+    smoothing: float = 0.1  # weight of the newest step in the averages
     tokens: dict = field(default_factory=dict)  # (batch size, shape index) -> tokens per step
     seconds: dict = field(default_factory=dict)  # (batch size, shape index) -> seconds per step
     timed: dict = field(default_factory=dict)  # (batch size, shape index) -> steps timed
