@@ -57,9 +57,9 @@ if [ $DRY = 0 ]; then
   LIMIT[speed]=150;   CMD[speed]="$PY perf/speed.py --device cuda --repeats 3 --step-rounds 10 --out $OUT/speed"
   LIMIT[bf16]=100;    CMD[bf16]="$PY perf/speed.py --device cuda --dtype bfloat16 --repeats 1 --latency-repeats 3 --step-rounds 5 --no-profile --out $OUT/speed-bf16"
   LIMIT[batch]=120;   CMD[batch]="$PY perf/batch_speed.py --device cuda --batch 1 8 32 --engine graphs --speculate always never auto --overlap on off --engine-time --out $OUT/batch/batch_speed.jsonl"
-  LIMIT[trees]=90;    CMD[trees]="$PY perf/tree_sweep.py --device cuda --repeats 1 --out $OUT/trees"
-  LIMIT[shapes]=150;  CMD[shapes]="$PY perf/gpu_shapes.py --device cuda --modes eager,graph --engine-modes graph --gammas 1,2,3,5,8 --trees 16,32,64 --batches 1,2,4,8 --repeats 15 --engine-repeats 2 --kernels --capacities 0,2048,8192,32768 --out $OUT/shapes"
-  LIMIT[compile]=150; CMD[compile]="$PY perf/gpu_shapes.py --device cuda --modes graph --gammas 5 --trees 64 --batches 1 --repeats 15 --no-engine --compile --out $OUT/compile"
+  LIMIT[trees]=90;    CMD[trees]="$PY perf/tree_sweep.py --device cuda --repeats 1 --auto --out $OUT/trees"
+  LIMIT[shapes]=150;  CMD[shapes]="$PY perf/gpu_shapes.py --device cuda --modes eager,graph --engine-modes graph --gammas 1,2,3,5,8 --trees 16,32,64 --batches 1,2,4,8 --repeats 15 --engine-repeats 2 --kernels --capacities 0,2048,8192,32768 --compile --compile-modes engine --out $OUT/shapes"
+  LIMIT[compile]=150; CMD[compile]="$PY perf/gpu_shapes.py --device cuda --modes graph --gammas 5 --trees 64 --batches 1 --repeats 15 --no-engine --compile --compile-modes layers+mmspec-graph,reduce-overhead --out $OUT/compile"
 else
   TINY="--families chartqa --n-per-family 1 --max-new-tokens 4 --threads 2"
   LIMIT[env]=60;      CMD[env]="$PY perf/ceilings.py --device cpu --copy-mib 8 --matmul 128 --repeats 2 --out $OUT/env/env.json"
@@ -67,9 +67,9 @@ else
   LIMIT[speed]=120;   CMD[speed]="$PY perf/speed.py --device cpu --graphs emulate $TINY --repeats 1 --latency-repeats 1 --step-rounds 1 --out $OUT/speed"
   LIMIT[bf16]=120;    CMD[bf16]="$PY perf/speed.py --device cpu --graphs emulate --dtype bfloat16 $TINY --repeats 1 --latency-repeats 1 --step-rounds 1 --no-profile --out $OUT/speed-bf16"
   LIMIT[batch]=120;   CMD[batch]="$PY perf/batch_speed.py --device cpu --threads 2 --batch 1 2 --new 4 --engine eager graphs --speculate always never auto --overlap on off --engine-time --out $OUT/batch/batch_speed.jsonl"
-  LIMIT[trees]=120;   CMD[trees]="$PY perf/tree_sweep.py --device cpu --graphs emulate $TINY --shapes 3x2x4 --repeats 1 --out $OUT/trees"
-  LIMIT[shapes]=120;  CMD[shapes]="$PY perf/gpu_shapes.py --small --device cpu --context 32 --modes eager,graph --engine-modes graph --gammas 1,5 --trees 8 --batches 1,2 --repeats 2 --warmup 1 --copy-mib 4 --engine-new-tokens 8 --engine-repeats 1 --engine-noise 0 --kernels --capacities 0,128 --out $OUT/shapes"
-  LIMIT[compile]=120; CMD[compile]="$PY perf/gpu_shapes.py --small --device cpu --context 32 --modes graph --gammas 5 --trees 8 --batches 1 --repeats 2 --warmup 1 --copy-mib 4 --no-engine --compile --out $OUT/compile"
+  LIMIT[trees]=120;   CMD[trees]="$PY perf/tree_sweep.py --device cpu --graphs emulate $TINY --shapes 3x2x4 --repeats 1 --auto --out $OUT/trees"
+  LIMIT[shapes]=120;  CMD[shapes]="$PY perf/gpu_shapes.py --small --device cpu --context 32 --modes eager,graph --engine-modes graph --gammas 1,5 --trees 8 --batches 1,2 --repeats 2 --warmup 1 --copy-mib 4 --engine-new-tokens 8 --engine-repeats 1 --engine-noise 0 --kernels --capacities 0,128 --compile --compile-modes engine --out $OUT/shapes"
+  LIMIT[compile]=120; CMD[compile]="$PY perf/gpu_shapes.py --small --device cpu --context 32 --modes graph --gammas 5 --trees 8 --batches 1 --repeats 2 --warmup 1 --copy-mib 4 --no-engine --compile --compile-modes layers+mmspec-graph,reduce-overhead --out $OUT/compile"
 fi
 
 if [ $LIST = 1 ]; then

@@ -13,9 +13,12 @@ does not depend on weight values), and timing on them, through mmspec's own deco
 
 each in mode ``eager`` (the engine's eager path: a preallocated cache, attention over the
 filled prefix) and ``graph`` (the engine's GPU path: a static cache captured as a CUDA graph
-per shape). ``--compile`` also times T_p with ``torch.compile(mode="reduce-overhead")`` and
-with inductor kernels captured by mmspec's own graph, with their compile times: the measured
-basis for choosing explicit capture (docs/perf.md).
+per shape). ``--compile`` also times T_p side by side without and with ``torch.compile``, each
+compile mode with its compile time (``--compile-modes``): ``engine``, what ``SpecDecoder(compile=True)``
+does (the forward compiled in mode "default", inductor's kernels captured by mmspec's own graph),
+per-layer compilation, and ``reduce-overhead`` (torch's own CUDA graphs); and adds a
+``chain+compile`` row to every engine run beside the uncompiled chain (its step time and compile
+seconds).
 
 ``--engine`` then runs :class:`mmspec.SpecDecoder` itself at these shapes. Random models
 never agree, so the pair is built to: every layer's output projections are zeroed (the
@@ -72,8 +75,8 @@ class ShapesConfig:
     repeats: int = 30
     warmup: int = 3
     modes: tuple[str, ...] = ("eager", "graph")
-    compile: bool = False  # also T_p with torch.compile (minutes of compiling at 7B)
-    compile_modes: tuple[str, ...] = ("layers+mmspec-graph", "default+mmspec-graph", "reduce-overhead")
+    compile: bool = False  # also T_p and the engine with torch.compile (minutes of compiling at 7B)
+    compile_modes: tuple[str, ...] = ("engine", "layers+mmspec-graph", "reduce-overhead")
     capacities: tuple[int, ...] = ()  # T_p (graph) with the same context in caches this large
     kernels: bool = False  # a profiler's kernel table of one eager T_p step
     engine: bool = True  # SpecDecoder end to end at these shapes
@@ -245,27 +248,42 @@ def graph_vs_eager(model, context: int, n: int) -> float:
     return float((step().float() - ref).abs().max())
 
 
-def compile_times(model, context: int, repeats: int, warmup: int, modes: Sequence[str]) -> dict:
-    """T_p with torch.compile, each with its compile (first calls) time:
+COMPILE_MODES = ("engine", "layers+mmspec-graph", "reduce-overhead")
 
-    - ``layers+mmspec-graph``: each decoder layer compiled (default mode: inductor fuses norms,
-      rotary, casts; one compilation shared by the layers), the step captured by mmspec's graph;
-    - ``default+mmspec-graph``: the whole model compiled, captured by mmspec's graph;
+
+def compile_times(model, context: int, repeats: int, warmup: int, modes: Sequence[str]) -> dict:
+    """T_p with torch.compile beside the same probe uncompiled (``plain_s``, mmspec's graph),
+    each with its compile (first calls) time:
+
+    - ``engine``: ``SpecDecoder(compile=True)``'s path: the forward through the engine's
+      :class:`~mmspec.engine.forwards.Compiler` (mode "default": inductor fuses norms, rotary,
+      casts), captured by mmspec's graph;
+    - ``layers+mmspec-graph``: each decoder layer compiled (default mode; one compilation shared
+      by the layers), the step captured by mmspec's graph;
     - ``reduce-overhead``: the whole model compiled with torch's own CUDA graphs.
     """
+    from mmspec.engine.forwards import Compiler
+
     out = {}
     for name in modes:
+        if name not in COMPILE_MODES:
+            raise ValueError(f"unknown compile mode {name!r}; one of {COMPILE_MODES}")
         layers = model.model.language_model.layers
-        originals = [layer.forward for layer in layers]
         try:
             torch._dynamo.reset()
             probe = _Probe(model, 1, context, 8, "static" if name == "reduce-overhead" else "graph")
-            if name.startswith("layers"):
+            with torch.inference_mode():
+                plain = median_time(probe.step_fn(1), probe.adapter.device, repeats, warmup)
+            probe = _Probe(model, 1, context, 8, "static" if name == "reduce-overhead" else "graph")
+            compiler = None
+            if name == "engine":
+                compiler = Compiler()
+                probe.runner.fn = compiler.wrap(probe.runner.fn, "target")
+            elif name.startswith("layers"):
                 for layer in layers:
                     layer.compile(dynamic=False)
             else:
-                probe.adapter.model = torch.compile(model, mode="reduce-overhead" if name == "reduce-overhead"
-                                                    else None, dynamic=False)
+                probe.adapter.model = torch.compile(model, mode="reduce-overhead", dynamic=False)
             step = probe.step_fn(1)
             t0 = time.perf_counter()
             with torch.inference_mode():
@@ -274,13 +292,14 @@ def compile_times(model, context: int, repeats: int, warmup: int, modes: Sequenc
                 sync(probe.adapter.device)
                 first = time.perf_counter() - t0
                 s = median_time(step, probe.adapter.device, repeats, warmup)
-            out[name] = {"s": s, "compile_and_first_calls_s": first}
+            out[name] = {"s": s, "plain_s": plain, "speedup": plain / s, "compile_and_first_calls_s": first}
+            if compiler is not None:
+                out[name] |= {"compile_s": compiler.compile_s, "fell_back": compiler.failed}
         except Exception as e:  # noqa: BLE001 - report what failed, keep the run
             out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         finally:
             for layer in layers:  # undo Module.compile
                 layer._compiled_call_impl = None
-            del originals
     torch._dynamo.reset()
     return out
 
@@ -373,7 +392,8 @@ def target_alone(target, prompt: torch.Tensor, n_new: int, mode: str) -> float:
 
 
 def engine_run(cfg: ShapesConfig, target, draft, result: dict, log) -> dict:
-    """SpecDecoder at these shapes: target alone vs mmspec, eager vs graphs, chain vs tree."""
+    """SpecDecoder at these shapes: target alone vs mmspec, eager vs graphs, chain vs tree (and
+    with ``--compile`` the chain compiled, beside)."""
     from mmspec import SpecDecoder
 
     dev = target.device
@@ -389,19 +409,24 @@ def engine_run(cfg: ShapesConfig, target, draft, result: dict, log) -> dict:
         make_agreeing(target, draft, noise)
         for mode in modes:
             graphs = mode == "graph"
-            for label, kw in (("chain", {}), ("tree", {"tree": "dynamic"})):
+            variants = [("chain", {}), ("tree", {"tree": "dynamic"})] + ([("chain+compile", {"compile": True})]
+                                                                         if cfg.compile else [])
+            for label, kw in variants:
                 dec = SpecDecoder(target, draft, tok, views="M", gamma=cfg.engine_gamma, prefix_cache_mb=0,
                                   cuda_graphs=("emulate" if dev.type != "cuda" else True) if graphs else False, **kw)
-                dec.generate(prompt, max_new_tokens=cfg.engine_new_tokens)  # warm-up: captures the graphs
+                warm = dec.generate(prompt, max_new_tokens=cfg.engine_new_tokens)  # captures the graphs (compiles)
                 runs = [dec.generate(prompt, max_new_tokens=cfg.engine_new_tokens) for _ in range(cfg.engine_repeats)]
                 decode = [r.stats.total_s - r.stats.prefill_s - r.stats.vision_s for r in runs]
                 st = runs[0].stats
                 s_tok = statistics.median(d / r.stats.n_tokens for d, r in zip(decode, runs))
                 base = out["target_alone_s_per_token"][mode]
-                rec = {"noise": noise, "mode": mode, "tree": st.tree, "tau": st.tau, "n_blocks": st.n_blocks,
+                rec = {"noise": noise, "mode": mode, "tree": st.tree, "engine": st.engine, "tau": st.tau,
+                       "n_blocks": st.n_blocks, "step_s": statistics.median(d / r.stats.n_blocks for d, r in
+                                                                           zip(decode, runs)),
+                       "capture_s": warm.stats.capture_s, "compile_s": warm.stats.compile_s,
                        "decode_s_per_token": s_tok, "speedup_vs_target_same_mode": base / s_tok,
                        "speedup_vs_eager_target": out["target_alone_s_per_token"].get("eager", base) / s_tok,
-                       "engine": st.engine, "identical_runs": all(r.token_ids == runs[0].token_ids for r in runs)}
+                       "identical_runs": all(r.token_ids == runs[0].token_ids for r in runs + [warm])}
                 m = result["modes"].get(mode)
                 g = str(cfg.engine_gamma)
                 if m and label == "chain" and g in m["T_V"]:  # eq. 2 at the measured tau, from this run's probes
@@ -410,8 +435,9 @@ def engine_run(cfg: ShapesConfig, target, draft, result: dict, log) -> dict:
                     rec.update(predicted_speedup=pred, engine_efficiency=rec["speedup_vs_target_same_mode"] / pred)
                 out["runs"][f"noise{noise:g}-{mode}-{label}"] = rec
                 write_report(result, cfg.out)
-                log(f"[engine] noise {noise:g} {mode:5s} {label:5s}: tau {st.tau:.2f}, "
-                    f"{1 / s_tok:.1f} tok/s, x{rec['speedup_vs_target_same_mode']:.2f} vs same-mode target"
+                log(f"[engine] noise {noise:g} {mode:5s} {label:13s}: tau {st.tau:.2f}, step {rec['step_s'] * 1e3:.2f} "
+                    f"ms, {1 / s_tok:.1f} tok/s, x{rec['speedup_vs_target_same_mode']:.2f} vs same-mode target"
+                    + (f", compiled in {rec['compile_s']:.1f} s" if kw.get("compile") else "")
                     + (f", efficiency {rec['engine_efficiency']:.2f}" if "engine_efficiency" in rec else ""))
     return out
 
@@ -501,8 +527,8 @@ def run(cfg: ShapesConfig, log: Callable[[str], None] = print) -> dict:
     if cfg.engine:
         log("[engine] SpecDecoder end to end ...")
         section("engine", lambda: engine_run(cfg, target, draft, result, log))
-    if cfg.compile and device.type == "cuda":
-        log("[compile] T_p with torch.compile (compiling takes a while) ...")
+    if cfg.compile:
+        log("[compile] T_p with torch.compile beside it uncompiled (compiling takes a while) ...")
         result["compile"] = {}
         for name in cfg.compile_modes:  # one at a time, each written as it ends
             section(f"compile {name}", lambda name=name: compile_row(cfg, target, name, result, log))
@@ -531,8 +557,9 @@ def markdown(res: dict) -> str:
                      f"{r['T_p']['graph']}{' (' + r['T_p']['graph_error'] + ')' if 'graph_error' in r['T_p'] else ''} |")
     for name, v in res.get("compile", {}).items():
         if "s" in v:
-            lines.append(f"| torch.compile {name} | {ms(v['s'])} | {v['T_p_over_floor']:.2f} | - | "
-                         f"compiling + first calls {v['compile_and_first_calls_s']:.0f} s |")
+            lines.append(f"| torch.compile {name} | {ms(v['s'])} (uncompiled {ms(v['plain_s'])}: "
+                         f"{v['speedup']:.2f}x) | {v['T_p_over_floor']:.2f} | - | "
+                         f"compiling + first calls {v['compile_and_first_calls_s']:.1f} s |")
         else:
             lines.append(f"| torch.compile {name} | - | - | - | {v.get('error')} |")
     gam = list(next(iter(res["modes"].values()))["T_V_over_T_p"]) if res["modes"] else []
@@ -571,10 +598,12 @@ def markdown(res: dict) -> str:
         base = eng.get("target_alone_s_per_token", {})
         lines += ["", f"SpecDecoder end to end (M view, γ={eng['gamma']}, {eng['new_tokens']} new tokens, decode only; "
                   "target alone: " + ", ".join(f"{k} {1 / v:.1f} tok/s" for k, v in base.items()) + "):", "",
-                  "| draft noise | mode | blocks | τ | tok/s | vs same-mode target | vs eager target | eq.-2 predicted "
-                  "| engine efficiency |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| draft noise | mode | engine | blocks | τ | step ms | tok/s | vs same-mode target | vs eager target "
+                  "| eq.-2 predicted | engine efficiency |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in eng["runs"].values():
-            lines.append(f"| {r['noise']:g} | {r['mode']} | {r['tree']} | {r['tau']:.2f} | {1 / r['decode_s_per_token']:.1f} "
+            eng_name = r.get("engine", "") + (f" (compiled in {r['compile_s']:.1f} s)" if r.get("compile_s") else "")
+            lines.append(f"| {r['noise']:g} | {r['mode']} | {eng_name} | {r['tree']} | {r['tau']:.2f} | "
+                         f"{r.get('step_s', float('nan')) * 1e3:.2f} | {1 / r['decode_s_per_token']:.1f} "
                          f"| {r['speedup_vs_target_same_mode']:.2f}x | {r['speedup_vs_eager_target']:.2f}x | "
                          f"{r.get('predicted_speedup', float('nan')):.2f}x | {r.get('engine_efficiency', float('nan')):.2f} |")
     return "\n".join(lines) + "\n"
@@ -609,8 +638,9 @@ def parse_args(argv: Sequence[str] | None = None) -> ShapesConfig:
     ap.add_argument("--repeats", type=int, default=d.repeats)
     ap.add_argument("--warmup", type=int, default=d.warmup)
     ap.add_argument("--modes", default=",".join(d.modes), help="eager,graph")
-    ap.add_argument("--compile", action="store_true", help="also T_p with torch.compile (CUDA only)")
-    ap.add_argument("--compile-modes", default=",".join(d.compile_modes))
+    ap.add_argument("--compile", action="store_true", help="also T_p and the engine's chain with torch.compile, "
+                    "beside them uncompiled")
+    ap.add_argument("--compile-modes", default=",".join(d.compile_modes), help=f"of {','.join(COMPILE_MODES)}")
     ap.add_argument("--capacities", default="", help="T_p at the same context in caches this large")
     ap.add_argument("--kernels", action="store_true", help="profile one eager T_p step's kernels (CUDA only)")
     ap.add_argument("--no-engine", dest="engine", action="store_false", help="skip the SpecDecoder runs")
@@ -626,6 +656,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ShapesConfig:
     engine_modes = tuple(m for m in a.engine_modes.split(",") if m)
     if not modes or set(modes + engine_modes) - {"eager", "graph"}:
         ap.error(f"--modes and --engine-modes take eager and/or graph, got {a.modes!r} and {a.engine_modes!r}")
+    if set(a.compile_modes.split(",")) - set(COMPILE_MODES) - {""}:
+        ap.error(f"--compile-modes takes {','.join(COMPILE_MODES)}, got {a.compile_modes!r}")
     kw = vars(a) | {"gammas": _ints(a.gammas), "trees": _ints(a.trees), "batches": _ints(a.batches), "modes": modes,
                     "engine_modes": engine_modes,
                     "capacities": _ints(a.capacities), "compile_modes": tuple(x for x in a.compile_modes.split(",") if x),

@@ -2,7 +2,9 @@
 the chain, on the same prompts and models, in ONE interleaved run (the defaults' evidence).
 
 Owns the sweep over (depth, topk, budget) for one view set, plus the comparison of tree
-children drawn from the views' mixture against each view's own top tokens (``--views MT``).
+children drawn from the views' mixture against each view's own top tokens (``--views MT``), and
+with ``--auto`` the setting ``auto``: ``tree="auto"``, the chain or the device's tree at two
+budgets chosen per step by measured tokens/s, with the figures it chose by and its choice.
 Every output is checked against the target's greedy output. Writes ``tree_sweep.json``,
 ``tree_sweep.md`` and ``tree_sweep.png`` (tau and tokens/s against the number of tree nodes),
 after each timed repeat (a run stopped part-way keeps the repeats it finished).
@@ -56,6 +58,7 @@ class SweepConfig:
     shapes: tuple[str, ...] = ("5x2x4", "5x2x8", "5x3x12", "6x4x16", "6x4x24", "6x8x32", "6x8x48", "7x8x64")  # depth x topk x budget
     children: tuple[str, ...] = ("mixture",)  # add "views" to compare an ensemble's proposals
     chains: tuple[str, ...] = ()  # more chains: "8" (gamma 8), "8s0.3" (gamma 8, dynamic draft length stop_below 0.3)
+    auto: bool = False  # also tree="auto" (mmspec.engine.scheduler.ShapePolicy)
     repeats: int = 3
     device: str | None = None
     dtype: str = "float32"
@@ -90,6 +93,8 @@ def decoders(cfg: SweepConfig, models) -> dict[str, object]:
             out[f"tree {shape}{'' if ch == 'mixture' else ' ' + ch}"] = SpecDecoder(
                 models.target, models.draft, models.tokenizer, tree="dynamic", tree_depth=d, tree_topk=k,
                 tree_budget=b, tree_children=ch, **kw)
+    if cfg.auto:  # its policy measures from the warm-up on, across every prompt and repeat
+        out["auto"] = SpecDecoder(models.target, models.draft, models.tokenizer, tree="auto", **kw)
     return out
 
 
@@ -130,6 +135,7 @@ def run(cfg: SweepConfig, log: Callable[[str], None] = print, models=None, promp
     result = {"date": now(), "machine": machine_info(str(device)), "config": asdict(cfg), "models": models.source,
               "prompts": [p.name for p in prompts]}
     chain = names[0]
+    auto_steps: dict[str, int] = {}
 
     def save(done: int) -> None:
         tps = {n: [t / w for t, w in zip(toks[n][:done], wall[n][:done])] for n in names}
@@ -137,6 +143,8 @@ def run(cfg: SweepConfig, log: Callable[[str], None] = print, models=None, promp
                  "nodes_per_block": nodes[n] / blocks[n],
                  "speed_vs_chain": statistics.median(a / b for a, b in zip(tps[n], tps[chain]))} for n in names]
         result.update(identical=not mismatches, mismatches=mismatches, rows=rows, repeats_done=done)
+        if "auto" in decs:  # what tree="auto" measured per shape, and what it picked (steps per shape)
+            result["auto"] = {"rates": decs["auto"].shape_policy.report(), "steps": auto_steps}
         write(result, cfg.out)
 
     log(f"{len(names)} settings x {len(prompts)} prompts x {cfg.repeats} repeats on {device}")
@@ -147,6 +155,8 @@ def run(cfg: SweepConfig, log: Callable[[str], None] = print, models=None, promp
                 s, ids, st = go(name, p)
                 wall[name][r] += s
                 toks[name][r] += len(ids)
+                for k, v in st.shapes.items():
+                    auto_steps[k] = auto_steps.get(k, 0) + v
                 if r == 0:
                     blocks[name] += st.n_blocks
                     nodes[name] += sum(b.n_drafted for b in st.blocks)
@@ -173,6 +183,14 @@ def markdown(res: dict) -> str:
     for r in res["rows"]:
         lines.append(f"| {r['setting']} | {r['nodes_per_block']:.1f} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
                      f"{r['speed_vs_chain']:.2f}x |")
+    auto = res.get("auto")
+    if auto:
+        lines += ["", "`auto` (tree=\"auto\"): steps drafted per shape " + ", ".join(
+            f"{k} {v}" for k, v in auto["steps"].items()) + "; measured by the policy (one request at a time):", ""]
+        for b, r in auto["rates"].items():
+            lines.append(f"- batch {b}: " + ", ".join(f"{k} {v['tokens_per_step']:.2f} tokens / {v['step_ms']:.2f} ms = "
+                                                       f"{v['tokens_per_s']:.0f} tokens/s" for k, v in r["shapes"].items())
+                         + f"; chosen: **{r['choice']}**")
     return "\n".join(lines) + "\n"
 
 
@@ -215,6 +233,8 @@ def parse_args(argv: Sequence[str] | None = None) -> SweepConfig:
         ap.add_argument("--" + name, default=getattr(d, name))
     ap.add_argument("--graphs", default=d.graphs, choices=("auto", "emulate"),
                     help="auto: CUDA graphs on a GPU; emulate: fixed shapes on the CPU (dry runs)")
+    ap.add_argument("--auto", action="store_true", help='also tree="auto": the chain or a tree per step, by measured '
+                    "tokens/s (its choice and figures in the report)")
     for name in ("n_per_family", "max_new_tokens", "gamma", "repeats", "threads"):
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     for name in ("families", "shapes", "children", "chains"):

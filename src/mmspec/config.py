@@ -9,7 +9,7 @@ docs, the CLI and earlier releases use); each keyword belongs to exactly one gro
 * :class:`TreeConfig`: a block's shape (``gamma``, ``tree``, ``tree_depth``, ``tree_topk``,
   ``tree_budget``, ``tree_children``, ``stop_below``);
 * :class:`RuntimeConfig`: how the models run (``dtype``, ``cuda_graphs``, ``static_cache``,
-  ``prefix_cache_mb``);
+  ``compile``, ``prefix_cache_mb``);
 * :class:`AcceptanceOptions`: exact (lossless) or relaxed (LOSSY) acceptance (``acceptance``,
   ``relaxed_thresholds``, ``relaxed_window``).
 
@@ -63,6 +63,7 @@ class RuntimeConfig:
     dtype: Any = "auto"
     cuda_graphs: Any = "auto"  # "auto", True or False
     static_cache: bool | None = None
+    compile: bool = False  # the step's forwards through torch.compile (inside the step's graph)
     prefix_cache_mb: float = PREFIX_CACHE_MB
 
 

@@ -57,7 +57,7 @@ from mmspec.request import check_context, prepare
 from mmspec.results import GenerationResult
 from mmspec.stats import GenerationStats
 from mmspec.streaming import TextStream
-from mmspec.tree import parse_tree
+from mmspec.tree import parse_shapes
 from mmspec.views import View, ensemble_name, parse_views
 
 # processor outputs generate() passes on to the families that read them (models/*.py: mm_keys)
@@ -126,7 +126,11 @@ class SpecDecoder:
         tree: the block's shape (:mod:`mmspec.tree`): None or "chain" (gamma drafts in a chain);
             "dynamic" (EAGLE-2: ``tree_depth`` expansion steps of the ``tree_topk`` best
             frontier nodes, ``tree_budget`` best nodes verified; defaults measured per device);
-            a static tree as child-rank paths ``[[0], [1], [0, 0], ...]``; or a TreeSpec.
+            a static tree as child-rank paths ``[[0], [1], [0, 0], ...]``; a TreeSpec; or "auto":
+            per step the chain of ``gamma`` or the device's dynamic tree at one of two budgets,
+            whichever gives the most measured tokens per second on this device at the batch size
+            (:class:`~mmspec.engine.scheduler.ShapePolicy`; its figures in ``stats.shape_rates``;
+            lossless whatever it picks, though a seeded request's draws then follow the picks).
         tree_children: "mixture" (children from the views' mixed distribution) or "views"
             (each view's own top tokens become siblings).
         stop_below: dynamic draft length for chains: stop a block's drafting when the draft's
@@ -134,6 +138,11 @@ class SpecDecoder:
         cuda_graphs: "auto" (on when target and draft share one CUDA device), True, or False.
             Graphs need fixed shapes, so they run on static caches; the tokens are the same.
         static_cache: force the fixed-shape path without graphs (True; for tests on the CPU).
+        compile: the target's and the draft's step forwards through ``torch.compile`` (mode
+            "default": inductor's fused kernels for norms, rotary embeddings, casts; one compilation
+            per shape, so on static caches), captured by the step's CUDA graph as eager kernels
+            are. Seconds spent compiling: ``stats.compile_s``. If compiling fails: one warning and
+            the uncompiled forwards; the tokens are the same either way.
         acceptance: "exact" (the default: lossless) or "relaxed" — LOSSY, MSD's modality-aware
             relaxed acceptance: a drafted token is also accepted when the target's probability of
             it reaches ``relaxed_thresholds[0]`` (blocks within ``relaxed_window`` positions
@@ -235,15 +244,17 @@ class SpecDecoder:
             raise MMSpecError(f"the target ({type(self.target_model).__name__}) is not a vision-language model; "
                               "pass an image-text-to-text checkpoint such as a LLaVA one as the target "
                               "(the draft may be text-only)")
-        self.tree = parse_tree(t.tree, gamma=t.gamma, device_type=self.target.device.type, depth=t.tree_depth,
-                               topk=t.tree_topk, budget=t.tree_budget, children=t.tree_children,
-                               stop_below=t.stop_below)
+        self.tree_shapes = parse_shapes(t.tree, gamma=t.gamma, device_type=self.target.device.type,
+                                        depth=t.tree_depth, topk=t.tree_topk, budget=t.tree_budget,
+                                        children=t.tree_children, stop_below=t.stop_below)  # one, or tree="auto"'s
+        self.tree = self.tree_shapes[-1]  # the largest: every block, cache and buffer is sized for it
         draft_vocab = self.target.vocab_size if self.draft is None else self.draft.vocab_size
         checks.check_tree_fits_vocab(self.tree, min(self.target.vocab_size, draft_vocab))
         self.adaptive = None if self.draft is None else AdaptiveWeights.parse(d.weights)  # None: fixed weights
-        self.mode = self._engine_mode(cfg.runtime.cuda_graphs, cfg.runtime.static_cache)
+        self.mode = self._engine_mode(cfg.runtime.cuda_graphs, cfg.runtime.static_cache, cfg.runtime.compile)
         self._static_pool = StaticPool(self.mode.graphs)
         self._speculation_policy = None  # generate_batch(speculate="auto")'s, made on first use
+        self._shape_policy = None  # tree="auto"'s, made on first use
         if self.draft is None:  # a head reads the target's features, lookup its text: no views, no draft model
             self.views, self.weights, newline = [], [1.0], None
         else:
@@ -317,11 +328,11 @@ class SpecDecoder:
         name = self.head.config.variant if self.head is not None else ensemble_name(self.views)
         if self.model_free:
             name = self.model_free if self.model_free_alone else f"{name}+{self.model_free}"
-        return (name + (f"+{self.adaptive.label}" if self.adaptive else "")
-                + ("" if self.tree.kind == "chain" else "+tree") + ("+relaxed" if self.acceptance else ""))
+        tree = "+tree:auto" if len(self.tree_shapes) > 1 else "" if self.tree.kind == "chain" else "+tree"
+        return name + (f"+{self.adaptive.label}" if self.adaptive else "") + tree + ("+relaxed" if self.acceptance else "")
 
-    def _engine_mode(self, cuda_graphs, static_cache) -> EngineMode:
-        """Decide eager / static / CUDA-graph decoding and check the tree fits the models."""
+    def _engine_mode(self, cuda_graphs, static_cache, compile) -> EngineMode:
+        """Decide eager / static / CUDA-graph decoding, compiled or not, and check the tree fits the models."""
         probes = [self.target.new_cache(8)] + [m.new_cache(8) for m in (self.head, self.draft) if m is not None]
         full_attention = all(supports_trees(c) for c in probes)
         if not self.tree.is_chain and not full_attention:
@@ -330,9 +341,12 @@ class SpecDecoder:
                               "layers: use tree=None (a chain)")
         if static_cache not in (None, True, False):
             raise MMSpecError(f"static_cache must be True, False or None, got {static_cache!r}")
-        if static_cache and not full_attention:
-            raise MMSpecError("static_cache=True needs models whose layers are all full attention; this target "
-                              "or draft has sliding-window or other layers: leave static_cache out")
+        if not isinstance(compile, bool):
+            raise MMSpecError(f"compile must be True or False, got {compile!r}")
+        for flag, on in (("static_cache=True", static_cache), ("compile=True", compile)):
+            if on and not full_attention:
+                raise MMSpecError(f"{flag} needs models whose layers are all full attention (fixed shapes); this "
+                                  f"target or draft has sliding-window or other layers: leave it out")
         dispatched = any(len(set(getattr(m, "hf_device_map", {}).values())) > 1
                          for m in (self.target_model, self.draft_model) if m is not None)
         draft_device = self.draft.device if self.draft is not None else \
@@ -343,7 +357,7 @@ class SpecDecoder:
                 raise MMSpecError("cuda_graphs=True needs both models on one device with full-attention layers "
                                   "only; use cuda_graphs='auto' to fall back to eager decoding")
             mode = "eager"
-        return EngineMode(graphs=mode, static=mode != "eager" or bool(static_cache))
+        return EngineMode(graphs=mode, static=mode != "eager" or bool(static_cache) or compile, compile=compile)
 
     # ------------------------------------------------------------------ generate
     @torch.inference_mode()
@@ -375,7 +389,7 @@ class SpecDecoder:
         from mmspec.engine.scheduler import BatchScheduler
 
         sched = BatchScheduler(self, max_batch=1, stream_text=False)  # one request: a batch of one on the one engine
-        captured = sched.engine.capture_s
+        captured, compiled = sched.engine.capture_s, sched.engine.compile_s
         sched.submit(req)
         if streamer is not None:
             streamer.put(req.ids[None])  # the prompt first, as transformers' generate does
@@ -397,6 +411,7 @@ class SpecDecoder:
             if streamer is not None:
                 streamer.end()
         result.stats.capture_s = sched.engine.capture_s - captured
+        result.stats.compile_s = sched.engine.compile_s - compiled
         return result
 
     def generate_batch(self, requests: list[dict], *, max_batch: int = 16, speculate: str = "always",
@@ -427,6 +442,22 @@ class SpecDecoder:
         if self._speculation_policy is None:
             self._speculation_policy = SpeculationPolicy("auto")
         return self._speculation_policy
+
+    @property
+    def tree_label(self) -> str:
+        """The block shape (``TreeSpec.label``), or tree="auto"'s candidates ("auto: chain(γ=5) | ...")."""
+        return self.tree.label if len(self.tree_shapes) == 1 else "auto: " + " | ".join(t.label for t in self.tree_shapes)
+
+    @property
+    def shape_policy(self):
+        """With ``tree="auto"``: the :class:`~mmspec.engine.scheduler.ShapePolicy` every call of this
+        decoder shares (each shape's measured tokens and seconds per step carry over, so a short
+        request does not pay for measuring again); None with one shape."""
+        from mmspec.engine.scheduler import ShapePolicy
+
+        if self._shape_policy is None and len(self.tree_shapes) > 1:
+            self._shape_policy = ShapePolicy(self.tree_shapes)
+        return self._shape_policy
 
     def stream(self, input_ids, pixel_values=None, attention_mask=None, **kwargs) -> TextStream:
         """:meth:`generate` as an iterator of text pieces, at most one per block, that concatenate
@@ -477,7 +508,7 @@ class SpecDecoder:
 
     def new_stats(self) -> GenerationStats:
         return GenerationStats(gamma=self.tree.max_depth, views=tuple(v.name for v in self.views),
-                               tree=self.tree.label, engine=self.engine,
+                               tree=self.tree_label, engine=self.engine,
                                weighting=self.adaptive.label if self.adaptive else "fixed",
                                acceptance="exact" if self.acceptance is None else "relaxed (lossy)")
 
@@ -561,7 +592,8 @@ class SpecDecoder:
             return Engine(self.target, n_layers, self.tree, drafting, hidden_layers=self.hidden_layers,
                           relaxed=self.acceptance, static=self.static, graphs=self.graph_mode, feat_dim=feat_dim,
                           feat_dtype=feat_dtype or torch.float32, pool=pool,
-                          proposals_beside=bool(self.model_free) and not self.model_free_alone)
+                          proposals_beside=bool(self.model_free) and not self.model_free_alone,
+                          compile=self.mode.compile)
 
         return self._static_pool.lease("engine", holder, make) if self.static else make()
 

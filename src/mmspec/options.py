@@ -4,7 +4,7 @@ keywords and hands to the engine (:mod:`mmspec.engine`), so the engine never see
 * :class:`AcceptanceConfig`: exact (lossless, the default) or relaxed acceptance; the relaxed
   thresholds live in :class:`RelaxedAcceptance` (LOSSY, opt-in).
 * :class:`EngineOptions`: the block's tree, the EOS ids and the acceptance of a decoder.
-* :class:`EngineMode`: eager, static (fixed shapes) or CUDA-graph decoding.
+* :class:`EngineMode`: eager, static (fixed shapes) or CUDA-graph decoding, compiled or not.
 * :data:`SPECULATE`: the speculation policies a batch of requests runs (``generate_batch``,
   ``BatchScheduler``, ``mmspec serve --speculate``), named once.
 
@@ -91,12 +91,16 @@ class EngineOptions:
 
 @dataclass(frozen=True)
 class EngineMode:
-    """Eager decoding, fixed shapes on static caches, or those shapes captured as CUDA graphs."""
+    """Eager decoding, fixed shapes on static caches, or those shapes captured as CUDA graphs;
+    with or without the step's forwards compiled (``torch.compile``, default mode: inductor's
+    kernels, captured by the step's own graph; falls back to the uncompiled forwards)."""
 
     graphs: str = "eager"  # a mmspec.engine.graphs.MODES entry: "eager", "cuda" or "emulate" (CPU tests)
-    static: bool = False  # static caches, whole-buffer 4-D masks (always when graphs != "eager")
+    static: bool = False  # static caches, whole-buffer 4-D masks (always when graphs != "eager" or compile)
+    compile: bool = False  # the target's and the draft's step forwards through torch.compile
 
     @property
     def name(self) -> str:
-        """As GenerationStats.engine reports it: "eager", "static" or "cuda-graphs"."""
-        return "cuda-graphs" if self.graphs == "cuda" else ("static" if self.static else "eager")
+        """As GenerationStats.engine reports it: "eager", "static" or "cuda-graphs", "+compile" when compiled."""
+        base = "cuda-graphs" if self.graphs == "cuda" else ("static" if self.static else "eager")
+        return base + ("+compile" if self.compile else "")

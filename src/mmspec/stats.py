@@ -37,10 +37,13 @@ class GenerationStats:
     tree: str = "chain"  # the block shape (TreeSpec.label)
     engine: str = "eager"  # "eager", "static" (fixed shapes) or "cuda-graphs"
     capture_s: float = 0.0  # CUDA-graph warm-up + capture inside this call (first calls of a shape)
+    compile_s: float = 0.0  # torch.compile's first calls of a shape inside this call (within capture_s with graphs)
     acceptance: str = "exact"  # "exact" (lossless) or "relaxed (lossy)"
     weighting: str = "fixed"  # the ensemble's weights: "fixed", or the adaptive rule ("adaptive", "adaptive:loglik")
     view_weights: list[list[float]] = field(default_factory=list)  # adaptive: the weights each drafted block mixed with
     final_weights: list[float] | None = None  # adaptive: the weights after the last block (a next turn's start)
+    shapes: dict[str, int] = field(default_factory=dict)  # tree="auto": steps this request drafted, per block shape
+    shape_rates: dict | None = None  # tree="auto": ShapePolicy.report() when it ended (per batch size and shape)
     blocks: list[BlockRecord] = field(default_factory=list)
     vision_s: float = 0.0  # image encoding (vision tower + projectors; shared when reused)
     caption_s: float = 0.0  # captioner, once per image, at prefill

@@ -20,6 +20,10 @@ Three shapes (:class:`TreeSpec`):
   end the ``budget`` best nodes are kept. Scores only fall along a path, so the kept set is a
   tree (ties broken towards the parent, :func:`best_prefix_closed`).
 
+``tree="auto"`` (:func:`auto_shapes`) names no one shape but a few (the chain and the device's tree
+at two budgets), among which each step's is chosen by its measured tokens per second on the
+device at hand (:class:`mmspec.engine.scheduler.ShapePolicy`).
+
 Tree nodes are always listed parents-first (sorted by depth), siblings in proposal order.
 This module owns those shapes and the pure tensor helpers on them; the drafter builds trees,
 ``verify`` decides what is accepted, the engine moves caches.
@@ -44,7 +48,8 @@ CHILDREN = ("mixture", "views")
 # against the chain's 4.45, a CPU verify over many nodes is not free, so gains stay small. CUDA
 # (one H200, 2026-11-28, docs/results/gpu-2026-11-28/): 6x4x24, tau 5.94 at 0.98x the chain's
 # tokens/s, the best of nine shapes (6x8x48, the old guess, 0.66x): on a model this small the verify
-# forward is not memory-bound, so a tree does not pay there; the chain stays the default.
+# forward is not memory-bound, so a tree does not pay there; the chain stays the default. Whether a
+# tree pays depends on the pair and the device: tree="auto" measures it (auto_shapes).
 DYNAMIC_DEFAULTS: dict[str, tuple[int, int, int]] = {
     "cpu": (9, 3, 24),
     "cuda": (6, 4, 24),
@@ -180,7 +185,8 @@ SPELLINGS: dict[str, dict[str, str]] = {
             "children": "--tree-children", "stop_below": "--stop-below", "gamma": "--gamma"},
 }
 NOTATION = ("'chain', 'dynamic' (the device's measured defaults), DEPTHxTOPKxBUDGET such as '6x4x16' "
-            "(a dynamic tree of that shape), or a static tree as JSON child-rank paths such as '[[0], [1], [0, 0]]'")
+            "(a dynamic tree of that shape), a static tree as JSON child-rank paths such as '[[0], [1], [0, 0]]', "
+            "or 'auto' (the chain or a tree, per step, by measured tokens/s)")
 _SHAPE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
 
@@ -258,7 +264,46 @@ def parse_tree(tree, *, gamma: int, device_type: str = "cpu", depth: int | None 
         paths = tuple(tuple(p) if isinstance(p, (list, tuple)) else (p,) for p in tree)
         _check_paths(paths)  # before sorting: a rank that is not a number cannot be ordered
         return TreeSpec("static", paths=tuple(sorted(paths, key=lambda p: (len(p), p))), children=children)
+    if is_auto(tree):
+        raise MMSpecError("tree 'auto' is several shapes, chosen per step: parse it with parse_shapes")
     raise MMSpecError(f"unknown tree {tree!r}; use {NOTATION}")
+
+
+def is_auto(tree) -> bool:
+    """``tree="auto"``: the shape chosen per step by measurement (:func:`auto_shapes`)."""
+    return isinstance(tree, str) and tree.strip().lower() == "auto"
+
+
+def auto_shapes(*, gamma: int, device_type: str = "cpu", depth: int | None = None, topk: int | None = None,
+                budget: int | None = None, children: str = "mixture", stop_below: float | None = None,
+                spelling: str = "python") -> tuple[TreeSpec, ...]:
+    """``tree="auto"``'s candidates, smallest first: the chain of ``gamma``, the device's dynamic
+    tree (:data:`DYNAMIC_DEFAULTS`, each of ``depth`` / ``topk`` / ``budget`` replacing its default)
+    at half its budget, and at its budget. The last bounds every block (depth and nodes: the
+    caches, the context check and the engine's buffers are sized for it), so ``gamma`` may not
+    exceed the tree's depth or its half budget."""
+    n = SPELLINGS[spelling]
+    if stop_below is not None:
+        raise MMSpecError(f"{n['stop_below']} shortens a chain's blocks; with {n['tree']} auto the chain is measured "
+                          f"against trees as it is: drop {n['stop_below']}")
+    full = parse_tree("dynamic", gamma=gamma, device_type=device_type, depth=depth, topk=topk, budget=budget,
+                      children=children, spelling=spelling)
+    half = replace(full, budget=max(1, (full.n_nodes - 1) // 2))
+    if gamma > min(full.depth, half.n_nodes - 1):
+        raise MMSpecError(f"{n['tree']} auto measures the chain of {n['gamma']}={gamma} against trees "
+                          f"{full.depth} deep of {half.n_nodes - 1} and {full.n_nodes - 1} nodes, and sizes every "
+                          f"block for the largest: lower {n['gamma']}, or raise {n['depth']} / {n['budget']}")
+    return TreeSpec("chain", depth=gamma), half, full
+
+
+def parse_shapes(tree, *, gamma: int, device_type: str = "cpu", depth: int | None = None, topk: int | None = None,
+                 budget: int | None = None, children: str = "mixture", stop_below: float | None = None,
+                 spelling: str = "python") -> tuple[TreeSpec, ...]:
+    """:func:`parse_tree`, and ``"auto"``: the block shapes a decoder may draft, smallest first
+    (one, or :func:`auto_shapes`' candidates)."""
+    kw = dict(gamma=gamma, device_type=device_type, depth=depth, topk=topk, budget=budget, children=children,
+              stop_below=stop_below, spelling=spelling)
+    return auto_shapes(**kw) if is_auto(tree) else (parse_tree(tree, **kw),)
 
 
 # --------------------------------------------------------------------------- the drafted tree

@@ -283,6 +283,37 @@ def test_gpu_shapes_keeps_going_past_a_failing_section(tmp_path, monkeypatch):
                     "--no-engine", "--capacities", "256", "--out", str(tmp_path / "b")]) == 3
 
 
+def test_gpu_shapes_compile_side_by_side(tmp_path, monkeypatch):
+    """``--compile``: T_p compiled beside uncompiled per compile mode, and a ``chain+compile``
+    engine run beside the chain, each written as it ends. torch.compile is a pass-through here
+    (inductor's minutes are the GPU pass's; tests/core/test_compile.py compiles for real)."""
+    gs = load_script("gpu_shapes")
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    saved = []
+    real_write = gs.write_report
+    monkeypatch.setattr(gs, "write_report", lambda res, out: (saved.append(json.loads(json.dumps(res))),
+                                                              real_write(res, out))[1])
+    cfg = gs.parse_args(["--small", "--device", "cpu", "--context", "32", "--gammas", "5", "--trees", "8",
+                         "--batches", "1", "--repeats", "1", "--warmup", "1", "--copy-mib", "1", "--modes", "graph",
+                         "--engine-new-tokens", "6", "--engine-repeats", "1", "--engine-noise", "0", "--compile",
+                         "--compile-modes", "engine,layers+mmspec-graph", "--out", str(tmp_path)])
+    res = gs.run(cfg, log=lambda s: None)
+    assert not res.get("errors"), res.get("errors")
+    eng = res["compile"]["engine"]
+    assert eng["s"] > 0 and eng["plain_s"] > 0 and eng["compile_s"] > 0 and eng["fell_back"] is None
+    assert set(res["compile"]) == {"engine", "layers+mmspec-graph"}
+    assert {1, 2} <= {len(x["compile"]) for x in saved if "compile" in x}  # each mode written as it ended
+    runs = res["engine"]["runs"]
+    plain, compiled = runs["noise0-graph-chain"], runs["noise0-graph-chain+compile"]
+    assert (plain["engine"], compiled["engine"]) == ("static", "static+compile")
+    assert compiled["tau"] == plain["tau"] and compiled["identical_runs"] and compiled["step_s"] > 0
+    assert compiled["compile_s"] > 0 and plain["compile_s"] == 0.0
+    md = (tmp_path / "gpu_shapes.md").read_text()
+    assert "uncompiled" in md and "static+compile (compiled in" in md
+    with pytest.raises(SystemExit):
+        gs.parse_args(["--compile-modes", "default+mmspec-graph"])
+
+
 @pytest.mark.parametrize("script", ["speed", "gpu_shapes"])
 def test_help(script):
     out = subprocess.run([sys.executable, str(ROOT / "perf" / f"{script}.py"), "--help"], capture_output=True,

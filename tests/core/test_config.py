@@ -38,4 +38,4 @@ def test_unknown_options_are_refused_by_name(target, draft_shared, tok):
 
 
 def test_every_keyword_has_one_group():
-    assert len(KEYWORDS) == len(set(KEYWORDS)) == len(DecoderConfig().keywords()) == 23
+    assert len(KEYWORDS) == len(set(KEYWORDS)) == len(DecoderConfig().keywords()) == 24

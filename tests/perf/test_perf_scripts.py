@@ -114,15 +114,18 @@ def test_prefix_speed(tmp_path):
 
 def test_tree_sweep(tmp_path):
     """Exits 1 if a tree's output differs from the target's. With emulated graphs (fixed shapes,
-    the GPU's path); the report is written after each repeat."""
+    the GPU's path); the report is written after each repeat; ``--auto``: tree="auto" beside, with
+    the steps it drafted per shape and the figures it chose by."""
     out = run_script("tree_sweep", "--families", "chartqa", "--n-per-family", "1", "--max-new-tokens", "8",
-                     "--shapes", "3x2x4", "--repeats", "2", "--threads", "1", "--graphs", "emulate",
+                     "--shapes", "3x2x4", "--repeats", "2", "--threads", "1", "--graphs", "emulate", "--auto",
                      "--out", str(tmp_path))
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert {"tree_sweep.json", "tree_sweep.md"} <= {p.name for p in tmp_path.iterdir()}
     assert "tree 3x2x4" in (tmp_path / "tree_sweep.md").read_text()
     res = json.loads((tmp_path / "tree_sweep.json").read_text())
     assert res["repeats_done"] == 2 and res["config"]["graphs"] == "emulate" and res["identical"]
+    assert "auto" in [r["setting"] for r in res["rows"]] and sum(res["auto"]["steps"].values()) > 0
+    assert res["auto"]["rates"]["1"]["choice"] and "chosen: **" in (tmp_path / "tree_sweep.md").read_text()
 
 
 def test_cpu_shapes(monkeypatch, capsys):

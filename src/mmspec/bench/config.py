@@ -45,7 +45,8 @@ def parse_method(method: str) -> tuple[tuple[str, ...], dict]:
     ``"MTC"`` -> (("M", "T", "C"), {}); ``"M+pooled:36"`` -> views as split. Suffixes, in any
     order (README, "Token trees"): ``tree`` asks for the dynamic token tree with the device's
     measured defaults, ``tree:DxKxB`` (``tree:6x4x16``) one of depth D, top-k K and budget B,
-    ``tree:[[0],[1],[0,0]]`` a static tree; ``relaxed``: MSD's relaxed acceptance (LOSSY); ``auto``:
+    ``tree:[[0],[1],[0,0]]`` a static tree, ``tree:auto`` the chain or a tree per step by measured
+    tokens/s (:class:`mmspec.engine.scheduler.ShapePolicy`); ``relaxed``: MSD's relaxed acceptance (LOSSY); ``auto``:
     the batched pass decodes with ``generate_batch(speculate="auto")`` (drafts only where measured to
     pay; :class:`mmspec.batch.SpeculationPolicy`), the one-prompt rows as the method without it;
     ``adaptive`` (``adaptive:loglik``): ensemble weights that adapt per block (TABED;
@@ -114,8 +115,8 @@ def parse_method(method: str) -> tuple[tuple[str, ...], dict]:
     )
 
 
-TREE_FIX = ("write +tree (the device's measured defaults), +tree:DEPTHxTOPKxBUDGET such as M+tree:6x4x16, or "
-            "+tree:[[0],[1],[0,0]] (a static tree); README, \"Token trees\"")
+TREE_FIX = ("write +tree (the device's measured defaults), +tree:DEPTHxTOPKxBUDGET such as M+tree:6x4x16, "
+            "+tree:[[0],[1],[0,0]] (a static tree) or +tree:auto (chosen per step); README, \"Token trees\"")
 
 
 def split_outside_brackets(text: str, sep: str) -> list[str]:
@@ -139,7 +140,7 @@ def split_methods(values) -> tuple[str, ...]:
 
 
 def _tree_part(text: str, method: str) -> str:
-    """``tree`` -> "dynamic"; ``tree:6x4x16`` -> "6x4x16"; ``tree:[[0],[1]]`` -> its JSON. The
+    """``tree`` -> "dynamic"; ``tree:6x4x16`` -> "6x4x16"; ``tree:[[0],[1]]`` -> its JSON; ``tree:auto``. The
     shape is checked with :func:`mmspec.tree.parse_tree` (device-independent parts)."""
     from mmspec.tree import parse_tree
 
@@ -150,6 +151,8 @@ def _tree_part(text: str, method: str) -> str:
     if low == "tree":
         return "dynamic"
     shape = text[5:].strip()
+    if shape.lower() == "auto":
+        return "auto"
     if shape.lower() in ("dynamic", "chain") or not shape:
         raise MMSpecError(f"bad tree part {text!r} in method {method!r}; {TREE_FIX}")
     try:

@@ -121,6 +121,7 @@ class GenerateOptions:
     tree_children: str = "mixture"
     stop_below: float | None = None
     cuda_graphs: str = "auto"
+    compile: bool = False
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_k: int | None = None
@@ -162,20 +163,20 @@ def _check_numbers(o: GenerateOptions) -> None:
     """Numbers and their ranges, the block shape, sampling, views, dtype and device."""
     from mmspec.cli.common import graphs_flag, parse_weights
     from mmspec.models.loading import resolve_dtype
-    from mmspec.tree import parse_tree
+    from mmspec.tree import is_auto, parse_shapes
 
     at_least("--max-new-tokens", o.max_new_tokens)
     at_least("--gamma", o.gamma)
     at_least("--frames", o.frames)
     check_threads(o.threads)
     check_sampling(o.temperature, o.top_k, o.top_p)
-    tree_given = o.tree is not None and o.tree.strip().lower() != "chain"
+    tree_given = o.tree is not None and o.tree.strip().lower() != "chain" and not is_auto(o.tree)  # auto: gamma's chain too
     if o.gamma is not None and tree_given:
         raise MMSpecError("--gamma is a chain's length; a tree's shape is --tree's (DEPTHxTOPKxBUDGET, or "
                           "--tree dynamic with --tree-depth/--tree-topk/--tree-budget): drop --gamma")
     o.gamma = 5 if o.gamma is None else o.gamma
-    parse_tree(o.tree, gamma=o.gamma, device_type=o.device.split(":")[0], depth=o.tree_depth, topk=o.tree_topk,
-               budget=o.tree_budget, children=o.tree_children, stop_below=o.stop_below, spelling="cli")
+    parse_shapes(o.tree, gamma=o.gamma, device_type=o.device.split(":")[0], depth=o.tree_depth, topk=o.tree_topk,
+                 budget=o.tree_budget, children=o.tree_children, stop_below=o.stop_below, spelling="cli")
     if o.seed is not None and o.temperature == 0:
         raise MMSpecError("--seed seeds sampling; with --temperature 0 (greedy) the output is the same without it: "
                           "add --temperature > 0, or drop --seed")

@@ -91,7 +91,7 @@ def build_decoder(o, target, draft, tokenizer, processor, captioner, **extra):
                        captioner=captioner if reads_captions else None, gamma=o.gamma, processor=processor,
                        draft_processor=draft_proc, tree=o.tree, tree_depth=o.tree_depth, tree_topk=o.tree_topk,
                        tree_budget=o.tree_budget, tree_children=o.tree_children, stop_below=o.stop_below,
-                       cuda_graphs=o.graphs, model_free=o.model_free, lookup_options=o.lookup_dict, **extra)
+                       cuda_graphs=o.graphs, compile=o.compile, model_free=o.model_free, lookup_options=o.lookup_dict, **extra)
 
 
 def check_loaded_head(o, dec) -> None:
@@ -126,6 +126,11 @@ def stats_table(title: str, res, baseline_s: float | None = None, identical: boo
                 f"{st.prefill_draft_s*1e3:.1f} ms")
     tab.add_row("time: drafting / verification / total",
                 f"{st.draft_s*1e3:.1f} / {st.verify_s*1e3:.1f} / {st.total_s*1e3:.1f} ms")
+    if st.shapes:  # tree auto: the shapes this answer's steps drafted, and the measured figures they were chosen by
+        tab.add_row("block shapes drafted (steps)", ", ".join(f"{k}: {v}" for k, v in st.shapes.items()))
+        for b, r in (st.shape_rates or {}).items():
+            tab.add_row(f"measured at batch {b}: tokens/s", ", ".join(
+                f"{k} {v['tokens_per_s']:.0f}" for k, v in r["shapes"].items()) + f" -> {r['choice']}")
     if baseline_s is not None:
         tab.add_row("target alone (generate)", f"{baseline_s*1e3:.1f} ms -> speed-up {baseline_s/st.total_s:.2f}x")
     if identical is not None:
@@ -213,6 +218,6 @@ def _run(o, compare: bool) -> None:
         identical = ref == res.token_ids
     common.console.print(f"[bold]Prompt:[/bold] {escape(prompt_text)}")  # user text: "[/INST]" is not markup
     common.console.print(f"[bold]Answer:[/bold] {escape(res.text)}")
-    common.console.print(stats_table(f"{dec.method}: {dec.tree.label}, {dec.engine} engine", res, base_s, identical))
+    common.console.print(stats_table(f"{dec.method}: {dec.tree_label}, {dec.engine} engine", res, base_s, identical))
     if identical is False:
         raise MMSpecError("the speculative output differs from target.generate; please report this")

@@ -127,13 +127,14 @@ class ShapeFlags(Flags):
     gamma: int | None = option(None, help="Draft tokens per block of a chain (default 5); a tree's shape is --tree's.",
                                panel=DRAFTING)
     tree: str | None = option(None, help="Block shape (README, \"Token trees\"): chain (default), dynamic (EAGLE-2 "
-                              "with the device's measured defaults), DEPTHxTOPKxBUDGET such as 6x4x16, or a static "
-                              "tree as JSON child-rank paths, e.g. '[[0],[1],[0,0]]'.", panel=DRAFTING)
-    tree_depth: int | None = option(None, help="With --tree dynamic: expansion steps.", panel=DRAFTING)
-    tree_topk: int | None = option(None, help="With --tree dynamic: children per node and nodes expanded per depth.",
-                                   panel=DRAFTING)
-    tree_budget: int | None = option(None, help="With --tree dynamic: nodes verified per block (root excluded).",
-                                     panel=DRAFTING)
+                              "with the device's measured defaults), DEPTHxTOPKxBUDGET such as 6x4x16, a static "
+                              "tree as JSON child-rank paths, e.g. '[[0],[1],[0,0]]', or auto (per step the chain or "
+                              "the dynamic tree at one of two budgets, by measured tokens/s).", panel=DRAFTING)
+    tree_depth: int | None = option(None, help="With --tree dynamic (or auto): expansion steps.", panel=DRAFTING)
+    tree_topk: int | None = option(None, help="With --tree dynamic (or auto): children per node and nodes expanded "
+                                   "per depth.", panel=DRAFTING)
+    tree_budget: int | None = option(None, help="With --tree dynamic (or auto: the larger tree's): nodes verified per "
+                                     "block (root excluded).", panel=DRAFTING)
     stop_below: float | None = option(None, help="Chains only: stop drafting a block when the draft's probability of "
                                       "its proposal falls below this (lossless).", panel=DRAFTING)
 
@@ -143,6 +144,9 @@ class RuntimeFlags(Flags):
     """Where and how the models run (``generate``, ``serve``)."""
 
     cuda_graphs: str = option("auto", help="auto (on for a CUDA device), on, off.", panel=RUNTIME)
+    compile: bool = option(False, "--compile/--no-compile", help="The step's forwards through torch.compile "
+                           "(inductor kernels, captured by the step's CUDA graph; compiling takes a while per "
+                           "shape; uncompiled if it fails). docs/perf.md, §7.", panel=RUNTIME)
     dtype: str = option("auto", help="auto, float32, bfloat16, float16 (auto: float32 on the CPU, where half "
                         "precision is several times slower; the checkpoint's own on a GPU).", panel=RUNTIME)
     device: str = option("cpu", help=DEVICE_HELP, panel=RUNTIME)

@@ -174,7 +174,7 @@ def _run(o, sock: socket.socket, host: str, port: int, *, max_batch: int, specul
     service = Service(dec, proc, config)
     server = _server(uvicorn.Config(create_app(service), timeout_graceful_shutdown=shutdown_timeout + 1,
                                     log_level="info"), service)
-    common.console.print(f"mmspec serve: {config.model_name!r} ({dec.method}, {dec.tree.label}) on "
+    common.console.print(f"mmspec serve: {config.model_name!r} ({dec.method}, {dec.tree_label}) on "
                          f"http://{host}:{port}/v1 (POST /v1/chat/completions, POST /v1/completions, GET /v1/models, "
                          "GET /health, GET /metrics)",
                          highlight=False, soft_wrap=True)

@@ -8,10 +8,18 @@ and the whole step around them can be captured as one CUDA graph (:mod:`mmspec.e
 
 :func:`prefill_rows` runs newcomers' prompts (each its own length, right-padded to the longest,
 a stored prefix reused where the prefix cache had one) as ONE eager forward over their rows.
+
+:class:`Compiler` (``SpecDecoder(compile=True)``) runs a step's forwards through ``torch.compile``
+(inductor's fused kernels for norms, rotary embeddings and casts): mode "default", not
+"reduce-overhead", whose own CUDA graphs would nest inside the step's graph
+(:mod:`mmspec.engine.graphs`), which captures the compiled kernels as it captures eager ones.
+``dynamic=False``: one compilation per input shape, and the static engine's shapes are buckets.
 """
 
 from __future__ import annotations
 
+import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +42,52 @@ class RowForward:
     def __call__(self, write: torch.Tensor, mask: torch.Tensor, **inputs: torch.Tensor):
         self.cache.begin(0, write, mask.shape[-1])
         return self.fn(mask=mask, **inputs)
+
+
+RECOMPILE_LIMIT = 64  # compilations per forward (torch's default, 8, is fewer than a static engine's plans)
+
+
+class Compiler:
+    """One engine's compiled forwards (module docstring): :meth:`wrap` turns a forward into its
+    compiled call. The first call of each input shape compiles (``compile_s``: the seconds of those
+    calls, compiling included). If compiling or a compiled call fails, one warning, and from then on
+    every forward of the engine runs eagerly (the tokens are the same, only slower)."""
+
+    def __init__(self):
+        self.failed: str | None = None  # why compiling was given up, if it was
+        self.compile_s = 0.0
+        self._seen: set = set()  # (forward, input shapes) compiled
+
+    def wrap(self, fn: Callable[..., object], name: str) -> Callable[..., object]:
+        try:
+            compiled = torch.compile(fn, mode="default", fullgraph=False, dynamic=False)
+        except Exception as e:  # noqa: BLE001 - torch.compile unavailable here: eager, said once
+            self._give_up(name, e)
+            return fn
+
+        def call(**inputs: torch.Tensor):
+            if self.failed:
+                return fn(**inputs)
+            key = (name,) + tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(inputs.items()))
+            t0 = time.perf_counter()
+            try:
+                with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                    out = compiled(**inputs)
+            except Exception as e:  # noqa: BLE001 - any compile failure: say it once, run eagerly
+                self._give_up(name, e)  # the forward rewrites the same cache slots: running it again is safe
+                return fn(**inputs)
+            if key not in self._seen:
+                self._seen.add(key)
+                self.compile_s += time.perf_counter() - t0
+            return out
+        return call
+
+    def _give_up(self, name: str, e: Exception) -> None:
+        if self.failed:
+            return
+        self.failed = f"{type(e).__name__}: {str(e)[:200]}"
+        warnings.warn(f"mmspec: could not torch.compile the {name}'s forward ({self.failed}); running the "
+                      "engine's forwards uncompiled instead (same tokens, slower)", RuntimeWarning, stacklevel=3)
 
 
 @dataclass

@@ -14,13 +14,15 @@ seeded request's draws come from its own stream (:mod:`mmspec.engine.rng`), so i
 alone (with ``speculate="always"``; the other policies keep the exact distribution).
 
 :class:`SpeculationPolicy` ("auto") picks each step's draft depth, plain decoding included, for
-the most expected accepted tokens per second at the batch size (goodput).
+the most expected accepted tokens per second at the batch size (goodput); with ``tree="auto"``,
+:class:`ShapePolicy` picks the block's shape (the chain or a tree) by its measured tokens per second.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +34,7 @@ from mmspec.prefix_cache import make_entry
 from mmspec.request import Request, prepare
 from mmspec.results import GenerationResult
 from mmspec.streaming import TextDelta
+from mmspec.tree import TreeSpec
 
 
 @dataclass
@@ -130,7 +133,98 @@ class SpeculationPolicy:
             self.rejected = (1 - w) * self.rejected + w * rejected
 
 
+@dataclass
+class ShapePolicy:
+    """Which block shape each step drafts with ``tree="auto"`` (:func:`mmspec.tree.auto_shapes`: the
+    chain and trees, smallest first): the shape s with the most measured tokens per second at the
+    current batch size B,
+
+        rate(B, s) = tokens(B, s) / T(B, s),
+
+    tokens(B, s) the tokens a step drafting s emitted over its rows (accepted drafts and each row's
+    token from the target), T(B, s) its seconds, each an exponential average over the steps that
+    drafted s whole (a step that captured a graph or compiled is not timed). Explore, then commit:
+    at each batch size every shape first runs ``explore`` timed steps, round robin; then the best
+    runs, and every ``probe_every`` steps the shape run longest ago runs once more, so the choice
+    follows a changing acceptance or load. A tree pays where its extra accepted tokens outweigh what
+    its wider drafting and verify cost on the device at hand, which no default can know. Lossless
+    whatever it picks: every shape is verified exactly."""
+
+    shapes: tuple[TreeSpec, ...]
+    explore: int = 2
+    probe_every: int = 16
+    smoothing: float = 0.1  # weight of the newest step in the averages
+    tokens: dict = field(default_factory=dict)  # (batch size, shape index) -> tokens per step
+    seconds: dict = field(default_factory=dict)  # (batch size, shape index) -> seconds per step
+    timed: dict = field(default_factory=dict)  # (batch size, shape index) -> steps timed
+    steps: dict = field(default_factory=dict)  # batch size -> steps decided
+    last: dict = field(default_factory=dict)  # (batch size, shape index) -> the step it last ran at
+
+    def __post_init__(self) -> None:
+        if len(self.shapes) < 2:
+            raise MMSpecError(f"a shape policy chooses among two shapes or more, got {len(self.shapes)}")
+
+    def rate(self, batch: int, i: int) -> float | None:
+        """Measured tokens per second of shape ``i`` at ``batch`` (None: not timed yet)."""
+        t = self.seconds.get((batch, i))
+        return None if t is None else self.tokens[(batch, i)] / max(t, 1e-9)
+
+    def best(self, batch: int) -> int | None:
+        rates = {i: self.rate(batch, i) for i in range(len(self.shapes))}
+        known = [i for i in rates if rates[i] is not None]
+        return max(known, key=lambda i: rates[i]) if known else None
+
+    def decide(self, batch: int) -> int:
+        """The index of the shape the next step at ``batch`` requests drafts."""
+        k = self.steps.get(batch, 0)
+        self.steps[batch] = k + 1
+        n = len(self.shapes)
+        short = [i for i in range(n) if self.timed.get((batch, i), 0) < self.explore]
+        if short:  # exploring: the shape timed least, the smallest first
+            pick = min(short, key=lambda i: (self.timed.get((batch, i), 0), i))
+        else:
+            pick = self.best(batch)
+            if k % self.probe_every == 0:  # now and then the shape run longest ago, timed again
+                pick = min((i for i in range(n) if i != pick), key=lambda i: self.last.get((batch, i), -1))
+        self.last[(batch, pick)] = k
+        return pick
+
+    def record(self, batch: int, i: int, seconds: float, tokens: int) -> None:
+        """One step that drafted shape ``i`` whole at ``batch``: its seconds and the tokens it emitted."""
+        w, key = self.smoothing, (batch, i)
+        if key in self.seconds:
+            self.seconds[key] = (1 - w) * self.seconds[key] + w * seconds
+            self.tokens[key] = (1 - w) * self.tokens[key] + w * tokens
+        else:
+            self.seconds[key], self.tokens[key] = seconds, float(tokens)
+        self.timed[key] = self.timed.get(key, 0) + 1
+
+    def report(self) -> dict:
+        """Per batch size: the shape chosen now and each shape's measured figures (JSON-ready)."""
+        out = {}
+        for b in sorted({b for b, _ in self.seconds}):
+            best = self.best(b)
+            out[str(b)] = {"choice": self.shapes[best].label, "shapes": {
+                self.shapes[i].label: {"tokens_per_step": self.tokens[(b, i)], "step_ms": self.seconds[(b, i)] * 1e3,
+                                       "tokens_per_s": self.rate(b, i), "timed": self.timed[(b, i)]}
+                for i in range(len(self.shapes)) if (b, i) in self.seconds}}
+        return out
+
+
 # ---------------------------------------------------------------------------- requests
+@dataclass
+class _Launched:
+    """An engine step launched, not yet read: what its reading needs."""
+
+    step: object  # the engine's InFlight
+    actives: list  # the requests in it, in its row order
+    depth: int  # the speculation policy's depth
+    t0: float  # when it was planned (the policies' step time runs from here)
+    shape: object  # what the engine was asked for: the depth, or tree="auto"'s TreeSpec
+    pick: int | None  # tree="auto": the candidate shape's index
+    setup: float  # the engine's capture + compile seconds before it (a step that captured is not timed)
+
+
 @dataclass
 class _Active:
     rid: int
@@ -150,16 +244,20 @@ class BatchScheduler:
     text is decoded once, when a request ends). ``overlap``: launch each step before reading the
     one before it, so the host's emitting, detokenizing and admitting run while the device
     computes (None: on a GPU; the CPU runs a step as it is launched, so there is nothing to hide
-    and a finishing request would pay one extra step)."""
+    and a finishing request would pay one extra step). With the decoder's ``tree="auto"`` its
+    :class:`ShapePolicy` picks each step's shape. ``clock``: what the policies' step times are read
+    from (tests give a fake one)."""
 
     def __init__(self, decoder, *, max_batch: int = 16, speculate="always", stream_text: bool = True,
-                 overlap: bool | None = None):
+                 overlap: bool | None = None, clock: Callable[[], float] = time.perf_counter):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise MMSpecError(f"max_batch must be a whole number >= 1, got {max_batch!r}")
         self.decoder = decoder
         self.max_batch = max_batch
         self.stream_text = stream_text
         self.policy = speculate if isinstance(speculate, SpeculationPolicy) else SpeculationPolicy(speculate)
+        self.shapes: ShapePolicy | None = decoder.shape_policy  # tree="auto"; None: the decoder's one shape
+        self.clock = clock
         self.engine = decoder.engine_for(self)
         self.engine.draft_later = self.policy.mode != "never"
         while self.engine.active:  # a leased engine may come back with rows of a failed batch
@@ -233,23 +331,31 @@ class BatchScheduler:
 
     def _launch(self) -> list[StepEvent]:
         """Plan and launch one engine step over every active request (a failure fails them all)."""
-        t0 = time.perf_counter()
-        depth = self.policy.decide(len(self._active), self.decoder.tree.max_depth)
+        t0 = self.clock()
+        B = len(self._active)
+        depth = self.policy.decide(B, self.decoder.tree.max_depth)
+        shape: int | TreeSpec = depth
+        pick = None
+        if self.shapes is not None and depth > 0:  # tree="auto": the shape, cut where the policy cut the depth
+            pick = self.shapes.decide(B)
+            shape = self.shapes.shapes[pick].for_remaining(depth + 1)
+        setup = self.engine.capture_s + self.engine.compile_s
         proposers = [a.proposer for a in self._active]
         try:
-            step = self.engine.launch(depth, proposers if any(p is not None for p in proposers) else None)
+            step = self.engine.launch(shape, proposers if any(p is not None for p in proposers) else None)
         except Exception as e:  # noqa: BLE001 - the shared step failed: every request in it
             events = [StepEvent(a.rid, [], "", True, None, error=_message(e), exception=e) for a in self._active]
             while self._active:
                 self._remove(len(self._active) - 1)
             return events
-        self._flight.append((step, list(self._active), depth, t0))
+        self._flight.append(_Launched(step, list(self._active), depth, t0, shape, pick, setup))
         return []
 
     def _collect(self) -> list[StepEvent]:
         """Read the oldest launched step and turn its rows' tokens into events; finished requests leave."""
-        step, actives, depth, t0 = self._flight.popleft()
-        outcomes = self.engine.finish(step)
+        launched = self._flight.popleft()
+        actives, depth, shape, pick = launched.actives, launched.depth, launched.shape, launched.pick
+        outcomes = self.engine.finish(launched.step)
         where = {id(a): b for b, a in enumerate(self._active)}
         events: list[StepEvent] = []
         accepted = rejected = 0
@@ -263,6 +369,8 @@ class BatchScheduler:
                 finished.append(b)
                 continue
             row = self.engine.rows[b]
+            if pick is not None:
+                row.stats.shapes[shape.label] = row.stats.shapes.get(shape.label, 0) + 1
             rec = row.stats.blocks[-1]
             accepted += rec.n_accepted
             rejected += rec.n_drafted > 0 and rec.n_accepted < rec.drafted_depth and len(kept) == rec.n_accepted + 1
@@ -275,7 +383,15 @@ class BatchScheduler:
             events.append(StepEvent(a.rid, kept, text, row.done, result, logprobs=lps))
             if row.done:
                 finished.append(b)
-        self.policy.record(len(actives), depth, time.perf_counter() - t0, accepted, rejected)
+        seconds = self.clock() - launched.t0
+        self.policy.record(len(actives), depth, seconds, accepted, rejected)
+        if pick is not None:
+            if shape is self.shapes.shapes[pick] and self.engine.capture_s + self.engine.compile_s == launched.setup:
+                self.shapes.record(len(actives), pick, seconds,
+                                   sum(len(k) for k in outcomes if isinstance(k, list)))
+            for ev in events:
+                if ev.result is not None:  # a request that ended: the figures its shapes were chosen by
+                    ev.result.stats.shape_rates = self.shapes.report()
         for b in sorted(finished, reverse=True):
             self._remove(b)
         return events

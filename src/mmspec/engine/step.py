@@ -47,7 +47,7 @@ import torch
 from mmspec.drafting import proposals as mf
 from mmspec.drafting.trees import Drafted, StepInput
 from mmspec.engine import rng
-from mmspec.engine.forwards import RowForward
+from mmspec.engine.forwards import Compiler, RowForward
 from mmspec.engine.graphs import StepRunner, bucket, capacity_bucket
 from mmspec.engine.masks import rows_mask
 from mmspec.engine.state import BatchState
@@ -164,12 +164,14 @@ class Engine:
     """The step over a batch's rows (module docstring). ``drafting``: the draft model's or head's
     :class:`~mmspec.drafting.trees.Drafting` (None: model-free or plain decoding only);
     ``hidden_layers``: the target layers a head reads; ``static``: shapes padded to buckets
-    (row counts and attention spans), ``graphs``: a :data:`~mmspec.engine.graphs.MODES` entry."""
+    (row counts and attention spans), ``graphs``: a :data:`~mmspec.engine.graphs.MODES` entry;
+    ``compile``: the target's and the drafter's forwards through ``torch.compile``
+    (:class:`~mmspec.engine.forwards.Compiler`; static shapes), captured by the step's graph."""
 
     def __init__(self, target, n_layers: int, spec: TreeSpec, drafting=None, *, hidden_layers: tuple[int, ...] = (),
                  relaxed: RelaxedAcceptance | None = None, static: bool = False, graphs: str = "eager",
                  feat_dim: int | None = None, feat_dtype: torch.dtype = torch.float32, pool=None,
-                 proposals_beside: bool = False):
+                 proposals_beside: bool = False, compile: bool = False):
         self.target = target
         self.spec = spec
         self.drafting = drafting
@@ -189,6 +191,11 @@ class Engine:
         self.forward = RowForward(lambda mask, ids, pos: target.forward(
             cache=cache, attention_mask=mask, position_ids=pos, input_ids=ids, hidden=hidden_layers),
             cache, "target")  # inside the step's graph, with fixed shapes
+        self.compiler = Compiler() if compile else None
+        if self.compiler is not None:
+            for fwd in [self.forward, getattr(drafting, "forward", None)]:
+                if fwd is not None:
+                    fwd.fn = self.compiler.wrap(fwd.fn, fwd.name)
         self.graphs = graphs  # "eager", or the whole step captured per plan ("cuda"; "emulate" on the CPU)
         self.step_graphs = graphs != "eager"
         self.graphs_failed: str | None = None
@@ -221,6 +228,12 @@ class Engine:
     def capture_s(self) -> float:
         """Seconds spent capturing CUDA graphs so far."""
         return sum(r.capture_s for r in self._step_runners.values())
+
+    @property
+    def compile_s(self) -> float:
+        """Seconds of the compiled forwards' first calls per shape (compiling), so far; inside
+        :attr:`capture_s` where the step is captured."""
+        return 0.0 if self.compiler is None else self.compiler.compile_s
 
     def step_rows(self) -> int:
         """R: the rows a step runs over (the active ones, padded to a bucket with static shapes)."""
@@ -266,15 +279,16 @@ class Engine:
         return StepInput(rows=R, pending=st.pending[:R], pending_len=st.pending_len[:R], remaining=st.remaining[:R],
                          sampling=rs, u=u, feats=None if st.feat_dim is None else st.pending_feats[:R], span=span)
 
-    def step(self, depth: int | None = None, proposers: list | None = None) -> list[list[int] | BaseException]:
+    def step(self, depth: int | TreeSpec | None = None, proposers: list | None = None) -> list[list[int] | BaseException]:
         """One step over every active row, each drafting at most ``depth`` deep (None: the
-        decoder's whole tree; 0: plain decoding) -> the tokens each row emitted, or the exception
+        decoder's whole tree; 0: plain decoding; a TreeSpec: that shape, within the engine's
+        ``spec``: ``tree="auto"``'s choice) -> the tokens each row emitted, or the exception
         a row failed with alone (its model-free proposer's). ``proposers``: each row's model-free
         proposer (:mod:`mmspec.lookup`), searched on the host first. A failure of the step's
         shared work is raised: it is every row's. :meth:`launch` then :meth:`finish`."""
         return self.finish(self.launch(depth, proposers))
 
-    def launch(self, depth: int | None = None, proposers: list | None = None) -> InFlight:
+    def launch(self, depth: int | TreeSpec | None = None, proposers: list | None = None) -> InFlight:
         """Plan a step and start it on the device; its outcomes are read by :meth:`finish`.
 
         Overlap: one step may be launched while the one before it is in flight (a GPU runs it
@@ -355,11 +369,14 @@ class Engine:
         """Steps launched whose outcomes the host has not read yet."""
         return len(self._inflight)
 
-    def _plan(self, depth: int | None, proposers: list | None) -> tuple[StepPlan, dict | None, dict]:
+    def _plan(self, depth: int | TreeSpec | None, proposers: list | None) -> tuple[StepPlan, dict | None, dict]:
         """What the host decides before a step (its shape), and the model-free proposals it
         searches and stages; -> (the plan, the staged proposal tensors or None, rows failed)."""
         st, R = self.state, self.step_rows()
-        spec = self.spec if depth is None else (self.spec.for_remaining(depth + 1) if depth > 0 else None)
+        if isinstance(depth, TreeSpec):  # a shape chosen for this step (no deeper, no larger than self.spec)
+            spec = depth
+        else:
+            spec = self.spec if depth is None else (self.spec.for_remaining(depth + 1) if depth > 0 else None)
         props = None
         failed: dict[int, BaseException] = {}
         if spec is not None and proposers is not None:  # model-free proposals, searched on the host
