@@ -317,7 +317,7 @@ def diagnose(rep: HeadReport, shifted: dict | None = None, imported: bool = Fals
         return (f"under-trained in depth: its first position drafts ({acc[0]:.2f} accepted) but acceptance falls "
                 f"apart after it ({_accepted(acc)}; below half the first from depth {lost}): the head predicts "
                 "from the target's features well and from its own poorly. Train it longer, with the "
-                "training-time test unrolled as deep as it drafts (train head --variant eagle3, --ttt-steps), "
+                "training-time test unrolled as deep as it drafts (train head --ttt-depth), "
                 "or draft a shallower tree / a shorter chain"), None
     found = []
     for layers, t in (shifted or {}).items():

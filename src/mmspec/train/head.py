@@ -12,12 +12,13 @@ writes (also after Ctrl-C and when the time budget is spent), and the training s
 Losses, per position t (the head saw target feature t and token t + 1, predicts feature t + 1):
 * cross-entropy against the TARGET's distribution at t + 1 (soft labels: the head learns what
   the target would say, whatever the sequence says next), all variants;
-* eagle / msd: + ``reg_weight`` x smooth-L1 between the predicted and the target's feature
+* training-time test, every variant: ``ttt_depth`` passes unrolled (the depth the head drafts),
+  pass k reading the head's own predictions of pass k - 1 under the attention drafting gives it
+  (:mod:`mmspec.train.ttt`: EAGLE-3's diagonal mask), each pass against the same target
+  distribution; the passes' cross-entropies weighted ``ttt_decay``^(k-1) and normalised (1:
+  every depth counts alike); depth 1 is pass 1 alone;
+* eagle / msd: + ``reg_weight`` x smooth-L1 between pass 1's predicted and the target's feature
   (EAGLE's feature regression);
-* eagle3: training-time test: ``ttt_steps`` unrolled passes, pass k reading the head's own
-  predictions of pass k - 1 instead of the target's features (weights 0.8^(k-1)). Simplified:
-  in pass k every context position reads predicted features, where drafting reads predicted
-  ones only for the last k - 1 positions, a harsher condition;
 * msd: the first ``text_steps`` steps on text-only sequences (images and their slots removed),
   then multimodal ones (MSD's two-stage schedule); with a time budget that ends training first,
   the text stage takes the same share of the budget.
@@ -44,6 +45,7 @@ from mmspec.heads.model import VARIANTS, FeatureHead, build_head
 from mmspec.prompt import VIDEO_MARKER
 from mmspec.train.feature_cache import target_features
 from mmspec.train.loop import FitConfig, FitResult, StepInfo, TrainingInterrupted, fit, fmt_loss, write_atomically
+from mmspec.train.ttt import chain_valid, pass_weights, unroll
 
 
 @dataclass
@@ -74,7 +76,8 @@ class HeadTrainConfig:
     lr: float = 1e-3
     warmup: int = 50
     reg_weight: float = 1.0  # eagle / msd: feature regression next to the cross-entropy
-    ttt_steps: int = 3  # eagle3: unrolled passes of training-time test
+    ttt_depth: int = 5  # training-time test: passes unrolled = the depth the head drafts (a chain's γ); 1: none
+    ttt_decay: float = 1.0  # pass k's loss weighs ttt_decay^(k-1), normalised (1: every depth alike; EAGLE-3: 0.8)
     text_steps: int | None = None  # msd: steps on text-only sequences first (default: a third)
     seed: int = 0
     checkpoint_every: int = 100
@@ -88,7 +91,7 @@ class HeadTrainConfig:
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
             raise MMSpecError(f"unknown head variant {self.variant!r}; use one of {', '.join(VARIANTS)}")
-        for name in ("steps", "batch_size", "num_layers", "ttt_steps", "checkpoint_every"):
+        for name in ("steps", "batch_size", "num_layers", "ttt_depth", "checkpoint_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 flag = "layers" if name == "num_layers" else name.replace("_", "-")
@@ -111,6 +114,8 @@ class HeadTrainConfig:
             raise MMSpecError(f"--cache-max-gb must be a finite number > 0, got {self.cache_max_gb}")
         if not (math.isfinite(self.reg_weight) and self.reg_weight >= 0):
             raise MMSpecError(f"reg_weight must be a finite number >= 0, got {self.reg_weight}")
+        if not (math.isfinite(self.ttt_decay) and self.ttt_decay > 0):
+            raise MMSpecError(f"--ttt-decay must be a finite number > 0, got {self.ttt_decay}")
 
 
 # --------------------------------------------------------------------------- distributed
@@ -224,34 +229,31 @@ def head_loss(head: FeatureHead, target, batch: dict, cfg: HeadTrainConfig, feat
         p = p[..., core.d2t]
         p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)
 
-    def ce(h):
+    def ce(h, ok):  # h [B, L-1, H] -> [B, L-1]: the cross-entropy at the slots ``ok`` [B, L-1], 0 elsewhere
+        x = h[ok]  # [N, H]: only the trained slots reach the vocabulary
         if core.lm_head is not None:
-            logits = core.lm_head(h)
+            logits = core.lm_head(x)
         else:  # the target's frozen head, in the head's dtype
-            logits = F.linear(h, lm_head.weight.to(h.dtype), None if lm_head.bias is None else lm_head.bias.to(h.dtype))
-        return -(p * torch.log_softmax(logits.float(), -1)).sum(-1)  # [B, L-1]
+            logits = F.linear(x, lm_head.weight.to(x.dtype), None if lm_head.bias is None else lm_head.bias.to(x.dtype))
+        out = torch.zeros(ok.shape, dtype=torch.float32, device=h.device)
+        out[ok] = -(p[ok] * torch.log_softmax(logits.float(), -1)).sum(-1)
+        return out
 
-    def per_seq(x):  # [B, L-1] -> mean over each sequence's valid positions, then over sequences
-        v = valid.to(x.dtype)
+    def per_seq(x, ok):  # [B, L-1] -> mean over each sequence's slots ``ok``, then over sequences
+        v = ok.to(x.dtype)
         return ((x * v).sum(1) / v.sum(1).clamp_min(1.0)).mean()
 
     dt = core.fc.weight.dtype  # the head trains in float32 (float64 with a float64 target) whatever the target's dtype
     emb = emb.to(dt)
     g = core.fused(feats[:, :-1].to(dt))  # [B, L-1, H]
-    h = head(g, emb, image, position_ids=pos, attention_mask=amask)
-    parts = {"ce": per_seq(ce(h))}
-    loss = parts["ce"]
-    if reg:
-        parts["reg"] = per_seq(F.smooth_l1_loss(h, final[:, 1:].to(dt), reduction="none").mean(-1))
+    passes = unroll(head, g, emb, image, pos, amask.bool(), cfg.ttt_depth)  # ttt_depth x [B, L-1, H]
+    parts = {}
+    for k, (h, ok) in enumerate(zip(passes, chain_valid(valid, cfg.ttt_depth)), 1):
+        parts["ce" if k == 1 else f"ce{k}"] = per_seq(ce(h, ok), ok)
+    loss = sum(w * ce_k for w, ce_k in zip(pass_weights(cfg.ttt_depth, cfg.ttt_decay), parts.values()))
+    if reg:  # EAGLE's feature regression, on pass 1 (the target's true features in)
+        parts["reg"] = per_seq(F.smooth_l1_loss(passes[0], final[:, 1:].to(dt), reduction="none").mean(-1), valid)
         loss = loss + cfg.reg_weight * parts["reg"]
-    if hc.variant == "eagle3":  # training-time test: later passes read the head's own predictions
-        prev = h
-        for k in range(2, cfg.ttt_steps + 1):
-            g_k = torch.cat([g[:, :1], prev[:, :-1]], dim=1)  # position t: the head's prediction of feature t
-            h_k = head(g_k, emb, image, position_ids=pos, attention_mask=amask)
-            parts[f"ce{k}"] = per_seq(ce(h_k))
-            loss = loss + 0.8 ** (k - 1) * parts[f"ce{k}"]
-            prev = h_k
     return loss, {k: float(v.detach()) for k, v in parts.items()}
 
 
@@ -312,8 +314,7 @@ def head_settings(cfg: HeadTrainConfig) -> dict:
     """The settings a resumed head must share with its checkpoint, by their ``train head`` flags."""
     out = {"variant": cfg.variant, "layers": cfg.num_layers, "batch_size": cfg.batch_size, "lr": cfg.lr,
            "warmup": cfg.warmup, "reg_weight": cfg.reg_weight, "text_steps": cfg.text_steps, "seed": cfg.seed}
-    if cfg.variant == "eagle3":
-        out["ttt_steps"] = cfg.ttt_steps
+    out.update(ttt_depth=cfg.ttt_depth, ttt_decay=cfg.ttt_decay)
     return {**out, **{k: cfg.notes[k] for k in NOTED if k in cfg.notes}}
 
 
@@ -417,7 +418,7 @@ def _write_head(head: FeatureHead, res: FitResult, out: Path, cfg: HeadTrainConf
     head.config.trained = {**cfg.notes, "variant": cfg.variant, "steps": res.steps, "batch_size": cfg.batch_size,
                            "lr": cfg.lr, "seed": cfg.seed, "world_size": dist.world,
                            "final_loss": summary["final_loss"], "text_steps": summary["text_steps"],
-                           "ttt_steps": cfg.ttt_steps if cfg.variant == "eagle3" else None}
+                           "ttt_depth": cfg.ttt_depth, "ttt_decay": cfg.ttt_decay}
     was_training = head.training
     head.eval().save(out)
     head.train(was_training)

@@ -58,7 +58,13 @@ def head(
     minutes: float | None = typer.Option(None, help="Time budget: stop and save when it is spent."),
     batch_size: int = typer.Option(16, help="Global batch (split over torchrun's processes)."),
     lr: float = typer.Option(1e-3, help="Peak learning rate (AdamW: warm-up over the first 50 steps, then a cosine to a tenth of it)."),
-    ttt_steps: int = typer.Option(3, help="eagle3: unrolled training-time-test passes."),
+    ttt_depth: int = typer.Option(5, "--ttt-depth", "--ttt-steps",
+                                  help="Training-time test: passes unrolled, the depth the head will draft (a chain's "
+                                  "gamma, 5 by default, or a tree's depth); pass k reads the head's own predictions "
+                                  "under the attention drafting gives it. 1: pass 1 alone. (--ttt-steps: its older "
+                                  "name.)"),
+    ttt_decay: float = typer.Option(1.0, help="Pass k's loss weighs DECAY^(k-1), the weights normalised (1: every "
+                                    "depth counts alike; EAGLE-3 used 0.8)."),
     text_steps: int | None = typer.Option(None, help="msd: text-only steps first (default: a third of --steps; "
                                              "with --minutes, that share of the time budget if it ends training "
                                              "first)."),
@@ -88,8 +94,8 @@ def head(
         if device == "cuda" and local is not None:
             device = f"cuda:{local}"
         cfg = HeadTrainConfig(variant=variant, out=str(out), num_layers=layers, steps=steps, minutes=minutes,
-                              batch_size=batch_size, lr=lr, ttt_steps=ttt_steps, text_steps=text_steps, seed=seed,
-                              resume=not fresh, device=device, cache_max_gb=cache_max_gb,
+                              batch_size=batch_size, lr=lr, ttt_depth=ttt_depth, ttt_decay=ttt_decay,
+                              text_steps=text_steps, seed=seed, resume=not fresh, device=device, cache_max_gb=cache_max_gb,
                               cache_features=None if cache_features is None else str(cache_features),
                               notes={"command": command_line(), "data": data, "samples": samples, "families": families,
                                      "answers": str(answers) if answers else None, "world_seed": world_seed,

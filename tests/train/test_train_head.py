@@ -1,0 +1,132 @@
+"""Training a head to the depth it drafts (issue 54): the training-time test unrolled under EAGLE-3's
+diagonal mask scores each pass exactly as drafting does (the head fed its own predicted features
+through its KV cache); training at depth 5 lowers every depth's loss; the depth is a setting a
+resume must match (``--ttt-steps`` its older name)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from helpers.tiny import IMG, make_prompt
+from mmspec.cli import app
+from mmspec.heads import VARIANTS, build_head
+from mmspec.train.head import HeadTrainConfig, Sequence_, head_settings, train_head
+from mmspec.train.ttt import chain_valid, diagonal_mask, unroll
+
+ROOT = Path(__file__).resolve().parents[2]
+EMBEDDED = ROOT / "src" / "mmspec" / "assets" / "embedded"
+
+
+def _flat(text: str) -> str:
+    return "".join(text.split())
+
+
+def _drafted(head, feats, embeds, pos, t0: int, depth: int) -> list[torch.Tensor]:
+    """The head as drafting runs it on one sequence [1, n, H]: the true slots 0 .. t0 into its KV
+    cache, then a chain, each node fed the head's own predicted feature of the one before at the
+    next slot -> the predicted feature at slots t0, t0 + 1, ... (depth 0, 1, ...), each [1, H]."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=head.decoder.config)
+    h = head(feats[:, :t0 + 1], embeds[:, :t0 + 1], cache=cache, position_ids=pos[:, :t0 + 1])[:, -1:]
+    out = [h[:, 0]]
+    for d in range(1, depth):
+        s = t0 + d
+        h = head(h, embeds[:, s:s + 1], cache=cache, position_ids=pos[:, s:s + 1])
+        out.append(h[:, 0])
+    return out
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_each_pass_scores_what_drafting_scores_at_that_depth(target, variant):
+    """Pass k at slot t equals the node drafted at depth k - 1 of a chain whose last true slot is
+    t - (k - 1), for every t and k, padding in the batch: the mask lets pass k see exactly pass 1's
+    slots <= t - (k - 1) and its own chain. A plain causal forward on pass k's inputs (the earlier,
+    simplified training) does not."""
+    head = build_head(target, variant, seed=1)
+    H, B, n, K = head.config.hidden_size, 2, 11, 5
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(B, n, H, generator=g, dtype=torch.float64)
+    embeds = torch.randn(B, n, H, generator=g, dtype=torch.float64)
+    pos = torch.arange(n)[None].expand(B, -1)
+    real = torch.ones(B, n, dtype=torch.bool)
+    real[1, 8:] = False  # row 1: 8 slots, right-padded
+    with torch.no_grad():
+        passes = unroll(head, feats, embeds, None, pos, real, K)
+        compared = 0
+        for b in range(B):
+            L = int(real[b].sum())
+            for t0 in range(L):
+                chain = _drafted(head, feats[b:b + 1], embeds[b:b + 1], pos[b:b + 1], t0, min(K, L - t0))
+                for d, h in enumerate(chain):
+                    torch.testing.assert_close(passes[d][b, t0 + d], h[0], rtol=1e-9, atol=1e-10)
+                    compared += d > 0
+        assert compared > 40
+        assert (passes[4] - passes[0]).abs().max() > 1e-3  # the deeper passes read other inputs
+        x = torch.cat([feats[:, :1], passes[0][:, :-1]], dim=1)
+        plain = head(x, embeds, position_ids=pos, attention_mask=real.long())  # pass 2 without its mask
+        assert (plain[0, 3:] - passes[1][0, 3:]).abs().max() > 1e-3
+
+
+def test_the_diagonal_mask_and_the_trained_slots_of_each_pass():
+    real = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
+    m = diagonal_mask(real, 3)[:, 0].int()  # [B, 5, 15]: pass 1's keys, pass 2's, pass 3's
+    assert m[0, 4].tolist() == [1, 1, 1, 0, 0] + [0, 0, 0, 1, 0] + [0, 0, 0, 0, 1]
+    assert m[0, 1].tolist() == [0] * 5 + [1, 0, 0, 0, 0] + [0, 1, 0, 0, 0]
+    assert m[1, 4].tolist() == [1, 1, 1, 0, 0] + [0, 0, 0, 1, 0] + [0, 0, 0, 0, 1]  # padding never seen
+    assert diagonal_mask(real, 1)[1, 0].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0],
+                                                           [1, 1, 1, 0, 0], [1, 1, 1, 0, 0]]
+    valid = torch.tensor([[False, True, True, True, False, True, True, True, True]])
+    ok = chain_valid(valid, 3)
+    assert ok[1].int().tolist() == [[0, 0, 1, 1, 0, 0, 1, 1, 1]]  # slots t - 1 and t trained
+    assert ok[2].int().tolist() == [[0, 0, 0, 1, 0, 0, 0, 1, 1]]
+
+
+def _sequences(target, n: int) -> list[Sequence_]:
+    """Prompts followed by the target's own greedy continuation (the tiny test world)."""
+    seqs = []
+    for i in range(n):
+        ids, pv = make_prompt(1 + i % 2, 16, seed=200 + i)
+        out = target.generate(input_ids=ids, pixel_values=pv, do_sample=False, max_new_tokens=20)[0].clone()
+        cont = out[ids.shape[1]:]
+        cont[cont == IMG] = 5
+        seqs.append(Sequence_(out, pv, text_only=Sequence_(torch.cat([ids[0][ids[0] != IMG], cont]), None)))
+    return seqs
+
+
+@pytest.mark.parametrize("variant", ["eagle3", "eagle"])
+def test_training_at_depth_5_lowers_every_depths_loss(target, variant, tmp_path):
+    seqs = _sequences(target, 8)
+    train_head(target, seqs, HeadTrainConfig(variant=variant, out=str(tmp_path), steps=14, batch_size=4, lr=3e-3,
+                                             warmup=2, resume=False, progress=False), log=lambda s: None)
+    hist = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    for key in ("loss", "ce", "ce3", "ce5"):
+        first, last = sum(h[key] for h in hist[:3]) / 3, sum(h[key] for h in hist[-3:]) / 3
+        assert last < first, (key, first, last)
+    trained = json.loads((tmp_path / "mmspec_head.json").read_text())["trained"]
+    assert trained["ttt_depth"] == 5 and trained["ttt_decay"] == 1.0
+
+
+HEAD = ["train", "head", "--target", str(EMBEDDED / "target"), "--families", "chartqa", "--samples", "2",
+        "--batch-size", "2", "--threads", "1"]
+
+
+def test_the_depth_is_a_resume_setting_and_ttt_steps_its_older_name(tmp_path):
+    assert head_settings(HeadTrainConfig(variant="eagle"))["ttt_depth"] == 5
+    assert head_settings(HeadTrainConfig(variant="msd", ttt_depth=2, ttt_decay=0.8))["ttt_decay"] == 0.8
+    out = tmp_path / "head"
+    r = CliRunner().invoke(app, HEAD + ["--steps", "2", "--ttt-depth", "2", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert torch.load(out / "checkpoints" / "head.pt", weights_only=False)["settings"]["ttt_depth"] == 2
+    r = CliRunner().invoke(app, HEAD + ["--steps", "3", "--ttt-depth", "3", "--out", str(out)])
+    assert r.exit_code == 2 and re.search(_flat("--ttt-depth 2 there, 3 now"), _flat(r.output)), r.output
+    r = CliRunner().invoke(app, HEAD + ["--steps", "3", "--ttt-steps", "2", "--out", str(out)])
+    assert r.exit_code == 0 and "atstep2of3" in _flat(r.output), r.output
+    trained = json.loads((out / "mmspec_head.json").read_text())["trained"]
+    assert trained["ttt_depth"] == 2 and trained["steps"] == 3
