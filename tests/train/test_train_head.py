@@ -130,3 +130,36 @@ def test_the_depth_is_a_resume_setting_and_ttt_steps_its_older_name(tmp_path):
     assert r.exit_code == 0 and "atstep2of3" in _flat(r.output), r.output
     trained = json.loads((out / "mmspec_head.json").read_text())["trained"]
     assert trained["ttt_depth"] == 2 and trained["steps"] == 3
+
+
+def test_with_minutes_the_learning_rate_decays_over_the_budget_to_its_floor(tmp_path, monkeypatch):
+    """--steps 50000 --minutes M, a budget that ends training long before the steps: the warm-up
+    and the cosine run over the budget, so the last step's learning rate is the floor (a tenth of
+    --lr); it used to stay at its peak, the cosine planned for 50,000 steps. A fake clock: each
+    step takes one second, the budget is 100."""
+    import types
+
+    import mmspec.train.head as th
+    import mmspec.train.loop as loop
+
+    now = [0.0]
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def one_second(model, target, batch, cfg, features=None):
+        now[0] += 1.0
+        return getattr(model, "module", model).fc.weight.sum() * 0.0 + 1.0, {}
+
+    monkeypatch.setattr(th, "head_loss", one_second)
+    seqs = [Sequence_(make_prompt(1, 16, seed=i)[0][0], make_prompt(1, 16, seed=i)[1]) for i in range(2)]
+    from helpers.tiny import make_llava
+
+    summary = train_head(make_llava(0), seqs, HeadTrainConfig(out=str(tmp_path), steps=50_000, minutes=100 / 60,
+                                                              batch_size=2, resume=False, progress=False),
+                         log=lambda s: None)
+    lrs = [json.loads(x)["lr"] for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert summary["stopped"] == "budget" and len(lrs) == 100
+    assert lrs[0] == 0.0 and lrs[2] == pytest.approx(1e-3 * 2 / 5)  # warm-up: the first 5% of the budget
+    assert max(lrs) == pytest.approx(1e-3) and lrs.index(max(lrs)) == 5
+    assert lrs[-1] == pytest.approx(1e-4, rel=3e-3)  # the floor, when the budget ends
+    assert all(a >= b for a, b in zip(lrs[5:], lrs[6:]))
+    assert json.loads((tmp_path / "mmspec_head.json").read_text())["trained"]["schedule"] == "clock"

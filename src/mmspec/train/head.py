@@ -86,6 +86,7 @@ class HeadTrainConfig:
     device: str = "cpu"
     cache_features: str | None = None  # a directory: the target's features dumped once, reused every epoch
     cache_max_gb: float = 50.0  # the size limit of that directory; past it, features stay on the fly
+    warmup_share: float = 0.05  # with minutes: the warm-up's share of the schedule (in place of warmup's steps)
     notes: dict = field(default_factory=dict)  # recorded in the head's config (recipe, data)
 
     def __post_init__(self) -> None:
@@ -114,6 +115,8 @@ class HeadTrainConfig:
             raise MMSpecError(f"--cache-max-gb must be a finite number > 0, got {self.cache_max_gb}")
         if not (math.isfinite(self.reg_weight) and self.reg_weight >= 0):
             raise MMSpecError(f"reg_weight must be a finite number >= 0, got {self.reg_weight}")
+        if not 0 <= self.warmup_share < 1:
+            raise MMSpecError(f"warmup_share must be in [0, 1), got {self.warmup_share}")
         if not (math.isfinite(self.ttt_decay) and self.ttt_decay > 0):
             raise MMSpecError(f"--ttt-decay must be a finite number > 0, got {self.ttt_decay}")
 
@@ -328,7 +331,9 @@ def train_head(target, seqs: Sequence[Sequence_], cfg: HeadTrainConfig, *, head:
     """Train (or resume) a head for ``target`` on ``seqs``; saves it under ``cfg.out``. Returns a
     summary (steps done, losses, seconds). Under torchrun every rank calls this. On Ctrl-C the
     finished steps are kept (checkpoint and the head itself) and :class:`TrainingInterrupted` is
-    raised; when ``cfg.minutes`` is spent the head is saved as after the last step."""
+    raised; when ``cfg.minutes`` is spent the head is saved as after the last step. With
+    ``cfg.minutes`` the learning rate warms up and decays over the budget (or over ``cfg.steps`` if
+    they end training first), reaching its floor at the end."""
     if not seqs:
         raise MMSpecError("no training sequences; give the head some data (--samples, --families, --data)")
     dist = init_dist(cfg.device)
@@ -370,8 +375,10 @@ def train_head(target, seqs: Sequence[Sequence_], cfg: HeadTrainConfig, *, head:
         loss, parts = head_loss(model, target, batch, cfg, feats)
         return loss, {**parts, "stage": "text" if text_stage else "multimodal"}
 
+    clock = cfg.minutes is not None  # the schedule follows the budget: a run it ends ends at the floor
     fit_cfg = FitConfig(label=f"train {cfg.variant} head", steps=cfg.steps, minutes=cfg.minutes, lr=cfg.lr,
-                        warmup_steps=cfg.warmup, min_lr_ratio=0.1, grad_clip=1.0, checkpoint=out / CHECKPOINT,
+                        warmup_steps=0 if clock else cfg.warmup, warmup_ratio=cfg.warmup_share if clock else 0.0,
+                        clock_schedule=clock, min_lr_ratio=0.1, grad_clip=1.0, checkpoint=out / CHECKPOINT,
                         checkpoint_every=cfg.checkpoint_every, resume=cfg.resume, settings=head_settings(cfg),
                         progress=cfg.progress, ddp=True, find_unused_parameters=cfg.variant == "msd")
     try:
@@ -418,7 +425,8 @@ def _write_head(head: FeatureHead, res: FitResult, out: Path, cfg: HeadTrainConf
     head.config.trained = {**cfg.notes, "variant": cfg.variant, "steps": res.steps, "batch_size": cfg.batch_size,
                            "lr": cfg.lr, "seed": cfg.seed, "world_size": dist.world,
                            "final_loss": summary["final_loss"], "text_steps": summary["text_steps"],
-                           "ttt_depth": cfg.ttt_depth, "ttt_decay": cfg.ttt_decay}
+                           "ttt_depth": cfg.ttt_depth, "ttt_decay": cfg.ttt_decay,
+                           "schedule": "clock" if cfg.minutes is not None else "steps"}
     was_training = head.training
     head.eval().save(out)
     head.train(was_training)
