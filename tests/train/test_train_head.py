@@ -130,6 +130,9 @@ def test_the_depth_is_a_resume_setting_and_ttt_steps_its_older_name(tmp_path):
     assert r.exit_code == 0 and "atstep2of3" in _flat(r.output), r.output
     trained = json.loads((out / "mmspec_head.json").read_text())["trained"]
     assert trained["ttt_depth"] == 2 and trained["steps"] == 3
+    held = trained["held_out"]  # the engine drafted 4 held-out prompts at the end, a chain as deep as trained
+    assert held["gamma"] == 2 and len(held["acceptance_by_depth"]) == 2 and held["prompts"] == 4
+    assert 1.0 <= held["tau"] <= 3.0 and "held-out tau" in r.output
 
 
 def test_with_minutes_the_learning_rate_decays_over_the_budget_to_its_floor(tmp_path, monkeypatch):
@@ -163,3 +166,75 @@ def test_with_minutes_the_learning_rate_decays_over_the_budget_to_its_floor(tmp_
     assert lrs[-1] == pytest.approx(1e-4, rel=3e-3)  # the floor, when the budget ends
     assert all(a >= b for a, b in zip(lrs[5:], lrs[6:]))
     assert json.loads((tmp_path / "mmspec_head.json").read_text())["trained"]["schedule"] == "clock"
+
+
+def _tiny_run(tmp_path, steps: int, **kw) -> HeadTrainConfig:
+    return HeadTrainConfig(out=str(tmp_path), steps=steps, batch_size=2, ttt_depth=2, progress=False, **kw)
+
+
+def test_the_head_of_the_best_held_out_tau_is_saved_and_the_last_beside_it(target, tmp_path):
+    """Evaluations every step giving tau 2.0, 3.0, 2.5: --out holds the head of step 2 (its weights,
+    its trained record), checkpoints/last the head of step 3; every evaluation is in train_log.jsonl.
+    Resumed to step 4 (tau 2.9), the run still knows step 2's 3.0 is the best."""
+    from safetensors.torch import load_file
+
+    seqs = [Sequence_(make_prompt(1, 16, seed=i)[0][0], make_prompt(1, 16, seed=i)[1]) for i in range(2)]
+    taus, seen = [2.0, 3.0, 2.5, 2.9], []
+
+    def evaluate(head):
+        seen.append({k: v.detach().clone() for k, v in head.state_dict().items()})
+        return {"tau": taus[len(seen) - 1], "acceptance_by_depth": [0.5, 0.25], "tokens": 9, "prompts": 1, "gamma": 2}
+
+    logs = []
+    summary = train_head(target, seqs, _tiny_run(tmp_path, 3, eval_every_minutes=1e-9), evaluate=evaluate,
+                         log=logs.append)
+    assert len(seen) == 3 and summary["held_out"]["step"] == 2 and summary["held_out"]["tau"] == 3.0
+
+    def same(d: Path, state: dict) -> bool:
+        w = load_file(str(d / "model.safetensors"))
+        return w.keys() == state.keys() and all(torch.equal(w[k], state[k].to(w[k].dtype)) for k in w)
+
+    last = tmp_path / "checkpoints" / "last"
+    assert same(tmp_path, seen[1]) and not same(tmp_path, seen[2]) and same(last, seen[2])
+    assert json.loads((tmp_path / "mmspec_head.json").read_text())["trained"]["held_out"]["tau"] == 3.0
+    assert json.loads((tmp_path / "mmspec_head.json").read_text())["trained"]["steps"] == 2
+    assert json.loads((last / "mmspec_head.json").read_text())["trained"]["steps"] == 3
+    hist = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert [h["held_out"]["tau"] for h in hist] == [2.0, 3.0, 2.5]
+    assert any("kept the eagle head of step 2" in x and "best held-out tau, 3.00" in x for x in logs), logs
+
+    train_head(target, seqs, _tiny_run(tmp_path, 4, eval_every_minutes=1e-9), evaluate=evaluate, log=logs.append)
+    assert len(seen) == 4 and same(tmp_path, seen[1]) and same(last, seen[3])
+
+
+def test_a_failing_evaluation_ends_the_evaluations_not_the_training(target, tmp_path):
+    seqs = [Sequence_(make_prompt(1, 16, seed=i)[0][0], make_prompt(1, 16, seed=i)[1]) for i in range(2)]
+    calls, logs = [], []
+
+    def broken(head):
+        calls.append(1)
+        raise RuntimeError("no prompts")
+
+    summary = train_head(target, seqs, _tiny_run(tmp_path, 3, eval_every_minutes=1e-9), evaluate=broken,
+                         log=logs.append)
+    assert summary["steps"] == 3 and len(calls) == 1 and "held_out" not in summary
+    assert any("held-out evaluation failed at step 1 (RuntimeError: no prompts)" in x for x in logs), logs
+    assert json.loads((tmp_path / "mmspec_head.json").read_text())["trained"]["steps"] == 3
+    assert not (tmp_path / "checkpoints" / "last").exists()
+
+
+def test_the_held_out_evaluator_is_the_engine_on_world_test_prompts(target, tok):
+    """HeldOut drafts with a copy of the head (the training's head and RNG untouched): tau and
+    acceptance by depth as `check head` measures them, a chain as deep as asked."""
+    from helpers.tiny import make_processor
+    from mmspec.heads.check import world_prompts
+    from mmspec.train.held_out import HeldOut
+
+    head = build_head(target, "eagle3", seed=2).train()
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    rng = torch.random.get_rng_state()
+    r = HeldOut(target, tok, make_processor(tok), world_prompts(2, ("chartqa",)), gamma=3, max_new_tokens=8)(head)
+    assert r["gamma"] == 3 and len(r["acceptance_by_depth"]) == 3 and r["prompts"] == 2 and 0 < r["tokens"] <= 16
+    assert 1.0 <= r["tau"] <= 4.0
+    assert torch.equal(torch.random.get_rng_state(), rng) and head.training
+    assert all(torch.equal(v, before[k]) for k, v in head.state_dict().items())

@@ -98,14 +98,17 @@ def trained_words(trained: dict) -> str:
 
 
 # --------------------------------------------------------------------------- prompts
-def world_prompts(n: int = 4) -> list[CalibrationPrompt]:
-    """``n`` test-split samples of the embedded world, one family each (1, 2 and 5 images): each
-    one's question without LLaVA-1.5's ``USER: ... ASSISTANT:`` frame, so that every target frames
-    it its own way (:func:`mmspec.inputs.chat_prompt`: its chat template; the embedded target's
-    frame gives the world's prompt back exactly)."""
+CHECK_FAMILIES = ("chartqa", "spot_the_diff", "textvqa", "pororosv", "vqav2", "iedit")
+
+
+def world_prompts(n: int = 4, families: tuple[str, ...] = CHECK_FAMILIES) -> list[CalibrationPrompt]:
+    """``n`` test-split samples of the embedded world, one family each in turn (by default 1, 2
+    and 5 images): each one's question without LLaVA-1.5's ``USER: ... ASSISTANT:`` frame, so that
+    every target frames it its own way (:func:`mmspec.inputs.chat_prompt`: its chat template; the
+    embedded target's frame gives the world's prompt back exactly)."""
     from mmspec.world import make_sample
 
-    fams = ("chartqa", "spot_the_diff", "textvqa", "pororosv", "vqav2", "iedit")
+    fams = tuple(families)
     out = []
     for i in range(n):
         s = make_sample(fams[i % len(fams)], "test", i // len(fams))
@@ -271,6 +274,13 @@ def _appended(inputs: dict, answer: list[int]) -> dict:
                 and v.shape == ids.shape:
             out[k] = torch.cat([v, torch.full_like(more, int(k == "attention_mask"), dtype=v.dtype)], dim=-1)
     return out
+
+
+def measure(dec, prompts: list[CalibrationPrompt], max_new_tokens: int = 24) -> tuple[float, list[float], int]:
+    """What :func:`calibrate` starts from, without its probes: (τ, acceptance by depth, tokens) of the
+    head of ``dec`` on ``prompts``, greedy, in the chain or tree ``dec`` is set up with."""
+    m = _run(dec, prompts, max_new_tokens, probe_features=False)
+    return m.tau, m.acceptance_by_depth(dec.tree.max_depth), sum(b.n_emitted for b in m.blocks)
 
 
 def calibrate(dec, prompts: list[CalibrationPrompt] | None = None, *, max_new_tokens: int = 24,

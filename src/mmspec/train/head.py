@@ -33,6 +33,7 @@ import json
 import math
 import os
 import random
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +45,17 @@ from mmspec.errors import MMSpecError
 from mmspec.heads.model import VARIANTS, FeatureHead, build_head
 from mmspec.prompt import VIDEO_MARKER
 from mmspec.train.feature_cache import target_features
-from mmspec.train.loop import FitConfig, FitResult, StepInfo, TrainingInterrupted, fit, fmt_loss, write_atomically
+from mmspec.train.held_out import Evaluations
+from mmspec.train.loop import (
+    FitConfig,
+    FitResult,
+    StepInfo,
+    TrainingInterrupted,
+    fit,
+    fmt_loss,
+    hold_sigint,
+    write_atomically,
+)
 from mmspec.train.ttt import chain_valid, pass_weights, unroll
 
 
@@ -87,6 +98,8 @@ class HeadTrainConfig:
     cache_features: str | None = None  # a directory: the target's features dumped once, reused every epoch
     cache_max_gb: float = 50.0  # the size limit of that directory; past it, features stay on the fly
     warmup_share: float = 0.05  # with minutes: the warm-up's share of the schedule (in place of warmup's steps)
+    eval_every_minutes: float | None = None  # held-out τ every N training minutes (None: a fifth of minutes, or
+    # only at the end without them; 0: never); needs train_head's evaluate
     notes: dict = field(default_factory=dict)  # recorded in the head's config (recipe, data)
 
     def __post_init__(self) -> None:
@@ -117,6 +130,10 @@ class HeadTrainConfig:
             raise MMSpecError(f"reg_weight must be a finite number >= 0, got {self.reg_weight}")
         if not 0 <= self.warmup_share < 1:
             raise MMSpecError(f"warmup_share must be in [0, 1), got {self.warmup_share}")
+        if self.eval_every_minutes is not None and not (math.isfinite(self.eval_every_minutes)
+                                                        and self.eval_every_minutes >= 0):
+            raise MMSpecError(f"--eval-every-minutes must be a finite number >= 0 (0: never), got "
+                              f"{self.eval_every_minutes}")
         if not (math.isfinite(self.ttt_decay) and self.ttt_decay > 0):
             raise MMSpecError(f"--ttt-decay must be a finite number > 0, got {self.ttt_decay}")
 
@@ -327,13 +344,18 @@ def text_steps_of(cfg: HeadTrainConfig) -> int:
 
 
 def train_head(target, seqs: Sequence[Sequence_], cfg: HeadTrainConfig, *, head: FeatureHead | None = None,
-               log: Callable[[str], None] = print) -> dict:
+               log: Callable[[str], None] = print, evaluate: Callable[[FeatureHead], dict] | None = None) -> dict:
     """Train (or resume) a head for ``target`` on ``seqs``; saves it under ``cfg.out``. Returns a
-    summary (steps done, losses, seconds). Under torchrun every rank calls this. On Ctrl-C the
-    finished steps are kept (checkpoint and the head itself) and :class:`TrainingInterrupted` is
-    raised; when ``cfg.minutes`` is spent the head is saved as after the last step. With
-    ``cfg.minutes`` the learning rate warms up and decays over the budget (or over ``cfg.steps`` if
-    they end training first), reaching its floor at the end."""
+    summary (steps done, losses, seconds, the best held-out evaluation). Under torchrun every rank
+    calls this. On Ctrl-C the finished steps are kept (checkpoint and the head itself) and
+    :class:`TrainingInterrupted` is raised; when ``cfg.minutes`` is spent the head is saved as
+    after the last step. With ``cfg.minutes`` the learning rate warms up and decays over the
+    budget (or over ``cfg.steps`` if they end training first), reaching its floor at the end.
+
+    ``evaluate(head) -> {"tau", ...}`` (:class:`mmspec.train.held_out.HeldOut`): the head's
+    held-out τ every ``cfg.eval_every_minutes`` training minutes and at the end
+    (:class:`~mmspec.train.held_out.Evaluations`); ``cfg.out`` then holds the head of the best τ,
+    the last one ``out/checkpoints/last``. Without it, ``cfg.out`` holds the last head."""
     if not seqs:
         raise MMSpecError("no training sequences; give the head some data (--samples, --families, --data)")
     dist = init_dist(cfg.device)
@@ -381,14 +403,28 @@ def train_head(target, seqs: Sequence[Sequence_], cfg: HeadTrainConfig, *, head:
                         clock_schedule=clock, min_lr_ratio=0.1, grad_clip=1.0, checkpoint=out / CHECKPOINT,
                         checkpoint_every=cfg.checkpoint_every, resume=cfg.resume, settings=head_settings(cfg),
                         progress=cfg.progress, ddp=True, find_unused_parameters=cfg.variant == "msd")
+    evals = None
+    if evaluate is not None and cfg.eval_every_minutes != 0:
+        every = cfg.eval_every_minutes or (cfg.minutes / 5 if cfg.minutes else None)
+        evals = Evaluations(evaluate, head, None if every is None else 60.0 * every,
+                            keep=lambda history: _save_head(head, out, _trained(cfg, dist, history)),
+                            log=log if dist.main else (lambda s: None), rank=dist.rank, world=dist.world)
     try:
         res = fit(head, step_loss, fit_cfg, log=log if dist.main else (lambda s: None),
-                  on_save=lambda step, history: _write_log(out, history))
+                  on_save=lambda step, history: _write_log(out, history),
+                  after_step=None if evals is None else evals.after_step)
     except TrainingInterrupted as e:
         if dist.main and e.step > 0:  # the finished steps make a usable head too
-            _write_head(head, _partial(fit_cfg), out, cfg, dist, lambda s: None)
+            _keep_last(head, out, cfg, dist, _partial(fit_cfg).history, lambda s: None)
         raise
-    summary = _write_head(head, res, out, cfg, dist, log) if dist.main else _summary(res, dist)
+    summary = _summary(res, dist)
+    if dist.main:
+        if evals is not None and res.stopped != "done":
+            evals.finish(res.history)
+        _keep_last(head, out, cfg, dist, res.history, log)
+        best = Evaluations.best(res.history)
+        if best is not None:
+            summary["held_out"] = {"step": best["step"], **best["held_out"]}
     if cache is not None:
         summary["cache"] = {"hits": cache.hits, "misses": cache.misses, "bytes": cache.used}
         log(f"feature cache {cfg.cache_features}: {cache.hits} sequence(s) read from it, {cache.misses} computed "
@@ -418,21 +454,53 @@ def _write_log(out: Path, history: list[dict]) -> None:
                      lambda tmp: tmp.write_text("".join(json.dumps(h) + "\n" for h in history)))
 
 
-def _write_head(head: FeatureHead, res: FitResult, out: Path, cfg: HeadTrainConfig, dist: Dist,
-                log: Callable[[str], None]) -> dict:
-    """The trained head under ``out`` with its ``trained`` record, and its loss history."""
-    summary = _summary(res, dist)
-    head.config.trained = {**cfg.notes, "variant": cfg.variant, "steps": res.steps, "batch_size": cfg.batch_size,
-                           "lr": cfg.lr, "seed": cfg.seed, "world_size": dist.world,
-                           "final_loss": summary["final_loss"], "text_steps": summary["text_steps"],
-                           "ttt_depth": cfg.ttt_depth, "ttt_decay": cfg.ttt_decay,
-                           "schedule": "clock" if cfg.minutes is not None else "steps"}
+LAST = Path("checkpoints") / "last"  # under --out: the last head, when the held-out τ kept an earlier one
+
+
+def _trained(cfg: HeadTrainConfig, dist: Dist, history: list[dict]) -> dict:
+    """The ``trained`` record of the head after the last step of ``history``."""
+    last = history[-1] if history else {}
+    return {**cfg.notes, "variant": cfg.variant, "steps": last.get("step", 0), "batch_size": cfg.batch_size,
+            "lr": cfg.lr, "seed": cfg.seed, "world_size": dist.world, "final_loss": last.get("loss"),
+            "text_steps": sum(h.get("stage") == "text" for h in history), "ttt_depth": cfg.ttt_depth,
+            "ttt_decay": cfg.ttt_decay, "schedule": "clock" if cfg.minutes is not None else "steps",
+            **({"held_out": last["held_out"]} if "held_out" in last else {})}
+
+
+def _save_head(head: FeatureHead, where: Path, trained: dict) -> None:
+    """``head`` saved as a head directory under ``where`` with its ``trained`` record (Ctrl-C held
+    meanwhile: a save is never cut in half)."""
+    head.config.trained = trained
     was_training = head.training
-    head.eval().save(out)
+    with hold_sigint():
+        head.eval().save(where)
     head.train(was_training)
-    _write_log(out, res.history)
-    log(f"saved the {cfg.variant} head to {out} ({res.steps} steps, loss {fmt_loss(summary['final_loss'])})")
-    return summary
+
+
+def _keep_last(head: FeatureHead, out: Path, cfg: HeadTrainConfig, dist: Dist, history: list[dict],
+               log: Callable[[str], None]) -> None:
+    """The head after the last step of ``history``: in ``out``, or, when a held-out evaluation kept
+    an earlier (better) head there, in ``out/checkpoints/last`` (which exists only then); and the
+    loss history."""
+    best = Evaluations.best(history)
+    steps = history[-1]["step"] if history else 0
+    last_is_best = best is None or best["step"] == steps
+    if last_is_best:
+        _save_head(head, out, _trained(cfg, dist, history))
+        shutil.rmtree(out / LAST, ignore_errors=True)  # an earlier part of the run's last head: not the last now
+    else:
+        _save_head(head, out / LAST, _trained(cfg, dist, history))
+    _write_log(out, history)
+    loss = fmt_loss(history[-1]["loss"] if history else None)
+    if last_is_best:
+        log(f"saved the {cfg.variant} head to {out} ({steps} steps, loss {loss})")
+        if best is not None:
+            log(f"its held-out tau, {best['held_out']['tau']:.2f}, is the run's best")
+    else:
+        tau = history[-1].get("held_out", {}).get("tau")
+        log(f"kept the {cfg.variant} head of step {best['step']} in {out}: the best held-out tau, "
+            f"{best['held_out']['tau']:.2f}" + ("" if tau is None else f" (the last head's: {tau:.2f})")
+            + f"; the last head, {steps} steps, in {out / LAST} (loss {loss})")
 
 
 # --- training sequences (``mmspec train head --data``) ---
@@ -503,15 +571,7 @@ def world_video_sequences(target, processor, families: list[str], n: int, seed: 
     if unknown or not families:
         raise MMSpecError(f"unknown world video family {unknown[0] if unknown else '(none)'!r}; use some of "
                           f"{', '.join(VIDEO_FAMILIES)}")
-    cfg = target.config
-    vid = getattr(cfg, "video_token_index", None)
-    vc = getattr(cfg, "vision_config", None)
-    per_frame = (vc.image_size // vc.patch_size) ** 2 + 1 if vc is not None else 0
-    if vid is None or not per_frame or getattr(cfg, "video_seq_length", 0) % per_frame:
-        raise MMSpecError("the world's clips are made for a Video-LLaVA target whose video_seq_length is its frames "
-                          "x (grid^2 + 1) slots (mmspec train video's); train on your own clips with --data "
-                          "sharegpt:FILE --media-dir DIR")
-    n_frames = cfg.video_seq_length // per_frame
+    vid, n_frames, per_frame = clip_layout(target)
     tok, ip = processor.tokenizer, processor.image_processor
     out = []
     for s in (make_video_sample(f, "train", i, seed) for i in range(n) for f in families):
@@ -522,6 +582,20 @@ def world_video_sequences(target, processor, families: list[str], n: int, seed: 
         out.append(Sequence_(ids, None, text_only=Sequence_(torch.cat([t_ids, cont]), None),
                              mm={"pixel_values_videos": x["pixel_values_videos"]}, loss_mask=ids != vid))
     return out
+
+
+def clip_layout(target) -> tuple[int, int, int]:
+    """A Video-LLaVA target's (video token id, frames, slots per frame) for the world's clips: its
+    ``video_seq_length`` read as frames x (grid^2 + 1) slots (each frame keeps its CLS token)."""
+    cfg = target.config
+    vid = getattr(cfg, "video_token_index", None)
+    vc = getattr(cfg, "vision_config", None)
+    per_frame = (vc.image_size // vc.patch_size) ** 2 + 1 if vc is not None else 0
+    if vid is None or not per_frame or getattr(cfg, "video_seq_length", 0) % per_frame:
+        raise MMSpecError("the world's clips are made for a Video-LLaVA target whose video_seq_length is its frames "
+                          "x (grid^2 + 1) slots (mmspec train video's); train on your own clips with --data "
+                          "sharegpt:FILE --media-dir DIR")
+    return vid, cfg.video_seq_length // per_frame, per_frame
 
 
 def llava_instruct_sequences(processor, path: Path, image_dir: Path, n: int, image_token_id) -> list[Sequence_]:

@@ -324,7 +324,7 @@ def fit(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, StepInfo],
                 torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
             step += 1
-            history.append({"step": step, "loss": float(loss.detach()), "lr": lr, "seconds": round(seconds(), 3),
+            history.append({"step": step, "loss": float(loss.detach()), "lr": lr, "seconds": seconds(),
                             **(record or {})})
             if after_step is not None:
                 t = time.perf_counter()
