@@ -51,7 +51,7 @@ def test_a_head_for_every_family(family, tok, media, tmp_path):
     head = build_head(target, "eagle3", feature_layers=(0, 1, 2), seed=0)
     before = first_step_acceptance(head, target, held_seqs)
     cfg = HeadTrainConfig(variant="eagle3", out=str(tmp_path / "head"), steps=25, batch_size=4, lr=3e-3, warmup=2,
-                          ttt_steps=2, progress=False, checkpoint_every=1000)
+                          ttt_depth=2, progress=False, checkpoint_every=1000)
     train_head(target, seqs, cfg, head=head, log=lambda s: None)
     after = first_step_acceptance(head, target, held_seqs)
     assert after > before, (before, after)
@@ -263,7 +263,7 @@ def test_cached_features_are_the_target_features_and_reused(tok, media, tmp_path
 
     # a whole run: the first epoch fills it, the next ones read it; a rerun reads everything
     cfg = HeadTrainConfig(variant="eagle3", out=str(tmp_path / "h"), steps=6, batch_size=2, progress=False,
-                          ttt_steps=1, cache_features=str(tmp_path / "run-cache"), checkpoint_every=1000)
+                          ttt_depth=1, cache_features=str(tmp_path / "run-cache"), checkpoint_every=1000)
     head = build_head(target, "eagle3", feature_layers=(0, 1, 2))
     s1 = train_head(target, seqs, cfg, head=head, log=lambda s: None)
     assert s1["cache"]["misses"] == 6 and s1["cache"]["hits"] == 6

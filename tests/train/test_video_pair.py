@@ -82,7 +82,9 @@ def test_a_head_on_the_world_clips_of_the_pair(video_pair, tmp_path):
                                  "--data", "world", "--samples", "2", "--steps", "2", "--batch-size", "2",
                                  "--out", str(out), "--threads", "1"])
     assert r.exit_code == 0, r.output
-    assert json.loads((out / "mmspec_head.json").read_text())["trained"]["families"] == "motion,order"
+    trained = json.loads((out / "mmspec_head.json").read_text())["trained"]
+    assert trained["families"] == "motion,order"
+    assert trained["held_out"]["prompts"] == 4 and trained["held_out"]["tokens"] > 0  # on the world's test clips
     r = CliRunner().invoke(app, ["train", "head", "--target", str(video_pair / "target"), "--data", "world",
                                  "--families", "chartqa", "--out", str(tmp_path / "h2")])
     assert r.exit_code != 0 and "unknown world video family 'chartqa'" in r.output

@@ -98,14 +98,17 @@ def trained_words(trained: dict) -> str:
 
 
 # --------------------------------------------------------------------------- prompts
-def world_prompts(n: int = 4) -> list[CalibrationPrompt]:
-    """``n`` test-split samples of the embedded world, one family each (1, 2 and 5 images): each
-    one's question without LLaVA-1.5's ``USER: ... ASSISTANT:`` frame, so that every target frames
-    it its own way (:func:`mmspec.inputs.chat_prompt`: its chat template; the embedded target's
-    frame gives the world's prompt back exactly)."""
+CHECK_FAMILIES = ("chartqa", "spot_the_diff", "textvqa", "pororosv", "vqav2", "iedit")
+
+
+def world_prompts(n: int = 4, families: tuple[str, ...] = CHECK_FAMILIES) -> list[CalibrationPrompt]:
+    """``n`` test-split samples of the embedded world, one family each in turn (by default 1, 2
+    and 5 images): each one's question without LLaVA-1.5's ``USER: ... ASSISTANT:`` frame, so that
+    every target frames it its own way (:func:`mmspec.inputs.chat_prompt`: its chat template; the
+    embedded target's frame gives the world's prompt back exactly)."""
     from mmspec.world import make_sample
 
-    fams = ("chartqa", "spot_the_diff", "textvqa", "pororosv", "vqav2", "iedit")
+    fams = tuple(families)
     out = []
     for i in range(n):
         s = make_sample(fams[i % len(fams)], "test", i // len(fams))
@@ -273,6 +276,13 @@ def _appended(inputs: dict, answer: list[int]) -> dict:
     return out
 
 
+def measure(dec, prompts: list[CalibrationPrompt], max_new_tokens: int = 24) -> tuple[float, list[float], int]:
+    """What :func:`calibrate` starts from, without its probes: (τ, acceptance by depth, tokens) of the
+    head of ``dec`` on ``prompts``, greedy, in the chain or tree ``dec`` is set up with."""
+    m = _run(dec, prompts, max_new_tokens, probe_features=False)
+    return m.tau, m.acceptance_by_depth(dec.tree.max_depth), sum(b.n_emitted for b in m.blocks)
+
+
 def calibrate(dec, prompts: list[CalibrationPrompt] | None = None, *, max_new_tokens: int = 24,
               probe: bool = True) -> HeadReport:
     """Run the head of ``dec`` (a SpecDecoder drafting with a head, with its processor, in the chain
@@ -317,7 +327,7 @@ def diagnose(rep: HeadReport, shifted: dict | None = None, imported: bool = Fals
         return (f"under-trained in depth: its first position drafts ({acc[0]:.2f} accepted) but acceptance falls "
                 f"apart after it ({_accepted(acc)}; below half the first from depth {lost}): the head predicts "
                 "from the target's features well and from its own poorly. Train it longer, with the "
-                "training-time test unrolled as deep as it drafts (train head --variant eagle3, --ttt-steps), "
+                "training-time test unrolled as deep as it drafts (train head --ttt-depth), "
                 "or draft a shallower tree / a shorter chain"), None
     found = []
     for layers, t in (shifted or {}).items():

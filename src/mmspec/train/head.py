@@ -12,12 +12,13 @@ writes (also after Ctrl-C and when the time budget is spent), and the training s
 Losses, per position t (the head saw target feature t and token t + 1, predicts feature t + 1):
 * cross-entropy against the TARGET's distribution at t + 1 (soft labels: the head learns what
   the target would say, whatever the sequence says next), all variants;
-* eagle / msd: + ``reg_weight`` x smooth-L1 between the predicted and the target's feature
+* training-time test, every variant: ``ttt_depth`` passes unrolled (the depth the head drafts),
+  pass k reading the head's own predictions of pass k - 1 under the attention drafting gives it
+  (:mod:`mmspec.train.ttt`: EAGLE-3's diagonal mask), each pass against the same target
+  distribution; the passes' cross-entropies weighted ``ttt_decay``^(k-1) and normalised (1:
+  every depth counts alike); depth 1 is pass 1 alone;
+* eagle / msd: + ``reg_weight`` x smooth-L1 between pass 1's predicted and the target's feature
   (EAGLE's feature regression);
-* eagle3: training-time test: ``ttt_steps`` unrolled passes, pass k reading the head's own
-  predictions of pass k - 1 instead of the target's features (weights 0.8^(k-1)). Simplified:
-  in pass k every context position reads predicted features, where drafting reads predicted
-  ones only for the last k - 1 positions, a harsher condition;
 * msd: the first ``text_steps`` steps on text-only sequences (images and their slots removed),
   then multimodal ones (MSD's two-stage schedule); with a time budget that ends training first,
   the text stage takes the same share of the budget.
@@ -32,6 +33,7 @@ import json
 import math
 import os
 import random
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +45,18 @@ from mmspec.errors import MMSpecError
 from mmspec.heads.model import VARIANTS, FeatureHead, build_head
 from mmspec.prompt import VIDEO_MARKER
 from mmspec.train.feature_cache import target_features
-from mmspec.train.loop import FitConfig, FitResult, StepInfo, TrainingInterrupted, fit, fmt_loss, write_atomically
+from mmspec.train.held_out import Evaluations
+from mmspec.train.loop import (
+    FitConfig,
+    FitResult,
+    StepInfo,
+    TrainingInterrupted,
+    fit,
+    fmt_loss,
+    hold_sigint,
+    write_atomically,
+)
+from mmspec.train.ttt import chain_valid, pass_weights, unroll
 
 
 @dataclass
@@ -74,7 +87,8 @@ class HeadTrainConfig:
     lr: float = 1e-3
     warmup: int = 50
     reg_weight: float = 1.0  # eagle / msd: feature regression next to the cross-entropy
-    ttt_steps: int = 3  # eagle3: unrolled passes of training-time test
+    ttt_depth: int = 5  # training-time test: passes unrolled = the depth the head drafts (a chain's γ); 1: none
+    ttt_decay: float = 1.0  # pass k's loss weighs ttt_decay^(k-1), normalised (1: every depth alike; EAGLE-3: 0.8)
     text_steps: int | None = None  # msd: steps on text-only sequences first (default: a third)
     seed: int = 0
     checkpoint_every: int = 100
@@ -83,12 +97,15 @@ class HeadTrainConfig:
     device: str = "cpu"
     cache_features: str | None = None  # a directory: the target's features dumped once, reused every epoch
     cache_max_gb: float = 50.0  # the size limit of that directory; past it, features stay on the fly
+    warmup_share: float = 0.05  # with minutes: the warm-up's share of the schedule (in place of warmup's steps)
+    eval_every_minutes: float | None = None  # held-out τ every N training minutes (None: a fifth of minutes, or
+    # only at the end without them; 0: never); needs train_head's evaluate
     notes: dict = field(default_factory=dict)  # recorded in the head's config (recipe, data)
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
             raise MMSpecError(f"unknown head variant {self.variant!r}; use one of {', '.join(VARIANTS)}")
-        for name in ("steps", "batch_size", "num_layers", "ttt_steps", "checkpoint_every"):
+        for name in ("steps", "batch_size", "num_layers", "ttt_depth", "checkpoint_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 flag = "layers" if name == "num_layers" else name.replace("_", "-")
@@ -111,6 +128,14 @@ class HeadTrainConfig:
             raise MMSpecError(f"--cache-max-gb must be a finite number > 0, got {self.cache_max_gb}")
         if not (math.isfinite(self.reg_weight) and self.reg_weight >= 0):
             raise MMSpecError(f"reg_weight must be a finite number >= 0, got {self.reg_weight}")
+        if not 0 <= self.warmup_share < 1:
+            raise MMSpecError(f"warmup_share must be in [0, 1), got {self.warmup_share}")
+        if self.eval_every_minutes is not None and not (math.isfinite(self.eval_every_minutes)
+                                                        and self.eval_every_minutes >= 0):
+            raise MMSpecError(f"--eval-every-minutes must be a finite number >= 0 (0: never), got "
+                              f"{self.eval_every_minutes}")
+        if not (math.isfinite(self.ttt_decay) and self.ttt_decay > 0):
+            raise MMSpecError(f"--ttt-decay must be a finite number > 0, got {self.ttt_decay}")
 
 
 # --------------------------------------------------------------------------- distributed
@@ -224,34 +249,31 @@ def head_loss(head: FeatureHead, target, batch: dict, cfg: HeadTrainConfig, feat
         p = p[..., core.d2t]
         p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)
 
-    def ce(h):
+    def ce(h, ok):  # h [B, L-1, H] -> [B, L-1]: the cross-entropy at the slots ``ok`` [B, L-1], 0 elsewhere
+        x = h[ok]  # [N, H]: only the trained slots reach the vocabulary
         if core.lm_head is not None:
-            logits = core.lm_head(h)
+            logits = core.lm_head(x)
         else:  # the target's frozen head, in the head's dtype
-            logits = F.linear(h, lm_head.weight.to(h.dtype), None if lm_head.bias is None else lm_head.bias.to(h.dtype))
-        return -(p * torch.log_softmax(logits.float(), -1)).sum(-1)  # [B, L-1]
+            logits = F.linear(x, lm_head.weight.to(x.dtype), None if lm_head.bias is None else lm_head.bias.to(x.dtype))
+        out = torch.zeros(ok.shape, dtype=torch.float32, device=h.device)
+        out[ok] = -(p[ok] * torch.log_softmax(logits.float(), -1)).sum(-1)
+        return out
 
-    def per_seq(x):  # [B, L-1] -> mean over each sequence's valid positions, then over sequences
-        v = valid.to(x.dtype)
+    def per_seq(x, ok):  # [B, L-1] -> mean over each sequence's slots ``ok``, then over sequences
+        v = ok.to(x.dtype)
         return ((x * v).sum(1) / v.sum(1).clamp_min(1.0)).mean()
 
     dt = core.fc.weight.dtype  # the head trains in float32 (float64 with a float64 target) whatever the target's dtype
     emb = emb.to(dt)
     g = core.fused(feats[:, :-1].to(dt))  # [B, L-1, H]
-    h = head(g, emb, image, position_ids=pos, attention_mask=amask)
-    parts = {"ce": per_seq(ce(h))}
-    loss = parts["ce"]
-    if reg:
-        parts["reg"] = per_seq(F.smooth_l1_loss(h, final[:, 1:].to(dt), reduction="none").mean(-1))
+    passes = unroll(head, g, emb, image, pos, amask.bool(), cfg.ttt_depth)  # ttt_depth x [B, L-1, H]
+    parts = {}
+    for k, (h, ok) in enumerate(zip(passes, chain_valid(valid, cfg.ttt_depth)), 1):
+        parts["ce" if k == 1 else f"ce{k}"] = per_seq(ce(h, ok), ok)
+    loss = sum(w * ce_k for w, ce_k in zip(pass_weights(cfg.ttt_depth, cfg.ttt_decay), parts.values()))
+    if reg:  # EAGLE's feature regression, on pass 1 (the target's true features in)
+        parts["reg"] = per_seq(F.smooth_l1_loss(passes[0], final[:, 1:].to(dt), reduction="none").mean(-1), valid)
         loss = loss + cfg.reg_weight * parts["reg"]
-    if hc.variant == "eagle3":  # training-time test: later passes read the head's own predictions
-        prev = h
-        for k in range(2, cfg.ttt_steps + 1):
-            g_k = torch.cat([g[:, :1], prev[:, :-1]], dim=1)  # position t: the head's prediction of feature t
-            h_k = head(g_k, emb, image, position_ids=pos, attention_mask=amask)
-            parts[f"ce{k}"] = per_seq(ce(h_k))
-            loss = loss + 0.8 ** (k - 1) * parts[f"ce{k}"]
-            prev = h_k
     return loss, {k: float(v.detach()) for k, v in parts.items()}
 
 
@@ -312,8 +334,7 @@ def head_settings(cfg: HeadTrainConfig) -> dict:
     """The settings a resumed head must share with its checkpoint, by their ``train head`` flags."""
     out = {"variant": cfg.variant, "layers": cfg.num_layers, "batch_size": cfg.batch_size, "lr": cfg.lr,
            "warmup": cfg.warmup, "reg_weight": cfg.reg_weight, "text_steps": cfg.text_steps, "seed": cfg.seed}
-    if cfg.variant == "eagle3":
-        out["ttt_steps"] = cfg.ttt_steps
+    out.update(ttt_depth=cfg.ttt_depth, ttt_decay=cfg.ttt_decay)
     return {**out, **{k: cfg.notes[k] for k in NOTED if k in cfg.notes}}
 
 
@@ -323,11 +344,18 @@ def text_steps_of(cfg: HeadTrainConfig) -> int:
 
 
 def train_head(target, seqs: Sequence[Sequence_], cfg: HeadTrainConfig, *, head: FeatureHead | None = None,
-               log: Callable[[str], None] = print) -> dict:
+               log: Callable[[str], None] = print, evaluate: Callable[[FeatureHead], dict] | None = None) -> dict:
     """Train (or resume) a head for ``target`` on ``seqs``; saves it under ``cfg.out``. Returns a
-    summary (steps done, losses, seconds). Under torchrun every rank calls this. On Ctrl-C the
-    finished steps are kept (checkpoint and the head itself) and :class:`TrainingInterrupted` is
-    raised; when ``cfg.minutes`` is spent the head is saved as after the last step."""
+    summary (steps done, losses, seconds, the best held-out evaluation). Under torchrun every rank
+    calls this. On Ctrl-C the finished steps are kept (checkpoint and the head itself) and
+    :class:`TrainingInterrupted` is raised; when ``cfg.minutes`` is spent the head is saved as
+    after the last step. With ``cfg.minutes`` the learning rate warms up and decays over the
+    budget (or over ``cfg.steps`` if they end training first), reaching its floor at the end.
+
+    ``evaluate(head) -> {"tau", ...}`` (:class:`mmspec.train.held_out.HeldOut`): the head's
+    held-out τ every ``cfg.eval_every_minutes`` training minutes and at the end
+    (:class:`~mmspec.train.held_out.Evaluations`); ``cfg.out`` then holds the head of the best τ,
+    the last one ``out/checkpoints/last``. Without it, ``cfg.out`` holds the last head."""
     if not seqs:
         raise MMSpecError("no training sequences; give the head some data (--samples, --families, --data)")
     dist = init_dist(cfg.device)
@@ -369,18 +397,34 @@ def train_head(target, seqs: Sequence[Sequence_], cfg: HeadTrainConfig, *, head:
         loss, parts = head_loss(model, target, batch, cfg, feats)
         return loss, {**parts, "stage": "text" if text_stage else "multimodal"}
 
+    clock = cfg.minutes is not None  # the schedule follows the budget: a run it ends ends at the floor
     fit_cfg = FitConfig(label=f"train {cfg.variant} head", steps=cfg.steps, minutes=cfg.minutes, lr=cfg.lr,
-                        warmup_steps=cfg.warmup, min_lr_ratio=0.1, grad_clip=1.0, checkpoint=out / CHECKPOINT,
+                        warmup_steps=0 if clock else cfg.warmup, warmup_ratio=cfg.warmup_share if clock else 0.0,
+                        clock_schedule=clock, min_lr_ratio=0.1, grad_clip=1.0, checkpoint=out / CHECKPOINT,
                         checkpoint_every=cfg.checkpoint_every, resume=cfg.resume, settings=head_settings(cfg),
                         progress=cfg.progress, ddp=True, find_unused_parameters=cfg.variant == "msd")
+    evals = None
+    if evaluate is not None and cfg.eval_every_minutes != 0:
+        every = cfg.eval_every_minutes or (cfg.minutes / 5 if cfg.minutes else None)
+        evals = Evaluations(evaluate, head, None if every is None else 60.0 * every,
+                            keep=lambda history: _save_head(head, out, _trained(cfg, dist, history)),
+                            log=log if dist.main else (lambda s: None), rank=dist.rank, world=dist.world)
     try:
         res = fit(head, step_loss, fit_cfg, log=log if dist.main else (lambda s: None),
-                  on_save=lambda step, history: _write_log(out, history))
+                  on_save=lambda step, history: _write_log(out, history),
+                  after_step=None if evals is None else evals.after_step)
     except TrainingInterrupted as e:
         if dist.main and e.step > 0:  # the finished steps make a usable head too
-            _write_head(head, _partial(fit_cfg), out, cfg, dist, lambda s: None)
+            _keep_last(head, out, cfg, dist, _partial(fit_cfg).history, lambda s: None)
         raise
-    summary = _write_head(head, res, out, cfg, dist, log) if dist.main else _summary(res, dist)
+    summary = _summary(res, dist)
+    if dist.main:
+        if evals is not None and res.stopped != "done":
+            evals.finish(res.history)
+        _keep_last(head, out, cfg, dist, res.history, log)
+        best = Evaluations.best(res.history)
+        if best is not None:
+            summary["held_out"] = {"step": best["step"], **best["held_out"]}
     if cache is not None:
         summary["cache"] = {"hits": cache.hits, "misses": cache.misses, "bytes": cache.used}
         log(f"feature cache {cfg.cache_features}: {cache.hits} sequence(s) read from it, {cache.misses} computed "
@@ -410,20 +454,53 @@ def _write_log(out: Path, history: list[dict]) -> None:
                      lambda tmp: tmp.write_text("".join(json.dumps(h) + "\n" for h in history)))
 
 
-def _write_head(head: FeatureHead, res: FitResult, out: Path, cfg: HeadTrainConfig, dist: Dist,
-                log: Callable[[str], None]) -> dict:
-    """The trained head under ``out`` with its ``trained`` record, and its loss history."""
-    summary = _summary(res, dist)
-    head.config.trained = {**cfg.notes, "variant": cfg.variant, "steps": res.steps, "batch_size": cfg.batch_size,
-                           "lr": cfg.lr, "seed": cfg.seed, "world_size": dist.world,
-                           "final_loss": summary["final_loss"], "text_steps": summary["text_steps"],
-                           "ttt_steps": cfg.ttt_steps if cfg.variant == "eagle3" else None}
+LAST = Path("checkpoints") / "last"  # under --out: the last head, when the held-out τ kept an earlier one
+
+
+def _trained(cfg: HeadTrainConfig, dist: Dist, history: list[dict]) -> dict:
+    """The ``trained`` record of the head after the last step of ``history``."""
+    last = history[-1] if history else {}
+    return {**cfg.notes, "variant": cfg.variant, "steps": last.get("step", 0), "batch_size": cfg.batch_size,
+            "lr": cfg.lr, "seed": cfg.seed, "world_size": dist.world, "final_loss": last.get("loss"),
+            "text_steps": sum(h.get("stage") == "text" for h in history), "ttt_depth": cfg.ttt_depth,
+            "ttt_decay": cfg.ttt_decay, "schedule": "clock" if cfg.minutes is not None else "steps",
+            **({"held_out": last["held_out"]} if "held_out" in last else {})}
+
+
+def _save_head(head: FeatureHead, where: Path, trained: dict) -> None:
+    """``head`` saved as a head directory under ``where`` with its ``trained`` record (Ctrl-C held
+    meanwhile: a save is never cut in half)."""
+    head.config.trained = trained
     was_training = head.training
-    head.eval().save(out)
+    with hold_sigint():
+        head.eval().save(where)
     head.train(was_training)
-    _write_log(out, res.history)
-    log(f"saved the {cfg.variant} head to {out} ({res.steps} steps, loss {fmt_loss(summary['final_loss'])})")
-    return summary
+
+
+def _keep_last(head: FeatureHead, out: Path, cfg: HeadTrainConfig, dist: Dist, history: list[dict],
+               log: Callable[[str], None]) -> None:
+    """The head after the last step of ``history``: in ``out``, or, when a held-out evaluation kept
+    an earlier (better) head there, in ``out/checkpoints/last`` (which exists only then); and the
+    loss history."""
+    best = Evaluations.best(history)
+    steps = history[-1]["step"] if history else 0
+    last_is_best = best is None or best["step"] == steps
+    if last_is_best:
+        _save_head(head, out, _trained(cfg, dist, history))
+        shutil.rmtree(out / LAST, ignore_errors=True)  # an earlier part of the run's last head: not the last now
+    else:
+        _save_head(head, out / LAST, _trained(cfg, dist, history))
+    _write_log(out, history)
+    loss = fmt_loss(history[-1]["loss"] if history else None)
+    if last_is_best:
+        log(f"saved the {cfg.variant} head to {out} ({steps} steps, loss {loss})")
+        if best is not None:
+            log(f"its held-out tau, {best['held_out']['tau']:.2f}, is the run's best")
+    else:
+        tau = history[-1].get("held_out", {}).get("tau")
+        log(f"kept the {cfg.variant} head of step {best['step']} in {out}: the best held-out tau, "
+            f"{best['held_out']['tau']:.2f}" + ("" if tau is None else f" (the last head's: {tau:.2f})")
+            + f"; the last head, {steps} steps, in {out / LAST} (loss {loss})")
 
 
 # --- training sequences (``mmspec train head --data``) ---
@@ -494,15 +571,7 @@ def world_video_sequences(target, processor, families: list[str], n: int, seed: 
     if unknown or not families:
         raise MMSpecError(f"unknown world video family {unknown[0] if unknown else '(none)'!r}; use some of "
                           f"{', '.join(VIDEO_FAMILIES)}")
-    cfg = target.config
-    vid = getattr(cfg, "video_token_index", None)
-    vc = getattr(cfg, "vision_config", None)
-    per_frame = (vc.image_size // vc.patch_size) ** 2 + 1 if vc is not None else 0
-    if vid is None or not per_frame or getattr(cfg, "video_seq_length", 0) % per_frame:
-        raise MMSpecError("the world's clips are made for a Video-LLaVA target whose video_seq_length is its frames "
-                          "x (grid^2 + 1) slots (mmspec train video's); train on your own clips with --data "
-                          "sharegpt:FILE --media-dir DIR")
-    n_frames = cfg.video_seq_length // per_frame
+    vid, n_frames, per_frame = clip_layout(target)
     tok, ip = processor.tokenizer, processor.image_processor
     out = []
     for s in (make_video_sample(f, "train", i, seed) for i in range(n) for f in families):
@@ -513,6 +582,20 @@ def world_video_sequences(target, processor, families: list[str], n: int, seed: 
         out.append(Sequence_(ids, None, text_only=Sequence_(torch.cat([t_ids, cont]), None),
                              mm={"pixel_values_videos": x["pixel_values_videos"]}, loss_mask=ids != vid))
     return out
+
+
+def clip_layout(target) -> tuple[int, int, int]:
+    """A Video-LLaVA target's (video token id, frames, slots per frame) for the world's clips: its
+    ``video_seq_length`` read as frames x (grid^2 + 1) slots (each frame keeps its CLS token)."""
+    cfg = target.config
+    vid = getattr(cfg, "video_token_index", None)
+    vc = getattr(cfg, "vision_config", None)
+    per_frame = (vc.image_size // vc.patch_size) ** 2 + 1 if vc is not None else 0
+    if vid is None or not per_frame or getattr(cfg, "video_seq_length", 0) % per_frame:
+        raise MMSpecError("the world's clips are made for a Video-LLaVA target whose video_seq_length is its frames "
+                          "x (grid^2 + 1) slots (mmspec train video's); train on your own clips with --data "
+                          "sharegpt:FILE --media-dir DIR")
+    return vid, cfg.video_seq_length // per_frame, per_frame
 
 
 def llava_instruct_sequences(processor, path: Path, image_dir: Path, n: int, image_token_id) -> list[Sequence_]:

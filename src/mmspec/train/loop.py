@@ -9,7 +9,9 @@ DDP under ``torchrun`` (the caller opens the process group).
 
 A caller brings its maths as a step function ``step_loss(model, info) -> (loss, record)``:
 ``model`` is the module (wrapped in DDP when it runs under torchrun), ``info`` a
-:class:`StepInfo`, ``loss`` a scalar tensor and ``record`` extra fields for the loss history.
+:class:`StepInfo`, ``loss`` a scalar tensor and ``record`` extra fields for the loss history
+(which records each step's loss, learning rate and training seconds besides). An ``after_step``
+hook (an evaluation) runs after each step off the training clock.
 Batches must be a function of ``info.step`` (or the caller fast-forwards its stream on resume)
 so that a resumed run sees the batches an uninterrupted one would.
 
@@ -161,7 +163,7 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 # --------------------------------------------------------------------------- checkpoints
 @contextlib.contextmanager
-def _sigint_deferred(reraise: bool = True):
+def hold_sigint(reraise: bool = True):
     """Hold Ctrl-C while the block runs (a save), then raise it: a save is never cut in half."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -181,7 +183,7 @@ def write_atomically(path: Path, save: Callable[[Path], None], reraise: bool = T
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with _sigint_deferred(reraise):
+    with hold_sigint(reraise):
         try:
             save(tmp)
             os.replace(tmp, path)
@@ -257,12 +259,17 @@ def _wrap(model: torch.nn.Module, cfg: FitConfig) -> torch.nn.Module:
 
 def fit(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, StepInfo], tuple[torch.Tensor, dict]],
         cfg: FitConfig, *, params: list[torch.nn.Parameter] | None = None,
-        log: Callable[[str], None] = print, on_save: Callable[[int, list[dict]], None] | None = None) -> FitResult:
+        log: Callable[[str], None] = print, on_save: Callable[[int, list[dict]], None] | None = None,
+        after_step: Callable[[int, list[dict]], None] | None = None) -> FitResult:
     """Train ``params`` (default: ``model``'s parameters that require grad) on ``step_loss`` until
     ``cfg.steps`` or ``cfg.minutes`` is reached, resuming from ``cfg.checkpoint`` when it exists.
     On Ctrl-C: saves the finished steps and raises :class:`TrainingInterrupted`; when the time
     budget is spent: saves and returns (``stopped == "budget"``). ``on_save(step, history)`` runs
-    after each checkpoint (the main rank's), e.g. to write the loss log as it grows."""
+    after each checkpoint (the main rank's), e.g. to write the loss log as it grows.
+    ``after_step(step, history)`` runs on every rank after each step (an evaluation: it may add
+    fields to ``history[-1]``); its time is off the training clock (the budget and the schedule
+    count training alone), so under DDP it must keep the ranks together itself. Each history
+    record holds the step, its loss, the learning rate and the training seconds at its end."""
     from tqdm.auto import tqdm
 
     main = _rank() == 0
@@ -282,9 +289,10 @@ def fit(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, StepInfo],
             log(f"resuming {cfg.label} from {ckpt} at step {start}" + (f" of {cfg.steps}" if cfg.steps else ""))
     budget = cfg.budget_seconds
     t0 = time.perf_counter()
+    paused = 0.0  # seconds spent in after_step: not training
 
     def seconds() -> float:
-        return before + time.perf_counter() - t0
+        return before + time.perf_counter() - t0 - paused
 
     def progress(step: int) -> float:
         p = step / cfg.steps if cfg.steps else 0.0
@@ -316,7 +324,12 @@ def fit(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, StepInfo],
                 torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
             step += 1
-            history.append({"step": step, "loss": float(loss.detach()), **(record or {})})
+            history.append({"step": step, "loss": float(loss.detach()), "lr": lr, "seconds": seconds(),
+                            **(record or {})})
+            if after_step is not None:
+                t = time.perf_counter()
+                after_step(step, history)
+                paused += time.perf_counter() - t
             bar.update(1)
             bar.set_postfix(loss=fmt_loss(history[-1]["loss"]), lr=f"{lr:.1e}")
             if main and ckpt and cfg.checkpoint_every and step % cfg.checkpoint_every == 0 \

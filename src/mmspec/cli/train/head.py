@@ -55,10 +55,28 @@ def head(
                                               "(0-based, comma-separated; eagle3: three ascending, default 1, N/2-1, "
                                               "N-4, moved apart in a target of fewer than 8 layers)."),
     steps: int = typer.Option(1000, help="Optimizer steps in all (a resume may raise it, never lower it)."),
-    minutes: float | None = typer.Option(None, help="Time budget: stop and save when it is spent."),
+    minutes: float | None = typer.Option(None, help="Time budget of the training: stop and save when it is spent; "
+                                         "the learning rate's schedule then runs over it (held-out evaluations are "
+                                         "off its clock)."),
     batch_size: int = typer.Option(16, help="Global batch (split over torchrun's processes)."),
-    lr: float = typer.Option(1e-3, help="Peak learning rate (AdamW: warm-up over the first 50 steps, then a cosine to a tenth of it)."),
-    ttt_steps: int = typer.Option(3, help="eagle3: unrolled training-time-test passes."),
+    lr: float = typer.Option(1e-3, help="Peak learning rate (AdamW: a warm-up, then a cosine to a tenth of it at --steps, "
+                             "or when --minutes is spent if that comes first; the warm-up is the first 50 steps, with "
+                             "--minutes the first 5% of the schedule)."),
+    ttt_depth: int = typer.Option(5, "--ttt-depth", "--ttt-steps",
+                                  help="Training-time test: passes unrolled, the depth the head will draft (a chain's "
+                                  "gamma, 5 by default, or a tree's depth); pass k reads the head's own predictions "
+                                  "under the attention drafting gives it. 1: pass 1 alone. (--ttt-steps: its older "
+                                  "name.)"),
+    ttt_decay: float = typer.Option(1.0, help="Pass k's loss weighs DECAY^(k-1), the weights normalised (1: every "
+                                    "depth counts alike; EAGLE-3 used 0.8)."),
+    eval_every_minutes: float | None = typer.Option(None, help="Held-out tau (the engine drafting --eval-prompts "
+                                                    "prompts the training never sees, a chain of --ttt-depth) every "
+                                                    "this many training minutes and at the end; OUT keeps the head of "
+                                                    "the best, OUT/checkpoints/last the last (default: a fifth of "
+                                                    "--minutes, or only at the end; 0: never, OUT keeps the last)."),
+    eval_prompts: int = typer.Option(4, help="Held-out prompts per evaluation: the world's test split of the "
+                                     "families trained on (its test clips for a Video-LLaVA target; the image "
+                                     "families' with --data FILE), 32 new tokens each."),
     text_steps: int | None = typer.Option(None, help="msd: text-only steps first (default: a third of --steps; "
                                              "with --minutes, that share of the time budget if it ends training "
                                              "first)."),
@@ -88,13 +106,17 @@ def head(
         if device == "cuda" and local is not None:
             device = f"cuda:{local}"
         cfg = HeadTrainConfig(variant=variant, out=str(out), num_layers=layers, steps=steps, minutes=minutes,
-                              batch_size=batch_size, lr=lr, ttt_steps=ttt_steps, text_steps=text_steps, seed=seed,
+                              batch_size=batch_size, lr=lr, ttt_depth=ttt_depth, ttt_decay=ttt_decay,
+                              text_steps=text_steps, seed=seed, eval_every_minutes=eval_every_minutes,
                               resume=not fresh, device=device, cache_max_gb=cache_max_gb,
                               cache_features=None if cache_features is None else str(cache_features),
                               notes={"command": command_line(), "data": data, "samples": samples, "families": families,
                                      "answers": str(answers) if answers else None, "world_seed": world_seed,
                                      "draft_vocab": draft_vocab, "max_length": max_length,
                                      "feature_layers": feature_layers})
+        if isinstance(eval_prompts, bool) or eval_prompts < 1:
+            raise MMSpecError(f"--eval-prompts must be >= 1, got {eval_prompts} (--eval-every-minutes 0 turns the "
+                              "evaluations off)")
         check_conversation_options(cfg.variant, data, max_length, frames, draft_vocab)
         check_head_options(cfg, target, data, image_dir, answers, families, samples, threads)
         feature_ids = check_feature_layers(cfg.variant, feature_layers, target)  # before the target loads
@@ -119,7 +141,22 @@ def head(
                 seqs, draft_vocab, model.get_output_embeddings().weight.shape[0])
             head = build_head(model, cfg.variant, num_layers=layers, draft_vocab=vocab, seed=seed,
                               feature_layers=feature_ids)
-        train_head(model, seqs, cfg, head=head)
+        evaluate = None if eval_every_minutes == 0 else held_out(model, processor, target, data, names(families),
+                                                                  eval_prompts, ttt_depth)
+        train_head(model, seqs, cfg, head=head, evaluate=evaluate)
+
+
+def held_out(model, processor, target: Path, data: str, families: list[str], n: int, gamma: int):
+    """The held-out evaluator: the world's test clips of the trained families for a Video-LLaVA
+    target on --data world, else its test prompts (of the trained families on --data world)."""
+    from mmspec.heads.check import CHECK_FAMILIES, world_prompts
+    from mmspec.train.held_out import HeldOut, world_clip_prompts
+
+    if data == "world" and is_video_llava(target):
+        prompts = world_clip_prompts(model, processor, families, n)
+    else:
+        prompts = world_prompts(n, tuple(families) if data == "world" else CHECK_FAMILIES)
+    return HeldOut(model, processor.tokenizer, processor, prompts, gamma=gamma)
 
 
 def user_sequences(model, processor, data: str, media_dir: Path | None, samples: int | None, max_length: int | None,
