@@ -14,33 +14,21 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.head_data import greedy_sequences
 from helpers.reference import reference
-from helpers.tiny import IMG, make_llava, make_prompt
+from helpers.tiny import make_llava, make_prompt
 from mmspec import SpecDecoder
 from mmspec.errors import MMSpecError
 from mmspec.heads import VARIANTS, build_head, load_head
-from mmspec.train.head import HeadTrainConfig, Sequence_, train_head
+from mmspec.train.head import HeadTrainConfig, train_head
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _sequences(target, n: int = 16) -> list[Sequence_]:
-    """Prompts followed by the target's own greedy continuation (image-token ids replaced)."""
-    seqs = []
-    for i in range(n):
-        ids, pv = make_prompt(1 + i % 2, 16, seed=200 + i)
-        out = target.generate(input_ids=ids, pixel_values=pv, do_sample=False, max_new_tokens=20)[0].clone()
-        cont = out[ids.shape[1]:]
-        cont[cont == IMG] = 5
-        text = torch.cat([ids[0][ids[0] != IMG], cont])
-        seqs.append(Sequence_(out, pv, text_only=Sequence_(text, None)))
-    return seqs
 
 
 @pytest.fixture(scope="module")
 def trained(target, tmp_path_factory):
     """One head per variant, trained a few dozen steps on the session target (module-scoped)."""
-    seqs = _sequences(target)
+    seqs = greedy_sequences(target)
     out = {}
     for variant in VARIANTS:
         d = tmp_path_factory.mktemp(f"head-{variant}")
@@ -104,7 +92,7 @@ def test_save_load_round_trip_and_refusal(target, tmp_path):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_training_lowers_the_loss(target, variant, tmp_path):
-    seqs = _sequences(target, 8)
+    seqs = greedy_sequences(target, 8)
     train_head(target, seqs, HeadTrainConfig(variant=variant, out=str(tmp_path), steps=12, batch_size=4, lr=3e-3,
                                              resume=False, progress=False), log=lambda s: None)
     hist = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
@@ -117,7 +105,7 @@ def test_training_lowers_the_loss(target, variant, tmp_path):
 
 
 def test_resume_continues_from_the_checkpoint(target, tmp_path):
-    seqs = _sequences(target, 4)
+    seqs = greedy_sequences(target, 4)
     cfg = HeadTrainConfig(variant="eagle", out=str(tmp_path), steps=4, batch_size=2, checkpoint_every=2,
                           progress=False)
     train_head(target, seqs, cfg, log=lambda s: None)

@@ -13,7 +13,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from helpers.tiny import IMG, make_prompt
+from helpers.head_data import greedy_sequences
+from helpers.tiny import make_prompt
 from mmspec.cli import app
 from mmspec.heads import VARIANTS, build_head
 from mmspec.train.head import HeadTrainConfig, Sequence_, head_settings, train_head
@@ -88,21 +89,9 @@ def test_the_diagonal_mask_and_the_trained_slots_of_each_pass():
     assert ok[2].int().tolist() == [[0, 0, 0, 1, 0, 0, 0, 1, 1]]
 
 
-def _sequences(target, n: int) -> list[Sequence_]:
-    """Prompts followed by the target's own greedy continuation (the tiny test world)."""
-    seqs = []
-    for i in range(n):
-        ids, pv = make_prompt(1 + i % 2, 16, seed=200 + i)
-        out = target.generate(input_ids=ids, pixel_values=pv, do_sample=False, max_new_tokens=20)[0].clone()
-        cont = out[ids.shape[1]:]
-        cont[cont == IMG] = 5
-        seqs.append(Sequence_(out, pv, text_only=Sequence_(torch.cat([ids[0][ids[0] != IMG], cont]), None)))
-    return seqs
-
-
 @pytest.mark.parametrize("variant", ["eagle3", "eagle"])
 def test_training_at_depth_5_lowers_every_depths_loss(target, variant, tmp_path):
-    seqs = _sequences(target, 8)
+    seqs = greedy_sequences(target, 8)
     train_head(target, seqs, HeadTrainConfig(variant=variant, out=str(tmp_path), steps=14, batch_size=4, lr=3e-3,
                                              warmup=2, resume=False, progress=False), log=lambda s: None)
     hist = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
