@@ -564,7 +564,7 @@ def world_video_sequences(target, processor, families: list[str], n: int, seed: 
     was trained on (:func:`mmspec.train.video.clip_inputs`: evenly spaced frames, each keeping its
     CLS token; no torchvision needed), the frame count read off the target's ``video_seq_length``.
     The loss covers every token but the video's slots."""
-    from mmspec.train.video import clip_inputs
+    from mmspec.train.video import clip_inputs, clip_layout
     from mmspec.world import VIDEO_FAMILIES, make_video_sample
 
     unknown = [f for f in families if f not in VIDEO_FAMILIES]
@@ -582,20 +582,6 @@ def world_video_sequences(target, processor, families: list[str], n: int, seed: 
         out.append(Sequence_(ids, None, text_only=Sequence_(torch.cat([t_ids, cont]), None),
                              mm={"pixel_values_videos": x["pixel_values_videos"]}, loss_mask=ids != vid))
     return out
-
-
-def clip_layout(target) -> tuple[int, int, int]:
-    """A Video-LLaVA target's (video token id, frames, slots per frame) for the world's clips: its
-    ``video_seq_length`` read as frames x (grid^2 + 1) slots (each frame keeps its CLS token)."""
-    cfg = target.config
-    vid = getattr(cfg, "video_token_index", None)
-    vc = getattr(cfg, "vision_config", None)
-    per_frame = (vc.image_size // vc.patch_size) ** 2 + 1 if vc is not None else 0
-    if vid is None or not per_frame or getattr(cfg, "video_seq_length", 0) % per_frame:
-        raise MMSpecError("the world's clips are made for a Video-LLaVA target whose video_seq_length is its frames "
-                          "x (grid^2 + 1) slots (mmspec train video's); train on your own clips with --data "
-                          "sharegpt:FILE --media-dir DIR")
-    return vid, cfg.video_seq_length // per_frame, per_frame
 
 
 def llava_instruct_sequences(processor, path: Path, image_dir: Path, n: int, image_token_id) -> list[Sequence_]:

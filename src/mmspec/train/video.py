@@ -242,3 +242,17 @@ def save_video_pair(model, tokenizer, image_processor, out: str | Path,
     log(f"{out}: saved without Video-LLaVA's video processor (it needs torchvision, which does not import here); "
         "make a clip's inputs with mmspec.train.video.clip_inputs")
     return out
+
+
+def clip_layout(target) -> tuple[int, int, int]:
+    """A Video-LLaVA target's (video token id, frames, slots per frame) for the world's clips: its
+    ``video_seq_length`` read as frames x (grid^2 + 1) slots (each frame keeps its CLS token)."""
+    cfg = target.config
+    vid = getattr(cfg, "video_token_index", None)
+    vc = getattr(cfg, "vision_config", None)
+    per_frame = (vc.image_size // vc.patch_size) ** 2 + 1 if vc is not None else 0
+    if vid is None or not per_frame or getattr(cfg, "video_seq_length", 0) % per_frame:
+        raise MMSpecError("the world's clips are made for a Video-LLaVA target whose video_seq_length is its frames "
+                          "x (grid^2 + 1) slots (mmspec train video's); train on your own clips with --data "
+                          "sharegpt:FILE --media-dir DIR")
+    return vid, cfg.video_seq_length // per_frame, per_frame
