@@ -195,3 +195,14 @@ def test_overlap_keeps_each_tokens_logprobs(target, draft_shared, tok):
     for a, b in zip(*got):
         assert a.token_ids == b.token_ids and len(a.logprobs) == len(a.token_ids)
         assert a.logprobs == b.logprobs
+
+
+def test_a_bad_overlap_is_refused_before_the_engine_is_leased(target, draft_shared, tok):
+    from mmspec import MMSpecError
+
+    dec = SpecDecoder(target, draft_shared, tok, views="M")
+    with pytest.raises(MMSpecError, match=r"overlap must be True, False or None"):
+        BatchScheduler(dec, overlap="yes")
+    with pytest.raises(MMSpecError, match=r"overlap must be True, False or None"):
+        dec.generate_batch(requests(1), overlap=1)
+    assert BatchScheduler(dec).overlap is False  # the CPU's default; the engine was not held by the refusals

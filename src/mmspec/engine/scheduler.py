@@ -252,6 +252,8 @@ class BatchScheduler:
                  overlap: bool | None = None, clock: Callable[[], float] = time.perf_counter):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise MMSpecError(f"max_batch must be a whole number >= 1, got {max_batch!r}")
+        if overlap is not None and not isinstance(overlap, bool):
+            raise MMSpecError(f"overlap must be True, False or None (None: on a GPU), got {overlap!r}")
         self.decoder = decoder
         self.max_batch = max_batch
         self.stream_text = stream_text
@@ -262,7 +264,7 @@ class BatchScheduler:
         self.engine.draft_later = self.policy.mode != "never"
         while self.engine.active:  # a leased engine may come back with rows of a failed batch
             self.engine.remove(self.engine.active - 1)
-        self.overlap = self.engine.device.type == "cuda" if overlap is None else bool(overlap)
+        self.overlap = self.engine.device.type == "cuda" if overlap is None else overlap
         self._flight: deque = deque()  # launched engine steps: (InFlight, the requests in it, depth, t_launch)
         self._queue: deque = deque()  # (rid, Request, t_submit)
         self._active: list[_Active] = []  # row b of the engine is _active[b]

@@ -337,6 +337,7 @@ class Engine:
         index = {id(r): b for b, r in enumerate(self.rows)}  # rows may have moved or left since the launch
         drafted = plan.spec is not None and self.drafting is not None
         k = plan.logprobs
+        d1 = (len(host[0]) - 4) // (2 + 2 * k if k else 1) if host else 0  # path positions: a token column each (+ 1 + 2k)
         emitted: list = []
         advance = [0] * len(self.rows)
         for i, (row, h) in enumerate(zip(step.rows, host)):
@@ -344,7 +345,6 @@ class Engine:
             if b is None or row.done:  # its tokens past its end are dropped
                 emitted.append(None)
                 continue
-            d1 = (len(h) - 4) // (2 + 2 * k if k else 1)  # path positions: a token column each (+ 1 + 2k)
             n_acc, nxt, kept_m, nv, toks = h[0], h[1], h[2], h[3], h[4:4 + d1]
             advance[b] = (row.pending_len + kept_m) if (drafted or plan.catch_up) else 0
             if drafted:
