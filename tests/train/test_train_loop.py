@@ -104,6 +104,18 @@ def test_the_time_budget_saves_and_a_rerun_has_nothing_left(tmp_path):
     assert fit(_toy(), _step, cfg, log=lambda s: None).stopped == "done"
 
 
+def test_a_time_budget_shows_its_share_and_the_step_on_the_bar(tmp_path, capsys):
+    """With --minutes the bar counts the budget's share, so its remaining time is the run's (a
+    bar over --steps 100000 promised hours); the step count rides in the postfix."""
+    cfg = FitConfig(label="toy", steps=10**9, minutes=0.002, lr=0.05, checkpoint=None, progress=True)
+    res = fit(_toy(), _step, cfg, log=lambda s: None)
+    err = capsys.readouterr().err
+    assert res.stopped == "budget" and "100.0/100%" in err and f"step={res.steps}" in err
+    assert "/1000000000" not in err
+    fit(_toy(), _step, FitConfig(label="toy", steps=3, lr=0.05, progress=True), log=lambda s: None)
+    assert "3/3" in capsys.readouterr().err  # steps alone: the bar counts steps
+
+
 def test_schedules_of_the_four_callers():
     recipe = FitConfig(steps=100, warmup_ratio=0.03, clock_schedule=True)
     from mmspec.train.recipe import lr_at

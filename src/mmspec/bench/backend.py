@@ -103,11 +103,31 @@ class HFBackend:
         self._decoders: dict[str, Any] = {}
 
     def _inputs(self, sample: BenchSample) -> dict[str, torch.Tensor]:
+        dtype = next(self.m.target.parameters()).dtype  # pixel_values follow the target (bf16 runs)
+        if sample.video is not None:
+            return self._clip_inputs(sample, dtype)
         images = sample.images or None
         enc = self.m.processor(text=sample.prompt, images=images, return_tensors="pt")
-        dtype = next(self.m.target.parameters()).dtype  # pixel_values follow the target (bf16 runs)
         return {k: v.to(self.device, dtype=dtype) if v.is_floating_point() else v.to(self.device)
                 for k, v in enc.items() if isinstance(v, torch.Tensor)}
+
+    def _clip_inputs(self, sample: BenchSample, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """A world clip as the Video-LLaVA pair reads it (:func:`mmspec.train.video.clip_inputs`:
+        evenly spaced frames, ``<video>`` expanded to the target's slots): input_ids [1, L],
+        attention_mask [1, L], pixel_values_videos [1, T, 3, H, W]."""
+        from mmspec.train.video import clip_inputs, clip_layout
+
+        try:
+            vid, n_frames, per_frame = clip_layout(self.m.target)
+        except MMSpecError:
+            raise MMSpecError(f"dataset {sample.dataset!r} is the world's video clips: it needs a Video-LLaVA "
+                              "target whose video_seq_length is frames x (grid^2 + 1) slots, as `mmspec train "
+                              "video` makes (--target PAIR/target --draft PAIR/draft); this target is a "
+                              f"{type(self.m.target).__name__}") from None
+        x = clip_inputs(sample.video, self.m.tokenizer, self.m.processor.image_processor, vid, n_frames, per_frame)
+        ids = x["input_ids"][None].to(self.device)  # [1, L]
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                "pixel_values_videos": x["pixel_values_videos"].to(self.device, dtype=dtype)}
 
     def _get_captioner(self) -> Any:
         if self.m.captioner is None:
@@ -170,6 +190,8 @@ class HFBackend:
         return Generation(new, text, wall, n_in)
 
     def spec(self, sample: BenchSample, method: str) -> Generation:
+        from mmspec.decoder import MM_KEYS
+
         inputs = self._inputs(sample)
         dec = self._decoder(method, reuse=sample.turn > 1 or sample.followup is not None)
         sync(self.device)
@@ -178,6 +200,7 @@ class HFBackend:
             inputs["input_ids"], pixel_values=inputs.get("pixel_values"),
             attention_mask=inputs.get("attention_mask"), max_new_tokens=self.cfg.max_new_tokens,
             temperature=self.cfg.temperature, seed=self.cfg.seed, images=sample.images,
+            **{k: v for k, v in inputs.items() if k in MM_KEYS},
         )
         sync(self.device)
         wall = time.perf_counter() - t0
@@ -239,6 +262,9 @@ class HFBackend:
 
     def latency(self, sample: BenchSample) -> dict | None:
         from mmspec.bench.latency import measure_latency
+
+        if sample.video is not None:  # the probes feed images (pixel_values) only
+            return None
 
         return measure_latency(self.m.target, self.m.draft, self._inputs(sample), self.cfg.gamma,
                                self.cfg.latency_batch_sizes, self.cfg.latency_repeats)

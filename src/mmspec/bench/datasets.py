@@ -34,6 +34,10 @@ Expected schemas (the lmms-lab hub datasets; images are ``{bytes, path}`` struct
   before any image bytes are read; a row whose image count differs from its question's
   ``<image>`` markers is skipped and counted.
 
+The embedded world's video families (``motion``, ``order``: :data:`mmspec.world.VIDEO_FAMILIES`)
+are benchmarked on a Video-LLaVA pair such as ``mmspec train video``'s: a sample carries the
+world's clip (:attr:`BenchSample.video`), which the backend turns into the target's video inputs.
+
 A missing path, a split with no files, or a file lacking a needed column raises
 :class:`mmspec.errors.MMSpecError` naming the file, the problem and the fix. It knows nothing
 about models.
@@ -60,7 +64,9 @@ N_IMAGES: dict[str, int] = {  # images a sample of the embedded world's family h
 # the embedded world's multi-turn family (mmspec.world.conversation): turn 1 is a sample of it, turn
 # 2 (BenchSample.followup) is built by the runner from the target's own turn-1 answer
 MULTI_TURN: dict[str, int] = {"conversation": 1}
-EMBEDDED_NAMES: tuple[str, ...] = (*N_IMAGES, *MULTI_TURN)
+# the embedded world's video families: one clip a sample, for a Video-LLaVA target (mmspec train video's)
+VIDEO_NAMES: tuple[str, ...] = ("motion", "order")
+EMBEDDED_NAMES: tuple[str, ...] = (*N_IMAGES, *MULTI_TURN, *VIDEO_NAMES)
 SINGLE_IMAGE = ("chartqa", "textvqa", "vqav2", "hallusionbench")
 INTERLEAVE = ("spot_the_diff", "iedit", "pororosv", "vist")
 # the split each real benchmark is read from unless NAME=PATH:SPLIT names another (lmms-eval's)
@@ -93,6 +99,7 @@ class BenchSample:
     turn: int = 1  # a conversation's turn (1 for every one-turn data set)
     followup: str | None = None  # a conversation's turn-2 user question (turn 1 only)
     followup_reference: str | None = None  # the world's reference answer to it
+    video: Any = None  # the world's clip (mmspec.world.VideoSample) of a video family; prompt holds its <video>
 
     def next_turn(self, answer: str) -> BenchSample:
         """Turn 2 of a conversation: this prompt + ``answer`` (the target's own turn-1 output) + the
@@ -127,6 +134,11 @@ def load_embedded(name: str, n: int, split: str = EMBEDDED_SPLIT) -> list[BenchS
     if name in MULTI_TURN:
         return [BenchSample(c.uid, name, c.prompt1, list(c.images), c.answer1, followup=c.question2,
                             followup_reference=c.answer2) for c in generate_conversations(split, n)]
+    if name in VIDEO_NAMES:
+        from mmspec.world import make_video_sample
+
+        return [BenchSample(str(v.uid), name, v.prompt, [], v.answer, video=v)
+                for v in (make_video_sample(name, split, i) for i in range(n))]
     out = []
     for s in generate_samples(name, split, n):
         ref = getattr(s, "answer", None)
@@ -294,8 +306,9 @@ def _interleave(name: str, src: RowSource, n: int, report: LoadReport) -> list[B
 def load_real(name: str, path: Path, n: int, split: str | None = None) -> tuple[list[BenchSample], LoadReport]:
     """The first ``n`` usable samples of real benchmark ``name`` read from ``path``, from
     ``split`` (None: the benchmark's default, :data:`DEFAULT_SPLITS`)."""
-    if name in MULTI_TURN:
-        raise MMSpecError(f"{name!r} is the embedded world's multi-turn family, with no loader of local files; "
+    if name in MULTI_TURN or name in VIDEO_NAMES:
+        kind = "multi-turn" if name in MULTI_TURN else "video"
+        raise MMSpecError(f"{name!r} is the embedded world's {kind} family, with no loader of local files; "
                           f"write -d {name} (no =PATH)")
     if name not in N_IMAGES:
         raise MMSpecError(f"unknown benchmark {name!r}; choose from {sorted(N_IMAGES)}")

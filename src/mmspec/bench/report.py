@@ -41,14 +41,21 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return out + ["| " + " | ".join(r) + " |" for r in rows]
 
 
+def _group(n: int, datasets: list[str]) -> str:
+    """A column's label: ``n=N`` images, or ``video`` for the world's clip families (no images)."""
+    from mmspec.bench.datasets import VIDEO_NAMES
+
+    return "video" if n == 0 and all(d in VIDEO_NAMES for d in datasets) else f"n={n}"
+
+
 def table3(metrics: list[MethodMetrics], attr: str, nd: int = 2) -> list[str]:
     """Paper Table 3 layout: one row per method; datasets grouped by n, then group averages."""
     grp = groups(metrics)
     cell = {(m.dataset, m.method): getattr(m, attr) for m in metrics}
     methods = [m for m in methods_of([{"kind": "spec", "method": x.method, "dataset": x.dataset}
                                       for x in metrics])]
-    header = ["Method"] + [f"{d} (n={n})" for n, ds in grp.items() for d in ds]
-    header += [f"Avg n={n}" for n in grp]
+    header = ["Method"] + [f"{d} ({_group(n, [d])})" for n, ds in grp.items() for d in ds]
+    header += [f"Avg {_group(n, ds)}" for n, ds in grp.items()]
     rows = []
     for meth in methods:
         r = [meth] + [_fmt(cell.get((d, meth)), nd) for ds in grp.values() for d in ds]

@@ -303,8 +303,13 @@ def fit(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, StepInfo],
             log(f"{cfg.label}: {ckpt} has finished already ({start} steps); nothing to train")
         return FitResult(cfg.label, start, start, before, "done", history, ckpt)
     wrapped = _wrap(model, cfg)
-    bar = tqdm(total=cfg.steps, initial=start, desc=cfg.label, disable=not (cfg.progress and main), unit="step",
-               dynamic_ncols=True, mininterval=2.0)
+    # With a time budget the bar follows the schedule's progress (the budget's share or the steps',
+    # whichever is ahead), so its remaining time is the run's; steps alone count steps.
+    by_share = budget is not None
+    bar = tqdm(total=100 if by_share else cfg.steps, initial=round(100 * progress(start), 1) if by_share else start,
+               desc=cfg.label, disable=not (cfg.progress and main), unit="%" if by_share else "step",
+               dynamic_ncols=True, mininterval=2.0,
+               bar_format="{l_bar}{bar}| {n:.1f}/100% [{elapsed}<{remaining}{postfix}]" if by_share else None)
     step, stopped = start, "steps"
     try:
         while True:
@@ -313,6 +318,8 @@ def fit(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, StepInfo],
             frac = progress(step)
             if budget is not None and frac >= 1.0 and (cfg.steps is None or step < cfg.steps):
                 stopped = "budget"
+                if by_share:
+                    bar.update(100.0 - bar.n)
                 break
             lr = cfg.lr * lr_factor(cfg, step, frac if cfg.clock_schedule or not cfg.steps else step / cfg.steps)
             for group in opt.param_groups:
@@ -330,8 +337,12 @@ def fit(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, StepInfo],
                 t = time.perf_counter()
                 after_step(step, history)
                 paused += time.perf_counter() - t
-            bar.update(1)
-            bar.set_postfix(loss=fmt_loss(history[-1]["loss"]), lr=f"{lr:.1e}")
+            if by_share:
+                bar.update(min(100.0, round(100 * progress(step), 1)) - bar.n)
+                bar.set_postfix(step=step, loss=fmt_loss(history[-1]["loss"]), lr=f"{lr:.1e}", refresh=False)
+            else:
+                bar.update(1)
+                bar.set_postfix(loss=fmt_loss(history[-1]["loss"]), lr=f"{lr:.1e}", refresh=False)
             if main and ckpt and cfg.checkpoint_every and step % cfg.checkpoint_every == 0 \
                     and (cfg.steps is None or step < cfg.steps):
                 _save(ckpt, model, opt, step, seconds(), history, cfg)
