@@ -159,6 +159,7 @@ def test_train_head_ctrl_c_keeps_a_usable_head_and_the_same_command_resumes(tmp_
     assert r.exit_code == 130, r.output
     assert _flat(f"kept step 2 of 5 in {out / 'checkpoints' / 'head.pt'}") in _flat(r.output)
     assert "samecommand" in _flat(r.output)
+    assert "note:trainingontheworld'sreferenceanswers" in _flat(r.output)  # --answers is the better data
     assert torch.load(out / "checkpoints" / "head.pt", weights_only=False)["step"] == 2
     assert json.loads((out / "mmspec_head.json").read_text())["trained"]["steps"] == 2  # a usable head
     monkeypatch.setattr(th, "head_loss", real)
