@@ -33,8 +33,8 @@ def run(args) -> dict:
     from mmspec.models.base import adapter_for
     from mmspec.models.substitute import load_substitute_encoder
     from mmspec.substitutes import DEFAULT_BINS, Substitute, make_substitute
-    from mmspec.train.video import clip_inputs
     from mmspec.world import make_video_sample
+    from mmspec.world.processor import clip_inputs
 
     torch.set_num_threads(args.threads)
     root = Path(args.pair)

@@ -360,8 +360,9 @@ def test_train_video_ctrl_c_resumes_and_labels_each_role(tmp_path, monkeypatch):
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     import mmspec.train.video as tv
-    from mmspec.train.video import VideoTrainConfig, build_video_llava, clip_inputs, train_video
+    from mmspec.train.video import VideoTrainConfig, build_video_llava, train_video
     from mmspec.world import make_video_sample
+    from mmspec.world.processor import clip_inputs
 
     proc = AutoProcessor.from_pretrained(EMBEDDED / "target")
     tok, ip = proc.tokenizer, proc.image_processor

@@ -66,8 +66,8 @@ def test_a_head_on_the_world_clips_of_the_pair(video_pair, tmp_path):
 
     from mmspec import SpecDecoder
     from mmspec.train.head import world_video_sequences
-    from mmspec.train.video import clip_inputs
     from mmspec.world import make_video_sample
+    from mmspec.world.processor import clip_inputs
 
     target = VideoLlavaForConditionalGeneration.from_pretrained(video_pair / "target", dtype=torch.float32).eval()
     proc = AutoProcessor.from_pretrained(video_pair / "target")

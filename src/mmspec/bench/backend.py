@@ -115,7 +115,7 @@ class HFBackend:
         """A world clip as the Video-LLaVA pair reads it (:func:`mmspec.train.video.clip_inputs`:
         evenly spaced frames, ``<video>`` expanded to the target's slots): input_ids [1, L],
         attention_mask [1, L], pixel_values_videos [1, T, 3, H, W]."""
-        from mmspec.train.video import clip_inputs, clip_layout
+        from mmspec.world.processor import clip_inputs, clip_layout
 
         try:
             vid, n_frames, per_frame = clip_layout(self.m.target)

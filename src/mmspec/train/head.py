@@ -561,11 +561,11 @@ def world_sequences(processor, families: list[str], n: int, seed: int, answers: 
 def world_video_sequences(target, processor, families: list[str], n: int, seed: int) -> list[Sequence_]:
     """The world's video clips (:data:`mmspec.world.VIDEO_FAMILIES`, train split) for a Video-LLaVA
     target such as ``mmspec train video``'s: each clip's prompt and reference answer as that pair
-    was trained on (:func:`mmspec.train.video.clip_inputs`: evenly spaced frames, each keeping its
+    was trained on (:func:`mmspec.world.processor.clip_inputs`: evenly spaced frames, each keeping its
     CLS token; no torchvision needed), the frame count read off the target's ``video_seq_length``.
     The loss covers every token but the video's slots."""
-    from mmspec.train.video import clip_inputs, clip_layout
     from mmspec.world import VIDEO_FAMILIES, make_video_sample
+    from mmspec.world.processor import clip_inputs, clip_layout
 
     unknown = [f for f in families if f not in VIDEO_FAMILIES]
     if unknown or not families:

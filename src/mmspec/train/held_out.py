@@ -61,8 +61,8 @@ class HeldOut:
 def world_clip_prompts(target, processor, families: list[str], n: int) -> list[CalibrationPrompt]:
     """``n`` of the world's test clips for a Video-LLaVA target, the trained video families in turn,
     each the prompt alone as :func:`mmspec.train.head.world_video_sequences` encodes it."""
-    from mmspec.train.video import clip_inputs, clip_layout
     from mmspec.world import make_video_sample
+    from mmspec.world.processor import clip_inputs, clip_layout
 
     vid, n_frames, per_frame = clip_layout(target)
     out = []

@@ -3,12 +3,11 @@ fine-tuned on the world's video families (``mmspec train video``).
 
 Owns: building a ``VideoLlavaForConditionalGeneration`` from a trained image LLaVA (its tower
 serves images and frames, its projector and LM carry over; the vocabulary gains ``<video>``),
-turning a world clip into the model's inputs (``n_frames`` evenly spaced frames; each frame
-keeps its CLS token, as Video-LLaVA's video path does: ``n_frames x (grid^2 + 1)`` placeholder
-tokens), teacher-forced fine-tuning of the projector and the LM on the clips' reference
+teacher-forced fine-tuning of the projector and the LM on the clips' reference
 answers (the towers stay frozen; the step function of :func:`mmspec.train.loop.fit`), the pair's
 saved processor (Video-LLaVA's, :func:`video_processor`), and the quality bar the embedded video target must clear:
-its greedy answers state the clip's key motion fact (``VideoSample.key_fact``).
+its greedy answers state the clip's key motion fact (``VideoSample.key_fact``). A clip's inputs
+are :func:`mmspec.world.processor.clip_inputs`' (the bench reads them too).
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ import torch
 
 from mmspec.errors import MMSpecError
 from mmspec.train.loop import FitConfig, StepInfo, fit
+from mmspec.world.processor import clip_inputs
 
 
 @dataclass
@@ -101,28 +101,6 @@ def build_video_llava(image_llava, tokenizer, n_frames: int):
     return model.to(image_llava.dtype).eval(), video_id
 
 
-def clip_inputs(sample, tokenizer, image_processor, video_id: int, n_frames: int, tokens_per_frame: int,
-                answer: str | None = None) -> dict:
-    """A world clip -> input_ids [L] (``<video>`` expanded), pixel_values_videos [1, T, 3, H, W],
-    and, with ``answer``, labels [L] (-100 on the prompt)."""
-    frames = sample.frames
-    idx = [round(i * (len(frames) - 1) / max(1, n_frames - 1)) for i in range(n_frames)]
-    pv = image_processor(images=[frames[i] for i in idx], return_tensors="pt")["pixel_values"][None]
-    ids = tokenizer(sample.prompt, add_special_tokens=True)["input_ids"]
-    if ids.count(video_id) != 1:
-        raise MMSpecError(f"{sample.uid}: its prompt must hold one <video> marker, found {ids.count(video_id)}")
-    k = ids.index(video_id)
-    ids = ids[:k] + [video_id] * (n_frames * tokens_per_frame) + ids[k + 1:]
-    out = {"pixel_values_videos": pv}
-    if answer is None:
-        out["input_ids"] = torch.tensor(ids)
-        return out
-    ans = tokenizer(" " + answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    out["input_ids"] = torch.tensor(ids + ans)
-    out["labels"] = torch.tensor([-100] * len(ids) + ans)
-    return out
-
-
 def _batch(items: Sequence[dict], pad: int) -> dict:
     L = max(x["input_ids"].shape[0] for x in items)
     ids = torch.full((len(items), L), pad, dtype=torch.long)
@@ -145,7 +123,8 @@ def video_settings(cfg: VideoTrainConfig) -> dict:
 def train_video(model, data: Sequence[dict], cfg: VideoTrainConfig, pad_id: int,
                 log: Callable[[str], None] = print) -> list[float]:
     """Teacher-forced fine-tuning of the projector and LM (towers frozen) on ``data`` (items of
-    :func:`clip_inputs` with labels), on the one loop (:func:`mmspec.train.loop.fit`): Ctrl-C
+    :func:`~mmspec.world.processor.clip_inputs` with labels), on the one loop
+    (:func:`mmspec.train.loop.fit`): Ctrl-C
     keeps the finished steps in ``cfg.out/checkpoints/{role}.pt`` and a rerun resumes them.
     Returns the loss history."""
     model.train()
@@ -208,11 +187,11 @@ def torchvision_works() -> bool:
 def video_processor(tokenizer, image_processor, patch_size: int):
     """Video-LLaVA's processor for the pair: ``processor(text=prompt, videos=[frames],
     return_tensors="pt")`` gives ``input_ids`` (``<video>`` expanded to ``frames x (grid^2 + 1)``
-    slots) and ``pixel_values_videos [1, T, 3, H, W]``, what :func:`clip_inputs` makes of the
+    slots) and ``pixel_values_videos [1, T, 3, H, W]``, what :func:`~mmspec.world.processor.clip_inputs` makes of the
     same frames. Needs torchvision (transformers' video processors use it)."""
     if not torchvision_works():
         raise MMSpecError("Video-LLaVA's video processor needs a torchvision that matches this torch; install it "
-                          "(pip install torchvision), or make the inputs with mmspec.train.video.clip_inputs")
+                          "(pip install torchvision), or make the inputs with mmspec.world.processor.clip_inputs")
     from transformers import VideoLlavaProcessor, VideoLlavaVideoProcessor
 
     d = image_processor.to_dict()
@@ -231,7 +210,7 @@ def save_video_pair(model, tokenizer, image_processor, out: str | Path,
     """A loadable directory: weights (fp16), config, tokenizer and processor. With torchvision the
     processor is Video-LLaVA's (:func:`video_processor`): ``AutoProcessor.from_pretrained(out)``
     then handles ``videos=``. Without it, the tokenizer and image processor only, and one line
-    says so (the inputs then come from :func:`clip_inputs`)."""
+    says so (the inputs then come from :func:`~mmspec.world.processor.clip_inputs`)."""
     out = Path(out)
     model.save_pretrained(out)
     vc = model.config.vision_config
@@ -241,19 +220,5 @@ def save_video_pair(model, tokenizer, image_processor, out: str | Path,
     tokenizer.save_pretrained(out)
     image_processor.save_pretrained(out)
     log(f"{out}: saved without Video-LLaVA's video processor (it needs torchvision, which does not import here); "
-        "make a clip's inputs with mmspec.train.video.clip_inputs")
+        "make a clip's inputs with mmspec.world.processor.clip_inputs")
     return out
-
-
-def clip_layout(target) -> tuple[int, int, int]:
-    """A Video-LLaVA target's (video token id, frames, slots per frame) for the world's clips: its
-    ``video_seq_length`` read as frames x (grid^2 + 1) slots (each frame keeps its CLS token)."""
-    cfg = target.config
-    vid = getattr(cfg, "video_token_index", None)
-    vc = getattr(cfg, "vision_config", None)
-    per_frame = (vc.image_size // vc.patch_size) ** 2 + 1 if vc is not None else 0
-    if vid is None or not per_frame or getattr(cfg, "video_seq_length", 0) % per_frame:
-        raise MMSpecError("the world's clips are made for a Video-LLaVA target whose video_seq_length is its frames "
-                          "x (grid^2 + 1) slots (mmspec train video's); train on your own clips with --data "
-                          "sharegpt:FILE --media-dir DIR")
-    return vid, cfg.video_seq_length // per_frame, per_frame

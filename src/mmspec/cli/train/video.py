@@ -25,12 +25,12 @@ from mmspec.errors import MMSpecError
 from mmspec.train.video import (
     VideoTrainConfig,
     build_video_llava,
-    clip_inputs,
     key_fact_rate,
     save_video_pair,
     train_video,
     video_settings,
 )
+from mmspec.world.processor import clip_inputs
 
 
 def video_command(
