@@ -45,6 +45,10 @@ def test_conversation_samples_and_their_second_turn():
         t2.next_turn("x")
     with pytest.raises(MMSpecError, match="multi-turn family"):
         load_dataset("conversation", __import__("pathlib").Path("/tmp"), 1)
+    with pytest.raises(MMSpecError, match=r"'motion' is the embedded world's video family.*-d motion \(no =PATH\)"):
+        load_dataset("motion", __import__("pathlib").Path("/tmp"), 1)
+    clip = load_dataset("motion", None, 1)[0][0]  # the world's: its clip rides on the sample
+    assert clip.video is not None and clip.images == [] and "<video>" in clip.prompt
 
 
 def test_bench_runs_turn_two_from_the_targets_answer(tmp_path):

@@ -112,12 +112,13 @@ def test_a_time_budget_shows_its_share_and_the_step_on_the_bar(tmp_path, capsys)
     err = capsys.readouterr().err
     assert res.stopped == "budget" and "100.0/100%" in err and f"step={res.steps}" in err
     assert "/1000000000" not in err
+    assert res.history[-1]["lr"] < 0.05 * 0.05  # every caller's schedule follows the budget: it ends at the floor
     fit(_toy(), _step, FitConfig(label="toy", steps=3, lr=0.05, progress=True), log=lambda s: None)
     assert "3/3" in capsys.readouterr().err  # steps alone: the bar counts steps
 
 
 def test_schedules_of_the_four_callers():
-    recipe = FitConfig(steps=100, warmup_ratio=0.03, clock_schedule=True)
+    recipe = FitConfig(steps=100, warmup_ratio=0.03)
     from mmspec.train.recipe import lr_at
 
     for p in (0.0, 0.01, 0.03, 0.5, 0.99):

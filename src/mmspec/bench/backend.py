@@ -112,7 +112,7 @@ class HFBackend:
                 for k, v in enc.items() if isinstance(v, torch.Tensor)}
 
     def _clip_inputs(self, sample: BenchSample, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """A world clip as the Video-LLaVA pair reads it (:func:`mmspec.train.video.clip_inputs`:
+        """A world clip as the Video-LLaVA pair reads it (:func:`mmspec.world.processor.clip_inputs`:
         evenly spaced frames, ``<video>`` expanded to the target's slots): input_ids [1, L],
         attention_mask [1, L], pixel_values_videos [1, T, 3, H, W]."""
         from mmspec.world.processor import clip_inputs, clip_layout

@@ -397,10 +397,10 @@ def train_head(target, seqs: Sequence[Sequence_], cfg: HeadTrainConfig, *, head:
         loss, parts = head_loss(model, target, batch, cfg, feats)
         return loss, {**parts, "stage": "text" if text_stage else "multimodal"}
 
-    clock = cfg.minutes is not None  # the schedule follows the budget: a run it ends ends at the floor
+    clock = cfg.minutes is not None  # a budget: warm up over a share of the schedule, not a step count
     fit_cfg = FitConfig(label=f"train {cfg.variant} head", steps=cfg.steps, minutes=cfg.minutes, lr=cfg.lr,
                         warmup_steps=0 if clock else cfg.warmup, warmup_ratio=cfg.warmup_share if clock else 0.0,
-                        clock_schedule=clock, min_lr_ratio=0.1, grad_clip=1.0, checkpoint=out / CHECKPOINT,
+                        min_lr_ratio=0.1, grad_clip=1.0, checkpoint=out / CHECKPOINT,
                         checkpoint_every=cfg.checkpoint_every, resume=cfg.resume, settings=head_settings(cfg),
                         progress=cfg.progress, ddp=True, find_unused_parameters=cfg.variant == "msd")
     evals = None

@@ -61,8 +61,8 @@ class FitConfig:
     ends it). Learning rate at a step: ``lr x ramp x cosine`` where ``ramp = min(1, (step + 1) /
     warmup_steps)`` (1 without warm-up steps) and the cosine runs from 1 to ``min_lr_ratio`` over
     the schedule's progress, after a linear warm-up from 0 over its first ``warmup_ratio``.
-    Progress is ``step / steps``, or, with ``clock_schedule``, the larger of that and the share of
-    the time budget spent."""
+    Progress is the larger of ``step / steps`` and the share of the time budget spent, so a run
+    the budget ends ends at the schedule's floor."""
 
     label: str = "train"  # the progress bar's label and the messages' subject
     steps: int | None = None
@@ -71,7 +71,6 @@ class FitConfig:
     warmup_steps: int = 0
     warmup_ratio: float = 0.0
     min_lr_ratio: float = 0.0
-    clock_schedule: bool = False
     weight_decay: float = 0.0
     grad_clip: float | None = 1.0
     checkpoint: str | Path | None = None  # a file; None: no checkpoints (and nothing kept on Ctrl-C)
@@ -321,7 +320,7 @@ def fit(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, StepInfo],
                 if by_share:
                     bar.update(100.0 - bar.n)
                 break
-            lr = cfg.lr * lr_factor(cfg, step, frac if cfg.clock_schedule or not cfg.steps else step / cfg.steps)
+            lr = cfg.lr * lr_factor(cfg, step, frac)
             for group in opt.param_groups:
                 group["lr"] = lr
             loss, record = step_loss(wrapped, StepInfo(step, cfg.steps, frac, lr))
@@ -337,12 +336,9 @@ def fit(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, StepInfo],
                 t = time.perf_counter()
                 after_step(step, history)
                 paused += time.perf_counter() - t
-            if by_share:
-                bar.update(min(100.0, round(100 * progress(step), 1)) - bar.n)
-                bar.set_postfix(step=step, loss=fmt_loss(history[-1]["loss"]), lr=f"{lr:.1e}", refresh=False)
-            else:
-                bar.update(1)
-                bar.set_postfix(loss=fmt_loss(history[-1]["loss"]), lr=f"{lr:.1e}", refresh=False)
+            bar.update(min(100.0, round(100 * progress(step), 1)) - bar.n if by_share else 1)
+            bar.set_postfix(**({"step": step} if by_share else {}), loss=fmt_loss(history[-1]["loss"]), lr=f"{lr:.1e}",
+                            refresh=False)
             if main and ckpt and cfg.checkpoint_every and step % cfg.checkpoint_every == 0 \
                     and (cfg.steps is None or step < cfg.steps):
                 _save(ckpt, model, opt, step, seconds(), history, cfg)

@@ -136,7 +136,7 @@ def optimise(name: str, params: list[torch.nn.Parameter], step_loss: Callable[[]
     and ``losses``."""
     check_schedule(steps, max_seconds, name)
     cfg = FitConfig(label=name, steps=steps, minutes=None if max_seconds is None else max_seconds / 60.0, lr=lr,
-                    warmup_ratio=warmup_ratio, clock_schedule=True, weight_decay=weight_decay, grad_clip=grad_clip,
+                    warmup_ratio=warmup_ratio, weight_decay=weight_decay, grad_clip=grad_clip,
                     checkpoint=checkpoint, resume=resume, settings=dict(settings or {}), progress=progress)
 
     def step(_model, info) -> tuple[torch.Tensor, dict]:

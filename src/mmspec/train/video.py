@@ -141,7 +141,7 @@ def train_video(model, data: Sequence[dict], cfg: VideoTrainConfig, pad_id: int,
         return m(**batch).loss, {}
 
     fit_cfg = FitConfig(label=f"train video {cfg.role}", steps=cfg.steps, minutes=cfg.minutes, lr=cfg.lr,
-                        warmup_steps=20, grad_clip=1.0, clock_schedule=cfg.minutes is not None,
+                        warmup_steps=20, grad_clip=1.0,
                         checkpoint=Path(cfg.out) / "checkpoints" / f"{cfg.role}.pt",
                         resume=cfg.resume, settings=video_settings(cfg), progress=cfg.progress)
     try:

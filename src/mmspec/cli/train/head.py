@@ -132,10 +132,9 @@ def head(
         elif data == "world":
             seqs = world_sequences(processor, names(families), samples, world_seed, answers, img)
             if answers is None:
-                typer.echo("note: training on the world's reference answers; on the target's own answers "
-                           "(`mmspec train answers`, then --answers FILE) to 1,500 prompts a family a 20-minute "
-                           "eagle3 head drafted chain tau 3.95 / 4.69, on the reference answers to 100 2.67 / 4.03 "
-                           "(docs/heads.md)", err=True)
+                typer.echo("note: training on the world's reference answers; the target's own (`mmspec train "
+                           "answers`, then --answers FILE) train a head that drafts deeper (docs/heads.md, \"Train\")",
+                           err=True)
         else:
             seqs = user_sequences(model, processor, data, image_dir, samples, max_length, frames)
         if draft_vocab is not None or feature_layers:

@@ -42,7 +42,8 @@ def video_command(
                                          "draft)."),
     n_frames: int = typer.Option(4, help="Frames per clip the models read (1 to the clips' 8)."),
     samples: int = typer.Option(600, help="Train clips per video family."),
-    minutes: float = typer.Option(30.0, help="The target's training time budget (the learning rate's cosine runs over it when it ends the run before --steps)."),
+    minutes: float = typer.Option(30.0, help="The target's training time budget (the learning rate's "
+                                 "cosine runs over it when it ends the run before --steps)."),
     draft_minutes: float = typer.Option(10.0, help="The draft's training time budget (likewise)."),
     steps: int = typer.Option(600, help="Optimiser steps (the schedule's length; the budget may stop earlier)."),
     batch_size: int = typer.Option(8, help="Clips per step."),
