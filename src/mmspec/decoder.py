@@ -26,6 +26,7 @@ from mmspec import checks
 from mmspec.adaptive import AdaptiveWeights
 from mmspec.config import DecoderConfig
 from mmspec.engine.graphs import StaticPool, graph_mode
+from mmspec.engine.policy import SpeculationPolicy
 from mmspec.errors import MMSpecError
 from mmspec.heads.directory import is_head_dir, load_head
 from mmspec.heads.model import FeatureHead, check_head_fits
@@ -57,7 +58,7 @@ from mmspec.request import check_context, prepare
 from mmspec.results import GenerationResult
 from mmspec.stats import GenerationStats
 from mmspec.streaming import TextStream
-from mmspec.tree import parse_shapes
+from mmspec.tree import TreeSpec, parse_shapes
 from mmspec.views import View, ensemble_name, parse_views
 
 # processor outputs generate() passes on to the families that read them (models/*.py: mm_keys)
@@ -129,7 +130,7 @@ class SpecDecoder:
             a static tree as child-rank paths ``[[0], [1], [0, 0], ...]``; a TreeSpec; or "auto":
             per step the chain of ``gamma`` or the device's dynamic tree at one of two budgets,
             whichever gives the most measured tokens per second on this device at the batch size
-            (:class:`~mmspec.engine.scheduler.ShapePolicy`; its figures in ``stats.shape_rates``;
+            (:class:`~mmspec.engine.policy.SpeculationPolicy`; its figures in ``stats.shape_rates``;
             lossless whatever it picks, though a seeded request's draws then follow the picks).
         tree_children: "mixture" (children from the views' mixed distribution) or "views"
             (each view's own top tokens become siblings).
@@ -432,16 +433,27 @@ class SpecDecoder:
         return generate_batch(self, requests, max_batch=max_batch, speculate=speculate, overlap=overlap, **defaults)
 
     @property
-    def speculation_policy(self):
+    def speculation_policy(self) -> SpeculationPolicy:
         """The "auto" policy this decoder's ``generate_batch(speculate="auto")`` calls share: the
-        step costs it measured per batch size and depth, and the acceptance, carry over from call
-        to call (a fresh policy per call would spend a short batch re-measuring what the last one
-        learnt)."""
-        from mmspec.batch import SpeculationPolicy
-
+        step-cost model, the rows' average acceptance and the shapes' gains it learnt carry over
+        from call to call (a fresh policy per call would spend a short batch re-measuring what the
+        last one learnt)."""
         if self._speculation_policy is None:
-            self._speculation_policy = SpeculationPolicy("auto")
+            self._speculation_policy = SpeculationPolicy("auto", shapes=self._auto_shapes)
         return self._speculation_policy
+
+    @property
+    def _auto_shapes(self) -> tuple[TreeSpec, ...] | None:
+        return self.tree_shapes if len(self.tree_shapes) > 1 else None
+
+    def policy_for(self, speculate: str) -> SpeculationPolicy:
+        """The policy a scheduler steps with for ``speculate``: the decoder's own where it learns
+        (``"auto"``; ``"always"`` with ``tree="auto"``, choosing among the shapes), else a fresh one."""
+        if speculate == "auto":
+            return self.speculation_policy
+        if speculate == "always" and self.shape_policy is not None:
+            return self.shape_policy
+        return SpeculationPolicy(speculate)
 
     @property
     def tree_label(self) -> str:
@@ -449,14 +461,12 @@ class SpecDecoder:
         return self.tree.label if len(self.tree_shapes) == 1 else "auto: " + " | ".join(t.label for t in self.tree_shapes)
 
     @property
-    def shape_policy(self):
-        """With ``tree="auto"``: the :class:`~mmspec.engine.scheduler.ShapePolicy` every call of this
-        decoder shares (each shape's measured tokens and seconds per step carry over, so a short
-        request does not pay for measuring again); None with one shape."""
-        from mmspec.engine.scheduler import ShapePolicy
-
-        if self._shape_policy is None and len(self.tree_shapes) > 1:
-            self._shape_policy = ShapePolicy(self.tree_shapes)
+    def shape_policy(self) -> SpeculationPolicy | None:
+        """With ``tree="auto"``: the policy every ``speculate="always"`` call of this decoder shares
+        (each step drafts whole, the shape with the most tokens per second; what it measured carries
+        over, so a short request does not pay for measuring again); None with one shape."""
+        if self._shape_policy is None and self._auto_shapes is not None:
+            self._shape_policy = SpeculationPolicy("always", shapes=self._auto_shapes)
         return self._shape_policy
 
     def stream(self, input_ids, pixel_values=None, attention_mask=None, **kwargs) -> TextStream:

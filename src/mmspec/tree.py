@@ -22,7 +22,7 @@ Three shapes (:class:`TreeSpec`):
 
 ``tree="auto"`` (:func:`auto_shapes`) names no one shape but a few (the chain and the device's tree
 at two budgets), among which each step's is chosen by its measured tokens per second on the
-device at hand (:class:`mmspec.engine.scheduler.ShapePolicy`).
+device at hand (:class:`mmspec.engine.policy.SpeculationPolicy`).
 
 Tree nodes are always listed parents-first (sorted by depth), siblings in proposal order.
 This module owns those shapes and the pure tensor helpers on them; the drafter builds trees,

@@ -46,7 +46,7 @@ def parse_method(method: str) -> tuple[tuple[str, ...], dict]:
     order (README, "Token trees"): ``tree`` asks for the dynamic token tree with the device's
     measured defaults, ``tree:DxKxB`` (``tree:6x4x16``) one of depth D, top-k K and budget B,
     ``tree:[[0],[1],[0,0]]`` a static tree, ``tree:auto`` the chain or a tree per step by measured
-    tokens/s (:class:`mmspec.engine.scheduler.ShapePolicy`); ``relaxed``: MSD's relaxed acceptance (LOSSY); ``auto``:
+    tokens/s (:class:`mmspec.engine.policy.SpeculationPolicy`); ``relaxed``: MSD's relaxed acceptance (LOSSY); ``auto``:
     the batched pass decodes with ``generate_batch(speculate="auto")`` (drafts only where measured to
     pay; :class:`mmspec.batch.SpeculationPolicy`), the one-prompt rows as the method without it;
     ``adaptive`` (``adaptive:loglik``): ensemble weights that adapt per block (TABED;

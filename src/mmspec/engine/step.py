@@ -75,6 +75,7 @@ class RowHost:
     pending_len: int = 1  # pending tokens on the device (host mirror)
     logprobs_top: int | None = None  # the request asked for logprobs, with this many alternatives (None: not asked)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token of ``tokens`` where asked
+    accept_avg: tuple[float, float, int] | None = None  # averaged accepted / rejected drafts per block, blocks (the policy's α)
     done: bool = False
     clocks: list[BlockClock] = field(default_factory=list)
     prefill: BlockClock | None = None  # its admission's target and draft prefills
