@@ -89,6 +89,16 @@ class StepCost:
         ms = float(self.theta @ self.features(B, a.depth, a.nodes)) + self.residual.get((a, bucket(B)), 0.0)
         return max(ms, 0.25 * self.floor) / 1e3
 
+    def predict_all(self, B: int, actions: list[Action]) -> np.ndarray:
+        """:meth:`predict` of each action over ``B`` rows at once -> [A] seconds (NaN: unknown)."""
+        if self.n == 0:
+            return np.full(len(actions), np.nan)
+        phi = np.stack([self.features(B, a.depth, a.nodes) for a in actions])  # [A, F]
+        ms = phi @ self.theta + np.array([self.residual.get((a, bucket(B)), 0.0) for a in actions])
+        ms = np.maximum(ms, 0.25 * self.floor)
+        known = [self.measured.get((a, B)) for a in actions]
+        return np.array([ms[j] if m is None else m for j, m in enumerate(known)]) / 1e3
+
     def update(self, B: int, a: Action, seconds: float) -> None:
         y, phi = seconds * 1e3, self.features(B, a.depth, a.nodes)
         Pphi = self.P @ phi
@@ -139,6 +149,7 @@ class SpeculationPolicy:
     probes: int = 0
     choice: Action | None = None  # the last step's exploiting choice
     batches: set = field(default_factory=set)  # the batch sizes it decided for (its report's rows)
+    _actions: dict = field(default_factory=dict, repr=False)  # spec -> its candidate actions
 
     def __post_init__(self) -> None:
         if self.mode not in SPECULATE:
@@ -170,6 +181,12 @@ class SpeculationPolicy:
 
     def actions(self, spec: TreeSpec) -> list[Action]:
         """Every candidate of a step: plain decoding, then each shape cut to each depth."""
+        if spec in self._actions:
+            return self._actions[spec]
+        self._actions[spec] = out = self._list_actions(spec)
+        return out
+
+    def _list_actions(self, spec: TreeSpec) -> list[Action]:
         shapes = self.shapes or (spec,)
         out = [Action(0, 0, 1)]
         for i, s in enumerate(shapes):
@@ -180,7 +197,11 @@ class SpeculationPolicy:
 
     def whole(self, spec: TreeSpec) -> list[Action]:
         """Each shape at its full depth."""
-        return [a for a in self.actions(spec) if a.depth and a.depth == (self.shapes or (spec,))[a.shape].max_depth]
+        key = ("whole", spec)
+        if key not in self._actions:
+            shapes = self.shapes or (spec,)
+            self._actions[key] = [a for a in self.actions(spec) if a.depth and a.depth == shapes[a.shape].max_depth]
+        return self._actions[key]
 
     def spec_of(self, a: Action, spec: TreeSpec) -> TreeSpec | None:
         """The TreeSpec a step of ``a`` drafts (None: plain decoding)."""
@@ -189,17 +210,15 @@ class SpeculationPolicy:
         return (self.shapes or (spec,))[a.shape].for_remaining(a.depth + 1)
 
     def goodputs(self, B: int, rows: Sequence, actions: list[Action]) -> np.ndarray:
-        """Predicted tokens per second of each action over ``rows`` (NaN: its cost is unknown)."""
-        alpha = np.array([self.row_alpha(r) for r in rows]) if rows else np.full(B, 0.5)
-        room = np.array([max(r.remaining - 1, 0) for r in rows]) if rows else np.full(B, 1 << 20)
-        out = np.full(len(actions), np.nan)
-        for j, a in enumerate(actions):
-            t = self.cost.predict(B, a)
-            if t is None:
-                continue
-            tokens = B if a.depth == 0 else self.gains.get(a.shape, 1.0) * expected_tokens(alpha, np.minimum(a.depth, room)).sum()
-            out[j] = tokens / max(t, 1e-9)
-        return out
+        """Predicted tokens per second of each action over ``rows`` (NaN: its cost is unknown):
+        a few array operations whatever the number of rows and actions."""
+        alpha = np.array([self.row_alpha(r) for r in rows]) if rows else np.full(B, 0.5)  # [B]
+        room = np.array([max(r.remaining - 1, 0) for r in rows]) if rows else np.full(B, 1 << 20)  # [B]
+        depth = np.array([a.depth for a in actions])  # [A]
+        gain = np.array([self.gains.get(a.shape, 1.0) if a.depth else 1.0 for a in actions])  # [A]
+        tokens = gain * expected_tokens(alpha[None], np.minimum(depth[:, None], room[None])).sum(1)  # [A]
+        t = self.cost.predict_all(B, actions)  # [A], NaN where unknown
+        return tokens / np.maximum(t, 1e-9)
 
     # ---------------------------------------------------------------- the decision
     def decide(self, B: int, spec: TreeSpec, rows: Sequence = ()) -> Action:
@@ -264,10 +283,11 @@ class SpeculationPolicy:
         w = self.smoothing
         acc_sum = rej_sum = 0.0
         predicted = emitted = 0.0
-        for row, acc, depth, rejected, n_out in blocks:
+        for row, acc, depth, rejected, n_out in blocks:  # plain floats: no array per row
             if depth <= 0:
                 continue
-            predicted += expected_tokens(np.array(self.row_alpha(row)), np.array(min(depth, a.depth)))
+            al = min(self.row_alpha(row), 1.0 - 1e-9)
+            predicted += (1.0 - al ** (min(depth, a.depth) + 1)) / (1.0 - al)
             emitted += n_out
             if row.accept_avg is None:
                 row.accept_avg = (float(acc), float(rejected), 1)
