@@ -273,6 +273,17 @@ def test_streamed_logprobs_come_with_the_chunk_of_their_tokens(app_server, stop)
             got[c.index] += [e.logprob for e in entries]
     for i in (0, 1):
         assert texts[i] == " w9" * 5 and got[i] == [-0.5 * k for k in range(1, 6)], (texts, got)
+    # legacy completions: the same, each chunk's text_offset counting from the answer's start
+    offsets, logprobs = [], []
+    for ch in client.completions.create(model="m", prompt="w5 w6", max_tokens=4, stream=True, logprobs=1, stop=stop):
+        for c in ch.choices:
+            lp = c.logprobs
+            assert len(lp.tokens if lp is not None else []) == (c.text or "").count(" w9"), (c.text, lp)
+            if lp is not None:
+                offsets += lp.text_offset
+                logprobs += lp.token_logprobs
+    piece = len(make_tokenizer().decode([9]))  # the offsets add up the tokens' own texts
+    assert logprobs == [-0.5 * k for k in range(1, 5)] and offsets == [piece * k for k in range(4)], offsets
 
 
 def test_a_stop_string_frees_the_rows_at_once(app_server):
