@@ -141,6 +141,15 @@ def test_exported_eagle3_has_what_vllm_and_sglang_read(deep, tmp_path, vocab):
     assert torch.equal(_draft_logits(head, deep, feats, embeds), _draft_logits(back, deep, feats, embeds))
 
 
+def test_a_whole_vocabulary_in_another_order_is_refused_on_export(deep, tmp_path):
+    """vLLM and SGLang read no mapping for the whole vocabulary, so a head that scores it permuted
+    cannot be written for them: refused, nothing written."""
+    head = build_head(deep, "eagle3", draft_vocab=torch.arange(V).flip(0))
+    with pytest.raises(MMSpecError, match="scores the whole vocabulary in another order than the target's"):
+        export_head(head, tmp_path / "e3", "eagle3")
+    assert not (tmp_path / "e3").exists()
+
+
 def _vllm_python() -> str | None:
     """A Python with vLLM: this one, MMSPEC_VLLM_PYTHON, or the vLLM peer's venv (../shared/peers/vllm-cpu)."""
     import importlib.util
