@@ -6,7 +6,7 @@ a row of :class:`~mmspec.engine.step.Engine`, ``generate`` a batch of one).
 
 Owns the keyword API and its grouping into typed settings (:class:`~mmspec.options.EngineOptions`,
 :class:`~mmspec.options.AcceptanceConfig`, :class:`~mmspec.options.EngineMode`) and the engine it
-keeps across calls with static shapes (:class:`~mmspec.engine.graphs.StaticPool`). The prompt's
+keeps across calls with static shapes (:class:`~mmspec.runtime.graphs.StaticPool`). The prompt's
 images, captions and draft rows are :class:`~mmspec.multimodal.MultimodalPrompt`'s; the checks
 of the arguments are :mod:`mmspec.checks`', gathered per request by :func:`mmspec.request.prepare`.
 
@@ -25,7 +25,6 @@ import torch
 from mmspec import checks
 from mmspec.adaptive import AdaptiveWeights
 from mmspec.config import DecoderConfig
-from mmspec.engine.graphs import StaticPool, graph_mode
 from mmspec.engine.policy import SpeculationPolicy
 from mmspec.errors import MMSpecError
 from mmspec.heads.directory import is_head_dir, load_head
@@ -56,6 +55,7 @@ from mmspec.prefix_cache import (
 )
 from mmspec.request import check_context, prepare
 from mmspec.results import GenerationResult
+from mmspec.runtime.graphs import StaticPool, graph_mode
 from mmspec.stats import GenerationStats
 from mmspec.streaming import TextStream
 from mmspec.tree import TreeSpec, parse_shapes
@@ -579,8 +579,8 @@ class SpecDecoder:
         """The engine a scheduler steps (:class:`~mmspec.engine.step.Engine`): a fresh one, or
         with static shapes the one this decoder keeps (its buffers and graphs) for one holder at a time."""
         from mmspec.drafting.ensemble import EnsembleDrafting
-        from mmspec.engine.graphs import GraphPool
         from mmspec.engine.step import Engine
+        from mmspec.runtime.graphs import GraphPool
 
         def make():
             pool = GraphPool(self.graph_mode)  # one pool for every graph of the engine (a whole step each)

@@ -123,7 +123,7 @@ def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draws: probs [..., V] and uniforms u [...] in [0, 1) -> token ids [...] long.
 
     Runs on the device of ``probs`` with no host sync; the uniforms come from the row's own
-    stream (:mod:`mmspec.engine.rng`), so a seed reproduces a run. Never returns a zero-probability token:
+    stream (:mod:`mmspec.runtime.rng`), so a seed reproduces a run. Never returns a zero-probability token:
     ``searchsorted(right=True)`` lands on the first cumulative mass strictly above u * total.
     """
     cdf = probs.double().cumsum(-1)  # [..., V]

@@ -15,7 +15,7 @@ from mmspec import MMSpecError, SpecDecoder
 from mmspec.adaptive import AdaptiveState, AdaptiveWeights, confirmed_evidence, loglik_weights, tabed_weights
 from mmspec.bench.config import parse_method
 from mmspec.drafting.ensemble import EnsembleDrafting
-from mmspec.engine.forwards import RowForward
+from mmspec.runtime.forwards import RowForward
 
 SAMPLING_VOCAB, SAMPLING_NEW, SAMPLING_TEMP = 8, 3, 1.0  # test_sampling's setting
 N_SAMPLES, N_CONTROL = 1200, 600  # as test_sampling's

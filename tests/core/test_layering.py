@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "mmspec"
-CORE = ["engine", "drafting", "verify.py", "tree.py", "decoder.py", "multimodal.py", "views.py", "stats.py", "models",
+CORE = ["engine", "drafting", "runtime", "verify.py", "tree.py", "decoder.py", "multimodal.py", "views.py", "stats.py", "models",
         "heads/model.py", "request.py", "results.py", "batch.py", "lookup.py", "adaptive.py"]
 UPPER = ("mmspec.cli", "mmspec.train", "mmspec.bench", "mmspec.world")
 
@@ -230,3 +230,14 @@ def test_the_family_registry_is_full_whichever_module_is_imported_first():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert {"causal_lm", "llava", "llava_next", "llava_onevision", "qwen2_vl", "video_llava"} <= set(json.loads(out.stdout))
+
+
+def test_the_drafters_never_import_the_engine():
+    """engine/ imports drafting/ (a step drafts), never the reverse: what both need (the rows' state,
+    forwards, graphs, masks, randomness) sits below both, in mmspec.runtime."""
+    bad = {}
+    for path in sorted((SRC / "drafting").glob("*.py")) + sorted((SRC / "runtime").glob("*.py")):
+        names = sorted(n for n in imported(path) if n == "mmspec.engine" or n.startswith("mmspec.engine."))
+        if names:
+            bad[str(path.relative_to(SRC))] = names
+    assert not bad, f"drafting/ and runtime/ import the engine: {bad}"

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mmspec.engine import rng
-from mmspec.engine.state import stage
 from mmspec.lookup import Picked, pick
+from mmspec.runtime import rng
+from mmspec.runtime.state import stage
 from mmspec.tree import TreeBatch, TreeSpec, ancestors_rows
 
 PROPOSAL_SLOT = rng.DRAFT + 1024  # the proposer's draws (a drawn chain) within a step's slots

@@ -10,7 +10,7 @@ request leaves at once (its row compacted away); what its caches hold, prompt an
 the prefix cache, so a conversation's next turn prefills only its new part.
 
 Lossless per request, whatever else is in the batch: greedy output equals the target's own; a
-seeded request's draws come from its own stream (:mod:`mmspec.engine.rng`), so it returns what it returns
+seeded request's draws come from its own stream (:mod:`mmspec.runtime.rng`), so it returns what it returns
 alone (with ``speculate="always"``; the other policies keep the exact distribution).
 
 One :class:`~mmspec.engine.policy.SpeculationPolicy` decides each step's draft depth and block

@@ -15,7 +15,7 @@ Per row b (the engine's row b is the target cache's row b, :class:`~mmspec.model
   the newest, ``pending[pending_len - 1]``, is the root of the row's next tree; ``pending_feats``
   [P, F]: for a feature-level head, the target's feature before each;
 * ``remaining``: tokens the request may still emit;
-* ``seed``, ``step``: the row's random stream (:mod:`mmspec.engine.rng`);
+* ``seed``, ``step``: the row's random stream (:mod:`mmspec.runtime.rng`);
 * ``temperature``, ``top_k``, ``top_p``, ``greedy``: its sampling parameters
   (:class:`~mmspec.verify.RowSampling`);
 * ``last_image``: its prompt's last image slot (relaxed acceptance, LOSSY; a large negative number
