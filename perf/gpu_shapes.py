@@ -213,7 +213,7 @@ class _Probe:
 
     def step_fn(self, n: int, parents: torch.Tensor | None = None, depth: torch.Tensor | None = None) -> Callable:
         """A step over n new tokens (a causal run, or a tree given parents/depth), rewound after."""
-        from mmspec.tree import ancestors
+        from mmspec.drafting.tree import ancestors
 
         dev, B, C = self.adapter.device, self.batch, self.context
         if parents is None:

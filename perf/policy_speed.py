@@ -7,7 +7,7 @@ policy (its exploration is paid for in the figure). Also each steady step's host
 minus the models' forwards inside it (admission apart), the median over steps.
 
     PYTHONPATH=src taskset -c 0 python perf/policy_speed.py --batch 1 8 32 --ragged --new 32 \
-        --out docs/results/policy-2026-12-07/policy_speed.jsonl
+        --out runs/policy_speed.jsonl
 
 Prints one JSON line per (draft, workload, mode) and a summary line per (draft, workload) with
 ``auto_vs_best``; every mode's tokens must equal plain decoding's (``same_as_never``).

@@ -40,7 +40,7 @@ class DraftConfig:
     draft_processor: Any = None
     substitute: Any = None  # the substitute view's encoder, or its directory
     model_free: str | None = None  # "lookup" / "suffix" beside a draft model or head
-    lookup_options: dict | None = None  # mmspec.lookup.LookupConfig's fields
+    lookup_options: dict | None = None  # mmspec.drafting.lookup.LookupConfig's fields
     check_head: bool = False  # a feature-level head: a short calibration on load
 
 

@@ -23,13 +23,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from mmspec import checks
-from mmspec.adaptive import AdaptiveWeights
 from mmspec.config import DecoderConfig
+from mmspec.drafting.adaptive import AdaptiveWeights
+from mmspec.drafting.lookup import SuffixStore, history, proposer_for
+from mmspec.drafting.tree import TreeSpec, parse_shapes
+from mmspec.drafting.views import View, ensemble_name, parse_views
 from mmspec.engine.policy import SpeculationPolicy
 from mmspec.errors import MMSpecError
 from mmspec.heads.directory import is_head_dir, load_head
 from mmspec.heads.model import FeatureHead, check_head_fits
-from mmspec.lookup import SuffixStore, history, proposer_for
 from mmspec.models.base import adapter_for, same_vision
 from mmspec.models.cache import supports_trees
 from mmspec.models.captioner import HFCaptioner
@@ -58,8 +60,6 @@ from mmspec.results import GenerationResult
 from mmspec.runtime.graphs import StaticPool, graph_mode
 from mmspec.stats import GenerationStats
 from mmspec.streaming import TextStream
-from mmspec.tree import TreeSpec, parse_shapes
-from mmspec.views import View, ensemble_name, parse_views
 
 # processor outputs generate() passes on to the families that read them (models/*.py: mm_keys)
 MM_KEYS = ("image_sizes", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids",
@@ -118,13 +118,13 @@ class SpecDecoder:
             ``"adaptive"`` (TABED: per request, after every block, each view's weight follows how
             well its own distribution predicted the tokens the target confirmed; lossless, as the
             mixture is still the q verification uses), ``"adaptive:loglik"``, or an
-            :class:`~mmspec.adaptive.AdaptiveWeights` for the rule's options. The weights every
+            :class:`~mmspec.drafting.adaptive.AdaptiveWeights` for the rule's options. The weights every
             block drafted with are in ``stats.view_weights``; ``generate(initial_weights=...)``
             starts a request from an earlier one's ``stats.final_weights`` (a conversation's turn).
         captioner: an object with ``caption(images) -> list[str]`` (or a path to an HF
             image-to-text model); required by the caption view.
         gamma: draft tokens proposed per block (the chain's length).
-        tree: the block's shape (:mod:`mmspec.tree`): None or "chain" (gamma drafts in a chain);
+        tree: the block's shape (:mod:`mmspec.drafting.tree`): None or "chain" (gamma drafts in a chain);
             "dynamic" (EAGLE-2: ``tree_depth`` expansion steps of the ``tree_topk`` best
             frontier nodes, ``tree_budget`` best nodes verified; defaults measured per device);
             a static tree as child-rank paths ``[[0], [1], [0, 0], ...]``; a TreeSpec; or "auto":
@@ -163,7 +163,7 @@ class SpecDecoder:
             prompt extending one (a conversation's next turn) prefills only its new suffix
             (``stats.prompt_tokens_reused``). 0 turns it off. Not used with the substitute
             view (E) or models with sliding-window layers.
-        draft="lookup" / "suffix": drafting with no model (:mod:`mmspec.lookup`): prompt lookup
+        draft="lookup" / "suffix": drafting with no model (:mod:`mmspec.drafting.lookup`): prompt lookup
             over the request's own text, or suffix decoding over it and this decoder's earlier
             prompts and answers; the target alone is enough. Options that shape a draft model's
             drafting (views, weights, captioner, draft_processor, substitute, draft_tokenizer,
@@ -171,7 +171,7 @@ class SpecDecoder:
         model_free: "lookup" or "suffix" beside a draft model or head: each block's proposal is
             added to the draft's tree as other branches, verified in the same forward.
         lookup_options: the model-free drafters' settings, a dict of
-            :class:`~mmspec.lookup.LookupConfig`'s fields (n-gram sizes, candidates, the suffix
+            :class:`~mmspec.drafting.lookup.LookupConfig`'s fields (n-gram sizes, candidates, the suffix
             store's depth, memory, speculation factor and probability floor), bounds checked.
     """
 
@@ -610,7 +610,7 @@ class SpecDecoder:
     def proposer_for_request(self, prompt: EncodedRequest, sampled: bool = False):
         """A model-free drafter's proposer for one admitted request (None without lookup / suffix);
         ``sampled``: the request samples (its suffix proposals: its own text alone, so that its
-        seed reproduces it: :func:`mmspec.lookup.proposer_for`)."""
+        seed reproduces it: :func:`mmspec.drafting.lookup.proposer_for`)."""
         if not self.model_free:
             return None
         return self._proposer(prompt.ids, prompt.encoded, prompt.captions, sampled)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from mmspec.drafting.tree import TreeSpec
 from mmspec.errors import MMSpecError
-from mmspec.tree import TreeSpec
 
 ACCEPTANCES = ("exact", "relaxed")
 SPECULATE = ("always", "never", "auto")  # a batch's speculation policies (mmspec.batch.SpeculationPolicy)

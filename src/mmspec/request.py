@@ -23,7 +23,7 @@ import torch
 
 from mmspec import checks
 from mmspec.errors import MMSpecError
-from mmspec.verify import SamplingParams
+from mmspec.runtime.verify import SamplingParams
 
 EXTRA_KEYS = ("images", "captions", "videos", "substitutes")
 

@@ -130,7 +130,7 @@ def test_a_damaged_head_directory_is_one_clear_error(ckpt, tmp_path, target, dam
 # ------------------------------------------------------------------------------------ trees
 def test_specdecoder_takes_the_shape_notation(target, draft_shared, tok):
     from mmspec import SpecDecoder
-    from mmspec.tree import TreeSpec
+    from mmspec.drafting.tree import TreeSpec
 
     dec = SpecDecoder(target, draft_shared, tok, tree="6x4x16")
     assert dec.tree == TreeSpec("dynamic", depth=6, topk=4, budget=16)

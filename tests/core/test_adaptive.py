@@ -1,4 +1,4 @@
-"""Adaptive ensemble weights (TABED, mmspec.adaptive): the rules' maths on hand-built
+"""Adaptive ensemble weights (TABED, mmspec.drafting.adaptive): the rules' maths on hand-built
 distributions, lossless greedy (equal to target.generate for MT / MTC / MTCP, chains and trees,
 eager and static), exactly the target's distribution when sampling (with a negative control),
 the weights following the view that predicts the target, the trajectory in the stats, the
@@ -12,8 +12,8 @@ import torch
 from helpers.reference import captions, exact_sequence_probs, pvalues, reference
 from helpers.tiny import BOS, IMG, make_llava, make_prompt, make_tokenizer
 from mmspec import MMSpecError, SpecDecoder
-from mmspec.adaptive import AdaptiveState, AdaptiveWeights, confirmed_evidence, loglik_weights, tabed_weights
 from mmspec.bench.config import parse_method
+from mmspec.drafting.adaptive import AdaptiveState, AdaptiveWeights, confirmed_evidence, loglik_weights, tabed_weights
 from mmspec.drafting.ensemble import EnsembleDrafting
 from mmspec.runtime.forwards import RowForward
 

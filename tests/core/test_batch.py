@@ -205,7 +205,7 @@ def test_sampling_in_a_batch_matches_target_distribution(small):
 
 def test_wrong_residual_in_a_batch_is_caught(small, monkeypatch):
     """Negative control: the same test rejects a batch whose recovered token ignores q."""
-    from mmspec import verify
+    from mmspec.runtime import verify
 
     target, draft, tok, ids, pv, other = small
     exact = exact_sequence_probs(target, ids, pv)

@@ -13,9 +13,9 @@ import random
 import numpy as np
 import pytest
 
+from mmspec.drafting.tree import TreeSpec, auto_shapes
 from mmspec.engine.policy import Action, SpeculationPolicy, StepCost, expected_tokens
 from mmspec.errors import MMSpecError
-from mmspec.tree import TreeSpec, auto_shapes
 
 CHAIN = TreeSpec("chain", depth=5)
 

@@ -13,9 +13,9 @@ from helpers.reference import reference
 from helpers.tiny import make_prompt
 from mmspec import SpecDecoder
 from mmspec.bench.config import method_tree
+from mmspec.drafting.tree import DYNAMIC_DEFAULTS, TreeSpec, auto_shapes, parse_shapes, parse_tree
 from mmspec.engine.scheduler import BatchScheduler
 from mmspec.errors import MMSpecError
-from mmspec.tree import DYNAMIC_DEFAULTS, TreeSpec, auto_shapes, parse_shapes, parse_tree
 
 
 def test_auto_shapes_are_the_chain_and_the_devices_tree_at_two_budgets():

@@ -50,9 +50,9 @@ def parse_method(method: str) -> tuple[tuple[str, ...], dict]:
     the batched pass decodes with ``generate_batch(speculate="auto")`` (drafts only where measured to
     pay; :class:`mmspec.batch.SpeculationPolicy`), the one-prompt rows as the method without it;
     ``adaptive`` (``adaptive:loglik``): ensemble weights that adapt per block (TABED;
-    :mod:`mmspec.adaptive`), {"weights": "adaptive"}, for two views or more. A head
+    :mod:`mmspec.drafting.adaptive`), {"weights": "adaptive"}, for two views or more. A head
     variant in place of the views (``eagle``, ``eagle3+tree``, ``msd+relaxed+tree``) drafts with
-    that trained head: {"head": variant}. ``lookup`` / ``suffix`` (:mod:`mmspec.lookup`) alone draft
+    that trained head: {"head": variant}. ``lookup`` / ``suffix`` (:mod:`mmspec.drafting.lookup`) alone draft
     with no model, {"draft": name}; after views or a head (``M+suffix``, ``eagle+lookup+tree``) their
     proposals join the draft's tree, {"model_free": name}. Each tree is checked here (a zero depth
     is refused).
@@ -76,7 +76,7 @@ def parse_method(method: str) -> tuple[tuple[str, ...], dict]:
         elif low == "adaptive" or low.startswith("adaptive:"):
             if "weights" in kw:
                 raise MMSpecError(f"method {method!r} says +adaptive twice; say it once")
-            from mmspec.adaptive import AdaptiveWeights
+            from mmspec.drafting.adaptive import AdaptiveWeights
 
             kw["weights"] = AdaptiveWeights.parse(low).label  # an unknown rule is refused here
         elif low in ("lookup", "suffix"):
@@ -141,8 +141,8 @@ def split_methods(values) -> tuple[str, ...]:
 
 def _tree_part(text: str, method: str) -> str:
     """``tree`` -> "dynamic"; ``tree:6x4x16`` -> "6x4x16"; ``tree:[[0],[1]]`` -> its JSON; ``tree:auto``. The
-    shape is checked with :func:`mmspec.tree.parse_tree` (device-independent parts)."""
-    from mmspec.tree import parse_tree
+    shape is checked with :func:`mmspec.drafting.tree.parse_tree` (device-independent parts)."""
+    from mmspec.drafting.tree import parse_tree
 
     low = text.lower()
     if low.startswith("tree@"):
@@ -168,7 +168,7 @@ def method_views(method: str) -> tuple[str, ...]:
 
 
 def method_tree(method: str) -> dict:
-    """SpecDecoder keywords of a method beyond its views: tree (in :func:`mmspec.tree.parse_tree`'s
+    """SpecDecoder keywords of a method beyond its views: tree (in :func:`mmspec.drafting.tree.parse_tree`'s
     notation), acceptance ({} for a plain chain), and "head" (a head variant) for head methods."""
     return parse_method(method)[1]
 
@@ -287,7 +287,7 @@ class BenchConfig:
                               "a P method (e.g. -m P,MTCP) or drop --pool-tokens")
         if len(set(self.methods)) != len(self.methods):
             raise MMSpecError(f"a method is listed twice in {', '.join(self.methods)}; list each once")
-        from mmspec.verify import SamplingParams
+        from mmspec.runtime.verify import SamplingParams
 
         SamplingParams(temperature=float(self.temperature))  # refuses a negative or non-finite one
         from mmspec.models.loading import check_model_flags

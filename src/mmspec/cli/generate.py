@@ -12,8 +12,8 @@ from rich.table import Table
 from mmspec.cli import common, options
 from mmspec.cli.common import fail
 from mmspec.cli.options import ModelFlags, RuntimeFlags, ShapeFlags, ViewFlags, takes
+from mmspec.drafting.views import parse_views
 from mmspec.errors import MMSpecError
-from mmspec.views import parse_views
 
 # `mmspec generate` with no prompt: a world sample the embedded target answers right (checked by
 # tests/cli/test_cli.py with the world's own fact check), not test sample 0, which it gets wrong
@@ -70,7 +70,7 @@ def load_models(target, draft, captioner, captioner_prompt, dtype, device, head=
 
 
 def is_model_free(draft) -> bool:
-    """``--draft lookup`` / ``--draft suffix``: drafting with no model (:mod:`mmspec.lookup`)."""
+    """``--draft lookup`` / ``--draft suffix``: drafting with no model (:mod:`mmspec.drafting.lookup`)."""
     from mmspec.checks import model_free_name
 
     return model_free_name(draft) is not None

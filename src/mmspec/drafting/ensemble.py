@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from mmspec.drafting.tree import TreeSpec
 from mmspec.drafting.trees import Drafted, Drafting, StepInput, drop_duplicates
 from mmspec.models.base import ModelAdapter
 from mmspec.models.rows import KV, RowCache
@@ -27,8 +28,7 @@ from mmspec.runtime.forwards import PromptRow, RowForward, prefill_rows
 from mmspec.runtime.graphs import capacity_bucket
 from mmspec.runtime.masks import causal, rows_mask
 from mmspec.runtime.state import stage
-from mmspec.tree import TreeSpec
-from mmspec.verify import RowSampling, logits_to_probs_rows
+from mmspec.runtime.verify import RowSampling, logits_to_probs_rows
 
 
 class DraftRows:

@@ -16,14 +16,14 @@ from __future__ import annotations
 import torch
 
 from mmspec.drafting.ensemble import DraftRows
+from mmspec.drafting.tree import TreeSpec
 from mmspec.drafting.trees import Drafted, Drafting, StepInput
 from mmspec.heads.model import FeatureHead
 from mmspec.heads.positions import head_positions, next_position, prompt_positions
 from mmspec.models.base import ModelAdapter
 from mmspec.models.rows import KV
 from mmspec.runtime.forwards import PromptRow, RowForward, prefill_rows
-from mmspec.tree import TreeSpec
-from mmspec.verify import RowSampling, logits_to_probs_rows
+from mmspec.runtime.verify import RowSampling, logits_to_probs_rows
 
 
 class HeadDrafting(Drafting):

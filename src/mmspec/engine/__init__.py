@@ -8,5 +8,5 @@
 
 What a step runs on (the rows' device state, forwards, graphs, masks, randomness) is
 :mod:`mmspec.runtime`'s, shared with the drafters; what a step drafts is :mod:`mmspec.drafting`'s;
-the maths of verification :mod:`mmspec.verify`'s. The drafters never import the engine.
+the maths of verification :mod:`mmspec.runtime.verify`'s. The drafters never import the engine.
 """

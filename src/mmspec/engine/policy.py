@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mmspec.drafting.tree import TreeSpec
 from mmspec.errors import MMSpecError
 from mmspec.options import SPECULATE
-from mmspec.tree import TreeSpec
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mmspec.drafting.tree import TreeSpec
 from mmspec.engine.admission import admit
 from mmspec.engine.policy import Action, SpeculationPolicy
 from mmspec.errors import MMSpecError
@@ -35,7 +36,6 @@ from mmspec.prefix_cache import make_entry
 from mmspec.request import Request, prepare
 from mmspec.results import GenerationResult
 from mmspec.streaming import TextDelta
-from mmspec.tree import TreeSpec
 
 
 @dataclass

@@ -16,7 +16,7 @@ operations whatever the number of rows:
    ``length + pos_offset + depth[i]``, under a mask in which it sees its row's committed slots
    and its own ancestors (:mod:`mmspec.runtime.masks`);
 3. accept: ONE verification of all rows, greedy and sampling together
-   (:func:`~mmspec.verify.verify_steps`), every random draw from the row's own stream
+   (:func:`~mmspec.runtime.verify.verify_steps`), every random draw from the row's own stream
    (:mod:`mmspec.runtime.rng`): a seeded request decodes the same alone or in any batch;
 4. commit, on the device: the accepted path's keys/values moved into place in both caches (only
    when a tree's path is not its first branch), lengths advanced, the next pending tokens;
@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mmspec.drafting import proposals as mf
+from mmspec.drafting.tree import TreeBatch, TreeSpec
 from mmspec.drafting.trees import Drafted, StepInput
 from mmspec.models.rows import RowCache
 from mmspec.options import RelaxedAcceptance
@@ -54,10 +55,9 @@ from mmspec.runtime.forwards import Compiler, RowForward
 from mmspec.runtime.graphs import StepRunner, bucket, capacity_bucket
 from mmspec.runtime.masks import rows_mask
 from mmspec.runtime.state import BatchState
+from mmspec.runtime.verify import verify_steps
 from mmspec.stats import BlockRecord, GenerationStats
 from mmspec.timing import BlockClock
-from mmspec.tree import TreeBatch, TreeSpec
-from mmspec.verify import verify_steps
 
 
 @dataclass
@@ -285,7 +285,7 @@ class Engine:
         decoder's whole tree; 0: plain decoding; a TreeSpec: that shape, within the engine's
         ``spec``: ``tree="auto"``'s choice) -> the tokens each row emitted, or the exception
         a row failed with alone (its model-free proposer's). ``proposers``: each row's model-free
-        proposer (:mod:`mmspec.lookup`), searched on the host first. A failure of the step's
+        proposer (:mod:`mmspec.drafting.lookup`), searched on the host first. A failure of the step's
         shared work is raised: it is every row's. :meth:`launch` then :meth:`finish`."""
         return self.finish(self.launch(depth, proposers))
 

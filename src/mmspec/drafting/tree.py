@@ -310,7 +310,7 @@ def parse_shapes(tree, *, gamma: int, device_type: str = "cpu", depth: int | Non
 @dataclass
 class TreeBatch:
     """B drafted trees of N nodes each (one step's rows), for one batched verification
-    (:func:`mmspec.verify.verify_steps`). ``q`` and ``sampled`` matter only for sampling
+    (:func:`mmspec.runtime.verify.verify_steps`). ``q`` and ``sampled`` matter only for sampling
     verification: ``sampled[b, i]`` says node i's token was DRAWN from ``q[b, i]`` (a chain under
     sampling); otherwise it was chosen deterministically (top-k) and its proposal is a point mass on
     its token. ``fed``: the drafter's in-block slot of each node (-1: never fed). ``valid`` False
