@@ -38,6 +38,12 @@ The embedded world's video families (``motion``, ``order``: :data:`mmspec.world.
 are benchmarked on a Video-LLaVA pair such as ``mmspec train video``'s: a sample carries the
 world's clip (:attr:`BenchSample.video`), which the backend turns into the target's video inputs.
 
+MMSpec's splits (``-d mmspec=PATH[:SPLIT]``, :func:`load_mmspec`; the files are
+:mod:`mmspec.bench.mmspec_split`'s) are multi-turn: a sample is turn 1 of a row's questions
+(:attr:`BenchSample.questions`), in the LLaVA-1.5 chat format (:func:`mmspec.prompt.llava_chat`), of
+dataset ``mmspec/{category}``; :meth:`BenchSample.next_turn` asks the next question after the
+target's own answer.
+
 A missing path, a split with no files, or a file lacking a needed column raises
 :class:`mmspec.errors.MMSpecError` naming the file, the problem and the fix. It knows nothing
 about models.

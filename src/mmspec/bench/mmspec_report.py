@@ -102,11 +102,13 @@ def mmspec_section(rows: list[dict]) -> list[str]:
                       str(c["later_prompt_tokens"]), str(c["reused_tokens"]),
                       "–" if c["reused_share"] is None else f"{100 * c['reused_share']:.1f}%"]
                      for meth in m["methods"] if (c := cells[meth]["overall"])])
-    lines += _batch_table(m["batches"])
+    lines += _batch_table(m["batches"], {meth: cells[meth]["overall"] for meth in m["methods"]})
     return lines + [""]
 
 
-def _batch_table(batches: list[dict]) -> list[str]:
+def _batch_table(batches: list[dict], solo: dict[str, dict | None]) -> list[str]:
+    """Speed-up per B; without a batched pass at B = 1, its column is the one-at-a-time rows' (generate
+    against the target's own generate: the same ratio for one request)."""
     sizes = sorted({b["batch_size"] for b in batches})
     if not sizes:
         return []
@@ -114,7 +116,16 @@ def _batch_table(batches: list[dict]) -> list[str]:
     methods = list(dict.fromkeys(b["method"] for b in batches if b["method"] != TARGET))
     lines = ["", ("Concurrency as MMSpec measures it: each turn of every sample B at a time (turn 1 of all, then turn 2, "
                   "...); cells: throughput ÷ the target's batched generate at the same B (τ; outputs identical to "
-                  "the target's solo ones)."), ""]
-    return lines + _table(["Method"] + [f"B = {s}" for s in sizes], [
-        [meth] + [(f"{_f(c['vs_target'])}x (τ {_f(c['tau'])}; {c['identical_to_solo']}/{c['checked']})" if c else "–")
-                  for c in (by.get((s, meth)) for s in sizes)] for meth in methods])
+                  "the target's solo ones)."
+                  + ("" if 1 in sizes else " B = 1: the one-at-a-time rows (speed-up over the target's own generate).")),
+             ""]
+    head = ([] if 1 in sizes else ["B = 1 (one at a time)"]) + [f"B = {s}" for s in sizes]
+    rows = []
+    for meth in methods:
+        c1 = solo.get(meth)
+        first = [] if 1 in sizes else [f"{_f(c1['speedup'])}x (τ {_f(c1['mat'])}; {c1['identical']}/{c1['checked']})"
+                                       if c1 else "–"]
+        rows.append([meth] + first + [
+            (f"{_f(c['vs_target'])}x (τ {_f(c['tau'])}; {c['identical_to_solo']}/{c['checked']})" if c else "–")
+            for c in (by.get((s, meth)) for s in sizes)])
+    return lines + _table(["Method"] + head, rows)
