@@ -185,3 +185,39 @@ def test_interrupted_run_resumes_every_turn(tmp_path):
     rows = read_jsonl(cfg.out_dir / "results.rank0.jsonl")
     assert again.skipped == 5 and len(rows) == 2 * 10 and len({(r["kind"], r["uid"]) for r in rows}) == 20
     assert {r["uid"] for r in rows} >= {"img_000002/t3", "img_000003/t3", "img_000004/t2"}
+
+
+def test_a_checkpoints_chat_template_renders_the_history(tmp_path):
+    """A processor with a chat template (a real checkpoint's) renders every turn through it: the images
+    in the first user turn, the target's answers as assistant turns; without one, LLaVA-1.5's format."""
+    models = tiny_models()
+    be = HFBackend(models, BenchConfig(methods=("M",)), torch.device("cpu"))
+    s = load_dataset("mmspec", write_split(tmp_path / "MMSpec"), 1)[0][1]
+    t2 = s.next_turn("Forty.")
+    assert be.prompt(t2) == t2.prompt == llava_chat(s.questions[:2], ("Forty.",))
+    models.processor.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>"
+        "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    assert be.prompt(t2) == f"<|user|><image>{s.questions[0]}<|assistant|>Forty.<|user|>{s.questions[1]}<|assistant|>"
+    assert be._inputs(t2)["input_ids"].shape[1] > 0  # the processor reads the rendered prompt
+
+
+def test_report_puts_b1_from_the_one_at_a_time_rows_beside_the_batched_ones():
+    from mmspec.bench.mmspec_report import mmspec_section
+    from mmspec.stats import BlockRecord, GenerationStats
+
+    def spec(uid, turn, wall, reused):
+        st = GenerationStats(gamma=5, views=("M",), blocks=[BlockRecord(5, 2, 3), BlockRecord(5, 0, 1)],
+                             prompt_tokens_reused=reused)
+        return {"kind": "spec", "dataset": "mmspec/text_vqa", "uid": uid, "method": "M", "turn": turn,
+                "input_len": 40, "token_ids": [1, 2, 3, 4], "wall_s": wall, "stats": st.to_dict()}
+
+    rows = [{"kind": "baseline", "dataset": "mmspec/text_vqa", "uid": u, "method": "", "token_ids": [1, 2, 3, 4],
+             "wall_s": 1.0, "turn": t} for u, t in (("a", 1), ("a/t2", 2))]
+    rows += [spec("a", 1, 0.5, 0), spec("a/t2", 2, 0.5, 30)]
+    rows += [{"kind": "batch", "dataset": "mmspec", "uid": "b8/0", "method": who, "batch_size": 8, "new_tokens": 80,
+              "wall_s": wall, "latency_s": [wall]} for who, wall in (("target", 2.0), ("M", 1.0))]
+    text = "\n".join(mmspec_section(rows))
+    assert "| M | 2.00 / 2.00x | 2.00 / 2.00x |" in text  # MAT (4 tokens / 2 blocks) / speed-up, then overall
+    assert "| M | 1 | 2 | 2/2 | 1 | 40 | 30 | 75.0% |" in text  # the turn-2+ reuse share
+    assert "| Method | B = 1 (one at a time) | B = 8 |" in text and "| M | 2.00x (τ 2.00; 2/2) | 2.00x" in text
