@@ -91,7 +91,8 @@ def _header(results_dir: Path, command: str | None, metas: list[dict]) -> list[s
     if metas:
         cfg, models = metas[-1].get("config", {}), metas[-1].get("models", {})
         lines.append(
-            f"- **settings:** gamma={cfg.get('gamma')}, max_new_tokens={cfg.get('max_new_tokens')}, "
+            f"- **settings:** gamma={cfg.get('gamma')}, max_new_tokens="
+            f"{cfg.get('max_new_tokens') or 'each data set protocol (IbED 128; MMSpec 1024 a turn, cut to the context)'}, "
             f"temperature={cfg.get('temperature')} ({'greedy' if not cfg.get('temperature') else 'sampling'}), "
             f"n_samples={cfg.get('n_samples')} per dataset; models: {models.get('source')} "
             f"(target {models.get('target_params')} params, draft {models.get('draft_params')} params)")
