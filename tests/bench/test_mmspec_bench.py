@@ -131,7 +131,7 @@ def _run(tmp_path, methods=("M", "lookup"), **kw) -> tuple[BenchConfig, list[dic
 
 
 def test_every_turn_is_the_targets_own_after_its_own_answers(tmp_path):
-    cfg, rows = _run(tmp_path)
+    cfg, rows = _run(tmp_path, methods=("M", "M+tree", "lookup"))
     base = {r["uid"]: r for r in rows if r["kind"] == "baseline"}
     assert sorted(base) == sorted(["img_000001", "img_000001/t2", "img_000002", "img_000002/t2", "img_000002/t3",
                                    "img_000003", "img_000003/t2", "img_000003/t3", "img_000004", "img_000004/t2"])
@@ -140,7 +140,7 @@ def test_every_turn_is_the_targets_own_after_its_own_answers(tmp_path):
     answers = (base["img_000002"]["text"].strip(), base["img_000002/t2"]["text"].strip())
     assert t3["prompt"] == llava_chat(questions["img_000002"], answers) and t3["turn"] == 3
     spec = [r for r in rows if r["kind"] == "spec"]
-    assert len(spec) == 2 * len(base) and all(r["identical"] for r in spec)  # every turn: the target's own
+    assert len(spec) == 3 * len(base) and all(r["identical"] for r in spec)  # every turn: the target's own
     later = [r for r in spec if r["turn"] > 1 and r["method"] == "M"]
     assert all(r["stats"]["prompt_tokens_reused"] > 0 for r in later)  # the earlier turns came from the cache
     m = mmspec_metrics(rows)
@@ -155,6 +155,7 @@ def test_every_turn_is_the_targets_own_after_its_own_answers(tmp_path):
     assert "## MMSpec" in text and "| M | " in text and "VIOLATED" not in text
     assert "mmspec/general_vqa (MMSpec)" in text and "Avg MMSpec" in text  # beside the IbED layout, a group apart
     assert "## Conversations" not in text  # MMSpec's turns are in its own section
+    assert (cfg.out_dir / "upset_mmspec_general_vqa.png").is_file()  # a category's plot: no "/" in its file name
 
 
 def test_batched_pass_by_turn_with_its_own_cache(tmp_path):

@@ -205,7 +205,7 @@ def render_report(results_dir: Path, command: str | None = None) -> Path:
     for d in datasets:
         sets, total = accepted_sets(rows, d)
         if len(sets) >= 2:
-            p = plots.upset_plot(sets, total, results_dir / f"upset_{d}.png",
+            p = plots.upset_plot(sets, total, results_dir / f"upset_{d.replace('/', '_')}.png",  # mmspec/CATEGORY
                                  f"{d}: accepted target tokens per single drafting method")
             figs.append((f"Which target tokens each single method got accepted: {d} (Fig. 5)", p))
             union = set().union(*sets.values())
