@@ -182,6 +182,9 @@ def test_interrupted_run_resumes_every_turn(tmp_path):
         run_bench(cfg, backend=FakeBackend(fail_after=5), rank=RankInfo())
     kept = read_jsonl(cfg.out_dir / "results.rank0.jsonl")
     assert [r["uid"] for r in kept] == ["img_000001", "img_000001", "img_000001/t2", "img_000001/t2", "img_000002"]
+    explicit = BenchConfig(**{**cfg.__dict__, "max_new_tokens": 1024})  # the same limit, said: other results
+    with pytest.raises(MMSpecError, match=r"protocol_new_tokens: \{'mmspec': 1024\} there, None now"):
+        run_bench(explicit, backend=FakeBackend(), rank=RankInfo())
     again = run_bench(cfg, backend=FakeBackend(), rank=RankInfo())
     rows = read_jsonl(cfg.out_dir / "results.rank0.jsonl")
     assert again.skipped == 5 and len(rows) == 2 * 10 and len({(r["kind"], r["uid"]) for r in rows}) == 20

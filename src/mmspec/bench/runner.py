@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mmspec.bench.backend import Backend, HFBackend, load_models, pick_device
-from mmspec.bench.config import IBED_NEW_TOKENS, RESULT_KEYS, BenchConfig, RankInfo, method_views
+from mmspec.bench.config import IBED_NEW_TOKENS, PROTOCOL_NEW_TOKENS, RESULT_KEYS, BenchConfig, RankInfo, method_views
 from mmspec.bench.datasets import BenchSample, load_dataset
 from mmspec.bench.metrics import accepted_flags, expects_identical
 from mmspec.bench.preflight import preflight
@@ -77,12 +77,16 @@ def _check_fingerprint(cfg: BenchConfig) -> None:
         fp = meta.get("fingerprint")
         if fp and fp != cfg.fingerprint():
             old = meta.get("config", {})
+            protocol = {name: n for name, n in PROTOCOL_NEW_TOKENS.items() if old.get("max_new_tokens") is None
+                        and any(str(d).split("=")[0] == name for d in old.get("datasets") or [])}
             old = {**old, "split": old.get("split") or "test",  # unset = test, as in result_values()
                    "max_new_tokens": old.get("max_new_tokens") or IBED_NEW_TOKENS}  # unset = IbED's, likewise
             now_values = {**cfg.result_values(), "heads": [list(h) for h in cfg.heads]}
-            old_values = {**{k: old.get(k) for k in RESULT_KEYS}, "heads": [list(h) for h in old.get("heads") or []]}
-            diff = [f"{k}: {old_values[k]!r} there, {now_values[k]!r} now" for k in (*RESULT_KEYS, "heads")
-                    if norm(old_values[k]) != norm(now_values[k])]
+            old_values = {**{k: old.get(k) for k in RESULT_KEYS}, "heads": [list(h) for h in old.get("heads") or []],
+                          "protocol_new_tokens": protocol or None}
+            now_values.setdefault("protocol_new_tokens", None)
+            diff = [f"{k}: {old_values[k]!r} there, {now_values[k]!r} now"
+                    for k in (*RESULT_KEYS, "heads", "protocol_new_tokens") if norm(old_values[k]) != norm(now_values[k])]
             raise MMSpecError(
                 f"{cfg.out_dir} holds results made with different settings ({'; '.join(diff) or 'the fingerprint'}); "
                 "resuming would mix them. Use a new --out directory, or the original settings."
