@@ -172,6 +172,11 @@ def test_batched_pass_by_turn_with_its_own_cache(tmp_path):
     assert any(r["stats"]["prompt_tokens_reused"] > 0 for r in outs if r["method"] == "M" and r["turn"] > 1)
     text = render_report(cfg.out_dir).read_text()
     assert "| M | " in text and "B = 2" in text
+    be = HFBackend(tiny_models(), cfg, torch.device("cpu"))
+    be.begin_pass(1)
+    b1 = be._decoder("M", reuse=True)
+    be.begin_pass(2)  # a new pass: its own decoder, the last pass's dropped with its cache
+    assert be._decoder("M", reuse=True) is not b1 and not any(k.endswith("\0b1") for k in be._decoders)
 
 
 def test_interrupted_run_resumes_every_turn(tmp_path):
