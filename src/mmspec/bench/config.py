@@ -37,6 +37,10 @@ RESULT_KEYS = ("gamma", "max_new_tokens", "temperature", "seed", "target", "draf
 
 
 HEAD_VARIANTS = ("eagle", "eagle3", "msd")
+IBED_NEW_TOKENS = 128  # the IbED paper's new tokens per sample (Section 4.1), every data set's unless below
+# data sets whose protocol sets another limit when --max-new-tokens is not given (a turn's answer): MMSpec's
+# evaluation follows Spec-Bench / EAGLE's 1024 (docs/bench.md)
+PROTOCOL_NEW_TOKENS: dict[str, int] = {"mmspec": 1024}
 
 
 def parse_method(method: str) -> tuple[tuple[str, ...], dict]:
@@ -243,7 +247,7 @@ class BenchConfig:
     datasets: tuple[DatasetSpec, ...] = tuple(DatasetSpec(d) for d in DEFAULT_DATASETS)
     n_samples: int = 100  # per dataset
     gamma: int = 5
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = None  # per answer (a turn); None: each data set's protocol (new_tokens_for)
     temperature: float = 0.0  # 0 = greedy (the paper's setting)
     seed: int = 0
     target: str | None = None  # local dir / hub id; None = embedded models
@@ -270,7 +274,7 @@ class BenchConfig:
             raise MMSpecError(f"n_samples must be >= 1, got {self.n_samples}")
         if self.pool_tokens is not None and self.pool_tokens < 1:
             raise MMSpecError(f"pool_tokens must be >= 1 (or unset for the default), got {self.pool_tokens}")
-        if self.max_new_tokens < 1:
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise MMSpecError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.latency_repeats < 1:
             raise MMSpecError(f"latency_repeats (--latency-repeats) must be >= 1, got {self.latency_repeats}")
@@ -304,9 +308,21 @@ class BenchConfig:
         directories made before the split became optional still resume)."""
         values = {k: getattr(self, k) for k in RESULT_KEYS}
         values["split"] = values["split"] or "test"
+        values["max_new_tokens"] = self.new_tokens_for("")  # unset = the IbED default, as before it was optional
+        protocol = {s.name: PROTOCOL_NEW_TOKENS[s.name] for s in self.datasets if s.name in PROTOCOL_NEW_TOKENS}
+        if self.max_new_tokens is None and protocol:  # only then: older results directories still resume
+            values["protocol_new_tokens"] = protocol
         if self.heads:  # only when given: results made before heads existed still resume
             values["heads"] = [list(h) for h in self.heads]
         return values
+
+    def new_tokens_for(self, dataset: str) -> int:
+        """New tokens per answer for ``dataset`` (a sample's dataset, ``mmspec/general_vqa`` included):
+        ``max_new_tokens`` when given, else the data set's protocol (:data:`PROTOCOL_NEW_TOKENS`: MMSpec's
+        1024 a turn), else the IbED paper's 128."""
+        if self.max_new_tokens is not None:
+            return self.max_new_tokens
+        return PROTOCOL_NEW_TOKENS.get(dataset.split("/")[0], IBED_NEW_TOKENS)
 
     def fingerprint(self) -> str:
         """Hash of the settings that change a row's numbers (not which rows are run)."""
