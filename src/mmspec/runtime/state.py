@@ -165,7 +165,13 @@ class BatchState:
         return [getattr(self, n) for n in names]
 
     # ------------------------------------------------------------------ a step's view
-    def sampling(self, rows: int) -> RowSampling:
-        """The first ``rows`` rows' parameters (free rows beyond the active ones: greedy)."""
+    @property
+    def flags(self) -> dict:
+        """What the host knows of the active rows' parameters (:func:`~mmspec.runtime.verify.flags`)."""
+        return dict(self._flags)
+
+    def sampling(self, rows: int, flags: dict | None = None) -> RowSampling:
+        """The first ``rows`` rows' parameters (free rows beyond the active ones: greedy), with
+        ``flags`` (a step plan's, which may turn on more paths than the rows use) or the rows' own."""
         return RowSampling(self.temperature[:rows], self.top_k[:rows], self.top_p[:rows], self.greedy[:rows],
-                           **self._flags)
+                           **(self._flags if flags is None else flags))
