@@ -13,10 +13,10 @@ from helpers.reference import engine_of
 from helpers.tiny import make_prompt
 from mmspec import MMSpecError, SpecDecoder
 from mmspec.batch import BatchScheduler
-from mmspec.engine.graphs import canonical_flags
+from mmspec.drafting.tree import TreeBatch
 from mmspec.engine.warmup import captures, graph_count
-from mmspec.tree import TreeBatch
-from mmspec.verify import RowSampling, flags, logits_to_probs_rows, verify_steps
+from mmspec.runtime.graphs import canonical_flags
+from mmspec.runtime.verify import RowSampling, flags, logits_to_probs_rows, verify_steps
 
 
 def reference(target, ids, pv, n):
@@ -106,7 +106,7 @@ def test_always_rows_crossing_a_span_bucket_equal_eager(target, draft_shared, to
     assert {p.span for p in plans} == {512, 1024} and {p.rows for p in plans} == {1, 2}
     eager = SpecDecoder(target, draft_shared, tok, views="M", gamma=2)
     want, _ = run(eager, reqs, 2, "always")
-    for r, g, e in zip(reqs, got, want):
+    for g, e in zip(got, want):
         assert g.token_ids == e.token_ids
         same_logprobs(g.logprobs, e.logprobs)
     assert got[0].token_ids == reference(target, reqs[0]["input_ids"], reqs[0]["pixel_values"], 24)
@@ -132,7 +132,7 @@ def test_the_general_sampling_path_gives_each_row_its_own_bits():
     greedy = torch.tensor([True, False, True, False])
     top_k = torch.tensor([0, 5, 0, 0])
     top_p = torch.tensor([1.0, 1.0, 1.0, 0.9], dtype=torch.float64)
-    from mmspec.verify import SamplingParams
+    from mmspec.runtime.verify import SamplingParams
 
     params = [SamplingParams(), SamplingParams(0.7, top_k=5), SamplingParams(), SamplingParams(1.3, top_p=0.9)]
     own = flags(params)

@@ -54,6 +54,7 @@ from mmspec.runtime import rng
 from mmspec.runtime.forwards import Compiler, RowForward
 from mmspec.runtime.graphs import MAX_LOGPROBS, StepRunner, bucket, canonical_flags, capacity_bucket
 from mmspec.runtime.masks import rows_mask
+from mmspec.runtime.pinned import PinnedRing
 from mmspec.runtime.state import BatchState
 from mmspec.runtime.verify import verify_steps
 from mmspec.stats import BlockRecord, GenerationStats
@@ -207,6 +208,7 @@ class Engine:
         self._graphs_generation = None
         self.rows: list[RowHost] = []
         self._inflight: deque[InFlight] = deque()  # launched, not read yet (oldest first)
+        self.outcomes = PinnedRing(2)  # where a GPU step's packed outcomes land: one launched, one being read
         self.draft_later = True  # False: rows never draft again (plain decoding only): nothing to catch up
 
     # ------------------------------------------------------------------ rows
@@ -313,7 +315,7 @@ class Engine:
         else:
             packed = self._device(plan, clock, **(props or {}))
         if self.device.type == "cuda":  # 5. the packed outcomes into pinned memory, read when they are ready
-            host = torch.empty(packed[:B].shape, dtype=packed.dtype, pin_memory=True)
+            host = self.outcomes.take(tuple(packed[:B].shape), packed.dtype)  # a pinned slot, reused
             host.copy_(packed[:B], non_blocking=True)  # before a later replay overwrites the graph's output
             ready = torch.cuda.Event()
             ready.record()
@@ -414,6 +416,11 @@ class Engine:
         plan = StepPlan(rows=R, spec=spec, catch_up=catch_up, keep_pending=keep, proposals=props is not None, span=span,
                         span_draft=span_d, flags=tuple(sorted(flags.items())), logprobs=k)
         return plan, props, failed
+
+    def packed_width(self, logprobs: int) -> int:
+        """Columns of a step's packed outcomes (:meth:`_device`) with ``logprobs`` alternatives."""
+        d1 = self.spec.max_depth + 1
+        return 4 + d1 + (d1 * (1 + 2 * logprobs) if logprobs else 0)
 
     @property
     def logprobs_width(self) -> int:

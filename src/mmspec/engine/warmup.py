@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from mmspec.drafting.tree import TreeSpec
 from mmspec.engine.step import Engine, StepPlan
 from mmspec.runtime.graphs import MIN_CAPACITY, bucket, canonical_flags
+from mmspec.runtime.pinned import STAGING
 from mmspec.runtime.verify import SamplingParams, flags
 
 _NAMES = dict.fromkeys(flags([SamplingParams()]), False)
@@ -85,10 +86,10 @@ def plan_set(engine: Engine, max_rows: int, shapes: list[TreeSpec | None], draft
             for catch_up, keep, span_ds in kinds:
                 for span in spans:
                     for span_d in span_ds:
-                        for flags in (GREEDY_FLAGS, GENERAL_FLAGS):
+                        for fl in (GREEDY_FLAGS, GENERAL_FLAGS):
                             for k in widths:
                                 out.append(StepPlan(rows=R, spec=spec, catch_up=catch_up, keep_pending=keep,
-                                                    proposals=False, span=span, span_draft=span_d, flags=flags,
+                                                    proposals=False, span=span, span_draft=span_d, flags=fl,
                                                     logprobs=k))
     return out
 
@@ -119,6 +120,9 @@ def warm_up(engine: Engine, max_rows: int, shapes: list[TreeSpec | None], capaci
         drafting.ensure(rows, capacity if draft_capacity is None else draft_capacity)
         drafting.begin(rows, 1 + engine.spec.n_generated)  # per-step buffers at their largest (never regrown)
     _allocate(engine, rows, whole[-1] if whole else None)
+    if engine.device.type == "cuda":  # the pinned memory steps and admissions use, allocated now
+        engine.outcomes.reserve(rows * engine.packed_width(engine.logprobs_width))
+        STAGING.reserve()
     before = graph_count(engine)
     plans = plan_set(engine, max_rows, shapes, draft_later)
     for plan in plans:

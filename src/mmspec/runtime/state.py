@@ -33,17 +33,18 @@ from dataclasses import dataclass
 
 import torch
 
+from mmspec.runtime.pinned import STAGING
 from mmspec.runtime.verify import RowSampling, SamplingParams, flags
 
 NO_IMAGE = -(1 << 40)
 
 
 def stage(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A tensor the host made, onto ``device`` in one non-blocking copy: from pinned memory on a
-    GPU (the copy does not wait for the device, so it never stalls a step in flight), as it is
-    on the CPU."""
+    """A tensor the host made, onto ``device`` in one non-blocking copy: on a GPU from a pinned
+    staging slot written in place (:data:`~mmspec.runtime.pinned.STAGING`: no pinning per call;
+    the copy does not wait for the device, so it never stalls a step in flight), as it is on the CPU."""
     if device.type == "cuda":
-        host = host.pin_memory()
+        return STAGING.stage(host, device)
     return host.to(device, non_blocking=True)
 
 
