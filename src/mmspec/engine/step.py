@@ -410,7 +410,7 @@ class Engine:
             self.drafting.adaptive.record(R)
         asked = [r.logprobs_top for r in self.rows if r.logprobs_top is not None]
         flags, k = st.flags, max(1, *asked) if asked else 0
-        if self.step_graphs:  # a bounded set of graphs (mmspec.engine.warmup): two flag sets, one width
+        if self.step_graphs and not self.graphs_failed:  # a bounded set of graphs (engine/warmup.py): two flag sets, one width
             flags, k = canonical_flags(flags), max(k, self.logprobs_width) if asked else 0
         keep = spec is None and self.drafting is not None and self.draft_later and not catch_up
         plan = StepPlan(rows=R, spec=spec, catch_up=catch_up, keep_pending=keep, proposals=props is not None, span=span,
