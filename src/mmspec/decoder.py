@@ -627,6 +627,10 @@ class SpecDecoder:
         if self.graph_mode == "eager":
             return WarmUp(0, 0, 0, 0.0)
         policy = speculate if isinstance(speculate, SpeculationPolicy) else self.policy_for(speculate)
+        held = self._static_pool.leased.get("engine")
+        if held is not None and held[1]() is not None:  # a fresh engine would be warmed, then dropped
+            raise MMSpecError("warm_up() while a scheduler holds this decoder's engine; warm up before creating "
+                              "it, or close() it first")
         holder = _WarmUpHolder()
         engine = self.engine_for(holder)
         try:

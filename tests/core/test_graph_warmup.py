@@ -168,6 +168,16 @@ def test_warm_up_arguments_and_the_eager_decoder(target, draft_shared, tok):
         eager.policy_for("sometimes")
 
 
+def test_warm_up_while_a_scheduler_holds_the_engine_is_refused(target, draft_shared, tok):
+    dec = SpecDecoder(target, draft_shared, tok, views="M", gamma=2, cuda_graphs="emulate")
+    sched = BatchScheduler(dec, max_batch=1, speculate="never")
+    with pytest.raises(MMSpecError, match="while a scheduler holds this decoder's engine"):
+        dec.warm_up(max_batch=1, speculate="never", max_context=64)
+    sched.close()
+    w = dec.warm_up(max_batch=1, speculate="never", max_context=64)
+    assert w.captured == 2 * 2 and w.graphs == graph_count(engine_of(dec))  # "never": plain steps x paths x widths
+
+
 def test_logprobs_past_max_logprobs_are_refused(target, draft_shared, tok):
     dec = SpecDecoder(target, draft_shared, tok, views="M", gamma=2, max_logprobs=3)
     with pytest.raises(MMSpecError, match="logprobs=4 is more than this decoder's max_logprobs=3"):
