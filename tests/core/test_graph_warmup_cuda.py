@@ -127,3 +127,52 @@ def test_the_outcome_ring_alternates_and_grows_by_bucket(monkeypatch):
     assert ring.buffers[1].numel() == 128  # 80 elements reserved: a bucket of them
     ring.take((13, 10), torch.long)  # slot 1 grown: 130 -> 256 elements
     assert ring.allocations == 3 and ring.buffers[1].numel() == 256
+
+
+class _FakeEvent:
+    """A CUDA event stand-in: done once the test says so."""
+
+    def __init__(self):
+        self.done, self.waited = True, 0
+
+    def record(self, stream=None):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.waited += 1
+        self.done = True
+
+
+def test_staging_reuses_free_slots_and_waits_only_when_all_are_busy(monkeypatch):
+    """The staging slots' bookkeeping on the CPU (plain memory, fake events): a slot whose copy is
+    done is reused (no allocation), a busy one never is (a new slot instead, up to STAGING_SLOTS),
+    then the least recently used is waited for; each staged tensor arrives whole."""
+    monkeypatch.setattr(pinned, "_pinned", lambda numel, dtype: torch.empty(numel, dtype=dtype))
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    st, cpu = pinned.PinnedStaging(), torch.device("cpu")
+    st.reserve(2, 64)
+    assert st.allocations == 2
+    x = torch.arange(6).view(2, 3)
+    assert torch.equal(st.stage(x, cpu), x) and torch.equal(st.stage(x.double(), cpu), x.double())
+    assert st.allocations == 2  # two free slots, both used; both copies now in flight
+    st.stage(x, cpu)
+    assert st.allocations == 3  # every slot busy: a new one, the busy ones untouched
+    for s in st.slots:
+        s[1].done = True
+    for _ in range(5):
+        st.stage(x, cpu)
+        for s in st.slots:
+            s[1].done = True
+    assert st.allocations == 3  # copies done: slots reused
+    for i in range(pinned.STAGING_SLOTS + 2):
+        assert torch.equal(st.stage(x + i, cpu), x + i)
+    assert len(st.slots) == pinned.STAGING_SLOTS and st.allocations == pinned.STAGING_SLOTS
+    assert sum(s[1].waited for s in st.slots) == 2  # past the bound: the oldest copy waited for, twice
+    big = torch.arange(1000, dtype=torch.float64)  # 8,000 bytes: past a 4 KiB slot
+    for s in st.slots:
+        s[1].done = True
+    assert torch.equal(st.stage(big, cpu), big) and st.allocations == pinned.STAGING_SLOTS + 1  # a free slot grown

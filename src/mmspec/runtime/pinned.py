@@ -87,7 +87,7 @@ class PinnedStaging:
         nbytes = host.numel() * host.element_size()
         with self.lock:
             slot = self._free(nbytes)
-            self.slots.remove(slot)
+            self.slots.pop(next(i for i, s in enumerate(self.slots) if s is slot))  # by identity: slots hold tensors
             self.slots.append(slot)  # least recently used first
             src = slot[0][:nbytes].view(host.dtype).view(host.shape)
             src.copy_(host)
