@@ -6,8 +6,9 @@ with one launch. A graph fixes every address and shape, so the forwards it captu
 engine's fixed buffers (:class:`~mmspec.models.rows.RowCache`: each row's write slots a device
 tensor, attention over a bucket of slots under a 4-D mask) and read their inputs from buffers
 this module owns: per input shape ``(rows, new tokens, span)`` one graph, captured on first use
-(after two warm-up runs on a side stream) and replayed for every later call of the same shape,
-for as long as its :class:`StepRunner` lives; every graph of an engine in one :class:`GraphPool`.
+(after two warm-up runs on a side stream) or before traffic (:meth:`StepRunner.prepare`, from
+:mod:`mmspec.engine.warmup`) and replayed for every later call of the same shape, for as long as
+its :class:`StepRunner` lives; every graph of an engine in one :class:`GraphPool`.
 
 Why explicit ``torch.cuda.CUDAGraph`` capture rather than ``torch.compile(mode="reduce-overhead")``:
 measured in ``perf/gpu_shapes.py`` (docs/perf.md, "GPU path"); the short version is that
