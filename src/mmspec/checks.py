@@ -346,8 +346,9 @@ def check_max_new_tokens(max_new_tokens) -> int:
     return n
 
 
-def check_logprobs(logprobs, vocab: int) -> int | None:
-    """None (no log-probabilities), or the alternatives wanted per token: 0 up to the vocabulary."""
+def check_logprobs(logprobs, vocab: int, most: int | None = None) -> int | None:
+    """None (no log-probabilities), or the alternatives wanted per token: 0 up to the vocabulary
+    and to ``most`` (the decoder's ``max_logprobs``)."""
     if logprobs is None:
         return None
     if not isinstance(logprobs, bool):
@@ -356,9 +357,20 @@ def check_logprobs(logprobs, vocab: int) -> int | None:
         except TypeError:
             k = None
         if k is not None and 0 <= k <= vocab:
+            if most is not None and k > most:
+                raise MMSpecError(f"logprobs={k} is more than this decoder's max_logprobs={most} (the widest it "
+                                  "computes); ask for fewer, or build the decoder with a larger max_logprobs=")
             return k
     raise MMSpecError(f"logprobs must be a whole number from 0 to the vocabulary's {vocab} (the likeliest "
                       f"alternatives reported per token; 0: the token's own only) or None, got {logprobs!r}")
+
+
+def check_max_logprobs(most) -> int:
+    """``max_logprobs``: a whole number >= 0."""
+    if isinstance(most, bool) or not isinstance(most, int) or most < 0:
+        raise MMSpecError(f"max_logprobs must be a whole number >= 0 (the most alternatives a request may ask "
+                          f"per token; OpenAI's bound is 20), got {most!r}")
+    return most
 
 
 def check_seed(seed) -> int | None:

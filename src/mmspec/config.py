@@ -66,6 +66,7 @@ class RuntimeConfig:
     static_cache: bool | None = None
     compile: bool = False  # the step's forwards through torch.compile (inside the step's graph)
     prefix_cache_mb: float = PREFIX_CACHE_MB
+    max_logprobs: int = 20  # the most log-probability alternatives a request may ask (graphs compute this many)
 
 
 @dataclass(frozen=True)

@@ -198,6 +198,7 @@ class SpecDecoder:
         acceptance_cfg = AcceptanceConfig.parse(cfg.acceptance.acceptance, cfg.acceptance.relaxed_thresholds,
                                                 cfg.acceptance.relaxed_window)
         prefix_mb = check_budget(cfg.runtime.prefix_cache_mb)
+        self.max_logprobs = checks.check_max_logprobs(cfg.runtime.max_logprobs)
         self.gamma = checks.check_gamma(t.gamma)
         checks.check_dtype(cfg.runtime.dtype, target, draft, head_given)
         dtype = compute_dtype(cfg.runtime.dtype, "cpu")  # models given as paths load on the CPU: "auto" means float32 there
@@ -603,9 +604,41 @@ class SpecDecoder:
                           relaxed=self.acceptance, static=self.static, graphs=self.graph_mode, feat_dim=feat_dim,
                           feat_dtype=feat_dtype or torch.float32, pool=pool,
                           proposals_beside=bool(self.model_free) and not self.model_free_alone,
-                          compile=self.mode.compile)
+                          compile=self.mode.compile, max_logprobs=self.max_logprobs)
 
         return self._static_pool.lease("engine", holder, make) if self.static else make()
+
+    @torch.inference_mode()
+    def warm_up(self, *, max_batch: int = 16, speculate="always", max_context: int = 2048):
+        """Capture, before any request, every CUDA graph a batch of up to ``max_batch`` requests
+        of up to ``max_context`` positions (prompt and new tokens, images expanded) may step
+        with under ``speculate`` ("always", "never", "auto" or a policy): each step shape the
+        policy may choose, for every row bucket, span bucket, sampling path and logprobs width
+        (:mod:`mmspec.engine.warmup`). -> a :class:`~mmspec.engine.warmup.WarmUp` (graphs,
+        seconds); nothing to do without graphs. A later request that needs more (a longer
+        context, model-free proposals) still captures on first use."""
+        from mmspec.drafting.trees import inblock_slots
+        from mmspec.engine.warmup import WarmUp, step_shapes, warm_up
+
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise MMSpecError(f"max_batch must be a whole number >= 1, got {max_batch!r}")
+        if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 2:
+            raise MMSpecError(f"max_context must be a whole number of positions >= 2, got {max_context!r}")
+        if self.graph_mode == "eager":
+            return WarmUp(0, 0, 0, 0.0)
+        policy = speculate if isinstance(speculate, SpeculationPolicy) else self.policy_for(speculate)
+        held = self._static_pool.leased.get("engine")
+        if held is not None and held[1]() is not None:  # a fresh engine would be warmed, then dropped
+            raise MMSpecError("warm_up() while a scheduler holds this decoder's engine; warm up before creating "
+                              "it, or close() it first")
+        holder = _WarmUpHolder()
+        engine = self.engine_for(holder)
+        try:
+            capacity = max_context + self.room(0)  # as admission sizes a request's rows
+            return warm_up(engine, max_batch, step_shapes(policy, self.tree), capacity,
+                           capacity + engine.width + 1 + inblock_slots(self.tree), policy.mode != "never")
+        finally:
+            self._static_pool.give_back(holder)
 
     def proposer_for_request(self, prompt: EncodedRequest, sampled: bool = False):
         """A model-free drafter's proposer for one admitted request (None without lookup / suffix);
@@ -625,3 +658,5 @@ class SpecDecoder:
                       "(text, caption or pooled:N)")
 
 
+class _WarmUpHolder:
+    """Who holds the static engine while :meth:`SpecDecoder.warm_up` captures its graphs."""

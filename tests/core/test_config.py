@@ -38,7 +38,7 @@ def test_unknown_options_are_refused_by_name(target, draft_shared, tok):
 
 
 def test_every_keyword_has_one_group():
-    assert len(KEYWORDS) == len(set(KEYWORDS)) == len(DecoderConfig().keywords()) == 24
+    assert len(KEYWORDS) == len(set(KEYWORDS)) == len(DecoderConfig().keywords()) == 25
 
 
 def test_a_group_of_another_type_is_refused_naming_its_class():

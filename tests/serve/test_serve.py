@@ -523,6 +523,7 @@ def test_flags_are_checked_before_anything_loads(tmp_path):
                              (["--max-batch", "0"], "--max-batch must be >= 1"),
                              (["--speculate", "sometimes"], "--speculate must be one of always, never, auto"),
                              (["--prefix-cache-mb", "-1"], "--prefix-cache-mb must be a number of MiB >= 0"),
+                             (["--warm-up-context", "1"], "--warm-up-context must be 0 (no warm-up) or a number"),
                              (["--allowed-local-media-path", str(tmp_path / "nope")], "is not a directory"),
                              (["--max-request-mb", "0"], "--max-request-mb must be a number of MiB > 0"),
                              (["--max-image-pixels", "0"], "--max-image-pixels must be >= 1"),

@@ -52,8 +52,9 @@ from mmspec.options import RelaxedAcceptance
 from mmspec.results import TokenLogprob
 from mmspec.runtime import rng
 from mmspec.runtime.forwards import Compiler, RowForward
-from mmspec.runtime.graphs import StepRunner, bucket, capacity_bucket
+from mmspec.runtime.graphs import MAX_LOGPROBS, StepRunner, bucket, canonical_flags, capacity_bucket
 from mmspec.runtime.masks import rows_mask
+from mmspec.runtime.pinned import PinnedRing
 from mmspec.runtime.state import BatchState
 from mmspec.runtime.verify import verify_steps
 from mmspec.stats import BlockRecord, GenerationStats
@@ -102,7 +103,8 @@ class StepPlan:
     shapes), the tree drafted (None: plain decoding), whether a plain step feeds the drafter its
     pending tokens, whether model-free proposals ride along, the attention spans, and which
     sampling filters any row uses, and the alternatives the step's log-probabilities list. One CUDA
-    graph per plan."""
+    graph per plan; with graphs, plans come from a bounded set (the flags one of two sets, the
+    alternatives the engine's widest, spans buckets) captured before traffic (:mod:`mmspec.engine.warmup`)."""
 
     rows: int
     spec: TreeSpec | None
@@ -111,7 +113,7 @@ class StepPlan:
     proposals: bool
     span: int  # target slots attended
     span_draft: int  # draft slots attended
-    flags: tuple
+    flags: tuple  # the sampling paths the step runs: sorted (name, on) pairs of RowSampling's flags
     logprobs: int = 0  # top alternatives per emitted token: the most any row asks, at least 1 (0: no row asks)
 
 
@@ -172,8 +174,9 @@ class Engine:
     def __init__(self, target, n_layers: int, spec: TreeSpec, drafting=None, *, hidden_layers: tuple[int, ...] = (),
                  relaxed: RelaxedAcceptance | None = None, static: bool = False, graphs: str = "eager",
                  feat_dim: int | None = None, feat_dtype: torch.dtype = torch.float32, pool=None,
-                 proposals_beside: bool = False, compile: bool = False):
+                 proposals_beside: bool = False, compile: bool = False, max_logprobs: int = MAX_LOGPROBS):
         self.target = target
+        self.max_logprobs = max_logprobs  # the most alternatives per token a row may ask (graph mode computes these)
         self.spec = spec
         self.drafting = drafting
         self.hidden_layers = hidden_layers
@@ -205,6 +208,7 @@ class Engine:
         self._graphs_generation = None
         self.rows: list[RowHost] = []
         self._inflight: deque[InFlight] = deque()  # launched, not read yet (oldest first)
+        self.outcomes = PinnedRing(2)  # where a GPU step's packed outcomes land: one launched, one being read
         self.draft_later = True  # False: rows never draft again (plain decoding only): nothing to catch up
 
     # ------------------------------------------------------------------ rows
@@ -273,9 +277,9 @@ class Engine:
         return moved
 
     # ------------------------------------------------------------------ the step
-    def _input(self, R: int, depth: int, span: int = 0) -> StepInput:
+    def _input(self, R: int, depth: int, span: int = 0, flags: dict | None = None) -> StepInput:
         st = self.state
-        rs = st.sampling(R)
+        rs = st.sampling(R, flags)
         u = rng.uniforms(st.seed[:R], st.step[:R], rng.DRAFT, max(depth, 1)) if rs.any_sampling else None
         return StepInput(rows=R, pending=st.pending[:R], pending_len=st.pending_len[:R], remaining=st.remaining[:R],
                          sampling=rs, u=u, feats=None if st.feat_dim is None else st.pending_feats[:R], span=span)
@@ -311,7 +315,7 @@ class Engine:
         else:
             packed = self._device(plan, clock, **(props or {}))
         if self.device.type == "cuda":  # 5. the packed outcomes into pinned memory, read when they are ready
-            host = torch.empty(packed[:B].shape, dtype=packed.dtype, pin_memory=True)
+            host = self.outcomes.take(tuple(packed[:B].shape), packed.dtype)  # a pinned slot, reused
             host.copy_(packed[:B], non_blocking=True)  # before a later replay overwrites the graph's output
             ready = torch.cuda.Event()
             ready.record()
@@ -404,14 +408,26 @@ class Engine:
         drafting_adapts = spec is not None and getattr(self.drafting, "adaptive", None) is not None
         if drafting_adapts:  # the weights this step drafts with, kept for the request's stats
             self.drafting.adaptive.record(R)
-        flags = st.sampling(R)
         asked = [r.logprobs_top for r in self.rows if r.logprobs_top is not None]
+        flags, k = st.flags, max(1, *asked) if asked else 0
+        if self.step_graphs and not self.graphs_failed:  # a bounded set of graphs (engine/warmup.py): two flag sets, one width
+            flags, k = canonical_flags(flags), max(k, self.logprobs_width) if asked else 0
         keep = spec is None and self.drafting is not None and self.draft_later and not catch_up
         plan = StepPlan(rows=R, spec=spec, catch_up=catch_up, keep_pending=keep, proposals=props is not None, span=span,
-                        span_draft=span_d, flags=(flags.any_sampling, flags.all_sampling, flags.any_top_k,
-                                                  flags.any_top_p, flags.any_tiny),
-                        logprobs=max(1, *asked) if asked else 0)
+                        span_draft=span_d, flags=tuple(sorted(flags.items())), logprobs=k)
         return plan, props, failed
+
+    def packed_width(self, logprobs: int) -> int:
+        """Columns of a step's packed outcomes (:meth:`_device`) with ``logprobs`` alternatives."""
+        d1 = self.spec.max_depth + 1
+        return 4 + d1 + (d1 * (1 + 2 * logprobs) if logprobs else 0)
+
+    @property
+    def logprobs_width(self) -> int:
+        """The alternatives a step computes per token in graph mode whenever a row asks for any:
+        the most the engine serves (``max_logprobs``, within the vocabulary); a row asking fewer
+        reads its first ones on the host."""
+        return max(1, min(self.max_logprobs, self.target.vocab_size))
 
     def _pending_bound(self, ahead: StepPlan | None) -> int:
         """The most pending tokens a row may hold once the step in flight (``ahead``) is done
@@ -463,7 +479,7 @@ class Engine:
         """Steps 1-4 on the device, every row at once, and the packed outcomes [R, W] (what the
         host reads). Reads no host value but ``plan``'s: a CUDA graph can capture it."""
         st, R, spec = self.state, plan.rows, plan.spec
-        x = self._input(R, self.spec.max_depth, plan.span_draft)
+        x = self._input(R, self.spec.max_depth, plan.span_draft, dict(plan.flags))
         drafted: Drafted | None = None
         p = mf.Proposals(**props) if plan.proposals else None
         if spec is not None and self.drafting is not None:  # 1. draft
