@@ -27,7 +27,6 @@ import typer
 from mmspec.bench.config import DEFAULT_DATASETS, DEFAULT_METHODS, BenchConfig, DatasetSpec
 from mmspec.cli import options
 from mmspec.errors import MMSpecError
-from mmspec.provenance import command_line
 
 bench_app = typer.Typer(help="Benchmark drafting methods against the target alone (IbED Table 3).",
                         no_args_is_help=True, add_completion=False)
@@ -94,6 +93,7 @@ def run_command(
 ) -> None:
     """Run (or resume) the benchmark: one JSONL row per (sample, method) plus a baseline per sample."""
     from mmspec.bench.runner import BenchInterrupted, run_bench
+    from mmspec.provenance import command_line
     from mmspec.threads import apply_threads
 
     try:
@@ -151,6 +151,7 @@ def report_command(
 ) -> None:
     """Merge all rank files of RESULTS_DIR and write report.md, metrics.json and PNG plots."""
     from mmspec.bench.report import render_report
+    from mmspec.provenance import command_line
 
     try:
         path = render_report(results_dir, command=command_line())

@@ -13,7 +13,6 @@ from mmspec.cli import common, options
 from mmspec.cli.common import fail
 from mmspec.cli.options import ModelFlags, RuntimeFlags, ShapeFlags, ViewFlags, takes
 from mmspec.errors import MMSpecError
-from mmspec.views import parse_views
 
 # `mmspec generate` with no prompt: a world sample the embedded target answers right (checked by
 # tests/cli/test_cli.py with the world's own fact check), not test sample 0, which it gets wrong
@@ -80,6 +79,7 @@ def build_decoder(o, target, draft, tokenizer, processor, captioner, **extra):
     """The SpecDecoder that ``o`` (checked GenerateOptions) describes, over :func:`load_models`'
     models (``generate`` and ``serve``); ``extra``: more SpecDecoder keywords (serve's prefix_cache_mb)."""
     from mmspec.decoder import SpecDecoder
+    from mmspec.views import parse_views
 
     draft_proc = None
     if o.draft_reads_own_images:  # a draft of another family reads the PIL images its own way

@@ -7,6 +7,7 @@ or ShareGPT conversations, any family, through the target's own processor and ch
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -22,7 +23,9 @@ from mmspec.cli.train.common import (
     training_errors,
 )
 from mmspec.errors import MMSpecError
-from mmspec.train.head import HeadTrainConfig, train_head, world_sequences, world_video_sequences
+
+if TYPE_CHECKING:
+    from mmspec.train.head import HeadTrainConfig
 
 CONVERSATION_FORMATS = ("llava-instruct", "sharegpt", "conversations")  # --data FORMAT:FILE, read alike
 TARGET_FAMILIES = ("llava", "llava_next", "llava_onevision", "video_llava", "qwen2_vl", "qwen2_5_vl")
@@ -96,6 +99,7 @@ def head(
     import os
 
     from mmspec.provenance import command_line
+    from mmspec.train.head import HeadTrainConfig, train_head, world_sequences, world_video_sequences
 
     with training_errors():
         if samples is None and data == "world":
