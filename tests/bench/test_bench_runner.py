@@ -154,15 +154,16 @@ def test_ctrl_c_says_what_is_kept_and_the_same_command_resumes(tmp_path):
 
 def test_threads_default_and_flag(tmp_path, monkeypatch):
     """--threads sets torch's threads before any model runs and is recorded with the run; the
-    default is torch's choice shared among the local ranks of a torchrun job."""
+    default is the idle cores shared among the local ranks of a torchrun job (the load's part:
+    tests/core/test_threads.py)."""
     import torch
 
     from mmspec.bench.store import read_run_meta
     from mmspec.threads import default_threads
 
-    assert default_threads({"LOCAL_WORLD_SIZE": "2"}, available=8) == 4
-    assert default_threads({"LOCAL_WORLD_SIZE": "4"}, available=2) == 1  # never 0
-    assert default_threads({}, available=2) == 2
+    assert default_threads({"LOCAL_WORLD_SIZE": "2"}, available=8, cores=8, load=0.0) == 4
+    assert default_threads({"LOCAL_WORLD_SIZE": "4"}, available=2, cores=2, load=0.0) == 1  # never 0
+    assert default_threads({}, available=2, cores=2, load=0.0) == 2
     data = write_chartqa(tmp_path / "c.parquet", n=1)
     set_to = []
     monkeypatch.setattr(torch, "set_num_threads", set_to.append)

@@ -86,8 +86,9 @@ def run_command(
                                    "(throughput, per-request p50/p90 latency). A sweep: --batch-size 1,2,4,8,16."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bars (--no-progress: none, "
                                   "transformers' weight-loading bars included: for logs)."),
-    threads: int | None = typer.Option(None, help="CPU threads for torch in this process (default: torch's "
-                                          "choice divided by the processes torchrun started on this machine). "
+    threads: int | None = typer.Option(None, help="CPU threads for torch in this process (default: the cores "
+                                          "the machine leaves idle, from its load, divided by the processes "
+                                          "torchrun started on this machine). "
                                           "Two runs side by side: give each a share, e.g. --threads 1 on 2 cores."),
     backend: str | None = typer.Option(None, hidden=True, help="module:function building a custom backend (tests)."),
 ) -> None:

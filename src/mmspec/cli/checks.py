@@ -41,7 +41,7 @@ def check_sampling(temperature: float, top_k: int | None = None, top_p: float | 
 
 def check_threads(threads: int | None) -> None:
     if threads is not None and (isinstance(threads, bool) or threads < 1):
-        raise MMSpecError(f"--threads must be >= 1, got {threads}; or leave it out for torch's choice")
+        raise MMSpecError(f"--threads must be >= 1, got {threads}; or leave it out for the cores the machine leaves idle")
 
 
 def check_device(device: str | None) -> None:

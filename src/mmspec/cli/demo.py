@@ -40,7 +40,7 @@ def demo(
         fams, meths = names(families), list(split_methods([methods]))
         heads = dict(_parse_heads(head))
         check_demo(meths, fams, max_new_tokens, gamma, repeats, threads, heads)  # every option before any model runs
-        common.set_threads(threads)
+        common.set_threads(threads, say=True)
         t, d, tok, proc, cap, _ = load_models(None, None, None, None, "auto", "cpu")
         common.console.print(EMBEDDED_NOTE)
         decs = {m: _decoder(m, t, d, tok, proc, cap, gamma, heads) for m in meths}

@@ -192,7 +192,7 @@ def _run(o, compare: bool) -> None:
     """Load, decode and print; ``o`` is the checked GenerateOptions."""
     from mmspec.inputs import chat_prompt, load_images, load_video, processor_inputs, to_target
 
-    common.set_threads(o.threads)
+    common.set_threads(o.threads, say=True)
     images = load_images(o.image) if o.image else []  # an unreadable image fails before loading too
     clips = [load_video(v, o.frames) for v in o.video]
     t, d, tok, proc, cap, embedded = load_models(o.target, o.draft, o.captioner, o.captioner_prompt, o.dtype,

@@ -31,8 +31,8 @@ def option(default: Any, *decls: str, help: str, panel: str | None = None, **kw)
 
 
 # ---------------------------------------------------------------------------------- single options
-THREADS_HELP = ("CPU threads for torch (default: torch's choice); give each of several runs side by side a share "
-                "of the cores.")
+THREADS_HELP = ("CPU threads for torch (default: the cores the machine leaves idle, from its load; one on a "
+                "busy machine); give each of several runs side by side a share of the cores.")
 THREADS = typer.Option(None, help=THREADS_HELP, rich_help_panel=RUNTIME)
 DEVICE_HELP = "cpu, cuda, cuda:1, ..."
 FRESH = typer.Option(False, help="Start over instead of resuming the checkpoints an interrupted run left in --out.")
