@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _flat(text: str) -> str:
-    """Without whitespace: the console wraps long lines anywhere, paths included."""
-    return "".join(text.split())
+    """Without whitespace or the error box's sides: the console wraps long lines anywhere, paths included."""
+    return "".join(text.replace("│", " ").split())
 EMBEDDED = ROOT / "src" / "mmspec" / "assets" / "embedded"
 
 
@@ -275,6 +275,17 @@ BAD = [
     (["train", "embedded", "--steps-scale", "0"], r"--steps-scale must be a finite number > 0"),
     (["train", "embedded", "--n-train-per-family", "0"], r"--n-train-per-family must be a whole number >= 1"),
     (["train", "embedded", "--device", "gpu"], r"--device 'gpu' is not a device"),
+    # train answers (issue 61 item 7: a negative count wrote nothing and exited 0; 0 named a flag not given)
+    (["train", "answers", "--n-train-per-family", "-3"],
+     r"Invalid value for --n-train-per-family: must be a whole number of samples per family >= 0, got -3"),
+    (["train", "answers", "--n-train-per-family", "0"],
+     r"Invalid value for --n-train-per-family: every family has 0 samples \(--n-train-per-family 0\); "
+     r"nothing to answer"),
+    (["train", "answers", "--n-train-per-family", "0", "--family-samples", "vist=0"],
+     r"Invalid value for --family-samples: every family has 0 samples \(--n-train-per-family 0 "
+     r"--family-samples vist=0\)"),
+    (["train", "stage", "--size", "tiny", "--n-train-per-family", "-1"],
+     r"--n-train-per-family: must be a whole number of samples per family >= 0, got -1"),
 ]
 
 
