@@ -273,11 +273,11 @@ def test_demo_and_bench_refuse_zero_new_tokens(tmp_path):
 
     r = CliRunner().invoke(app, ["demo", "--max-new-tokens", "0"])
     assert r.exit_code == 2 and "--max-new-tokens must be >= 1" in r.output, r.output
-    with pytest.raises(MMSpecError, match="max_new_tokens must be >= 1"):
+    with pytest.raises(MMSpecError, match=r"max_new_tokens \(--max-new-tokens\) must be >= 1"):
         BenchConfig(out_dir=tmp_path, max_new_tokens=0)
     with pytest.raises(MMSpecError, match="temperature must be a finite number >= 0"):
         BenchConfig(out_dir=tmp_path, temperature=-1.0)  # before any row is written
-    with pytest.raises(MMSpecError, match="pool_tokens must be >= 1"):
+    with pytest.raises(MMSpecError, match=r"pool_tokens \(--pool-tokens\) must be >= 1"):
         BenchConfig(out_dir=tmp_path, pool_tokens=0)
 
 
