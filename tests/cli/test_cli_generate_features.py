@@ -393,6 +393,25 @@ def test_video_errors(video_ckpt, ckpt):
              "--prompt", "<video> <video> w5"], "2 <video> slot(s) but 1 video(s)")
 
 
+def test_a_video_slot_given_an_image_says_what_the_prompt_has_and_where_the_clip_goes(tmp_path):
+    """Issue 61 item 8: `--prompt "<video> hi" --image red.png` said "0 <image> slot(s)", as if the
+    <video> were not there."""
+    from PIL import Image
+
+    from mmspec.inputs import with_markers
+
+    Image.new("RGB", (8, 8), "red").save(tmp_path / "red.png")
+    refused(["--prompt", "<video> hi", "--image", tmp_path / "red.png"],
+            "the prompt has 0 <image> and 1 <video> slot(s) but 1 image(s) and 0 video(s) were given; a <video> slot "
+            "takes a video: pass the clip with --video (a directory of its frames or a video file")
+    with pytest.raises(MMSpecError, match=r"1 <image> and 1 <video> slot\(s\) but 1 image\(s\) and 0 video\(s\).*"
+                       r"or pass 1 image\(s\) and 1 video\(s\)"):
+        with_markers("<image> <video> hi", 1, 0)
+    with pytest.raises(MMSpecError, match=r"the prompt has 0 <video> slot\(s\) but 1 video\(s\)"):
+        with_markers("<image> hi", 1, 1)
+    assert with_markers("hi", 1, 1) == "<image> <video> hi"  # no markers: one each in front
+
+
 def test_a_video_file_without_a_reader_says_to_pass_frames(video_ckpt):
     import importlib.util
 
