@@ -445,8 +445,11 @@ class SpecDecoder:
 
     @property
     def tree_label(self) -> str:
-        """The block shape (``TreeSpec.label``), or tree="auto"'s candidates ("auto: chain(γ=5) | ...")."""
-        return self.tree.label if len(self.tree_shapes) == 1 else "auto: " + " | ".join(t.label for t in self.tree_shapes)
+        """The block shape (``TreeSpec.label``), or tree="auto"'s candidates ("chain(γ=5) | dynamic(...),
+        chosen per step"; the method, ``M+tree:auto``, already says auto)."""
+        if len(self.tree_shapes) == 1:
+            return self.tree.label
+        return " | ".join(t.label for t in self.tree_shapes) + ", chosen per step"
 
     @property
     def shape_policy(self):

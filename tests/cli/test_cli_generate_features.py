@@ -64,6 +64,15 @@ def test_generate_drafts_with_a_head_directory(ckpt, flag):
     assert "identical to target.generate yes" in out and "dynamic(depth 3, top-2, 4 nodes" in out
 
 
+def test_tree_auto_is_named_once_in_the_title(ckpt):
+    """Issue 61 item 8: the title said "M+tree:auto: auto: chain(γ=5) | ...". It also says how many
+    CPU threads ran (issue 61 item 9), beside the speed-up."""
+    r, out = invoke(*base(ckpt, "--draft", ckpt / "draft", "--tree", "auto", "--threads", "1"))
+    assert r.exit_code == 0, r.output
+    assert "M+tree:auto: chain(γ=5) | dynamic(" in out and ", chosen per step," in out and "auto: auto" not in out
+    assert "CPU threads: 1 (--threads)" in out and "identical to target.generate yes" in out
+
+
 def test_help_says_a_head_is_a_draft():
     out = " ".join(runner.invoke(app, ["generate", "--help"], env={"COLUMNS": "200"}).output.split())
     assert "--head" in out and "mmspec train head" in out and "--draft HEAD_DIR" in out

@@ -120,7 +120,7 @@ def test_a_fake_clock_steers_the_decoder_and_every_answer_is_the_targets(target,
     chains = res.stats.shapes.get(dec.tree_shapes[0].label, 0)  # the last request's steps: mostly the choice
     assert (chains > res.stats.n_blocks / 2) == (chosen == "chain"), res.stats.shapes
     assert res.stats.shape_rates["1"]["choice"] == dec.tree_shapes[best].label
-    assert res.stats.tree.startswith("auto: chain(γ=5) | dynamic(")
+    assert res.stats.tree.startswith("chain(γ=5) | dynamic(") and res.stats.tree.endswith(", chosen per step")
 
 
 @pytest.mark.parametrize("graphs", [False, "emulate"])
