@@ -163,7 +163,7 @@ def _check_numbers(o: GenerateOptions) -> None:
     """Numbers and their ranges, the block shape, sampling, views, dtype and device."""
     from mmspec.cli.common import graphs_flag, parse_weights
     from mmspec.models.loading import resolve_dtype
-    from mmspec.tree import is_auto, parse_shapes
+    from mmspec.tree import DEFAULT_GAMMA, is_auto, parse_shapes
 
     at_least("--max-new-tokens", o.max_new_tokens)
     at_least("--gamma", o.gamma)
@@ -174,8 +174,8 @@ def _check_numbers(o: GenerateOptions) -> None:
     if o.gamma is not None and tree_given:
         raise MMSpecError("--gamma is a chain's length; a tree's shape is --tree's (DEPTHxTOPKxBUDGET, or "
                           "--tree dynamic with --tree-depth/--tree-topk/--tree-budget): drop --gamma")
-    o.gamma = 5 if o.gamma is None else o.gamma
-    parse_shapes(o.tree, gamma=o.gamma, device_type=o.device.split(":")[0], depth=o.tree_depth, topk=o.tree_topk,
+    # o.gamma stays None when not given: SpecDecoder's default, and refused by it beside a tree
+    parse_shapes(o.tree, gamma=DEFAULT_GAMMA if o.gamma is None else o.gamma, device_type=o.device.split(":")[0], depth=o.tree_depth, topk=o.tree_topk,
                  budget=o.tree_budget, children=o.tree_children, stop_below=o.stop_below, spelling="cli")
     if o.seed is not None and o.temperature == 0:
         raise MMSpecError("--seed seeds sampling; with --temperature 0 (greedy) the output is the same without it: "

@@ -87,11 +87,14 @@ def _decoder(method: str, target, draft, tok, proc, captioner, gamma: int, heads
     """The SpecDecoder of one demo method: the pack's draft with the method's views, or a head."""
     from mmspec.bench.config import parse_method
     from mmspec.decoder import SpecDecoder
+    from mmspec.tree import reads_gamma
 
     views, kw = parse_method(method)
+    if reads_gamma(kw.get("tree")):  # --gamma: the chains' length; a tree method has its own shape
+        kw["gamma"] = gamma
     variant = kw.pop("head", None)
     if variant is not None:
-        return SpecDecoder(target, heads[variant], tok, gamma=gamma, processor=proc, **kw)
+        return SpecDecoder(target, heads[variant], tok, processor=proc, **kw)
     alone = kw.pop("draft", None)  # lookup / suffix alone: no draft model, no captioner
     return SpecDecoder(target, alone or draft, tok, views=views or ("M",), captioner=None if alone else captioner,
-                       gamma=gamma, processor=proc, **kw)
+                       processor=proc, **kw)
