@@ -55,3 +55,19 @@ def test_help_and_bad_flags_load_nothing_heavy():
     bad = [["generate"], ["demo"], ["serve"], ["bench", "run"], ["train", "head"], ["train", "answers"]]
     r = _probe([c + ["--help"] for c in commands] + [c + ["--bad-flag"] for c in bad])
     assert r == {"codes": [0] * len(commands) + [2] * len(bad), "loaded": []}
+
+
+def test_every_dtype_flag_names_the_dtypes_it_accepts():
+    """Issue 61 item 8: `--dtype` took float64 but its help did not say so."""
+    from typer.testing import CliRunner
+
+    from mmspec.cli.app import app
+    from mmspec.models.loading import resolve_dtype
+
+    names = ("float32", "bfloat16", "float16", "float64")
+    for name in names:
+        assert resolve_dtype(name) != "auto"
+    for cmd in (["generate"], ["serve"], ["bench", "run"]):
+        out = " ".join(CliRunner().invoke(app, cmd + ["--help"], env={"COLUMNS": "300"}).output.split())
+        line = out[out.index("--dtype"):][:200]
+        assert all(n in line for n in names), (cmd, line)

@@ -296,7 +296,7 @@ class BenchConfig:
         from mmspec.models.loading import resolve_dtype
 
         if resolve_dtype(self.dtype) == "auto":  # unknown names are refused inside, with the list
-            raise MMSpecError("bench needs an explicit dtype (float32, bfloat16, float16), not auto")
+            raise MMSpecError("bench needs an explicit dtype (float32, bfloat16, float16, float64), not auto")
 
     def result_values(self) -> dict:
         """The settings that change a row's numbers (``RESULT_KEYS``). An unset split counts as

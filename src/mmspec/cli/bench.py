@@ -77,7 +77,7 @@ def run_command(
     head: list[str] | None = options.heads("-m eagle,eagle3+tree --head eagle=DIR --head eagle3=DIR2"),
     split: str | None = typer.Option(None, help="Split of every dataset that names none (NAME=PATH:SPLIT). Default: the embedded world's test; a real benchmark's own split (see --dataset)."),
     device: str | None = options.device(None, "Default: cuda:LOCAL_RANK if available, else cpu; "),
-    dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 (the embedded models too)."),
+    dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 | float64 (the embedded models too)."),
     latency: bool = typer.Option(True, "--latency/--no-latency", help="Measure T_p, T_q(b=1..8), T_V(γ) per dataset."),
     latency_repeats: int = typer.Option(5, help="Repeats per latency probe (median)."),
     batch_size: str = typer.Option("1", "--batch-size", "-b", help="Requests decoded together: 1 (default) = one "
