@@ -171,6 +171,15 @@ def test_a_budget_is_not_overrun_by_a_step_and_a_slow_first_step_warms_up(monkey
     assert lrs[0] == 0.0 and lrs[1] == pytest.approx(0.2) and lrs[1:] == sorted(lrs[1:])  # still warming up
     assert fit(_toy(), slow, cfg, log=lambda s: None).stopped == "done"  # 85 s spent: no room for a step
 
+    def first_slow(model, info):  # a loaded CPU: the first step took 76% of the budget, the rest 1 s
+        now[0] += 68.0 if info.step == 0 else 1.0
+        return _step(model, info)
+
+    now[0] = 0.0
+    res = fit(_toy(), first_slow, FitConfig(label="toy", steps=10**6, minutes=1.5, lr=1.0, warmup_ratio=0.05,
+                                            progress=False), log=lambda s: None)
+    assert res.steps == 23 and res.history[-1]["seconds"] == 90.0  # not stopped after step 1 by its 68 s
+
 
 # --------------------------------------------------------------------------- the commands
 HEAD = ["train", "head", "--target", str(EMBEDDED / "target"), "--families", "chartqa", "--samples", "2",

@@ -65,7 +65,8 @@ class FitConfig:
     first step that spends a budget's warm-up share alone does not skip it (issue 61).
     Progress is the larger of ``step / steps`` and the share of the time budget spent, so a run
     the budget ends ends at the schedule's floor; with a budget, a step that would end past it
-    (by the median of the last steps' times) is not started."""
+    (by the median of the last steps' times, a run's first step left out) is not started, and the
+    budget's share is counted at the step's end."""
 
     label: str = "train"  # the progress bar's label and the messages' subject
     steps: int | None = None
@@ -273,8 +274,8 @@ def _wrap(model: torch.nn.Module, cfg: FitConfig) -> torch.nn.Module:
 
 
 def next_step_seconds(took: list[float]) -> float:
-    """What the next step should take: the median of the last five (0.0 before any): one slow
-    step (the first, a cache being filled) does not stop a budget early."""
+    """What the next step should take: the median of the last five step times (0.0 before any;
+    a run's first step is not among them): one slow step does not stop a budget early."""
     recent = sorted(took[-5:])
     return recent[len(recent) // 2] if recent else 0.0
 
@@ -316,12 +317,14 @@ def fit(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, StepInfo],
     def seconds() -> float:
         return before + time.perf_counter() - t0 - paused
 
-    def progress(step: int) -> float:
+    def progress(step: int, ahead: float = 0.0) -> float:
+        """The schedule's progress: the steps' share, or the budget's when ``ahead`` more seconds
+        (the next step's) are spent, whichever is larger."""
         p = step / cfg.steps if cfg.steps else 0.0
-        return max(p, seconds() / budget) if budget else p
+        return max(p, (seconds() + ahead) / budget) if budget else p
 
-    secs = ([0.0] if len(history) <= 6 else []) + [float(h.get("seconds", 0.0)) for h in history[-6:]]
-    took = [b - a for a, b in zip(secs, secs[1:])][-5:]  # the last steps' times (resumed: the checkpoint's)
+    secs = [float(h.get("seconds", 0.0)) for h in history[-6:]]
+    took = [b - a for a, b in zip(secs, secs[1:])]  # step times but a run's first (resumed: the checkpoint's)
     if (cfg.steps is not None and start >= cfg.steps) or (budget is not None and
                                                           before + next_step_seconds(took) > budget):
         if main:
@@ -340,8 +343,8 @@ def fit(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, StepInfo],
         while True:
             if cfg.steps is not None and step >= cfg.steps:
                 break
-            frac = progress(step)
-            if budget is not None and (frac >= 1.0 or seconds() + next_step_seconds(took) > budget):
+            frac = progress(step, next_step_seconds(took))  # the share spent when this step ends
+            if budget is not None and (seconds() >= budget or frac > 1.0):
                 stopped = "budget"
                 if by_share:
                     bar.update(100.0 - bar.n)
@@ -357,7 +360,8 @@ def fit(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, StepInfo],
                 torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
             step += 1
-            took.append(seconds() - began)
+            if step > start + 1:  # a run's first step (caches filled, kernels chosen) is no estimate
+                took.append(seconds() - began)
             history.append({"step": step, "loss": float(loss.detach()), "lr": lr, "seconds": seconds(),
                             **(record or {})})
             if after_step is not None:
