@@ -141,7 +141,7 @@ def decoder(method: str, m, gamma: int, gamma_free: int):
 
     views, kw = parse_method(method.split("@")[0])
     draft = kw.pop("draft", m.draft)
-    from mmspec.tree import reads_gamma
+    from mmspec.drafting.tree import reads_gamma
 
     if reads_gamma(kw.get("tree")):  # a tree has a shape of its own
         kw["gamma"] = gamma_free if isinstance(draft, str) else gamma

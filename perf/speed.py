@@ -202,7 +202,7 @@ def build_decoders(cfg: SpeedConfig, models: BenchModels) -> dict[str, Any]:
 
     def make(views: str, **kw):
         cap = models.captioner if "C" in views.upper() else None
-        from mmspec.tree import reads_gamma
+        from mmspec.drafting.tree import reads_gamma
 
         gamma = {"gamma": cfg.gamma} if reads_gamma(kw.get("tree")) else {}  # a tree has a shape of its own
         return SpecDecoder(models.target, models.draft, models.tokenizer, views=views, captioner=cap,

@@ -87,7 +87,7 @@ def _decoder(method: str, target, draft, tok, proc, captioner, gamma: int, heads
     """The SpecDecoder of one demo method: the pack's draft with the method's views, or a head."""
     from mmspec.bench.config import parse_method
     from mmspec.decoder import SpecDecoder
-    from mmspec.tree import reads_gamma
+    from mmspec.drafting.tree import reads_gamma
 
     views, kw = parse_method(method)
     if reads_gamma(kw.get("tree")):  # --gamma: the chains' length; a tree method has its own shape
