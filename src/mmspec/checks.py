@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from mmspec.drafting.adaptive import check_initial
-from mmspec.drafting.tree import TreeSpec
+from mmspec.drafting.tree import DEFAULT_GAMMA, TreeSpec, reads_gamma
 from mmspec.drafting.views import View, parse_views
 from mmspec.errors import MMSpecError
 from mmspec.models.base import ModelAdapter, video_families
@@ -138,9 +138,23 @@ def check_dtype(dtype, target, draft, head_given: bool) -> None:
                           "leave dtype out")
 
 
-def check_gamma(gamma) -> int:
+def check_gamma(gamma, tree=None) -> int:
+    """``gamma``: a chain's length (None: the default, 5), also the chain ``tree="auto"`` measures;
+    given with a tree that is no chain it would be ignored, so it is refused (as the CLI refuses
+    ``--gamma`` with ``--tree``)."""
+    if gamma is None:
+        return DEFAULT_GAMMA
     if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
         raise MMSpecError(f"gamma must be a whole number >= 1, got {gamma!r}")
+    if isinstance(tree, TreeSpec) and tree.kind == "chain" and tree.depth != gamma:
+        raise MMSpecError(f"gamma={gamma} was given with a TreeSpec chain of length {tree.depth}, which carries "
+                          "its own length; drop gamma (or build the TreeSpec with the length you want)")
+    if not reads_gamma(tree):
+        shown = tree.label if isinstance(tree, TreeSpec) else repr(tree)
+        raise MMSpecError(f"gamma={gamma} is a chain's length, but tree={shown} is no chain: its shape is its own "
+                          "(tree_depth / tree_topk / tree_budget for a dynamic tree, the paths of a static one), so "
+                          "gamma would be ignored; drop gamma, or set the tree's depth with tree='dynamic', "
+                          "tree_depth=N")
     return gamma
 
 

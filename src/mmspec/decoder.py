@@ -123,7 +123,8 @@ class SpecDecoder:
             starts a request from an earlier one's ``stats.final_weights`` (a conversation's turn).
         captioner: an object with ``caption(images) -> list[str]`` (or a path to an HF
             image-to-text model); required by the caption view.
-        gamma: draft tokens proposed per block (the chain's length).
+        gamma: draft tokens proposed per block (the chain's length; default 5); also the chain
+            ``tree="auto"`` measures. Refused with a tree that is no chain, which would ignore it.
         tree: the block's shape (:mod:`mmspec.drafting.tree`): None or "chain" (gamma drafts in a chain);
             "dynamic" (EAGLE-2: ``tree_depth`` expansion steps of the ``tree_topk`` best
             frontier nodes, ``tree_budget`` best nodes verified; defaults measured per device);
@@ -199,7 +200,7 @@ class SpecDecoder:
                                                 cfg.acceptance.relaxed_window)
         prefix_mb = check_budget(cfg.runtime.prefix_cache_mb)
         self.max_logprobs = checks.check_max_logprobs(cfg.runtime.max_logprobs)
-        self.gamma = checks.check_gamma(t.gamma)
+        self.gamma = checks.check_gamma(t.gamma, t.tree)  # given with a tree that is no chain: refused
         checks.check_dtype(cfg.runtime.dtype, target, draft, head_given)
         dtype = compute_dtype(cfg.runtime.dtype, "cpu")  # models given as paths load on the CPU: "auto" means float32 there
 
@@ -246,10 +247,12 @@ class SpecDecoder:
             raise MMSpecError(f"the target ({type(self.target_model).__name__}) is not a vision-language model; "
                               "pass an image-text-to-text checkpoint such as a LLaVA one as the target "
                               "(the draft may be text-only)")
-        self.tree_shapes = parse_shapes(t.tree, gamma=t.gamma, device_type=self.target.device.type,
+        self.tree_shapes = parse_shapes(t.tree, gamma=self.gamma, device_type=self.target.device.type,
                                         depth=t.tree_depth, topk=t.tree_topk, budget=t.tree_budget,
                                         children=t.tree_children, stop_below=t.stop_below)  # one, or tree="auto"'s
         self.tree = self.tree_shapes[-1]  # the largest: every block, cache and buffer is sized for it
+        if self.tree.kind == "chain":
+            self.gamma = self.tree.depth  # a TreeSpec chain given: its own length
         draft_vocab = self.target.vocab_size if self.draft is None else self.draft.vocab_size
         checks.check_tree_fits_vocab(self.tree, min(self.target.vocab_size, draft_vocab))
         self.adaptive = None if self.draft is None else AdaptiveWeights.parse(d.weights)  # None: fixed weights
@@ -458,8 +461,11 @@ class SpecDecoder:
 
     @property
     def tree_label(self) -> str:
-        """The block shape (``TreeSpec.label``), or tree="auto"'s candidates ("auto: chain(γ=5) | ...")."""
-        return self.tree.label if len(self.tree_shapes) == 1 else "auto: " + " | ".join(t.label for t in self.tree_shapes)
+        """The block shape (``TreeSpec.label``), or tree="auto"'s candidates ("chain(γ=5) | dynamic(...),
+        chosen per step"; the method, ``M+tree:auto``, already says auto)."""
+        if len(self.tree_shapes) == 1:
+            return self.tree.label
+        return " | ".join(t.label for t in self.tree_shapes) + ", chosen per step"
 
     @property
     def shape_policy(self) -> SpeculationPolicy | None:

@@ -35,7 +35,8 @@ ELSEWHERE = {
     "ceilings": {"tests/perf/test_gpu_pass.py": "env.json"},  # gpu_pass.sh's env step, dry run
 }
 TESTED_HERE = ["batch_speed", "prefix_speed", "tree_sweep", "cpu_shapes", "serve_load", "head_formats_check",
-               "serve_overhead", "lookup_speed", "serve_speed", "logprobs_cost", "mmspec_split"]
+               "serve_overhead", "lookup_speed", "serve_speed", "logprobs_cost", "mmspec_split",
+               "threads"]
 
 
 def run_script(name: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -227,6 +228,13 @@ def test_lookup_speed_batch(tmp_path):
         for s in ("target", "suffix", "M+suffix"):
             row = res["families"][fam][s]
             assert row["tokens"] > 0 and row["cpu_seconds"] > 0 and row["cpu_speedup"] > 0
+
+
+def test_threads(tmp_path):
+    out = run_script("threads", "--threads", "1", "--repeats", "1", "--new", "4", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads((tmp_path / "threads.json").read_text())
+    assert got["identical"] and [r["threads"] for r in got["rows"]] == [1] and got["default_threads_now"] >= 1
 
 
 def test_mmspec_split(tmp_path):

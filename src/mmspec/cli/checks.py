@@ -41,7 +41,7 @@ def check_sampling(temperature: float, top_k: int | None = None, top_p: float | 
 
 def check_threads(threads: int | None) -> None:
     if threads is not None and (isinstance(threads, bool) or threads < 1):
-        raise MMSpecError(f"--threads must be >= 1, got {threads}; or leave it out for torch's choice")
+        raise MMSpecError(f"--threads must be >= 1, got {threads}; or leave it out for the cores the machine leaves idle")
 
 
 def check_device(device: str | None) -> None:
@@ -162,7 +162,7 @@ def check_decoder(o: GenerateOptions) -> GenerateOptions:
 def _check_numbers(o: GenerateOptions) -> None:
     """Numbers and their ranges, the block shape, sampling, views, dtype and device."""
     from mmspec.cli.common import graphs_flag, parse_weights
-    from mmspec.drafting.tree import is_auto, parse_shapes
+    from mmspec.drafting.tree import DEFAULT_GAMMA, is_auto, parse_shapes
     from mmspec.models.loading import resolve_dtype
 
     at_least("--max-new-tokens", o.max_new_tokens)
@@ -174,8 +174,8 @@ def _check_numbers(o: GenerateOptions) -> None:
     if o.gamma is not None and tree_given:
         raise MMSpecError("--gamma is a chain's length; a tree's shape is --tree's (DEPTHxTOPKxBUDGET, or "
                           "--tree dynamic with --tree-depth/--tree-topk/--tree-budget): drop --gamma")
-    o.gamma = 5 if o.gamma is None else o.gamma
-    parse_shapes(o.tree, gamma=o.gamma, device_type=o.device.split(":")[0], depth=o.tree_depth, topk=o.tree_topk,
+    # o.gamma stays None when not given: SpecDecoder's default, and refused by it beside a tree
+    parse_shapes(o.tree, gamma=DEFAULT_GAMMA if o.gamma is None else o.gamma, device_type=o.device.split(":")[0], depth=o.tree_depth, topk=o.tree_topk,
                  budget=o.tree_budget, children=o.tree_children, stop_below=o.stop_below, spelling="cli")
     if o.seed is not None and o.temperature == 0:
         raise MMSpecError("--seed seeds sampling; with --temperature 0 (greedy) the output is the same without it: "

@@ -12,7 +12,6 @@ from rich.table import Table
 from mmspec.cli import common, options
 from mmspec.cli.common import fail
 from mmspec.cli.options import ModelFlags, RuntimeFlags, ShapeFlags, ViewFlags, takes
-from mmspec.drafting.views import parse_views
 from mmspec.errors import MMSpecError
 
 # `mmspec generate` with no prompt: a world sample the embedded target answers right (checked by
@@ -80,6 +79,7 @@ def build_decoder(o, target, draft, tokenizer, processor, captioner, **extra):
     """The SpecDecoder that ``o`` (checked GenerateOptions) describes, over :func:`load_models`'
     models (``generate`` and ``serve``); ``extra``: more SpecDecoder keywords (serve's prefix_cache_mb)."""
     from mmspec.decoder import SpecDecoder
+    from mmspec.drafting.views import parse_views
 
     draft_proc = None
     if o.draft_reads_own_images:  # a draft of another family reads the PIL images its own way
@@ -200,7 +200,7 @@ def _run(o, compare: bool) -> None:
     """Load, decode and print; ``o`` is the checked GenerateOptions."""
     from mmspec.inputs import chat_prompt, load_images, load_video, processor_inputs, to_target
 
-    common.set_threads(o.threads)
+    common.set_threads(o.threads, say=True)
     images = load_images(o.image) if o.image else []  # an unreadable image fails before loading too
     clips = [load_video(v, o.frames) for v in o.video]
     t, d, tok, proc, cap, embedded = load_models(o.target, o.draft, o.captioner, o.captioner_prompt, o.dtype,
