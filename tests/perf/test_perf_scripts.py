@@ -36,7 +36,7 @@ ELSEWHERE = {
 }
 TESTED_HERE = ["batch_speed", "prefix_speed", "tree_sweep", "cpu_shapes", "serve_load", "head_formats_check",
                "serve_overhead", "lookup_speed", "serve_speed", "logprobs_cost", "mmspec_split",
-               "threads"]
+               "threads", "policy_speed", "graph_warmup"]
 
 
 def run_script(name: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -247,3 +247,24 @@ def test_mmspec_split(tmp_path):
     samples, report = load_dataset("mmspec", tmp_path / "w", 2)
     assert len({s.dataset for s in samples}) == 6 and len(samples) == 12 and not report.skipped
     assert all(2 <= len(s.questions) <= 3 for s in samples)
+
+
+def test_policy_speed(tmp_path):
+    out = tmp_path / "p.jsonl"
+    res = run_script("policy_speed", "--batch", "2", "--new", "3", "--ragged", "--ragged-n", "5", "--drafts", "random",
+                     "--out", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    runs = [r for r in rows if not r.get("summary")]
+    assert {(r["workload"], r["mode"]) for r in runs} == {(w, m) for w in (2, "ragged") for m in ("always", "never", "auto")}
+    sums = [r for r in rows if r.get("summary")]
+    assert len(sums) == 2 and all(r["same_as_never"] for r in sums) and all(r["auto_vs_best"] > 0 for r in sums)
+
+
+def test_graph_warmup(tmp_path):
+    out = tmp_path / "g.jsonl"
+    res = run_script("graph_warmup", "--batch", "1", "--speculate", "never", "--context", "64", "--new", "3",
+                     "--out", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows and all(r.get("captured_after", 0) == 0 for r in rows), rows
