@@ -323,8 +323,8 @@ class BatchScheduler:
         With ``overlap`` the step is launched before the previous one's outcomes are read: the
         events returned are the previous step's, emitted while the device runs this one."""
         events = self.admit()
-        if self._flight and any(a.proposer is not None for a in self._active):
-            events += self._collect()  # model-free proposals are searched in the last step's tokens
+        if self._flight and any(a.proposer is not None or a.req.grammar is not None for a in self._active):
+            events += self._collect()  # model-free proposals are searched, grammars advanced, in the last step's tokens
         if self._active:
             events += self._launch()
         while self._flight and (len(self._flight) > 1 or not (self.overlap and self._active)):

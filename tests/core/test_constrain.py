@@ -1,0 +1,98 @@
+"""Structured outputs, greedy: every drafter's constrained answer equals the target's own decoding
+under the same constraint (transformers' generate with xgrammar's logits processor), token for
+token; a batch mixing constrained and free rows leaves the free rows as they are; a bounded
+schema's answer parses, validates and ends with EOS."""
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from helpers.constrain import CHAR_VOCAB, constrained_reference, make_char_tokenizer
+from helpers.reference import reference
+from helpers.tiny import EOS, make_llava, make_prompt, noisy_copy
+from mmspec import SpecDecoder
+from mmspec.constrain import Constraint
+
+SCHEMA = {"type": "object", "properties": {"label": {"type": "string", "maxLength": 6},
+                                          "value": {"type": "integer", "minimum": 0, "maximum": 999},
+                                          "tags": {"type": "array", "items": {"enum": ["red", "blue"]}, "maxItems": 2}},
+          "required": ["label", "value", "tags"]}
+CONSTRAINTS = {
+    "schema": Constraint("json_schema", schema=SCHEMA),
+    "object": Constraint("json_object"),
+    "regex": Constraint("regex", pattern=r"[a-c]{2,5}-[0-9]{1,3}"),
+    "choice": Constraint("choice", choices=("yes", "no", "maybe not")),
+}
+
+
+@pytest.fixture(scope="module")
+def ctok():
+    return make_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def ctarget():
+    return make_llava(0, vocab=CHAR_VOCAB)
+
+
+@pytest.fixture(scope="module")
+def cdraft(ctarget):
+    return noisy_copy(ctarget, 1)
+
+
+def compiled(dec, c):
+    return dec.grammar_compiler.compile(c)
+
+
+def check_valid(tok, ids, c):
+    """A finished answer (ends with EOS) is valid under its constraint."""
+    assert ids[-1] == EOS
+    text = tok.decode(ids[:-1])
+    if c.kind == "json_schema":
+        jsonschema.validate(json.loads(text), c.schema)
+    elif c.kind == "json_object":
+        assert isinstance(json.loads(text), dict)
+    elif c.kind == "choice":
+        assert text in c.choices
+
+
+@pytest.mark.parametrize("name", list(CONSTRAINTS))
+@pytest.mark.parametrize("shape", ["chain", "static", "dynamic"])
+def test_drafted_trees_match_constrained_target(ctarget, cdraft, ctok, name, shape):
+    c = CONSTRAINTS[name]
+    tree = {"chain": None, "static": "[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]", "dynamic": "dynamic"}[shape]
+    kw = {} if tree is None else {"tree": tree}
+    dec = SpecDecoder(ctarget, cdraft, ctok, views="MT", gamma=4, **kw)
+    ids, pv = make_prompt(1, 16, seed=3)
+    ref = constrained_reference(ctarget, ids, pv, 40, compiled(dec, c))
+    res = dec.generate(ids, pv, max_new_tokens=40, constraint=c)
+    assert res.token_ids == ref
+    assert res.stats.constraint == c.kind
+    if ref[-1] == EOS:
+        check_valid(ctok, ref, c)
+
+
+def test_bounded_schema_finishes_valid(ctarget, cdraft, ctok):
+    c = Constraint("json_schema", schema={"type": "object", "properties": {
+        "label": {"enum": ["bar", "pie"]}, "value": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["label", "value"]})
+    dec = SpecDecoder(ctarget, cdraft, ctok, views="M", gamma=4)
+    for seed in range(3):
+        ids, pv = make_prompt(1, 16, seed=seed)
+        res = dec.generate(ids, pv, max_new_tokens=60, constraint=c)
+        check_valid(ctok, res.token_ids, c)
+        assert res.stats.forced_tokens > 0 and 0 < res.stats.forced_share <= 1
+
+
+def test_batch_mixes_constrained_and_free_rows(ctarget, cdraft, ctok):
+    dec = SpecDecoder(ctarget, cdraft, ctok, views="MT", gamma=3)
+    prompts = [make_prompt(1, 16, seed=s) for s in range(4)]
+    cons = [CONSTRAINTS["schema"], None, CONSTRAINTS["regex"], None]
+    reqs = [dict(input_ids=i, pixel_values=p, max_new_tokens=30, constraint=c) for (i, p), c in zip(prompts, cons)]
+    out = dec.generate_batch(reqs)
+    for (i, p), c, r in zip(prompts, cons, out):
+        ref = reference(ctarget, i, p, 30) if c is None else constrained_reference(ctarget, i, p, 30, compiled(dec, c))
+        assert r.token_ids == ref
+        assert (r.stats.constraint is None) == (c is None)
