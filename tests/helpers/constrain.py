@@ -37,3 +37,45 @@ def constrained_reference(target, ids, pv, n: int, compiled) -> list[int]:
     out = target.generate(input_ids=ids, pixel_values=pv, attention_mask=torch.ones_like(ids), do_sample=False,
                           max_new_tokens=n, logits_processor=[proc])
     return out[0, ids.shape[1]:].tolist()
+
+
+@torch.inference_mode()
+def constrained_sequence_probs(target, ids, pv, compiled, eos: int = 2, n_new: int = 3) -> dict:
+    """P(x1..x_n_new) under the target with each step's p masked to the grammar's legal tokens
+    (renormalised), EOS ending a sequence early: exactly, by enumeration over a tiny vocabulary
+    (``helpers.reference.exact_sequence_probs`` with the grammar's mask)."""
+    import xgrammar as xgr
+
+    from helpers.tiny import IMG
+
+    V = target.config.text_config.vocab_size
+    feats = torch.cat(list(target.get_image_features(pixel_values=pv).pooler_output))
+    bm = xgr.allocate_token_bitmask(1, V)
+
+    def next_probs(prefix):
+        full = torch.cat([ids, torch.tensor([prefix], dtype=torch.long)], 1) if prefix else ids
+        emb = target.get_input_embeddings()(full)
+        emb[0, : ids.shape[1]][ids[0] == IMG] = feats
+        logits = target(inputs_embeds=emb).logits[0, -1]
+        m = xgr.GrammarMatcher(compiled)
+        for t in prefix:
+            assert m.accept_token(t)
+        m.fill_next_token_bitmask(bm)
+        allowed = torch.tensor([(int(bm[0, i // 32]) >> (i % 32)) & 1 for i in range(V)], dtype=torch.bool)
+        return torch.softmax(logits.masked_fill(~allowed, float("-inf")), -1)
+
+    seqs, probs, frontier = [], [], [((), 1.0)]
+    for _ in range(n_new):
+        new = []
+        for prefix, pr in frontier:
+            p = next_probs(list(prefix))
+            for t in range(V):
+                seq, q = prefix + (t,), pr * float(p[t])
+                if q == 0:
+                    seqs.append(seq), probs.append(0.0)
+                elif t == eos or len(seq) == n_new:
+                    seqs.append(seq), probs.append(q)
+                else:
+                    new.append((seq, q))
+        frontier = new
+    return dict(zip(seqs, probs))
