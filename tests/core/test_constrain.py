@@ -96,3 +96,78 @@ def test_batch_mixes_constrained_and_free_rows(ctarget, cdraft, ctok):
         ref = reference(ctarget, i, p, 30) if c is None else constrained_reference(ctarget, i, p, 30, compiled(dec, c))
         assert r.token_ids == ref
         assert (r.stats.constraint is None) == (c is None)
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "suffix", "head"])
+@pytest.mark.parametrize("name", ["schema", "regex"])
+def test_heads_and_model_free_drafts_match_constrained_target(ctarget, ctok, drafter, name):
+    from mmspec.heads import build_head
+
+    c = CONSTRAINTS[name]
+    if drafter == "head":
+        dec = SpecDecoder(ctarget, build_head(ctarget, "eagle", seed=1), ctok, tree="dynamic")
+    else:
+        dec = SpecDecoder(ctarget, drafter, ctok, gamma=4, lookup_options={"ngram_min": 1})
+    ids, pv = make_prompt(1, 16, seed=5)
+    ids = torch.cat([ids, torch.tensor([ctok('{"label":"ab","value":12,"tags":["red"]} bb-12')["input_ids"]])], 1)
+    ref = constrained_reference(ctarget, ids, pv, 40, compiled(dec, c))
+    assert dec.generate(ids, pv, max_new_tokens=40, constraint=c).token_ids == ref
+
+
+@pytest.mark.parametrize("c, words", [
+    (Constraint("json_schema", schema={"type": "object", "properties": {"a": {"type": "nosuch"}}}), "nosuch"),
+    (Constraint("json_schema", schema={"type": "object", "properties": {"a": {"$ref": "#/defs/x"}}}), "defs"),
+    (Constraint("regex", pattern="a(b"), "parenthesis"),
+    (Constraint("grammar", grammar='root ::= "a" |\nx ::= '), "line 2"),
+    (Constraint("choice", choices=()), "empty"),
+    (Constraint("regex", pattern="a" * 70000), "longer than"),
+    ("json", "mmspec.constrain.Constraint"),
+])
+def test_bad_constraints_refused_before_decoding(ctarget, cdraft, ctok, c, words):
+    from mmspec import MMSpecError
+
+    dec = SpecDecoder(ctarget, cdraft, ctok, views="M")
+    ids, pv = make_prompt(1, 16, seed=1)
+    with pytest.raises(MMSpecError, match=words):
+        dec.generate(ids, pv, max_new_tokens=5, constraint=c)
+
+
+def test_bad_constraint_fails_only_its_request(ctarget, cdraft, ctok):
+    from mmspec import MMSpecError
+    from mmspec.batch import BatchScheduler
+
+    dec = SpecDecoder(ctarget, cdraft, ctok, views="M")
+    ids, pv = make_prompt(1, 16, seed=1)
+    good = dict(input_ids=ids, pixel_values=pv, max_new_tokens=8, constraint=CONSTRAINTS["regex"])
+    bad = dict(good, constraint=Constraint("regex", pattern="a(b"))
+    with pytest.raises(MMSpecError, match="request 1: .*parenthesis"):
+        dec.generate_batch([good, bad])
+    sched = BatchScheduler(dec)
+    rid = sched.submit(good)
+    with pytest.raises(MMSpecError, match="parenthesis"):
+        sched.submit(bad)
+    done = {}
+    while sched.has_work():
+        for ev in sched.step():
+            if ev.finished:
+                done[ev.rid] = ev.result
+    sched.close()
+    assert done[rid].token_ids == constrained_reference(ctarget, ids, pv, 8, compiled(dec, CONSTRAINTS["regex"]))
+
+
+def test_compiled_once_per_constraint(ctarget, cdraft, ctok):
+    dec = SpecDecoder(ctarget, cdraft, ctok, views="M")
+    comp = dec.grammar_compiler
+    a = comp.compile(Constraint("json_schema", schema={"type": "object", "properties": {"x": {"type": "integer"}}}))
+    b = comp.compile(Constraint("json_schema", schema={"properties": {"x": {"type": "integer"}}, "type": "object"}))
+    assert a is b and comp.hits == 1 and comp.misses == 1
+
+
+def test_compilation_past_its_time_bound_is_refused(ctok):
+    from mmspec import MMSpecError
+    from mmspec.constrain.compile import GrammarCompiler
+
+    props = {f"k{i}": {"type": "string", "pattern": "[a-z]{1,%d}x[0-9]{2,40}" % (i + 3)} for i in range(300)}
+    c = Constraint("json_schema", schema={"type": "object", "properties": props, "required": list(props)})
+    with pytest.raises(MMSpecError, match="took longer than 0.001 s"):
+        GrammarCompiler(ctok, CHAR_VOCAB, [EOS], timeout_s=0.001).compile(c)
