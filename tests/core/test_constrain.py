@@ -171,3 +171,19 @@ def test_compilation_past_its_time_bound_is_refused(ctok):
     c = Constraint("json_schema", schema={"type": "object", "properties": props, "required": list(props)})
     with pytest.raises(MMSpecError, match="took longer than 0.001 s"):
         GrammarCompiler(ctok, CHAR_VOCAB, [EOS], timeout_s=0.001).compile(c)
+
+
+def test_forced_tokens_ride_free(ctarget, ctok, monkeypatch):
+    """The tokens the grammar forces join a model-free proposal: the same answer in fewer steps."""
+    from mmspec.constrain.state import RowGrammar
+
+    c = CONSTRAINTS["schema"]
+    dec = SpecDecoder(ctarget, "lookup", ctok, gamma=4)
+    ids, pv = make_prompt(1, 16, seed=3)
+    ref = constrained_reference(ctarget, ids, pv, 60, compiled(dec, c))
+    fast = dec.generate(ids, pv, max_new_tokens=60, constraint=c)
+    monkeypatch.setattr(RowGrammar, "forced_chain", lambda self, depth: [])
+    slow = dec.generate(ids, pv, max_new_tokens=60, constraint=c)
+    assert fast.token_ids == slow.token_ids == ref
+    assert fast.stats.forced_tokens == slow.stats.forced_tokens > 10
+    assert fast.stats.n_blocks < slow.stats.n_blocks - 5

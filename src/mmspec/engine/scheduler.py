@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mmspec.constrain.proposals import ConstrainedProposer
 from mmspec.engine.admission import admit
 from mmspec.errors import MMSpecError
 from mmspec.options import SPECULATE
@@ -412,7 +413,11 @@ class BatchScheduler:
             if ad.error is not None:
                 events.append(StepEvent(rid, [], "", True, None, error=_message(ad.error), exception=ad.error))
                 continue
-            a = _Active(rid, req, ad.prompt, t_submit, TextDelta(dec.tokenizer), proposer=dec.proposer_for_request(ad.prompt, not req.params.greedy))
+            proposer = dec.proposer_for_request(ad.prompt, not req.params.greedy)
+            grammar = self.engine.rows[ad.row].grammar
+            if grammar is not None and (proposer is not None or self.engine.drafting is None):
+                proposer = ConstrainedProposer(proposer, grammar)  # forced tokens ride free; illegal paths cut
+            a = _Active(rid, req, ad.prompt, t_submit, TextDelta(dec.tokenizer), proposer=proposer)
             self._active.append(a)  # row ad.row of the engine
         if self.max_batch > 1:  # the prompt, for a request in the same batch that extends it (generate: none)
             for b in range(len(self._active) - sum(1 for ad in admitted if ad.error is None), len(self._active)):
