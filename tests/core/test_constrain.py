@@ -167,7 +167,7 @@ def test_compilation_past_its_time_bound_is_refused(ctok):
     from mmspec import MMSpecError
     from mmspec.constrain.compile import GrammarCompiler
 
-    props = {f"k{i}": {"type": "string", "pattern": "[a-z]{1,%d}x[0-9]{2,40}" % (i + 3)} for i in range(300)}
+    props = {f"k{i}": {"type": "string", "pattern": f"[a-z]{{1,{i + 3}}}x[0-9]{{2,40}}"} for i in range(300)}
     c = Constraint("json_schema", schema={"type": "object", "properties": props, "required": list(props)})
     with pytest.raises(MMSpecError, match="took longer than 0.001 s"):
         GrammarCompiler(ctok, CHAR_VOCAB, [EOS], timeout_s=0.001).compile(c)

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from mmspec.constrain.state import RowGrammar
 from mmspec.drafting.trees import inblock_slots
 from mmspec.engine.forwards import PromptRow, prefill_rows
 from mmspec.engine.state import RowStart
-from mmspec.constrain.state import RowGrammar
 from mmspec.engine.step import Engine, RowHost
 from mmspec.timing import BlockClock
 
