@@ -187,3 +187,19 @@ def test_forced_tokens_ride_free(ctarget, ctok, monkeypatch):
     assert fast.token_ids == slow.token_ids == ref
     assert fast.stats.forced_tokens == slow.stats.forced_tokens > 10
     assert fast.stats.n_blocks < slow.stats.n_blocks - 5
+
+
+@pytest.mark.parametrize("tree", [None, "dynamic", "[[0], [1], [0, 0], [0, 1], [1, 0]]"])
+def test_drafts_are_masked_by_the_grammar(ctarget, cdraft, ctok, tree, monkeypatch):
+    """A draft model's drafts under a constraint are legal (masked at their own node): more of them
+    are accepted than of the same drafts unmasked, and the answer is the same."""
+    from mmspec.constrain.state import DraftMask
+
+    c = CONSTRAINTS["schema"]
+    dec = SpecDecoder(ctarget, cdraft, ctok, views="M", gamma=4, **({"tree": tree} if tree else {}))
+    ids, pv = make_prompt(1, 16, seed=3)
+    masked = dec.generate(ids, pv, max_new_tokens=40, constraint=c)
+    monkeypatch.setattr(DraftMask, "mask", lambda self, q, tokens, parents, frontier: q)
+    free = dec.generate(ids, pv, max_new_tokens=40, constraint=c)
+    assert masked.token_ids == free.token_ids == constrained_reference(ctarget, ids, pv, 40, compiled(dec, c))
+    assert masked.stats.tau > free.stats.tau

@@ -110,6 +110,21 @@ class RowGrammar:
         self.host_s += time.perf_counter() - t0
         return out
 
+    def fill_path(self, path: list[int], out: torch.Tensor) -> None:
+        """The next-token bitmask after ``path`` (tokens from the current state) into ``out``
+        [words]; a path the grammar refuses, or past its end, leaves ``out`` as it came (all ones)."""
+        t0 = time.perf_counter()
+        n = 0
+        for t in path:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(t):
+                break
+            n += 1
+        if n == len(path) and not self.matcher.is_terminated():
+            self.matcher.fill_next_token_bitmask(out[None])
+        if n:
+            self.matcher.rollback(n)
+        self.host_s += time.perf_counter() - t0
+
     def legal_prefix(self, tokens: list[int]) -> int:
         """How many of ``tokens`` (a path from the current state) the grammar accepts in a row."""
         n = 0
@@ -140,6 +155,42 @@ def unpack(bm: torch.Tensor, vocab: int) -> torch.Tensor:
     """int32 bitmask [..., words] -> bool allowed [..., vocab] (bit i of word w: token 32 w + i)."""
     bits = (bm[..., None] >> torch.arange(WORD, dtype=torch.int32, device=bm.device)) & 1  # [..., words, 32]
     return bits.flatten(-2)[..., :vocab].bool()
+
+
+class DraftMask:
+    """A step's drafts masked by each constrained row's grammar at the node they extend
+    (:attr:`mmspec.drafting.trees.StepInput.grammar`): the drafter's q renormalised over the legal
+    tokens, so no drafted token is illegal and a sampled draft's q is the one it was drawn from.
+    ``grammars[b]``: row b's state (None: free; its q is left as it is, bit for bit)."""
+
+    def __init__(self, grammars: list[RowGrammar | None], rows: int, device: torch.device):
+        self.grammars = grammars
+        on = [g is not None for g in grammars[:rows]] + [False] * max(0, rows - len(grammars))
+        self.rows = torch.tensor(on, dtype=torch.bool).to(device)  # [R] (made on the host: a constrained step)
+
+    def mask(self, q: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, frontier: torch.Tensor) -> torch.Tensor:
+        """q [R, F, V] (the children distributions of the frontier nodes ``frontier`` [R, F] of
+        trees drafted so far: tokens, parents [R, M]) -> q masked and renormalised on constrained rows."""
+        R, F, V = q.shape
+        B = min(len(self.grammars), R)
+        tok, par, fr = tokens[:B].tolist(), parents[:B].tolist(), frontier[:B].tolist()
+        host = torch.full((R, F, words(V)), -1, dtype=torch.int32)
+        for b in range(B):
+            g = self.grammars[b]
+            if g is None:
+                continue
+            for j, node in enumerate(fr[b]):
+                path = []
+                while node > 0:
+                    path.append(tok[b][node])
+                    node = par[b][node]
+                g.fill_path(path[::-1], host[b, j])
+        allowed = unpack(host.to(q.device), V).to(q.dtype)  # [R, F, V]
+        kept = q * allowed
+        total = kept.sum(-1, keepdim=True)
+        uniform = allowed / allowed.sum(-1, keepdim=True)  # a q with no mass on any legal token: uniform over them
+        masked = torch.where(total > 0, kept / total.clamp_min(torch.finfo(q.dtype).tiny), uniform)
+        return torch.where(self.rows[:, None, None], masked, q)
 
 
 def verify_mask(grammars: list[RowGrammar | None], tree, logits: torch.Tensor) -> torch.Tensor:

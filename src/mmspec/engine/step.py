@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mmspec.constrain.state import RowGrammar, verify_mask
+from mmspec.constrain.state import DraftMask, RowGrammar, verify_mask
 from mmspec.drafting import proposals as mf
 from mmspec.drafting.trees import Drafted, StepInput
 from mmspec.engine import rng
@@ -474,6 +474,8 @@ class Engine:
         host reads). Reads no host value but ``plan``'s: a CUDA graph can capture it."""
         st, R, spec = self.state, plan.rows, plan.spec
         x = self._input(R, self.spec.max_depth, plan.span_draft)
+        if plan.constrained:  # constrained rows draft only what their grammars allow
+            x.grammar = DraftMask([r.grammar for r in self.rows], R, self.device)
         drafted: Drafted | None = None
         p = mf.Proposals(**props) if plan.proposals else None
         if spec is not None and self.drafting is not None:  # 1. draft
