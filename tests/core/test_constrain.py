@@ -203,3 +203,16 @@ def test_drafts_are_masked_by_the_grammar(ctarget, cdraft, ctok, tree, monkeypat
     free = dec.generate(ids, pv, max_new_tokens=40, constraint=c)
     assert masked.token_ids == free.token_ids == constrained_reference(ctarget, ids, pv, 40, compiled(dec, c))
     assert masked.stats.tau > free.stats.tau
+
+
+def test_stream_and_a_constraint_cut_by_the_limit(ctarget, cdraft, ctok):
+    """stream() takes the constraint too; an answer the grammar cannot finish within
+    max_new_tokens stops there (no EOS: finish "length"), a valid prefix of the reference."""
+    c = CONSTRAINTS["schema"]
+    dec = SpecDecoder(ctarget, cdraft, ctok, views="M", gamma=3)
+    ids, pv = make_prompt(1, 16, seed=2)
+    ref = constrained_reference(ctarget, ids, pv, 60, compiled(dec, c))
+    s = dec.stream(ids, pv, max_new_tokens=60, constraint=c)
+    assert "".join(s) == ctok.decode(ref, skip_special_tokens=True) and s.result.token_ids == ref
+    short = dec.generate(ids, pv, max_new_tokens=7, constraint=c)
+    assert short.token_ids == ref[:7] and EOS not in short.token_ids
