@@ -254,14 +254,14 @@ class Drafting:
         M = plan["M"]
         tokens = torch.zeros(R, M, dtype=torch.long, device=dev)
         tokens[:, 0] = root[:, 0]
-        front = torch.zeros(R, 1, dtype=torch.long, device=dev)  # the nodes whose children the logits score
+        front = None  # the nodes whose children the logits score (None: the root)
         for d, level in enumerate(plan["levels"], start=1):
-            tok, _ = self.children(x, logits, level["R"], tokens, plan["parents"].expand(R, M), front)  # [R, F, R_d]
+            tok, _ = self.children(x, logits, level["R"], tokens, plan["parents"], front)  # [R, F, R_d] ranked children
             tokens[:, level["idx"]] = tok[:, level["rows"], level["ranks"]]
             if d == spec.max_depth or "frontier" not in level:
                 break
             f = level["frontier"]
-            front = f.expand(R, -1)
+            front = f
             logits = self.feed(x, f.expand(R, -1), tokens[:, f], plan["parents"][f].expand(R, -1), d,
                                level["first"], level["block"].expand(R, -1, -1))
         fed = plan["fed"].expand(R, M)
@@ -271,11 +271,17 @@ class Drafting:
 
     # ------------------------------------------------------------------ under a constraint
     def children(self, x: StepInput, logits: torch.Tensor, k: int, tokens: torch.Tensor, parents: torch.Tensor,
-                 frontier: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`top_children` of the frontier nodes [R, F] (of trees tokens, parents [R, M]); with
-        constrained rows (``x.grammar``) the children of their q masked by their grammars."""
+                 frontier: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`top_children` of the frontier nodes [R, F] or [F] (None: the root) of trees
+        tokens [R, M], parents [R, M] or [M]; with constrained rows (``x.grammar``) the children of
+        their q masked by their grammars (a free step adds no operation)."""
         if x.grammar is None:
             return self.top_children(logits, k, x.sampling)
+        R = tokens.shape[0]
+        parents = parents.expand(R, -1) if parents.dim() == 1 else parents
+        if frontier is None:
+            frontier = torch.zeros(R, 1, dtype=torch.long, device=tokens.device)
+        frontier = frontier.expand(R, -1) if frontier.dim() == 1 else frontier
         q = x.grammar.mask(self.distributions(logits, x.sampling), tokens, parents, frontier)
         s, t = q.topk(k, dim=-1)
         return t, s.clamp_min(1e-30).log()
