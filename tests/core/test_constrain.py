@@ -216,3 +216,15 @@ def test_stream_and_a_constraint_cut_by_the_limit(ctarget, cdraft, ctok):
     assert "".join(s) == ctok.decode(ref, skip_special_tokens=True) and s.result.token_ids == ref
     short = dec.generate(ids, pv, max_new_tokens=7, constraint=c)
     assert short.token_ids == ref[:7] and EOS not in short.token_ids
+
+
+@pytest.mark.parametrize("speculate", ["never", "auto"])
+def test_plain_and_auto_steps_keep_the_constraint(ctarget, cdraft, ctok, speculate):
+    """Plain target steps (speculate="never", or "auto" choosing them) mask the root alone."""
+    dec = SpecDecoder(ctarget, cdraft, ctok, views="M", gamma=3)
+    prompts = [make_prompt(1, 16, seed=s) for s in (6, 7)]
+    cons = [CONSTRAINTS["choice"], CONSTRAINTS["schema"]]
+    out = dec.generate_batch([dict(input_ids=i, pixel_values=p, max_new_tokens=30, constraint=c)
+                              for (i, p), c in zip(prompts, cons)], speculate=speculate)
+    for (i, p), c, r in zip(prompts, cons, out):
+        assert r.token_ids == constrained_reference(ctarget, i, p, 30, compiled(dec, c))
