@@ -228,3 +228,17 @@ def test_plain_and_auto_steps_keep_the_constraint(ctarget, cdraft, ctok, specula
                               for (i, p), c in zip(prompts, cons)], speculate=speculate)
     for (i, p), c, r in zip(prompts, cons, out):
         assert r.token_ids == constrained_reference(ctarget, i, p, 30, compiled(dec, c))
+
+
+@pytest.mark.parametrize("engine", [{"static_cache": True}, {"cuda_graphs": "emulate"}])
+def test_fixed_shapes_and_graphs_with_constrained_rows(ctarget, cdraft, ctok, engine):
+    """A bucket's padding rows and the step graphs (a constrained step runs eagerly; the free steps
+    after its request ends replay graphs): the same tokens."""
+    dec = SpecDecoder(ctarget, cdraft, ctok, views="M", gamma=3, **engine)
+    prompts = [make_prompt(1, 16, seed=s) for s in (1, 2, 3)]
+    cons = [CONSTRAINTS["regex"], None, CONSTRAINTS["choice"]]
+    out = dec.generate_batch([dict(input_ids=i, pixel_values=p, max_new_tokens=24, constraint=c)
+                              for (i, p), c in zip(prompts, cons)])
+    for (i, p), c, r in zip(prompts, cons, out):
+        ref = reference(ctarget, i, p, 24) if c is None else constrained_reference(ctarget, i, p, 24, compiled(dec, c))
+        assert r.token_ids == ref
