@@ -242,3 +242,15 @@ def test_fixed_shapes_and_graphs_with_constrained_rows(ctarget, cdraft, ctok, en
     for (i, p), c, r in zip(prompts, cons, out):
         ref = reference(ctarget, i, p, 24) if c is None else constrained_reference(ctarget, i, p, 24, compiled(dec, c))
         assert r.token_ids == ref
+
+
+def test_logprobs_under_a_constraint_are_the_raw_targets(ctarget, cdraft, ctok):
+    """logprobs= reports the target's unmasked log-probabilities (as vLLM's default raw mode)."""
+    from helpers.reference import target_logprobs
+
+    dec = SpecDecoder(ctarget, cdraft, ctok, views="M", gamma=3)
+    ids, pv = make_prompt(1, 16, seed=4)
+    res = dec.generate(ids, pv, max_new_tokens=12, constraint=CONSTRAINTS["regex"], logprobs=2)
+    lp = target_logprobs(ctarget, {"input_ids": ids, "pixel_values": pv}, res.token_ids)
+    for j, t in enumerate(res.token_ids):
+        assert res.logprobs[j].logprob == pytest.approx(float(lp[j, t]), abs=1e-9)
