@@ -34,6 +34,12 @@ and they travel in the same packed read (:func:`path_logprobs`, :func:`unpack_lo
 Nothing else crosses between host and device inside a step: no ``.item()``, no tensor made from
 a host list, no host value written into a device tensor (``tests/core/test_host_free.py``
 counts them).
+
+But under a constraint (:mod:`mmspec.constrain`): a step with a constrained row (``StepPlan.constrained``)
+masks its rows' drafts at each depth (:class:`~mmspec.constrain.state.DraftMask`) and every node
+of their trees before step 3 (:func:`~mmspec.constrain.state.verify_mask`, one ``masked_fill`` on the
+verify logits), each with a read of the drafted tokens and one copy of the masks (xgrammar runs
+on the host); it runs eagerly and is never overlapped. A step without one never calls them.
 """
 
 from __future__ import annotations
