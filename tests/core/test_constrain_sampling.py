@@ -54,3 +54,12 @@ def test_unmasked_verification_is_caught(setup, monkeypatch):
     samples = sampled(dec, ids, pv, N_CONTROL)
     outside = sum(exact.get(s, 0.0) == 0 for s in samples)  # answers the constrained target never gives
     assert outside > 0 or min(pvalues(samples, exact)) < 1e-5
+
+
+def test_constrained_sampling_with_forced_tokens_and_lookup(setup):
+    """Prompt lookup under a constraint: the forced tokens and the grammar-legal lookup paths
+    ride as the row's proposal (drawn from their counts); still the constrained target's law."""
+    target, _, tok, ids, pv = setup
+    dec = SpecDecoder(target, "lookup", tok, gamma=2, lookup_options={"ngram_min": 1})
+    exact = constrained_sequence_probs(target, ids, pv, dec.grammar_compiler.compile(REGEX), n_new=N_NEW)
+    assert min(pvalues(sampled(dec, ids, pv, N_SAMPLES), exact)) > 1e-3
