@@ -48,7 +48,7 @@ class DraftConfig:
 class TreeConfig:
     """A block's shape: a chain of ``gamma`` drafts, a static tree, or a dynamic one (EAGLE-2)."""
 
-    gamma: int | None = None  # a chain's length; None: 5 (mmspec.tree.DEFAULT_GAMMA); refused with a tree
+    gamma: int | None = None  # a chain's length; None: 5 (mmspec.drafting.tree.DEFAULT_GAMMA); refused with a tree
     tree: Any = None  # None / "chain", "dynamic", child-rank paths, or a TreeSpec
     tree_depth: int | None = None
     tree_topk: int | None = None

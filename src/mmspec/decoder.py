@@ -259,6 +259,7 @@ class SpecDecoder:
         self.mode = self._engine_mode(cfg.runtime.cuda_graphs, cfg.runtime.static_cache, cfg.runtime.compile)
         self._static_pool = StaticPool(self.mode.graphs)
         self._speculation_policy = None  # generate_batch(speculate="auto")'s, made on first use
+        self._grammar_compiler = None  # constraints compiled for the tokenizer (mmspec.constrain), made on first use
         self._shape_policy = None  # tree="auto"'s, made on first use
         if self.draft is None:  # a head reads the target's features, lookup its text: no views, no draft model
             self.views, self.weights, newline = [], [1.0], None
@@ -372,7 +373,7 @@ class SpecDecoder:
                  captions: Sequence[str] | None = None, videos: Sequence | None = None,
                  substitutes: Sequence | None = None, streamer=None,
                  initial_weights: Sequence[float] | None = None, logprobs: int | None = None,
-                 **unused) -> GenerationResult:
+                 constraint=None, **unused) -> GenerationResult:
         """Decode one prompt. Inputs are those of ``target.generate`` (the processor's output: for
         other families also ``image_sizes``, ``image_grid_thw``, ``pixel_values_videos``,
         ``video_grid_thw``, ``mm_token_type_ids``, ... as the target's family reads them; Video-LLaVA's
@@ -385,12 +386,15 @@ class SpecDecoder:
         adaptive weights, where this request's weights start (e.g. the previous turn's
         ``stats.final_weights``). ``logprobs=K``: the result's ``logprobs`` holds each new token's
         log-probability under the target and its K likeliest alternatives
-        (:class:`~mmspec.results.TokenLogprob`), read from the verify forwards that emitted them."""
+        (:class:`~mmspec.results.TokenLogprob`), read from the verify forwards that emitted them.
+        ``constraint``: a :class:`~mmspec.constrain.Constraint` (a JSON schema, any JSON object, a
+        regex, a choice, a grammar): the answer is the target's own decoding under it, and ends
+        (EOS) when the grammar is complete (docs/structured.md)."""
         req = prepare(self, dict(input_ids=input_ids, pixel_values=pixel_values, attention_mask=attention_mask,
                                  max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, top_k=top_k,
                                  top_p=top_p, images=images, captions=captions, videos=videos,
                                  substitutes=substitutes, initial_weights=initial_weights, logprobs=logprobs,
-                                 **unused))
+                                 constraint=constraint, **unused))
         from mmspec.engine.scheduler import BatchScheduler
 
         sched = BatchScheduler(self, max_batch=1, stream_text=False)  # one request: a batch of one on the one engine
@@ -435,6 +439,16 @@ class SpecDecoder:
         from mmspec.batch import generate_batch
 
         return generate_batch(self, requests, max_batch=max_batch, speculate=speculate, overlap=overlap, **defaults)
+
+    @property
+    def grammar_compiler(self):
+        """The constraints' compiler for this decoder's tokenizer and the target's vocabulary, with its
+        cache of compiled grammars (:class:`~mmspec.constrain.compile.GrammarCompiler`; made on first use)."""
+        if self._grammar_compiler is None:
+            from mmspec.constrain.compile import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.target.vocab_size, self.eos_ids)
+        return self._grammar_compiler
 
     @property
     def speculation_policy(self) -> SpeculationPolicy:

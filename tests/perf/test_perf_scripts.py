@@ -36,7 +36,7 @@ ELSEWHERE = {
 }
 TESTED_HERE = ["batch_speed", "prefix_speed", "tree_sweep", "cpu_shapes", "serve_load", "head_formats_check",
                "serve_overhead", "lookup_speed", "serve_speed", "logprobs_cost", "mmspec_split",
-               "threads", "policy_speed", "graph_warmup"]
+               "threads", "policy_speed", "graph_warmup", "constrained_speed"]
 
 
 def run_script(name: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -268,3 +268,13 @@ def test_graph_warmup(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows and all(r.get("captured_after", 0) == 0 for r in rows), rows
+def test_constrained_speed(tmp_path):
+    """One bounded schema on the embedded pack: the constrained answer equals the target's own,
+    validates and ends with EOS (exit 1 otherwise); the B=2 grammar-work probe is recorded."""
+    out_json = tmp_path / "constrained.json"
+    out = run_script("constrained_speed", "--schemas", "1", "--methods", "lookup", "--max-new-tokens", "32",
+                     "--repeats", "1", "--warmup", "0", "--batch", "2", "--out", str(out_json), timeout=900)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    res = json.loads(out_json.read_text())
+    assert res["failures"] == [] and res["rows"][0]["valid"]
+    assert 0 < res["rows"][0]["lookup"]["forced_share"] <= 1 and res["batch"]["grammar_s"] > 0

@@ -34,6 +34,12 @@ and they travel in the same packed read (:func:`path_logprobs`, :func:`unpack_lo
 Nothing else crosses between host and device inside a step: no ``.item()``, no tensor made from
 a host list, no host value written into a device tensor (``tests/core/test_host_free.py``
 counts them).
+
+But under a constraint (:mod:`mmspec.constrain`): a step with a constrained row (``StepPlan.constrained``)
+masks its rows' drafts at each depth (:class:`~mmspec.constrain.state.DraftMask`) and every node
+of their trees before step 3 (:func:`~mmspec.constrain.state.verify_mask`, one ``masked_fill`` on the
+verify logits), each with a read of the drafted tokens and one copy of the masks (xgrammar runs
+on the host); it runs eagerly and is never overlapped. A step without one never calls them.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mmspec.constrain.state import DraftMask, RowGrammar, verify_mask
 from mmspec.drafting import proposals as mf
 from mmspec.drafting.tree import TreeBatch, TreeSpec
 from mmspec.drafting.trees import Drafted, StepInput
@@ -80,6 +87,7 @@ class RowHost:
     done: bool = False
     clocks: list[BlockClock] = field(default_factory=list)
     prefill: BlockClock | None = None  # its admission's target and draft prefills
+    grammar: RowGrammar | None = None  # a constrained request's grammar state (mmspec.constrain.state)
 
     @property
     def remaining(self) -> int:
@@ -115,6 +123,7 @@ class StepPlan:
     span_draft: int  # draft slots attended
     flags: tuple  # the sampling paths the step runs: sorted (name, on) pairs of RowSampling's flags
     logprobs: int = 0  # top alternatives per emitted token: the most any row asks, at least 1 (0: no row asks)
+    constrained: bool = False  # some row has a grammar: its trees are masked before verification (eager, no overlap)
 
 
 @dataclass
@@ -302,14 +311,14 @@ class Engine:
         lengths and pending tokens can grow); a row that finishes in the step in flight runs one
         more step whose tokens :meth:`finish` drops. Model-free proposals are searched in the
         tokens of the last step, so they never ride a step launched over one in flight."""
-        if len(self._inflight) > 1 or (proposers is not None and self._inflight):
+        if len(self._inflight) > 1 or ((proposers is not None or self.constrained) and self._inflight):
             raise RuntimeError("Engine.launch: finish the step in flight first (at most one step ahead, "
-                               "and none under model-free proposals)")
+                               "and none under model-free proposals or constraints)")
         st, B = self.state, self.state.active
         plan, props, failed = self._plan(depth, proposers)
         clock = BlockClock(self.device)
         clock.start()
-        if self.step_graphs and not self.graphs_failed:  # the whole step, one replay of its plan's graph
+        if self.step_graphs and not self.graphs_failed and not plan.constrained:  # the whole step, one replay of its plan's graph
             packed = self._runner(plan)(**(props or {"rows": st.live[:plan.rows]}))
             clock.mark()
         else:
@@ -364,10 +373,18 @@ class Engine:
             tokens = toks[1:n_acc + 1] + [nxt]
             scored = None if row.logprobs_top is None else unpack_logprobs(h[4 + d1:], tokens, k, row.logprobs_top)
             kept = self._emit(row, tokens, n_acc, nv, plan.spec, step.clock, scored)
+            if row.grammar is not None:  # the matcher advances by what the row emitted
+                row.grammar.accept(kept)
+                row.stats.forced_tokens, row.stats.grammar_s = row.grammar.forced, row.grammar.host_s
             emitted.append(step.failed.get(i, kept))
         if self.drafting is not None and any(advance):
             self.drafting.advance(advance)
         return emitted
+
+    @property
+    def constrained(self) -> bool:
+        """Some active row decodes under a constraint (its grammar masks its trees)."""
+        return any(r.grammar is not None for r in self.rows)
 
     @property
     def in_flight(self) -> int:
@@ -414,7 +431,8 @@ class Engine:
             flags, k = canonical_flags(flags), max(k, self.logprobs_width) if asked else 0
         keep = spec is None and self.drafting is not None and self.draft_later and not catch_up
         plan = StepPlan(rows=R, spec=spec, catch_up=catch_up, keep_pending=keep, proposals=props is not None, span=span,
-                        span_draft=span_d, flags=tuple(sorted(flags.items())), logprobs=k)
+                        span_draft=span_d, flags=tuple(sorted(flags.items())), logprobs=k,
+                        constrained=self.constrained)
         return plan, props, failed
 
     def packed_width(self, logprobs: int) -> int:
@@ -480,6 +498,8 @@ class Engine:
         host reads). Reads no host value but ``plan``'s: a CUDA graph can capture it."""
         st, R, spec = self.state, plan.rows, plan.spec
         x = self._input(R, self.spec.max_depth, plan.span_draft, dict(plan.flags))
+        if plan.constrained:  # constrained rows draft only what their grammars allow
+            x.grammar = DraftMask([r.grammar for r in self.rows], R, self.device)
         drafted: Drafted | None = None
         p = mf.Proposals(**props) if plan.proposals else None
         if spec is not None and self.drafting is not None:  # 1. draft
@@ -501,6 +521,9 @@ class Engine:
             clock.mark()
 
         logits, hidden = self._verify_forward(tree, R, plan.span)  # 2. ONE target forward, [R, N, V]
+        raw = logits  # log-probabilities are reported from the raw logits
+        if plan.constrained:  # every constrained row's nodes masked by its grammar along their paths: ONE op
+            logits = verify_mask([r.grammar for r in self.rows], tree, logits)
         rs = x.sampling
         N = tree.tokens.shape[1]
         u = rng.uniforms(st.seed[:R], st.step[:R], rng.VERIFY, N + 1) if rs.any_sampling else None
@@ -532,7 +555,7 @@ class Engine:
             nxt = out.next_token[:, None]
             j = torch.arange(path.shape[1], device=self.device)
             emitted = torch.where(j == n[:, None], nxt, torch.cat([tok_path[:, 1:], nxt], 1))  # [R, D + 1]
-            packed.append(path_logprobs(logits, path, emitted, plan.logprobs))
+            packed.append(path_logprobs(raw, path, emitted, plan.logprobs))
         return torch.cat(packed, 1)
 
     def _emit(self, row: RowHost, tokens: list[int], n_acc: int, n_valid: int, spec, clock,
