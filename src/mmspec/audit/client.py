@@ -176,7 +176,10 @@ class Endpoint:
         try:
             data = r.json()
             choice = data["choices"][0]
-            text = choice["message"]["content"] or ""
+            text = choice["message"]["content"]
+            if text is None:  # tool calls: a named call's arguments are the answer's text as the model wrote it
+                calls = choice["message"].get("tool_calls") or []
+                text = calls[0]["function"]["arguments"] if len(calls) == 1 else json.dumps(calls) if calls else ""
         except (ValueError, KeyError, IndexError, TypeError):
             raise RequestFailed(f"{self.base}/chat/completions answered without OpenAI's choices[0].message."
                                 f"content ({one_line(r.text, 80)}); not an OpenAI-compatible chat completion") from None

@@ -3,3 +3,5 @@ object, a regex, a choice among strings, an EBNF grammar), compiled per tokenize
 to every drafted and verified token."""
 
 from mmspec.constrain.spec import Constraint
+
+__all__ = ["Constraint"]
