@@ -96,6 +96,9 @@ def test_required_is_an_array_of_calls_of_the_tools_given():
     names = [branch["properties"]["name"]["enum"] for branch in s["items"]["anyOf"]]
     assert names == [["get_weather"], ["get_time"]]
     assert s["items"]["anyOf"][0]["properties"]["parameters"] == WEATHER["function"]["parameters"]
+    assert "maxItems" not in s
+    one = parse(tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False).plan.constraint.schema
+    assert one["maxItems"] == 1  # parallel_tool_calls false: exactly one call
 
 
 def test_auto_needs_a_tool_call_parser():

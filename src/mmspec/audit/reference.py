@@ -70,7 +70,8 @@ class LocalTarget:
         try:
             return plan_of(response_format=body.get("response_format"),
                            structured_outputs=body.get("structured_outputs"), tools=body.get("tools"),
-                           tool_choice=body.get("tool_choice"), tool_call_parser="hermes")
+                           tool_choice=body.get("tool_choice"), tool_call_parser="hermes",
+                           parallel_tool_calls=body.get("parallel_tool_calls"))
         except Exception as e:  # noqa: BLE001 - the server's RequestError
             raise AuditError(f"the local reference cannot read this request's constraint: {e}") from None
 

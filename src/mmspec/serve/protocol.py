@@ -306,7 +306,7 @@ class _Request(BaseModel):
         """Read the answer's form from the request (RequestError where it is bad); kept as :attr:`plan`."""
         self._plan = plan_of(response_format=self.response_format, structured_outputs=self.structured_outputs,
                              tools=getattr(self, "tools", None), tool_choice=getattr(self, "tool_choice", None),
-                             tool_call_parser=tool_call_parser)
+                             tool_call_parser=tool_call_parser, parallel_tool_calls=self.parallel_tool_calls)
         return self._plan
 
     @property

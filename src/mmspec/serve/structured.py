@@ -79,8 +79,9 @@ TEXT = Plan()
 
 
 def plan_of(*, response_format: Any = None, structured_outputs: Any = None, tools: Any = None,
-            tool_choice: Any = None, tool_call_parser: str | None = None) -> Plan:
-    """The request's fields -> its Plan, or RequestError naming the field's JSON path and the fix."""
+            tool_choice: Any = None, tool_call_parser: str | None = None, parallel_tool_calls: Any = None) -> Plan:
+    """The request's fields -> its Plan, or RequestError naming the field's JSON path and the fix.
+    ``parallel_tool_calls`` false: "required" makes exactly one call."""
     any_ws = _whitespace(structured_outputs)
     kept = _response_format(response_format, any_ws)
     vllm = _structured_outputs(structured_outputs, any_ws)
@@ -112,6 +113,8 @@ def plan_of(*, response_format: Any = None, structured_outputs: Any = None, tool
                                                    "parameters": _parameters(t)},
                   "required": ["name", "parameters"], "additionalProperties": False} for t in tool_list]
         schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        if parallel_tool_calls is False:
+            schema["maxItems"] = 1
         return Plan(constraint=Constraint("json_schema", schema=schema, any_whitespace=any_ws, name="tool calls"),
                     mode="required", tools=tools_t)
     tool = next(t for t in tool_list if t["function"]["name"] == choice)
