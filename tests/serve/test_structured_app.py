@@ -21,6 +21,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 from helpers.tiny import make_llava, make_processor, make_tokenizer, noisy_copy  # noqa: E402
+from mmspec import MMSpecError  # noqa: E402
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -99,6 +100,9 @@ def server(decoder):
     def prepare(d, kw, defaults=None):  # what the server hands the engine, recorded; the core's own checks after
         c = kw.pop("constraint", None)
         handed.append((c, prompts[-1]))
+        if c is not None and c.pattern == "(":  # as the core's compilation refuses it (mmspec.request.prepare)
+            raise MMSpecError("the regex constraint cannot be compiled: Regex parsing error at position 2: The "
+                              "parenthesis is not closed.; fix it")
         return real(d, kw, defaults)
 
     def build(*a, **kw):  # the prompt text (the tiny word-level tokenizer reads only its own words)
@@ -328,6 +332,17 @@ def test_bad_constraints_are_400s_through_the_client(server, kw, phrase):
         chat(client, **kw)
     assert phrase in e.value.body["message"], e.value.body
     assert len(handed) == n  # refused before the engine was handed anything
+
+
+def test_a_constraint_that_does_not_compile_is_a_400_naming_its_field(server):
+    client, sched, handed, _ = server
+    n = len(sched.requests)
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, extra_body={"structured_outputs": {"regex": "("}})
+    assert e.value.body["message"].startswith("structured_outputs.regex: the regex constraint cannot be compiled")
+    assert e.value.body["param"] == "structured_outputs.regex" and len(sched.requests) == n  # never scheduled
+    sched.reply = "ok"
+    assert chat(client).choices[0].message.content == "ok"  # the server goes on
 
 
 def test_auto_without_a_parser_names_the_option(decoder):

@@ -186,3 +186,15 @@ def test_bad_constraints_and_tools_are_400s_naming_the_path(kw, phrase, param):
 def test_completions_take_no_tools():
     with pytest.raises(RequestError, match="legacy completions endpoint takes no tools"):
         parse(completion=True, tools=[WEATHER], tool_choice="required")
+
+
+def test_the_plan_knows_where_its_constraint_came_from():
+    """So an error of its compilation (at prepare) names the request's field."""
+    assert parse(structured_outputs={"regex": "a"}).plan.source == "structured_outputs.regex"
+    assert parse(structured_outputs={"json": SCHEMA, "disable_any_whitespace": True}).plan.source == \
+        "structured_outputs.json"
+    assert parse(response_format={"type": "json_object"}).plan.source == "response_format"
+    assert parse(tools=[CLOCK, WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}).plan \
+        .source == "tools[1].function.parameters"
+    assert parse(tools=[WEATHER], tool_choice="required").plan.source == "tools"
+    assert parse().plan.source is None

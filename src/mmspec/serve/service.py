@@ -165,6 +165,8 @@ class Service:
         except ContextError as e:
             raise _past_the_context(e, req.max_tokens is not None) from None
         except MMSpecError as e:
+            if plan.constraint is not None and plan.source and "constraint" in str(e):  # its compilation: name the field
+                raise RequestError(f"{plan.source}: {e}", param=plan.source) from None
             raise RequestError(str(e)) from None
         return Prepared(request=request, prompt_tokens=n_prompt, timings=timings)
 

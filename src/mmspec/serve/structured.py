@@ -69,6 +69,7 @@ class Plan:
     mode: str = "text"
     function: str | None = None
     tools: tuple[dict, ...] | None = None
+    source: str | None = None  # the constraint's place in the request ("structured_outputs.regex"), for its errors
 
     @property
     def calls_tools(self) -> bool:
@@ -85,6 +86,9 @@ def plan_of(*, response_format: Any = None, structured_outputs: Any = None, tool
     any_ws = _whitespace(structured_outputs)
     kept = _response_format(response_format, any_ws)
     vllm = _structured_outputs(structured_outputs, any_ws)
+    source = ("response_format" if kept is not None else
+              f"structured_outputs.{next(k for k in STRUCTURED_KINDS if structured_outputs.get(k) not in (None, False))}"
+              if vllm is not None else None)
     if kept is not None and vllm is not None:
         raise RequestError("response_format and structured_outputs both constrain the answer; send one of them",
                            param="structured_outputs")
@@ -92,7 +96,7 @@ def plan_of(*, response_format: Any = None, structured_outputs: Any = None, tool
     tool_list = _tools(tools)
     choice = _tool_choice(tool_choice, tool_list)
     if choice == "none" or not tool_list:
-        return Plan(constraint=constraint)
+        return Plan(constraint=constraint, source=source)
     if constraint is not None:
         field = "response_format" if kept is not None else "structured_outputs"
         raise RequestError(f"{field} and tools (tool_choice {choice if isinstance(choice, str) else 'a function'!r}) "
@@ -116,11 +120,11 @@ def plan_of(*, response_format: Any = None, structured_outputs: Any = None, tool
         if parallel_tool_calls is False:
             schema["maxItems"] = 1
         return Plan(constraint=Constraint("json_schema", schema=schema, any_whitespace=any_ws, name="tool calls"),
-                    mode="required", tools=tools_t)
-    tool = next(t for t in tool_list if t["function"]["name"] == choice)
+                    mode="required", tools=tools_t, source="tools")
+    k, tool = next((k, t) for k, t in enumerate(tool_list) if t["function"]["name"] == choice)
     return Plan(constraint=Constraint("json_schema", schema=_parameters(tool), any_whitespace=any_ws,
                                       strict=bool(tool["function"].get("strict")), name=choice),
-                mode="named", function=choice, tools=(tool,))
+                mode="named", function=choice, tools=(tool,), source=f"tools[{k}].function.parameters")
 
 
 # ----------------------------------------------------------------------- response_format
