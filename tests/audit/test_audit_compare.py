@@ -173,6 +173,8 @@ def test_a_stopped_answers_tokens_end_with_the_eos_the_reference_has(tok):
                   tok, eos_id=2) is None
     found = locate(Reference(text, ids=own), Reply(text, "length", without), tok, eos_id=2)
     assert (found.position, found.own, found.ours) == (len(own) - 1, 2, None)  # it did not stop: no EOS given
+    # an answer given as tool calls ended by itself as well
+    assert locate(Reference(text, ids=own), Reply(text, "tool_calls", without), tok, eos_id=2) is None
 
 
 def test_tool_call_answers_are_read_as_the_models_text():
