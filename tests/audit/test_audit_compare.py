@@ -173,30 +173,4 @@ def test_a_stopped_answers_tokens_end_with_the_eos_the_reference_has(tok):
                   tok, eos_id=2) is None
     found = locate(Reference(text, ids=own), Reply(text, "length", without), tok, eos_id=2)
     assert (found.position, found.own, found.ours) == (len(own) - 1, 2, None)  # it did not stop: no EOS given
-    # an answer given as tool calls ended by itself as well
-    assert locate(Reference(text, ids=own), Reply(text, "tool_calls", without), tok, eos_id=2) is None
 
-
-def test_tool_call_answers_are_read_as_the_models_text():
-    """A named function's answer is its arguments, as written; several calls are read from the
-    tokens' strings (the server re-writes a "required" array as calls)."""
-    from mmspec.audit.client import _calls_text
-
-    one = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}]
-    assert _calls_text(one, None) == '{"a":1}'
-    two = one + [{"id": "call_2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]
-    lp = _content([("[{", 5, -0.1, []), ('"name"', 6, -0.1, []), (":", 7, -0.1, [])])
-    assert _calls_text(two, lp) == '[{"name":'
-
-
-def test_local_reference_reads_the_requests_constraint_and_tools():
-    from mmspec.audit.client import AuditError
-    from mmspec.audit.reference import LocalTarget
-
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
-    plan = LocalTarget.plan({"messages": [], "tools": [tool], "tool_choice": "required"})
-    assert plan.constraint.schema["type"] == "array" and plan.tools == (tool,)
-    assert LocalTarget.plan({"structured_outputs": {"choice": ["a", "b"]}}).constraint.choices == ("a", "b")
-    assert LocalTarget.plan({"tools": [tool]}).mode == "auto"  # auto: unconstrained, as a hermes server
-    with pytest.raises(AuditError, match="structured_outputs.choice must be a non-empty list"):
-        LocalTarget.plan({"structured_outputs": {"choice": []}})
