@@ -173,4 +173,3 @@ def test_a_stopped_answers_tokens_end_with_the_eos_the_reference_has(tok):
                   tok, eos_id=2) is None
     found = locate(Reference(text, ids=own), Reply(text, "length", without), tok, eos_id=2)
     assert (found.position, found.own, found.ours) == (len(own) - 1, 2, None)  # it did not stop: no EOS given
-
