@@ -352,3 +352,21 @@ def test_auto_without_a_parser_names_the_option(decoder):
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}).encode()
     with pytest.raises(RequestError, match="--tool-call-parser hermes"):
         parse_request(body, "m", tool_call_parser=None)
+
+
+def test_the_openai_clients_parse_helper_with_a_pydantic_model(server):
+    """client.chat.completions.parse(response_format=Model): the schema the client makes from a
+    pydantic model (strict, titles, additionalProperties false) is taken, and its answer parsed."""
+    from pydantic import BaseModel
+
+    class Reading(BaseModel):
+        label: str
+        value: int
+
+    client, sched, handed, _ = server
+    sched.reply = '{"label":"w5","value":7}'
+    r = client.chat.completions.parse(model="m", messages=[{"role": "user", "content": "w5 w6"}], max_tokens=32,
+                                      temperature=0, response_format=Reading)
+    assert r.choices[0].message.parsed == Reading(label="w5", value=7)
+    c = handed[-1][0]
+    assert c.kind == "json_schema" and c.strict and set(c.schema["properties"]) == {"label", "value"}
