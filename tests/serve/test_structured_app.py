@@ -370,3 +370,23 @@ def test_the_openai_clients_parse_helper_with_a_pydantic_model(server):
     assert r.choices[0].message.parsed == Reading(label="w5", value=7)
     c = handed[-1][0]
     assert c.kind == "json_schema" and c.strict and set(c.schema["properties"]) == {"label", "value"}
+
+
+def test_the_openai_clients_stream_helper_assembles_the_streamed_call(server):
+    """client.chat.completions.stream with a pydantic function tool: the streamed deltas assemble
+    into the call, its arguments parsed by the client."""
+    from pydantic import BaseModel
+
+    class GetWeather(BaseModel):
+        city: str
+
+    client, sched, _, _ = server
+    sched.reply, sched.piece = '{"city":"Paris"}', 3
+    tool = openai.pydantic_function_tool(GetWeather)
+    with client.chat.completions.stream(model="m", messages=[{"role": "user", "content": "w5 w6"}], max_tokens=32,
+                                        temperature=0, tools=[tool],
+                                        tool_choice={"type": "function", "function": {"name": "GetWeather"}}) as s:
+        final = s.get_final_completion()
+    call = final.choices[0].message.tool_calls[0]
+    assert call.function.name == "GetWeather" and call.function.parsed_arguments == GetWeather(city="Paris")
+    assert final.choices[0].finish_reason == "tool_calls"
