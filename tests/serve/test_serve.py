@@ -522,6 +522,7 @@ def test_flags_are_checked_before_anything_loads(tmp_path):
         for args, phrase in ((["--port", str(port)], "cannot listen on 127.0.0.1"),
                              (["--max-batch", "0"], "--max-batch must be >= 1"),
                              (["--speculate", "sometimes"], "--speculate must be one of always, never, auto"),
+                             (["--tool-call-parser", "llama3"], "--tool-call-parser must be one of hermes"),
                              (["--prefix-cache-mb", "-1"], "--prefix-cache-mb must be a number of MiB >= 0"),
                              (["--warm-up-context", "1"], "--warm-up-context must be 0 (no warm-up) or a number"),
                              (["--allowed-local-media-path", str(tmp_path / "nope")], "is not a directory"),

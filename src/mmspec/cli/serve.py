@@ -70,6 +70,11 @@ def serve(
                                         "for up to --max-batch requests of up to this many positions (prompt and "
                                         "answer, images expanded), printing the graphs and seconds; longer "
                                         "requests capture on first use. 0: no warm-up."),
+    tool_call_parser: str | None = typer.Option(None, help="How the model's own tool calls are read, for "
+                                                "tool_choice 'auto' (the default with tools): 'hermes' for "
+                                                "checkpoints that write <tool_call>{...}</tool_call> (Qwen2.5-VL). "
+                                                "Without it 'auto' is refused; 'required' and a named function "
+                                                "need none."),
     check_head: bool = options.CHECK_HEAD,
 ):
     """Serve the models over HTTP with OpenAI's chat-completions API (docs/serve.md).
@@ -105,6 +110,11 @@ def serve(
             raise MMSpecError("--api-key (or MMSPEC_API_KEY) is empty; give a key, or leave it unset for no key")
         hosts = None if "*" in allowed_hosts else (list(allowed_hosts) or default_hosts(host))
         check_origins(cors_origins)
+        from mmspec.serve.structured import TOOL_CALL_PARSERS
+
+        if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+            raise MMSpecError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)} (checkpoints that "
+                              f"write <tool_call>{{...}}</tool_call> tags), got {tool_call_parser!r}")
         _check_extra(metrics)
         sock = _bind(host, port)  # the port is ours before minutes of loading, or refused now
     except MMSpecError as e:
@@ -114,7 +124,7 @@ def serve(
          name=served_model_name, shutdown_timeout=shutdown_timeout, warm_up_context=warm_up_context,
          guard=dict(max_request_mb=max_request_mb, max_image_pixels=max_image_pixels,
                     max_request_pixels=max_request_pixels, api_key=api_key, allowed_hosts=hosts,
-                    cors_origins=list(cors_origins), metrics=metrics))
+                    cors_origins=list(cors_origins), metrics=metrics, tool_call_parser=tool_call_parser))
 
 
 def _media_dir(path: Path) -> Path:
