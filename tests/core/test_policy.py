@@ -32,6 +32,11 @@ def gpu_like(B: int, a: Action) -> float:
     return 1e-3 * (1.0 + 0.15 * a.depth + 0.02 * max(0, B * a.nodes - 64))
 
 
+def cpu_like(B: int, a: Action) -> float:
+    """Seconds of a step on a device whose cost grows with the verified tokens from the first (a CPU)."""
+    return 1e-3 * (1.0 + 0.3 * a.depth + 0.05 * B * a.nodes)
+
+
 def ragged(steps: int, seed: int, top: int = 32) -> list[int]:
     """Batch sizes that change every few steps (requests join and leave), between 1 and ``top``."""
     r, B, out = random.Random(seed), top // 2, []
@@ -73,19 +78,27 @@ def simulate(pol: SpeculationPolicy, batches: list[int], alpha_of, device=gpu_li
     return tokens / seconds
 
 
+@pytest.mark.parametrize("device", [gpu_like, cpu_like])
 @pytest.mark.parametrize(("name", "alpha_of"), [("agreeing", lambda i: 0.8), ("rarely agrees", lambda i: 0.02),
                                                 ("mixed rows", lambda i: 0.9 if i % 3 else 0.05)])
-def test_auto_is_never_worse_than_the_better_of_always_and_never(name, alpha_of):
-    batches = ragged(1500, seed=1)
-    rates = {mode: simulate(SpeculationPolicy(mode), batches, alpha_of) for mode in ("always", "never", "auto")}
-    assert rates["auto"] >= 0.95 * max(rates["always"], rates["never"]), (name, rates)
+def test_auto_is_never_worse_than_the_better_of_always_and_never(name, alpha_of, device):
+    """Ragged batches, a fresh policy (its start-up exploration inside the figure), three seeds."""
+    for seed in range(3):
+        batches = ragged(300, seed=seed)
+        rates = {m: simulate(SpeculationPolicy(m), batches, alpha_of, device, seed=seed) for m in ("always", "never", "auto")}
+        assert rates["auto"] >= 0.95 * max(rates["always"], rates["never"]), (name, seed, rates)
 
 
+@pytest.mark.parametrize("device", [gpu_like, cpu_like])
 @pytest.mark.parametrize("B", [1, 8, 32])
-def test_auto_at_a_fixed_batch_size(B):
+def test_auto_at_a_fixed_batch_size(B, device):
+    """150 steps from a fresh policy: a draft that looks bad after a few unlucky blocks is tried again
+    (the pooled α is drawn from its posterior), one that is bad is soon left alone."""
     for alpha in (0.8, 0.02):
-        rates = {m: simulate(SpeculationPolicy(m), [B] * 400, lambda i, a=alpha: a) for m in ("always", "never", "auto")}
-        assert rates["auto"] >= 0.95 * max(rates["always"], rates["never"]), (B, alpha, rates)
+        for seed in range(3):
+            rates = {m: simulate(SpeculationPolicy(m), [B] * 150, lambda i, a=alpha: a, device, seed=seed)
+                     for m in ("always", "never", "auto")}
+            assert rates["auto"] >= 0.95 * max(rates["always"], rates["never"]), (B, alpha, seed, rates)
 
 
 def test_the_choice_follows_the_batch_size_from_one_shared_model():
@@ -95,15 +108,20 @@ def test_the_choice_follows_the_batch_size_from_one_shared_model():
     simulate(pol, [b + b % 2 for b in ragged(600, seed=3, top=32)], lambda i: 0.8)  # even sizes only
     unseen = [3, 5, 29, 31]
     assert not pol.batches & set(unseen) and {2, 32} <= pol.batches
+    def known(b):  # rows whose own α (0.8) is well established: the cost model alone decides
+        rows = [Row(0.8) for _ in range(b)]
+        for r in rows:
+            r.accept_avg = (4.0, 1.0, 1000)
+        return rows
     for b in unseen:
         steps, probes = pol.steps, pol.probes
-        pick = pol.decide(b, CHAIN, [Row(0.8) for _ in range(b)])
+        pick = pol.decide(b, CHAIN, known(b))
         assert pol.probes == probes and pol.steps == steps + 1
         true = {a: b * (expected_tokens(np.array(0.8), np.array(a.depth)) if a.depth else 1) / gpu_like(b, a)
                 for a in pol.actions(CHAIN)}
         assert true[pick] >= 0.8 * max(true.values()), (b, pick, true)
-    assert pol.decide(3, CHAIN, [Row(0.8)] * 3).depth >= 3  # deep drafts for a small batch ...
-    assert pol.decide(31, CHAIN, [Row(0.8)] * 31).depth <= 2  # ... shallow for a large one
+    assert pol.decide(3, CHAIN, known(3)).depth >= 2  # deeper drafts for a small batch ...
+    assert pol.decide(31, CHAIN, known(31)).depth <= 2  # ... shallow for a large one
 
 
 def test_exploration_is_a_bounded_share_of_the_steps():
@@ -128,7 +146,8 @@ def test_a_rows_acceptance_is_its_own():
     assert pol.row_alpha(good) > 0.8 and pol.row_alpha(bad) < 0.05
     assert pol.row_alpha(bad) < pol.acceptance < pol.row_alpha(good)  # the average a new row starts from
     fresh = Row(0.5)
-    assert pol.row_alpha(fresh) == pytest.approx(pol.acceptance + pol.optimism / (1 + pol.prior_n) ** 0.5)
+    assert pol.row_alpha(fresh) == pol.pooled_alpha()  # this decision's draw of the pooled α
+    assert abs(pol.pooled_alpha() - pol.acceptance) < 0.15  # ... from a posterior that many blocks made tight
     once = Row(0.5)
     once.accept_avg = (0.0, 1.0, 1)  # one unlucky block: still mostly the average
     assert pol.row_alpha(once) > 0.5 * pol.acceptance

@@ -10,8 +10,10 @@ decoding included, for the most expected tokens per second (goodput).
   bucket by the mean of what the model missed there (a device whose cost is flat until it turns
   compute-bound is not a line);
 - **what a row accepts**: per row, the probability α that a drafted token is accepted (a
-  truncated-geometric estimate, exponentially averaged over that row's blocks; a new row starts
-  from the average over rows), kept on the row itself (:class:`~mmspec.engine.step.RowHost`), so a
+  truncated-geometric estimate, exponentially averaged over that row's blocks), weighed against the
+  pooled α of every row's blocks, which each decision draws from its Beta posterior (Thompson
+  sampling: a draft that looked bad after a few unlucky blocks is tried again now and then, a bad
+  one almost never once the evidence is in); kept on the row itself (:class:`~mmspec.engine.step.RowHost`), so a
   row whose drafts keep failing adds nothing to the case for drafting while its neighbours' do;
 - **what a shape yields beyond a chain**: per candidate shape, the measured tokens of its steps
   over what the rows' α predicts for a chain as deep (1 for the chain itself).
@@ -137,11 +139,13 @@ class SpeculationPolicy:
     probe_floor: float = 0.5  # ... only an alternative predicted at this share of the best or more
     margin: float = 0.03  # a new choice must beat the last one by this much (no thrashing)
     smoothing: float = 0.15  # weight of the newest block in the rows' and shapes' averages
-    prior_blocks: float = 3.0  # a row's own α outweighs the rows' average after this many blocks
-    optimism: float = 0.5  # the rows' average α is taken this much higher over sqrt(1 + blocks seen)
-    prior_n: int = 0  # blocks the rows' average rests on
+    forget: float = 0.99  # each block's weight in the rows' pooled counts decays by this per later block
+    prior_blocks: float = 3.0  # a row's own α outweighs the rows' pooled α after this many blocks
+    prior_n: int = 0  # blocks the pooled counts rest on
+    seed: int = 0  # the policy's own draws (Thompson sampling of the pooled α): decisions are reproducible
+    _pooled: float | None = field(default=None, repr=False)  # this step's draw of the pooled α
     cost: StepCost = field(default_factory=StepCost)
-    alpha_prior: tuple[float, float] = (0.0, 0.0)  # averaged accepted / rejected drafts per block, over rows
+    alpha_prior: tuple[float, float] = (0.0, 0.0)  # accepted / rejected drafts over every row's blocks (discounted)
     gains: dict = field(default_factory=dict)  # shape index -> measured tokens ÷ the chain's prediction
     runs: dict = field(default_factory=dict)  # Action -> steps run
     last_run: dict = field(default_factory=dict)  # Action -> the step it last ran at
@@ -152,6 +156,7 @@ class SpeculationPolicy:
     _actions: dict = field(default_factory=dict, repr=False)  # spec -> its candidate actions
 
     def __post_init__(self) -> None:
+        self._rng = np.random.default_rng(self.seed)
         if self.mode not in SPECULATE:
             raise MMSpecError(f"speculate must be one of {SPECULATE}, got {self.mode!r}")
         if self.shapes is not None and len(self.shapes) < 1:
@@ -160,18 +165,26 @@ class SpeculationPolicy:
     # ---------------------------------------------------------------- estimates
     @property
     def acceptance(self) -> float | None:
-        """α averaged over rows (None: nothing drafted yet): where a new row's estimate starts."""
+        """The pooled α's posterior mean (None: nothing drafted yet): a Beta(1 + accepted, 1 +
+        rejected) over every row's blocks, discounted."""
         acc, rej = self.alpha_prior
-        return None if acc + rej <= 0 else acc / (acc + rej)
+        return None if self.prior_n == 0 else (acc + 1) / (acc + rej + 2)
+
+    def pooled_alpha(self) -> float:
+        """This step's pooled α: a draw from its Beta posterior (Thompson sampling), so a draft
+        that looked bad after a few unlucky blocks is tried again now and then, and one that is
+        bad (a tight posterior near 0) almost never: exploration that shrinks as the evidence
+        grows, whatever the batch size. Drawn once per decision (:meth:`decide`)."""
+        if self._pooled is None:
+            acc, rej = self.alpha_prior
+            self._pooled = float(self._rng.beta(1 + acc, 1 + rej))
+        return self._pooled
 
     def row_alpha(self, row) -> float:
-        """Row ``row``'s α: its own average, weighed against the rows' average by how many blocks
-        it has drafted (``n / (n + prior_blocks)``), so two unlucky first blocks do not talk a
-        good row out of drafting; the rows' average is taken optimistically while it rests on few
-        blocks (``+ optimism / sqrt(1 + blocks)``): a draft that looks bad after one block gets
-        measured again, one that is bad stays bad after a few dozen."""
-        prior = self.acceptance
-        prior = 0.5 if prior is None else min(1.0, prior + self.optimism / (1 + self.prior_n) ** 0.5)
+        """Row ``row``'s α: its own average, weighed against the pooled α (:meth:`pooled_alpha`) by
+        how many blocks it has drafted (``n / (n + prior_blocks)``), so a new row starts from what
+        its neighbours showed and a row that drafts badly stops counting for drafting alone."""
+        prior = self.pooled_alpha()
         if row.accept_avg is None:
             return prior
         acc, rej, n = row.accept_avg
@@ -226,6 +239,7 @@ class SpeculationPolicy:
         acceptance and remaining tokens); ``spec`` the decoder's shape (with no ``shapes``)."""
         self.steps += 1
         self.batches.add(B)
+        self._pooled = None  # a fresh draw of the pooled α for this decision
         whole = self.whole(spec)
         if self.mode == "never":
             return Action(0, 0, 1)
@@ -299,8 +313,8 @@ class SpeculationPolicy:
         n = sum(1 for b in blocks if b[2] > 0)
         if n:
             pa, pr = self.alpha_prior
-            wn = 1.0 if self.prior_n == 0 else w  # the first step's blocks start the average
-            self.alpha_prior = ((1 - wn) * pa + wn * acc_sum / n, (1 - wn) * pr + wn * rej_sum / n)
+            keep = self.forget ** n  # the older blocks' weight after these n (per block, not per step)
+            self.alpha_prior = (keep * pa + acc_sum, keep * pr + rej_sum)
             self.prior_n += n
         if predicted > 0 and (self.shapes is not None):
             g = emitted / predicted
