@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -41,6 +42,25 @@ def seeded_reference(target, inputs: dict, n: int, params: SamplingParams, seed:
         out = target(input_ids=torch.tensor([tokens[-1:]]), attention_mask=mask, use_cache=True,
                      **{cache_argument(target): out.past_key_values})
     return tokens
+
+
+def rejection_generate(dec, **kwargs) -> list[int]:
+    """``dec.generate(**kwargs)``'s tokens with the request sampled by rejection sampling
+    (``Request.coupled = False``) instead of the Gumbel-max coupling every sampling request uses:
+    the sampler the coupling was measured against (``perf/seed_coupling.py``), kept exact."""
+    from mmspec.batch import BatchScheduler
+    from mmspec.request import prepare
+
+    req = replace(prepare(dec, kwargs), coupled=False)
+    sched = BatchScheduler(dec, max_batch=1, stream_text=False)
+    sched.submit(req)
+    result = None
+    while sched.has_work():
+        for ev in sched.step():
+            assert ev.error is None, ev.error
+            result = ev.result if ev.finished else result
+    sched.close()
+    return result.token_ids
 
 
 @torch.inference_mode()
