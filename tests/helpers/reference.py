@@ -11,8 +11,8 @@ import torch
 from helpers.tiny import IMG
 from mmspec.engine import rng
 from mmspec.models.base import cache_argument
-from mmspec.verify import SamplingParams, filtered_logits
 from mmspec.models.captioner import FixedCaptioner
+from mmspec.verify import SamplingParams, filtered_logits
 
 
 def reference(target, ids, pv, n):
