@@ -15,7 +15,8 @@ do not depend on it); the coupled answers are also checked against the same deco
 
 Models: the embedded pack (``mmspec.embedded``); prompts: world samples
 (:func:`mmspec.world.make_sample`) through the target's processor. Writes ``--out``
-(``seed_coupling.json``) after each setting. Run ``python perf/seed_coupling.py --help``.
+(``seed_coupling.json``) after each setting; exits 1 when a coupled answer alone differs from
+the same request's in the batch. Run ``python perf/seed_coupling.py --help``.
 """
 
 from __future__ import annotations
@@ -116,7 +117,10 @@ def main(argv: list[str] | None = None) -> int:
                 report["rows"].append(row)
                 print(json.dumps(row), flush=True)
                 Path(args.out).write_text(json.dumps(report, indent=1))
-    return 0
+    broken = [r for r in report["rows"] if r.get("same_alone") is False]
+    if broken:
+        print(f"a seeded answer changed with the batch in {len(broken)} setting(s)", file=sys.stderr)
+    return 1 if broken else 0
 
 
 if __name__ == "__main__":
