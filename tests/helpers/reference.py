@@ -48,19 +48,25 @@ def rejection_generate(dec, **kwargs) -> list[int]:
     """``dec.generate(**kwargs)``'s tokens with the request sampled by rejection sampling
     (``Request.coupled = False``) instead of the Gumbel-max coupling every sampling request uses:
     the sampler the coupling was measured against (``perf/seed_coupling.py``), kept exact."""
+    return rejection_batch(dec, [kwargs], max_batch=1)[0].token_ids
+
+
+def rejection_batch(dec, requests: list[dict], max_batch: int) -> list:
+    """``dec.generate_batch(requests, max_batch=...)``'s results with every request sampled by
+    rejection sampling (:func:`rejection_generate`)."""
     from mmspec.batch import BatchScheduler
     from mmspec.request import prepare
 
-    req = replace(prepare(dec, kwargs), coupled=False)
-    sched = BatchScheduler(dec, max_batch=1, stream_text=False)
-    sched.submit(req)
-    result = None
+    sched = BatchScheduler(dec, max_batch=max_batch, stream_text=False)
+    rids = [sched.submit(replace(prepare(dec, r), coupled=False)) for r in requests]
+    results = {}
     while sched.has_work():
         for ev in sched.step():
             assert ev.error is None, ev.error
-            result = ev.result if ev.finished else result
+            if ev.finished:
+                results[ev.rid] = ev.result
     sched.close()
-    return result.token_ids
+    return [results[r] for r in rids]
 
 
 @torch.inference_mode()
