@@ -266,10 +266,11 @@ class EnsembleDrafting(Drafting):
         s, t = logp.topk(k, dim=-1)  # [R, V, F, k]
         s, t = s.permute(0, 2, 1, 3).flatten(2), t.permute(0, 2, 1, 3).flatten(2)  # [R, F, V k]
         best = drop_duplicates(t, s).topk(k, dim=-1)  # [R, F, k]
-        scores = best.values
-        if noise is not None and rs.any_coupled:  # scored by the gap to the best key (coupled_top)
-            scores = torch.where(rs.coupled[:, None, None], scores - scores[..., :1], scores)
-        return t.gather(-1, best.indices), scores
+        tokens, scores = t.gather(-1, best.indices), best.values
+        if noise is not None and rs.any_coupled:  # scored by their view's log q, as coupled_top scores
+            g = noise[:, None, :logp.shape[-1]].expand(-1, tokens.shape[1], -1).gather(-1, tokens)  # [R, F, k]
+            scores = torch.where(rs.coupled[:, None, None], scores - g.to(scores.dtype), scores)
+        return tokens, scores
 
     # ------------------------------------------------------------------ after verification
     def commit(self, x: StepInput, d: Drafted, path: torch.Tensor, n_accepted: torch.Tensor,

@@ -86,14 +86,12 @@ def coupled_key(logq: torch.Tensor, noise: torch.Tensor | None, rs: RowSampling)
 def coupled_top(logq: torch.Tensor, noise: torch.Tensor, rs: RowSampling, k: int, tokens: torch.Tensor,
                 scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The k children coupled rows draft (the rest keep ``tokens``, ``scores`` [R, F, k]): the top k
-    of :func:`coupled_key`, each scored by its key's gap to the best (0 for the draft's own draw,
-    the node most likely to be the target's: a dynamic tree grows the rank-0 draws first).
+    of :func:`coupled_key`, each scored by its log q, as every tree node is (scoring them by their
+    key's gap to the best instead drafted trees with 2.5% lower tau: docs/sampling.md).
     logq [R, F, V] (-inf where q is 0) -> tokens, scores [R, F, k]."""
-    key = coupled_key(logq, noise, rs)
-    top = key.topk(k, dim=-1)  # [R, F, k]
-    gap = (top.values - top.values[..., :1]).to(scores.dtype)
+    t = coupled_key(logq, noise, rs).topk(k, dim=-1).indices  # [R, F, k]
     c = rs.coupled[:, None, None]
-    return torch.where(c, top.indices, tokens), torch.where(c, gap, scores)
+    return torch.where(c, t, tokens), torch.where(c, logq.gather(-1, t).to(scores.dtype), scores)
 
 
 def drop_duplicates(tokens: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
