@@ -2,7 +2,7 @@
 
 Owns: building randomly initialised LLaVA models with REAL shapes from configs (decode latency
 does not depend on weight values), and timing on them, through mmspec's own decode path
-(:class:`~mmspec.models.cache.DecodeCache` + :class:`~mmspec.engine.graphs.StepRunner`):
+(:class:`~mmspec.models.cache.DecodeCache` + :class:`~mmspec.runtime.graphs.StepRunner`):
 
 - T_p (target one-token decode) against the memory-bandwidth floor: bytes the decode must read
   (LM weights + lm_head, plus the KV cache) / measured device-to-device copy bandwidth;
@@ -184,8 +184,8 @@ class _Probe:
     """One model prefilled with ``context`` random tokens on mmspec's cache, and steps over it."""
 
     def __init__(self, model, batch: int, context: int, room: int, mode: str, capacity: int = 0):
-        from mmspec.engine.graphs import StepRunner
         from mmspec.models.base import adapter_for
+        from mmspec.runtime.graphs import StepRunner
 
         self.model, self.batch, self.context, self.mode = model, batch, context, mode
         self.adapter = adapter_for(model)
@@ -213,7 +213,7 @@ class _Probe:
 
     def step_fn(self, n: int, parents: torch.Tensor | None = None, depth: torch.Tensor | None = None) -> Callable:
         """A step over n new tokens (a causal run, or a tree given parents/depth), rewound after."""
-        from mmspec.tree import ancestors
+        from mmspec.drafting.tree import ancestors
 
         dev, B, C = self.adapter.device, self.batch, self.context
         if parents is None:
@@ -256,13 +256,13 @@ def compile_times(model, context: int, repeats: int, warmup: int, modes: Sequenc
     each with its compile (first calls) time:
 
     - ``engine``: ``SpecDecoder(compile=True)``'s path: the forward through the engine's
-      :class:`~mmspec.engine.forwards.Compiler` (mode "default": inductor fuses norms, rotary,
+      :class:`~mmspec.runtime.forwards.Compiler` (mode "default": inductor fuses norms, rotary,
       casts), captured by mmspec's graph;
     - ``layers+mmspec-graph``: each decoder layer compiled (default mode; one compilation shared
       by the layers), the step captured by mmspec's graph;
     - ``reduce-overhead``: the whole model compiled with torch's own CUDA graphs.
     """
-    from mmspec.engine.forwards import Compiler
+    from mmspec.runtime.forwards import Compiler
 
     out = {}
     for name in modes:

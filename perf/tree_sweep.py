@@ -58,7 +58,7 @@ class SweepConfig:
     shapes: tuple[str, ...] = ("5x2x4", "5x2x8", "5x3x12", "6x4x16", "6x4x24", "6x8x32", "6x8x48", "7x8x64")  # depth x topk x budget
     children: tuple[str, ...] = ("mixture",)  # add "views" to compare an ensemble's proposals
     chains: tuple[str, ...] = ()  # more chains: "8" (gamma 8), "8s0.3" (gamma 8, dynamic draft length stop_below 0.3)
-    auto: bool = False  # also tree="auto" (mmspec.engine.scheduler.ShapePolicy)
+    auto: bool = False  # also tree="auto" (mmspec.engine.policy.SpeculationPolicy)
     repeats: int = 3
     device: str | None = None
     dtype: str = "float32"

@@ -14,12 +14,12 @@ from collections.abc import Sequence
 
 import torch
 
-from mmspec.adaptive import check_initial
+from mmspec.drafting.adaptive import check_initial
+from mmspec.drafting.tree import TreeSpec
+from mmspec.drafting.views import View, parse_views
 from mmspec.errors import MMSpecError
 from mmspec.models.base import ModelAdapter, video_families
 from mmspec.models.pooling import valid_pool_sizes
-from mmspec.tree import TreeSpec
-from mmspec.views import View, parse_views
 
 DEFAULT_VIEWS = ("multimodal",)
 # settings of the target's generation_config that change which token generate() picks;
@@ -52,7 +52,7 @@ def check_head_arguments(views, weights, captioner, draft_processor, substitute)
 def model_free_name(draft) -> str | None:
     """``draft="lookup"`` / ``"suffix"`` (drafting with no model) -> that name, else None. A
     directory of that name is still a model: pass it as ``./lookup``."""
-    from mmspec.lookup import MODEL_FREE
+    from mmspec.drafting.lookup import MODEL_FREE
 
     if isinstance(draft, str) and draft.strip().lower() in MODEL_FREE:
         return draft.strip().lower()
@@ -79,13 +79,13 @@ MODEL_FREE_WORDS = {
 
 def check_model_free(alone: str | None, model_free, lookup_options, *, spelling: str = "python",
                      views_shown: str | None = None, **given):
-    """The model-free drafters' arguments (:mod:`mmspec.lookup`) -> their checked settings.
+    """The model-free drafters' arguments (:mod:`mmspec.drafting.lookup`) -> their checked settings.
 
     ``alone``: the draft is "lookup" / "suffix"; ``model_free``: one beside a draft. With no
     model to draft, the options that shape a draft model's drafting would be ignored: refused.
     ``spelling``: "python" names SpecDecoder's keywords in the messages, "cli" the flags
     (``views_shown``: ``--views`` as written)."""
-    from mmspec.lookup import MODEL_FREE, LookupConfig
+    from mmspec.drafting.lookup import MODEL_FREE, LookupConfig
 
     w = MODEL_FREE_WORDS[spelling]
     mf_name = "model_free" if spelling == "python" else "--model-free"

@@ -13,7 +13,8 @@ docs, the CLI and earlier releases use); each keyword belongs to exactly one gro
 * :class:`AcceptanceOptions`: exact (lossless) or relaxed (LOSSY) acceptance (``acceptance``,
   ``relaxed_thresholds``, ``relaxed_window``).
 
-This module only groups and names; the values are checked where they are used (the decoder's
+This module only groups and names (and refuses a group that is not of its class, like
+``DecoderConfig(tree="dynamic")``); the values are checked where they are used (the decoder's
 constructor, :mod:`mmspec.checks`), so an error names the keyword the user wrote.
 """
 
@@ -39,7 +40,7 @@ class DraftConfig:
     draft_processor: Any = None
     substitute: Any = None  # the substitute view's encoder, or its directory
     model_free: str | None = None  # "lookup" / "suffix" beside a draft model or head
-    lookup_options: dict | None = None  # mmspec.lookup.LookupConfig's fields
+    lookup_options: dict | None = None  # mmspec.drafting.lookup.LookupConfig's fields
     check_head: bool = False  # a feature-level head: a short calibration on load
 
 
@@ -85,6 +86,12 @@ class DecoderConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     acceptance: AcceptanceOptions = field(default_factory=AcceptanceOptions)
 
+    def __post_init__(self):
+        for group, kind in zip(GROUPS, GROUP_TYPES):
+            value = getattr(self, group)
+            if not isinstance(value, kind):
+                raise MMSpecError(_group_error(group, kind, value))
+
     @classmethod
     def of(cls, config: DecoderConfig | None = None, **keywords) -> DecoderConfig:
         """``config`` (default: every default) with the flat ``keywords`` set in their groups;
@@ -108,6 +115,24 @@ class DecoderConfig:
         return {f.name: getattr(getattr(self, g), f.name) for g in GROUPS for f in fields(getattr(self, g))}
 
 
+def _group_error(group: str, kind: type, value: Any) -> str:
+    """The refusal of ``DecoderConfig(group=value)`` where value is no ``kind``: the group's class,
+    the value written as that class where it can be (a dict of its fields, a keyword's value), and
+    the flat keyword beside it."""
+    names = {f.name for f in fields(kind)}
+    if isinstance(value, dict) and value and set(value) <= names:
+        inner = ", ".join(f"{k}={v!r}" for k, v in value.items())
+        flat = ", ".join(f"{k}={v!r}" for k, v in value.items())
+    elif group in names:  # DecoderConfig(tree="dynamic"): the group named like one of its keywords
+        inner = flat = f"{group}={value!r}"
+    else:
+        inner, flat = "...", "its keywords"
+    article = "an" if kind.__name__[0] in "AEIOU" else "a"
+    return (f"DecoderConfig({group}={value!r}): {group}= takes {article} {kind.__name__}, not a "
+            f"{type(value).__name__}: write {group}=mmspec.config.{kind.__name__}({inner}), "
+            f"or pass {flat} to SpecDecoder directly")
+
+
 GROUPS = ("draft", "tree", "runtime", "acceptance")
-KEYWORDS: dict[str, str] = {f.name: g for g, t in zip(GROUPS, (DraftConfig, TreeConfig, RuntimeConfig,
-                                                                AcceptanceOptions)) for f in fields(t)}
+GROUP_TYPES = (DraftConfig, TreeConfig, RuntimeConfig, AcceptanceOptions)
+KEYWORDS: dict[str, str] = {f.name: g for g, t in zip(GROUPS, GROUP_TYPES) for f in fields(t)}

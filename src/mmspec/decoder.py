@@ -6,7 +6,7 @@ a row of :class:`~mmspec.engine.step.Engine`, ``generate`` a batch of one).
 
 Owns the keyword API and its grouping into typed settings (:class:`~mmspec.options.EngineOptions`,
 :class:`~mmspec.options.AcceptanceConfig`, :class:`~mmspec.options.EngineMode`) and the engine it
-keeps across calls with static shapes (:class:`~mmspec.engine.graphs.StaticPool`). The prompt's
+keeps across calls with static shapes (:class:`~mmspec.runtime.graphs.StaticPool`). The prompt's
 images, captions and draft rows are :class:`~mmspec.multimodal.MultimodalPrompt`'s; the checks
 of the arguments are :mod:`mmspec.checks`', gathered per request by :func:`mmspec.request.prepare`.
 
@@ -23,13 +23,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from mmspec import checks
-from mmspec.adaptive import AdaptiveWeights
 from mmspec.config import DecoderConfig
-from mmspec.engine.graphs import StaticPool, graph_mode
+from mmspec.drafting.adaptive import AdaptiveWeights
+from mmspec.drafting.lookup import SuffixStore, history, proposer_for
+from mmspec.drafting.tree import TreeSpec, parse_shapes
+from mmspec.drafting.views import View, ensemble_name, parse_views
+from mmspec.engine.policy import SpeculationPolicy
 from mmspec.errors import MMSpecError
 from mmspec.heads.directory import is_head_dir, load_head
 from mmspec.heads.model import FeatureHead, check_head_fits
-from mmspec.lookup import SuffixStore, history, proposer_for
 from mmspec.models.base import adapter_for, same_vision
 from mmspec.models.cache import supports_trees
 from mmspec.models.captioner import HFCaptioner
@@ -55,10 +57,9 @@ from mmspec.prefix_cache import (
 )
 from mmspec.request import check_context, prepare
 from mmspec.results import GenerationResult
+from mmspec.runtime.graphs import StaticPool, graph_mode
 from mmspec.stats import GenerationStats
 from mmspec.streaming import TextStream
-from mmspec.tree import parse_shapes
-from mmspec.views import View, ensemble_name, parse_views
 
 # processor outputs generate() passes on to the families that read them (models/*.py: mm_keys)
 MM_KEYS = ("image_sizes", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids",
@@ -117,19 +118,19 @@ class SpecDecoder:
             ``"adaptive"`` (TABED: per request, after every block, each view's weight follows how
             well its own distribution predicted the tokens the target confirmed; lossless, as the
             mixture is still the q verification uses), ``"adaptive:loglik"``, or an
-            :class:`~mmspec.adaptive.AdaptiveWeights` for the rule's options. The weights every
+            :class:`~mmspec.drafting.adaptive.AdaptiveWeights` for the rule's options. The weights every
             block drafted with are in ``stats.view_weights``; ``generate(initial_weights=...)``
             starts a request from an earlier one's ``stats.final_weights`` (a conversation's turn).
         captioner: an object with ``caption(images) -> list[str]`` (or a path to an HF
             image-to-text model); required by the caption view.
         gamma: draft tokens proposed per block (the chain's length).
-        tree: the block's shape (:mod:`mmspec.tree`): None or "chain" (gamma drafts in a chain);
+        tree: the block's shape (:mod:`mmspec.drafting.tree`): None or "chain" (gamma drafts in a chain);
             "dynamic" (EAGLE-2: ``tree_depth`` expansion steps of the ``tree_topk`` best
             frontier nodes, ``tree_budget`` best nodes verified; defaults measured per device);
             a static tree as child-rank paths ``[[0], [1], [0, 0], ...]``; a TreeSpec; or "auto":
             per step the chain of ``gamma`` or the device's dynamic tree at one of two budgets,
             whichever gives the most measured tokens per second on this device at the batch size
-            (:class:`~mmspec.engine.scheduler.ShapePolicy`; its figures in ``stats.shape_rates``;
+            (:class:`~mmspec.engine.policy.SpeculationPolicy`; its figures in ``stats.shape_rates``;
             lossless whatever it picks, though a seeded request's draws then follow the picks).
         tree_children: "mixture" (children from the views' mixed distribution) or "views"
             (each view's own top tokens become siblings).
@@ -162,7 +163,7 @@ class SpecDecoder:
             prompt extending one (a conversation's next turn) prefills only its new suffix
             (``stats.prompt_tokens_reused``). 0 turns it off. Not used with the substitute
             view (E) or models with sliding-window layers.
-        draft="lookup" / "suffix": drafting with no model (:mod:`mmspec.lookup`): prompt lookup
+        draft="lookup" / "suffix": drafting with no model (:mod:`mmspec.drafting.lookup`): prompt lookup
             over the request's own text, or suffix decoding over it and this decoder's earlier
             prompts and answers; the target alone is enough. Options that shape a draft model's
             drafting (views, weights, captioner, draft_processor, substitute, draft_tokenizer,
@@ -170,7 +171,7 @@ class SpecDecoder:
         model_free: "lookup" or "suffix" beside a draft model or head: each block's proposal is
             added to the draft's tree as other branches, verified in the same forward.
         lookup_options: the model-free drafters' settings, a dict of
-            :class:`~mmspec.lookup.LookupConfig`'s fields (n-gram sizes, candidates, the suffix
+            :class:`~mmspec.drafting.lookup.LookupConfig`'s fields (n-gram sizes, candidates, the suffix
             store's depth, memory, speculation factor and probability floor), bounds checked.
     """
 
@@ -432,16 +433,27 @@ class SpecDecoder:
         return generate_batch(self, requests, max_batch=max_batch, speculate=speculate, overlap=overlap, **defaults)
 
     @property
-    def speculation_policy(self):
+    def speculation_policy(self) -> SpeculationPolicy:
         """The "auto" policy this decoder's ``generate_batch(speculate="auto")`` calls share: the
-        step costs it measured per batch size and depth, and the acceptance, carry over from call
-        to call (a fresh policy per call would spend a short batch re-measuring what the last one
-        learnt)."""
-        from mmspec.batch import SpeculationPolicy
-
+        step-cost model, the rows' average acceptance and the shapes' gains it learnt carry over
+        from call to call (a fresh policy per call would spend a short batch re-measuring what the
+        last one learnt)."""
         if self._speculation_policy is None:
-            self._speculation_policy = SpeculationPolicy("auto")
+            self._speculation_policy = SpeculationPolicy("auto", shapes=self._auto_shapes)
         return self._speculation_policy
+
+    @property
+    def _auto_shapes(self) -> tuple[TreeSpec, ...] | None:
+        return self.tree_shapes if len(self.tree_shapes) > 1 else None
+
+    def policy_for(self, speculate: str) -> SpeculationPolicy:
+        """The policy a scheduler steps with for ``speculate``: the decoder's own where it learns
+        (``"auto"``; ``"always"`` with ``tree="auto"``, choosing among the shapes), else a fresh one."""
+        if speculate == "auto":
+            return self.speculation_policy
+        if speculate == "always" and self.shape_policy is not None:
+            return self.shape_policy
+        return SpeculationPolicy(speculate)
 
     @property
     def tree_label(self) -> str:
@@ -449,14 +461,12 @@ class SpecDecoder:
         return self.tree.label if len(self.tree_shapes) == 1 else "auto: " + " | ".join(t.label for t in self.tree_shapes)
 
     @property
-    def shape_policy(self):
-        """With ``tree="auto"``: the :class:`~mmspec.engine.scheduler.ShapePolicy` every call of this
-        decoder shares (each shape's measured tokens and seconds per step carry over, so a short
-        request does not pay for measuring again); None with one shape."""
-        from mmspec.engine.scheduler import ShapePolicy
-
-        if self._shape_policy is None and len(self.tree_shapes) > 1:
-            self._shape_policy = ShapePolicy(self.tree_shapes)
+    def shape_policy(self) -> SpeculationPolicy | None:
+        """With ``tree="auto"``: the policy every ``speculate="always"`` call of this decoder shares
+        (each step drafts whole, the shape with the most tokens per second; what it measured carries
+        over, so a short request does not pay for measuring again); None with one shape."""
+        if self._shape_policy is None and self._auto_shapes is not None:
+            self._shape_policy = SpeculationPolicy("always", shapes=self._auto_shapes)
         return self._shape_policy
 
     def stream(self, input_ids, pixel_values=None, attention_mask=None, **kwargs) -> TextStream:
@@ -569,8 +579,8 @@ class SpecDecoder:
         """The engine a scheduler steps (:class:`~mmspec.engine.step.Engine`): a fresh one, or
         with static shapes the one this decoder keeps (its buffers and graphs) for one holder at a time."""
         from mmspec.drafting.ensemble import EnsembleDrafting
-        from mmspec.engine.graphs import GraphPool
         from mmspec.engine.step import Engine
+        from mmspec.runtime.graphs import GraphPool
 
         def make():
             pool = GraphPool(self.graph_mode)  # one pool for every graph of the engine (a whole step each)
@@ -600,7 +610,7 @@ class SpecDecoder:
     def proposer_for_request(self, prompt: EncodedRequest, sampled: bool = False):
         """A model-free drafter's proposer for one admitted request (None without lookup / suffix);
         ``sampled``: the request samples (its suffix proposals: its own text alone, so that its
-        seed reproduces it: :func:`mmspec.lookup.proposer_for`)."""
+        seed reproduces it: :func:`mmspec.drafting.lookup.proposer_for`)."""
         if not self.model_free:
             return None
         return self._proposer(prompt.ids, prompt.encoded, prompt.captions, sampled)

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
+from mmspec.drafting.views import PromptLayout, View, ViewRow, build_row, split_prompt, split_segments
 from mmspec.errors import MMSpecError
 from mmspec.models.base import ModelAdapter
 from mmspec.stats import GenerationStats
 from mmspec.substitutes import Substitute, make_substitute
 from mmspec.timing import sync
-from mmspec.views import PromptLayout, View, ViewRow, build_row, split_prompt, split_segments
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

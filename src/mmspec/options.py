@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from mmspec.drafting.tree import TreeSpec
 from mmspec.errors import MMSpecError
-from mmspec.tree import TreeSpec
 
 ACCEPTANCES = ("exact", "relaxed")
 SPECULATE = ("always", "never", "auto")  # a batch's speculation policies (mmspec.batch.SpeculationPolicy)
@@ -95,7 +95,7 @@ class EngineMode:
     with or without the step's forwards compiled (``torch.compile``, default mode: inductor's
     kernels, captured by the step's own graph; falls back to the uncompiled forwards)."""
 
-    graphs: str = "eager"  # a mmspec.engine.graphs.MODES entry: "eager", "cuda" or "emulate" (CPU tests)
+    graphs: str = "eager"  # a mmspec.runtime.graphs.MODES entry: "eager", "cuda" or "emulate" (CPU tests)
     static: bool = False  # static caches, whole-buffer 4-D masks (always when graphs != "eager" or compile)
     compile: bool = False  # the target's and the draft's step forwards through torch.compile
 

@@ -83,6 +83,32 @@ def single_image_qa_prompt(question: str) -> str:
     return llava_user_turn(f"{QA_INSTRUCTION}\n{question}", n_images_first=1)
 
 
+def llava_chat(questions: Sequence[str], answers: Sequence[str], n_images: int = 1) -> str:
+    """A conversation as llava-hf's LLaVA-1.5 chat template renders it, up to the next answer: the
+    first user turn carries the ``n_images`` images, each answer is followed by a space, and the
+    generation prompt ends it: ``USER: <image>\\n{q1} ASSISTANT: {a1} USER: {q2} ASSISTANT:``.
+    ``answers`` holds one answer fewer than ``questions`` (the turns already answered)."""
+    if len(answers) != len(questions) - 1:
+        raise PromptError(f"a chat of {len(questions)} question(s) is rendered after {len(questions) - 1} "
+                          f"answer(s), got {len(answers)}")
+    text = "USER: " + (IMAGE_MARKER + "\n") * n_images + questions[0] + " "
+    for answer, question in zip(answers, questions[1:]):
+        text += f"ASSISTANT: {answer} USER: {question} "
+    return text + "ASSISTANT:"
+
+
+def chat_messages(questions: Sequence[str], answers: Sequence[str], n_images: int = 1) -> list[dict]:
+    """The same conversation as a chat template's ``messages`` (transformers' content-part form): the
+    images first in the first user turn, then alternating user and assistant turns."""
+    messages = []
+    for i, question in enumerate(questions):
+        parts = [{"type": "image"}] * n_images if i == 0 else []
+        messages.append({"role": "user", "content": [*parts, {"type": "text", "text": question}]})
+        if i < len(answers):
+            messages.append({"role": "assistant", "content": [{"type": "text", "text": answers[i]}]})
+    return messages
+
+
 class PromptError(MMSpecError):
     """A prompt that cannot be run as given; the message names the problem and the fix."""
 

@@ -7,7 +7,7 @@ and ``mmspec serve`` (through :class:`~mmspec.batch.BatchScheduler`) alike.
 the limit, the sampling settings and the seed (greedy: None; sampling without one: drawn from
 the OS, and reported in the result so the decode can be repeated): the ONE place a request's seed
 is chosen (every random draw of the request then comes from its own stream keyed by it:
-:mod:`mmspec.engine.rng`). :func:`context_room` and :func:`check_context` are the context rule, the one place it
+:mod:`mmspec.runtime.rng`). :func:`context_room` and :func:`check_context` are the context rule, the one place it
 is written: a prompt, its new tokens and one block's draft positions must fit the context (the
 target's, and each draft row's; ``mmspec serve`` sizes its default ``max_tokens`` with it and
 rewords a :class:`ContextError` for its client). Knows nothing of caches or the loop; the
@@ -23,7 +23,7 @@ import torch
 
 from mmspec import checks
 from mmspec.errors import MMSpecError
-from mmspec.verify import SamplingParams
+from mmspec.runtime.verify import SamplingParams
 
 EXTRA_KEYS = ("images", "captions", "videos", "substitutes")
 

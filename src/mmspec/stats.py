@@ -43,7 +43,7 @@ class GenerationStats:
     view_weights: list[list[float]] = field(default_factory=list)  # adaptive: the weights each drafted block mixed with
     final_weights: list[float] | None = None  # adaptive: the weights after the last block (a next turn's start)
     shapes: dict[str, int] = field(default_factory=dict)  # tree="auto": steps this request drafted, per block shape
-    shape_rates: dict | None = None  # tree="auto": ShapePolicy.report() when it ended (per batch size and shape)
+    shape_rates: dict | None = None  # tree="auto": SpeculationPolicy.report() when it ended (per batch size and shape)
     blocks: list[BlockRecord] = field(default_factory=list)
     vision_s: float = 0.0  # image encoding (vision tower + projectors; shared when reused)
     caption_s: float = 0.0  # captioner, once per image, at prefill

@@ -17,6 +17,17 @@ from collections.abc import Iterator
 _DONE = object()
 
 
+def fast_decoder(tokenizer):
+    """The Rust ``tokenizers.Tokenizer`` behind a fast Hugging Face tokenizer, where decoding
+    through it gives what ``tokenizer.decode`` gives (no clean-up of tokenization spaces, which
+    transformers applies in Python): about half the host time of a streamed row's step
+    (measured: 12.9 us a push through ``tokenizer.decode``); None where it cannot stand in."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "decode") or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return backend
+
+
 class TextDelta:
     """Tokens in, new text out: ``push(ids) -> piece``; the pieces and ``finish()`` concatenate
     to ``tokenizer.decode(all ids, skip_special_tokens=...)``.
@@ -31,12 +42,15 @@ class TextDelta:
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._fast = fast_decoder(tokenizer)
         self.tokens: list[int] = []
         self.emitted = ""
         self.prefix = 0  # the window starts here: the tokens of the piece before the last one
         self.read = 0  # tokens emitted as text so far
 
     def _decode(self, ids: list[int]) -> str:
+        if self._fast is not None:
+            return self._fast.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, ids) -> str:

@@ -173,3 +173,44 @@ def test_a_stopped_answers_tokens_end_with_the_eos_the_reference_has(tok):
                   tok, eos_id=2) is None
     found = locate(Reference(text, ids=own), Reply(text, "length", without), tok, eos_id=2)
     assert (found.position, found.own, found.ours) == (len(own) - 1, 2, None)  # it did not stop: no EOS given
+
+
+def test_logprobs_strings_without_ids_are_compared_with_a_local_references_ids(tok):
+    """vLLM's default logprobs carry token strings and no ids; against a local reference (ids and a
+    tokenizer) each string is compared with the reference's token there: a rewritten token is found
+    although the texts agree (it used to be "identical", compared by text alone)."""
+    from mmspec.audit.compare import compared_by
+
+    ids = tok.encode("The tallest bar is red.", add_special_tokens=False)
+    text = tok.decode(ids)
+    ref = Reference(text, ids=[*ids, 2])  # the local reference keeps its EOS
+    strings = [Token(tok.decode([i]), -0.1) for i in ids]
+    assert locate(ref, Reply(text, "stop", strings), tok, eos_id=2) is None
+    assert compared_by(ref, Reply(text, "stop", strings), tok) == "tokens"
+    raw = [Token(t, -0.1) for t in tok.convert_ids_to_tokens(ids)]  # "Ġtallest": the vocabulary's spelling
+    assert locate(ref, Reply(text, "stop", raw), tok, eos_id=2) is None
+    (purple,) = tok.encode(" purple", add_special_tokens=False)
+    swapped = [*strings[:2], Token(" purple", -0.1), *strings[3:]]
+    found = locate(ref, Reply(text, "stop", swapped), tok, eos_id=2)
+    assert (found.position, found.own, found.ours, found.compared) == (2, ids[2], purple, "tokens")
+    banana = [*strings[:2], Token(" banana", -0.1), *strings[3:]]  # no single token of the vocabulary
+    found = locate(ref, Reply(text, "stop", banana), tok, eos_id=2)
+    assert (found.position, found.ours, found.foreign) == (2, " banana", True)
+    entry = judge(found, None, None, "float32")
+    assert entry["class"] == "bug" and "no token of the target's vocabulary" in entry["why"]
+
+
+def test_text_change_without_a_tokenizer_is_bounded_by_the_references_alternatives():
+    """--reference URL without --tokenizer: the answer's token at the difference is unknown, but
+    its text starts with none of the reference's top_logprobs there, so the margin is bounded: a
+    bug at the right position (it used to be "unclassified", endpoint token "(end)")."""
+    top = {" red": math.log(0.9), " blue": math.log(0.05), " green": math.log(0.02)}
+    words = ("The", " bar", " is", " red", ".")
+    ref = Reference("The bar is red.", tokens=[Token(w, math.log(0.9), top if k == 3 else {}, token_id=10 + k)
+                                                for k, w in enumerate(words)])
+    ours = Reply("The bar is purple.", "stop", ref.tokens)  # its tokens (ids) agree, its text was rewritten
+    found = locate(ref, ours)
+    assert (found.position, found.own, found.ours, found.text_only) == (3, " red", " purple", True)
+    assert "texts differ" in found.note and "no tokenizer" in found.note
+    entry = judge(found, math.log(0.9), None, "bfloat16", listed_floor=math.log(0.02))
+    assert entry["class"] == "bug" and entry["margin_at_least"] == pytest.approx(0.88)

@@ -341,11 +341,11 @@ def proxy(upstream: str, change) -> FastAPI:
     return api
 
 
-def tamperer(upstream: str, tokenizer, kind: str, tampered: list) -> FastAPI:
+def tamperer(upstream: str, tokenizer, kind: str, tampered: list, word: str = " purple") -> FastAPI:
     """A proxy that changes the 4th token of every answer long enough: ``kind`` "text" in
     ``message.content`` only (its logprobs left alone), "token" in the logprobs only (the token,
     its id and bytes; the text left alone)."""
-    (other,) = tokenizer.encode(" purple", add_special_tokens=False)  # one token of the world's vocabulary
+    (other,) = tokenizer.encode(word, add_special_tokens=False)  # one token of the world's vocabulary
 
     def change(body: dict, data: dict) -> None:
         choice = data["choices"][0]
@@ -403,6 +403,74 @@ def test_tampered_answers_are_bugs(served, tmp_path, kind, reference):
                 assert "texts differ" in diff["note"]
     finally:
         proxy.stop()
+
+
+def stripper(upstream: str, stripped: list) -> FastAPI:
+    """A proxy that writes logprobs as vLLM does by default (token strings, no ``token_id``) and
+    changes the 3rd token's string to " banana" in the logprobs alone (the text left alone)."""
+
+    def change(body: dict, data: dict) -> None:
+        content = (data["choices"][0].get("logprobs") or {}).get("content") or []
+        for entry in content:
+            entry.pop("token_id", None)
+            for alt in entry.get("top_logprobs") or []:
+                alt.pop("token_id", None)
+        if len(content) > 3:
+            content[2].update(token=" banana", bytes=list(b" banana"))
+            stripped.append(json.dumps(body["messages"]))
+
+    return proxy(upstream, change)
+
+
+def test_rewritten_logprobs_strings_without_ids_are_bugs(served, tmp_path):
+    """Issue 61.2: with no token ids (vLLM's default), a rewritten logprobs token was "identical"
+    against the local reference (compared by text alone); the strings are compared with the
+    reference's tokens, so it is a bug at its position."""
+    url, _, _ = served
+    stripped: list = []
+    proxy_ = ThreadServer(stripper(url, stripped))
+    try:
+        out = tmp_path / "out"
+        r = audit("--endpoint", proxy_.url, "-n", str(N), "--max-tokens", str(MAX_TOKENS), "--threads", "1",
+                  "--out", str(out))
+        rep = json.loads((out / "report.json").read_text())
+        assert stripped, "the proxy changed nothing: the answers are too short"
+        assert r.exit_code == 1, r.output
+        assert (rep["bugs"], rep["identical"]) == (len(stripped), N - len(stripped)), rep
+        rows = [json.loads(x) for x in (out / "audit.jsonl").read_text().splitlines()[1:]]
+        assert {row["compared"] for row in rows} == {"tokens"}  # the strings, against the reference's ids
+        for d in rep["differences"]:
+            diff = d["difference"]
+            assert (diff["position"], diff["endpoint_token"], diff["compared"]) == (2, " banana", "tokens"), diff
+    finally:
+        proxy_.stop()
+
+
+def test_a_text_change_against_a_reference_endpoint_without_tokenizer_is_a_bug(served, tmp_path):
+    """Issue 61.3: --reference URL without --tokenizer: the text change is aligned with the
+    reference's tokens and bounded by its top_logprobs: a bug at position 3 (it was "unclassified",
+    endpoint token "(end)": "could not be aligned token by token")."""
+    url, tok, _ = served
+    tampered: list = []
+    proxy_ = ThreadServer(tamperer(url, tok, "text", tampered, word=" disparities"))  # a word rarely in the top 5
+    try:
+        out = tmp_path / "out"
+        r = audit("--endpoint", proxy_.url, "--reference", url, "-n", str(N), "--max-tokens", str(MAX_TOKENS),
+                  "--threads", "1", "--out", str(out))
+        rep = json.loads((out / "report.json").read_text())
+        assert tampered, "the proxy changed nothing: the answers are too short"
+        assert r.exit_code == 1, r.output
+        assert (rep["bugs"], rep["unclassified"]) == (len(tampered), 0), rep
+        bounded = 0
+        for d in rep["differences"]:
+            diff = d["difference"]
+            assert diff["position"] == 3 and diff["endpoint_token"] == " disparities", diff
+            if diff["endpoint_token_logprob"] is None:  # not among the reference's top_logprobs: the bound decides
+                assert "no tokenizer" in diff["note"] and diff["margin_at_least"] > 0, diff
+                bounded += 1
+        assert bounded, rep  # the case the fix is for: without it these were "unclassified"
+    finally:
+        proxy_.stop()
 
 
 def flipper(upstream: str, tokenizer, flipped: list) -> FastAPI:

@@ -126,7 +126,8 @@ def test_spec_batch_sends_one_request_per_sample(tmp_path):
     dec = be._decoders["M"] = Dec()
     gens, _ = be.spec_batch(samples, "M")
     assert [g.token_ids for g in gens] == [[5, 6, 0], [5, 6, 1]] and all(isinstance(g, Generation) for g in gens)
-    assert dec.defaults == {"max_new_tokens": 7, "temperature": 0.0, "seed": 0, "max_batch": 2, "speculate": "always"}
+    assert dec.defaults == {"temperature": 0.0, "seed": 0, "max_batch": 2, "speculate": "always"}
+    assert [q["max_new_tokens"] for q in dec.requests] == [7, 7]  # each request its own limit
     be._decoders["M+auto"] = dec
     be.spec_batch(samples[:1], "M+auto")
     assert dec.defaults["speculate"] == "auto" and dec.defaults["max_batch"] == 1

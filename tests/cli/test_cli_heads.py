@@ -119,7 +119,7 @@ def test_describe_reads_no_tensors(tmp_path):
 @pytest.mark.parametrize("weights, ok", [("adaptive", True), ("adaptive:loglik", True), ("adaptive:tabed:0.2", True),
                                          ("1,0.5", True), ("adaptive:nosuch", False), ("fast", False)])
 def test_weights_adaptive_is_taken_wherever_weights_is(weights, ok):
-    from mmspec.adaptive import AdaptiveWeights
+    from mmspec.drafting.adaptive import AdaptiveWeights
 
     o = GenerateOptions(views="MT", weights=weights)
     if not ok:

@@ -1,4 +1,4 @@
-"""Adaptive ensemble weights (TABED, mmspec.adaptive): the rules' maths on hand-built
+"""Adaptive ensemble weights (TABED, mmspec.drafting.adaptive): the rules' maths on hand-built
 distributions, lossless greedy (equal to target.generate for MT / MTC / MTCP, chains and trees,
 eager and static), exactly the target's distribution when sampling (with a negative control),
 the weights following the view that predicts the target, the trajectory in the stats, the
@@ -12,10 +12,10 @@ import torch
 from helpers.reference import captions, exact_sequence_probs, pvalues, reference, rejection_generate
 from helpers.tiny import BOS, IMG, make_llava, make_prompt, make_tokenizer
 from mmspec import MMSpecError, SpecDecoder
-from mmspec.adaptive import AdaptiveState, AdaptiveWeights, confirmed_evidence, loglik_weights, tabed_weights
 from mmspec.bench.config import parse_method
+from mmspec.drafting.adaptive import AdaptiveState, AdaptiveWeights, confirmed_evidence, loglik_weights, tabed_weights
 from mmspec.drafting.ensemble import EnsembleDrafting
-from mmspec.engine.forwards import RowForward
+from mmspec.runtime.forwards import RowForward
 
 SAMPLING_VOCAB, SAMPLING_NEW, SAMPLING_TEMP = 8, 3, 1.0  # test_sampling's setting
 N_SAMPLES, N_CONTROL = 1200, 600  # as test_sampling's

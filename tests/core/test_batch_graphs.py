@@ -14,9 +14,9 @@ from helpers.reference import engine_of, step_graphs
 from helpers.tiny import make_prompt, make_qwen, noisy_copy, qwen_inputs
 from mmspec import SpecDecoder
 from mmspec.batch import BatchScheduler
-from mmspec.engine.graphs import StepRunner, bucket
 from mmspec.heads import build_head
 from mmspec.models.captioner import FixedCaptioner
+from mmspec.runtime.graphs import StepRunner, bucket
 
 
 def reference(target, ids, n, **mm):

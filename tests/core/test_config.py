@@ -39,3 +39,22 @@ def test_unknown_options_are_refused_by_name(target, draft_shared, tok):
 
 def test_every_keyword_has_one_group():
     assert len(KEYWORDS) == len(set(KEYWORDS)) == len(DecoderConfig().keywords()) == 24
+
+
+def test_a_group_of_another_type_is_refused_naming_its_class():
+    """DecoderConfig(tree="dynamic") used to fail later with AttributeError ('str' object has no
+    attribute 'tree_children'), runtime={"compile": True} with ''dict' object has no attribute
+    'prefix_cache_mb''; each group is type-checked and the fix written out."""
+    with pytest.raises(MMSpecError, match=r"DecoderConfig\(tree='dynamic'\): tree= takes a TreeConfig, "
+                       r"not a str: write tree=mmspec.config.TreeConfig\(tree='dynamic'\), "
+                       r"or pass tree='dynamic' to SpecDecoder directly"):
+        DecoderConfig(tree="dynamic")
+    with pytest.raises(MMSpecError, match=r"runtime= takes a RuntimeConfig, not a dict: "
+                       r"write runtime=mmspec.config.RuntimeConfig\(compile=True\), or pass compile=True"):
+        DecoderConfig(runtime={"compile": True})
+    with pytest.raises(MMSpecError, match=r"acceptance= takes an AcceptanceOptions"):
+        DecoderConfig(acceptance="relaxed")
+    with pytest.raises(MMSpecError, match=r"draft= takes a DraftConfig, not a str: "
+                       r"write draft=mmspec.config.DraftConfig\(\.\.\.\), or pass its keywords"):
+        DecoderConfig(draft="model_dir")
+    assert DecoderConfig(tree=TreeConfig(tree="dynamic")).tree.tree == "dynamic"

@@ -18,12 +18,12 @@ from helpers.tiny import (
     swapped_tokenizer,
 )
 from mmspec import MMSpecError, SpecDecoder
+from mmspec.drafting.views import parse_views
 from mmspec.heads import build_head
 from mmspec.inputs import frame_prompt, load_images
 from mmspec.models.captioner import FixedCaptioner
 from mmspec.models.substitute import build_substitute_encoder
 from mmspec.substitutes import Substitute, make_substitute
-from mmspec.views import parse_views
 
 
 def test_wrong_number_of_images(target, draft_shared, tok):

@@ -13,12 +13,12 @@ import torch
 from helpers.reference import captions, engine_of, reference, step_graphs
 from helpers.tiny import VOCAB, make_llava, make_prompt, noisy_copy
 from mmspec import SpecDecoder
-from mmspec.engine.forwards import RowForward
-from mmspec.engine.graphs import GraphPool, StepRunner, graph_mode
-from mmspec.engine.masks import causal, rows_mask
 from mmspec.errors import MMSpecError
 from mmspec.models.base import adapter_for
 from mmspec.models.rows import RowCache
+from mmspec.runtime.forwards import RowForward
+from mmspec.runtime.graphs import GraphPool, StepRunner, graph_mode
+from mmspec.runtime.masks import causal, rows_mask
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -95,6 +95,114 @@ def test_exported_eagle3_files_are_the_engines_layout(deep, tmp_path):
     assert t2d.dtype == torch.bool and t2d.sum() == 40 and t2d[10:50].all()
 
 
+# What the engines' EAGLE-3 loaders read of an exported directory, for the whole and a reduced vocabulary:
+# * vLLM, vllm/model_executor/models/llama_eagle3.py (0.32): Eagle3LlamaForCausalLM.__init__ reads
+#   config.draft_vocab_size (default: vocab_size) and makes the parameter draft_id_to_target_id ONLY when it
+#   differs from the target's vocabulary; load_weights skips "t2d", renames "d2t" to draft_id_to_target_id
+#   (a d2t with no such parameter: "There is no module or parameter named 'draft_id_to_target_id'"), keeps
+#   "lm_head.*" and prefixes every other name with "model." ("midlayer." -> "layers.0.", q/k/v and gate/up
+#   stacked); the config's eagle_config (use_aux_hidden_state, eagle_aux_hidden_state_layer_ids: how many
+#   features fc fuses) and target_hidden_size (default hidden_size).
+# * SGLang, python/sglang/srt/models/llama_eagle3.py: LlamaForCausalLMEagle3.__init__ reads
+#   config.draft_vocab_size (an attribute: it must be in config.json; None would load the target's lm_head)
+#   for lm_head's rows; load_weights turns "d2t" into hot_token_id = d2t + arange (offsets; absent: None,
+#   the whole vocabulary), skips "t2d", and loads the names it knows (model.* / lm_head.*), others ignored.
+ENGINE_TENSORS = {"fc.weight", "norm.weight", "lm_head.weight", "midlayer.hidden_norm.weight",
+                  "midlayer.input_layernorm.weight", "midlayer.post_attention_layernorm.weight",
+                  *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
+                  *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down"))}
+
+
+@pytest.mark.parametrize("vocab", ["whole", "reduced"])
+def test_exported_eagle3_has_what_vllm_and_sglang_read(deep, tmp_path, vocab):
+    """Issue 61.10: a whole-vocabulary export wrote d2t/t2d, which vLLM refuses (its mapping parameter
+    exists only for a reduced vocabulary). draft_vocab_size always; the mapping only when reduced."""
+    from safetensors import safe_open
+
+    draft_vocab = None if vocab == "whole" else torch.arange(10, 50)
+    head = _randomise(build_head(deep, "eagle3", seed=2, draft_vocab=draft_vocab))
+    out = export_head(head, tmp_path / "e3", "eagle3")
+    cfg = json.loads((out / "config.json").read_text())
+    n = V if vocab == "whole" else 40
+    assert cfg["draft_vocab_size"] == n and cfg["vocab_size"] == V  # both engines read draft_vocab_size
+    assert cfg["eagle_config"]["use_aux_hidden_state"] is True
+    assert len(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]) * H == 3 * H  # vLLM: fc's input width
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    assert tensors["lm_head.weight"].shape == (n, H)  # both: lm_head has draft_vocab_size rows
+    assert tensors["fc.weight"].shape == (H, 3 * H)
+    if vocab == "whole":  # vLLM makes no draft_id_to_target_id: a d2t would fail its load; SGLang: hot_token_id None
+        assert set(tensors) == ENGINE_TENSORS
+    else:  # vLLM's draft_id_to_target_id and SGLang's hot_token_id - arange: offsets, int64, one per draft token
+        assert set(tensors) == ENGINE_TENSORS | {"d2t", "t2d"}
+        assert tensors["d2t"].dtype == torch.int64 and torch.equal(tensors["d2t"] + torch.arange(n), torch.arange(10, 50))
+    back = load_external_head(out, deep)  # and mmspec reads both back, scoring the same
+    feats, embeds = _inputs(deep, head)
+    assert torch.equal(_draft_logits(head, deep, feats, embeds), _draft_logits(back, deep, feats, embeds))
+
+
+def test_a_whole_vocabulary_in_another_order_is_refused_on_export(deep, tmp_path):
+    """vLLM and SGLang read no mapping for the whole vocabulary, so a head that scores it permuted
+    cannot be written for them: refused, nothing written."""
+    head = build_head(deep, "eagle3", draft_vocab=torch.arange(V).flip(0))
+    with pytest.raises(MMSpecError, match="scores the whole vocabulary in another order than the target's"):
+        export_head(head, tmp_path / "e3", "eagle3")
+    assert not (tmp_path / "e3").exists()
+
+
+def _vllm_python() -> str | None:
+    """A Python with vLLM: this one, MMSPEC_VLLM_PYTHON, or the vLLM peer's venv (../shared/peers/vllm-cpu)."""
+    import importlib.util
+    import os
+    import sys
+    from pathlib import Path
+
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    peer = Path(os.environ.get("PEER_DIR", Path.home() / ".cache/mmspec-peer-vllm")) / "venv/bin/python"
+    for py in (os.environ.get("MMSPEC_VLLM_PYTHON"), str(peer)):
+        if py and Path(py).is_file():
+            return py
+    return None
+
+
+@pytest.mark.parametrize("vocab", ["whole", "reduced"])
+def test_vllms_own_eagle3_loader_takes_the_export(deep, tmp_path, vocab):
+    """vLLM's Eagle3LlamaForCausalLM built for a target of this vocabulary and its load_weights run on
+    the exported directory (a vLLM install's own code, in its own process; skipped without vLLM)."""
+    import os
+    import socket
+    import subprocess
+    from pathlib import Path
+
+    py = _vllm_python()
+    if py is None:
+        pytest.skip("vLLM is not installed (../shared/peers/vllm-cpu/setup.sh builds it; or MMSPEC_VLLM_PYTHON)")
+    draft_vocab = None if vocab == "whole" else torch.arange(10, 50)
+    out = export_head(build_head(deep, "eagle3", seed=2, draft_vocab=draft_vocab).float(), tmp_path / "e3", "eagle3")
+    text = deep.config.text_config  # the target as vLLM reads it: a Llama of the same width, depth and vocabulary
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H, "intermediate_size": FF,
+        "num_attention_heads": NH, "num_key_value_heads": NKV, "head_dim": HD, "num_hidden_layers": N_LAYERS,
+        "vocab_size": text.vocab_size, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
+        "torch_dtype": "float32", "tie_word_embeddings": False}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = Path(__file__).parents[1] / "helpers" / "vllm_eagle3_load.py"
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "PYTHONPATH": ""}
+    r = subprocess.run([py, str(script), str(tmp_path / "target"), str(out), str(port)], capture_output=True,
+                       text=True, timeout=600, env=env, cwd=tmp_path)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert r.returncode == 0 and line, (r.stdout[-3000:], r.stderr[-3000:])
+    got = json.loads(line[len("RESULT "):])
+    if vocab == "whole":
+        assert got == {"draft_vocab_size": V, "d2t": None}
+    else:
+        assert got["draft_vocab_size"] == 40 and got["d2t"] == [10] * 40
+
+
 def test_exported_eagle_files_are_safeailabs_layout(deep, tmp_path):
     out = export_head(build_head(deep, "eagle"), tmp_path / "e1", "eagle", target=deep)
     sd = torch.load(out / "pytorch_model.bin", weights_only=True)

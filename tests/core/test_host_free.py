@@ -27,8 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from helpers.reference import captions
 from helpers.tiny import VOCAB, make_llava, make_prompt, noisy_copy
 from mmspec import SpecDecoder
-from mmspec.adaptive import AdaptiveWeights
 from mmspec.batch import BatchScheduler
+from mmspec.drafting.adaptive import AdaptiveWeights
 from mmspec.heads import build_head
 from mmspec.request import prepare
 

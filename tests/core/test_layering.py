@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "mmspec"
-CORE = ["engine", "drafting", "verify.py", "tree.py", "decoder.py", "multimodal.py", "views.py", "stats.py", "models",
-        "heads/model.py", "request.py", "results.py", "batch.py", "lookup.py", "adaptive.py"]
+CORE = ["engine", "drafting", "runtime", "decoder.py", "multimodal.py", "stats.py", "models",
+        "heads/model.py", "request.py", "results.py", "batch.py"]
 UPPER = ("mmspec.cli", "mmspec.train", "mmspec.bench", "mmspec.world")
 
 # Circles tolerated for a while (none now: batch <-> decoder and heads/formats <-> heads/model went with
@@ -84,7 +84,7 @@ def test_layers_do_not_import_upwards(part, forbidden):
 
 def test_the_decoding_core_imports_no_upper_layer():
     files = [f for part in CORE for f in files_of(part)]
-    assert {SRC / "engine" / "step.py", SRC / "verify.py", SRC / "decoder.py", SRC / "models" / "base.py"} <= set(files)
+    assert {SRC / "engine" / "step.py", SRC / "runtime" / "verify.py", SRC / "decoder.py", SRC / "models" / "base.py"} <= set(files)
     bad = violations(files, UPPER)
     assert not bad, f"the decoding core imports from {', '.join(UPPER)}: {bad}"
 
@@ -230,3 +230,14 @@ def test_the_family_registry_is_full_whichever_module_is_imported_first():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert {"causal_lm", "llava", "llava_next", "llava_onevision", "qwen2_vl", "video_llava"} <= set(json.loads(out.stdout))
+
+
+def test_the_drafters_never_import_the_engine():
+    """engine/ imports drafting/ (a step drafts), never the reverse: what both need (the rows' state,
+    forwards, graphs, masks, randomness) sits below both, in mmspec.runtime."""
+    bad = {}
+    for path in sorted((SRC / "drafting").glob("*.py")) + sorted((SRC / "runtime").glob("*.py")):
+        names = sorted(n for n in imported(path) if n == "mmspec.engine" or n.startswith("mmspec.engine."))
+        if names:
+            bad[str(path.relative_to(SRC))] = names
+    assert not bad, f"drafting/ and runtime/ import the engine: {bad}"

@@ -1,4 +1,4 @@
-"""Drafting with no model (:mod:`mmspec.lookup`): prompt lookup and suffix decoding, alone and
+"""Drafting with no model (:mod:`mmspec.drafting.lookup`): prompt lookup and suffix decoding, alone and
 beside a draft, are lossless (greedy equal to the target's generate; sampling exactly the
 target's distribution, with a negative control that must fail), and their bad settings are
 refused before anything loads."""
@@ -8,9 +8,10 @@ import torch
 
 from helpers.reference import exact_sequence_probs, pvalues, reference, rejection_generate
 from helpers.tiny import BOS, IMG, make_llava, make_prompt, make_tokenizer
-from mmspec import MMSpecError, SpecDecoder, verify
-from mmspec.lookup import NODE_BYTES, SEP, LookupConfig, PromptLookup, SuffixStore, SuffixTrie, pick
-from mmspec.tree import TreeSpec
+from mmspec import MMSpecError, SpecDecoder
+from mmspec.drafting.lookup import NODE_BYTES, SEP, LookupConfig, PromptLookup, SuffixStore, SuffixTrie, pick
+from mmspec.drafting.tree import TreeSpec
+from mmspec.runtime import verify
 
 
 # --------------------------------------------------------------------------- the proposers
@@ -29,7 +30,7 @@ def test_prompt_lookup_proposes_what_followed_the_longest_match():
 
 
 def test_history_puts_captions_first_and_never_matches_placeholders():
-    from mmspec.lookup import history
+    from mmspec.drafting.lookup import history
 
     ids = torch.tensor([BOS, 5, IMG, IMG, 6, 7])
     assert history(ids, [IMG], [torch.tensor([9, 8])]) == [9, 8, SEP, BOS, 5, SEP, SEP, 6]  # 7: pending

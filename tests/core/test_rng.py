@@ -1,11 +1,11 @@
-"""The counter-based uniforms (mmspec.engine.rng): exact against a pure-Python SplitMix64, per-row
+"""The counter-based uniforms (mmspec.runtime.rng): exact against a pure-Python SplitMix64, per-row
 streams independent of the batch, and uniform."""
 
 import math
 
 import torch
 
-from mmspec.engine import rng
+from mmspec.runtime import rng
 
 MASK = (1 << 64) - 1
 

@@ -12,8 +12,9 @@ import torch
 
 from helpers.reference import exact_sequence_probs, pvalues, rejection_generate
 from helpers.tiny import BOS, IMG, make_llava, make_tokenizer
-from mmspec import SpecDecoder, verify
+from mmspec import SpecDecoder
 from mmspec.models.captioner import FixedCaptioner
+from mmspec.runtime import verify
 
 V = 8  # <pad> <s> </s> <image> \n w5 w6 w7
 N_NEW, TEMP, N_SAMPLES = 3, 1.0, 1200

@@ -12,9 +12,10 @@ import torch
 
 from helpers.reference import exact_sequence_probs, pvalues, seeded_reference
 from helpers.tiny import BOS, EOS, IMG, make_llava, make_prompt, make_tokenizer
-from mmspec import SpecDecoder, verify
+from mmspec import SpecDecoder
 from mmspec.heads import build_head
-from mmspec.verify import SamplingParams
+from mmspec.runtime import verify
+from mmspec.runtime.verify import SamplingParams
 
 # (images, max_new_tokens, text_len, temperature, top_k, top_p, seed)
 REQUESTS = [(1, 20, 6, 1.0, None, None, 5), (0, 12, 3, 0.7, None, None, 7), (2, 16, 5, 1.3, 20, None, 11),

@@ -1,12 +1,11 @@
 """``tree="auto"``: each step's block shape (the chain, or the device's dynamic tree at one of two
-budgets) chosen by its measured tokens per second (:class:`~mmspec.engine.scheduler.ShapePolicy`).
+budgets) chosen by its measured tokens per second (:class:`~mmspec.engine.policy.SpeculationPolicy`; its
+decisions alone: ``tests/core/test_policy.py``).
 Lossless whatever it picks (the target's greedy tokens); with a fake clock the choice is
 deterministic: the tree where its steps are cheap for what they accept, the chain where they are
 dear."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 
@@ -14,9 +13,9 @@ from helpers.reference import reference
 from helpers.tiny import make_prompt
 from mmspec import SpecDecoder
 from mmspec.bench.config import method_tree
-from mmspec.engine.scheduler import BatchScheduler, ShapePolicy
+from mmspec.drafting.tree import DYNAMIC_DEFAULTS, TreeSpec, auto_shapes, parse_shapes, parse_tree
+from mmspec.engine.scheduler import BatchScheduler
 from mmspec.errors import MMSpecError
-from mmspec.tree import DYNAMIC_DEFAULTS, TreeSpec, auto_shapes, parse_shapes, parse_tree
 
 
 def test_auto_shapes_are_the_chain_and_the_devices_tree_at_two_budgets():
@@ -36,48 +35,6 @@ def test_auto_shapes_are_the_chain_and_the_devices_tree_at_two_budgets():
     with pytest.raises(MMSpecError, match="parse_shapes"):
         parse_tree("auto", gamma=5)
     assert method_tree("M+tree:auto") == {"tree": "auto"}
-
-
-def _run(policy: ShapePolicy, tokens: dict, seconds: dict, steps: int, batch: int = 1) -> list[int]:
-    """``steps`` decisions at ``batch``, each timed as the fake device says: shape i emits
-    tokens[i] per step in seconds[i]."""
-    picks = []
-    for _ in range(steps):
-        i = policy.decide(batch)
-        policy.record(batch, i, seconds[i], tokens[i])
-        picks.append(i)
-    return picks
-
-
-SHAPES = auto_shapes(gamma=5, device_type="cuda")  # chain, 6x4x12, 6x4x24
-
-
-def test_the_tree_where_its_steps_are_cheap_for_what_they_accept():
-    pol = ShapePolicy(SHAPES)
-    picks = _run(pol, tokens={0: 4, 1: 5, 2: 6}, seconds={0: 1.0, 1: 1.1, 2: 1.2}, steps=40)
-    assert picks[:6] == [0, 1, 2, 0, 1, 2]  # every shape timed twice, round robin, the smallest first
-    assert pol.best(1) == 2 and picks[6:].count(2) >= 30  # 5 tokens/s against the chain's 4
-    assert 0 in picks[6:] and 1 in picks[6:]  # the others timed again now and then
-    rep = pol.report()["1"]
-    assert rep["choice"] == SHAPES[2].label and rep["shapes"][SHAPES[0].label]["tokens_per_s"] == 4.0
-    json.dumps(rep)
-
-
-def test_the_chain_where_tree_steps_are_dear():
-    pol = ShapePolicy(SHAPES)
-    picks = _run(pol, tokens={0: 4, 1: 5, 2: 6}, seconds={0: 1.0, 1: 2.0, 2: 3.0}, steps=40)
-    assert pol.best(1) == 0 and picks[6:].count(0) >= 30
-    assert pol.report()["1"]["choice"] == SHAPES[0].label
-
-
-def test_the_choice_follows_the_device_and_is_per_batch_size():
-    pol = ShapePolicy(SHAPES)
-    _run(pol, tokens={0: 4, 1: 5, 2: 6}, seconds={0: 1.0, 1: 1.1, 2: 1.2}, steps=30)
-    assert pol.best(1) == 2
-    picks = _run(pol, tokens={0: 4, 1: 5, 2: 6}, seconds={0: 1.0, 1: 1.1, 2: 4.0}, steps=10)  # the tree got dear
-    assert picks[-1] != 2 and pol.best(1) != 2
-    _run(pol, tokens={0: 8, 1: 9, 2: 10}, seconds={0: 1.0, 1: 2.0, 2: 3.0}, steps=12, batch=8)
-    assert pol.best(8) == 0 and set(pol.report()) == {"1", "8"}  # measured apart
 
 
 class FakeClock:
@@ -115,7 +72,7 @@ def test_a_fake_clock_steers_the_decoder_and_every_answer_is_the_targets(target,
         (res,) = results
         assert res.token_ids == reference(target, ids, pv, 24)
         assert sum(res.stats.shapes.values()) == res.stats.n_blocks and res.stats.shape_rates["1"]["shapes"]
-    best = dec.shape_policy.best(1)
+    best = dec.shape_policy.choice.shape
     assert (dec.tree_shapes[best].kind == "chain") == (chosen == "chain")
     chains = res.stats.shapes.get(dec.tree_shapes[0].label, 0)  # the last request's steps: mostly the choice
     assert (chains > res.stats.n_blocks / 2) == (chosen == "chain"), res.stats.shapes
@@ -136,6 +93,7 @@ def test_auto_trees_are_lossless_alone_and_in_a_batch(target, draft_shared, tok,
     out = dec.generate_batch(reqs, max_batch=3)
     assert [r.token_ids for r in out] == refs
     assert len(dec.shape_policy.shapes) == 3 and "3" in dec.shape_policy.report()
+    assert dec.speculation_policy.shapes == dec.tree_shapes  # "auto" chooses among the same shapes
 
 
 @pytest.mark.parametrize("graphs", [False, "emulate"])

@@ -156,3 +156,21 @@ def test_text_delta_decodes_a_window_not_the_whole_answer():
     pieces = [delta.push(ids[i:i + 3]) for i in range(0, len(ids), 3)] + [delta.finish()]
     assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
     assert max(decoded[:-1]) <= 12  # windows of a few tokens; only finish() decodes the whole answer
+
+
+def test_the_rust_decoder_stands_in_only_where_it_decodes_as_transformers_does():
+    """TextDelta decodes through the tokenizer's Rust backend (half a streamed row's host time):
+    the same text as ``tokenizer.decode`` with special tokens, multi-byte characters and every
+    window, and not used where transformers would clean up tokenization spaces."""
+    from mmspec.streaming import fast_decoder
+
+    tok = AutoTokenizer.from_pretrained(default_path() / "target")
+    fast = fast_decoder(tok)
+    assert fast is not None
+    ids = [tok.bos_token_id] + tok.encode("héllo 😀 wörld, the red square", add_special_tokens=False) + [tok.eos_token_id]
+    for skip in (True, False):
+        for i in range(len(ids)):
+            for j in range(i, min(len(ids), i + 6) + 1):
+                assert fast.decode(ids[i:j], skip_special_tokens=skip) == tok.decode(ids[i:j], skip_special_tokens=skip)
+    tok.clean_up_tokenization_spaces = True
+    assert fast_decoder(tok) is None and fast_decoder(ByteTokenizer()) is None

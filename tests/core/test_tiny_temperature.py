@@ -11,7 +11,7 @@ import torch
 from helpers.reference import reference
 from helpers.tiny import make_prompt
 from mmspec import SpecDecoder
-from mmspec.verify import SamplingParams, logits_to_probs
+from mmspec.runtime.verify import SamplingParams, logits_to_probs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])

@@ -11,11 +11,12 @@ import torch
 from helpers.reference import captions, reference
 from helpers.tiny import make_llava, make_prompt, noisy_copy
 from helpers.verify_ref import accept_or_residual
-from mmspec import SpecDecoder, verify
+from mmspec import SpecDecoder
+from mmspec.drafting.tree import TreeSpec, ancestors, parse_tree
 from mmspec.errors import MMSpecError
 from mmspec.models.captioner import FixedCaptioner
-from mmspec.tree import TreeSpec, ancestors, parse_tree
-from mmspec.verify import residual, verify_tree_greedy, verify_tree_sampling
+from mmspec.runtime import verify
+from mmspec.runtime.verify import residual, verify_tree_greedy, verify_tree_sampling
 
 STATIC = {
     "d1w1": [[0]],
@@ -355,7 +356,7 @@ def test_relaxed_thresholds_follow_the_modality_of_the_context(target, draft_sha
 def test_outcome_is_read_once_and_unpacked_to_named_fields():
     """The engine's one host read per block: packed() -> .tolist() -> unpack(), named fields cut
     to the accepted path (no slicing by offsets in the loop)."""
-    from mmspec.verify import TreeOutcome
+    from mmspec.runtime.verify import TreeOutcome
 
     out = TreeOutcome(path=torch.tensor([0, 2, 5, 5]), n_accepted=torch.tensor(2), next_token=torch.tensor(9))
     tokens, fed = torch.arange(10, 16), torch.tensor([3, -1, 4, -1, -1, -1])

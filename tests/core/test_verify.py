@@ -5,8 +5,8 @@ import torch
 
 from helpers.reference import chi2_pvalue
 from helpers.verify_ref import verify_greedy, verify_sampling
-from mmspec import verify
-from mmspec.verify import SamplingParams, logits_to_probs, residual
+from mmspec.runtime import verify
+from mmspec.runtime.verify import SamplingParams, logits_to_probs, residual
 
 
 def onehot_logits(tokens, V=6):

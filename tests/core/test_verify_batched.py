@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from helpers.verify_ref import DraftTree, pad_rows, pad_trees
-from mmspec.tree import ancestors
-from mmspec.verify import (
+from mmspec.drafting.tree import ancestors
+from mmspec.runtime.verify import (
     RowSampling,
     SamplingParams,
     flags,
@@ -256,7 +256,7 @@ def test_each_rows_parameters_filter_it_exactly_as_alone():
     """logits_to_probs_rows: every row filtered with its own temperature, top-k and top-p, bit for
     bit what logits_to_probs gives that row alone (greedy rows, a temperature below float32's
     smallest normal, top-k and top-p together among them)."""
-    from mmspec.verify import logits_to_probs_rows
+    from mmspec.runtime.verify import logits_to_probs_rows
 
     g = torch.Generator().manual_seed(6)
     ps = [SamplingParams(), SamplingParams(0.7), SamplingParams(1.3, top_k=5), SamplingParams(0.9, top_p=0.8),

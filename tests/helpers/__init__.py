@@ -8,5 +8,7 @@ another.
 - ``helpers.qwen``: tiny Qwen2-VL / Qwen2.5-VL models and their inputs.
 - ``helpers.scripts``: the top-level speed scripts, imported by path.
 - ``helpers.verify_ref``: the chain verifiers and the node-by-node sampling rule, references for
-  ``mmspec.verify``'s tree functions; ``helpers.caches``: ``kv_rows``, a batch row read out of a cache.
+  ``mmspec.runtime.verify``'s tree functions; ``helpers.caches``: ``kv_rows``, a batch row read out of a cache.
+- ``helpers/vllm_eagle3_load.py``: a script (not imported) run by a Python with vLLM: vLLM's own
+  EAGLE-3 drafter loads an exported head (``tests/core/test_head_formats.py``).
 """

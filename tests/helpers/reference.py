@@ -9,10 +9,10 @@ from dataclasses import replace
 import torch
 
 from helpers.tiny import IMG
-from mmspec.engine import rng
 from mmspec.models.base import cache_argument
 from mmspec.models.captioner import FixedCaptioner
-from mmspec.verify import SamplingParams, filtered_logits
+from mmspec.runtime import rng
+from mmspec.runtime.verify import SamplingParams, filtered_logits
 
 
 def reference(target, ids, pv, n):
@@ -25,7 +25,7 @@ def reference(target, ids, pv, n):
 def seeded_reference(target, inputs: dict, n: int, params: SamplingParams, seed: int, eos: int) -> list[int]:
     """The target ALONE sampling a seeded answer: a plain loop, one forward per token on its own
     cache, token t = ``argmax(filtered_logits_t + g_t)`` with g_t the seed's noise at output
-    position t (:func:`mmspec.engine.rng.gumbel`), until ``eos`` or ``n`` tokens. What a
+    position t (:func:`mmspec.runtime.rng.gumbel`), until ``eos`` or ``n`` tokens. What a
     speculative decode of the same request and seed must return token for token, whatever its
     drafter. inputs: the processor's output (``input_ids`` [1, L], ...)."""
     ids = inputs["input_ids"]

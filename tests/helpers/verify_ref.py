@@ -1,9 +1,9 @@
-"""Reference forms of ``mmspec.verify`` that only the tests use: the chain cases of the tree
+"""Reference forms of ``mmspec.runtime.verify`` that only the tests use: the chain cases of the tree
 verifiers (:func:`verify_greedy`, :func:`verify_sampling`, each a one-branch tree through
 ``verify_tree_greedy`` / ``verify_tree_sampling``) and :func:`accept_or_residual`, the
 node-by-node statement of the sampling rule the tree verifier evaluates for all nodes at once.
 The engine verifies chains as trees; these keep the hand-built chain tests readable. Also: one
-drafted tree (:class:`DraftTree`) and padding single trees into a :class:`~mmspec.tree.TreeBatch`
+drafted tree (:class:`DraftTree`) and padding single trees into a :class:`~mmspec.drafting.tree.TreeBatch`
 (:func:`pad_trees`), to check the batched verifiers against each tree alone."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mmspec.tree import TreeBatch
-from mmspec.verify import residual, verify_tree_greedy, verify_tree_sampling
+from mmspec.drafting.tree import TreeBatch
+from mmspec.runtime.verify import residual, verify_tree_greedy, verify_tree_sampling
 
 
 def uniforms(n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
@@ -38,7 +38,7 @@ def accept_or_residual(token: int, p: torch.Tensor, q: torch.Tensor, u: float) -
     Accept when ``u < p(x) / q(x)`` (u uniform in [0, 1)). Returns (accepted, residual) where the
     residual is the distribution to continue with after a rejection: for a tree node with
     further candidate children it becomes the new p. The sequential, node-by-node statement of
-    what :func:`mmspec.verify.verify_tree_sampling` evaluates for all nodes at once (the tests check one
+    what :func:`mmspec.runtime.verify.verify_tree_sampling` evaluates for all nodes at once (the tests check one
     against the other).
     """
     px, qx = float(p[token]), float(q[token])

@@ -35,7 +35,8 @@ ELSEWHERE = {
     "ceilings": {"tests/perf/test_gpu_pass.py": "env.json"},  # gpu_pass.sh's env step, dry run
 }
 TESTED_HERE = ["batch_speed", "prefix_speed", "tree_sweep", "cpu_shapes", "serve_load", "head_formats_check",
-               "serve_overhead", "lookup_speed", "serve_speed", "logprobs_cost", "seed_coupling"]
+               "serve_overhead", "lookup_speed", "serve_speed", "logprobs_cost", "mmspec_split",
+               "seed_coupling"]
 
 
 def run_script(name: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -238,3 +239,15 @@ def test_seed_coupling(tmp_path):
     assert {(r["shape"], r["sampler"]) for r in rows} == {(s, m) for s in ("chain", "tree")
                                                          for m in ("rejection", "coupling")}
     assert all(r["tau"] >= 1 for r in rows) and all(r["same_alone"] for r in rows if r["sampler"] == "coupling")
+
+
+def test_mmspec_split(tmp_path):
+    """The MMSpec-format split of the world's images reads back through the bench's loader: six
+    categories, 2-3 turns each, no row skipped."""
+    from mmspec.bench.datasets import load_dataset
+
+    out = run_script("mmspec_split", "--out", str(tmp_path / "w"), "--n", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    samples, report = load_dataset("mmspec", tmp_path / "w", 2)
+    assert len({s.dataset for s in samples}) == 6 and len(samples) == 12 and not report.skipped
+    assert all(2 <= len(s.questions) <= 3 for s in samples)

@@ -302,14 +302,16 @@ def test_logprobs_are_the_targets_own(server, solo):
         assert c.bytes == list(c.token.encode("utf-8")) and len(c.top_logprobs) == 3
     assert "".join(c.token for c in content).strip() == r.choices[0].message.content.strip()
     assert torch.isfinite(torch.tensor([c.logprob for c in content])).all()
-    # sampled and streamed, two choices: each choice's last chunk carries its tokens' (raw logits, not tempered)
-    got = {}
+    # sampled and streamed, two choices: each chunk carries its own tokens' (raw logits, not tempered)
+    got: dict[int, list] = {0: [], 1: []}
     for ch in server.client().chat.completions.create(model=MODEL, messages=user_message(s.prompt, s.images),
                                                       max_tokens=8, temperature=0.8, seed=3, n=2, stream=True,
                                                       logprobs=True, top_logprobs=2):
         for c in ch.choices:
-            if c.logprobs is not None:
-                got[c.index] = c.logprobs.content
+            entries = c.logprobs.content if c.logprobs is not None else []
+            if c.delta.content:  # the world's text is ASCII: a chunk's tokens spell its text
+                assert "".join(e.token for e in entries) == c.delta.content, (c.delta.content, entries)
+            got[c.index] += entries
     for i in (0, 1):
         answer = solo.generate(s.prompt, s.images, 8, temperature=0.8, seed=3 + i).token_ids
         ids = [t for t in answer if t not in solo.dec.eos_ids]

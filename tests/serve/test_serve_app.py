@@ -18,6 +18,7 @@ uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from helpers.tiny import make_llava, make_processor, make_tokenizer, noisy_copy  # noqa: E402
+from mmspec.results import TokenLogprob  # noqa: E402
 from mmspec.serve.protocol import parse_request  # noqa: E402
 from mmspec.serve.responses import Answer  # noqa: E402
 from mmspec.serve.schema import RequestError  # noqa: E402
@@ -143,7 +144,7 @@ class Asked:
 
 
 class EndlessScheduler:
-    """Hands each active request one token (" w9") per step, until its max_new_tokens; a request
+    """Hands each active request one token (" w9", its k-th with logprob -0.5 k) per step, until its max_new_tokens; a request
     whose max_new_tokens is 13 fails alone; a step raises while one with 17 is active."""
 
     def __init__(self):
@@ -171,7 +172,7 @@ class EndlessScheduler:
             done = job[1] >= job[0]
             if done:
                 del self.active[rid]
-            events.append(Event(rid, [9], " w9", done))
+            events.append(Event(rid, [9], " w9", done, logprobs=[TokenLogprob(9, -0.5 * job[1], ((9, -0.5),))]))
         return events
 
     def cancel(self, rid):
@@ -249,6 +250,40 @@ def test_a_waiting_client_that_leaves_frees_its_rows(app_server):
     r = httpx.post(url + "/v1/chat/completions", json=ask(url, 3), timeout=30)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == " w9 w9 w9"
     assert r.json()["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("stop", [None, [" w9 wX"]])
+def test_streamed_logprobs_come_with_the_chunk_of_their_tokens(app_server, stop):
+    """Issue 61.6: streamed logprobs came only with each choice's last chunk. Through the openai
+    client, n=2: every chunk with text carries its tokens' logprobs, in order, none twice; with a
+    stop string that holds text back (" w9" may begin " w9 wX"), a token's logprobs come with the
+    chunk that releases its text."""
+    openai = pytest.importorskip("openai")
+    url, _, _ = app_server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    got: dict[int, list] = {0: [], 1: []}
+    texts = {0: "", 1: ""}
+    for ch in client.chat.completions.create(model="m", messages=[{"role": "user", "content": "w5 w6"}], n=2,
+                                             max_tokens=5, stream=True, logprobs=True, top_logprobs=1, stop=stop):
+        for c in ch.choices:
+            text = c.delta.content or ""
+            entries = c.logprobs.content if c.logprobs is not None else []
+            assert len(entries) == text.count(" w9"), (text, entries)  # the chunk's own tokens, no more, no fewer
+            texts[c.index] += text
+            got[c.index] += [e.logprob for e in entries]
+    for i in (0, 1):
+        assert texts[i] == " w9" * 5 and got[i] == [-0.5 * k for k in range(1, 6)], (texts, got)
+    # legacy completions: the same, each chunk's text_offset counting from the answer's start
+    offsets, logprobs = [], []
+    for ch in client.completions.create(model="m", prompt="w5 w6", max_tokens=4, stream=True, logprobs=1, stop=stop):
+        for c in ch.choices:
+            lp = c.logprobs
+            assert len(lp.tokens if lp is not None else []) == (c.text or "").count(" w9"), (c.text, lp)
+            if lp is not None:
+                offsets += lp.text_offset
+                logprobs += lp.token_logprobs
+    piece = len(make_tokenizer().decode([9]))  # the offsets add up the tokens' own texts
+    assert logprobs == [-0.5 * k for k in range(1, 5)] and offsets == [piece * k for k in range(4)], offsets
 
 
 def test_a_stop_string_frees_the_rows_at_once(app_server):

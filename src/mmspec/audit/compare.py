@@ -7,7 +7,9 @@ HTTP, no model; the local reference's forward is :mod:`mmspec.audit.reference`'s
 **Which tokens are compared.** Token ids when both sides have them (a local reference's own ids;
 an endpoint's ``logprobs`` with a ``token_id`` field, mmspec's, or written as ``token_id:N``,
 vLLM's ``return_tokens_as_token_ids``); the endpoints' ``logprobs`` token strings when both gave
-logprobs; and **the texts always**: tokens that agree with texts that do not (a proxy, a
+logprobs, or when the endpoint gave strings without ids (vLLM's default) and the reference has ids
+and a tokenizer (a local reference): each string against the reference's token at that position,
+as the tokenizer spells it (``decode([id])``, or ``convert_ids_to_tokens``); and **the texts always**: tokens that agree with texts that do not (a proxy, a
 detokenizer or a stop-string cut that changed what the client reads) are a difference too, found
 from the text. Two equal texts with no tokens are identical, and a difference in text is located by tokenizing the answer with the target's
 tokenizer (against a reference with ids) or by aligning the text against the reference's token
@@ -15,19 +17,25 @@ strings (the alternative there is the longest of the reference's ``top_logprobs`
 of the answer starts with, else the tokenizer's first token of that rest). A text round trip can
 split a word otherwise than the model did (BPE has many spellings of one text; a token that is
 half a UTF-8 character decodes to U+FFFD), so a position found from text is marked
-``"compared": "text"`` in the report.
+``"compared": "text"`` in the report. Aligned without a tokenizer, the answer's token at a
+difference is not known, only its text from there (``Located.text_only``): when that text starts
+with none of the reference's ``top_logprobs`` there, the token is none of them, which bounds the
+margin as below.
 
 **The class** reuses :func:`mmspec.bench.audit.classify`: the margin ``p(own) - p(ours)`` of the
 reference's probabilities at that position (from its log-probabilities), a near-tie when within
 the tolerance (default the dtype's machine epsilon; float32: 0, every difference a bug). A
 position whose alternative the reference did not list among its ``top_logprobs`` is a bug when
 even the best case (``ours`` just below the last listed) leaves a margin past the tolerance, else
-``unclassified``; so is a difference the reference gave no log-probabilities for.
+``unclassified``; so is a difference the reference gave no log-probabilities for. An endpoint's
+logprobs token that is no token of the target's vocabulary in any spelling (``Located.foreign``)
+cannot be the target's greedy choice: a bug.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -56,6 +64,8 @@ class Located:
     compared: str  # "ids", "tokens" or "text"
     unknown: bool = False  # the answer's token there could not be told (text only, no tokenizer)
     note: str | None = None  # what the report should say about how it was found
+    text_only: bool = False  # ours is the answer's text from there (its token unknown), none of the listed
+    foreign: bool = False  # ours is a logprobs token string that is no token of the target's vocabulary
 
 
 def _ids(tokens: list[Token] | None) -> list[int] | None:
@@ -79,22 +89,62 @@ def locate(ref: Reference, ours: Reply, tokenizer=None, eos_id: int | None = Non
         found = _located(ref_ids, eos.ended(ours_ids, ours, ref_ids), "ids")
     elif ref.tokens is not None and ours.tokens is not None:
         found = _located([t.text for t in ref.tokens], [t.text for t in ours.tokens], "tokens")
+    elif ref_ids is not None and ours.tokens is not None and tokenizer is not None:
+        found = _strings_against_ids(ref_ids, ours, tokenizer, eos)
     else:
         return None if ref.text == ours.text else _by_text(ref, ours, ref_ids, tokenizer, eos)
     if found is not None or ref.text == ours.text:
         return found
     # the tokens agree and the texts do not: what the client reads is not what the tokens spell
     found = _by_text(ref, ours, ref_ids, tokenizer, eos)
-    found.note = (f"the answers' {_agreed(ref_ids, ours_ids)} agree but their texts differ: the text is not what "
-                  "the tokens spell (a proxy, detokenizer or stop-string cut changed it); located from the text")
+    note = (f"the answers' {_agreed(ref_ids, ours_ids)} agree but their texts differ: the text is not what "
+            "the tokens spell (a proxy, detokenizer or stop-string cut changed it); located from the text")
+    found.note = f"{note}; {found.note}" if found.text_only else note
     return found
 
 
-def compared_by(ref: Reference, ours: Reply) -> str:
+def compared_by(ref: Reference, ours: Reply, tokenizer=None) -> str:
     """How :func:`locate` compares two answers: "ids", "tokens" (and the texts too), or "text" alone."""
-    if (ref.ids is not None or _ids(ref.tokens) is not None) and _ids(ours.tokens) is not None:
+    ref_ids = ref.ids is not None or _ids(ref.tokens) is not None
+    if ref_ids and _ids(ours.tokens) is not None:
         return "ids"
-    return "tokens" if ref.tokens is not None and ours.tokens is not None else "text"
+    if ours.tokens is not None and (ref.tokens is not None or (ref_ids and tokenizer is not None)):
+        return "tokens"
+    return "text"
+
+
+def _spellings(tokenizer, i: int) -> set[str]:
+    """How an endpoint may write the token ``i`` as a logprobs string: its text alone (vLLM's,
+    mmspec's ``decode([id])``) or the vocabulary's own form (``convert_ids_to_tokens``: "Ġred")."""
+    forms = {tokenizer.decode([i])}
+    raw = tokenizer.convert_ids_to_tokens(i)
+    if isinstance(raw, str):
+        forms.add(raw)
+    return forms
+
+
+def _strings_against_ids(ref_ids: list[int], ours: Reply, tokenizer, eos: _Eos) -> Located | None:
+    """An endpoint's logprobs token strings (no ids) against the reference's ids: each string is
+    the reference's token where it spells it, else the first difference; there the string is
+    read back as a token of the target's vocabulary (one token, in either spelling) to be judged,
+    or, when it is none, marked ``foreign``."""
+    read = [own if own is not None and t.text in _spellings(tokenizer, own) else t.text
+            for t, own in zip(ours.tokens, [*ref_ids, *[None] * len(ours.tokens)])]
+    found = _located(ref_ids, eos.ended(read, ours, ref_ids), "tokens")
+    if found is None or not isinstance(found.ours, str):
+        return found
+    text = found.ours
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    vocab_id = tokenizer.convert_tokens_to_ids(text) if text in tokenizer.get_vocab() else None
+    if len(ids) == 1 and text in _spellings(tokenizer, ids[0]):
+        found.ours = ids[0]
+    elif vocab_id is not None:
+        found.ours = vocab_id
+    else:
+        found.foreign = True
+        found.note = (f"the endpoint's logprobs token {text!r} is no token of the target's vocabulary (its text "
+                      f"is {len(ids)} tokens): the target cannot have chosen it")
+    return found
 
 
 def _agreed(ref_ids, ours_ids) -> str:
@@ -160,6 +210,13 @@ def _align(ref: Reference, text: str, tokenizer) -> Located:
         return Located(k, own, None, "text")
     if tokenizer is not None:
         return Located(k, own, tokenizer.decode(tokenizer.encode(rest, add_special_tokens=False)[:1]), "text")
+    if own is not None and ref.tokens is not None and k < len(ref.tokens):
+        # no tokenizer: the answer's token here is unknown, but it is none of the reference's top_logprobs
+        # (the text from here starts with none of them), which is enough to bound the margin
+        word = re.match(r"\s*\w{1,24}|\s*\S|\s{1,24}", rest).group(0)
+        return Located(k, own, word, "text", text_only=True, note=(
+            f"no tokenizer: the answer's token here is not known, its text from here reads {word!r}, which starts "
+            "with neither the reference's token nor any of its top_logprobs (pass --tokenizer to read the token)"))
     return Located(k, own, None, "text", unknown=True)
 
 
@@ -178,6 +235,9 @@ def judge(found: Located, logprob_own: float | None, logprob_ours: float | None,
     if found.note:
         entry["note"] = found.note
     tol = tolerance_for(dtype, tolerance)
+    if found.foreign:
+        return {**entry, "margin": None, "logprob_gap": None, "class": "bug",
+                "why": "the endpoint's logprobs token is no token of the target's vocabulary"}
     if logprob_own is None or found.own is None or found.ours is None:
         ended = (found.own is None) != (found.ours is None) and not found.unknown
         return {**entry, "margin": None, "logprob_gap": None, "class": "bug" if ended else "unclassified",

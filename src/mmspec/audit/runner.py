@@ -76,7 +76,7 @@ class Auditor:
         eos = None if req.body.get("stop") else getattr(self.local, "eos_id", None)  # a stop string ends no token
         found = locate(ref, ours, self.tokenizer, eos_id=eos, eos_ids=getattr(self.local, "eos_ids", ()))
         row["chars"] = len(ours.text)  # the answer's length: an empty answer is "identical" too
-        row["compared"] = compared_by(ref, ours)  # ids, tokens (each with the texts) or text alone
+        row["compared"] = compared_by(ref, ours, self.tokenizer)  # ids, tokens (each with the texts) or text alone
         if found is None:
             return {**row, "class": "identical", "seconds": time.perf_counter() - t0}
         diff = self._judge(ref, inputs, found)
@@ -87,7 +87,7 @@ class Auditor:
     def _judge(self, ref: Reference, inputs, found) -> dict:
         c = self.config
         if self.local is not None:
-            if found.own is None or found.ours is None:
+            if found.own is None or found.ours is None or found.foreign:
                 return judge(found, None, None, c.dtype, c.tolerance)
             lp_own, lp_ours = self.local.logprobs(inputs, ref, found)
             return judge(found, lp_own, lp_ours, c.dtype, c.tolerance)

@@ -35,6 +35,16 @@ class Generation:
 class Backend(Protocol):
     def baseline(self, sample: BenchSample) -> Generation: ...
     def spec(self, sample: BenchSample, method: str) -> Generation: ...
+    def begin_pass(self, batch_size: int) -> None:
+        """The batched pass of ``batch_size`` begins: a conversation's turns decode on that pass's own
+        decoders, whose prefix caches hold only that pass's earlier turns (a turn 1 never finds itself
+        in the cache of another pass, a turn 2 finds its turn 1 of this pass). The previous pass's
+        decoders are dropped with their caches (a 7B target's KV per pass would add up)."""
+        if self._pass is not None and self._pass != batch_size:
+            for key in [k for k in self._decoders if k.endswith(f"\0b{self._pass}")]:
+                del self._decoders[key]
+        self._pass = batch_size
+
     def latency(self, sample: BenchSample) -> dict | None: ...
     def describe(self) -> dict: ...
     # optional (getattr): audit(sample, own, ours) -> dict | None; target_batch(samples) and
@@ -101,13 +111,39 @@ class HFBackend:
             if mod is not None:
                 mod.to(device).eval()
         self._decoders: dict[str, Any] = {}
+        self._pass: int | None = None  # the batched pass under way (begin_pass), None: one prompt at a time
+
+    def prompt(self, sample: BenchSample) -> str:
+        """The sample's prompt text: a published multi-turn sample (MMSpec's) through the target's own
+        chat template when its processor has one (real checkpoints), else as the data set rendered it
+        (the LLaVA-1.5 chat format ``USER: ... ASSISTANT:``, which the embedded pack reads)."""
+        template = getattr(self.m.processor, "chat_template", None)
+        if sample.questions and template:
+            from mmspec.prompt import chat_messages
+
+            msgs = chat_messages(sample.questions[:sample.turn], sample.answers, sample.n_images)
+            return self.m.processor.apply_chat_template(msgs, add_generation_prompt=True)
+        return sample.prompt
+
+    def new_tokens(self, sample: BenchSample, prompt_len: int) -> int:
+        """New tokens for ``sample``'s answer: ``--max-new-tokens``, else its data set's protocol
+        (:meth:`BenchConfig.new_tokens_for`), then cut to what fits the target's context (a margin of
+        64 positions for a block's drafts) when the protocol's default would not: the embedded pack's
+        1,024 positions cannot hold MMSpec's 1,024 new tokens after a prompt. An explicit
+        ``--max-new-tokens`` is never cut (a prompt it does not fit is the decoder's error)."""
+        n = self.cfg.new_tokens_for(sample.dataset)
+        if self.cfg.max_new_tokens is None:
+            limit = self.m.target.config.get_text_config().max_position_embeddings
+            if limit:
+                n = max(1, min(n, int(limit) - prompt_len - 64))
+        return n
 
     def _inputs(self, sample: BenchSample) -> dict[str, torch.Tensor]:
         dtype = next(self.m.target.parameters()).dtype  # pixel_values follow the target (bf16 runs)
         if sample.video is not None:
             return self._clip_inputs(sample, dtype)
         images = sample.images or None
-        enc = self.m.processor(text=sample.prompt, images=images, return_tensors="pt")
+        enc = self.m.processor(text=self.prompt(sample), images=images, return_tensors="pt")
         return {k: v.to(self.device, dtype=dtype) if v.is_floating_point() else v.to(self.device)
                 for k, v in enc.items() if isinstance(v, torch.Tensor)}
 
@@ -139,6 +175,8 @@ class HFBackend:
         caches (prefix caching) so turn 2 prefills only its new suffix; every other prompt is timed from
         scratch, as the target's own generate runs it (``prefix_cache_mb=0``)."""
         key = f"{method}\0reuse" if reuse else method
+        if reuse and self._pass is not None:  # a batched pass's own cache: none of another pass's prompts
+            key += f"\0b{self._pass}"
         if key not in self._decoders:
             from mmspec.decoder import SpecDecoder
 
@@ -176,7 +214,7 @@ class HFBackend:
         inputs = self._inputs(sample)
         n_in = int(inputs["input_ids"].shape[1])
         greedy = self.cfg.temperature <= 0
-        kw: dict[str, Any] = {"do_sample": not greedy, "max_new_tokens": self.cfg.max_new_tokens}
+        kw: dict[str, Any] = {"do_sample": not greedy, "max_new_tokens": self.new_tokens(sample, n_in)}
         if not greedy:  # the distribution spec() samples: no top-k (transformers adds 50) or top-p
             kw.update(temperature=self.cfg.temperature, top_k=0, top_p=1.0)
             torch.manual_seed(self.cfg.seed)
@@ -193,12 +231,13 @@ class HFBackend:
         from mmspec.decoder import MM_KEYS
 
         inputs = self._inputs(sample)
-        dec = self._decoder(method, reuse=sample.turn > 1 or sample.followup is not None)
+        dec = self._decoder(method, reuse=sample.multi_turn)
+        n_in = int(inputs["input_ids"].shape[1])
         sync(self.device)
         t0 = time.perf_counter()
         res = dec.generate(
             inputs["input_ids"], pixel_values=inputs.get("pixel_values"),
-            attention_mask=inputs.get("attention_mask"), max_new_tokens=self.cfg.max_new_tokens,
+            attention_mask=inputs.get("attention_mask"), max_new_tokens=self.new_tokens(sample, n_in),
             temperature=self.cfg.temperature, seed=self.cfg.seed, images=sample.images,
             **{k: v for k, v in inputs.items() if k in MM_KEYS},
         )
@@ -224,7 +263,8 @@ class HFBackend:
         tok.padding_side = "left"
         try:
             images = [im for s in samples for im in s.images] or None
-            enc = self.m.processor(text=[s.prompt for s in samples], images=images, padding=True, return_tensors="pt")
+            enc = self.m.processor(text=[self.prompt(s) for s in samples], images=images, padding=True,
+                                   return_tensors="pt")
         finally:
             tok.padding_side = side
         dtype = next(self.m.target.parameters()).dtype
@@ -233,32 +273,44 @@ class HFBackend:
         n_in = int(inputs["input_ids"].shape[1])
         sync(self.device)
         t0 = time.perf_counter()
-        out = self.m.target.generate(**inputs, do_sample=False, max_new_tokens=self.cfg.max_new_tokens)  # [B, n_in + n_new]
+        limits = [self.new_tokens(s, int(m.sum())) for s, m in zip(samples, inputs["attention_mask"])]
+        out = self.m.target.generate(**inputs, do_sample=False, max_new_tokens=max(limits))  # [B, n_in + n_new]
         sync(self.device)
         wall = time.perf_counter() - t0
         eos = self.m.target.generation_config.eos_token_id
         gens = []
-        for row, mask in zip(out[:, n_in:].tolist(), inputs["attention_mask"]):
-            new = cut_at_eos(row, eos)
+        for row, mask, limit in zip(out[:, n_in:].tolist(), inputs["attention_mask"], limits):
+            new = cut_at_eos(row[:limit], eos)
             gens.append(Generation(new, tok.decode(new, skip_special_tokens=True), wall, int(mask.sum())))
         return gens, wall
 
     def spec_batch(self, samples: list[BenchSample], method: str) -> tuple[list[Generation], float]:
         """``SpecDecoder.generate_batch`` over ``samples`` (one request each), and the batch's wall time."""
-        dec = self._decoder(method)
+        dec = self._decoder(method, reuse=any(s.multi_turn for s in samples))
         reqs = []
         for s in samples:
             inputs = self._inputs(s)
-            reqs.append({**inputs, "images": s.images})
+            reqs.append({**inputs, "images": s.images,
+                         "max_new_tokens": self.new_tokens(s, int(inputs["input_ids"].shape[1]))})
         sync(self.device)
         t0 = time.perf_counter()
         speculate = method_tree(method).get("speculate", "always")
-        results = dec.generate_batch(reqs, max_new_tokens=self.cfg.max_new_tokens, max_batch=len(reqs),
+        results = dec.generate_batch(reqs, max_batch=len(reqs),
                                      speculate=speculate, temperature=self.cfg.temperature, seed=self.cfg.seed)
         sync(self.device)
         wall = time.perf_counter() - t0
         return [Generation(list(r.token_ids), r.text, wall, int(q["input_ids"].shape[-1]), r.stats.to_dict())
                 for r, q in zip(results, reqs)], wall
+
+    def begin_pass(self, batch_size: int) -> None:
+        """The batched pass of ``batch_size`` begins: a conversation's turns decode on that pass's own
+        decoders, whose prefix caches hold only that pass's earlier turns (a turn 1 never finds itself
+        in the cache of another pass, a turn 2 finds its turn 1 of this pass). The previous pass's
+        decoders are dropped with their caches (a 7B target's KV per pass would add up)."""
+        if self._pass is not None and self._pass != batch_size:
+            for key in [k for k in self._decoders if k.endswith(f"\0b{self._pass}")]:
+                del self._decoders[key]
+        self._pass = batch_size
 
     def latency(self, sample: BenchSample) -> dict | None:
         from mmspec.bench.latency import measure_latency

@@ -138,7 +138,8 @@ def mean(rows: list[dict], f) -> float | None:
 
 def conversation_section(rows: list[dict]) -> list[str]:
     """τ per turn and the turn-2 prefill against a fresh one (empty without conversation rows)."""
-    spec = [r for r in rows if r.get("kind") == "spec" and r.get("turn")]
+    spec = [r for r in rows if r.get("kind") == "spec" and r.get("turn")
+            and not r["dataset"].startswith("mmspec/")]  # MMSpec's turns: mmspec.bench.mmspec_report
     if not spec:
         return []
     base = {(r["dataset"], r["uid"]): r for r in rows if r.get("kind") == "baseline"}

@@ -3,13 +3,15 @@
 Owns the order of work and the rows of the batched comparison. For each B > 1 of the run (and
 B = 1 when it is listed beside a larger one, so the curve has its first point measured the same
 way), a dataset's samples (this run's, turn 2 of each conversation included) are cut into
-consecutive batches of B (the last may be smaller). Each batch is decoded by the target's own
+consecutive batches of B by turn (:func:`turn_batches`: turn 1 of every sample, then turn 2, ...; the
+last batch of a turn may be smaller). Each batch is decoded by the target's own
 batched greedy ``generate`` (left-padded, one processor call: label ``target``) and by
 ``SpecDecoder.generate_batch`` for each method, on the same prompts, in the same run.
 
 Rows (keys stay unique through the uid; every row carries ``batch_size``):
 
-- ``batch_out``: one per request and decoder: ``uid`` = ``{sample uid}@b{B}``, ``sample_uid``,
+- ``batch_out``: one per request and decoder, in the sample's own dataset (an MMSpec category):
+  ``uid`` = ``{sample uid}@b{B}``, ``sample_uid``,
   ``method`` (``target`` or the method), ``token_ids``, ``text``, ``latency_s``, ``stats`` (methods),
   ``identical_to_solo`` (token-for-token equal to the target's solo greedy output, the baseline
   row). A method's request unlike it is a lossless failure (audited as the solo rows are); the
@@ -79,9 +81,17 @@ def run_batches(cfg: BenchConfig, dataset: str, samples: list[BenchSample], loop
     """Decode ``samples`` B at a time for each B of the run: the target's batched generate, then
     each method's ``generate_batch``; write the rows of each batch as it finishes."""
     for size in batch_sizes_to_run(cfg):
-        for index, batch in enumerate(chunks(samples, size)):
+        for index, batch in enumerate(turn_batches(samples, size)):
             for who in (TARGET, *cfg.methods):
                 _one_batch(cfg, dataset, size, index, batch, who, loop)
+
+
+def turn_batches(samples: list[BenchSample], size: int) -> list[list[BenchSample]]:
+    """Batches of ``size`` by turn: turn 1 of every sample, B at a time, then turn 2 of those that have
+    one, and so on (a turn's prompt holds the answers to the turns before, so a batch never mixes turns;
+    the last batch of a turn may be smaller)."""
+    return [b for turn in sorted({s.turn for s in samples})
+            for b in chunks([s for s in samples if s.turn == turn], size)]
 
 
 def _one_batch(cfg: BenchConfig, dataset: str, size: int, index: int, batch: list[BenchSample], who: str,
@@ -94,12 +104,15 @@ def _one_batch(cfg: BenchConfig, dataset: str, size: int, index: int, batch: lis
         summary.skipped += 1
         return
     backend = loop.backend()
+    begin = getattr(backend, "begin_pass", None)  # optional: a backend keeping a cache per pass
+    if begin is not None:
+        begin(size)
     gens, wall = backend.target_batch(batch) if who == TARGET else backend.spec_batch(batch, who)
     rows = []
     for sample, g in zip(batch, gens):
-        solo = loop.baselines.get((dataset, sample.uid))
+        solo = loop.baselines.get((sample.dataset, sample.uid))
         same = None if solo is None else g.token_ids == solo["token_ids"]
-        row = {"kind": "batch_out", "dataset": dataset, "uid": f"{sample.uid}@b{size}", "sample_uid": sample.uid,
+        row = {"kind": "batch_out", "dataset": sample.dataset, "uid": f"{sample.uid}@b{size}", "sample_uid": sample.uid,
                "method": who, "batch_size": size, "batch_index": index, "n_images": sample.n_images,
                "input_len": g.input_len, "token_ids": g.token_ids, "text": g.text, "latency_s": wall,
                "identical_to_solo": same, "temperature": cfg.temperature, "rank": rank,
@@ -107,11 +120,11 @@ def _one_batch(cfg: BenchConfig, dataset: str, size: int, index: int, batch: lis
         if g.stats is not None:
             row["stats"] = g.stats
             row["accepted"] = accepted_flags(g.stats.get("blocks", []))
-        if sample.turn > 1 or sample.followup is not None:
+        if sample.multi_turn:
             row["turn"] = sample.turn
         if same is False:
             if who == TARGET:
-                summary.target_batch_differs.append(f"{dataset}/{sample.uid}@b{size}")
+                summary.target_batch_differs.append(f"{sample.dataset}/{sample.uid}@b{size}")
                 _audit_only(row, sample, solo["token_ids"], g.token_ids, loop)
             elif (g.stats or {}).get("acceptance", "exact") == "exact":
                 loop.audit(row, sample, solo["token_ids"], g.token_ids)

@@ -37,6 +37,10 @@ RESULT_KEYS = ("gamma", "max_new_tokens", "temperature", "seed", "target", "draf
 
 
 HEAD_VARIANTS = ("eagle", "eagle3", "msd")
+IBED_NEW_TOKENS = 128  # the IbED paper's new tokens per sample (Section 4.1), every data set's unless below
+# data sets whose protocol sets another limit when --max-new-tokens is not given (a turn's answer): MMSpec's
+# evaluation follows Spec-Bench / EAGLE's 1024 (docs/bench.md)
+PROTOCOL_NEW_TOKENS: dict[str, int] = {"mmspec": 1024}
 
 
 def parse_method(method: str) -> tuple[tuple[str, ...], dict]:
@@ -46,13 +50,13 @@ def parse_method(method: str) -> tuple[tuple[str, ...], dict]:
     order (README, "Token trees"): ``tree`` asks for the dynamic token tree with the device's
     measured defaults, ``tree:DxKxB`` (``tree:6x4x16``) one of depth D, top-k K and budget B,
     ``tree:[[0],[1],[0,0]]`` a static tree, ``tree:auto`` the chain or a tree per step by measured
-    tokens/s (:class:`mmspec.engine.scheduler.ShapePolicy`); ``relaxed``: MSD's relaxed acceptance (LOSSY); ``auto``:
+    tokens/s (:class:`mmspec.engine.policy.SpeculationPolicy`); ``relaxed``: MSD's relaxed acceptance (LOSSY); ``auto``:
     the batched pass decodes with ``generate_batch(speculate="auto")`` (drafts only where measured to
     pay; :class:`mmspec.batch.SpeculationPolicy`), the one-prompt rows as the method without it;
     ``adaptive`` (``adaptive:loglik``): ensemble weights that adapt per block (TABED;
-    :mod:`mmspec.adaptive`), {"weights": "adaptive"}, for two views or more. A head
+    :mod:`mmspec.drafting.adaptive`), {"weights": "adaptive"}, for two views or more. A head
     variant in place of the views (``eagle``, ``eagle3+tree``, ``msd+relaxed+tree``) drafts with
-    that trained head: {"head": variant}. ``lookup`` / ``suffix`` (:mod:`mmspec.lookup`) alone draft
+    that trained head: {"head": variant}. ``lookup`` / ``suffix`` (:mod:`mmspec.drafting.lookup`) alone draft
     with no model, {"draft": name}; after views or a head (``M+suffix``, ``eagle+lookup+tree``) their
     proposals join the draft's tree, {"model_free": name}. Each tree is checked here (a zero depth
     is refused).
@@ -76,7 +80,7 @@ def parse_method(method: str) -> tuple[tuple[str, ...], dict]:
         elif low == "adaptive" or low.startswith("adaptive:"):
             if "weights" in kw:
                 raise MMSpecError(f"method {method!r} says +adaptive twice; say it once")
-            from mmspec.adaptive import AdaptiveWeights
+            from mmspec.drafting.adaptive import AdaptiveWeights
 
             kw["weights"] = AdaptiveWeights.parse(low).label  # an unknown rule is refused here
         elif low in ("lookup", "suffix"):
@@ -141,8 +145,8 @@ def split_methods(values) -> tuple[str, ...]:
 
 def _tree_part(text: str, method: str) -> str:
     """``tree`` -> "dynamic"; ``tree:6x4x16`` -> "6x4x16"; ``tree:[[0],[1]]`` -> its JSON; ``tree:auto``. The
-    shape is checked with :func:`mmspec.tree.parse_tree` (device-independent parts)."""
-    from mmspec.tree import parse_tree
+    shape is checked with :func:`mmspec.drafting.tree.parse_tree` (device-independent parts)."""
+    from mmspec.drafting.tree import parse_tree
 
     low = text.lower()
     if low.startswith("tree@"):
@@ -168,7 +172,7 @@ def method_views(method: str) -> tuple[str, ...]:
 
 
 def method_tree(method: str) -> dict:
-    """SpecDecoder keywords of a method beyond its views: tree (in :func:`mmspec.tree.parse_tree`'s
+    """SpecDecoder keywords of a method beyond its views: tree (in :func:`mmspec.drafting.tree.parse_tree`'s
     notation), acceptance ({} for a plain chain), and "head" (a head variant) for head methods."""
     return parse_method(method)[1]
 
@@ -243,7 +247,7 @@ class BenchConfig:
     datasets: tuple[DatasetSpec, ...] = tuple(DatasetSpec(d) for d in DEFAULT_DATASETS)
     n_samples: int = 100  # per dataset
     gamma: int = 5
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = None  # per answer (a turn); None: each data set's protocol (new_tokens_for)
     temperature: float = 0.0  # 0 = greedy (the paper's setting)
     seed: int = 0
     target: str | None = None  # local dir / hub id; None = embedded models
@@ -270,7 +274,7 @@ class BenchConfig:
             raise MMSpecError(f"n_samples must be >= 1, got {self.n_samples}")
         if self.pool_tokens is not None and self.pool_tokens < 1:
             raise MMSpecError(f"pool_tokens must be >= 1 (or unset for the default), got {self.pool_tokens}")
-        if self.max_new_tokens < 1:
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise MMSpecError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.latency_repeats < 1:
             raise MMSpecError(f"latency_repeats (--latency-repeats) must be >= 1, got {self.latency_repeats}")
@@ -287,7 +291,7 @@ class BenchConfig:
                               "a P method (e.g. -m P,MTCP) or drop --pool-tokens")
         if len(set(self.methods)) != len(self.methods):
             raise MMSpecError(f"a method is listed twice in {', '.join(self.methods)}; list each once")
-        from mmspec.verify import SamplingParams
+        from mmspec.runtime.verify import SamplingParams
 
         SamplingParams(temperature=float(self.temperature))  # refuses a negative or non-finite one
         from mmspec.models.loading import check_model_flags
@@ -304,9 +308,21 @@ class BenchConfig:
         directories made before the split became optional still resume)."""
         values = {k: getattr(self, k) for k in RESULT_KEYS}
         values["split"] = values["split"] or "test"
+        values["max_new_tokens"] = self.new_tokens_for("")  # unset = the IbED default, as before it was optional
+        protocol = {s.name: PROTOCOL_NEW_TOKENS[s.name] for s in self.datasets if s.name in PROTOCOL_NEW_TOKENS}
+        if self.max_new_tokens is None and protocol:  # only then: older results directories still resume
+            values["protocol_new_tokens"] = protocol
         if self.heads:  # only when given: results made before heads existed still resume
             values["heads"] = [list(h) for h in self.heads]
         return values
+
+    def new_tokens_for(self, dataset: str) -> int:
+        """New tokens per answer for ``dataset`` (a sample's dataset, ``mmspec/general_vqa`` included):
+        ``max_new_tokens`` when given, else the data set's protocol (:data:`PROTOCOL_NEW_TOKENS`: MMSpec's
+        1024 a turn), else the IbED paper's 128."""
+        if self.max_new_tokens is not None:
+            return self.max_new_tokens
+        return PROTOCOL_NEW_TOKENS.get(dataset.split("/")[0], IBED_NEW_TOKENS)
 
     def fingerprint(self) -> str:
         """Hash of the settings that change a row's numbers (not which rows are run)."""

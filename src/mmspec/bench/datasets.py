@@ -38,6 +38,12 @@ The embedded world's video families (``motion``, ``order``: :data:`mmspec.world.
 are benchmarked on a Video-LLaVA pair such as ``mmspec train video``'s: a sample carries the
 world's clip (:attr:`BenchSample.video`), which the backend turns into the target's video inputs.
 
+MMSpec's splits (``-d mmspec=PATH[:SPLIT]``, :func:`load_mmspec`; the files are
+:mod:`mmspec.bench.mmspec_split`'s) are multi-turn: a sample is turn 1 of a row's questions
+(:attr:`BenchSample.questions`), in the LLaVA-1.5 chat format (:func:`mmspec.prompt.llava_chat`), of
+dataset ``mmspec/{category}``; :meth:`BenchSample.next_turn` asks the next question after the
+target's own answer.
+
 A missing path, a split with no files, or a file lacking a needed column raises
 :class:`mmspec.errors.MMSpecError` naming the file, the problem and the fix. It knows nothing
 about models.
@@ -47,7 +53,7 @@ from __future__ import annotations
 
 import io
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +61,7 @@ from PIL import Image
 
 from mmspec.bench.sources import RowSource, open_rows
 from mmspec.errors import MMSpecError
-from mmspec.prompt import IMAGE_MARKER, llava_user_turn, single_image_qa_prompt
+from mmspec.prompt import IMAGE_MARKER, llava_chat, llava_user_turn, single_image_qa_prompt
 
 N_IMAGES: dict[str, int] = {  # images a sample of the embedded world's family has
     "chartqa": 1, "textvqa": 1, "vqav2": 1, "hallusionbench": 1,
@@ -75,6 +81,7 @@ DEFAULT_SPLITS: dict[str, str] = {
     "spot_the_diff": "test", "iedit": "test", "pororosv": "test", "vist": "test",
 }
 EMBEDDED_SPLIT = "test"  # the embedded world's default split
+MMSPEC = "mmspec"  # MMSpec's published splits (mmspec.bench.mmspec_split); its samples' dataset is mmspec/CATEGORY
 INTERLEAVE_CONFIG = "in_domain"  # the interleave bench's config (hub snapshot folder) of these tasks
 # reference-answer columns, first present wins
 REFERENCE_COLUMNS: dict[str, tuple[str, ...]] = {
@@ -100,12 +107,33 @@ class BenchSample:
     followup: str | None = None  # a conversation's turn-2 user question (turn 1 only)
     followup_reference: str | None = None  # the world's reference answer to it
     video: Any = None  # the world's clip (mmspec.world.VideoSample) of a video family; prompt holds its <video>
+    questions: tuple[str, ...] = ()  # a published multi-turn sample's user turns, all of them (MMSpec's ``turns``)
+    answers: tuple[str, ...] = ()  # the target's own answers to the turns before this one (len = turn - 1)
+
+    @property
+    def has_next(self) -> bool:
+        """Whether a later turn follows this one (a conversation's follow-up, or MMSpec's next question)."""
+        return self.followup is not None or self.turn < len(self.questions)
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether this sample is a turn of a conversation (its rows carry ``turn``)."""
+        return self.turn > 1 or self.followup is not None or bool(self.questions)
 
     def next_turn(self, answer: str) -> BenchSample:
-        """Turn 2 of a conversation: this prompt + ``answer`` (the target's own turn-1 output) + the
-        follow-up question, same images; its uid is this uid + ``/t2``."""
+        """The next turn, asked after ``answer`` (the target's own output to this turn), same images:
+        the world conversation's turn 2 (this prompt + answer + the follow-up question), or an MMSpec
+        sample's next question (the chat rendered again, :func:`mmspec.prompt.llava_chat`).
+        Its uid is the first turn's + ``/t{turn}``."""
         from mmspec.world.conversation import turn2_prompt
 
+        if self.questions:
+            if not self.has_next:
+                raise MMSpecError(f"{self.uid} is the last of its {len(self.questions)} turn(s); it has no next turn")
+            answers, turn = (*self.answers, answer.strip()), self.turn + 1
+            base = self.uid if self.turn == 1 else self.uid.rsplit("/t", 1)[0]
+            return replace(self, uid=f"{base}/t{turn}", prompt=llava_chat(self.questions[:turn], answers, self.n_images),
+                           images=list(self.images), answers=answers, turn=turn)
         if self.followup is None:
             raise MMSpecError(f"{self.uid} has no follow-up question; only a conversation has a turn 2")
         return BenchSample(f"{self.uid}/t2", self.dataset, turn2_prompt(self.prompt, answer, self.followup),
@@ -121,9 +149,12 @@ class LoadReport:
     """What a loader skipped and why (e.g. HallusionBench rows without an image)."""
 
     skipped: dict[str, int] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)  # each skipped row's own message (file:line, id, the fix)
 
-    def skip(self, reason: str) -> None:
+    def skip(self, reason: str, message: str | None = None) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        if message is not None:
+            self.errors.append(message)
 
 
 # --------------------------------------------------------------------------- embedded world
@@ -330,10 +361,35 @@ def load_real(name: str, path: Path, n: int, split: str | None = None) -> tuple[
     return samples, report
 
 
+def load_mmspec(path: Path, n: int, split: str | None = None) -> tuple[list[BenchSample], LoadReport]:
+    """The first ``n`` usable samples of each category of an MMSpec split (:mod:`mmspec.bench.mmspec_split`;
+    ``split`` None: test), in file order. A sample is turn 1 of its row's conversation: the LLaVA-1.5
+    chat (:func:`mmspec.prompt.llava_chat`) of its first question, its dataset ``mmspec/{category}``;
+    :meth:`BenchSample.next_turn` asks the next one after the target's own answer. Bad rows are
+    skipped and reported (``LoadReport.errors``: FILE:LINE, id, the fix); none usable is an error."""
+    from mmspec.bench.mmspec_split import read_split
+
+    read = read_split(path, split, n)
+    report = LoadReport(dict(read.skipped), list(read.errors))
+    if not read.rows:
+        first = f" (first: {read.errors[0]})" if read.errors else ""
+        raise MMSpecError(f"{read.file}: no usable MMSpec rows (skipped: {read.skipped or 'none'}){first}; expected "
+                          "one JSON object a line with id, image (a path under the split's images/ folder), turns "
+                          "(the user's questions), category, topic")
+    samples = [BenchSample(r.uid, f"{MMSPEC}/{r.category}", llava_chat(r.turns[:1], ()), [r.image],
+                           questions=r.turns) for r in read.rows]
+    return samples, report
+
+
 def load_dataset(name: str, path: Path | None, n: int,
                  split: str | None = None) -> tuple[list[BenchSample], LoadReport]:
     """Embedded world when ``path`` is None (``split`` None: test), else the real benchmark
     from local files (``split`` None: its own default split, :data:`DEFAULT_SPLITS`)."""
+    if name == MMSPEC:
+        if path is None:
+            raise MMSpecError("-d mmspec needs the split's path: -d mmspec=PATH[:SPLIT], PATH a clone's dataset/MMSpec "
+                              "folder (or one split's folder, holding mmspec.jsonl and images/)")
+        return load_mmspec(Path(path), n, split)
     if path is None:
         if name not in EMBEDDED_NAMES:
             raise MMSpecError(f"unknown dataset {name!r}; choose from {sorted(EMBEDDED_NAMES)}")

@@ -40,7 +40,7 @@ def check_datasets(cfg: BenchConfig) -> None:
     from mmspec.world.core import check_split
 
     for spec in cfg.datasets:
-        if spec.path is None:  # the world: checked by name, without rendering a sample
+        if spec.path is None and spec.name != "mmspec":  # the world: checked by name, without rendering a sample
             if spec.name not in EMBEDDED_NAMES:
                 raise MMSpecError(f"unknown dataset {spec.name!r}; choose from {sorted(EMBEDDED_NAMES)}")
             check_split(spec.split or cfg.split or "test")  # the world's split when none is named

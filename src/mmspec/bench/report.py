@@ -1,9 +1,9 @@
 """``mmspec report RESULTS_DIR``: merge all rank files and render ``report.md`` + PNG plots.
 
 Owns the layout of the report: a header (commands, machine, date), a loud losslessness check,
-the half-precision audit, the IbED Table 3 layout (datasets grouped by n = 1 / 2 / 5 images, group averages) for block
+the half-precision audit, the IbED Table 3 layout (datasets grouped by n = 1 / 2 / 5 images, MMSpec's categories apart, group averages) for block
 efficiency and for mean accepted length, measured vs predicted (eq. 2) speed-up, acceptance per
-draft position, time splits, latencies, the batched comparison and the conversations (:mod:`mmspec.bench.batch_report`), and the figures of :mod:`mmspec.bench.plots`. It also
+draft position, time splits, latencies, MMSpec's own table (:mod:`mmspec.bench.mmspec_report`), the batched comparison and the conversations (:mod:`mmspec.bench.batch_report`), and the figures of :mod:`mmspec.bench.plots`. It also
 writes ``metrics.json`` with every number. It reads rows only; it runs no model.
 """
 
@@ -28,6 +28,7 @@ from mmspec.bench.metrics import (
     lossless_violations,
     methods_of,
 )
+from mmspec.bench.mmspec_report import mmspec_metrics, mmspec_section
 from mmspec.bench.store import merge_rows, rank_files, read_run_meta
 from mmspec.provenance import command_line, machine_info, now
 
@@ -41,10 +42,13 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return out + ["| " + " | ".join(r) + " |" for r in rows]
 
 
-def _group(n: int, datasets: list[str]) -> str:
-    """A column's label: ``n=N`` images, or ``video`` for the world's clip families (no images)."""
+def _group(n: int | str, datasets: list[str]) -> str:
+    """A column's label: ``n=N`` images, ``video`` for the world's clip families (no images), or the
+    name of a benchmark grouped apart (MMSpec's categories)."""
     from mmspec.bench.datasets import VIDEO_NAMES
 
+    if isinstance(n, str):
+        return n
     return "video" if n == 0 and all(d in VIDEO_NAMES for d in datasets) else f"n={n}"
 
 
@@ -87,7 +91,8 @@ def _header(results_dir: Path, command: str | None, metas: list[dict]) -> list[s
     if metas:
         cfg, models = metas[-1].get("config", {}), metas[-1].get("models", {})
         lines.append(
-            f"- **settings:** gamma={cfg.get('gamma')}, max_new_tokens={cfg.get('max_new_tokens')}, "
+            f"- **settings:** gamma={cfg.get('gamma')}, max_new_tokens="
+            f"{cfg.get('max_new_tokens') or 'each data set protocol (IbED 128; MMSpec 1024 a turn, cut to the context)'}, "
             f"temperature={cfg.get('temperature')} ({'greedy' if not cfg.get('temperature') else 'sampling'}), "
             f"n_samples={cfg.get('n_samples')} per dataset; models: {models.get('source')} "
             f"(target {models.get('target_params')} params, draft {models.get('draft_params')} params)")
@@ -175,7 +180,7 @@ def render_report(results_dir: Path, command: str | None = None) -> Path:
                     [[d] + [_fmt(b[k], 3) for k in ("vision_s", "prefill_s", "decode_s", "wall_s")]
                      + [_fmt(b["new_tokens"], 1)] for d, b in bs.items() if b])
 
-    lines += [""] + batch_section(rows) + conversation_section(rows)
+    lines += [""] + mmspec_section(rows) + batch_section(rows) + conversation_section(rows)
     lats = {d: lat for d in datasets if (lat := latency_of(rows, d)) is not None}
     figs: list[tuple[str, Path]] = []
     if lats:
@@ -200,7 +205,7 @@ def render_report(results_dir: Path, command: str | None = None) -> Path:
     for d in datasets:
         sets, total = accepted_sets(rows, d)
         if len(sets) >= 2:
-            p = plots.upset_plot(sets, total, results_dir / f"upset_{d}.png",
+            p = plots.upset_plot(sets, total, results_dir / f"upset_{d.replace('/', '_')}.png",  # mmspec/CATEGORY
                                  f"{d}: accepted target tokens per single drafting method")
             figs.append((f"Which target tokens each single method got accepted: {d} (Fig. 5)", p))
             union = set().union(*sets.values())
@@ -220,5 +225,5 @@ def render_report(results_dir: Path, command: str | None = None) -> Path:
     (results_dir / "metrics.json").write_text(json.dumps(
         {"metrics": [m.to_dict() for m in metrics], "latency": lats, "batches": batch_metrics(rows),
          "audit": {f"{d}/{m}": v for (d, m), v in audit_summary(rows).items()},
-         "baseline_split": {d: b for d, b in bs.items() if b}}, indent=1))
+         "baseline_split": {d: b for d, b in bs.items() if b}, "mmspec": mmspec_metrics(rows)}, indent=1))
     return out

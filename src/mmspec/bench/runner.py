@@ -16,8 +16,10 @@ Row kinds (all carry ``kind``, ``dataset``, ``uid``, ``method``, ``rank``):
   ``identical`` (token-for-token equal to this sample's baseline).
 - ``latency``: the :func:`mmspec.bench.latency.measure_latency` dict for the dataset.
 
-A conversation (the world's ``conversation`` family) adds ``turn`` (1 or 2) to its rows; its turn 2
-is built after turn 1's baseline, from the target's own turn-1 answer (uid ``{uid}/t2``). A greedy
+A conversation (the world's ``conversation`` family, an MMSpec sample) adds ``turn`` (1, 2, ...) to its
+rows; its turn k + 1 is built after turn k's baseline, from the target's own turn-k answer (uid
+``{uid}/t{k+1}``), so a resumed run rebuilds every later turn from the rows on disk. MMSpec's samples
+are rows of their category (dataset ``mmspec/{category}``), each category with its latency row. A greedy
 spec row unlike the baseline gets ``audit`` (first differing position, the target's margin there:
 :mod:`mmspec.bench.audit`), ``audit_class`` ("near-tie" or "bug") and ``dtype``. With
 ``--batch-size`` B > 1, :mod:`mmspec.bench.batched` then decodes the dataset's samples B at a time
@@ -30,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mmspec.bench.backend import Backend, HFBackend, load_models, pick_device
-from mmspec.bench.config import RESULT_KEYS, BenchConfig, RankInfo, method_views
+from mmspec.bench.config import IBED_NEW_TOKENS, PROTOCOL_NEW_TOKENS, RESULT_KEYS, BenchConfig, RankInfo, method_views
 from mmspec.bench.datasets import BenchSample, load_dataset
 from mmspec.bench.metrics import accepted_flags, expects_identical
 from mmspec.bench.preflight import preflight
@@ -75,11 +77,16 @@ def _check_fingerprint(cfg: BenchConfig) -> None:
         fp = meta.get("fingerprint")
         if fp and fp != cfg.fingerprint():
             old = meta.get("config", {})
-            old = {**old, "split": old.get("split") or "test"}  # unset = test, as in result_values()
+            protocol = {name: n for name, n in PROTOCOL_NEW_TOKENS.items() if old.get("max_new_tokens") is None
+                        and any(str(d).split("=")[0] == name for d in old.get("datasets") or [])}
+            old = {**old, "split": old.get("split") or "test",  # unset = test, as in result_values()
+                   "max_new_tokens": old.get("max_new_tokens") or IBED_NEW_TOKENS}  # unset = IbED's, likewise
             now_values = {**cfg.result_values(), "heads": [list(h) for h in cfg.heads]}
-            old_values = {**{k: old.get(k) for k in RESULT_KEYS}, "heads": [list(h) for h in old.get("heads") or []]}
-            diff = [f"{k}: {old_values[k]!r} there, {now_values[k]!r} now" for k in (*RESULT_KEYS, "heads")
-                    if norm(old_values[k]) != norm(now_values[k])]
+            old_values = {**{k: old.get(k) for k in RESULT_KEYS}, "heads": [list(h) for h in old.get("heads") or []],
+                          "protocol_new_tokens": protocol or None}
+            now_values.setdefault("protocol_new_tokens", None)
+            diff = [f"{k}: {old_values[k]!r} there, {now_values[k]!r} now"
+                    for k in (*RESULT_KEYS, "heads", "protocol_new_tokens") if norm(old_values[k]) != norm(now_values[k])]
             raise MMSpecError(
                 f"{cfg.out_dir} holds results made with different settings ({'; '.join(diff) or 'the fingerprint'}); "
                 "resuming would mix them. Use a new --out directory, or the original settings."
@@ -109,8 +116,8 @@ def _spec_row(sample: BenchSample, method: str, gen, baseline: dict | None, cfg:
 
 
 def _turn(sample: BenchSample) -> dict:
-    """``{"turn": 1 | 2}`` for a conversation's rows, nothing for one-turn data sets."""
-    return {"turn": sample.turn} if sample.turn > 1 or sample.followup is not None else {}
+    """``{"turn": k}`` for a conversation's rows (MMSpec's included), nothing for one-turn data sets."""
+    return {"turn": sample.turn} if sample.multi_turn else {}
 
 
 def run_bench(cfg: BenchConfig, backend: Backend | None = None, rank: RankInfo | None = None,
@@ -145,15 +152,21 @@ def _run(cfg: BenchConfig, rank: RankInfo, writer: RowWriter, summary: RunSummar
             samples, report = load_dataset(spec.name, spec.path, cfg.n_samples, spec.split or cfg.split)
             if report.skipped:
                 summary.load_skips[spec.name] = dict(report.skipped)
+                summary.warnings += report.errors  # each skipped row: FILE:LINE, its id, the fix
             prog.update(loop.task, description=spec.name)
-            done: list[BenchSample] = []  # this shard's samples, turn 2 of each conversation included
-            for i, sample in enumerate(rank.shard(samples)):
-                loop.sample(sample, first=i == 0)
+            done: list[BenchSample] = []  # this shard's samples, every later turn of each conversation included
+            seen: set[str] = set()  # datasets with a sample here (MMSpec's categories: a latency row each)
+            for sample in rank.shard(samples):
+                loop.sample(sample, first=sample.dataset not in seen)
+                seen.add(sample.dataset)
                 done.append(sample)
-                base = loop.baselines.get((spec.name, sample.uid))
-                if sample.followup is not None and base is not None:  # turn 2 from the target's own answer
-                    done.append(sample.next_turn(base["text"]))
-                    loop.sample(done[-1], first=False)
+                while sample.has_next:  # the next turn, asked after the target's own answer
+                    base = loop.baselines.get((sample.dataset, sample.uid))
+                    if base is None:
+                        break
+                    sample = sample.next_turn(base["text"])
+                    loop.sample(sample, first=False)
+                    done.append(sample)
             if any(b > 1 for b in cfg.batch_sizes):
                 from mmspec.bench.batched import run_batches
 

@@ -64,10 +64,10 @@ def _factory(spec: str):
 def run_command(
     out: Path = typer.Option(Path("bench_results"), "--out", "-o", help="Results directory (resumable)."),
     method: list[str] | None = options.methods(None, "--method", "-m"),
-    dataset: list[str] | None = typer.Option(None, "--dataset", "-d", help="NAME (embedded world) or NAME=PATH[:SPLIT] (real benchmark: a parquet file, a directory of parquet files such as a hub snapshot, of which only SPLIT's files are read, or a save_to_disk dir; SPLIT defaults to the benchmark's own: chartqa test, textvqa and vqav2 validation, hallusionbench image, the interleave tasks test; relative image paths in it are read from its directory, then the working directory). Repeat or comma-separate. Default: the 8 IbED families, embedded."),
+    dataset: list[str] | None = typer.Option(None, "--dataset", "-d", help="NAME (embedded world) or NAME=PATH[:SPLIT] (real benchmark, or mmspec=PATH[:testmini|test]: MMSpec's split, multi-turn; a parquet file, a directory of parquet files such as a hub snapshot, of which only SPLIT's files are read, or a save_to_disk dir; SPLIT defaults to the benchmark's own: chartqa test, textvqa and vqav2 validation, hallusionbench image, the interleave tasks test; relative image paths in it are read from its directory, then the working directory). Repeat or comma-separate. Default: the 8 IbED families, embedded."),
     n_samples: int = typer.Option(100, "--n-samples", "-n", help="Samples per dataset."),
     gamma: int = typer.Option(5, help="Draft tokens per block."),
-    max_new_tokens: int = options.max_new_tokens(128, "sample"),
+    max_new_tokens: int | None = options.max_new_tokens(None, "answer (a turn; default: each data set's protocol, IbED 128, MMSpec 1024)"),
     temperature: float = typer.Option(0.0, help="0 = greedy (lossless: outputs must equal the target's)."),
     seed: int = typer.Option(0),
     target: str | None = typer.Option(None, help="Target checkpoint dir or hub id (default: embedded)."),

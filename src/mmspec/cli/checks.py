@@ -24,7 +24,7 @@ def at_least(flag: str, value, low: int = 1) -> None:
 
 
 def check_sampling(temperature: float, top_k: int | None = None, top_p: float | None = None) -> None:
-    from mmspec.verify import SamplingParams
+    from mmspec.runtime.verify import SamplingParams
 
     if not math.isfinite(temperature) or temperature < 0:
         raise MMSpecError(f"--temperature: temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
@@ -162,8 +162,8 @@ def check_decoder(o: GenerateOptions) -> GenerateOptions:
 def _check_numbers(o: GenerateOptions) -> None:
     """Numbers and their ranges, the block shape, sampling, views, dtype and device."""
     from mmspec.cli.common import graphs_flag, parse_weights
+    from mmspec.drafting.tree import is_auto, parse_shapes
     from mmspec.models.loading import resolve_dtype
-    from mmspec.tree import is_auto, parse_shapes
 
     at_least("--max-new-tokens", o.max_new_tokens)
     at_least("--gamma", o.gamma)
@@ -267,8 +267,8 @@ def _check_views(o: GenerateOptions) -> None:
     no draft model (``--draft lookup|suffix``, a head) there are no views to weigh: ``--weights``
     is refused by the model checks, not matched against ``--views`` (whose advice would be refused)."""
     from mmspec.checks import model_free_name
+    from mmspec.drafting.views import parse_views
     from mmspec.heads.directory import is_head_dir
-    from mmspec.views import parse_views
 
     try:
         kinds = [v.kind for v in parse_views(o.view_list)]
@@ -348,7 +348,7 @@ def check_demo(methods: list[str], families: list[str], max_new_tokens: int, gam
                threads: int | None, heads: dict | None = None) -> None:
     """``mmspec demo``: numbers, family names, and every method (with its tree) in bench notation."""
     from mmspec.bench.config import parse_method
-    from mmspec.views import parse_views
+    from mmspec.drafting.views import parse_views
     from mmspec.world import FAMILIES
 
     at_least("--max-new-tokens", max_new_tokens)

@@ -40,11 +40,11 @@ def names(text: str) -> list[str]:
 
 def parse_weights(weights: str | None):
     """--weights "1,0.5" -> [1.0, 0.5]; "adaptive" (``adaptive:loglik``, ``adaptive:tabed:0.2``)
-    -> an :class:`~mmspec.adaptive.AdaptiveWeights`; anything else is refused."""
+    -> an :class:`~mmspec.drafting.adaptive.AdaptiveWeights`; anything else is refused."""
     if not weights:
         return None
     if weights.strip().lower().split(":")[0] == "adaptive":
-        from mmspec.adaptive import AdaptiveWeights
+        from mmspec.drafting.adaptive import AdaptiveWeights
 
         try:
             return AdaptiveWeights.parse(weights.strip())

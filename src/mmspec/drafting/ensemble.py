@@ -20,15 +20,15 @@ from collections.abc import Sequence
 
 import torch
 
+from mmspec.drafting.tree import TreeSpec
 from mmspec.drafting.trees import Drafted, Drafting, StepInput, coupled_key, drop_duplicates
-from mmspec.engine.forwards import PromptRow, RowForward, prefill_rows
-from mmspec.engine.graphs import capacity_bucket
-from mmspec.engine.masks import causal, rows_mask
-from mmspec.engine.state import stage
 from mmspec.models.base import ModelAdapter
 from mmspec.models.rows import KV, RowCache
-from mmspec.tree import TreeSpec
-from mmspec.verify import RowSampling, logits_to_probs_rows
+from mmspec.runtime.forwards import PromptRow, RowForward, prefill_rows
+from mmspec.runtime.graphs import capacity_bucket
+from mmspec.runtime.masks import causal, rows_mask
+from mmspec.runtime.state import stage
+from mmspec.runtime.verify import RowSampling, logits_to_probs_rows
 
 
 class DraftRows:

@@ -5,7 +5,7 @@ Each request is one row of the head's :class:`~mmspec.models.rows.RowCache`. The
 is the target's shifted by one: slot t holds the pair (target feature at t, token t + 1). After
 its prefill a row holds the prompt's pairs but the last; each step feeds the pending tokens with
 the TARGET's features before each (taken from the verify forward that accepted them, no extra
-target pass: :class:`~mmspec.engine.state.BatchState` keeps them beside the pending tokens),
+target pass: :class:`~mmspec.runtime.state.BatchState` keeps them beside the pending tokens),
 and the tree nodes with the head's OWN predicted feature of their parent. Every tree slot is
 dropped after verification (``keeps_path`` False): the accepted tokens come back pending with
 the target's true features, as EAGLE does.
@@ -16,14 +16,14 @@ from __future__ import annotations
 import torch
 
 from mmspec.drafting.ensemble import DraftRows
+from mmspec.drafting.tree import TreeSpec
 from mmspec.drafting.trees import Drafted, Drafting, StepInput
-from mmspec.engine.forwards import PromptRow, RowForward, prefill_rows
 from mmspec.heads.model import FeatureHead
 from mmspec.heads.positions import head_positions, next_position, prompt_positions
 from mmspec.models.base import ModelAdapter
 from mmspec.models.rows import KV
-from mmspec.tree import TreeSpec
-from mmspec.verify import RowSampling, logits_to_probs_rows
+from mmspec.runtime.forwards import PromptRow, RowForward, prefill_rows
+from mmspec.runtime.verify import RowSampling, logits_to_probs_rows
 
 
 class HeadDrafting(Drafting):

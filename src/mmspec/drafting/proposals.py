@@ -1,14 +1,14 @@
 """Model-free proposals in the batched step: prompt lookup and suffix decoding
-(:mod:`mmspec.lookup`) searched on the host, their trees handed to the device in one copy.
+(:mod:`mmspec.drafting.lookup`) searched on the host, their trees handed to the device in one copy.
 
 Before a step the host gives each row's proposer the tokens committed since the last one (the
 prompt's last token first), asks it for a proposal cut to the step's tree shape
-(:func:`mmspec.lookup.pick`), and packs every row's nodes (token, parent, depth), padded to the
+(:func:`mmspec.drafting.lookup.pick`), and packs every row's nodes (token, parent, depth), padded to the
 step's proposal budget, into ONE staged tensor copied to the device. On the device the proposal
 becomes each row's tree (drafting with no model) or is added to the drafted tree as other
 branches of the root (beside a draft model or head). Whenever a row's proposal adds a node, all
 of that row's nodes are verified as point masses (the rule and its reason:
-:mod:`mmspec.lookup`'s docstring); a chain drawn from the proposal's counts (lookup alone, under
+:mod:`mmspec.drafting.lookup`'s docstring); a chain drawn from the proposal's counts (lookup alone, under
 sampling) keeps its q, staged with it.
 """
 
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from mmspec.engine import rng
-from mmspec.engine.state import stage
-from mmspec.lookup import Picked, pick
-from mmspec.tree import TreeBatch, TreeSpec, ancestors_rows
+from mmspec.drafting.lookup import Picked, pick
+from mmspec.drafting.tree import TreeBatch, TreeSpec, ancestors_rows
+from mmspec.runtime import rng
+from mmspec.runtime.state import stage
 
 PROPOSAL_SLOT = rng.DRAFT + 1024  # the proposer's draws (a drawn chain) within a step's slots
 

@@ -15,7 +15,7 @@ Node numbering, per row: node 0 is the root (the newest
 pending token, the last one fed), parents first. ``fed[b, i]``: the in-block slot node i was fed
 at (slots counted from the row's committed length after its pending tokens), -1 when never fed
 (the deepest level, and the root, which is committed). Verification reads a
-:class:`~mmspec.tree.TreeBatch`.
+:class:`~mmspec.drafting.tree.TreeBatch`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mmspec.tree import TreeBatch, TreeSpec, ancestors_rows, static_structure
-from mmspec.verify import RowSampling, sample
+from mmspec.drafting.tree import TreeBatch, TreeSpec, ancestors_rows, static_structure
+from mmspec.runtime.verify import RowSampling, sample
 
 NEG = float("-inf")
 
@@ -76,7 +76,7 @@ def coupled_key(logq: torch.Tensor, noise: torch.Tensor | None, rs: RowSampling)
     """What children are ranked by: ``log q`` [R, F, V], plus on coupled rows their seed's noise at
     the children's output position (noise [R, V]): the draft's own Gumbel-max draw, rank 0, is the
     token the target draws there whenever the two agree, which is what a coupled row's
-    verification accepts (:func:`~mmspec.verify.verify_steps`)."""
+    verification accepts (:func:`~mmspec.runtime.verify.verify_steps`)."""
     if noise is None or not rs.any_coupled:
         return logq
     V = logq.shape[-1]

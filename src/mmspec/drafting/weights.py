@@ -1,6 +1,6 @@
 """Adaptive ensemble weights (TABED, or exponential weights) for every request of a step at once.
 
-The rules are :mod:`mmspec.adaptive`'s (its docstring has the maths and the references); this
+The rules are :mod:`mmspec.drafting.adaptive`'s (its docstring has the maths and the references); this
 module keeps their state for all rows in device tensors and updates every row in one set of
 tensor operations per step: each request's evidence is its views' distributions at its accepted
 path (the draft's logits each fed depth produced, kept for the step) against the target's
@@ -17,12 +17,12 @@ from collections.abc import Sequence
 
 import torch
 
-from mmspec.adaptive import AdaptiveWeights, evidence_rows, loglik_weights
+from mmspec.drafting.adaptive import AdaptiveWeights, evidence_rows, loglik_weights
 from mmspec.errors import MMSpecError
 
 
 def _tabed_batched(kl_sum: torch.Tensor, prior: torch.Tensor, temperature: float) -> torch.Tensor:
-    """:func:`mmspec.adaptive.tabed_weights` per row: kl_sum, prior [R, V] -> weights [R, V]."""
+    """:func:`mmspec.drafting.adaptive.tabed_weights` per row: kl_sum, prior [R, V] -> weights [R, V]."""
     inv = 1.0 / kl_sum.clamp_min(1e-11)
     w = inv / inv.sum(-1, keepdim=True)
     w = (w.clamp_min(1e-300).log() / temperature).softmax(-1)

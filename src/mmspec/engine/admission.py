@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from mmspec.drafting.trees import inblock_slots
-from mmspec.engine.forwards import PromptRow, prefill_rows
-from mmspec.engine.state import RowStart
 from mmspec.engine.step import Engine, RowHost
+from mmspec.runtime.forwards import PromptRow, prefill_rows
+from mmspec.runtime.state import RowStart
 from mmspec.timing import BlockClock
 
 

@@ -10,12 +10,13 @@ request leaves at once (its row compacted away); what its caches hold, prompt an
 the prefix cache, so a conversation's next turn prefills only its new part.
 
 Lossless per request, whatever else is in the batch: greedy output equals the target's own; a
-seeded request's draws come from its own stream (:mod:`mmspec.engine.rng`), so it returns what it returns
+seeded request's draws come from its own stream (:mod:`mmspec.runtime.rng`), so it returns what it returns
 alone (with ``speculate="always"``; the other policies keep the exact distribution).
 
-:class:`SpeculationPolicy` ("auto") picks each step's draft depth, plain decoding included, for
-the most expected accepted tokens per second at the batch size (goodput); with ``tree="auto"``,
-:class:`ShapePolicy` picks the block's shape (the chain or a tree) by its measured tokens per second.
+One :class:`~mmspec.engine.policy.SpeculationPolicy` decides each step's draft depth and block
+shape ("auto": plain decoding included; ``tree="auto"``: among the candidate shapes) for the most
+expected tokens per second, from a step-cost model shared by every batch size and each row's own
+acceptance (:mod:`mmspec.engine.policy`).
 """
 
 from __future__ import annotations
@@ -23,18 +24,18 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from mmspec.drafting.tree import TreeSpec
 from mmspec.engine.admission import admit
+from mmspec.engine.policy import Action, SpeculationPolicy
 from mmspec.errors import MMSpecError
-from mmspec.options import SPECULATE
 from mmspec.prefix_cache import make_entry
 from mmspec.request import Request, prepare
 from mmspec.results import GenerationResult
 from mmspec.streaming import TextDelta
-from mmspec.tree import TreeSpec
 
 
 @dataclass
@@ -49,168 +50,6 @@ class StepEvent:
     logprobs: list | None = None  # a TokenLogprob per new token, where the request asked (logprobs=K)
 
 
-# ---------------------------------------------------------------------------- the policy
-@dataclass
-class SpeculationPolicy:
-    """How deep to draft, per step. "always" (the default: every request's own shape, so a seeded
-    request equals its solo ``generate``), "never" (plain target decoding steps, batched), or
-    "auto", the goodput policy: per step, the draft depth d (γ of a chain, the depth a tree is
-    cut to; 0 = plain decoding) that maximises the expected accepted tokens per second at the
-    current batch size B,
-
-        goodput(B, d) = B · (1 + α + α² + … + α^d) / T(B, d),
-
-    from the recent acceptance α (per drafted position, a truncated-geometric estimate from the
-    blocks' accepted and rejected drafts: an exponential average) and T(B, d), the measured
-    seconds of one step at that batch size and depth: measured where that depth ran (an
-    exponential average), else interpolated linearly in d between the measured depths around it.
-    The full depth is tried first at each batch size, then plain steps, then whichever wins; a
-    depth that loses is tried again every ``probe_every`` steps. Every choice is lossless by
-    construction (a shallower tree, or the root alone, is verified exactly as any other)."""
-
-    mode: str = "always"
-    probe_every: int = 32
-    smoothing: float = 0.3  # weight of the newest step in the averages
-    costs: dict = field(default_factory=dict)  # (batch size, depth) -> seconds per step
-    blocks: dict = field(default_factory=dict)  # batch size -> steps decided
-    accepted: float = 0.0  # averaged accepted drafts per step (over rows)
-    rejected: float = 0.0  # averaged rejections per step (blocks that stopped before their depth)
-
-    def __post_init__(self) -> None:
-        if self.mode not in SPECULATE:
-            raise MMSpecError(f"speculate must be one of {SPECULATE}, got {self.mode!r}")
-
-    @property
-    def acceptance(self) -> float | None:
-        """α, the estimated probability that a drafted token is accepted (None: nothing drafted yet)."""
-        n = self.accepted + self.rejected
-        return None if n <= 0 else self.accepted / n
-
-    def cost(self, batch: int, depth: int) -> float | None:
-        """T(B, d): measured, or interpolated between the measured depths around d (None: neither)."""
-        if (batch, depth) in self.costs:
-            return self.costs[(batch, depth)]
-        known = sorted(d for b, d in self.costs if b == batch)
-        lo = [d for d in known if d < depth]
-        hi = [d for d in known if d > depth]
-        if not lo or not hi:
-            return None
-        a, b = lo[-1], hi[0]
-        ta, tb = self.costs[(batch, a)], self.costs[(batch, b)]
-        return ta + (tb - ta) * (depth - a) / (b - a)
-
-    def goodput(self, batch: int, depth: int) -> float | None:
-        """Expected emitted tokens per second with drafts of ``depth`` at ``batch`` (None: unknown)."""
-        t, alpha = self.cost(batch, depth), self.acceptance
-        if t is None or (alpha is None and depth > 0):
-            return None
-        tokens = sum((alpha or 0.0) ** i for i in range(depth + 1))  # 1 + α + … + α^d
-        return batch * tokens / max(t, 1e-9)
-
-    def decide(self, batch: int, max_depth: int) -> int:
-        """The draft depth of the next step at ``batch`` requests (0: plain decoding)."""
-        if self.mode != "auto":
-            return max_depth if self.mode == "always" else 0
-        k = self.blocks.get(batch, 0)
-        self.blocks[batch] = k + 1
-        if (batch, max_depth) not in self.costs:
-            return max_depth
-        if (batch, 0) not in self.costs:
-            return 0
-        rates = {d: self.goodput(batch, d) for d in range(max_depth + 1)}
-        best = max((d for d in rates if rates[d] is not None), key=lambda d: rates[d], default=max_depth)
-        if k % self.probe_every == 0:  # now and then the extreme that lost, measured again
-            return 0 if best != 0 else max_depth
-        return best
-
-    def record(self, batch: int, depth: int, seconds: float, accepted: int = 0, rejected: int = 0) -> None:
-        """One step's measured time at (batch, depth) and its rows' accepted drafts and rejections."""
-        w = self.smoothing
-        old = self.costs.get((batch, depth))
-        self.costs[(batch, depth)] = seconds if old is None else (1 - w) * old + w * seconds
-        if depth > 0:
-            self.accepted = (1 - w) * self.accepted + w * accepted
-            self.rejected = (1 - w) * self.rejected + w * rejected
-
-
-@dataclass
-class ShapePolicy:
-    """Which block shape each step drafts with ``tree="auto"`` (:func:`mmspec.tree.auto_shapes`: the
-    chain and trees, smallest first): the shape s with the most measured tokens per second at the
-    current batch size B,
-
-        rate(B, s) = tokens(B, s) / T(B, s),
-
-    tokens(B, s) the tokens a step drafting s emitted over its rows (accepted drafts and each row's
-    token from the target), T(B, s) its seconds, each an exponential average over the steps that
-    drafted s whole (a step that captured a graph or compiled is not timed). Explore, then commit:
-    at each batch size every shape first runs ``explore`` timed steps, round robin; then the best
-    runs, and every ``probe_every`` steps the shape run longest ago runs once more, so the choice
-    follows a changing acceptance or load. A tree pays where its extra accepted tokens outweigh what
-    its wider drafting and verify cost on the device at hand, which no default can know. Lossless
-    whatever it picks: every shape is verified exactly."""
-
-    shapes: tuple[TreeSpec, ...]
-    explore: int = 2
-    probe_every: int = 16
-    smoothing: float = 0.1  # weight of the newest step in the averages
-    tokens: dict = field(default_factory=dict)  # (batch size, shape index) -> tokens per step
-    seconds: dict = field(default_factory=dict)  # (batch size, shape index) -> seconds per step
-    timed: dict = field(default_factory=dict)  # (batch size, shape index) -> steps timed
-    steps: dict = field(default_factory=dict)  # batch size -> steps decided
-    last: dict = field(default_factory=dict)  # (batch size, shape index) -> the step it last ran at
-
-    def __post_init__(self) -> None:
-        if len(self.shapes) < 2:
-            raise MMSpecError(f"a shape policy chooses among two shapes or more, got {len(self.shapes)}")
-
-    def rate(self, batch: int, i: int) -> float | None:
-        """Measured tokens per second of shape ``i`` at ``batch`` (None: not timed yet)."""
-        t = self.seconds.get((batch, i))
-        return None if t is None else self.tokens[(batch, i)] / max(t, 1e-9)
-
-    def best(self, batch: int) -> int | None:
-        rates = {i: self.rate(batch, i) for i in range(len(self.shapes))}
-        known = [i for i in rates if rates[i] is not None]
-        return max(known, key=lambda i: rates[i]) if known else None
-
-    def decide(self, batch: int) -> int:
-        """The index of the shape the next step at ``batch`` requests drafts."""
-        k = self.steps.get(batch, 0)
-        self.steps[batch] = k + 1
-        n = len(self.shapes)
-        short = [i for i in range(n) if self.timed.get((batch, i), 0) < self.explore]
-        if short:  # exploring: the shape timed least, the smallest first
-            pick = min(short, key=lambda i: (self.timed.get((batch, i), 0), i))
-        else:
-            pick = self.best(batch)
-            if k % self.probe_every == 0:  # now and then the shape run longest ago, timed again
-                pick = min((i for i in range(n) if i != pick), key=lambda i: self.last.get((batch, i), -1))
-        self.last[(batch, pick)] = k
-        return pick
-
-    def record(self, batch: int, i: int, seconds: float, tokens: int) -> None:
-        """One step that drafted shape ``i`` whole at ``batch``: its seconds and the tokens it emitted."""
-        w, key = self.smoothing, (batch, i)
-        if key in self.seconds:
-            self.seconds[key] = (1 - w) * self.seconds[key] + w * seconds
-            self.tokens[key] = (1 - w) * self.tokens[key] + w * tokens
-        else:
-            self.seconds[key], self.tokens[key] = seconds, float(tokens)
-        self.timed[key] = self.timed.get(key, 0) + 1
-
-    def report(self) -> dict:
-        """Per batch size: the shape chosen now and each shape's measured figures (JSON-ready)."""
-        out = {}
-        for b in sorted({b for b, _ in self.seconds}):
-            best = self.best(b)
-            out[str(b)] = {"choice": self.shapes[best].label, "shapes": {
-                self.shapes[i].label: {"tokens_per_step": self.tokens[(b, i)], "step_ms": self.seconds[(b, i)] * 1e3,
-                                       "tokens_per_s": self.rate(b, i), "timed": self.timed[(b, i)]}
-                for i in range(len(self.shapes)) if (b, i) in self.seconds}}
-        return out
-
-
 # ---------------------------------------------------------------------------- requests
 @dataclass
 class _Launched:
@@ -218,10 +57,9 @@ class _Launched:
 
     step: object  # the engine's InFlight
     actives: list  # the requests in it, in its row order
-    depth: int  # the speculation policy's depth
-    t0: float  # when it was planned (the policies' step time runs from here)
-    shape: object  # what the engine was asked for: the depth, or tree="auto"'s TreeSpec
-    pick: int | None  # tree="auto": the candidate shape's index
+    action: Action  # the speculation policy's choice
+    t0: float  # when it was planned (the policy's step time runs from here)
+    shape: TreeSpec | None  # what the engine was asked for (None: plain decoding)
     setup: float  # the engine's capture + compile seconds before it (a step that captured is not timed)
 
 
@@ -244,8 +82,8 @@ class BatchScheduler:
     text is decoded once, when a request ends). ``overlap``: launch each step before reading the
     one before it, so the host's emitting, detokenizing and admitting run while the device
     computes (None: on a GPU; the CPU runs a step as it is launched, so there is nothing to hide
-    and a finishing request would pay one extra step). With the decoder's ``tree="auto"`` its
-    :class:`ShapePolicy` picks each step's shape. ``clock``: what the policies' step times are read
+    and a finishing request would pay one extra step). With the decoder's ``tree="auto"`` the
+    policy also picks each step's shape (:meth:`SpecDecoder.policy_for`). ``clock``: what the policies' step times are read
     from (tests give a fake one)."""
 
     def __init__(self, decoder, *, max_batch: int = 16, speculate="always", stream_text: bool = True,
@@ -257,8 +95,7 @@ class BatchScheduler:
         self.decoder = decoder
         self.max_batch = max_batch
         self.stream_text = stream_text
-        self.policy = speculate if isinstance(speculate, SpeculationPolicy) else SpeculationPolicy(speculate)
-        self.shapes: ShapePolicy | None = decoder.shape_policy  # tree="auto"; None: the decoder's one shape
+        self.policy = speculate if isinstance(speculate, SpeculationPolicy) else decoder.policy_for(speculate)
         self.clock = clock
         self.engine = decoder.engine_for(self)
         self.engine.draft_later = self.policy.mode != "never"
@@ -334,34 +171,31 @@ class BatchScheduler:
     def _launch(self) -> list[StepEvent]:
         """Plan and launch one engine step over every active request (a failure fails them all)."""
         t0 = self.clock()
-        B = len(self._active)
-        depth = self.policy.decide(B, self.decoder.tree.max_depth)
-        shape: int | TreeSpec = depth
-        pick = None
-        if self.shapes is not None and depth > 0:  # tree="auto": the shape, cut where the policy cut the depth
-            pick = self.shapes.decide(B)
-            shape = self.shapes.shapes[pick].for_remaining(depth + 1)
+        action = self.policy.decide(len(self._active), self.decoder.tree, self.engine.rows)
+        shape = self.policy.spec_of(action, self.decoder.tree)
         setup = self.engine.capture_s + self.engine.compile_s
         proposers = [a.proposer for a in self._active]
         try:
-            step = self.engine.launch(shape, proposers if any(p is not None for p in proposers) else None)
+            step = self.engine.launch(0 if shape is None else shape,
+                                      proposers if any(p is not None for p in proposers) else None)
         except Exception as e:  # noqa: BLE001 - the shared step failed: every request in it
             events = [StepEvent(a.rid, [], "", True, None, error=_message(e), exception=e) for a in self._active]
             while self._active:
                 self._remove(len(self._active) - 1)
             return events
-        self._flight.append(_Launched(step, list(self._active), depth, t0, shape, pick, setup))
+        self._flight.append(_Launched(step, list(self._active), action, t0, shape, setup))
         return []
 
     def _collect(self) -> list[StepEvent]:
         """Read the oldest launched step and turn its rows' tokens into events; finished requests leave."""
         launched = self._flight.popleft()
-        actives, depth, shape, pick = launched.actives, launched.depth, launched.shape, launched.pick
+        actives, shape = launched.actives, launched.shape
         outcomes = self.engine.finish(launched.step)
         where = {id(a): b for b, a in enumerate(self._active)}
         events: list[StepEvent] = []
-        accepted = rejected = 0
+        blocks = []  # per row: what the policy learns its acceptance from
         finished: list[int] = []
+        count_shapes = self.policy.shapes is not None and shape is not None
         for a, kept in zip(actives, outcomes):
             if kept is None:  # left (cancelled, failed or finished) while the step was in flight
                 continue
@@ -371,11 +205,12 @@ class BatchScheduler:
                 finished.append(b)
                 continue
             row = self.engine.rows[b]
-            if pick is not None:
+            if count_shapes:
                 row.stats.shapes[shape.label] = row.stats.shapes.get(shape.label, 0) + 1
             rec = row.stats.blocks[-1]
-            accepted += rec.n_accepted
-            rejected += rec.n_drafted > 0 and rec.n_accepted < rec.drafted_depth and len(kept) == rec.n_accepted + 1
+            if rec.n_drafted > 0:
+                stopped = rec.n_accepted < rec.drafted_depth and len(kept) == rec.n_accepted + 1
+                blocks.append((row, rec.n_accepted, rec.drafted_depth, int(stopped), len(kept)))
             text = a.delta.push(kept) if self.stream_text else ""
             result = None
             if row.done:
@@ -385,15 +220,12 @@ class BatchScheduler:
             events.append(StepEvent(a.rid, kept, text, row.done, result, logprobs=lps))
             if row.done:
                 finished.append(b)
-        seconds = self.clock() - launched.t0
-        self.policy.record(len(actives), depth, seconds, accepted, rejected)
-        if pick is not None:
-            if shape is self.shapes.shapes[pick] and self.engine.capture_s + self.engine.compile_s == launched.setup:
-                self.shapes.record(len(actives), pick, seconds,
-                                   sum(len(k) for k in outcomes if isinstance(k, list)))
+        timed = self.engine.capture_s + self.engine.compile_s == launched.setup  # a step that captured is not timed
+        self.policy.record(len(actives), launched.action, self.clock() - launched.t0 if timed else None, blocks)
+        if self.policy.shapes is not None:
             for ev in events:
                 if ev.result is not None:  # a request that ended: the figures its shapes were chosen by
-                    ev.result.stats.shape_rates = self.shapes.report()
+                    ev.result.stats.shape_rates = self.policy.report()
         for b in sorted(finished, reverse=True):
             self._remove(b)
         return events

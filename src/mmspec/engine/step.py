@@ -4,7 +4,7 @@
 :class:`~mmspec.engine.scheduler.BatchScheduler` and ``mmspec serve`` step many: the same
 :meth:`Engine.step`, the same caches, forwards, prefill and graphs.
 
-Between steps every row's state is on the device (:class:`~mmspec.engine.state.BatchState`):
+Between steps every row's state is on the device (:class:`~mmspec.runtime.state.BatchState`):
 its committed target slots, its pending tokens (the newest is the root of its next tree), its
 token budget, its sampling parameters and random stream. One step, a fixed number of tensor
 operations whatever the number of rows:
@@ -14,10 +14,10 @@ operations whatever the number of rows:
    verifies each row's root alone: a plain target step;
 2. verify forward: the target scores every row's nodes in ONE forward: node i at position
    ``length + pos_offset + depth[i]``, under a mask in which it sees its row's committed slots
-   and its own ancestors (:mod:`mmspec.engine.masks`);
+   and its own ancestors (:mod:`mmspec.runtime.masks`);
 3. accept: ONE verification of all rows, greedy and sampling together
-   (:func:`~mmspec.verify.verify_steps`), every random draw from the row's own stream
-   (:mod:`mmspec.engine.rng`); a coupled row (seeded sampling) draws the token at each output
+   (:func:`~mmspec.runtime.verify.verify_steps`), every random draw from the row's own stream
+   (:mod:`mmspec.runtime.rng`); a coupled row (seeded sampling) draws the token at each output
    position from its seed's noise at that position, so its answer is the target's own seeded
    sample whatever the step's shape, depth, drafter or batch;
 4. commit, on the device: the accepted path's keys/values moved into place in both caches (only
@@ -47,19 +47,19 @@ from dataclasses import dataclass, field
 import torch
 
 from mmspec.drafting import proposals as mf
+from mmspec.drafting.tree import TreeBatch, TreeSpec
 from mmspec.drafting.trees import Drafted, StepInput
-from mmspec.engine import rng
-from mmspec.engine.forwards import Compiler, RowForward
-from mmspec.engine.graphs import StepRunner, bucket, capacity_bucket
-from mmspec.engine.masks import rows_mask
-from mmspec.engine.state import BatchState
 from mmspec.models.rows import RowCache
 from mmspec.options import RelaxedAcceptance
 from mmspec.results import TokenLogprob
+from mmspec.runtime import rng
+from mmspec.runtime.forwards import Compiler, RowForward
+from mmspec.runtime.graphs import StepRunner, bucket, capacity_bucket
+from mmspec.runtime.masks import rows_mask
+from mmspec.runtime.state import BatchState
+from mmspec.runtime.verify import verify_steps
 from mmspec.stats import BlockRecord, GenerationStats
 from mmspec.timing import BlockClock
-from mmspec.tree import TreeBatch, TreeSpec
-from mmspec.verify import verify_steps
 
 
 @dataclass
@@ -70,13 +70,14 @@ class RowHost:
     eos_ids: frozenset[int]
     stats: GenerationStats
     tokens: list[int] = field(default_factory=list)
-    seed: int = 0  # the row's random stream (mmspec.engine.rng) and the steps it took
+    seed: int = 0  # the row's random stream (mmspec.runtime.rng) and the steps it took
     steps: int = 0
     unseen: list[int] = field(default_factory=list)  # committed tokens a model-free proposer has not been given
     drafted: list[bool] = field(default_factory=list)  # per step the drafter ran: whether this row drafted a node
     pending_len: int = 1  # pending tokens on the device (host mirror)
     logprobs_top: int | None = None  # the request asked for logprobs, with this many alternatives (None: not asked)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token of ``tokens`` where asked
+    accept_avg: tuple[float, float, int] | None = None  # averaged accepted / rejected drafts per block, blocks (the policy's α)
     done: bool = False
     clocks: list[BlockClock] = field(default_factory=list)
     prefill: BlockClock | None = None  # its admission's target and draft prefills
@@ -166,9 +167,9 @@ class Engine:
     """The step over a batch's rows (module docstring). ``drafting``: the draft model's or head's
     :class:`~mmspec.drafting.trees.Drafting` (None: model-free or plain decoding only);
     ``hidden_layers``: the target layers a head reads; ``static``: shapes padded to buckets
-    (row counts and attention spans), ``graphs``: a :data:`~mmspec.engine.graphs.MODES` entry;
+    (row counts and attention spans), ``graphs``: a :data:`~mmspec.runtime.graphs.MODES` entry;
     ``compile``: the target's and the drafter's forwards through ``torch.compile``
-    (:class:`~mmspec.engine.forwards.Compiler`; static shapes), captured by the step's graph."""
+    (:class:`~mmspec.runtime.forwards.Compiler`; static shapes), captured by the step's graph."""
 
     def __init__(self, target, n_layers: int, spec: TreeSpec, drafting=None, *, hidden_layers: tuple[int, ...] = (),
                  relaxed: RelaxedAcceptance | None = None, static: bool = False, graphs: str = "eager",
@@ -292,7 +293,7 @@ class Engine:
         decoder's whole tree; 0: plain decoding; a TreeSpec: that shape, within the engine's
         ``spec``: ``tree="auto"``'s choice) -> the tokens each row emitted, or the exception
         a row failed with alone (its model-free proposer's). ``proposers``: each row's model-free
-        proposer (:mod:`mmspec.lookup`), searched on the host first. A failure of the step's
+        proposer (:mod:`mmspec.drafting.lookup`), searched on the host first. A failure of the step's
         shared work is raised: it is every row's. :meth:`launch` then :meth:`finish`."""
         return self.finish(self.launch(depth, proposers))
 

@@ -12,8 +12,11 @@ Two formats, read from their projects' loaders (tensor names and config fields; 
   (``architectures: ["LlamaForCausalLMEagle3"]``): ``fc.weight`` [H, 3H] over the target's
   low/mid/high features, ``midlayer.*`` (q/k/v over 2H, ``input_layernorm`` on the embedding,
   ``hidden_norm`` on the feature, ``post_attention_layernorm``, ``mlp``), ``norm.weight``,
-  ``lm_head.weight`` [V_draft, H], ``d2t`` [V_draft] int64 OFFSETS (target id = draft id +
-  d2t[draft id]) and ``t2d`` [V] bool; ``draft_vocab_size`` in the config. The feature layers:
+  ``lm_head.weight`` [V_draft, H], ``draft_vocab_size`` in the config (always), and for a
+  reduced vocabulary only (V_draft < V) ``d2t`` [V_draft] int64 OFFSETS (target id = draft id +
+  d2t[draft id]) and ``t2d`` [V] bool: vLLM's ``Eagle3LlamaForCausalLM`` makes the parameter
+  ``d2t`` loads into only when ``draft_vocab_size`` differs from the target's vocabulary (and
+  refuses the tensor otherwise); a head without them scores target ids directly. The feature layers:
   SGLang reads ``eagle_config.eagle_aux_hidden_state_layer_ids`` as decoder-layer OUTPUT ids;
   vLLM and ``speculators`` read the top-level ``eagle_aux_hidden_state_layer_ids`` as
   "hidden state before layer j" (= output of layer j - 1); with neither, both capture the
@@ -376,10 +379,14 @@ def _eagle3_files(head: FeatureHead) -> tuple[dict, dict]:
     for k, v in sd.items():
         if k.startswith("decoder.layers.0."):
             out["midlayer." + k[len("decoder.layers.0."):]] = v
-    out["d2t"] = (sd["d2t"].long() - torch.arange(n)).contiguous()  # offsets: target id - draft id
-    t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
-    t2d[sd["d2t"].long()] = True
-    out["t2d"] = t2d
+    if n != c.vocab_size:  # a reduced vocabulary: the mapping vLLM and SGLang read (module docstring)
+        out["d2t"] = (sd["d2t"].long() - torch.arange(n)).contiguous()  # offsets: target id - draft id
+        t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+        t2d[sd["d2t"].long()] = True
+        out["t2d"] = t2d
+    elif not torch.equal(sd["d2t"].long(), torch.arange(n)):  # the whole vocabulary in another order: no engine reads it
+        raise MMSpecError("this eagle3 head scores the whole vocabulary in another order than the target's; vLLM "
+                          "and SGLang read a draft-to-target mapping only for a reduced vocabulary: retrain it")
     cfg = {"architectures": [EAGLE3_ARCH], **_base_config(c, sd["fc.weight"].dtype), "draft_vocab_size": n,
            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.feature_layers), "use_aux_hidden_state": True},
            "eagle_aux_hidden_state_layer_ids": [i + 1 for i in c.feature_layers]}  # vLLM: the state BEFORE layer j

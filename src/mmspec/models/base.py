@@ -8,9 +8,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from mmspec.drafting.views import placeholder_runs
 from mmspec.errors import MMSpecError
 from mmspec.models.cache import new_decode_cache
-from mmspec.views import placeholder_runs
 
 
 class ModelAdapter:

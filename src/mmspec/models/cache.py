@@ -12,7 +12,7 @@ per row once and writes each new key/value in place. Two modes:
 * **static** (``static=True``, the GPU path): the write position is a DEVICE cursor and the
   whole buffer is returned, so every forward of a given input shape runs the same kernels on
   the same addresses whatever the context length: it can be captured once as a CUDA graph and
-  replayed (:mod:`mmspec.engine.graphs`). The caller's 4-D mask hides slots not yet written.
+  replayed (:mod:`mmspec.runtime.graphs`). The caller's 4-D mask hides slots not yet written.
 
 Both keep the host-side ``length`` (positions filled) the engine reasons with. Roll-back is
 :func:`set_cache_length` (``DecodeCache.set_length``: host ints and, in static mode, one

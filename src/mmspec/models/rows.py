@@ -5,7 +5,7 @@ capacity, D]``. It keeps no lengths: the engine keeps each row's committed lengt
 tensor (:class:`~mmspec.state.BatchState`) and tells each forward, through :meth:`RowCache.begin`,
 which rows it runs over (``first .. first + R - 1``), the slot each row writes its first new token
 at (``write``, a device tensor [R]) and how many slots its attention spans (``span``: every
-query attends over slots ``0 .. span - 1`` under the caller's 4-D mask, :mod:`mmspec.engine.masks`).
+query attends over slots ``0 .. span - 1`` under the caller's 4-D mask, :mod:`mmspec.runtime.masks`).
 So a forward reads no host value and writes none: the same kernels on the same addresses every
 time for a shape, which a CUDA graph can capture.
 

@@ -6,7 +6,9 @@ and either collects the whole answers or streams them as server-sent events (eac
 its choice's ``index``). A choice that fails fails the request (the others are cancelled); a
 client that goes away cancels them all. With ``logprobs``, each choice's come with its tokens
 (the engine reads them from the verify forward that emitted each: :mod:`mmspec.engine.step`) and
-are sent with its last chunk or in its whole answer. Chat completions and (legacy) completions differ only in their shapes
+are sent in its whole answer, or streamed, each chunk with those of the tokens whose text it
+completes (OpenAI's and vLLM's way: a block's tokens once the text held back for a stop string
+is released; the rest, up to the stop string's cut, with the last chunk). Chat completions and (legacy) completions differ only in their shapes
 (:mod:`.responses`).
 """
 
@@ -49,6 +51,10 @@ class Run:
         self.answers = [R.Answer(stops=req.stop, eos_ids=eos) for _ in self.jobs]
         self.done = [False] * len(self.jobs)
         self._early: list = []  # updates that came while admissions were awaited
+        # streamed logprobs, per choice: (tokens, characters of text) after each block, entries and characters sent
+        self._marks: list[list[tuple[int, int]]] = [[] for _ in self.jobs]
+        self._lp_sent = [0] * len(self.jobs)
+        self._lp_chars = [0] * len(self.jobs)
 
     # ------------------------------------------------------------------ submit
     async def submit(self) -> Update | None:
@@ -82,6 +88,7 @@ class Run:
         """One block's tokens for choice ``i`` -> the text the client may have now; marks it done."""
         answer, ev = self.answers[i], up.event
         piece = answer.add(ev.new_token_ids, ev.text, ev.logprobs)
+        self._marks[i].append((len(answer.token_ids), len(answer.text)))
         if ev.finished:
             piece += answer.finish(ev.result)
         if ev.finished or answer.stopped:
@@ -154,9 +161,9 @@ class Run:
                     break
                 piece = self._add(i, up)
                 if piece:
-                    yield self._sse(self._chunk(i, piece))
+                    yield self._sse(self._chunk(i, piece, logprobs=self._streamed_logprobs(i)))
                 if self.done[i]:
-                    lp = self._logprobs(self.answers[i])
+                    lp = self._streamed_logprobs(i, last=True)
                     yield self._sse(self._chunk(i, "", self.answers[i].finish_reason, lp, mmspec=self._stats(i)))
             else:
                 finished = True
@@ -193,9 +200,28 @@ class Run:
             out.choices = [R.mmspec_stats(a, seed(k), latency) for k, a in enumerate(self.answers)]
         return out
 
-    def _logprobs(self, answer: R.Answer):
+    def _logprobs(self, answer: R.Answer, scored: list | None = None):
         if self.req.logprobs_top is None:
             return None
         tok = self.service.tokenizer
-        scored = R.answer_logprobs(answer, tok)
+        scored = R.answer_logprobs(answer, tok) if scored is None else scored
         return R.text_logprobs(scored, tok) if self.completion else R.chat_logprobs(scored, tok)
+
+    def _streamed_logprobs(self, i: int, last: bool = False):
+        """Choice ``i``'s log-probabilities not sent yet of the tokens whose blocks' text the client
+        now has (``last``: all the rest of its content tokens); None where there are none."""
+        if self.req.logprobs_top is None:
+            return None
+        answer = self.answers[i]
+        content = R.answer_logprobs(answer, self.service.tokenizer)  # no EOS, nothing past a stop string's cut
+        n = len(content) if last else min(len(content), max(
+            (tokens for tokens, chars in self._marks[i] if chars <= answer.sent), default=0))
+        scored = content[self._lp_sent[i]:n]
+        if not scored:
+            return None
+        self._lp_sent[i] = n
+        lp = self._logprobs(answer, scored)
+        if self.completion:  # the legacy text_offset counts from the answer's start, across chunks
+            lp.text_offset = [o + self._lp_chars[i] for o in lp.text_offset]
+            self._lp_chars[i] += sum(len(t) for t in lp.tokens)
+        return lp

@@ -12,7 +12,7 @@ distribution before ``d_{i+1}``, and ``p[k]`` follows the last draft token.
 
 Every block therefore emits ``n_accepted + 1`` tokens (before any EOS / length cut).
 
-Token trees (:mod:`mmspec.tree`): a block drafts a tree whose node 0 (the root) is the newest
+Token trees (:mod:`mmspec.drafting.tree`): a block drafts a tree whose node 0 (the root) is the newest
 committed token; :func:`verify_tree_greedy` and :func:`verify_tree_sampling` decide the accepted
 path in closed form over all nodes at once (pure tensor ops on the device, no host sync: the
 engine reads the packed outcome once per block). The engine verifies all the rows of a step at
@@ -130,7 +130,7 @@ def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draws: probs [..., V] and uniforms u [...] in [0, 1) -> token ids [...] long.
 
     Runs on the device of ``probs`` with no host sync; the uniforms come from the row's own
-    stream (:mod:`mmspec.engine.rng`), so a seed reproduces a run. Never returns a zero-probability token:
+    stream (:mod:`mmspec.runtime.rng`), so a seed reproduces a run. Never returns a zero-probability token:
     ``searchsorted(right=True)`` lands on the first cumulative mass strictly above u * total.
     """
     cdf = probs.double().cumsum(-1)  # [..., V]
@@ -451,7 +451,7 @@ def perturbed(filtered: torch.Tensor, noise: torch.Tensor, depth: torch.Tensor) 
 def verify_steps(t, logits: torch.Tensor, rs: RowSampling, u: torch.Tensor | None,
                  relaxed: torch.Tensor | None = None, noise: torch.Tensor | None = None) -> TreeOutcome:
     """ONE verification of a step's rows, greedy and sampling together: t, a
-    :class:`~mmspec.tree.TreeBatch` [B, N] (its ``q`` / ``sampled`` where a row drew nodes);
+    :class:`~mmspec.drafting.tree.TreeBatch` [B, N] (its ``q`` / ``sampled`` where a row drew nodes);
     logits [B, N, V]; rs: each row's parameters; u [B, N + 1]: each row's uniforms (None when
     no row samples by rejection); relaxed: [B] LOSSY thresholds of greedy rows (inf: exact) or
     None; noise [B, D + 1, V]: each coupled row's Gumbel noise (:func:`perturbed`; None when no

@@ -12,7 +12,7 @@ a stored prefix reused where the prefix cache had one) as ONE eager forward over
 :class:`Compiler` (``SpecDecoder(compile=True)``) runs a step's forwards through ``torch.compile``
 (inductor's fused kernels for norms, rotary embeddings and casts): mode "default", not
 "reduce-overhead", whose own CUDA graphs would nest inside the step's graph
-(:mod:`mmspec.engine.graphs`), which captures the compiled kernels as it captures eager ones.
+(:mod:`mmspec.runtime.graphs`), which captures the compiled kernels as it captures eager ones.
 ``dynamic=False``: one compilation per input shape, and the static engine's shapes are buckets.
 """
 
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mmspec.engine.masks import causal, rows_mask
-from mmspec.engine.state import stage
 from mmspec.models.rows import RowCache
+from mmspec.runtime.masks import causal, rows_mask
+from mmspec.runtime.state import stage
 
 
 class RowForward:

@@ -22,7 +22,7 @@ Three shapes (:class:`TreeSpec`):
 
 ``tree="auto"`` (:func:`auto_shapes`) names no one shape but a few (the chain and the device's tree
 at two budgets), among which each step's is chosen by its measured tokens per second on the
-device at hand (:class:`mmspec.engine.scheduler.ShapePolicy`).
+device at hand (:class:`mmspec.engine.policy.SpeculationPolicy`).
 
 Tree nodes are always listed parents-first (sorted by depth), siblings in proposal order.
 This module owns those shapes and the pure tensor helpers on them; the drafter builds trees,
@@ -310,7 +310,7 @@ def parse_shapes(tree, *, gamma: int, device_type: str = "cpu", depth: int | Non
 @dataclass
 class TreeBatch:
     """B drafted trees of N nodes each (one step's rows), for one batched verification
-    (:func:`mmspec.verify.verify_steps`). ``q`` and ``sampled`` matter only for sampling
+    (:func:`mmspec.runtime.verify.verify_steps`). ``q`` and ``sampled`` matter only for sampling
     verification: ``sampled[b, i]`` says node i's token was DRAWN from ``q[b, i]`` (a chain under
     sampling); otherwise it was chosen deterministically (top-k) and its proposal is a point mass on
     its token. ``fed``: the drafter's in-block slot of each node (-1: never fed). ``valid`` False

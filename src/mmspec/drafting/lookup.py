@@ -44,8 +44,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from mmspec.drafting.tree import TreeSpec
 from mmspec.errors import MMSpecError
-from mmspec.tree import TreeSpec
 
 MODEL_FREE = ("lookup", "suffix")
 SEP = -1  # an image / video placeholder, or a boundary between texts: never matched, never proposed

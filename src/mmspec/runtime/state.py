@@ -15,12 +15,12 @@ Per row b (the engine's row b is the target cache's row b, :class:`~mmspec.model
   the newest, ``pending[pending_len - 1]``, is the root of the row's next tree; ``pending_feats``
   [P, F]: for a feature-level head, the target's feature before each;
 * ``remaining``: tokens the request may still emit;
-* ``seed``, ``step``: the row's random stream (:mod:`mmspec.engine.rng`); ``origin``: its
+* ``seed``, ``step``: the row's random stream (:mod:`mmspec.runtime.rng`); ``origin``: its
   ``length`` at admission (``length - origin + d - 1`` is the output position of a depth-d
   node: the key of its seeded noise); ``coupled``: it samples by the Gumbel-max coupling
-  (:func:`~mmspec.verify.verify_steps`);
+  (:func:`~mmspec.runtime.verify.verify_steps`);
 * ``temperature``, ``top_k``, ``top_p``, ``greedy``: its sampling parameters
-  (:class:`~mmspec.verify.RowSampling`);
+  (:class:`~mmspec.runtime.verify.RowSampling`);
 * ``last_image``: its prompt's last image slot (relaxed acceptance, LOSSY; a large negative number
   when it has none);
 * ``live``: the row holds a request (a free row of a shape bucket takes part in a step's
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmspec.verify import RowSampling, SamplingParams, flags
+from mmspec.runtime.verify import RowSampling, SamplingParams, flags
 
 NO_IMAGE = -(1 << 40)
 
