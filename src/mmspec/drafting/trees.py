@@ -87,7 +87,7 @@ def coupled_top(logq: torch.Tensor, noise: torch.Tensor, rs: RowSampling, k: int
                 scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The k children coupled rows draft (the rest keep ``tokens``, ``scores`` [R, F, k]): the top k
     of :func:`coupled_key`, each scored by its log q, as every tree node is (scoring them by their
-    key's gap to the best instead drafted trees with 2.5% lower tau: docs/sampling.md).
+    key's gap to the best instead drafted trees with up to 2.5% lower tau: docs/sampling.md).
     logq [R, F, V] (-inf where q is 0) -> tokens, scores [R, F, k]."""
     t = coupled_key(logq, noise, rs).topk(k, dim=-1).indices  # [R, F, k]
     c = rs.coupled[:, None, None]
