@@ -412,7 +412,8 @@ def engine_run(cfg: ShapesConfig, target, draft, result: dict, log) -> dict:
             variants = [("chain", {}), ("tree", {"tree": "dynamic"})] + ([("chain+compile", {"compile": True})]
                                                                          if cfg.compile else [])
             for label, kw in variants:
-                dec = SpecDecoder(target, draft, tok, views="M", gamma=cfg.engine_gamma, prefix_cache_mb=0,
+                kw = kw if "tree" in kw else {"gamma": cfg.engine_gamma, **kw}  # a tree has a shape of its own
+                dec = SpecDecoder(target, draft, tok, views="M", prefix_cache_mb=0,
                                   cuda_graphs=("emulate" if dev.type != "cuda" else True) if graphs else False, **kw)
                 warm = dec.generate(prompt, max_new_tokens=cfg.engine_new_tokens)  # captures the graphs (compiles)
                 runs = [dec.generate(prompt, max_new_tokens=cfg.engine_new_tokens) for _ in range(cfg.engine_repeats)]

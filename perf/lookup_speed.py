@@ -141,8 +141,11 @@ def decoder(method: str, m, gamma: int, gamma_free: int):
 
     views, kw = parse_method(method.split("@")[0])
     draft = kw.pop("draft", m.draft)
-    g = gamma_free if isinstance(draft, str) else gamma
-    return SpecDecoder(m.target, draft, m.tokenizer, views=views or ("M",), gamma=g, prefix_cache_mb=0, **kw)
+    from mmspec.drafting.tree import reads_gamma
+
+    if reads_gamma(kw.get("tree")):  # a tree has a shape of its own
+        kw["gamma"] = gamma_free if isinstance(draft, str) else gamma
+    return SpecDecoder(m.target, draft, m.tokenizer, views=views or ("M",), prefix_cache_mb=0, **kw)
 
 
 def main(argv=None) -> int:

@@ -44,11 +44,11 @@ def random_draft(draft, seed: int = 0):
     return draft
 
 
-def workload(em, B: int | None, new: int, seed: int = 0) -> list[tuple[int, dict]]:
-    """(the step it arrives at, the request): B requests at step 0, or ragged (B None): 48 requests
-    of 8 to 3 x ``new`` tokens, four arriving every second step."""
+def workload(em, B: int | None, new: int, seed: int = 0, ragged_n: int = 48) -> list[tuple[int, dict]]:
+    """(the step it arrives at, the request): B requests at step 0, or ragged (B None): ``ragged_n``
+    requests of 8 to 3 x ``new`` tokens, four arriving every second step."""
     r = random.Random(seed)
-    n = B or 48
+    n = B or ragged_n
     out = []
     for i, (text, ims) in enumerate(bs.prompts(em.processor, n)):
         enc = em.processor(text=text, images=ims or None, return_tensors="pt")
@@ -96,8 +96,9 @@ def run(dec, em, reqs: list[tuple[int, dict]], mode: str, max_batch: int) -> dic
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, nargs="*", default=[1, 8, 32])
-    ap.add_argument("--ragged", action="store_true", help="also the ragged workload (48 requests in waves)")
+    ap.add_argument("--ragged", action="store_true", help="also the ragged workload (--ragged-n requests in waves)")
     ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--ragged-n", type=int, default=48, help="requests in the ragged workload")
     ap.add_argument("--drafts", nargs="+", default=["pack", "random"], choices=("pack", "random"))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
@@ -124,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             dec.options = type(dec.options)(**{**dec.options.__dict__, "eos_ids": frozenset()})
             run(dec, em, workload(em, 2, 8), "always", 2)  # warm-up
             for B, max_batch in loads:
-                reqs = workload(em, B, args.new)
+                reqs = workload(em, B, args.new, ragged_n=args.ragged_n)
                 rows = {}
                 for mode in MODES:
                     rows[mode] = run(dec, em, reqs, mode, max_batch)

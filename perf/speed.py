@@ -202,8 +202,11 @@ def build_decoders(cfg: SpeedConfig, models: BenchModels) -> dict[str, Any]:
 
     def make(views: str, **kw):
         cap = models.captioner if "C" in views.upper() else None
-        return SpecDecoder(models.target, models.draft, models.tokenizer, views=views, captioner=cap, gamma=cfg.gamma,
-                           processor=models.processor, prefix_cache_mb=0, **(graphs | kw))  # repeats: no reuse
+        from mmspec.drafting.tree import reads_gamma
+
+        gamma = {"gamma": cfg.gamma} if reads_gamma(kw.get("tree")) else {}  # a tree has a shape of its own
+        return SpecDecoder(models.target, models.draft, models.tokenizer, views=views, captioner=cap,
+                           processor=models.processor, prefix_cache_mb=0, **(graphs | gamma | kw))  # repeats: no reuse
 
     out = {"mmspec_M": make("M")}
     for name in split_methods([cfg.ensemble]):  # ensembles in the bench's method notation (MTC, MT+adaptive)
@@ -215,8 +218,8 @@ def build_decoders(cfg: SpeedConfig, models: BenchModels) -> dict[str, Any]:
         out[f"mmspec_{name}"] = make(",".join(views), **kw)
     for spec in cfg.heads:
         variant, _, path = spec.partition("=")
-        for suffix, kw in (("", {}), ("+tree", {"tree": "dynamic"})):
-            out[f"mmspec_{variant}{suffix}"] = SpecDecoder(models.target, path, models.tokenizer, gamma=cfg.gamma,
+        for suffix, kw in (("", {"gamma": cfg.gamma}), ("+tree", {"tree": "dynamic"})):
+            out[f"mmspec_{variant}{suffix}"] = SpecDecoder(models.target, path, models.tokenizer,
                                                           processor=models.processor, prefix_cache_mb=0,
                                                           **(graphs | kw))
     if cfg.eager and uses_graphs(cfg, models):

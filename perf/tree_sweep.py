@@ -77,11 +77,11 @@ def decoders(cfg: SweepConfig, models) -> dict[str, object]:
     from mmspec import SpecDecoder
 
     cap = models.captioner if "C" in cfg.views.upper() else None
-    kw = dict(views=cfg.views, captioner=cap, processor=models.processor, gamma=cfg.gamma,
+    kw = dict(views=cfg.views, captioner=cap, processor=models.processor,
               prefix_cache_mb=0)  # repeats of a prompt are timed from scratch
     if cfg.graphs == "emulate":
         kw["cuda_graphs"] = "emulate"
-    out = {f"chain(γ={cfg.gamma})": SpecDecoder(models.target, models.draft, models.tokenizer, **kw)}
+    out = {f"chain(γ={cfg.gamma})": SpecDecoder(models.target, models.draft, models.tokenizer, gamma=cfg.gamma, **kw)}
     for c in cfg.chains:
         g, _, stop = c.partition("s")
         out[f"chain(γ={g}{', stop<' + stop if stop else ''})"] = SpecDecoder(
@@ -94,7 +94,7 @@ def decoders(cfg: SweepConfig, models) -> dict[str, object]:
                 models.target, models.draft, models.tokenizer, tree="dynamic", tree_depth=d, tree_topk=k,
                 tree_budget=b, tree_children=ch, **kw)
     if cfg.auto:  # its policy measures from the warm-up on, across every prompt and repeat
-        out["auto"] = SpecDecoder(models.target, models.draft, models.tokenizer, tree="auto", **kw)
+        out["auto"] = SpecDecoder(models.target, models.draft, models.tokenizer, tree="auto", gamma=cfg.gamma, **kw)
     return out
 
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from mmspec.drafting.adaptive import check_initial
-from mmspec.drafting.tree import TreeSpec
+from mmspec.drafting.tree import DEFAULT_GAMMA, TreeSpec, reads_gamma
 from mmspec.drafting.views import View, parse_views
 from mmspec.errors import MMSpecError
 from mmspec.models.base import ModelAdapter, video_families
@@ -138,9 +138,23 @@ def check_dtype(dtype, target, draft, head_given: bool) -> None:
                           "leave dtype out")
 
 
-def check_gamma(gamma) -> int:
+def check_gamma(gamma, tree=None) -> int:
+    """``gamma``: a chain's length (None: the default, 5), also the chain ``tree="auto"`` measures;
+    given with a tree that is no chain it would be ignored, so it is refused (as the CLI refuses
+    ``--gamma`` with ``--tree``)."""
+    if gamma is None:
+        return DEFAULT_GAMMA
     if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
         raise MMSpecError(f"gamma must be a whole number >= 1, got {gamma!r}")
+    if isinstance(tree, TreeSpec) and tree.kind == "chain" and tree.depth != gamma:
+        raise MMSpecError(f"gamma={gamma} was given with a TreeSpec chain of length {tree.depth}, which carries "
+                          "its own length; drop gamma (or build the TreeSpec with the length you want)")
+    if not reads_gamma(tree):
+        shown = tree.label if isinstance(tree, TreeSpec) else repr(tree)
+        raise MMSpecError(f"gamma={gamma} is a chain's length, but tree={shown} is no chain: its shape is its own "
+                          "(tree_depth / tree_topk / tree_budget for a dynamic tree, the paths of a static one), so "
+                          "gamma would be ignored; drop gamma, or set the tree's depth with tree='dynamic', "
+                          "tree_depth=N")
     return gamma
 
 
@@ -346,8 +360,9 @@ def check_max_new_tokens(max_new_tokens) -> int:
     return n
 
 
-def check_logprobs(logprobs, vocab: int) -> int | None:
-    """None (no log-probabilities), or the alternatives wanted per token: 0 up to the vocabulary."""
+def check_logprobs(logprobs, vocab: int, most: int | None = None) -> int | None:
+    """None (no log-probabilities), or the alternatives wanted per token: 0 up to the vocabulary
+    and to ``most`` (the decoder's ``max_logprobs``)."""
     if logprobs is None:
         return None
     if not isinstance(logprobs, bool):
@@ -356,9 +371,20 @@ def check_logprobs(logprobs, vocab: int) -> int | None:
         except TypeError:
             k = None
         if k is not None and 0 <= k <= vocab:
+            if most is not None and k > most:
+                raise MMSpecError(f"logprobs={k} is more than this decoder's max_logprobs={most} (the widest it "
+                                  "computes); ask for fewer, or build the decoder with a larger max_logprobs=")
             return k
     raise MMSpecError(f"logprobs must be a whole number from 0 to the vocabulary's {vocab} (the likeliest "
                       f"alternatives reported per token; 0: the token's own only) or None, got {logprobs!r}")
+
+
+def check_max_logprobs(most) -> int:
+    """``max_logprobs``: a whole number >= 0."""
+    if isinstance(most, bool) or not isinstance(most, int) or most < 0:
+        raise MMSpecError(f"max_logprobs must be a whole number >= 0 (the most alternatives a request may ask "
+                          f"per token; OpenAI's bound is 20), got {most!r}")
+    return most
 
 
 def check_seed(seed) -> int | None:

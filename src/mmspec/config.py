@@ -48,7 +48,7 @@ class DraftConfig:
 class TreeConfig:
     """A block's shape: a chain of ``gamma`` drafts, a static tree, or a dynamic one (EAGLE-2)."""
 
-    gamma: int = 5
+    gamma: int | None = None  # a chain's length; None: 5 (mmspec.drafting.tree.DEFAULT_GAMMA); refused with a tree
     tree: Any = None  # None / "chain", "dynamic", child-rank paths, or a TreeSpec
     tree_depth: int | None = None
     tree_topk: int | None = None
@@ -66,6 +66,7 @@ class RuntimeConfig:
     static_cache: bool | None = None
     compile: bool = False  # the step's forwards through torch.compile (inside the step's graph)
     prefix_cache_mb: float = PREFIX_CACHE_MB
+    max_logprobs: int = 20  # the most log-probability alternatives a request may ask (graphs compute this many)
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,8 @@ class SpecDecoder:
             starts a request from an earlier one's ``stats.final_weights`` (a conversation's turn).
         captioner: an object with ``caption(images) -> list[str]`` (or a path to an HF
             image-to-text model); required by the caption view.
-        gamma: draft tokens proposed per block (the chain's length).
+        gamma: draft tokens proposed per block (the chain's length; default 5); also the chain
+            ``tree="auto"`` measures. Refused with a tree that is no chain, which would ignore it.
         tree: the block's shape (:mod:`mmspec.drafting.tree`): None or "chain" (gamma drafts in a chain);
             "dynamic" (EAGLE-2: ``tree_depth`` expansion steps of the ``tree_topk`` best
             frontier nodes, ``tree_budget`` best nodes verified; defaults measured per device);
@@ -198,7 +199,8 @@ class SpecDecoder:
         acceptance_cfg = AcceptanceConfig.parse(cfg.acceptance.acceptance, cfg.acceptance.relaxed_thresholds,
                                                 cfg.acceptance.relaxed_window)
         prefix_mb = check_budget(cfg.runtime.prefix_cache_mb)
-        self.gamma = checks.check_gamma(t.gamma)
+        self.max_logprobs = checks.check_max_logprobs(cfg.runtime.max_logprobs)
+        self.gamma = checks.check_gamma(t.gamma, t.tree)  # given with a tree that is no chain: refused
         checks.check_dtype(cfg.runtime.dtype, target, draft, head_given)
         dtype = compute_dtype(cfg.runtime.dtype, "cpu")  # models given as paths load on the CPU: "auto" means float32 there
 
@@ -245,16 +247,19 @@ class SpecDecoder:
             raise MMSpecError(f"the target ({type(self.target_model).__name__}) is not a vision-language model; "
                               "pass an image-text-to-text checkpoint such as a LLaVA one as the target "
                               "(the draft may be text-only)")
-        self.tree_shapes = parse_shapes(t.tree, gamma=t.gamma, device_type=self.target.device.type,
+        self.tree_shapes = parse_shapes(t.tree, gamma=self.gamma, device_type=self.target.device.type,
                                         depth=t.tree_depth, topk=t.tree_topk, budget=t.tree_budget,
                                         children=t.tree_children, stop_below=t.stop_below)  # one, or tree="auto"'s
         self.tree = self.tree_shapes[-1]  # the largest: every block, cache and buffer is sized for it
+        if self.tree.kind == "chain":
+            self.gamma = self.tree.depth  # a TreeSpec chain given: its own length
         draft_vocab = self.target.vocab_size if self.draft is None else self.draft.vocab_size
         checks.check_tree_fits_vocab(self.tree, min(self.target.vocab_size, draft_vocab))
         self.adaptive = None if self.draft is None else AdaptiveWeights.parse(d.weights)  # None: fixed weights
         self.mode = self._engine_mode(cfg.runtime.cuda_graphs, cfg.runtime.static_cache, cfg.runtime.compile)
         self._static_pool = StaticPool(self.mode.graphs)
         self._speculation_policy = None  # generate_batch(speculate="auto")'s, made on first use
+        self._grammar_compiler = None  # constraints compiled for the tokenizer (mmspec.constrain), made on first use
         self._shape_policy = None  # tree="auto"'s, made on first use
         if self.draft is None:  # a head reads the target's features, lookup its text: no views, no draft model
             self.views, self.weights, newline = [], [1.0], None
@@ -368,7 +373,7 @@ class SpecDecoder:
                  captions: Sequence[str] | None = None, videos: Sequence | None = None,
                  substitutes: Sequence | None = None, streamer=None,
                  initial_weights: Sequence[float] | None = None, logprobs: int | None = None,
-                 **unused) -> GenerationResult:
+                 constraint=None, **unused) -> GenerationResult:
         """Decode one prompt. Inputs are those of ``target.generate`` (the processor's output: for
         other families also ``image_sizes``, ``image_grid_thw``, ``pixel_values_videos``,
         ``video_grid_thw``, ``mm_token_type_ids``, ... as the target's family reads them; Video-LLaVA's
@@ -381,12 +386,15 @@ class SpecDecoder:
         adaptive weights, where this request's weights start (e.g. the previous turn's
         ``stats.final_weights``). ``logprobs=K``: the result's ``logprobs`` holds each new token's
         log-probability under the target and its K likeliest alternatives
-        (:class:`~mmspec.results.TokenLogprob`), read from the verify forwards that emitted them."""
+        (:class:`~mmspec.results.TokenLogprob`), read from the verify forwards that emitted them.
+        ``constraint``: a :class:`~mmspec.constrain.Constraint` (a JSON schema, any JSON object, a
+        regex, a choice, a grammar): the answer is the target's own decoding under it, and ends
+        (EOS) when the grammar is complete (docs/structured.md)."""
         req = prepare(self, dict(input_ids=input_ids, pixel_values=pixel_values, attention_mask=attention_mask,
                                  max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, top_k=top_k,
                                  top_p=top_p, images=images, captions=captions, videos=videos,
                                  substitutes=substitutes, initial_weights=initial_weights, logprobs=logprobs,
-                                 **unused))
+                                 constraint=constraint, **unused))
         from mmspec.engine.scheduler import BatchScheduler
 
         sched = BatchScheduler(self, max_batch=1, stream_text=False)  # one request: a batch of one on the one engine
@@ -433,6 +441,16 @@ class SpecDecoder:
         return generate_batch(self, requests, max_batch=max_batch, speculate=speculate, overlap=overlap, **defaults)
 
     @property
+    def grammar_compiler(self):
+        """The constraints' compiler for this decoder's tokenizer and the target's vocabulary, with its
+        cache of compiled grammars (:class:`~mmspec.constrain.compile.GrammarCompiler`; made on first use)."""
+        if self._grammar_compiler is None:
+            from mmspec.constrain.compile import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.target.vocab_size, self.eos_ids)
+        return self._grammar_compiler
+
+    @property
     def speculation_policy(self) -> SpeculationPolicy:
         """The "auto" policy this decoder's ``generate_batch(speculate="auto")`` calls share: the
         step-cost model, the rows' average acceptance and the shapes' gains it learnt carry over
@@ -457,8 +475,11 @@ class SpecDecoder:
 
     @property
     def tree_label(self) -> str:
-        """The block shape (``TreeSpec.label``), or tree="auto"'s candidates ("auto: chain(γ=5) | ...")."""
-        return self.tree.label if len(self.tree_shapes) == 1 else "auto: " + " | ".join(t.label for t in self.tree_shapes)
+        """The block shape (``TreeSpec.label``), or tree="auto"'s candidates ("chain(γ=5) | dynamic(...),
+        chosen per step"; the method, ``M+tree:auto``, already says auto)."""
+        if len(self.tree_shapes) == 1:
+            return self.tree.label
+        return " | ".join(t.label for t in self.tree_shapes) + ", chosen per step"
 
     @property
     def shape_policy(self) -> SpeculationPolicy | None:
@@ -603,9 +624,41 @@ class SpecDecoder:
                           relaxed=self.acceptance, static=self.static, graphs=self.graph_mode, feat_dim=feat_dim,
                           feat_dtype=feat_dtype or torch.float32, pool=pool,
                           proposals_beside=bool(self.model_free) and not self.model_free_alone,
-                          compile=self.mode.compile)
+                          compile=self.mode.compile, max_logprobs=self.max_logprobs)
 
         return self._static_pool.lease("engine", holder, make) if self.static else make()
+
+    @torch.inference_mode()
+    def warm_up(self, *, max_batch: int = 16, speculate="always", max_context: int = 2048):
+        """Capture, before any request, every CUDA graph a batch of up to ``max_batch`` requests
+        of up to ``max_context`` positions (prompt and new tokens, images expanded) may step
+        with under ``speculate`` ("always", "never", "auto" or a policy): each step shape the
+        policy may choose, for every row bucket, span bucket, sampling path and logprobs width
+        (:mod:`mmspec.engine.warmup`). -> a :class:`~mmspec.engine.warmup.WarmUp` (graphs,
+        seconds); nothing to do without graphs. A later request that needs more (a longer
+        context, model-free proposals) still captures on first use."""
+        from mmspec.drafting.trees import inblock_slots
+        from mmspec.engine.warmup import WarmUp, step_shapes, warm_up
+
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise MMSpecError(f"max_batch must be a whole number >= 1, got {max_batch!r}")
+        if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 2:
+            raise MMSpecError(f"max_context must be a whole number of positions >= 2, got {max_context!r}")
+        if self.graph_mode == "eager":
+            return WarmUp(0, 0, 0, 0.0)
+        policy = speculate if isinstance(speculate, SpeculationPolicy) else self.policy_for(speculate)
+        held = self._static_pool.leased.get("engine")
+        if held is not None and held[1]() is not None:  # a fresh engine would be warmed, then dropped
+            raise MMSpecError("warm_up() while a scheduler holds this decoder's engine; warm up before creating "
+                              "it, or close() it first")
+        holder = _WarmUpHolder()
+        engine = self.engine_for(holder)
+        try:
+            capacity = max_context + self.room(0)  # as admission sizes a request's rows
+            return warm_up(engine, max_batch, step_shapes(policy, self.tree), capacity,
+                           capacity + engine.width + 1 + inblock_slots(self.tree), policy.mode != "never")
+        finally:
+            self._static_pool.give_back(holder)
 
     def proposer_for_request(self, prompt: EncodedRequest, sampled: bool = False):
         """A model-free drafter's proposer for one admitted request (None without lookup / suffix);
@@ -625,3 +678,5 @@ class SpecDecoder:
                       "(text, caption or pooled:N)")
 
 
+class _WarmUpHolder:
+    """Who holds the static engine while :meth:`SpecDecoder.warm_up` captures its graphs."""

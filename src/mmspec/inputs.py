@@ -113,11 +113,24 @@ def _count(text: str, marker: str) -> int:
 
 
 def _check_counts(text: str, n_images: int, n_videos: int) -> None:
-    check_image_count(text, n_images)
-    n = _count(text, VIDEO_MARKER)
-    if n != n_videos:
-        raise MMSpecError(f"the prompt has {n} {VIDEO_MARKER} slot(s) but {n_videos} video(s) were given; put one "
-                          f"{VIDEO_MARKER} in the prompt for each --video (in order), or pass {n} video(s)")
+    """The prompt's ``<image>`` and ``<video>`` slots against the images and videos given; a
+    mismatch names both counts on both sides and the fix (a ``<video>`` slot given an image:
+    the clip goes with ``--video``)."""
+    n_img, n_vid = _count(text, IMAGE_MARKER), _count(text, VIDEO_MARKER)
+    if (n_img, n_vid) == (n_images, n_videos):
+        return
+    if n_vid == 0 and n_videos == 0:
+        check_image_count(text, n_images)  # images only: the one-kind message
+    if n_img == n_images and (n_img == 0 or n_vid == 0):  # videos only, or images that match and no <video>
+        raise MMSpecError(f"the prompt has {n_vid} {VIDEO_MARKER} slot(s) but {n_videos} video(s) were given; put one "
+                          f"{VIDEO_MARKER} in the prompt for each --video (in order), or pass {n_vid} video(s)")
+    fix = (f"a {VIDEO_MARKER} slot takes a video: pass the clip with --video (a directory of its frames or a video "
+           f"file; videos= in Python), or write {IMAGE_MARKER} where each image goes"
+           if n_vid > n_videos and n_images > n_img else
+           f"put one {IMAGE_MARKER} in the prompt for each image and one {VIDEO_MARKER} for each video (in order), or "
+           f"pass {n_img} image(s) and {n_vid} video(s)")
+    raise MMSpecError(f"the prompt has {n_img} {IMAGE_MARKER} and {n_vid} {VIDEO_MARKER} slot(s) but {n_images} "
+                      f"image(s) and {n_videos} video(s) were given; {fix}")
 
 
 def with_markers(text: str, n_images: int, n_videos: int = 0) -> str:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from mmspec import checks
+from mmspec.constrain.spec import Constraint
 from mmspec.errors import MMSpecError
 from mmspec.runtime.verify import SamplingParams
 
@@ -42,6 +43,8 @@ class Request:
     initial: tuple[float, ...] | None = None  # adaptive weights' start (a conversation's previous turn)
     logprobs: int | None = None  # each token's target log-probability and this many alternatives (None: not asked)
     coupled: bool = False  # sampling by the Gumbel-max coupling (:func:`coupled`): the seed fixes the answer
+    constraint: Constraint | None = None  # the answer's constraint (mmspec.constrain), checked and compiled
+    grammar: object | None = None  # its xgrammar CompiledGrammar for the decoder's tokenizer
 
 
 def prepare(dec, kwargs: dict, defaults: dict | None = None) -> Request:
@@ -55,7 +58,8 @@ def prepare(dec, kwargs: dict, defaults: dict | None = None) -> Request:
     temperature, seed = kw.pop("temperature", 0.0), kw.pop("seed", None)
     top_k, top_p = kw.pop("top_k", None), kw.pop("top_p", None)
     initial_weights = kw.pop("initial_weights", None)
-    logprobs = checks.check_logprobs(kw.pop("logprobs", None), dec.target.vocab_size)
+    constraint = kw.pop("constraint", None)
+    logprobs = checks.check_logprobs(kw.pop("logprobs", None), dec.target.vocab_size, dec.max_logprobs)
     extra = {k: kw.pop(k, None) for k in EXTRA_KEYS}
     mm = dec.mm_inputs(pixel_values, kw)  # the rest: the family's processor outputs, unknown ones refused
     ids = checks.check_ids(input_ids, attention_mask)  # [L] on CPU
@@ -75,10 +79,16 @@ def prepare(dec, kwargs: dict, defaults: dict | None = None) -> Request:
         seed = new_seed()
     layout = dec.mm.layout(ids, mm)
     dec.check_context(ids.shape[0], max_new_tokens)
+    grammar = None
+    if constraint is not None:  # compiled (or found in the decoder's cache) before any decoding
+        if not isinstance(constraint, Constraint):
+            raise MMSpecError(f"constraint must be a mmspec.constrain.Constraint (or None), got {type(constraint).__name__}")
+        grammar = dec.grammar_compiler.compile(constraint)
     if any(v.needs_substitute for v in dec.views):
         dec.mm.check_substitutes(layout, extra["videos"], extra["substitutes"])
     return Request(ids=ids, mm=mm, layout=layout, max_new_tokens=max_new_tokens, params=params, seed=seed,
-                   extra=extra, initial=initial, logprobs=logprobs, coupled=coupled(params))
+                   extra=extra, initial=initial, logprobs=logprobs, constraint=constraint, grammar=grammar,
+                   coupled=coupled(params))
 
 
 def coupled(params: SamplingParams) -> bool:

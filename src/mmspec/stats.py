@@ -52,6 +52,15 @@ class GenerationStats:
     prompt_tokens_reused: int = 0  # prompt positions the target did not prefill again (prefix caching)
     prefill_draft_s: float = 0.0
     total_s: float = 0.0
+    constraint: str | None = None  # the request's constraint kind (json_schema, regex, ...); None: free text
+    forced_tokens: int = 0  # constrained: emitted tokens that were the grammar's only legal token there
+    grammar_s: float = 0.0  # constrained: host seconds of grammar work (tree masks, advancing the matcher)
+
+    @property
+    def forced_share(self) -> float:
+        """The share of the emitted tokens the grammar forced (0 for free text)."""
+        n = sum(b.n_emitted for b in self.blocks)
+        return self.forced_tokens / n if n else 0.0
 
     @property
     def n_blocks(self) -> int:

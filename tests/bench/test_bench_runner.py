@@ -154,15 +154,16 @@ def test_ctrl_c_says_what_is_kept_and_the_same_command_resumes(tmp_path):
 
 def test_threads_default_and_flag(tmp_path, monkeypatch):
     """--threads sets torch's threads before any model runs and is recorded with the run; the
-    default is torch's choice shared among the local ranks of a torchrun job."""
+    default is the idle cores shared among the local ranks of a torchrun job (the load's part:
+    tests/core/test_threads.py)."""
     import torch
 
     from mmspec.bench.store import read_run_meta
     from mmspec.threads import default_threads
 
-    assert default_threads({"LOCAL_WORLD_SIZE": "2"}, available=8) == 4
-    assert default_threads({"LOCAL_WORLD_SIZE": "4"}, available=2) == 1  # never 0
-    assert default_threads({}, available=2) == 2
+    assert default_threads({"LOCAL_WORLD_SIZE": "2"}, available=8, cores=8, load=0.0) == 4
+    assert default_threads({"LOCAL_WORLD_SIZE": "4"}, available=2, cores=2, load=0.0) == 1  # never 0
+    assert default_threads({}, available=2, cores=2, load=0.0) == 2
     data = write_chartqa(tmp_path / "c.parquet", n=1)
     set_to = []
     monkeypatch.setattr(torch, "set_num_threads", set_to.append)
@@ -212,7 +213,8 @@ def heads(tmp_path_factory):
     (["-m", "M+tree@16"], "old tree@BUDGET form"),
     (["-m", "M", "--threads", "0"], "--threads must be >= 1"),
     (["-m", "M", "--latency-repeats", "0"], "--latency-repeats) must be >= 1"),
-    (["-m", "M", "-n", "0"], "n_samples must be >= 1"),
+    (["-m", "M", "-n", "0"], "n_samples (-n / --n-samples) must be >= 1 sample per dataset, got 0"),
+    (["-m", "M", "--gamma", "0"], "--gamma"),
     (["-m", "M,M"], "listed twice"),
     (["-m", "M,M+relaxed", "--temperature", "0.7"], "+relaxed (MSD's relaxed acceptance) is defined for greedy"),
     (["-m", "M,MT", "--pool-tokens", "4"], "--pool-tokens 4 sets the pooled view (P), which no method uses"),

@@ -64,6 +64,15 @@ def test_generate_drafts_with_a_head_directory(ckpt, flag):
     assert "identical to target.generate yes" in out and "dynamic(depth 3, top-2, 4 nodes" in out
 
 
+def test_tree_auto_is_named_once_in_the_title(ckpt):
+    """Issue 61 item 8: the title said "M+tree:auto: auto: chain(γ=5) | ...". It also says how many
+    CPU threads ran (issue 61 item 9), beside the speed-up."""
+    r, out = invoke(*base(ckpt, "--draft", ckpt / "draft", "--tree", "auto", "--threads", "1"))
+    assert r.exit_code == 0, r.output
+    assert "M+tree:auto: chain(γ=5) | dynamic(" in out and ", chosen per step," in out and "auto: auto" not in out
+    assert "CPU threads: 1 (--threads)" in out and "identical to target.generate yes" in out
+
+
 def test_help_says_a_head_is_a_draft():
     out = " ".join(runner.invoke(app, ["generate", "--help"], env={"COLUMNS": "200"}).output.split())
     assert "--head" in out and "mmspec train head" in out and "--draft HEAD_DIR" in out
@@ -391,6 +400,25 @@ def test_video_errors(video_ckpt, ckpt):
              "--prompt", "w5"], "is a directory without frame images")
     refused(["--target", video_ckpt / "target", "--draft", video_ckpt / "draft", "--video", video_ckpt / "frames",
              "--prompt", "<video> <video> w5"], "2 <video> slot(s) but 1 video(s)")
+
+
+def test_a_video_slot_given_an_image_says_what_the_prompt_has_and_where_the_clip_goes(tmp_path):
+    """Issue 61 item 8: `--prompt "<video> hi" --image red.png` said "0 <image> slot(s)", as if the
+    <video> were not there."""
+    from PIL import Image
+
+    from mmspec.inputs import with_markers
+
+    Image.new("RGB", (8, 8), "red").save(tmp_path / "red.png")
+    refused(["--prompt", "<video> hi", "--image", tmp_path / "red.png"],
+            "the prompt has 0 <image> and 1 <video> slot(s) but 1 image(s) and 0 video(s) were given; a <video> slot "
+            "takes a video: pass the clip with --video (a directory of its frames or a video file")
+    with pytest.raises(MMSpecError, match=r"1 <image> and 1 <video> slot\(s\) but 1 image\(s\) and 0 video\(s\).*"
+                       r"or pass 1 image\(s\) and 1 video\(s\)"):
+        with_markers("<image> <video> hi", 1, 0)
+    with pytest.raises(MMSpecError, match=r"the prompt has 0 <video> slot\(s\) but 1 video\(s\)"):
+        with_markers("<image> hi", 1, 1)
+    assert with_markers("hi", 1, 1) == "<image> <video> hi"  # no markers: one each in front
 
 
 def test_a_video_file_without_a_reader_says_to_pass_frames(video_ckpt):

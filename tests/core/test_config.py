@@ -10,9 +10,9 @@ from mmspec.config import KEYWORDS
 
 
 def test_a_config_builds_the_decoder_the_keywords_build(target, draft_shared, tok):
-    flat = SpecDecoder(target, draft_shared, tok, views="MT", gamma=3, tree="dynamic", tree_depth=3, tree_topk=2,
+    flat = SpecDecoder(target, draft_shared, tok, views="MT", tree="dynamic", tree_depth=3, tree_topk=2,
                        tree_budget=6, prefix_cache_mb=0)
-    cfg = DecoderConfig.of(views="MT", gamma=3, tree="dynamic", tree_depth=3, tree_topk=2, tree_budget=6,
+    cfg = DecoderConfig.of(views="MT", tree="dynamic", tree_depth=3, tree_topk=2, tree_budget=6,
                            prefix_cache_mb=0)
     assert cfg.draft == DraftConfig(views="MT") and cfg.tree.tree_budget == 6 and cfg.runtime.prefix_cache_mb == 0
     grouped = SpecDecoder(target, draft_shared, tok, config=cfg)
@@ -38,7 +38,7 @@ def test_unknown_options_are_refused_by_name(target, draft_shared, tok):
 
 
 def test_every_keyword_has_one_group():
-    assert len(KEYWORDS) == len(set(KEYWORDS)) == len(DecoderConfig().keywords()) == 24
+    assert len(KEYWORDS) == len(set(KEYWORDS)) == len(DecoderConfig().keywords()) == 25
 
 
 def test_a_group_of_another_type_is_refused_naming_its_class():

@@ -18,6 +18,7 @@ from helpers.tiny import (
     swapped_tokenizer,
 )
 from mmspec import MMSpecError, SpecDecoder
+from mmspec.drafting.tree import TreeSpec
 from mmspec.drafting.views import parse_views
 from mmspec.heads import build_head
 from mmspec.inputs import frame_prompt, load_images
@@ -273,11 +274,11 @@ def test_demo_and_bench_refuse_zero_new_tokens(tmp_path):
 
     r = CliRunner().invoke(app, ["demo", "--max-new-tokens", "0"])
     assert r.exit_code == 2 and "--max-new-tokens must be >= 1" in r.output, r.output
-    with pytest.raises(MMSpecError, match="max_new_tokens must be >= 1"):
+    with pytest.raises(MMSpecError, match=r"max_new_tokens \(--max-new-tokens\) must be >= 1"):
         BenchConfig(out_dir=tmp_path, max_new_tokens=0)
     with pytest.raises(MMSpecError, match="temperature must be a finite number >= 0"):
         BenchConfig(out_dir=tmp_path, temperature=-1.0)  # before any row is written
-    with pytest.raises(MMSpecError, match="pool_tokens must be >= 1"):
+    with pytest.raises(MMSpecError, match=r"pool_tokens \(--pool-tokens\) must be >= 1"):
         BenchConfig(out_dir=tmp_path, pool_tokens=0)
 
 
@@ -749,6 +750,12 @@ def test_draft_processor_that_no_view_reads(target, draft_shared, tok):
     (dict(tree_children="views"), "tree_children 'views' shapes a tree's children; a chain has one per node"),
     (dict(tree="dynamic", stop_below=0.5), "stop_below .dynamic draft length. applies to chains only"),
     (dict(tree=[[0], [1]], tree_depth=3), "a static tree's paths fix its shape: drop tree_depth"),
+    # issue 61 item 8: gamma beside a tree that is no chain was silently ignored (the CLI refused --gamma)
+    (dict(tree="dynamic", gamma=4), r"gamma=4 is a chain's length, but tree='dynamic' is no chain: .*drop gamma"),
+    (dict(tree="3x2x4", gamma=5), r"gamma=5 is a chain's length, but tree='3x2x4' is no chain"),  # even the default
+    (dict(tree=[[0], [1]], gamma=2), r"gamma=2 is a chain's length, but tree=\[\[0\], \[1\]\] is no chain"),
+    (dict(tree=TreeSpec("dynamic", depth=2, topk=2, budget=3), gamma=2), r"gamma=2 is a chain's length, but tree=dynamic"),
+    (dict(tree=TreeSpec("chain", depth=3), gamma=4), r"gamma=4 was given with a TreeSpec chain of length 3"),
 ])
 def test_tree_and_view_keywords_that_would_be_ignored_or_crash(target, draft_shared, tok, kw, msg):
     with pytest.raises(MMSpecError, match=msg):
@@ -759,6 +766,13 @@ def test_tree_keywords_that_apply_are_accepted(target, draft_shared, tok):
     SpecDecoder(target, draft_shared, tok, tree="dynamic", tree_depth=2, tree_topk=2, tree_budget=3, tree_children="views")
     SpecDecoder(target, draft_shared, tok, stop_below=0.3)
     SpecDecoder(target, draft_shared, tok, tree=[[0], [1]], tree_children="views")
+    # gamma is read by a chain and by tree="auto" (its chain); left out, a chain is 5 long
+    assert SpecDecoder(target, draft_shared, tok, gamma=3).tree == TreeSpec("chain", depth=3)
+    assert SpecDecoder(target, draft_shared, tok, tree="chain", gamma=2).gamma == 2
+    assert SpecDecoder(target, draft_shared, tok, tree="auto", gamma=2).tree_shapes[0] == TreeSpec("chain", depth=2)
+    assert SpecDecoder(target, draft_shared, tok).tree == TreeSpec("chain", depth=5)
+    assert SpecDecoder(target, draft_shared, tok, tree=TreeSpec("chain", depth=3)).gamma == 3
+    assert SpecDecoder(target, draft_shared, tok, tree=TreeSpec("chain", depth=3), gamma=3).gamma == 3
 
 
 def test_prompt_ids_and_pixels_the_target_cannot_read(target, draft_shared, tok):

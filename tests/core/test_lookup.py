@@ -99,7 +99,7 @@ def repetitive_prompt(seed: int = 0, n_images: int = 1):
 @pytest.mark.parametrize("tree", [None, "dynamic", "4x2x6", [[0], [1], [0, 0], [0, 1], [1, 0]]])
 @pytest.mark.parametrize("draft", ["lookup", "suffix"])
 def test_model_free_greedy_equals_target(target, tok, draft, tree):
-    dec = SpecDecoder(target, draft, tok, tree=tree, gamma=4, lookup_options={"ngram_min": 1})
+    dec = SpecDecoder(target, draft, tok, tree=tree, lookup_options={"ngram_min": 1}, **({"gamma": 4} if tree is None else {}))
     blocks = 0
     for seed in range(3):  # suffix: later requests draft from the earlier ones
         ids, pv = repetitive_prompt(seed, n_images=1 + seed)
@@ -211,9 +211,11 @@ ONE_GRAM = {"ngram_min": 1, "ngram_max": 1}
 def test_sampling_matches_target_distribution(setup, kind):
     target, draft, tok, ids, pv = setup
     exact = exact_sequence_probs(target, ids, pv)
-    kw = {"lookup_options": ONE_GRAM if "lookup" in kind else None, "gamma": 2}
+    kw = {"lookup_options": ONE_GRAM if "lookup" in kind else None}
     if "tree" in kind:
         kw.update(tree="dynamic", tree_depth=2, tree_topk=2, tree_budget=4)
+    else:
+        kw["gamma"] = 2
     name = "lookup" if "lookup" in kind else "suffix"
     if kind.startswith("M"):
         dec = SpecDecoder(target, draft, tok, views=kind.split()[0], model_free=name, **kw)

@@ -36,6 +36,7 @@ ELSEWHERE = {
 }
 TESTED_HERE = ["batch_speed", "prefix_speed", "tree_sweep", "cpu_shapes", "serve_load", "head_formats_check",
                "serve_overhead", "lookup_speed", "serve_speed", "logprobs_cost", "mmspec_split",
+               "threads", "policy_speed", "graph_warmup", "constrained_speed",
                "seed_coupling"]
 
 
@@ -241,6 +242,13 @@ def test_seed_coupling(tmp_path):
     assert all(r["tau"] >= 1 for r in rows) and all(r["same_alone"] for r in rows if r["sampler"] == "coupling")
 
 
+def test_threads(tmp_path):
+    out = run_script("threads", "--threads", "1", "--repeats", "1", "--new", "4", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads((tmp_path / "threads.json").read_text())
+    assert got["identical"] and [r["threads"] for r in got["rows"]] == [1] and got["default_threads_now"] >= 1
+
+
 def test_mmspec_split(tmp_path):
     """The MMSpec-format split of the world's images reads back through the bench's loader: six
     categories, 2-3 turns each, no row skipped."""
@@ -251,3 +259,34 @@ def test_mmspec_split(tmp_path):
     samples, report = load_dataset("mmspec", tmp_path / "w", 2)
     assert len({s.dataset for s in samples}) == 6 and len(samples) == 12 and not report.skipped
     assert all(2 <= len(s.questions) <= 3 for s in samples)
+
+
+def test_policy_speed(tmp_path):
+    out = tmp_path / "p.jsonl"
+    res = run_script("policy_speed", "--batch", "2", "--new", "3", "--ragged", "--ragged-n", "5", "--drafts", "random",
+                     "--out", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    runs = [r for r in rows if not r.get("summary")]
+    assert {(r["workload"], r["mode"]) for r in runs} == {(w, m) for w in (2, "ragged") for m in ("always", "never", "auto")}
+    sums = [r for r in rows if r.get("summary")]
+    assert len(sums) == 2 and all(r["same_as_never"] for r in sums) and all(r["auto_vs_best"] > 0 for r in sums)
+
+
+def test_graph_warmup(tmp_path):
+    out = tmp_path / "g.jsonl"
+    res = run_script("graph_warmup", "--batch", "1", "--speculate", "never", "--context", "64", "--new", "3",
+                     "--out", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows and all(r.get("captured_after", 0) == 0 for r in rows), rows
+def test_constrained_speed(tmp_path):
+    """One bounded schema on the embedded pack: the constrained answer equals the target's own,
+    validates and ends with EOS (exit 1 otherwise); the B=2 grammar-work probe is recorded."""
+    out_json = tmp_path / "constrained.json"
+    out = run_script("constrained_speed", "--schemas", "1", "--methods", "lookup", "--max-new-tokens", "32",
+                     "--repeats", "1", "--warmup", "0", "--batch", "2", "--out", str(out_json), timeout=900)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    res = json.loads(out_json.read_text())
+    assert res["failures"] == [] and res["rows"][0]["valid"]
+    assert 0 < res["rows"][0]["lookup"]["forced_share"] <= 1 and res["batch"]["grammar_s"] > 0

@@ -50,7 +50,7 @@ def test_parse_request_maps_openai_fields():
     ({"top_logprobs": 2}, "top_logprobs needs logprobs=true"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be from 0 to 20"),
     ({"n": 17}, "n must be from 1 to 16"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "role 'tool'"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "role 'function'"),
     ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "text and image_url parts only"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, "end messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "without a url"),

@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _flat(text: str) -> str:
-    """Without whitespace: the console wraps long lines anywhere, paths included."""
-    return "".join(text.split())
+    """Without whitespace or the error box's sides: the console wraps long lines anywhere, paths included."""
+    return "".join(text.replace("│", " ").split())
 EMBEDDED = ROOT / "src" / "mmspec" / "assets" / "embedded"
 
 
@@ -121,8 +121,8 @@ def test_schedules_of_the_four_callers():
     recipe = FitConfig(steps=100, warmup_ratio=0.03)
     from mmspec.train.recipe import lr_at
 
-    for p in (0.0, 0.01, 0.03, 0.5, 0.99):
-        assert lr_factor(recipe, 0, p) == pytest.approx(lr_at(p, 1.0, 0.03))
+    for p in (0.0, 0.01, 0.03, 0.5, 0.99):  # by steps: step = progress x steps
+        assert lr_factor(recipe, round(p * 100), p) == pytest.approx(lr_at(p, 1.0, 0.03))
     head = FitConfig(steps=100, warmup_steps=50, min_lr_ratio=0.1)
     assert lr_factor(head, 0, 0.0) == pytest.approx(1 / 50)
     assert lr_factor(head, 99, 1.0) == pytest.approx(0.1)
@@ -132,6 +132,53 @@ def test_schedules_of_the_four_callers():
                 dict(steps=5, grad_clip=0.0), dict(steps=5, checkpoint_every=0)):
         with pytest.raises(MMSpecError):
             FitConfig(**bad)
+
+
+def test_a_slow_first_step_does_not_skip_the_warm_up():
+    """Issue 61 item 8: `train head --minutes 1.5`'s first step took 17% of the budget, past the
+    5% warm-up share: step 1 ran at 1.2e-07, step 2 at the peak. The warm-up lasts at least
+    min_warmup_steps (10) steps, whatever the clock says."""
+    head = FitConfig(steps=100_000, minutes=1.5, warmup_ratio=0.05, min_lr_ratio=0.1)
+    assert lr_factor(head, 0, 0.0) == 0.0
+    ramp = [lr_factor(head, s, 0.17 + 0.001 * s) for s in range(1, 9)]
+    assert ramp == pytest.approx([(s + 1) / 10 for s in range(1, 9)])  # linear over the first ten steps
+    assert lr_factor(head, 10, 0.2) == pytest.approx(lr_factor(FitConfig(steps=100_000, warmup_ratio=0.05,
+                                                                         min_lr_ratio=0.1), 10, 0.2))
+    short = FitConfig(steps=5, warmup_ratio=0.05)  # a 5-step run: the floor is its share, one step
+    assert lr_factor(short, 0, 0.2) == lr_factor(FitConfig(steps=5, warmup_ratio=0.05, min_warmup_steps=1), 0, 0.2)
+    with pytest.raises(MMSpecError):
+        FitConfig(steps=5, min_warmup_steps=0)
+
+
+def test_a_budget_is_not_overrun_by_a_step_and_a_slow_first_step_warms_up(monkeypatch, tmp_path):
+    """A fake clock: the first step takes 15 s of a 90 s budget, the others 10 s. The schedule
+    warms up over ten steps (not the one slow step), and no step is started that would end past
+    the budget (the last one did: 95 s)."""
+    import mmspec.train.loop as loop
+
+    now = [0.0]
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: now[0])
+
+    def slow(model, info):
+        now[0] += 15.0 if info.step == 0 else 10.0
+        return _step(model, info)
+
+    cfg = FitConfig(label="toy", steps=10**6, minutes=1.5, lr=1.0, warmup_ratio=0.05, progress=False,
+                    checkpoint=tmp_path / "ck.pt")
+    res = fit(_toy(), slow, cfg, log=lambda s: None)
+    lrs = [h["lr"] for h in res.history]
+    assert res.stopped == "budget" and res.history[-1]["seconds"] <= 90.0 and res.steps == 8, res.history
+    assert lrs[0] == 0.0 and lrs[1] == pytest.approx(0.2) and lrs[1:] == sorted(lrs[1:])  # still warming up
+    assert fit(_toy(), slow, cfg, log=lambda s: None).stopped == "done"  # 85 s spent: no room for a step
+
+    def first_slow(model, info):  # a loaded CPU: the first step took 76% of the budget, the rest 1 s
+        now[0] += 68.0 if info.step == 0 else 1.0
+        return _step(model, info)
+
+    now[0] = 0.0
+    res = fit(_toy(), first_slow, FitConfig(label="toy", steps=10**6, minutes=1.5, lr=1.0, warmup_ratio=0.05,
+                                            progress=False), log=lambda s: None)
+    assert res.steps == 23 and res.history[-1]["seconds"] == 90.0  # not stopped after step 1 by its 68 s
 
 
 # --------------------------------------------------------------------------- the commands
@@ -275,6 +322,17 @@ BAD = [
     (["train", "embedded", "--steps-scale", "0"], r"--steps-scale must be a finite number > 0"),
     (["train", "embedded", "--n-train-per-family", "0"], r"--n-train-per-family must be a whole number >= 1"),
     (["train", "embedded", "--device", "gpu"], r"--device 'gpu' is not a device"),
+    # train answers (issue 61 item 7: a negative count wrote nothing and exited 0; 0 named a flag not given)
+    (["train", "answers", "--n-train-per-family", "-3"],
+     r"Invalid value for --n-train-per-family: must be a whole number of samples per family >= 0, got -3"),
+    (["train", "answers", "--n-train-per-family", "0"],
+     r"Invalid value for --n-train-per-family: every family has 0 samples \(--n-train-per-family 0\); "
+     r"nothing to answer"),
+    (["train", "answers", "--n-train-per-family", "0", "--family-samples", "vist=0"],
+     r"Invalid value for --family-samples: every family has 0 samples \(--n-train-per-family 0 "
+     r"--family-samples vist=0\)"),
+    (["train", "stage", "--size", "tiny", "--n-train-per-family", "-1"],
+     r"--n-train-per-family: must be a whole number of samples per family >= 0, got -1"),
 ]
 
 

@@ -176,7 +176,9 @@ class Endpoint:
         try:
             data = r.json()
             choice = data["choices"][0]
-            text = choice["message"]["content"] or ""
+            text = choice["message"]["content"]
+            if text is None:
+                text = _calls_text(choice["message"].get("tool_calls") or [], choice.get("logprobs"))
         except (ValueError, KeyError, IndexError, TypeError):
             raise RequestFailed(f"{self.base}/chat/completions answered without OpenAI's choices[0].message."
                                 f"content ({one_line(r.text, 80)}); not an OpenAI-compatible chat completion") from None
@@ -185,6 +187,18 @@ class Endpoint:
             if tokens is not None:
                 self.logprobs = True
         return Reply(text, choice.get("finish_reason"), tokens, r.elapsed.total_seconds())
+
+
+def _calls_text(calls: list, logprobs) -> str:
+    """The text of an answer given as tool calls: one call's arguments (a named function's answer is
+    exactly that); several ("required": the array the model wrote, re-written by the server) the
+    tokens' own strings joined, where logprobs came, else the calls as JSON."""
+    if len(calls) == 1 and isinstance(calls[0].get("function", {}).get("arguments"), str):
+        return calls[0]["function"]["arguments"]
+    entries = (logprobs or {}).get("content") if isinstance(logprobs, dict) else None
+    if entries:
+        return "".join(str(e.get("token", "")) for e in entries)
+    return json.dumps(calls) if calls else ""
 
 
 def _tokens(logprobs) -> list[Token] | None:

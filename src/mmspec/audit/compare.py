@@ -79,7 +79,7 @@ def locate(ref: Reference, ours: Reply, tokenizer=None, eos_id: int | None = Non
            eos_ids: Collection[int] = ()) -> Located | None:
     """None when the answers agree, token for token AND in their texts; else where they first
     differ (see the module docstring). ``eos_id``: appended to the answer's tokens (or its
-    tokenized text) when it stopped (``finish_reason`` stop) without one of ``eos_ids`` (default
+    tokenized text) when it stopped (``finish_reason`` stop, or tool_calls) without one of ``eos_ids`` (default
     ``{eos_id}``) at its end, so an answer that ends where the reference goes on differs by its
     EOS, as the reference's ids (an endpoint leaves the EOS out of its logprobs, or keeps it)."""
     eos = _Eos(eos_id, frozenset(eos_ids) or frozenset([eos_id] if eos_id is not None else []))
@@ -159,7 +159,8 @@ class _Eos:
     ids: frozenset
 
     def ended(self, ids: list[int], reply: Reply, ref_ids: list[int]) -> list[int]:
-        if self.id is None or reply.finish_reason != "stop" or (ids and ids[-1] in self.ids):
+        ended = reply.finish_reason in ("stop", "tool_calls")  # an answer given as tool calls ended by itself too
+        if self.id is None or not ended or (ids and ids[-1] in self.ids):
             return ids
         there = ref_ids[len(ids)] if len(ids) < len(ref_ids) else None  # the reference's own EOS, if it ends there
         return [*ids, there if there in self.ids else self.id]

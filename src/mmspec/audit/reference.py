@@ -5,7 +5,10 @@ it (:func:`mmspec.serve.messages.build_prompt`, so the same request gives the sa
 ``target.generate(do_sample=False)`` -> a :class:`~mmspec.audit.compare.Reference` (its ids, EOS
 kept when it stopped there; its text decoded as the server decodes it), and at a first difference
 the one target forward of :func:`mmspec.bench.audit.audit_difference` for both tokens'
-log-probabilities. Another engine may frame chat messages otherwise (its chat template): audit
+log-probabilities. A request that constrains its answer (``response_format``, ``structured_outputs``,
+``tools`` with ``tool_choice`` "required" or a named function: :mod:`mmspec.serve.structured`)
+is answered under the same constraint (:mod:`mmspec.audit.constrained`: the target's own
+constrained decoding), its tools presented in the prompt as the server presents them. Another engine may frame chat messages otherwise (its chat template): audit
 such an endpoint against a reference endpoint of the same engine (``--reference URL``).
 """
 
@@ -52,20 +55,37 @@ class LocalTarget:
         try:
             messages = parse_messages(body["messages"])  # typed as the server reads them
             images = [load_image(ref, []) for ref in image_refs(messages)]
-            prompt = build_prompt(self.processor, self.tokenizer, messages)
+            prompt = build_prompt(self.processor, self.tokenizer, messages, tools=self.plan(body).tools)
             enc = processor_inputs(self.processor, prompt, images)
         except Exception as e:  # noqa: BLE001 - the server's RequestError, the processor's own
             raise AuditError(f"the local reference cannot read this request: {e}") from None
         return to_target(enc, self.device, self.model.dtype)
 
+    @staticmethod
+    def plan(body: dict):
+        """The request's constraint and tools, read as mmspec serve reads them (tool_choice "auto":
+        unconstrained, the tags parsed by the server's hermes parser)."""
+        from mmspec.serve.structured import plan_of
+
+        try:
+            return plan_of(response_format=body.get("response_format"),
+                           structured_outputs=body.get("structured_outputs"), tools=body.get("tools"),
+                           tool_choice=body.get("tool_choice"), tool_call_parser="hermes",
+                           parallel_tool_calls=body.get("parallel_tool_calls"))
+        except Exception as e:  # noqa: BLE001 - the server's RequestError
+            raise AuditError(f"the local reference cannot read this request's constraint: {e}") from None
+
     def answer(self, body: dict) -> tuple[Reference, dict]:
         """The target's greedy answer to ``body`` and the inputs it was made from."""
         import torch
 
+        from mmspec.audit.constrained import constrained_kwargs
+
         inputs = self.inputs(body)
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 128)
         with self._lock, torch.inference_mode():
-            out = self.model.generate(**inputs, do_sample=False, max_new_tokens=n, num_beams=1)
+            constrained = constrained_kwargs(self.model, self.tokenizer, self.eos_ids, self.plan(body).constraint)
+            out = self.model.generate(**inputs, do_sample=False, max_new_tokens=n, num_beams=1, **constrained)
         ids = out[0, inputs["input_ids"].shape[1]:].tolist()
         for k, t in enumerate(ids):
             if t in self.eos_ids:

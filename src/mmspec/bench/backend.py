@@ -17,6 +17,7 @@ import torch
 
 from mmspec.bench.config import BenchConfig, RankInfo, method_tree, method_views
 from mmspec.bench.datasets import BenchSample
+from mmspec.drafting.tree import reads_gamma
 from mmspec.errors import MMSpecError
 from mmspec.timing import sync
 
@@ -196,10 +197,12 @@ class HFBackend:
             needs_caption = any(v in ("C", "caption") for v in views)
             if not reuse:  # each prompt timed from scratch, as the target's own generate runs it
                 kw["prefix_cache_mb"] = 0
+            if reads_gamma(kw.get("tree")):  # --gamma: the chains' length; a tree method has its own shape
+                kw["gamma"] = self.cfg.gamma
             self._decoders[key] = SpecDecoder(
                 self.m.target, draft, self.m.tokenizer, views=views,
                 captioner=self._get_captioner() if needs_caption else None,
-                gamma=self.cfg.gamma, processor=self.m.processor, **kw,
+                processor=self.m.processor, **kw,
             )
         return self._decoders[key]
 

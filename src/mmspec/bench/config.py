@@ -269,13 +269,13 @@ class BenchConfig:
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
         if self.gamma < 1:
-            raise MMSpecError(f"gamma must be >= 1, got {self.gamma}")
+            raise MMSpecError(f"gamma (--gamma) must be >= 1 draft token per block, got {self.gamma}")
         if self.n_samples < 1:
-            raise MMSpecError(f"n_samples must be >= 1, got {self.n_samples}")
+            raise MMSpecError(f"n_samples (-n / --n-samples) must be >= 1 sample per dataset, got {self.n_samples}")
         if self.pool_tokens is not None and self.pool_tokens < 1:
-            raise MMSpecError(f"pool_tokens must be >= 1 (or unset for the default), got {self.pool_tokens}")
+            raise MMSpecError(f"pool_tokens (--pool-tokens) must be >= 1 (or unset for the default), got {self.pool_tokens}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
-            raise MMSpecError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise MMSpecError(f"max_new_tokens (--max-new-tokens) must be >= 1, got {self.max_new_tokens}")
         if self.latency_repeats < 1:
             raise MMSpecError(f"latency_repeats (--latency-repeats) must be >= 1, got {self.latency_repeats}")
         check_batch_sizes(self.batch_sizes, self.n_samples, self.temperature)
@@ -300,7 +300,7 @@ class BenchConfig:
         from mmspec.models.loading import resolve_dtype
 
         if resolve_dtype(self.dtype) == "auto":  # unknown names are refused inside, with the list
-            raise MMSpecError("bench needs an explicit dtype (float32, bfloat16, float16), not auto")
+            raise MMSpecError("bench needs an explicit dtype (float32, bfloat16, float16, float64), not auto")
 
     def result_values(self) -> dict:
         """The settings that change a row's numbers (``RESULT_KEYS``). An unset split counts as

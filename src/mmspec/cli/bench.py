@@ -27,7 +27,6 @@ import typer
 from mmspec.bench.config import DEFAULT_DATASETS, DEFAULT_METHODS, BenchConfig, DatasetSpec
 from mmspec.cli import options
 from mmspec.errors import MMSpecError
-from mmspec.provenance import command_line
 
 bench_app = typer.Typer(help="Benchmark drafting methods against the target alone (IbED Table 3).",
                         no_args_is_help=True, add_completion=False)
@@ -78,7 +77,7 @@ def run_command(
     head: list[str] | None = options.heads("-m eagle,eagle3+tree --head eagle=DIR --head eagle3=DIR2"),
     split: str | None = typer.Option(None, help="Split of every dataset that names none (NAME=PATH:SPLIT). Default: the embedded world's test; a real benchmark's own split (see --dataset)."),
     device: str | None = options.device(None, "Default: cuda:LOCAL_RANK if available, else cpu; "),
-    dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 (the embedded models too)."),
+    dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 | float64 (the embedded models too)."),
     latency: bool = typer.Option(True, "--latency/--no-latency", help="Measure T_p, T_q(b=1..8), T_V(γ) per dataset."),
     latency_repeats: int = typer.Option(5, help="Repeats per latency probe (median)."),
     batch_size: str = typer.Option("1", "--batch-size", "-b", help="Requests decoded together: 1 (default) = one "
@@ -87,13 +86,15 @@ def run_command(
                                    "(throughput, per-request p50/p90 latency). A sweep: --batch-size 1,2,4,8,16."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bars (--no-progress: none, "
                                   "transformers' weight-loading bars included: for logs)."),
-    threads: int | None = typer.Option(None, help="CPU threads for torch in this process (default: torch's "
-                                          "choice divided by the processes torchrun started on this machine). "
+    threads: int | None = typer.Option(None, help="CPU threads for torch in this process (default: the cores "
+                                          "the machine leaves idle, from its load, divided by the processes "
+                                          "torchrun started on this machine). "
                                           "Two runs side by side: give each a share, e.g. --threads 1 on 2 cores."),
     backend: str | None = typer.Option(None, hidden=True, help="module:function building a custom backend (tests)."),
 ) -> None:
     """Run (or resume) the benchmark: one JSONL row per (sample, method) plus a baseline per sample."""
     from mmspec.bench.runner import BenchInterrupted, run_bench
+    from mmspec.provenance import command_line
     from mmspec.threads import apply_threads
 
     try:
@@ -151,6 +152,7 @@ def report_command(
 ) -> None:
     """Merge all rank files of RESULTS_DIR and write report.md, metrics.json and PNG plots."""
     from mmspec.bench.report import render_report
+    from mmspec.provenance import command_line
 
     try:
         path = render_report(results_dir, command=command_line())

@@ -41,7 +41,7 @@ def check_sampling(temperature: float, top_k: int | None = None, top_p: float | 
 
 def check_threads(threads: int | None) -> None:
     if threads is not None and (isinstance(threads, bool) or threads < 1):
-        raise MMSpecError(f"--threads must be >= 1, got {threads}; or leave it out for torch's choice")
+        raise MMSpecError(f"--threads must be >= 1, got {threads}; or leave it out for the cores the machine leaves idle")
 
 
 def check_device(device: str | None) -> None:
@@ -133,6 +133,9 @@ class GenerateOptions:
     model_free: str | None = None  # --model-free lookup|suffix beside the draft
     lookup_options: str | None = None  # --lookup-options KEY=VALUE,...
     check_head: bool = True  # a head runs a short calibration on load (mmspec.heads.check)
+    json_schema: Path | None = None  # --json-schema FILE
+    regex: str | None = None  # --regex R
+    choice: str | None = None  # --choice A,B,C
     # derived by check_generate
     caption_view: bool = False  # --views has C
     draft_reads_own_images: bool = False  # a VLM draft of another family: its own processor reads the images
@@ -141,14 +144,58 @@ class GenerateOptions:
     graphs: object = "auto"
     lookup_dict: dict | None = None  # --lookup-options, parsed
     alone: str | None = None  # --draft lookup|suffix
+    constraint: object = None  # a mmspec.constrain.Constraint from --json-schema / --regex / --choice
 
 
 def check_generate(o: GenerateOptions) -> GenerateOptions:
     """All of ``generate``'s options; returns ``o`` with the head found and the derived fields set."""
     _check_numbers(o)
     _check_inputs(o)
+    o.constraint = check_constraint(o.json_schema, o.regex, o.choice)
     _check_models(o)
     return o
+
+
+def check_constraint(json_schema: Path | None, regex: str | None, choice: str | None):
+    """``--json-schema FILE`` / ``--regex R`` / ``--choice A,B,C`` -> a Constraint (None: none given):
+    one of them, the file readable JSON, the schema one the grammar can enforce, the choices non-empty."""
+    import json
+
+    from mmspec.constrain import Constraint
+    from mmspec.serve.structured import check_schema
+
+    given = [f for f, v in (("--json-schema", json_schema), ("--regex", regex), ("--choice", choice)) if v is not None]
+    if len(given) > 1:
+        raise MMSpecError(f"{' and '.join(given)} were given together; an answer follows one constraint: pass one")
+    if not given:
+        return None
+    if json_schema is not None:
+        path = Path(json_schema)
+        if not path.is_file():
+            raise MMSpecError(f"--json-schema {str(path)!r} {'is a directory' if path.is_dir() else 'not found'}; "
+                              "pass a .json file holding the JSON schema the answer must follow")
+        try:
+            schema = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise MMSpecError(f"--json-schema {str(path)!r} is not valid JSON ({e}); write the schema as a JSON "
+                              'object, like {"type": "object", "properties": {"label": {"type": "string"}}}') from None
+        c = Constraint("json_schema", schema=check_schema(schema, f"--json-schema {path.name}"), name=path.stem)
+    elif regex is not None:
+        c = Constraint("regex", pattern=regex)
+    else:
+        choices = tuple(x.strip() for x in choice.split(","))
+        if not any(choices):
+            raise MMSpecError(f"--choice {choice!r} lists no strings; give the answers to choose from, comma-separated "
+                              "(--choice yes,no)")
+        if not all(choices):
+            raise MMSpecError(f"--choice {choice!r} has an empty choice (two commas, or one at an end); every choice "
+                              "must be a non-empty string")
+        c = Constraint("choice", choices=choices)
+    try:
+        c.check()
+    except MMSpecError as e:
+        raise MMSpecError(f"{given[0]}: {e}") from None
+    return c
 
 
 def check_decoder(o: GenerateOptions) -> GenerateOptions:
@@ -162,7 +209,7 @@ def check_decoder(o: GenerateOptions) -> GenerateOptions:
 def _check_numbers(o: GenerateOptions) -> None:
     """Numbers and their ranges, the block shape, sampling, views, dtype and device."""
     from mmspec.cli.common import graphs_flag, parse_weights
-    from mmspec.drafting.tree import is_auto, parse_shapes
+    from mmspec.drafting.tree import DEFAULT_GAMMA, is_auto, parse_shapes
     from mmspec.models.loading import resolve_dtype
 
     at_least("--max-new-tokens", o.max_new_tokens)
@@ -174,8 +221,8 @@ def _check_numbers(o: GenerateOptions) -> None:
     if o.gamma is not None and tree_given:
         raise MMSpecError("--gamma is a chain's length; a tree's shape is --tree's (DEPTHxTOPKxBUDGET, or "
                           "--tree dynamic with --tree-depth/--tree-topk/--tree-budget): drop --gamma")
-    o.gamma = 5 if o.gamma is None else o.gamma
-    parse_shapes(o.tree, gamma=o.gamma, device_type=o.device.split(":")[0], depth=o.tree_depth, topk=o.tree_topk,
+    # o.gamma stays None when not given: SpecDecoder's default, and refused by it beside a tree
+    parse_shapes(o.tree, gamma=DEFAULT_GAMMA if o.gamma is None else o.gamma, device_type=o.device.split(":")[0], depth=o.tree_depth, topk=o.tree_topk,
                  budget=o.tree_budget, children=o.tree_children, stop_below=o.stop_below, spelling="cli")
     if o.seed is not None and o.temperature == 0:
         raise MMSpecError("--seed seeds sampling; with --temperature 0 (greedy) the output is the same without it: "

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.text import Text
 
 from mmspec.errors import MMSpecError
-from mmspec.threads import apply_threads
+from mmspec.threads import apply_threads, threads_note
 
 console = Console()
 err_console = Console(stderr=True)
@@ -58,6 +58,10 @@ def parse_weights(weights: str | None):
                           "(adaptive:loglik, adaptive:tabed:0.2)") from None
 
 
-def set_threads(threads: int | None) -> None:
-    """--threads: torch's CPU threads for this process (one place: :func:`mmspec.threads.apply_threads`)."""
-    apply_threads(threads)
+def set_threads(threads: int | None, say: bool = False) -> int:
+    """--threads: torch's CPU threads for this process (one place: :func:`mmspec.threads.apply_threads`);
+    ``say``: print how many and why, one dim line (the commands that print a speed-up)."""
+    n = apply_threads(threads)
+    if say:
+        console.print(f"[dim]{threads_note(threads, n)}[/dim]", highlight=False)
+    return n

@@ -40,7 +40,7 @@ def demo(
         fams, meths = names(families), list(split_methods([methods]))
         heads = dict(_parse_heads(head))
         check_demo(meths, fams, max_new_tokens, gamma, repeats, threads, heads)  # every option before any model runs
-        common.set_threads(threads)
+        common.set_threads(threads, say=True)
         t, d, tok, proc, cap, _ = load_models(None, None, None, None, "auto", "cpu")
         common.console.print(EMBEDDED_NOTE)
         decs = {m: _decoder(m, t, d, tok, proc, cap, gamma, heads) for m in meths}
@@ -87,11 +87,14 @@ def _decoder(method: str, target, draft, tok, proc, captioner, gamma: int, heads
     """The SpecDecoder of one demo method: the pack's draft with the method's views, or a head."""
     from mmspec.bench.config import parse_method
     from mmspec.decoder import SpecDecoder
+    from mmspec.drafting.tree import reads_gamma
 
     views, kw = parse_method(method)
+    if reads_gamma(kw.get("tree")):  # --gamma: the chains' length; a tree method has its own shape
+        kw["gamma"] = gamma
     variant = kw.pop("head", None)
     if variant is not None:
-        return SpecDecoder(target, heads[variant], tok, gamma=gamma, processor=proc, **kw)
+        return SpecDecoder(target, heads[variant], tok, processor=proc, **kw)
     alone = kw.pop("draft", None)  # lookup / suffix alone: no draft model, no captioner
     return SpecDecoder(target, alone or draft, tok, views=views or ("M",), captioner=None if alone else captioner,
-                       gamma=gamma, processor=proc, **kw)
+                       processor=proc, **kw)

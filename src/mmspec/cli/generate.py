@@ -12,7 +12,6 @@ from rich.table import Table
 from mmspec.cli import common, options
 from mmspec.cli.common import fail
 from mmspec.cli.options import ModelFlags, RuntimeFlags, ShapeFlags, ViewFlags, takes
-from mmspec.drafting.views import parse_views
 from mmspec.errors import MMSpecError
 
 # `mmspec generate` with no prompt: a world sample the embedded target answers right (checked by
@@ -80,6 +79,7 @@ def build_decoder(o, target, draft, tokenizer, processor, captioner, **extra):
     """The SpecDecoder that ``o`` (checked GenerateOptions) describes, over :func:`load_models`'
     models (``generate`` and ``serve``); ``extra``: more SpecDecoder keywords (serve's prefix_cache_mb)."""
     from mmspec.decoder import SpecDecoder
+    from mmspec.drafting.views import parse_views
 
     draft_proc = None
     if o.draft_reads_own_images:  # a draft of another family reads the PIL images its own way
@@ -146,12 +146,13 @@ def stats_table(title: str, res, baseline_s: float | None = None, identical: boo
     return tab
 
 
-def baseline(target, inputs, max_new_tokens):
+def baseline(target, inputs, max_new_tokens, **constrained):
+    """The target's own greedy decoding (``constrained``: generate()'s logits_processor of a constraint)."""
     import torch
 
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = target.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
+        out = target.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, **constrained)
     return out[0, inputs["input_ids"].shape[1]:].tolist(), time.perf_counter() - t0
 
 
@@ -175,6 +176,10 @@ def generate(
     top_p: float | None = typer.Option(None, help="Sampling only (--temperature > 0): nucleus filter."),
     seed: int | None = typer.Option(None, help="Seed for sampling: same seed, same output, whatever the drafting (the target's own seeded sample)."),
     compare: bool = typer.Option(True, help="Also run target.generate and report speed-up and identity (greedy)."),
+    json_schema: Path | None = typer.Option(None, help="Constrain the answer to this JSON schema (a .json file); "
+                                            "tight separators (docs/serve.md, Structured outputs)."),
+    regex: str | None = typer.Option(None, help="Constrain the answer to this regular expression."),
+    choice: str | None = typer.Option(None, help="Constrain the answer to one of these comma-separated strings."),
     runtime: RuntimeFlags,
     check_head: bool = options.CHECK_HEAD,
 ):
@@ -190,6 +195,7 @@ def generate(
         opts = check_generate(GenerateOptions(
             prompt=prompt, image=list(image), video=list(video), frames=frames, max_new_tokens=max_new_tokens,
             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, check_head=check_head,
+            json_schema=json_schema, regex=regex, choice=choice,
             **models.fields(), **views.fields(), **shape.fields(), **runtime.fields()))  # every option, before any model loads
         _run(opts, compare)
     except MMSpecError as e:
@@ -200,7 +206,7 @@ def _run(o, compare: bool) -> None:
     """Load, decode and print; ``o`` is the checked GenerateOptions."""
     from mmspec.inputs import chat_prompt, load_images, load_video, processor_inputs, to_target
 
-    common.set_threads(o.threads)
+    common.set_threads(o.threads, say=True)
     images = load_images(o.image) if o.image else []  # an unreadable image fails before loading too
     clips = [load_video(v, o.frames) for v in o.video]
     t, d, tok, proc, cap, embedded = load_models(o.target, o.draft, o.captioner, o.captioner_prompt, o.dtype,
@@ -218,11 +224,18 @@ def _run(o, compare: bool) -> None:
     dec = build_decoder(o, t, d, tok, proc, cap)
     check_loaded_head(o, dec)
     inputs = to_target(processor_inputs(proc, prompt_text, images, clips), o.device, t.dtype)  # the whole output
+    constrained = {"constraint": o.constraint} if o.constraint is not None else {}  # --json-schema/--regex/--choice
     res = dec.generate(**inputs, max_new_tokens=o.max_new_tokens, temperature=o.temperature, top_k=o.top_k,
-                       top_p=o.top_p, seed=o.seed, images=images if not clips else None, videos=clips or None)
+                       top_p=o.top_p, seed=o.seed, images=images if not clips else None, videos=clips or None,
+                       **constrained)
     base_s = identical = None
     if compare and o.temperature == 0:
-        ref, base_s = baseline(t, inputs, o.max_new_tokens)
+        masked = {}
+        if o.constraint is not None:  # the reference: the target's own decoding under the same constraint
+            from mmspec.audit.constrained import constrained_kwargs
+
+            masked = constrained_kwargs(t, tok, dec.eos_ids, o.constraint)
+        ref, base_s = baseline(t, inputs, o.max_new_tokens, **masked)
         identical = ref == res.token_ids
     common.console.print(f"[bold]Prompt:[/bold] {escape(prompt_text)}")  # user text: "[/INST]" is not markup
     common.console.print(f"[bold]Answer:[/bold] {escape(res.text)}")

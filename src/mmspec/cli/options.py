@@ -31,8 +31,8 @@ def option(default: Any, *decls: str, help: str, panel: str | None = None, **kw)
 
 
 # ---------------------------------------------------------------------------------- single options
-THREADS_HELP = ("CPU threads for torch (default: torch's choice); give each of several runs side by side a share "
-                "of the cores.")
+THREADS_HELP = ("CPU threads for torch (default: the cores the machine leaves idle, from its load; one on a "
+                "busy machine); give each of several runs side by side a share of the cores.")
 THREADS = typer.Option(None, help=THREADS_HELP, rich_help_panel=RUNTIME)
 DEVICE_HELP = "cpu, cuda, cuda:1, ..."
 FRESH = typer.Option(False, help="Start over instead of resuming the checkpoints an interrupted run left in --out.")
@@ -147,8 +147,9 @@ class RuntimeFlags(Flags):
     compile: bool = option(False, "--compile/--no-compile", help="The step's forwards through torch.compile "
                            "(inductor kernels, captured by the step's CUDA graph; compiling takes a while per "
                            "shape; uncompiled if it fails). docs/perf.md, §7.", panel=RUNTIME)
-    dtype: str = option("auto", help="auto, float32, bfloat16, float16 (auto: float32 on the CPU, where half "
-                        "precision is several times slower; the checkpoint's own on a GPU).", panel=RUNTIME)
+    dtype: str = option("auto", help="auto, float32, bfloat16, float16, float64 (auto: float32 on the CPU, where "
+                        "half precision is several times slower; the checkpoint's own on a GPU; float64: exact "
+                        "checks, slow).", panel=RUNTIME)
     device: str = option("cpu", help=DEVICE_HELP, panel=RUNTIME)
     threads: int | None = option(None, help=THREADS_HELP, panel=RUNTIME)
 

@@ -66,6 +66,15 @@ def serve(
     cors_origins: list[str] = typer.Option([], help="Origins browsers may call the server from (repeatable; "
                                            "default: none, CORS off)."),
     metrics: bool = typer.Option(True, help="GET /metrics in Prometheus' text format."),
+    warm_up_context: int = typer.Option(2048, help="With CUDA graphs: before serving, capture every step's graph "
+                                        "for up to --max-batch requests of up to this many positions (prompt and "
+                                        "answer, images expanded), printing the graphs and seconds; longer "
+                                        "requests capture on first use. 0: no warm-up."),
+    tool_call_parser: str | None = typer.Option(None, help="How the model's own tool calls are read, for "
+                                                "tool_choice 'auto' (the default with tools): 'hermes' for "
+                                                "checkpoints that write <tool_call>{...}</tool_call> (Qwen2.5-VL). "
+                                                "Without it 'auto' is refused; 'required' and a named function "
+                                                "need none."),
     check_head: bool = options.CHECK_HEAD,
 ):
     """Serve the models over HTTP with OpenAI's chat-completions API (docs/serve.md).
@@ -84,6 +93,9 @@ def serve(
         if speculate not in SPECULATE:
             raise MMSpecError(f"--speculate must be one of {', '.join(SPECULATE)}, got {speculate!r}")
         at_least("--max-tokens", max_tokens)
+        if warm_up_context < 0 or warm_up_context == 1:
+            raise MMSpecError(f"--warm-up-context must be 0 (no warm-up) or a number of positions >= 2, got "
+                              f"{warm_up_context}")
         at_least("--max-images", max_images)
         if prefix_cache_mb is not None and not (math.isfinite(prefix_cache_mb) and prefix_cache_mb >= 0):
             raise MMSpecError(f"--prefix-cache-mb must be a number of MiB >= 0 (0: off), got {prefix_cache_mb}")
@@ -98,16 +110,21 @@ def serve(
             raise MMSpecError("--api-key (or MMSPEC_API_KEY) is empty; give a key, or leave it unset for no key")
         hosts = None if "*" in allowed_hosts else (list(allowed_hosts) or default_hosts(host))
         check_origins(cors_origins)
+        from mmspec.serve.structured import TOOL_CALL_PARSERS
+
+        if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+            raise MMSpecError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)} (checkpoints that "
+                              f"write <tool_call>{{...}}</tool_call> tags), got {tool_call_parser!r}")
         _check_extra(metrics)
         sock = _bind(host, port)  # the port is ours before minutes of loading, or refused now
     except MMSpecError as e:
         fail(e)
     _run(opts, sock, host, port, max_batch=max_batch, speculate=speculate, prefix_cache_mb=prefix_cache_mb,
          max_tokens=max_tokens, max_images=max_images, media=media,
-         name=served_model_name, shutdown_timeout=shutdown_timeout,
+         name=served_model_name, shutdown_timeout=shutdown_timeout, warm_up_context=warm_up_context,
          guard=dict(max_request_mb=max_request_mb, max_image_pixels=max_image_pixels,
                     max_request_pixels=max_request_pixels, api_key=api_key, allowed_hosts=hosts,
-                    cors_origins=list(cors_origins), metrics=metrics))
+                    cors_origins=list(cors_origins), metrics=metrics, tool_call_parser=tool_call_parser))
 
 
 def _media_dir(path: Path) -> Path:
@@ -153,7 +170,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def _run(o, sock: socket.socket, host: str, port: int, *, max_batch: int, speculate: str,
          prefix_cache_mb: float | None, max_tokens: int,
-         max_images: int | None, media: list, name: str | None, shutdown_timeout: float, guard: dict) -> None:
+         max_images: int | None, media: list, name: str | None, shutdown_timeout: float, guard: dict,
+         warm_up_context: int = 0) -> None:
     import uvicorn
 
     from mmspec.cli.generate import EMBEDDED_NOTE, build_decoder, check_loaded_head, load_models
@@ -168,6 +186,9 @@ def _run(o, sock: socket.socket, host: str, port: int, *, max_batch: int, specul
     dec = build_decoder(o, t, d, tok, proc, cap,
                         **({} if prefix_cache_mb is None else {"prefix_cache_mb": prefix_cache_mb}))
     check_loaded_head(o, dec)
+    if warm_up_context and dec.graph_mode != "eager":  # every graph before the first request (docs/serve.md)
+        w = dec.warm_up(max_batch=max_batch, speculate=speculate, max_context=warm_up_context)
+        common.console.print(f"mmspec serve: {w.line()}", highlight=False, soft_wrap=True)
     config = ServeConfig(model_name=name or (EMBEDDED_NAME if embedded else o.target), max_batch=max_batch,
                          speculate=speculate, max_tokens=max_tokens, max_images=max_images, allowed_media=media,
                          shutdown_timeout_s=shutdown_timeout, **guard)

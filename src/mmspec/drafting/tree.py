@@ -43,6 +43,8 @@ from mmspec.errors import MMSpecError
 KINDS = ("chain", "static", "dynamic")
 CHILDREN = ("mixture", "views")
 
+DEFAULT_GAMMA = 5  # a chain's length when none is given (SpecDecoder, the CLI's --gamma, bench)
+
 # Dynamic-tree defaults per device type (depth, topk, budget): the best tokens/s of the budget sweep
 # on each (perf/tree_sweep.py on the embedded pack). CPU (2026-11-25, docs/perf.md §8): tau 8.17
 # against the chain's 4.45, a CPU verify over many nodes is not free, so gains stay small. CUDA
@@ -267,6 +269,14 @@ def parse_tree(tree, *, gamma: int, device_type: str = "cpu", depth: int | None 
     if is_auto(tree):
         raise MMSpecError("tree 'auto' is several shapes, chosen per step: parse it with parse_shapes")
     raise MMSpecError(f"unknown tree {tree!r}; use {NOTATION}")
+
+
+def reads_gamma(tree) -> bool:
+    """Whether a ``tree=`` value reads ``gamma``: a chain (None, "chain", a chain TreeSpec) or
+    "auto" (its chain candidate); a dynamic or static tree has a shape of its own."""
+    if isinstance(tree, TreeSpec):
+        return tree.kind == "chain"
+    return tree is None or is_auto(tree) or (isinstance(tree, str) and tree.strip().lower() == "chain")
 
 
 def is_auto(tree) -> bool:

@@ -57,6 +57,7 @@ class StepInput:
     def noise_at(self, d: int) -> torch.Tensor | None:
         """[R, V] the coupled rows' noise at the output position of depth-d nodes (None: no row is coupled)."""
         return None if self.noise is None else self.noise[:, d - 1]
+    grammar: object | None = None  # constrained rows: their drafts masked by their grammars (mmspec.constrain.state.DraftMask)
 
     def root(self) -> torch.Tensor:
         """[R] each row's newest pending token: the root of its tree."""
@@ -184,8 +185,10 @@ class Drafting:
         rs = x.sampling
         toks, qs, probs = [root[:, 0]], [], []
         for d in range(1, depth + 1):
-            if rs.any_sampling or stop_below is not None:
+            if rs.any_sampling or stop_below is not None or x.grammar is not None:
                 q = self.distributions(logits, rs)[:, 0]  # [R, V]
+                if x.grammar is not None:  # constrained rows: q over the tokens their grammar allows here
+                    q = self.constrained(x, q[:, None], torch.stack(toks, 1), d - 1)[:, 0]
                 tok = q.argmax(-1)
                 if rs.any_sampling:
                     drawn = tok if x.u is None else sample(q, x.u[:, d - 1])
@@ -238,7 +241,7 @@ class Drafting:
         fed_nodes: list[torch.Tensor] = []  # [R, k] node ids per fed depth, in slot order
         made = 1
         for d in range(1, spec.depth + 1):
-            tok, s = self.top_children(logits, k, x.sampling, x.noise_at(d))  # [R, F, k]
+            tok, s = self.children(x, logits, k, tokens, parents, frontier, x.noise_at(d))  # [R, F, k]
             F = tok.shape[1]
             new = torch.arange(made, made + F * k, device=dev)  # [F k]
             par = frontier.repeat_interleave(k, dim=1)  # [R, F k]
@@ -288,18 +291,48 @@ class Drafting:
         M = plan["M"]
         tokens = torch.zeros(R, M, dtype=torch.long, device=dev)
         tokens[:, 0] = root[:, 0]
+        front = None  # the nodes whose children the logits score (None: the root)
         for d, level in enumerate(plan["levels"], start=1):
-            tok, _ = self.top_children(logits, level["R"], x.sampling, x.noise_at(d))  # [R, F, R_d] ranked children
+            tok, _ = self.children(x, logits, level["R"], tokens, plan["parents"], front, x.noise_at(d))  # [R, F, R_d] ranked children
             tokens[:, level["idx"]] = tok[:, level["rows"], level["ranks"]]
             if d == spec.max_depth or "frontier" not in level:
                 break
             f = level["frontier"]
+            front = f
             logits = self.feed(x, f.expand(R, -1), tokens[:, f], plan["parents"][f].expand(R, -1), d,
                                level["first"], level["block"].expand(R, -1, -1))
         fed = plan["fed"].expand(R, M)
         tree = TreeBatch(tokens=tokens, parents=plan["parents"].expand(R, M), depth=plan["depth"].expand(R, M),
                          anc=plan["anc"].expand(R, M, M), fed=fed, valid=None, max_depth=spec.max_depth)
         return Drafted(tree=tree, fed=fed)
+
+    # ------------------------------------------------------------------ under a constraint
+    def children(self, x: StepInput, logits: torch.Tensor, k: int, tokens: torch.Tensor, parents: torch.Tensor,
+                 frontier: torch.Tensor | None, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`top_children` of the frontier nodes [R, F] or [F] (None: the root) of trees
+        tokens [R, M], parents [R, M] or [M]; with constrained rows (``x.grammar``) the children of
+        their q masked by their grammars (a free step adds no operation); noise [R, V]: the coupled
+        rows' noise at the children's position (:func:`coupled_top`)."""
+        if x.grammar is None:
+            return self.top_children(logits, k, x.sampling, noise)
+        R = tokens.shape[0]
+        parents = parents.expand(R, -1) if parents.dim() == 1 else parents
+        if frontier is None:
+            frontier = torch.zeros(R, 1, dtype=torch.long, device=tokens.device)
+        frontier = frontier.expand(R, -1) if frontier.dim() == 1 else frontier
+        q = x.grammar.mask(self.distributions(logits, x.sampling), tokens, parents, frontier)
+        s, t = q.topk(k, dim=-1)
+        if noise is None or not x.sampling.any_coupled:
+            return t, s.clamp_min(1e-30).log()
+        logq = q.clamp_min(1e-30).log().masked_fill(q <= 0, NEG)
+        return coupled_top(logq, noise, x.sampling, k, t, s.clamp_min(1e-30).log())
+
+    def constrained(self, x: StepInput, q: torch.Tensor, tokens: torch.Tensor, node: int) -> torch.Tensor:
+        """A chain's q [R, 1, V] at its node ``node`` (tokens [R, node + 1] drafted so far) masked by
+        the constrained rows' grammars."""
+        R, n = tokens.shape
+        idx = torch.arange(n, device=tokens.device)
+        return x.grammar.mask(q, tokens, (idx - 1).expand(R, n), torch.full((R, 1), node, device=tokens.device))
 
     # ------------------------------------------------------------------ after verification
     def kept(self, d: Drafted, path: torch.Tensor, n_accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

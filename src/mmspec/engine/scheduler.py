@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mmspec.constrain.proposals import ConstrainedProposer
 from mmspec.drafting.tree import TreeSpec
 from mmspec.engine.admission import admit
 from mmspec.engine.policy import Action, SpeculationPolicy
@@ -160,8 +161,8 @@ class BatchScheduler:
         With ``overlap`` the step is launched before the previous one's outcomes are read: the
         events returned are the previous step's, emitted while the device runs this one."""
         events = self.admit()
-        if self._flight and any(a.proposer is not None for a in self._active):
-            events += self._collect()  # model-free proposals are searched in the last step's tokens
+        if self._flight and any(a.proposer is not None or a.req.grammar is not None for a in self._active):
+            events += self._collect()  # model-free proposals are searched, grammars advanced, in the last step's tokens
         if self._active:
             events += self._launch()
         while self._flight and (len(self._flight) > 1 or not (self.overlap and self._active)):
@@ -244,7 +245,11 @@ class BatchScheduler:
             if ad.error is not None:
                 events.append(StepEvent(rid, [], "", True, None, error=_message(ad.error), exception=ad.error))
                 continue
-            a = _Active(rid, req, ad.prompt, t_submit, TextDelta(dec.tokenizer), proposer=dec.proposer_for_request(ad.prompt, not req.params.greedy))
+            proposer = dec.proposer_for_request(ad.prompt, not req.params.greedy)
+            grammar = self.engine.rows[ad.row].grammar
+            if grammar is not None and (proposer is not None or self.engine.drafting is None):
+                proposer = ConstrainedProposer(proposer, grammar)  # forced tokens ride free; illegal paths cut
+            a = _Active(rid, req, ad.prompt, t_submit, TextDelta(dec.tokenizer), proposer=proposer)
             self._active.append(a)  # row ad.row of the engine
         if self.max_batch > 1:  # the prompt, for a request in the same batch that extends it (generate: none)
             for b in range(len(self._active) - sum(1 for ad in admitted if ad.error is None), len(self._active)):

@@ -36,6 +36,12 @@ and they travel in the same packed read (:func:`path_logprobs`, :func:`unpack_lo
 Nothing else crosses between host and device inside a step: no ``.item()``, no tensor made from
 a host list, no host value written into a device tensor (``tests/core/test_host_free.py``
 counts them).
+
+But under a constraint (:mod:`mmspec.constrain`): a step with a constrained row (``StepPlan.constrained``)
+masks its rows' drafts at each depth (:class:`~mmspec.constrain.state.DraftMask`) and every node
+of their trees before step 3 (:func:`~mmspec.constrain.state.verify_mask`, one ``masked_fill`` on the
+verify logits), each with a read of the drafted tokens and one copy of the masks (xgrammar runs
+on the host); it runs eagerly and is never overlapped. A step without one never calls them.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mmspec.constrain.state import DraftMask, RowGrammar, verify_mask
 from mmspec.drafting import proposals as mf
 from mmspec.drafting.tree import TreeBatch, TreeSpec
 from mmspec.drafting.trees import Drafted, StepInput
@@ -54,8 +61,9 @@ from mmspec.options import RelaxedAcceptance
 from mmspec.results import TokenLogprob
 from mmspec.runtime import rng
 from mmspec.runtime.forwards import Compiler, RowForward
-from mmspec.runtime.graphs import StepRunner, bucket, capacity_bucket
+from mmspec.runtime.graphs import MAX_LOGPROBS, StepRunner, bucket, canonical_flags, capacity_bucket
 from mmspec.runtime.masks import rows_mask
+from mmspec.runtime.pinned import PinnedRing
 from mmspec.runtime.state import BatchState
 from mmspec.runtime.verify import verify_steps
 from mmspec.stats import BlockRecord, GenerationStats
@@ -81,6 +89,7 @@ class RowHost:
     done: bool = False
     clocks: list[BlockClock] = field(default_factory=list)
     prefill: BlockClock | None = None  # its admission's target and draft prefills
+    grammar: RowGrammar | None = None  # a constrained request's grammar state (mmspec.constrain.state)
 
     @property
     def remaining(self) -> int:
@@ -104,7 +113,8 @@ class StepPlan:
     shapes), the tree drafted (None: plain decoding), whether a plain step feeds the drafter its
     pending tokens, whether model-free proposals ride along, the attention spans, and which
     sampling filters any row uses, and the alternatives the step's log-probabilities list. One CUDA
-    graph per plan."""
+    graph per plan; with graphs, plans come from a bounded set (the flags one of two sets, the
+    alternatives the engine's widest, spans buckets) captured before traffic (:mod:`mmspec.engine.warmup`)."""
 
     rows: int
     spec: TreeSpec | None
@@ -113,8 +123,9 @@ class StepPlan:
     proposals: bool
     span: int  # target slots attended
     span_draft: int  # draft slots attended
-    flags: tuple
+    flags: tuple  # the sampling paths the step runs: sorted (name, on) pairs of RowSampling's flags
     logprobs: int = 0  # top alternatives per emitted token: the most any row asks, at least 1 (0: no row asks)
+    constrained: bool = False  # some row has a grammar: its trees are masked before verification (eager, no overlap)
 
 
 @dataclass
@@ -174,8 +185,9 @@ class Engine:
     def __init__(self, target, n_layers: int, spec: TreeSpec, drafting=None, *, hidden_layers: tuple[int, ...] = (),
                  relaxed: RelaxedAcceptance | None = None, static: bool = False, graphs: str = "eager",
                  feat_dim: int | None = None, feat_dtype: torch.dtype = torch.float32, pool=None,
-                 proposals_beside: bool = False, compile: bool = False):
+                 proposals_beside: bool = False, compile: bool = False, max_logprobs: int = MAX_LOGPROBS):
         self.target = target
+        self.max_logprobs = max_logprobs  # the most alternatives per token a row may ask (graph mode computes these)
         self.spec = spec
         self.drafting = drafting
         self.hidden_layers = hidden_layers
@@ -207,6 +219,7 @@ class Engine:
         self._graphs_generation = None
         self.rows: list[RowHost] = []
         self._inflight: deque[InFlight] = deque()  # launched, not read yet (oldest first)
+        self.outcomes = PinnedRing(2)  # where a GPU step's packed outcomes land: one launched, one being read
         self.draft_later = True  # False: rows never draft again (plain decoding only): nothing to catch up
 
     # ------------------------------------------------------------------ rows
@@ -275,9 +288,9 @@ class Engine:
         return moved
 
     # ------------------------------------------------------------------ the step
-    def _input(self, R: int, depth: int, span: int = 0) -> StepInput:
+    def _input(self, R: int, depth: int, span: int = 0, flags: dict | None = None) -> StepInput:
         st = self.state
-        rs = st.sampling(R)
+        rs = st.sampling(R, flags)
         drawn = rs.any_sampling and not rs.all_coupled  # a row samples by rejection: the step's uniforms
         u = rng.uniforms(st.seed[:R], st.step[:R], rng.DRAFT, max(depth, 1)) if drawn else None
         noise = None
@@ -306,20 +319,20 @@ class Engine:
         lengths and pending tokens can grow); a row that finishes in the step in flight runs one
         more step whose tokens :meth:`finish` drops. Model-free proposals are searched in the
         tokens of the last step, so they never ride a step launched over one in flight."""
-        if len(self._inflight) > 1 or (proposers is not None and self._inflight):
+        if len(self._inflight) > 1 or ((proposers is not None or self.constrained) and self._inflight):
             raise RuntimeError("Engine.launch: finish the step in flight first (at most one step ahead, "
-                               "and none under model-free proposals)")
+                               "and none under model-free proposals or constraints)")
         st, B = self.state, self.state.active
         plan, props, failed = self._plan(depth, proposers)
         clock = BlockClock(self.device)
         clock.start()
-        if self.step_graphs and not self.graphs_failed:  # the whole step, one replay of its plan's graph
+        if self.step_graphs and not self.graphs_failed and not plan.constrained:  # the whole step, one replay of its plan's graph
             packed = self._runner(plan)(**(props or {"rows": st.live[:plan.rows]}))
             clock.mark()
         else:
             packed = self._device(plan, clock, **(props or {}))
         if self.device.type == "cuda":  # 5. the packed outcomes into pinned memory, read when they are ready
-            host = torch.empty(packed[:B].shape, dtype=packed.dtype, pin_memory=True)
+            host = self.outcomes.take(tuple(packed[:B].shape), packed.dtype)  # a pinned slot, reused
             host.copy_(packed[:B], non_blocking=True)  # before a later replay overwrites the graph's output
             ready = torch.cuda.Event()
             ready.record()
@@ -368,10 +381,18 @@ class Engine:
             tokens = toks[1:n_acc + 1] + [nxt]
             scored = None if row.logprobs_top is None else unpack_logprobs(h[4 + d1:], tokens, k, row.logprobs_top)
             kept = self._emit(row, tokens, n_acc, nv, plan.spec, step.clock, scored)
+            if row.grammar is not None:  # the matcher advances by what the row emitted
+                row.grammar.accept(kept)
+                row.stats.forced_tokens, row.stats.grammar_s = row.grammar.forced, row.grammar.host_s
             emitted.append(step.failed.get(i, kept))
         if self.drafting is not None and any(advance):
             self.drafting.advance(advance)
         return emitted
+
+    @property
+    def constrained(self) -> bool:
+        """Some active row decodes under a constraint (its grammar masks its trees)."""
+        return any(r.grammar is not None for r in self.rows)
 
     @property
     def in_flight(self) -> int:
@@ -412,15 +433,27 @@ class Engine:
         drafting_adapts = spec is not None and getattr(self.drafting, "adaptive", None) is not None
         if drafting_adapts:  # the weights this step drafts with, kept for the request's stats
             self.drafting.adaptive.record(R)
-        flags = st.sampling(R)
         asked = [r.logprobs_top for r in self.rows if r.logprobs_top is not None]
+        flags, k = st.flags, max(1, *asked) if asked else 0
+        if self.step_graphs and not self.graphs_failed:  # a bounded set of graphs (engine/warmup.py): two flag sets, one width
+            flags, k = canonical_flags(flags), max(k, self.logprobs_width) if asked else 0
         keep = spec is None and self.drafting is not None and self.draft_later and not catch_up
         plan = StepPlan(rows=R, spec=spec, catch_up=catch_up, keep_pending=keep, proposals=props is not None, span=span,
-                        span_draft=span_d, flags=(flags.any_sampling, flags.all_sampling, flags.any_top_k,
-                                                  flags.any_top_p, flags.any_tiny, flags.any_coupled,
-                                                  flags.all_coupled),
-                        logprobs=max(1, *asked) if asked else 0)
+                        span_draft=span_d, flags=tuple(sorted(flags.items())), logprobs=k,
+                        constrained=self.constrained)
         return plan, props, failed
+
+    def packed_width(self, logprobs: int) -> int:
+        """Columns of a step's packed outcomes (:meth:`_device`) with ``logprobs`` alternatives."""
+        d1 = self.spec.max_depth + 1
+        return 4 + d1 + (d1 * (1 + 2 * logprobs) if logprobs else 0)
+
+    @property
+    def logprobs_width(self) -> int:
+        """The alternatives a step computes per token in graph mode whenever a row asks for any:
+        the most the engine serves (``max_logprobs``, within the vocabulary); a row asking fewer
+        reads its first ones on the host."""
+        return max(1, min(self.max_logprobs, self.target.vocab_size))
 
     def _pending_bound(self, ahead: StepPlan | None) -> int:
         """The most pending tokens a row may hold once the step in flight (``ahead``) is done
@@ -472,7 +505,9 @@ class Engine:
         """Steps 1-4 on the device, every row at once, and the packed outcomes [R, W] (what the
         host reads). Reads no host value but ``plan``'s: a CUDA graph can capture it."""
         st, R, spec = self.state, plan.rows, plan.spec
-        x = self._input(R, self.spec.max_depth, plan.span_draft)
+        x = self._input(R, self.spec.max_depth, plan.span_draft, dict(plan.flags))
+        if plan.constrained:  # constrained rows draft only what their grammars allow
+            x.grammar = DraftMask([r.grammar for r in self.rows], R, self.device)
         drafted: Drafted | None = None
         p = mf.Proposals(**props) if plan.proposals else None
         if spec is not None and self.drafting is not None:  # 1. draft
@@ -494,6 +529,9 @@ class Engine:
             clock.mark()
 
         logits, hidden = self._verify_forward(tree, R, plan.span)  # 2. ONE target forward, [R, N, V]
+        raw = logits  # log-probabilities are reported from the raw logits
+        if plan.constrained:  # every constrained row's nodes masked by its grammar along their paths: ONE op
+            logits = verify_mask([r.grammar for r in self.rows], tree, logits)
         rs = x.sampling
         N = tree.tokens.shape[1]
         drawn = rs.any_sampling and not rs.all_coupled
@@ -526,7 +564,7 @@ class Engine:
             nxt = out.next_token[:, None]
             j = torch.arange(path.shape[1], device=self.device)
             emitted = torch.where(j == n[:, None], nxt, torch.cat([tok_path[:, 1:], nxt], 1))  # [R, D + 1]
-            packed.append(path_logprobs(logits, path, emitted, plan.logprobs))
+            packed.append(path_logprobs(raw, path, emitted, plan.logprobs))
         return torch.cat(packed, 1)
 
     def _emit(self, row: RowHost, tokens: list[int], n_acc: int, n_valid: int, spec, clock,

@@ -406,8 +406,8 @@ def _shifted_tau(dec, prompts, max_new_tokens: int, layers: tuple[int, ...]) -> 
 
     head = copy.deepcopy(dec.head)
     head.config = replace(dec.head.config, feature_layers=layers)
-    other = type(dec)(dec.target_model, head, dec.tokenizer, processor=dec.processor, gamma=dec.gamma,
-                      tree=dec.tree, prefix_cache_mb=0)
+    other = type(dec)(dec.target_model, head, dec.tokenizer, processor=dec.processor, tree=dec.tree,
+                      prefix_cache_mb=0)  # the TreeSpec carries the shape (a chain: its length)
     m = _run(other, prompts, max_new_tokens, probe_features=False)
     return m.tau if m.blocks else None
 

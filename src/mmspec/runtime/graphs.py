@@ -6,8 +6,9 @@ with one launch. A graph fixes every address and shape, so the forwards it captu
 engine's fixed buffers (:class:`~mmspec.models.rows.RowCache`: each row's write slots a device
 tensor, attention over a bucket of slots under a 4-D mask) and read their inputs from buffers
 this module owns: per input shape ``(rows, new tokens, span)`` one graph, captured on first use
-(after two warm-up runs on a side stream) and replayed for every later call of the same shape,
-for as long as its :class:`StepRunner` lives; every graph of an engine in one :class:`GraphPool`.
+(after two warm-up runs on a side stream) or before traffic (:meth:`StepRunner.prepare`, from
+:mod:`mmspec.engine.warmup`) and replayed for every later call of the same shape, for as long as
+its :class:`StepRunner` lives; every graph of an engine in one :class:`GraphPool`.
 
 Why explicit ``torch.cuda.CUDAGraph`` capture rather than ``torch.compile(mode="reduce-overhead")``:
 measured in ``perf/gpu_shapes.py`` (docs/perf.md, "GPU path"); the short version is that
@@ -35,6 +36,20 @@ from mmspec.errors import MMSpecError
 
 MODES = ("eager", "cuda", "emulate")
 MIN_CAPACITY = 512  # the smallest static cache, in positions
+MAX_LOGPROBS = 20  # the most log-probability alternatives per token an engine serves by default (OpenAI's bound)
+
+
+def canonical_flags(flags: dict) -> dict:
+    """A step's sampling flags (:func:`mmspec.runtime.verify.flags`) as one of two sets, so that graphs
+    are few and can be captured before traffic: every flag off (greedy rows only), or the
+    general path (every filter on, greedy and sampling verification both run: ``all_sampling``
+    off; the coupling's and rejection sampling's both, ``all_coupled`` off). The general path gives each row exactly the bits its own flags give it: a greedy row's
+    outcome is selected from the greedy verification, a filter a row does not use (top-k 0,
+    top-p 1, a temperature above float32's tiny) leaves its logits as they were, and the random
+    draws come from the row's own stream whatever its neighbours (tests/core/test_graph_warmup.py)."""
+    if not flags.get("any_sampling"):
+        return {k: False for k in flags}
+    return {k: k not in ("all_sampling", "all_coupled") for k in flags}  # coupled and rejection rows both
 
 
 def bucket(n: int) -> int:
@@ -127,27 +142,14 @@ class StepRunner:
         self.graphs: dict[tuple, _Graph] = {}
         self.failed: str | None = None  # why capture was given up, if it was
         self.capture_s = 0.0  # time spent warming up and capturing (first calls of each shape)
+        self.captures = 0  # captures attempted (a warm-up's, then any first use after it)
 
     def __call__(self, **inputs: torch.Tensor):
         if self.mode == "eager" or self.failed:
             return self.fn(**inputs)
-        key = tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(inputs.items()))
-        g = self.graphs.get(key)
-        if g is None:
-            t0 = time.perf_counter()
-            try:
-                g = self._capture(inputs)
-            except Exception as e:  # noqa: BLE001 - any capture failure: say it once, run eagerly
-                self.failed = f"{type(e).__name__}: {str(e)[:200]}"
-                if self.on_failure is not None:
-                    self.on_failure(self.failed)
-                warnings.warn(f"mmspec: could not capture the {self.name}'s decode step as a CUDA graph "
-                              f"({self.failed}); running it eagerly instead (same tokens, slower)",
-                              RuntimeWarning, stacklevel=2)
-                return self.fn(**inputs)
-            finally:
-                self.capture_s += time.perf_counter() - t0
-            self.graphs[key] = g
+        g = self._graph(inputs)
+        if g is None:  # capture failed: eager from now on
+            return self.fn(**inputs)
         for k, v in inputs.items():
             g.inputs[k].copy_(v)
         if self.mode == "cuda":
@@ -158,6 +160,36 @@ class StepRunner:
             n = next(iter(inputs.values())).shape[1]  # new positions: every input is [B, n, ...]
             self.cache.set_host_length(self.cache.length + n)
         return g.outputs
+
+    def prepare(self, **inputs: torch.Tensor) -> bool:
+        """Capture the graph of these inputs' shapes now, replaying nothing (a warm-up before
+        traffic: the state is left as it was). -> whether a graph was captured."""
+        if self.mode == "eager" or self.failed or _key(inputs) in self.graphs:
+            return False
+        return self._graph(inputs) is not None
+
+    def _graph(self, inputs: dict[str, torch.Tensor]) -> _Graph | None:
+        """The graph of these inputs' shapes, captured on first use (None: capture failed, said once)."""
+        key = _key(inputs)
+        g = self.graphs.get(key)
+        if g is not None:
+            return g
+        self.captures += 1
+        t0 = time.perf_counter()
+        try:
+            g = self._capture(inputs)
+        except Exception as e:  # noqa: BLE001 - any capture failure: say it once, run eagerly
+            self.failed = f"{type(e).__name__}: {str(e)[:200]}"
+            if self.on_failure is not None:
+                self.on_failure(self.failed)
+            warnings.warn(f"mmspec: could not capture the {self.name}'s decode step as a CUDA graph "
+                          f"({self.failed}); running it eagerly instead (same tokens, slower)",
+                          RuntimeWarning, stacklevel=3)
+            return None
+        finally:
+            self.capture_s += time.perf_counter() - t0
+        self.graphs[key] = g
+        return g
 
     def reset(self) -> None:
         """Drop every captured graph (the buffers they were captured on were reallocated)."""
@@ -226,6 +258,11 @@ class StepRunner:
             self.pool.release(1)
             raise
         return graph, outputs
+
+
+def _key(inputs: dict[str, torch.Tensor]) -> tuple:
+    """A graph's key: its inputs' names, shapes and dtypes."""
+    return tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(inputs.items()))
 
 
 def _nobody() -> None:

@@ -36,17 +36,18 @@ from dataclasses import dataclass
 
 import torch
 
+from mmspec.runtime.pinned import STAGING
 from mmspec.runtime.verify import RowSampling, SamplingParams, flags
 
 NO_IMAGE = -(1 << 40)
 
 
 def stage(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A tensor the host made, onto ``device`` in one non-blocking copy: from pinned memory on a
-    GPU (the copy does not wait for the device, so it never stalls a step in flight), as it is
-    on the CPU."""
+    """A tensor the host made, onto ``device`` in one non-blocking copy: on a GPU from a pinned
+    staging slot written in place (:data:`~mmspec.runtime.pinned.STAGING`: no pinning per call;
+    the copy does not wait for the device, so it never stalls a step in flight), as it is on the CPU."""
     if device.type == "cuda":
-        host = host.pin_memory()
+        return STAGING.stage(host, device)
     return host.to(device, non_blocking=True)
 
 
@@ -174,7 +175,14 @@ class BatchState:
         return [getattr(self, n) for n in names]
 
     # ------------------------------------------------------------------ a step's view
-    def sampling(self, rows: int) -> RowSampling:
-        """The first ``rows`` rows' parameters (free rows beyond the active ones: greedy)."""
+    @property
+    def flags(self) -> dict:
+        """What the host knows of the active rows' parameters (:func:`~mmspec.runtime.verify.flags`)."""
+        return dict(self._flags)
+
+    def sampling(self, rows: int, flags: dict | None = None) -> RowSampling:
+        """The first ``rows`` rows' parameters (free rows beyond the active ones: greedy), with
+        ``flags`` (a step plan's, which may turn on more paths than the rows use) or the rows' own."""
+        f = self._flags if flags is None else flags
         return RowSampling(self.temperature[:rows], self.top_k[:rows], self.top_p[:rows], self.greedy[:rows],
-                           coupled=self.coupling[:rows] if self._flags["any_coupled"] else None, **self._flags)
+                           coupled=self.coupling[:rows] if f.get("any_coupled") else None, **f)

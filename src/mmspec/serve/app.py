@@ -125,7 +125,7 @@ async def _complete(service: Service, request: Request, completion: bool):
     t0 = time.perf_counter()
     body = await request.body()  # (bounded by the Guard while it arrives)
     try:
-        req = parse_request(body, service.config.model_name, completion)
+        req = parse_request(body, service.config.model_name, completion, service.config.tool_call_parser)
         parse_s = time.perf_counter() - t0
         prepared = await run_in_threadpool(service.prepare, req)
         prepared.timings["parse"] = parse_s

@@ -22,6 +22,8 @@ from mmspec.serve import protocol as P
 from mmspec.serve import responses as R
 from mmspec.serve.guard import redact_paths
 from mmspec.serve.service import Body, Prepared, Service
+from mmspec.serve.structured import TEXT
+from mmspec.serve.toolcalls import ToolStream
 from mmspec.serve.worker import Job, Update
 
 POLL_S = 0.5  # how often a waiting non-streaming handler checks that its client is still there
@@ -50,6 +52,9 @@ class Run:
         self.jobs = [Job(request=r, sink=sink(i)) for i, r in enumerate(service.requests(prepared, req.n))]
         self.answers = [R.Answer(stops=req.stop, eos_ids=eos) for _ in self.jobs]
         self.done = [False] * len(self.jobs)
+        # tool calls (mmspec.serve.toolcalls): the answer's form, and each streamed choice's tool-call deltas
+        self.plan = TEXT if self.completion else req.plan
+        self.tool_streams = [ToolStream(self.plan) for _ in self.jobs] if self.plan.calls_tools else None
         self._early: list = []  # updates that came while admissions were awaited
         # streamed logprobs, per choice: (tokens, characters of text) after each block, entries and characters sent
         self._marks: list[list[tuple[int, int]]] = [[] for _ in self.jobs]
@@ -135,7 +140,7 @@ class Run:
         for i, answer in enumerate(self.answers):
             lp = self._logprobs(answer)
             choices.append(R.text_choice(i, answer.content, answer.finish_reason, lp) if self.completion
-                           else R.chat_choice(i, answer, lp))
+                           else R.chat_choice(i, answer, lp, self.plan))
         return R.completion(self.cid, self.name, choices, self.prepared.prompt_tokens, self.answers, self._stats(),
                             text=self.completion)
 
@@ -160,6 +165,10 @@ class Run:
                     yield self._sse(R.error_body(redact_paths(up.message), R.failure_type(up.status)))
                     break
                 piece = self._add(i, up)
+                if self.tool_streams is not None:  # tool calls: their own deltas (mmspec.serve.toolcalls)
+                    for payload in self._tool_chunks(i, piece):
+                        yield self._sse(payload)
+                    continue
                 if piece:
                     yield self._sse(self._chunk(i, piece, logprobs=self._streamed_logprobs(i)))
                 if self.done[i]:
@@ -183,6 +192,21 @@ class Run:
         else:
             choice = R.delta_choice(i, P.DeltaMessage(content=piece or None), finish_reason, logprobs)
         return R.chunk(self.cid, self.name, [choice], text=self.completion, **extra)
+
+    def _tool_chunks(self, i: int, piece: str) -> list[dict]:
+        """Choice ``i``'s chunks for a new piece of its text under a plan that calls tools; once it
+        is done, the calls left and the last chunk (finish_reason, log-probabilities, stats)."""
+        ts, answer = self.tool_streams[i], self.answers[i]
+        deltas = ts.feed(piece)
+        finish = None
+        if self.done[i]:
+            rest, finish = ts.finish(answer.content, answer.finish_reason)
+            deltas += rest
+        out = [R.chunk(self.cid, self.name, [R.delta_choice(i, P.DeltaMessage(**d))]) for d in deltas]
+        if finish is not None:
+            last = R.delta_choice(i, P.DeltaMessage(), finish, self._logprobs(answer))
+            out.append(R.chunk(self.cid, self.name, [last], mmspec=self._stats(i)))
+        return out
 
     @staticmethod
     def _sse(payload: dict) -> str:

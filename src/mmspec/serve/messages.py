@@ -13,6 +13,13 @@ the fix, and framing a conversation:
   its turn, closed by the tokenizer's EOS (Vicuna v1's ``USER: q ASSISTANT: a</s>USER: ...``);
   a system message goes in front.
 
+Tools (``tools`` of a request that may call them, :mod:`mmspec.serve.structured`) are presented
+to the model through the chat template's ``tools=`` argument where the template reads it (Qwen's
+do), else as a system text in front that lists them in Hermes' form (``<tools>...</tools>``, and
+how to call one: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``). An assistant turn's
+earlier ``tool_calls`` are written back as those tags, and a ``tool`` turn's result goes in as a
+user turn ``<tool_response>...</tool_response>``, as Qwen's template writes them.
+
 Images go where their parts are: each ``image_url`` part becomes an ``<image>`` marker at its
 place in the text. A text that writes ``<image>`` markers itself places the images there (in
 order), and then their number must match the markers.
@@ -23,6 +30,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -142,15 +150,20 @@ def _open(source, ref: ImageRef, what: str, budget: PixelBudget | None):
                            "Pillow can open", param=ref.where) from None
 
 
-def build_prompt(processor, tokenizer, messages: list[ChatMessage]) -> str:
-    """The prompt text for ``messages`` (images as markers where their parts are)."""
-    turns = [(m.role, marked_text(m)) for m in messages]
+def build_prompt(processor, tokenizer, messages: list[ChatMessage], tools=None) -> str:
+    """The prompt text for ``messages`` (images as markers where their parts are); ``tools``
+    (OpenAI's function dicts) presented to the model (module docstring)."""
+    turns = [(_role(m), _turn_text(m)) for m in messages]
     n_images = [_image_count(m) for m in messages]
+    template = _template_text(processor)
+    native = bool(tools) and "tools" in template  # the template renders them itself
+    if tools and not native:
+        turns, n_images = _with_tools_text(turns, n_images, tools)
     try:
-        if len(turns) == 1:
+        if len(turns) == 1 and not native:
             return chat_prompt(processor, turns[0][1], n_images[0])
-        if getattr(processor, "chat_template", None):
-            return _templated(processor, turns, n_images)
+        if template:
+            return _templated(processor, turns, n_images, tools=list(tools) if native else None)
         return _framed(tokenizer, turns, n_images)
     except RequestError:
         raise
@@ -158,11 +171,53 @@ def build_prompt(processor, tokenizer, messages: list[ChatMessage]) -> str:
         raise RequestError(str(e).replace("--image", "image_url part").replace("--prompt", "the text")) from None
 
 
+def _template_text(processor) -> str:
+    t = getattr(processor, "chat_template", None)
+    return " ".join(map(str, t.values())) if isinstance(t, dict) else (t or "")
+
+
+def _role(m: ChatMessage) -> str:
+    return "user" if m.role == "tool" else m.role
+
+
+def _turn_text(m: ChatMessage) -> str:
+    """A turn's text; an assistant's tool calls and a tool's result in Hermes' tags."""
+    if m.role == "tool":
+        return f"<tool_response>\n{m.content}\n</tool_response>"
+    text = marked_text(m) if m.content else ""
+    for call in m.tool_calls or []:
+        f = call["function"]
+        try:
+            args = json.loads(f.get("arguments") or "{}")
+        except ValueError:
+            args = f.get("arguments")
+        text += ("\n" if text else "") + "<tool_call>\n" + json.dumps({"name": f["name"], "arguments": args},
+                                                                      ensure_ascii=False) + "\n</tool_call>"
+    return text
+
+
+def tools_text(tools) -> str:
+    """The system text that lists ``tools`` (Hermes' form) for a template that does not take them."""
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("# Tools\n\nYou may call one or more functions to answer. The functions, one JSON signature a line, "
+            f"within <tools></tools> tags:\n<tools>\n{listed}\n</tools>\n\nTo call one, write a JSON object with "
+            "its name and arguments within <tool_call></tool_call> tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <arguments-object>}\n</tool_call>')
+
+
+def _with_tools_text(turns, n_images, tools):
+    """The tools' system text in front (joined to a system message already there)."""
+    text = tools_text(tools)
+    if turns and turns[0][0] in ("system", "developer"):
+        return [("system", turns[0][1].rstrip() + "\n\n" + text), *turns[1:]], n_images
+    return [("system", text), *turns], [0, *n_images]
+
+
 def _image_count(message: ChatMessage) -> int:
     return sum(p.type == "image_url" for p in message.content) if isinstance(message.content, list) else 0
 
 
-def _templated(processor, turns: list[tuple[str, str]], n_images: list[int]) -> str:
+def _templated(processor, turns: list[tuple[str, str]], n_images: list[int], tools=None) -> str:
     messages = []
     for (role, text), n in zip(turns, n_images):
         text = with_markers(text, n) if role == "user" else text
@@ -173,7 +228,8 @@ def _templated(processor, turns: list[tuple[str, str]], n_images: list[int]) -> 
             if piece.strip():
                 parts.append({"type": "text", "text": piece.strip()})
         messages.append({"role": "system" if role == "developer" else role, "content": parts})
-    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    extra = {"tools": tools} if tools else {}
+    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
 
 
 def _framed(tokenizer, turns: list[tuple[str, str]], n_images: list[int]) -> str:

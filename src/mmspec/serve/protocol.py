@@ -46,11 +46,13 @@ from mmspec.serve.schema import (
     MAX_SEED,
     MAX_STOP,
     MAX_TOP_LOGPROBS,
+    RENAMED,
     ROLES,
     WHY_OFF,
     RequestError,
     json_object,
 )
+from mmspec.serve.structured import TEXT, Plan, plan_of
 
 
 # ----------------------------------------------------------------------- field types (today's messages)
@@ -123,12 +125,16 @@ ContentPart = TextPart | ImageURLPart  # shapes checked by ChatMessage first
 
 
 class ChatMessage(BaseModel):
-    """One turn: system / developer / user / assistant; content a string or a list of parts."""
+    """One turn: system / developer / user / assistant / tool; content a string or a list of parts.
+    An assistant turn may carry the ``tool_calls`` it made (its content then may be null), a tool
+    turn answers one by ``tool_call_id``."""
 
     model_config = ConfigDict(extra="forbid")
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -136,13 +142,23 @@ class ChatMessage(BaseModel):
         if not isinstance(m, dict) or "role" not in m:
             raise RequestError("{where} must be an object with role and content")
         if m["role"] not in ROLES:
-            raise RequestError(f"{{where}}.role {m['role']!r} is not served; use one of {', '.join(ROLES)} "
-                               "(mmspec serve has no tool calling)", param="{where}.role")
-        extra = set(m) - {"role", "content", "name"}
+            raise RequestError(f"{{where}}.role {m['role']!r} is not served; use one of {', '.join(ROLES)}",
+                               param="{where}.role")
+        extra = set(m) - {"role", "content", "name", "tool_calls", "tool_call_id"}
         if extra:
             raise RequestError(f"{{where}} has unknown field(s) {sorted(extra)}; a message has role, content "
-                               "(and name)")
+                               "(and name; an assistant's tool_calls, a tool's tool_call_id)")
+        if m.get("tool_calls") is not None and m["role"] != "assistant":
+            raise RequestError("{where}.tool_calls: only the assistant's messages carry tool calls",
+                               param="{where}.tool_calls")
+        if m.get("tool_calls") is not None:
+            check_tool_calls(m["tool_calls"])
+            if m.get("content") is None:
+                return {**m, "content": ""}
         content = m.get("content")
+        if m["role"] == "tool" and not isinstance(content, str):
+            raise RequestError("{where}.content: a tool message's content is the tool's result as a string",
+                               param="{where}.content")
         if not isinstance(content, str) and (not isinstance(content, list) or not content):
             raise RequestError("{where}.content must be a string or a non-empty list of parts")
         for j, part in enumerate(content if isinstance(content, list) else []):
@@ -151,6 +167,18 @@ class ChatMessage(BaseModel):
                 raise RequestError(f"{{where}}.content[{j}]: only the user's messages carry images, not the "
                                    f"{m['role']}'s", param=f"{{where}}.content[{j}]")
         return m
+
+
+def check_tool_calls(calls) -> None:
+    """An assistant turn's ``tool_calls`` as OpenAI returns them (what the next request sends back)."""
+    ok = isinstance(calls, list) and all(
+        isinstance(c, dict) and c.get("type", "function") == "function" and isinstance(c.get("function"), dict)
+        and isinstance(c["function"].get("name"), str) and isinstance(c["function"].get("arguments", ""), str)
+        for c in calls)
+    if not ok:
+        raise RequestError('{where}.tool_calls must be a list of {"id": ..., "type": "function", "function": '
+                           '{"name": ..., "arguments": "<JSON text>"}}, as the answer gave them',
+                           param="{where}.tool_calls")
 
 
 class StreamOptions(BaseModel):
@@ -190,6 +218,10 @@ class _Request(BaseModel):
     presence_penalty: Any = None
     repetition_penalty: Any = None
     logit_bias: Any = None
+    # the answer's form (mmspec.serve.structured): OpenAI's response_format, vLLM's structured_outputs
+    response_format: Any = None
+    structured_outputs: Any = None
+    _plan: Plan = PrivateAttr(default=TEXT)
 
     @classmethod
     def supported(cls) -> list[str]:
@@ -200,6 +232,10 @@ class _Request(BaseModel):
     def _off_and_model(cls, data, info: ValidationInfo):
         if not isinstance(data, dict):
             return data
+        renamed = sorted(set(data) & set(RENAMED) - set(cls.model_fields))
+        if renamed:
+            raise RequestError(f"{renamed[0]} is vLLM's old name (removed in vLLM 0.12), not served: send "
+                               f"{RENAMED[renamed[0]]} instead (see docs/serve.md)", param=renamed[0])
         unknown = sorted(set(data) - set(cls.model_fields))
         if unknown:
             raise RequestError(f"unknown argument(s) {', '.join(map(repr, unknown))}; mmspec serve takes "
@@ -262,6 +298,18 @@ class _Request(BaseModel):
         return self.temperature == 0
 
     @property
+    def plan(self) -> Plan:
+        """What the answer's form is (a constraint, tool calls): :func:`mmspec.serve.structured.plan_of`."""
+        return self._plan
+
+    def make_plan(self, tool_call_parser: str | None = None) -> Plan:
+        """Read the answer's form from the request (RequestError where it is bad); kept as :attr:`plan`."""
+        self._plan = plan_of(response_format=self.response_format, structured_outputs=self.structured_outputs,
+                             tools=getattr(self, "tools", None), tool_choice=getattr(self, "tool_choice", None),
+                             tool_call_parser=tool_call_parser, parallel_tool_calls=self.parallel_tool_calls)
+        return self._plan
+
+    @property
     def include_usage(self) -> bool:
         """stream_options.include_usage: a last chunk with the usage."""
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -284,9 +332,8 @@ class _Request(BaseModel):
 
 _OFF_CHAT = {
     "frequency_penalty": (0, None), "presence_penalty": (0, None), "repetition_penalty": (1, None),
-    "logit_bias": ({}, None), "tools": ([], None),
-    "tool_choice": ("none", None), "functions": ([], None), "function_call": ("none", None),
-    "response_format": ({"type": "text"}, None), "modalities": (["text"], None),
+    "logit_bias": ({}, None), "functions": ([], None), "function_call": ("none", None),
+    "modalities": (["text"], None),
 }
 
 
@@ -302,7 +349,6 @@ class ChatCompletionRequest(_Request):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     modalities: Any = None
 
     @field_validator("messages", mode="before")
@@ -317,9 +363,10 @@ class ChatCompletionRequest(_Request):
     def _chat(self):
         if self.messages is None:
             self._non_empty(None)
-        if self.messages[-1].role != "user":
+        if self.messages[-1].role not in ("user", "tool"):
             raise RequestError(f"the last message is the {self.messages[-1].role}'s; end messages with the user's "
-                               "turn (the server answers it)", param=f"messages[{len(self.messages) - 1}]")
+                               "turn (or a tool's result): the server answers it",
+                               param=f"messages[{len(self.messages) - 1}]")
         a, b = self.max_tokens, self.max_completion_tokens
         if a is not None and b is not None and a != b:
             raise RequestError(f"max_tokens={a} and max_completion_tokens={b} disagree; pass one of them",
@@ -346,7 +393,8 @@ class ChatCompletionRequest(_Request):
 class CompletionRequest(_Request):
     """``POST /v1/completions``: a raw prompt (mmspec's extension: or text and image_url parts)."""
 
-    OFF: ClassVar[dict[str, tuple]] = {**_OFF_CHAT, "echo": (False, None), "suffix": (None, ""), "best_of": (1, None)}
+    OFF: ClassVar[dict[str, tuple]] = {**_OFF_CHAT, "echo": (False, None), "suffix": (None, ""), "best_of": (1, None),
+                                       "tools": ([], None), "tool_choice": ("none", None)}
     completion: ClassVar[bool] = True
     prompt: Any = None
     logprobs: Whole = None  # here: the number of alternatives per token
@@ -357,7 +405,6 @@ class CompletionRequest(_Request):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     modalities: Any = None
 
     @field_validator("prompt")
@@ -464,8 +511,12 @@ class CompletionLogprobs(BaseModel):
 
 
 class ChatCompletionMessage(BaseModel):
+    """The answer: its content, or (``tool_calls``: ``{"id", "type": "function", "function": {"name",
+    "arguments"}}`` each) the tools it calls; ``tool_calls`` is left out of the body where none."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict] | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -487,6 +538,7 @@ class CompletionChoice(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict] | None = None  # streamed calls: {"index", and "id", "type", "function" {"name", "arguments"}}
 
 
 class ChatCompletionChunkChoice(BaseModel):
@@ -520,6 +572,13 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatCompletionChoice]
     usage: Usage
     mmspec: MMSpecStats
+
+    def body(self) -> dict:
+        out = super().body()  # a message without tool calls has no tool_calls key (as OpenAI's)
+        for c in out["choices"]:
+            if c["message"].get("tool_calls") is None:
+                c["message"].pop("tool_calls", None)
+        return out
 
 
 class ChatCompletionChunk(_Response):
@@ -557,17 +616,22 @@ class ErrorResponse(BaseModel):
         return self.model_dump()
 
 
-def parse_request(body: bytes, served_model: str, completion: bool = False) -> ChatCompletionRequest | CompletionRequest:
+def parse_request(body: bytes, served_model: str, completion: bool = False,
+                  tool_call_parser: str | None = None) -> ChatCompletionRequest | CompletionRequest:
     """``body`` (the raw HTTP body) -> the validated request, the server's data model from here on;
     RequestError for anything mmspec cannot serve as asked. ``completion``: a ``/v1/completions``
     body (``prompt`` instead of ``messages``). The JSON is read and its strings checked (depth, NUL,
-    surrogates) before the pydantic models see it."""
+    surrogates) before the pydantic models see it; then the answer's form (:attr:`_Request.plan`:
+    ``response_format``, ``structured_outputs``, ``tools``; ``tool_call_parser``: the server's
+    ``--tool-call-parser``, which ``tool_choice`` "auto" needs)."""
     data = json_object(body)
     model = CompletionRequest if completion else ChatCompletionRequest
     try:
-        return model.model_validate(data, context={"served_model": served_model})
+        req = model.model_validate(data, context={"served_model": served_model})
     except ValidationError as e:
         raise refusal_of(e) from None
+    req.make_plan(tool_call_parser)
+    return req
 
 
 class _Messages(BaseModel):

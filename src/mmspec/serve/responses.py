@@ -17,6 +17,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from mmspec.serve import protocol as P
+from mmspec.serve.structured import TEXT, Plan
+from mmspec.serve.toolcalls import message_of
 
 
 @dataclass
@@ -118,9 +120,13 @@ def mmspec_stats(answer: Answer, seed: int | None, latency_s: float) -> P.MMSpec
     return out
 
 
-def chat_choice(index: int, answer: Answer, logprobs: P.ChatLogprobs | None = None) -> P.ChatCompletionChoice:
-    return P.ChatCompletionChoice(index=index, message=P.ChatCompletionMessage(content=answer.content),
-                                  finish_reason=answer.finish_reason, logprobs=logprobs)
+def chat_choice(index: int, answer: Answer, logprobs: P.ChatLogprobs | None = None,
+                plan: Plan = TEXT) -> P.ChatCompletionChoice:
+    """A whole answer's choice; under a plan that calls tools, its ``tool_calls`` (:mod:`.toolcalls`)."""
+    msg = message_of(plan, answer.content, answer.finish_reason)
+    calls = [c.body() for c in msg.calls] if msg.calls else None
+    return P.ChatCompletionChoice(index=index, message=P.ChatCompletionMessage(content=msg.content, tool_calls=calls),
+                                  finish_reason=msg.finish_reason, logprobs=logprobs)
 
 
 def text_choice(index: int, text: str, finish_reason: str | None = None,

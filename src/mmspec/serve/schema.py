@@ -34,14 +34,21 @@ WHY_OFF = {
     "best_of": "best_of ranks samples by their log-probabilities, which changes the target's distribution; ask for "
                "n samples and pick among them yourself",
     "logit_bias": "a logit bias changes the target's distribution, and mmspec's output is exactly the target's",
-    "tools": "mmspec serve has no tool calling",
-    "tool_choice": "mmspec serve has no tool calling",
-    "functions": "mmspec serve has no function calling",
-    "function_call": "mmspec serve has no function calling",
-    "response_format": "mmspec serve answers in plain text only (no JSON mode or schemas)",
+    "tools": "the legacy completions endpoint takes no tools; send them to /v1/chat/completions",
+    "tool_choice": "the legacy completions endpoint takes no tools; send them to /v1/chat/completions",
+    "functions": "functions is OpenAI's deprecated form of tools; send tools=[{\"type\": \"function\", "
+                 "\"function\": {...}}]",
+    "function_call": "function_call is OpenAI's deprecated form of tool_choice; send tool_choice",
     "modalities": "mmspec serve answers in text only",
 }
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# vLLM's request fields before 0.12 (removed there): refused with the name that replaced them
+RENAMED = {
+    "guided_json": 'structured_outputs: {"json": SCHEMA}', "guided_regex": 'structured_outputs: {"regex": "..."}',
+    "guided_choice": 'structured_outputs: {"choice": [...]}', "guided_grammar": 'structured_outputs: {"grammar": "..."}',
+    "guided_whitespace_pattern": 'structured_outputs: {"disable_any_whitespace": true/false}',
+    "guided_decoding_backend": "nothing (mmspec's backend is xgrammar)",
+}
 MAX_STOP = 4
 MAX_SEED = 2**63 - 1
 MAX_DEPTH = 32  # JSON nesting levels (a chat request needs about 6)

@@ -27,6 +27,7 @@ from mmspec.request import prepare as prepare_request
 from mmspec.serve.messages import PixelBudget, build_prompt, image_refs, load_image, texts
 from mmspec.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from mmspec.serve.schema import MAX_SEED, RequestError
+from mmspec.serve.structured import TOOL_CALL_PARSERS
 from mmspec.serve.worker import Worker, make_scheduler
 
 TEXT_MARGIN = 4  # a normalizer may shorten text (NFKC: a 3-byte full-width letter -> 1 byte)
@@ -50,10 +51,14 @@ class ServeConfig:
     allowed_hosts: list[str] | None = None  # Host header names answered (None: any)
     cors_origins: list[str] = field(default_factory=list)  # origins browsers may call from (none: CORS off)
     metrics: bool = True  # GET /metrics (prometheus-client)
+    tool_call_parser: str | None = None  # "hermes": tool_choice "auto" parses <tool_call> tags (None: "auto" refused)
 
     def __post_init__(self) -> None:
         if self.speculate not in SPECULATE:
             raise MMSpecError(f"speculate must be one of {', '.join(SPECULATE)}, got {self.speculate!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise MMSpecError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+                              f"{self.tool_call_parser!r}")
 
 
 Body = ChatCompletionRequest | CompletionRequest  # a validated request (mmspec.serve.protocol)
@@ -139,7 +144,9 @@ class Service:
         t0 = time.perf_counter()
         images = [load_image(r, self.config.allowed_media, budget) for r in refs]  # before any prompt work
         t1 = time.perf_counter()
-        prompt = req.raw_text if req.completion else build_prompt(self.processor, self.tokenizer, messages)
+        plan = req.plan
+        prompt = req.raw_text if req.completion else build_prompt(self.processor, self.tokenizer, messages,
+                                                                   tools=plan.tools)
         try:
             inputs = processor_inputs(self.processor, prompt, images)
         except MMSpecError as e:
@@ -150,13 +157,16 @@ class Service:
         room = context_room(self.context, n_prompt, self.depth)
         max_tokens = req.max_tokens or (self.config.max_tokens if room is None else max(1, min(self.config.max_tokens,
                                                                                                  room)))
+        constrained = {"constraint": plan.constraint} if plan.constraint is not None else {}  # (unconstrained: as before)
         try:
             request = prepare_request(self.decoder, {
                 **inputs, "images": images or None, "max_new_tokens": max_tokens, "temperature": req.temperature,
-                "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed, "logprobs": req.logprobs_top})
+                "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed, "logprobs": req.logprobs_top, **constrained})
         except ContextError as e:
             raise _past_the_context(e, req.max_tokens is not None) from None
         except MMSpecError as e:
+            if plan.constraint is not None and plan.source and "constraint" in str(e):  # its compilation: name the field
+                raise RequestError(f"{plan.source}: {e}", param=plan.source) from None
             raise RequestError(str(e)) from None
         return Prepared(request=request, prompt_tokens=n_prompt, timings=timings)
 

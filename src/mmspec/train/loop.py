@@ -60,9 +60,13 @@ class FitConfig:
     """How :func:`fit` optimises. ``steps`` and/or ``minutes`` bound the run (the first reached
     ends it). Learning rate at a step: ``lr x ramp x cosine`` where ``ramp = min(1, (step + 1) /
     warmup_steps)`` (1 without warm-up steps) and the cosine runs from 1 to ``min_lr_ratio`` over
-    the schedule's progress, after a linear warm-up from 0 over its first ``warmup_ratio``.
+    the schedule's progress, after a linear warm-up from 0 over its first ``warmup_ratio``, which
+    also lasts at least ``min_warmup_steps`` steps (at most ``warmup_ratio x steps``): one slow
+    first step that spends a budget's warm-up share alone does not skip it (issue 61).
     Progress is the larger of ``step / steps`` and the share of the time budget spent, so a run
-    the budget ends ends at the schedule's floor."""
+    the budget ends ends at the schedule's floor; with a budget, a step that would end past it
+    (by the median of the last steps' times, a run's first step left out) is not started, and the
+    budget's share is counted at the step's end."""
 
     label: str = "train"  # the progress bar's label and the messages' subject
     steps: int | None = None
@@ -70,6 +74,7 @@ class FitConfig:
     lr: float = 1e-3
     warmup_steps: int = 0
     warmup_ratio: float = 0.0
+    min_warmup_steps: int = 10  # with warmup_ratio: the warm-up's fewest steps (capped at warmup_ratio x steps)
     min_lr_ratio: float = 0.0
     weight_decay: float = 0.0
     grad_clip: float | None = 1.0
@@ -85,7 +90,8 @@ class FitConfig:
         check_schedule(self.steps, None if self.minutes is None else 60.0 * self.minutes, self.label)
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise MMSpecError(f"{self.label} needs a learning rate > 0; got {self.lr}")
-        if self.warmup_steps < 0 or not 0 <= self.warmup_ratio < 1 or not 0 <= self.min_lr_ratio <= 1:
+        if self.warmup_steps < 0 or self.min_warmup_steps < 1 or not 0 <= self.warmup_ratio < 1 \
+                or not 0 <= self.min_lr_ratio <= 1:
             raise MMSpecError(f"{self.label}: warm-up steps must be >= 0, the warm-up ratio in [0, 1) and the "
                               f"floor in [0, 1]; got {self.warmup_steps}, {self.warmup_ratio}, {self.min_lr_ratio}")
         if self.grad_clip is not None and not self.grad_clip > 0:
@@ -98,11 +104,22 @@ class FitConfig:
         return None if self.minutes is None else 60.0 * self.minutes
 
 
+def warmup_steps_floor(cfg: FitConfig) -> int:
+    """The fewest steps a ``warmup_ratio`` warm-up lasts: ``min_warmup_steps``, at most its share
+    of ``steps`` (rounded up); 0 without one."""
+    if cfg.warmup_ratio <= 0:
+        return 0
+    return cfg.min_warmup_steps if cfg.steps is None else min(cfg.min_warmup_steps, math.ceil(cfg.warmup_ratio * cfg.steps))
+
+
 def lr_factor(cfg: FitConfig, step: int, progress: float) -> float:
-    """The learning rate's multiplier at ``step`` (0-based) and schedule ``progress`` in [0, 1]."""
+    """The learning rate's multiplier at ``step`` (0-based) and schedule ``progress`` in [0, 1]:
+    the warm-up goes on while the progress is below ``warmup_ratio`` or fewer than
+    :func:`warmup_steps_floor` steps have run (the slower of the two ramps)."""
     progress = min(max(progress, 0.0), 1.0)
-    if cfg.warmup_ratio > 0 and progress < cfg.warmup_ratio:
-        return progress / cfg.warmup_ratio
+    floor = warmup_steps_floor(cfg)
+    if cfg.warmup_ratio > 0 and (progress < cfg.warmup_ratio or step + 1 < floor):
+        return min(progress / cfg.warmup_ratio, (step + 1) / floor if floor else 1.0)
     rest = (progress - cfg.warmup_ratio) / max(1e-12, 1.0 - cfg.warmup_ratio)
     cosine = cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * rest))
     ramp = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
@@ -256,6 +273,13 @@ def _wrap(model: torch.nn.Module, cfg: FitConfig) -> torch.nn.Module:
     return model
 
 
+def next_step_seconds(took: list[float]) -> float:
+    """What the next step should take: the median of the last five step times (0.0 before any;
+    a run's first step is not among them): one slow step does not stop a budget early."""
+    recent = sorted(took[-5:])
+    return recent[len(recent) // 2] if recent else 0.0
+
+
 def fit(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, StepInfo], tuple[torch.Tensor, dict]],
         cfg: FitConfig, *, params: list[torch.nn.Parameter] | None = None,
         log: Callable[[str], None] = print, on_save: Callable[[int, list[dict]], None] | None = None,
@@ -293,11 +317,16 @@ def fit(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, StepInfo],
     def seconds() -> float:
         return before + time.perf_counter() - t0 - paused
 
-    def progress(step: int) -> float:
+    def progress(step: int, ahead: float = 0.0) -> float:
+        """The schedule's progress: the steps' share, or the budget's when ``ahead`` more seconds
+        (the next step's) are spent, whichever is larger."""
         p = step / cfg.steps if cfg.steps else 0.0
-        return max(p, seconds() / budget) if budget else p
+        return max(p, (seconds() + ahead) / budget) if budget else p
 
-    if (cfg.steps is not None and start >= cfg.steps) or (budget is not None and before >= budget):
+    secs = [float(h.get("seconds", 0.0)) for h in history[-6:]]
+    took = [b - a for a, b in zip(secs, secs[1:])]  # step times but a run's first (resumed: the checkpoint's)
+    if (cfg.steps is not None and start >= cfg.steps) or (budget is not None and
+                                                          before + next_step_seconds(took) > budget):
         if main:
             log(f"{cfg.label}: {ckpt} has finished already ({start} steps); nothing to train")
         return FitResult(cfg.label, start, start, before, "done", history, ckpt)
@@ -309,13 +338,13 @@ def fit(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, StepInfo],
                desc=cfg.label, disable=not (cfg.progress and main), unit="%" if by_share else "step",
                dynamic_ncols=True, mininterval=2.0,
                bar_format="{l_bar}{bar}| {n:.1f}/100% [{elapsed}<{remaining}{postfix}]" if by_share else None)
-    step, stopped = start, "steps"
+    step, stopped = start, "steps"  # took: the step times (training clock), for the budget's last step
     try:
         while True:
             if cfg.steps is not None and step >= cfg.steps:
                 break
-            frac = progress(step)
-            if budget is not None and frac >= 1.0 and (cfg.steps is None or step < cfg.steps):
+            frac = progress(step, next_step_seconds(took))  # the share spent when this step ends
+            if budget is not None and (seconds() >= budget or frac > 1.0):
                 stopped = "budget"
                 if by_share:
                     bar.update(100.0 - bar.n)
@@ -323,6 +352,7 @@ def fit(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, StepInfo],
             lr = cfg.lr * lr_factor(cfg, step, frac)
             for group in opt.param_groups:
                 group["lr"] = lr
+            began = seconds()
             loss, record = step_loss(wrapped, StepInfo(step, cfg.steps, frac, lr))
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -330,6 +360,8 @@ def fit(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, StepInfo],
                 torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
             step += 1
+            if step > start + 1:  # a run's first step (caches filled, kernels chosen) is no estimate
+                took.append(seconds() - began)
             history.append({"step": step, "loss": float(loss.detach()), "lr": lr, "seconds": seconds(),
                             **(record or {})})
             if after_step is not None:
@@ -353,7 +385,7 @@ def fit(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, StepInfo],
         bar.close()
     spent = seconds()
     if main and stopped == "budget":
-        log(f"{cfg.label}: the time budget of {cfg.minutes:g} min is spent at step {step}"
+        log(f"{cfg.label}: the time budget of {cfg.minutes:g} min is spent (or its next step would pass it) at step {step}"
             + (f" of {cfg.steps}" if cfg.steps else ""))
     if main and ckpt is not None:
         _save(ckpt, model, opt, step, spent, history, cfg)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -13,7 +14,9 @@ from mmspec.cli import options
 from mmspec.cli.common import set_threads
 from mmspec.cli.train.common import check_model_dir, check_out, check_processor, check_threads, training_errors
 from mmspec.errors import MMSpecError
-from mmspec.train.align import AlignConfig, train_align, world_pairs
+
+if TYPE_CHECKING:
+    from mmspec.train.align import AlignConfig
 
 
 def align_command(
@@ -35,6 +38,7 @@ def align_command(
 
     Ctrl-C keeps the finished steps (OUT/checkpoints/align.pt); the same command resumes them."""
     from mmspec.provenance import command_line
+    from mmspec.train.align import AlignConfig, train_align, world_pairs
 
     with training_errors():
         cfg = AlignConfig(kind=kind, out=str(out), n_tokens=n_tokens, steps=steps, minutes=minutes,

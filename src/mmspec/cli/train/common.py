@@ -23,10 +23,15 @@ def require_model_dir(path: Path, option: str) -> None:
         raise typer.BadParameter(f"{path} is not an HF LLaVA model directory (no config.json)", param_hint=option)
 
 
-def parse_family_samples(specs: list[str], default: int) -> dict[str, int]:
-    """``["chartqa=4000", ...]`` -> training samples per family (every family; ``default`` unless named)."""
+def parse_family_samples(specs: list[str], default: int, purpose: str = "train on") -> dict[str, int]:
+    """``["chartqa=4000", ...]`` -> training samples per family (every family; ``default``, the
+    ``--n-train-per-family`` given, unless named). A negative ``default``, or none left for any
+    family, is refused naming the flags the user gave."""
     from mmspec.world import FAMILIES
 
+    if isinstance(default, bool) or not isinstance(default, int) or default < 0:
+        raise typer.BadParameter(f"must be a whole number of samples per family >= 0, got {default!r} (0: only "
+                                 "the families --family-samples FAMILY=N names)", param_hint="--n-train-per-family")
     counts = {name: default for name in FAMILIES}
     for spec in specs:
         name, sep, n = spec.partition("=")
@@ -35,7 +40,10 @@ def parse_family_samples(specs: list[str], default: int) -> dict[str, int]:
                                      param_hint="--family-samples")
         counts[name] = int(n)
     if not any(counts.values()):
-        raise typer.BadParameter("every family has 0 samples; nothing to train on", param_hint="--family-samples")
+        given = f"--n-train-per-family {default}" + "".join(f" --family-samples {x}" for x in specs)
+        raise typer.BadParameter(f"every family has 0 samples ({given}); nothing to {purpose}: give "
+                                 "--n-train-per-family N >= 1, or name a family with --family-samples FAMILY=N (N >= 1)",
+                                 param_hint="--family-samples" if specs else "--n-train-per-family")
     return counts
 
 

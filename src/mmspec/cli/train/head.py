@@ -7,6 +7,7 @@ or ShareGPT conversations, any family, through the target's own processor and ch
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -22,7 +23,9 @@ from mmspec.cli.train.common import (
     training_errors,
 )
 from mmspec.errors import MMSpecError
-from mmspec.train.head import HeadTrainConfig, train_head, world_sequences, world_video_sequences
+
+if TYPE_CHECKING:
+    from mmspec.train.head import HeadTrainConfig
 
 CONVERSATION_FORMATS = ("llava-instruct", "sharegpt", "conversations")  # --data FORMAT:FILE, read alike
 TARGET_FAMILIES = ("llava", "llava_next", "llava_onevision", "video_llava", "qwen2_vl", "qwen2_5_vl")
@@ -55,13 +58,14 @@ def head(
                                               "(0-based, comma-separated; eagle3: three ascending, default 1, N/2-1, "
                                               "N-4, moved apart in a target of fewer than 8 layers)."),
     steps: int = typer.Option(1000, help="Optimizer steps in all (a resume may raise it, never lower it)."),
-    minutes: float | None = typer.Option(None, help="Time budget of the training: stop and save when it is spent; "
+    minutes: float | None = typer.Option(None, help="Time budget of the training: stop and save before a step that "
+                                         "would end past it; "
                                          "the learning rate's schedule then runs over it (held-out evaluations are "
                                          "off its clock)."),
     batch_size: int = typer.Option(16, help="Global batch (split over torchrun's processes)."),
     lr: float = typer.Option(1e-3, help="Peak learning rate (AdamW: a warm-up, then a cosine to a tenth of it at --steps, "
                              "or when --minutes is spent if that comes first; the warm-up is the first 50 steps, with "
-                             "--minutes the first 5% of the schedule)."),
+                             "--minutes the first 5% of the schedule and at least 10 steps)."),
     ttt_depth: int = typer.Option(5, "--ttt-depth", "--ttt-steps",
                                   help="Training-time test: passes unrolled, the depth the head will draft (a chain's "
                                   "gamma, 5 by default, or a tree's depth); pass k reads the head's own predictions "
@@ -96,6 +100,7 @@ def head(
     import os
 
     from mmspec.provenance import command_line
+    from mmspec.train.head import HeadTrainConfig, train_head, world_sequences, world_video_sequences
 
     with training_errors():
         if samples is None and data == "world":

@@ -314,7 +314,7 @@ def answers_cmd(
         set_threads(threads)
         conversation_answers(path, data, media_dir, out, max_new_tokens, frames, device)
         return
-    per_family = parse_family_samples(family_samples, n_train_per_family)
+    per_family = parse_family_samples(family_samples, n_train_per_family, "answer")
     set_threads(threads)
     llava = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval().to(device)
     processor = AutoProcessor.from_pretrained(path)

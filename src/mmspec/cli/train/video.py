@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 import typer
 
 from mmspec.cli import options
@@ -22,15 +22,9 @@ from mmspec.cli.train.common import (
     training_errors,
 )
 from mmspec.errors import MMSpecError
-from mmspec.train.video import (
-    VideoTrainConfig,
-    build_video_llava,
-    key_fact_rate,
-    save_video_pair,
-    train_video,
-    video_settings,
-)
-from mmspec.world.processor import clip_inputs
+
+if TYPE_CHECKING:
+    from mmspec.train.video import VideoTrainConfig
 
 
 def video_command(
@@ -57,8 +51,18 @@ def video_command(
     Ctrl-C keeps the finished steps (OUT/checkpoints/); the same command resumes them."""
     import json
 
+    import torch
+
     from mmspec.provenance import command_line, stamp
+    from mmspec.train.video import (
+        VideoTrainConfig,
+        build_video_llava,
+        key_fact_rate,
+        save_video_pair,
+        train_video,
+    )
     from mmspec.world import make_video_sample
+    from mmspec.world.processor import clip_inputs
 
     with training_errors():
         from mmspec.embedded import default_path
@@ -104,6 +108,7 @@ def check_video_options(cfg: VideoTrainConfig, dcfg: VideoTrainConfig, target: P
     role's config are checked by :class:`VideoTrainConfig`)."""
     from mmspec.embedded import default_path
     from mmspec.train.loop import read_checkpoint
+    from mmspec.train.video import video_settings
 
     check_threads(threads)
     if isinstance(eval_samples, bool) or eval_samples < 1:

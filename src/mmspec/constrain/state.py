@@ -1,0 +1,211 @@
+"""Each constrained row's grammar state, and the one mask a step's verification applies.
+
+:class:`RowGrammar` is one request's xgrammar ``GrammarMatcher`` at the row's committed tokens
+(the root of its next tree): the host advances it by the tokens each step emitted (after the
+step's one read), and counts the tokens the grammar forced (the only legal token where they were
+emitted: ``GenerationStats.forced_tokens``).
+
+:func:`verify_mask` is the hook in :meth:`mmspec.engine.step.Engine._device` between the draft and
+the verification: it reads the step's drafted trees (tokens, parents) to the host (a step with a
+constrained row reads them once more: xgrammar runs on the host), fills every node's bitmask with
+the grammar state along that node's path (``GrammarMatcher.traverse_draft_tree``: the matcher walks
+the tree with rollback and comes back to the root), packs all rows' masks into one
+``[R, N, words]`` int32 tensor (free rows, nodes below an illegal token and nodes past the end of
+the grammar: all ones), copies it to the device once, and masks the verify logits of every row
+with one ``masked_fill``. The constrained target is then exactly "p with illegal tokens masked",
+so greedy and sampling verification (:func:`mmspec.runtime.verify.verify_steps`) stay exact for it. A
+step without a constrained row never calls it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from mmspec.constrain.compile import xgrammar
+
+WORD = 32  # bits per bitmask word (xgrammar's int32)
+
+
+def words(vocab: int) -> int:
+    return (vocab + WORD - 1) // WORD
+
+
+class RowGrammar:
+    """One constrained request's grammar state (module docstring). ``compiled``: its
+    CompiledGrammar (:class:`~mmspec.constrain.compile.GrammarCompiler`)."""
+
+    def __init__(self, compiled, vocab: int):
+        self.xgr = xgrammar()
+        self.matcher = self.xgr.GrammarMatcher(compiled)
+        self.vocab = vocab
+        self.forced = 0  # emitted tokens that were the only legal one where they were emitted
+        self.host_s = 0.0  # seconds of grammar work on the host (masks, advancing)
+        self._tree: tuple[list[int], list[int], list[bool]] | None = None  # the last step's (tokens, parents, forced)
+
+    def fill_tree(self, tokens: list[int], parents: list[int], out: torch.Tensor) -> None:
+        """Each node's next-token bitmask into ``out`` [N, words] (int32, CPU): node 0 the root
+        (the matcher's state), node i the state after the tokens on its path. ``out`` comes in
+        all ones; nodes the walk does not reach (under an illegal token) keep it."""
+        t0 = time.perf_counter()
+        N = len(tokens)
+        child, sib = [-1] * N, [-1] * N
+        for i in range(N - 1, 0, -1):  # first child / next sibling, children in node order
+            p = parents[i]
+            if p < 0:
+                continue
+            sib[i], child[p] = child[p], i
+        nodes = torch.tensor(tokens, dtype=torch.long)
+        self.matcher.traverse_draft_tree(torch.tensor(child, dtype=torch.long), torch.tensor(sib, dtype=torch.long),
+                                         nodes, out)
+        empty = (out == 0).all(-1)  # rejected nodes (an illegal token) and past the grammar's end
+        out[empty] = -1
+        forced = popcount(out) == 1  # [N]
+        self._tree = (tokens, parents, forced.tolist())
+        self.host_s += time.perf_counter() - t0
+
+    def accept(self, tokens: list[int]) -> None:
+        """The tokens the row emitted this step (after the host read): the matcher advances, and
+        the forced ones are counted (from the masks :meth:`fill_tree` made for this step)."""
+        t0 = time.perf_counter()
+        if self._tree is not None:
+            self.forced += self._count_forced(tokens)
+            self._tree = None
+        for t in tokens:
+            if self.matcher.is_terminated():
+                break
+            if not self.matcher.accept_token(t):
+                raise RuntimeError(f"the grammar refused token {t} that the masked verification emitted")
+        self.host_s += time.perf_counter() - t0
+
+    def _count_forced(self, emitted: list[int]) -> int:
+        """Emitted token j was chosen at the node its predecessors lead to along the tree."""
+        tokens, parents, forced = self._tree
+        node, n = 0, 0
+        for t in emitted:
+            n += forced[node]
+            nxt = next((i for i in range(1, len(tokens)) if parents[i] == node and tokens[i] == t), None)
+            if nxt is None:
+                break  # the recovered or bonus token: the last one of the step
+            node = nxt
+        return n
+
+    def forced_chain(self, depth: int) -> list[int]:
+        """The tokens the grammar forces from the current state, up to ``depth`` of them (each the
+        only legal token after the ones before it); the matcher comes back to where it was."""
+        t0 = time.perf_counter()
+        bm = torch.empty(1, words(self.vocab), dtype=torch.int32)
+        out: list[int] = []
+        while len(out) < depth and not self.matcher.is_terminated():
+            self.matcher.fill_next_token_bitmask(bm)
+            if int(popcount(bm)[0]) != 1:
+                break
+            tok = int(bit_index(bm[0]))
+            if not self.matcher.accept_token(tok):
+                break
+            out.append(tok)
+        if out:
+            self.matcher.rollback(len(out))
+        self.host_s += time.perf_counter() - t0
+        return out
+
+    def fill_path(self, path: list[int], out: torch.Tensor) -> None:
+        """The next-token bitmask after ``path`` (tokens from the current state) into ``out``
+        [words]; a path the grammar refuses, or past its end, leaves ``out`` as it came (all ones)."""
+        t0 = time.perf_counter()
+        n = 0
+        for t in path:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(t):
+                break
+            n += 1
+        if n == len(path) and not self.matcher.is_terminated():
+            self.matcher.fill_next_token_bitmask(out[None])
+        if n:
+            self.matcher.rollback(n)
+        self.host_s += time.perf_counter() - t0
+
+    def legal_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens`` (a path from the current state) the grammar accepts in a row."""
+        n = 0
+        for t in tokens:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(t):
+                break
+            n += 1
+        if n:
+            self.matcher.rollback(n)
+        return n
+
+
+_SHIFTS = torch.arange(WORD, dtype=torch.int32)
+
+
+def popcount(bm: torch.Tensor) -> torch.Tensor:
+    """Set bits per row of an int32 bitmask [..., words] -> [...] (CPU, small)."""
+    return ((bm[..., None] >> _SHIFTS.to(bm.device)) & 1).sum((-1, -2))
+
+
+def bit_index(row: torch.Tensor) -> int:
+    """The index of the one set bit of a bitmask row [words]."""
+    w = int((row != 0).nonzero()[0, 0])
+    return w * WORD + int((((row[w] >> _SHIFTS) & 1) != 0).nonzero()[0, 0])
+
+
+def unpack(bm: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int32 bitmask [..., words] -> bool allowed [..., vocab] (bit i of word w: token 32 w + i)."""
+    bits = (bm[..., None] >> torch.arange(WORD, dtype=torch.int32, device=bm.device)) & 1  # [..., words, 32]
+    return bits.flatten(-2)[..., :vocab].bool()
+
+
+class DraftMask:
+    """A step's drafts masked by each constrained row's grammar at the node they extend
+    (:attr:`mmspec.drafting.trees.StepInput.grammar`): the drafter's q renormalised over the legal
+    tokens, so no drafted token is illegal and a sampled draft's q is the one it was drawn from.
+    ``grammars[b]``: row b's state (None: free; its q is left as it is, bit for bit)."""
+
+    def __init__(self, grammars: list[RowGrammar | None], rows: int, device: torch.device):
+        self.grammars = grammars
+        on = [g is not None for g in grammars[:rows]] + [False] * max(0, rows - len(grammars))
+        self.rows = torch.tensor(on, dtype=torch.bool).to(device)  # [R] (made on the host: a constrained step)
+
+    def mask(self, q: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, frontier: torch.Tensor) -> torch.Tensor:
+        """q [R, F, V] (the children distributions of the frontier nodes ``frontier`` [R, F] of
+        trees drafted so far: tokens, parents [R, M]) -> q masked and renormalised on constrained rows."""
+        R, F, V = q.shape
+        B = min(len(self.grammars), R)
+        tok, par, fr = tokens[:B].tolist(), parents[:B].tolist(), frontier[:B].tolist()
+        host = torch.full((R, F, words(V)), -1, dtype=torch.int32)
+        for b in range(B):
+            g = self.grammars[b]
+            if g is None:
+                continue
+            for j, node in enumerate(fr[b]):
+                path = []
+                while node > 0:
+                    path.append(tok[b][node])
+                    node = par[b][node]
+                g.fill_path(path[::-1], host[b, j])
+        allowed = unpack(host.to(q.device), V).to(q.dtype)  # [R, F, V]
+        kept = q * allowed
+        total = kept.sum(-1, keepdim=True)
+        uniform = allowed / allowed.sum(-1, keepdim=True)  # a q with no mass on any legal token: uniform over them
+        masked = torch.where(total > 0, kept / total.clamp_min(torch.finfo(q.dtype).tiny), uniform)
+        return torch.where(self.rows[:, None, None], masked, q)
+
+
+def verify_mask(grammars: list[RowGrammar | None], tree, logits: torch.Tensor) -> torch.Tensor:
+    """Every constrained row's tree masked by its grammar (module docstring): logits [R, N, V]
+    (the verify forward's) -> the constrained logits [R, N, V] (illegal tokens -inf; free rows as
+    they were). ``grammars[b]``: row b's state (None: free; rows past ``len(grammars)`` are a
+    bucket's padding)."""
+    R, N, V = logits.shape
+    B = min(len(grammars), R)
+    tokens = tree.tokens[:B].tolist()  # the drafted trees on the host: this step's one extra read
+    parents = tree.parents[:B].tolist()
+    host = torch.full((R, N, words(V)), -1, dtype=torch.int32)
+    for b in range(B):
+        g = grammars[b]
+        if g is not None:
+            g.fill_tree(tokens[b], parents[b], host[b])
+    allowed = unpack(host.to(logits.device, non_blocking=False), V)  # ONE copy, [R, N, V]
+    return logits.masked_fill(~allowed, float("-inf"))
