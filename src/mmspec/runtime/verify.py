@@ -373,6 +373,10 @@ class RowSampling:
     any_coupled: bool = False
     all_coupled: bool = False  # every sampling row is coupled (no rejection sampling to run)
 
+    def __post_init__(self) -> None:
+        if self.coupled is None:  # no coupled rows without their mask, whatever the flags say
+            self.any_coupled = self.all_coupled = False
+
     def rows(self, index: torch.Tensor | slice) -> RowSampling:
         """These parameters at other rows (e.g. each request's repeated for its draft views)."""
         return RowSampling(self.temperature[index], self.top_k[index], self.top_p[index], self.greedy[index],
