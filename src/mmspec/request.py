@@ -42,6 +42,7 @@ class Request:
     extra: dict  # images, captions, videos, substitutes
     initial: tuple[float, ...] | None = None  # adaptive weights' start (a conversation's previous turn)
     logprobs: int | None = None  # each token's target log-probability and this many alternatives (None: not asked)
+    coupled: bool = False  # sampling by the Gumbel-max coupling (:func:`coupled`): the seed fixes the answer
     constraint: Constraint | None = None  # the answer's constraint (mmspec.constrain), checked and compiled
     grammar: object | None = None  # its xgrammar CompiledGrammar for the decoder's tokenizer
 
@@ -86,7 +87,18 @@ def prepare(dec, kwargs: dict, defaults: dict | None = None) -> Request:
     if any(v.needs_substitute for v in dec.views):
         dec.mm.check_substitutes(layout, extra["videos"], extra["substitutes"])
     return Request(ids=ids, mm=mm, layout=layout, max_new_tokens=max_new_tokens, params=params, seed=seed,
-                   extra=extra, initial=initial, logprobs=logprobs, constraint=constraint, grammar=grammar)
+                   extra=extra, initial=initial, logprobs=logprobs, constraint=constraint, grammar=grammar,
+                   coupled=coupled(params))
+
+
+def coupled(params: SamplingParams) -> bool:
+    """Whether a request samples by the Gumbel-max coupling: every sampling request does. Its
+    token at output position t is ``argmax(log p_t + g_t)`` with g_t its seed's noise at t, the
+    target's own seeded sample, so a seed fixes the answer whatever the drafter, the tree, the
+    depth or the batch (and the reported seed of a request that gave none repeats it too). The
+    rejection sampler (``Request.coupled = False``) stays for comparison: ``perf/seed_coupling.py``
+    measured both (docs/sampling.md)."""
+    return not params.greedy
 
 
 class ContextError(MMSpecError):

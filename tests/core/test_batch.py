@@ -6,7 +6,7 @@ the target's exact distribution. Continuous batching: joins, cancels, failures a
 import pytest
 import torch
 
-from helpers.reference import exact_sequence_probs, pvalues
+from helpers.reference import exact_sequence_probs, pvalues, rejection_batch
 from helpers.tiny import BOS, IMG, make_llava, make_prompt, make_qwen, make_tokenizer, noisy_copy, qwen_inputs
 from mmspec import MMSpecError, SpecDecoder
 from mmspec.batch import BatchScheduler, SpeculationPolicy
@@ -182,9 +182,10 @@ def small():
     return target, draft, make_tokenizer(V), ids, pv, other
 
 
-def batch_samples(dec, ids, pv, other, n):
+def batch_samples(dec, ids, pv, other, n, coupled: bool = True):
     """The request (ids, pv) with seeds 0..n-1, decoded in batches of 8 beside each other and
-    another prompt (every 6th request: other lengths and temperatures)."""
+    another prompt (every 6th request: other lengths and temperatures); ``coupled``: by the
+    Gumbel-max coupling (every sampling request's), else by rejection sampling."""
     reqs, mine = [], []
     for s in range(n):
         mine.append(len(reqs))
@@ -192,26 +193,28 @@ def batch_samples(dec, ids, pv, other, n):
         if s % 6 == 0:
             reqs.append(dict(input_ids=other, pixel_values=pv, max_new_tokens=1 + s % 5, temperature=0.5 + s % 3,
                              seed=10_000 + s))
-    res = dec.generate_batch(reqs, max_batch=8)
+    res = dec.generate_batch(reqs, max_batch=8) if coupled else rejection_batch(dec, reqs, max_batch=8)
     return [tuple(res[i].token_ids) for i in mine]
 
 
-def test_sampling_in_a_batch_matches_target_distribution(small):
+@pytest.mark.parametrize("coupled", [True, False], ids=["coupling", "rejection"])
+def test_sampling_in_a_batch_matches_target_distribution(small, coupled):
     target, draft, tok, ids, pv, other = small
     exact = exact_sequence_probs(target, ids, pv)
     dec = SpecDecoder(target, draft, tok, views="MT", gamma=2)
-    assert min(pvalues(batch_samples(dec, ids, pv, other, N_SAMPLES), exact)) > 1e-3
+    assert min(pvalues(batch_samples(dec, ids, pv, other, N_SAMPLES, coupled), exact)) > 1e-3
 
 
 def test_wrong_residual_in_a_batch_is_caught(small, monkeypatch):
-    """Negative control: the same test rejects a batch whose recovered token ignores q."""
+    """Negative control: the same test rejects a batch whose recovered token ignores q (rejection
+    sampling's residual; the coupling's control: test_seed_promise.py)."""
     from mmspec.runtime import verify
 
     target, draft, tok, ids, pv, other = small
     exact = exact_sequence_probs(target, ids, pv)
     monkeypatch.setattr(verify, "residual", lambda p, q: p)
     dec = SpecDecoder(target, draft, tok, views="MT", gamma=2)
-    assert min(pvalues(batch_samples(dec, ids, pv, other, N_CONTROL), exact)) < 1e-5
+    assert min(pvalues(batch_samples(dec, ids, pv, other, N_CONTROL, coupled=False), exact)) < 1e-5
 
 
 def test_qwen_mrope_in_a_batch(tok):

@@ -4,7 +4,8 @@ On a GPU a step's forwards take well under a millisecond to a few; a host read (
 ``.tolist()``, ``bool(tensor)``), a tensor built from Python data (a blocking host-to-device copy)
 or a Python loop launching kernels per row costs more than the forward. The CPU hides all three,
 so they are counted here with torch's function and dispatch modes around :meth:`Engine.step`,
-for every drafter, greedy and sampling:
+for every drafter, greedy and sampling (the Gumbel-max coupling every seeded request uses, its
+per-position noise included, and rejection sampling):
 
 * ONE host read per step (the packed outcomes of all rows);
 * at most ONE tensor made from host data per step (a model-free proposal's staging: its copy to
@@ -15,6 +16,8 @@ The same holds with ``logprobs`` asked: they ride in the one packed read.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -27,6 +30,7 @@ from mmspec import SpecDecoder
 from mmspec.batch import BatchScheduler
 from mmspec.drafting.adaptive import AdaptiveWeights
 from mmspec.heads import build_head
+from mmspec.request import prepare
 
 READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
          torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.cpu}
@@ -78,15 +82,19 @@ def decoder(how: str, target, draft, tok) -> SpecDecoder:
     return SpecDecoder(target, draft, tok, views=views, **kw)
 
 
-def counted_steps(dec, n_requests: int, temperature: float, steps: int = 2,
+SAMPLERS = {"greedy": 0.0, "sampling": 0.8, "rejection": 0.8}  # temperatures; "rejection": Request.coupled off
+
+
+def counted_steps(dec, n_requests: int, sampler: str, steps: int = 2,
                   logprobs: int | None = None) -> tuple[list, list, int]:
     """Admit ``n_requests`` long requests, take one step (warm-up: first-use plans, allocations),
     then count ``steps`` steps. -> host reads, host-made tensors, aten ops (all steps together)."""
     sched = BatchScheduler(dec, max_batch=n_requests)
     for i in range(n_requests):
         ids, pv = make_prompt(1, 16, seed=200 + i)
-        sched.submit(dict(input_ids=ids, pixel_values=pv, max_new_tokens=60, temperature=temperature, seed=i,
-                          logprobs=logprobs))
+        req = prepare(dec, dict(input_ids=ids, pixel_values=pv, max_new_tokens=60, temperature=SAMPLERS[sampler],
+                                seed=i, logprobs=logprobs))
+        sched.submit(replace(req, coupled=req.coupled and sampler != "rejection"))
     sched.step()  # admission, then the first step
     assert sched.engine.active == n_requests
     traffic, ops = HostTraffic(), AtenOps()
@@ -109,26 +117,26 @@ def endless():
 HOW = ["M", "MT", "M+tree static", "MT+tree dynamic", "head", "MTC+adaptive", "lookup", "suffix", "M+suffix"]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampling"])
+@pytest.mark.parametrize("sampler", list(SAMPLERS))
 @pytest.mark.parametrize("how", HOW)
-def test_one_host_read_at_most_one_staged_copy_and_work_flat_in_the_batch(endless, tok, how, temperature):
+def test_one_host_read_at_most_one_staged_copy_and_work_flat_in_the_batch(endless, tok, how, sampler):
     dec = decoder(how, *endless, tok)
-    reads, makes, ops_1 = counted_steps(dec, 1, temperature)
+    reads, makes, ops_1 = counted_steps(dec, 1, sampler)
     assert reads == ["tolist"] * 2, reads  # ONE host read a step: the packed outcomes
     model_free = how in ("lookup", "suffix", "M+suffix")
     assert len(makes) <= (2 if model_free else 0), makes  # a proposal's staging, once a step
-    reads_32, makes_32, ops_32 = counted_steps(dec, 32, temperature)
+    reads_32, makes_32, ops_32 = counted_steps(dec, 32, sampler)
     assert reads_32 == reads and len(makes_32) == len(makes), (reads_32, makes_32)
     assert ops_32 <= 1.1 * ops_1, (ops_1, ops_32)  # the same work launched for 32 rows as for 1
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampling"])
+@pytest.mark.parametrize("sampler", ["greedy", "sampling"])
 @pytest.mark.parametrize("how", ["M", "MT+tree dynamic", "head", "lookup", "M+suffix"])
-def test_logprobs_ride_in_the_one_host_read(endless, tok, how, temperature):
+def test_logprobs_ride_in_the_one_host_read(endless, tok, how, sampler):
     dec = decoder(how, *endless, tok)
-    reads, makes, ops_1 = counted_steps(dec, 1, temperature, logprobs=3)
+    reads, makes, ops_1 = counted_steps(dec, 1, sampler, logprobs=3)
     assert reads == ["tolist"] * 2, reads
     assert len(makes) <= (2 if how in ("lookup", "M+suffix") else 0), makes
-    reads_32, makes_32, ops_32 = counted_steps(dec, 32, temperature, logprobs=3)
+    reads_32, makes_32, ops_32 = counted_steps(dec, 32, sampler, logprobs=3)
     assert reads_32 == reads and len(makes_32) == len(makes), (reads_32, makes_32)
     assert ops_32 <= 1.1 * ops_1, (ops_1, ops_32)

@@ -6,7 +6,7 @@ refused before anything loads."""
 import pytest
 import torch
 
-from helpers.reference import exact_sequence_probs, pvalues, reference
+from helpers.reference import exact_sequence_probs, pvalues, reference, rejection_generate
 from helpers.tiny import BOS, IMG, make_llava, make_prompt, make_tokenizer
 from mmspec import MMSpecError, SpecDecoder
 from mmspec.drafting.lookup import NODE_BYTES, SEP, LookupConfig, PromptLookup, SuffixStore, SuffixTrie, pick
@@ -192,16 +192,22 @@ def setup():
     return target, draft, tok, ids, pv
 
 
-def sampled(dec, ids, pv, n: int = N_SAMPLES):
-    return [tuple(dec.generate(ids, pv, max_new_tokens=N_NEW, temperature=TEMP, seed=s).token_ids)
-            for s in range(n)]
+def sampled(dec, ids, pv, n: int = N_SAMPLES, coupled: bool = False):
+    """n sequences, seeds 0 .. n - 1: by rejection sampling (what tests the proposals' q), or by
+    the Gumbel-max coupling every sampling request uses (``coupled``)."""
+    if coupled:
+        return [tuple(dec.generate(ids, pv, max_new_tokens=N_NEW, temperature=TEMP, seed=s).token_ids)
+                for s in range(n)]
+    return [tuple(rejection_generate(dec, input_ids=ids, pixel_values=pv, max_new_tokens=N_NEW, temperature=TEMP,
+                                     seed=s)) for s in range(n)]
 
 
 ONE_GRAM = {"ngram_min": 1, "ngram_max": 1}
 
 
 @pytest.mark.parametrize("kind", ["lookup chain (drawn from counts)", "suffix tree (point masses)",
-                                  "M + lookup chain (a drawn draft token with siblings)", "MT + suffix tree"])
+                                  "M + lookup chain (a drawn draft token with siblings)", "MT + suffix tree",
+                                  "MT + suffix tree, coupled"])
 def test_sampling_matches_target_distribution(setup, kind):
     target, draft, tok, ids, pv = setup
     exact = exact_sequence_probs(target, ids, pv)
@@ -215,7 +221,7 @@ def test_sampling_matches_target_distribution(setup, kind):
         dec = SpecDecoder(target, draft, tok, views=kind.split()[0], model_free=name, **kw)
     else:
         dec = SpecDecoder(target, name, tok, **kw)
-    assert min(pvalues(sampled(dec, ids, pv), exact)) > 1e-3
+    assert min(pvalues(sampled(dec, ids, pv, coupled="coupled" in kind), exact)) > 1e-3
 
 
 def test_lookup_draws_from_its_counts(setup):

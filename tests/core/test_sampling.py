@@ -1,11 +1,16 @@
 """Sampling is lossless: the distribution of sequences SpecDecoder samples equals the target's,
 computed exactly by enumeration on a tiny vocabulary (seeded, so the test is deterministic).
-1,200 samples for the tests that must pass; the negative controls, whose bias is gross, 600."""
+1,200 samples for the tests that must pass; the negative controls, whose bias is gross, 600.
+
+These test rejection sampling (recursive rejection over siblings, residuals), which a request
+samples by with ``Request.coupled = False`` (:func:`helpers.reference.rejection_generate`);
+the Gumbel-max coupling every sampling request uses by default is tested the same way in
+``test_seed_promise.py``."""
 
 import pytest
 import torch
 
-from helpers.reference import exact_sequence_probs, pvalues
+from helpers.reference import exact_sequence_probs, pvalues, rejection_generate
 from helpers.tiny import BOS, IMG, make_llava, make_tokenizer
 from mmspec import SpecDecoder
 from mmspec.models.captioner import FixedCaptioner
@@ -28,8 +33,9 @@ def setup():
 
 
 def sampled(dec, ids, pv, n: int = N_SAMPLES):
-    return [tuple(dec.generate(ids, pv, max_new_tokens=N_NEW, temperature=TEMP, seed=s).token_ids)
-            for s in range(n)]
+    """n sequences by rejection sampling, seeds 0 .. n - 1."""
+    return [tuple(rejection_generate(dec, input_ids=ids, pixel_values=pv, max_new_tokens=N_NEW, temperature=TEMP,
+                                     seed=s)) for s in range(n)]
 
 
 def test_sampling_matches_target_distribution(setup):

@@ -1,21 +1,72 @@
-"""What the tests check outputs against: the target's own ``generate``, its own log-probabilities
-of an answer, and a chi-square test."""
+"""What the tests check outputs against: the target's own ``generate``, its own seeded sampling
+(:func:`seeded_reference`), its own log-probabilities of an answer, and a chi-square test."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
 from helpers.tiny import IMG
 from mmspec.models.base import cache_argument
 from mmspec.models.captioner import FixedCaptioner
+from mmspec.runtime import rng
+from mmspec.runtime.verify import SamplingParams, filtered_logits
 
 
 def reference(target, ids, pv, n):
     out = target.generate(input_ids=ids, pixel_values=pv, attention_mask=torch.ones_like(ids),
                           do_sample=False, max_new_tokens=n)
     return out[0, ids.shape[1]:].tolist()
+
+
+@torch.inference_mode()
+def seeded_reference(target, inputs: dict, n: int, params: SamplingParams, seed: int, eos: int) -> list[int]:
+    """The target ALONE sampling a seeded answer: a plain loop, one forward per token on its own
+    cache, token t = ``argmax(filtered_logits_t + g_t)`` with g_t the seed's noise at output
+    position t (:func:`mmspec.runtime.rng.gumbel`), until ``eos`` or ``n`` tokens. What a
+    speculative decode of the same request and seed must return token for token, whatever its
+    drafter. inputs: the processor's output (``input_ids`` [1, L], ...)."""
+    ids = inputs["input_ids"]
+    out = target(**{**inputs, "attention_mask": torch.ones_like(ids)}, use_cache=True)
+    seed_t = torch.tensor([seed])
+    tokens: list[int] = []
+    for t in range(n):
+        x = filtered_logits(out.logits[0, -1], params)  # [V]
+        g = rng.gumbel(seed_t, torch.tensor([[t]]), x.shape[-1])[0, 0]
+        tokens.append(int((x + g.to(x.dtype)).argmax()))
+        if tokens[-1] == eos or t == n - 1:
+            break
+        mask = torch.ones(1, ids.shape[1] + len(tokens), dtype=ids.dtype)
+        out = target(input_ids=torch.tensor([tokens[-1:]]), attention_mask=mask, use_cache=True,
+                     **{cache_argument(target): out.past_key_values})
+    return tokens
+
+
+def rejection_generate(dec, **kwargs) -> list[int]:
+    """``dec.generate(**kwargs)``'s tokens with the request sampled by rejection sampling
+    (``Request.coupled = False``) instead of the Gumbel-max coupling every sampling request uses:
+    the sampler the coupling was measured against (``perf/seed_coupling.py``), kept exact."""
+    return rejection_batch(dec, [kwargs], max_batch=1)[0].token_ids
+
+
+def rejection_batch(dec, requests: list[dict], max_batch: int) -> list:
+    """``dec.generate_batch(requests, max_batch=...)``'s results with every request sampled by
+    rejection sampling (:func:`rejection_generate`)."""
+    from mmspec.batch import BatchScheduler
+    from mmspec.request import prepare
+
+    sched = BatchScheduler(dec, max_batch=max_batch, stream_text=False)
+    rids = [sched.submit(replace(prepare(dec, r), coupled=False)) for r in requests]
+    results = {}
+    while sched.has_work():
+        for ev in sched.step():
+            assert ev.error is None, ev.error
+            if ev.finished:
+                results[ev.rid] = ev.result
+    sched.close()
+    return [results[r] for r in rids]
 
 
 @torch.inference_mode()

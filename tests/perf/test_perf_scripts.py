@@ -36,7 +36,8 @@ ELSEWHERE = {
 }
 TESTED_HERE = ["batch_speed", "prefix_speed", "tree_sweep", "cpu_shapes", "serve_load", "head_formats_check",
                "serve_overhead", "lookup_speed", "serve_speed", "logprobs_cost", "mmspec_split",
-               "threads", "policy_speed", "graph_warmup", "constrained_speed"]
+               "threads", "policy_speed", "graph_warmup", "constrained_speed",
+               "seed_coupling"]
 
 
 def run_script(name: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -228,6 +229,17 @@ def test_lookup_speed_batch(tmp_path):
         for s in ("target", "suffix", "M+suffix"):
             row = res["families"][fam][s]
             assert row["tokens"] > 0 and row["cpu_seconds"] > 0 and row["cpu_speedup"] > 0
+
+
+def test_seed_coupling(tmp_path):
+    out_json = tmp_path / "seed_coupling.json"
+    out = run_script("seed_coupling", "--families", "chartqa", "--n-per-family", "1", "--seeds", "2",
+                     "--temperatures", "0.7", "--max-new-tokens", "6", "--out", str(out_json))
+    assert out.returncode == 0, out.stderr[-3000:]  # exit 1 when a coupled answer depends on its batch
+    rows = json.loads(out_json.read_text())["rows"]
+    assert {(r["shape"], r["sampler"]) for r in rows} == {(s, m) for s in ("chain", "tree")
+                                                         for m in ("rejection", "coupling")}
+    assert all(r["tau"] >= 1 for r in rows) and all(r["same_alone"] for r in rows if r["sampler"] == "coupling")
 
 
 def test_threads(tmp_path):

@@ -174,7 +174,7 @@ def generate(
     temperature: float = typer.Option(0.0, help="0 = greedy (exactly the target's greedy output)."),
     top_k: int | None = typer.Option(None, help="Sampling only (--temperature > 0): keep the k likeliest tokens."),
     top_p: float | None = typer.Option(None, help="Sampling only (--temperature > 0): nucleus filter."),
-    seed: int | None = typer.Option(None, help="Seed for sampling (same seed, same output)."),
+    seed: int | None = typer.Option(None, help="Seed for sampling: same seed, same output, whatever the drafting (the target's own seeded sample)."),
     compare: bool = typer.Option(True, help="Also run target.generate and report speed-up and identity (greedy)."),
     json_schema: Path | None = typer.Option(None, help="Constrain the answer to this JSON schema (a .json file); "
                                             "tight separators (docs/serve.md, Structured outputs)."),

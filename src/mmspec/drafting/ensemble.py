@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from mmspec.drafting.tree import TreeSpec
-from mmspec.drafting.trees import Drafted, Drafting, StepInput, drop_duplicates
+from mmspec.drafting.trees import Drafted, Drafting, StepInput, coupled_key, drop_duplicates
 from mmspec.models.base import ModelAdapter
 from mmspec.models.rows import KV, RowCache
 from mmspec.runtime.forwards import PromptRow, RowForward, prefill_rows
@@ -255,15 +255,22 @@ class EnsembleDrafting(Drafting):
     def greedy_argmax(self, logits: torch.Tensor) -> torch.Tensor | None:
         return logits.argmax(-1) if self.V == 1 else None
 
-    def top_children(self, logits, k, rs):
+    def top_children(self, logits, k, rs, noise=None):
         if self.spec.children != "views" or self.V == 1:
-            return super().top_children(logits, k, rs)
+            return super().top_children(logits, k, rs, noise)
         logp = logits_to_probs_rows(logits, self._rep_sampling(rs)).clamp_min(1e-30).log()  # [R V, F, V_draft]
         R = logp.shape[0] // self.V
-        s, t = logp.view(R, self.V, *logp.shape[1:]).topk(k, dim=-1)  # [R, V, F, k]
+        logp = logp.view(R, self.V, *logp.shape[1:])  # [R, V, F, V_draft]
+        if noise is not None and rs.any_coupled:  # coupled rows: each view's own Gumbel-max draws
+            logp = coupled_key(logp.flatten(1, 2), noise, rs).view(logp.shape)
+        s, t = logp.topk(k, dim=-1)  # [R, V, F, k]
         s, t = s.permute(0, 2, 1, 3).flatten(2), t.permute(0, 2, 1, 3).flatten(2)  # [R, F, V k]
         best = drop_duplicates(t, s).topk(k, dim=-1)  # [R, F, k]
-        return t.gather(-1, best.indices), best.values
+        tokens, scores = t.gather(-1, best.indices), best.values
+        if noise is not None and rs.any_coupled:  # scored by their view's log q, as coupled_top scores
+            g = noise[:, None, :logp.shape[-1]].expand(-1, tokens.shape[1], -1).gather(-1, tokens)  # [R, F, k]
+            scores = torch.where(rs.coupled[:, None, None], scores - g.to(scores.dtype), scores)
+        return tokens, scores
 
     # ------------------------------------------------------------------ after verification
     def commit(self, x: StepInput, d: Drafted, path: torch.Tensor, n_accepted: torch.Tensor,

@@ -49,9 +49,14 @@ class StepInput:
     pending_len: torch.Tensor  # [R] long
     remaining: torch.Tensor  # [R] long
     sampling: RowSampling  # [R]
-    u: torch.Tensor | None  # [R, >= depth] the drafter's uniforms (None: no row samples)
+    u: torch.Tensor | None  # [R, >= depth] the drafter's uniforms (None: no row samples by rejection)
     feats: torch.Tensor | None = None  # [R, P, F] a head's target features before the pending tokens
     span: int = 0  # draft slots the step's forwards attend over (the host's choice: StepPlan)
+    noise: torch.Tensor | None = None  # [R, depth + 1, V] coupled rows' Gumbel noise per child depth (None: none)
+
+    def noise_at(self, d: int) -> torch.Tensor | None:
+        """[R, V] the coupled rows' noise at the output position of depth-d nodes (None: no row is coupled)."""
+        return None if self.noise is None else self.noise[:, d - 1]
     grammar: object | None = None  # constrained rows: their drafts masked by their grammars (mmspec.constrain.state.DraftMask)
 
     def root(self) -> torch.Tensor:
@@ -66,6 +71,28 @@ class Drafted:
     tree: TreeBatch
     fed: torch.Tensor  # [R, N] long in-block slot of each node, -1: never fed
     seen: list = field(default_factory=list)  # adaptive weights: each fed depth's per-view logits
+
+
+def coupled_key(logq: torch.Tensor, noise: torch.Tensor | None, rs: RowSampling) -> torch.Tensor:
+    """What children are ranked by: ``log q`` [R, F, V], plus on coupled rows their seed's noise at
+    the children's output position (noise [R, V]): the draft's own Gumbel-max draw, rank 0, is the
+    token the target draws there whenever the two agree, which is what a coupled row's
+    verification accepts (:func:`~mmspec.runtime.verify.verify_steps`)."""
+    if noise is None or not rs.any_coupled:
+        return logq
+    V = logq.shape[-1]
+    return torch.where(rs.coupled[:, None, None], logq + noise[:, None, :V].to(logq.dtype), logq)
+
+
+def coupled_top(logq: torch.Tensor, noise: torch.Tensor, rs: RowSampling, k: int, tokens: torch.Tensor,
+                scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k children coupled rows draft (the rest keep ``tokens``, ``scores`` [R, F, k]): the top k
+    of :func:`coupled_key`, each scored by its log q, as every tree node is (scoring them by their
+    key's gap to the best instead drafted trees with up to 2.5% lower tau: docs/sampling.md).
+    logq [R, F, V] (-inf where q is 0) -> tokens, scores [R, F, k]."""
+    t = coupled_key(logq, noise, rs).topk(k, dim=-1).indices  # [R, F, k]
+    c = rs.coupled[:, None, None]
+    return torch.where(c, t, tokens), torch.where(c, logq.gather(-1, t).to(scores.dtype), scores)
 
 
 def drop_duplicates(tokens: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -108,11 +135,16 @@ class Drafting:
         """Logits (subclass layout) at F nodes per row -> the q each row drafts from [R, F, vocab]."""
         raise NotImplementedError
 
-    def top_children(self, logits: torch.Tensor, k: int, rs: RowSampling) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k best children of F nodes per row: tokens [R, F, k], log-scores [R, F, k]."""
+    def top_children(self, logits: torch.Tensor, k: int, rs: RowSampling,
+                     noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k best children of F nodes per row: tokens [R, F, k], log-scores [R, F, k] (log q).
+        noise [R, V]: the coupled rows' noise at the children's position; they rank by
+        ``log q + noise`` (:func:`coupled_key`), scored by :func:`coupled_scores`."""
         q = self.distributions(logits, rs)
         s, t = q.topk(k, dim=-1)
-        return t, s.clamp_min(1e-30).log()
+        if noise is None or not rs.any_coupled:
+            return t, s.clamp_min(1e-30).log()
+        return coupled_top(q.clamp_min(1e-30).log().masked_fill(q <= 0, NEG), noise, rs, k, t, s.clamp_min(1e-30).log())
 
     def greedy_argmax(self, logits: torch.Tensor) -> torch.Tensor | None:
         """[R, F] the argmax child where that needs no distribution (one view), else None."""
@@ -147,7 +179,8 @@ class Drafting:
     def _chain(self, x: StepInput, root: torch.Tensor, logits: torch.Tensor, depth: int,
                stop_below: float | None) -> Drafted:
         """A chain of ``depth`` drafts per row: greedy rows take q's argmax, sampling rows draw from
-        q (the row's own uniforms); node d is fed at in-block slot d - 1, the deepest never."""
+        q (the row's own uniforms; a coupled row: q's Gumbel-max draw with its seed's noise at the
+        node's position); node d is fed at in-block slot d - 1, the deepest never."""
         R, dev = x.rows, root.device
         rs = x.sampling
         toks, qs, probs = [root[:, 0]], [], []
@@ -158,7 +191,11 @@ class Drafting:
                     q = self.constrained(x, q[:, None], torch.stack(toks, 1), d - 1)[:, 0]
                 tok = q.argmax(-1)
                 if rs.any_sampling:
-                    tok = torch.where(rs.greedy, tok, sample(q, x.u[:, d - 1]))
+                    drawn = tok if x.u is None else sample(q, x.u[:, d - 1])
+                    if rs.any_coupled:
+                        drawn = torch.where(rs.coupled, coupled_key(q.log()[:, None], x.noise_at(d), rs)[:, 0].argmax(-1),
+                                            drawn)
+                    tok = torch.where(rs.greedy, tok, drawn)
                     qs.append(q)
                 probs.append(q.gather(-1, tok[:, None])[:, 0])
             else:
@@ -204,7 +241,7 @@ class Drafting:
         fed_nodes: list[torch.Tensor] = []  # [R, k] node ids per fed depth, in slot order
         made = 1
         for d in range(1, spec.depth + 1):
-            tok, s = self.children(x, logits, k, tokens, parents, frontier)  # [R, F, k]
+            tok, s = self.children(x, logits, k, tokens, parents, frontier, x.noise_at(d))  # [R, F, k]
             F = tok.shape[1]
             new = torch.arange(made, made + F * k, device=dev)  # [F k]
             par = frontier.repeat_interleave(k, dim=1)  # [R, F k]
@@ -256,7 +293,7 @@ class Drafting:
         tokens[:, 0] = root[:, 0]
         front = None  # the nodes whose children the logits score (None: the root)
         for d, level in enumerate(plan["levels"], start=1):
-            tok, _ = self.children(x, logits, level["R"], tokens, plan["parents"], front)  # [R, F, R_d] ranked children
+            tok, _ = self.children(x, logits, level["R"], tokens, plan["parents"], front, x.noise_at(d))  # [R, F, R_d] ranked children
             tokens[:, level["idx"]] = tok[:, level["rows"], level["ranks"]]
             if d == spec.max_depth or "frontier" not in level:
                 break
@@ -271,12 +308,13 @@ class Drafting:
 
     # ------------------------------------------------------------------ under a constraint
     def children(self, x: StepInput, logits: torch.Tensor, k: int, tokens: torch.Tensor, parents: torch.Tensor,
-                 frontier: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                 frontier: torch.Tensor | None, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`top_children` of the frontier nodes [R, F] or [F] (None: the root) of trees
         tokens [R, M], parents [R, M] or [M]; with constrained rows (``x.grammar``) the children of
-        their q masked by their grammars (a free step adds no operation)."""
+        their q masked by their grammars (a free step adds no operation); noise [R, V]: the coupled
+        rows' noise at the children's position (:func:`coupled_top`)."""
         if x.grammar is None:
-            return self.top_children(logits, k, x.sampling)
+            return self.top_children(logits, k, x.sampling, noise)
         R = tokens.shape[0]
         parents = parents.expand(R, -1) if parents.dim() == 1 else parents
         if frontier is None:
@@ -284,7 +322,10 @@ class Drafting:
         frontier = frontier.expand(R, -1) if frontier.dim() == 1 else frontier
         q = x.grammar.mask(self.distributions(logits, x.sampling), tokens, parents, frontier)
         s, t = q.topk(k, dim=-1)
-        return t, s.clamp_min(1e-30).log()
+        if noise is None or not x.sampling.any_coupled:
+            return t, s.clamp_min(1e-30).log()
+        logq = q.clamp_min(1e-30).log().masked_fill(q <= 0, NEG)
+        return coupled_top(logq, noise, x.sampling, k, t, s.clamp_min(1e-30).log())
 
     def constrained(self, x: StepInput, q: torch.Tensor, tokens: torch.Tensor, node: int) -> torch.Tensor:
         """A chain's q [R, 1, V] at its node ``node`` (tokens [R, node + 1] drafted so far) masked by

@@ -97,7 +97,7 @@ def admit(dec, engine: Engine, reqs: list, max_rows: int | None = None) -> list[
         last_image = int(img[-1, 0]) if img.numel() else None
         starts.append(RowStart(length=req.ids.shape[0] - 1, root=int(req.ids[-1]), pos_offset=x.pos_offset,
                                remaining=req.max_new_tokens, seed=0 if req.seed is None else req.seed,
-                               params=req.params, last_image=last_image, feats=f))
+                               params=req.params, last_image=last_image, feats=f, coupled=req.coupled))
     indices = engine.state.admit(starts)
     for j, i in enumerate(group):
         a, req = out[i], reqs[i]

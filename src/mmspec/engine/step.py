@@ -17,7 +17,9 @@ operations whatever the number of rows:
    and its own ancestors (:mod:`mmspec.runtime.masks`);
 3. accept: ONE verification of all rows, greedy and sampling together
    (:func:`~mmspec.runtime.verify.verify_steps`), every random draw from the row's own stream
-   (:mod:`mmspec.runtime.rng`): a seeded request decodes the same alone or in any batch;
+   (:mod:`mmspec.runtime.rng`); a coupled row (seeded sampling) draws the token at each output
+   position from its seed's noise at that position, so its answer is the target's own seeded
+   sample whatever the step's shape, depth, drafter or batch;
 4. commit, on the device: the accepted path's keys/values moved into place in both caches (only
    when a tree's path is not its first branch), lengths advanced, the next pending tokens;
 5. ONE host read of the packed outcomes of all rows, from which the host emits each row's tokens
@@ -289,9 +291,15 @@ class Engine:
     def _input(self, R: int, depth: int, span: int = 0, flags: dict | None = None) -> StepInput:
         st = self.state
         rs = st.sampling(R, flags)
-        u = rng.uniforms(st.seed[:R], st.step[:R], rng.DRAFT, max(depth, 1)) if rs.any_sampling else None
+        drawn = rs.any_sampling and not rs.all_coupled  # a row samples by rejection: the step's uniforms
+        u = rng.uniforms(st.seed[:R], st.step[:R], rng.DRAFT, max(depth, 1)) if drawn else None
+        noise = None
+        if rs.any_coupled:  # the coupled rows' noise at the output positions of depths 1 .. depth + 1
+            position = (st.length[:R] - st.origin[:R])[:, None] + torch.arange(depth + 1, device=self.device)
+            noise = rng.gumbel(st.seed[:R], position, self.target.vocab_size)  # [R, depth + 1, V]
         return StepInput(rows=R, pending=st.pending[:R], pending_len=st.pending_len[:R], remaining=st.remaining[:R],
-                         sampling=rs, u=u, feats=None if st.feat_dim is None else st.pending_feats[:R], span=span)
+                         sampling=rs, u=u, feats=None if st.feat_dim is None else st.pending_feats[:R], span=span,
+                         noise=noise)
 
     def step(self, depth: int | TreeSpec | None = None, proposers: list | None = None) -> list[list[int] | BaseException]:
         """One step over every active row, each drafting at most ``depth`` deep (None: the
@@ -526,8 +534,9 @@ class Engine:
             logits = verify_mask([r.grammar for r in self.rows], tree, logits)
         rs = x.sampling
         N = tree.tokens.shape[1]
-        u = rng.uniforms(st.seed[:R], st.step[:R], rng.VERIFY, N + 1) if rs.any_sampling else None
-        out = verify_steps(tree, logits, rs, u, self._thresholds(R))  # 3. ONE verification
+        drawn = rs.any_sampling and not rs.all_coupled
+        u = rng.uniforms(st.seed[:R], st.step[:R], rng.VERIFY, N + 1) if drawn else None
+        out = verify_steps(tree, logits, rs, u, self._thresholds(R), x.noise)  # 3. ONE verification
 
         # 4. commit on the device
         path, n = out.path, out.n_accepted  # [R, D + 1], [R]

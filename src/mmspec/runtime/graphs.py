@@ -43,13 +43,13 @@ def canonical_flags(flags: dict) -> dict:
     """A step's sampling flags (:func:`mmspec.runtime.verify.flags`) as one of two sets, so that graphs
     are few and can be captured before traffic: every flag off (greedy rows only), or the
     general path (every filter on, greedy and sampling verification both run: ``all_sampling``
-    off). The general path gives each row exactly the bits its own flags give it: a greedy row's
+    off; the coupling's and rejection sampling's both, ``all_coupled`` off). The general path gives each row exactly the bits its own flags give it: a greedy row's
     outcome is selected from the greedy verification, a filter a row does not use (top-k 0,
     top-p 1, a temperature above float32's tiny) leaves its logits as they were, and the random
     draws come from the row's own stream whatever its neighbours (tests/core/test_graph_warmup.py)."""
     if not flags.get("any_sampling"):
         return {k: False for k in flags}
-    return {k: k != "all_sampling" for k in flags}
+    return {k: k not in ("all_sampling", "all_coupled") for k in flags}  # coupled and rejection rows both
 
 
 def bucket(n: int) -> int:

@@ -12,6 +12,12 @@ the same on both: ``tests/core/test_rng.py`` checks it against a pure-Python ref
 Slots of one step: the drafter's draws (a drawn chain: one per depth) from :data:`DRAFT`, the
 verification's (one per tree node, then one for the final token) from :data:`VERIFY`.
 
+Seeded sampling's noise (:func:`gumbel`) is a second stream, keyed by the OUTPUT POSITION instead
+of the step: ``g[t, v]``, a standard Gumbel variate per (seed, position t, token v), from the same
+SplitMix64 with another key, so the token drawn at position t (``argmax(log p_t + g_t)``, the
+Gumbel-max trick: an exact sample of p_t) depends on the seed and t only, never on how a step
+was shaped, how deep it drafted or what batch it ran in.
+
 SplitMix64: Steele, Lea, Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014
 (the finaliser of Java's ``SplittableRandom``); its output passes BigCrush.
 """
@@ -54,6 +60,24 @@ def uniforms(seed: torch.Tensor, step: torch.Tensor, first: int, n: int) -> torc
     counter = step[:, None] * SLOTS + slot  # [B, n]
     z = mix(mix(seed)[:, None] + counter * GAMMA)
     return _srl(z, 11).to(torch.float64) * (1.0 / (1 << 53))
+
+
+GUMBEL_KEY = _signed(0xD1B54A32D192ED03)  # separates the noise's stream from the step's uniforms
+TOKEN_BITS = 32  # a position's counters: position << 32 | token (vocabularies below 2**32)
+
+
+def gumbel(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Standard Gumbel noise per (seed, output position, token), float32: seed [B] int64,
+    position [B, n] int64 (the output position each draw decides: 0 = the first new token)
+    -> [B, n, vocab]. ``g = -log(-log(u))`` with u in (0, 1) from the counter
+    ``position << 32 | token`` of the row's noise stream (a fixed number of whole-batch tensor
+    operations; the uniforms are the same bits on every device, the logarithms float64's)."""
+    v = torch.arange(vocab, dtype=torch.long, device=seed.device)  # [V]
+    key = mix(seed ^ GUMBEL_KEY)[:, None, None]  # [B, 1, 1]
+    counter = (position[..., None] << TOKEN_BITS) + v  # [B, n, V]
+    z = mix(key + counter * GAMMA)
+    u = (_srl(z, 11).to(torch.float64) + 0.5) * (1.0 / (1 << 53))  # (0, 1): never 0 or 1
+    return (-torch.log(-torch.log(u))).to(torch.float32)
 
 
 _MASK = (1 << 64) - 1

@@ -15,7 +15,10 @@ Per row b (the engine's row b is the target cache's row b, :class:`~mmspec.model
   the newest, ``pending[pending_len - 1]``, is the root of the row's next tree; ``pending_feats``
   [P, F]: for a feature-level head, the target's feature before each;
 * ``remaining``: tokens the request may still emit;
-* ``seed``, ``step``: the row's random stream (:mod:`mmspec.runtime.rng`);
+* ``seed``, ``step``: the row's random stream (:mod:`mmspec.runtime.rng`); ``origin``: its
+  ``length`` at admission (``length - origin + d - 1`` is the output position of a depth-d
+  node: the key of its seeded noise); ``coupled``: it samples by the Gumbel-max coupling
+  (:func:`~mmspec.runtime.verify.verify_steps`);
 * ``temperature``, ``top_k``, ``top_p``, ``greedy``: its sampling parameters
   (:class:`~mmspec.runtime.verify.RowSampling`);
 * ``last_image``: its prompt's last image slot (relaxed acceptance, LOSSY; a large negative number
@@ -60,6 +63,7 @@ class RowStart:
     params: SamplingParams
     last_image: int | None
     feats: torch.Tensor | None = None  # [1, F] a head's target feature before the root (device)
+    coupled: bool = False  # samples by the Gumbel-max coupling (a seed fixes the answer)
 
 
 class BatchState:
@@ -73,6 +77,7 @@ class BatchState:
         self.active = 0
         self.lengths: list[int] = []  # host: each active row's committed target slots
         self.params: list[SamplingParams] = []
+        self.coupled: list[bool] = []  # host: each active row's coupling
         self._flags = flags([SamplingParams()])  # what the host knows of the rows' parameters
         self._alloc(max(1, rows))
 
@@ -84,6 +89,7 @@ class BatchState:
             length=torch.zeros(rows, **long), pos_offset=torch.zeros(rows, **long),
             pending=torch.zeros(rows, P, **long), pending_len=torch.ones(rows, **long),
             remaining=torch.zeros(rows, **long), seed=torch.zeros(rows, **long), step=torch.zeros(rows, **long),
+            origin=torch.zeros(rows, **long), coupling=torch.zeros(rows, dtype=torch.bool, device=dev),
             temperature=torch.ones(rows, dtype=torch.float64, device=dev), top_k=torch.zeros(rows, **long),
             top_p=torch.ones(rows, dtype=torch.float64, device=dev), greedy=torch.ones(rows, dtype=torch.bool, device=dev),
             last_image=torch.full((rows,), NO_IMAGE, **long), live=torch.zeros(rows, dtype=torch.bool, device=dev))
@@ -112,7 +118,7 @@ class BatchState:
         k = len(starts)
         rows = slice(first, first + k)
         ints = torch.tensor([[s.length, s.root, s.pos_offset, s.remaining, s.seed, (s.params.top_k or 0),
-                              NO_IMAGE if s.last_image is None else s.last_image] for s in starts], dtype=torch.long)
+                              NO_IMAGE if s.last_image is None else s.last_image, int(s.coupled)] for s in starts], dtype=torch.long)
         floats = torch.tensor([[1.0 if s.params.greedy else s.params.temperature,
                                 1.0 if s.params.top_p is None else s.params.top_p, float(s.params.greedy)]
                                for s in starts], dtype=torch.float64)
@@ -123,6 +129,7 @@ class BatchState:
         self.pending_len[rows] = 1
         self.seed[rows], self.top_k[rows], self.last_image[rows] = ints[:, 4], ints[:, 5], ints[:, 6]
         self.step[rows] = 0
+        self.origin[rows], self.coupling[rows] = ints[:, 0], ints[:, 7] > 0
         self.live[rows] = True
         self.temperature[rows], self.top_p[rows], self.greedy[rows] = floats[:, 0], floats[:, 1], floats[:, 2] > 0
         if self.feat_dim is not None:
@@ -133,7 +140,8 @@ class BatchState:
         self.active += k
         self.lengths += [s.length for s in starts]
         self.params += [s.params for s in starts]
-        self._flags = flags(self.params)
+        self.coupled += [s.coupled for s in starts]
+        self._flags = flags(self.params, self.coupled)
         return list(range(first, first + k))
 
     def remove(self, b: int) -> int | None:
@@ -144,7 +152,7 @@ class BatchState:
         if b != last:
             for t in tensors:
                 t[b] = t[last]
-            self.lengths[b], self.params[b] = self.lengths[last], self.params[last]
+            self.lengths[b], self.params[b], self.coupled[b] = self.lengths[last], self.params[last], self.coupled[last]
             moved = last
         for t in tensors:  # a free row is inert: it writes at slot 0 and emits nothing
             t[last] = 0
@@ -154,13 +162,14 @@ class BatchState:
         self.top_p[last] = 1.0
         self.lengths.pop()
         self.params.pop()
+        self.coupled.pop()
         self.active -= 1
-        self._flags = flags(self.params or [SamplingParams()])
+        self._flags = flags(self.params or [SamplingParams()], self.coupled)
         return moved
 
     def _tensors(self) -> list[torch.Tensor]:
-        names = ["length", "pos_offset", "pending", "pending_len", "remaining", "seed", "step", "temperature",
-                 "top_k", "top_p", "greedy", "last_image", "live"]
+        names = ["length", "pos_offset", "pending", "pending_len", "remaining", "seed", "step", "origin", "coupling",
+                 "temperature", "top_k", "top_p", "greedy", "last_image", "live"]
         if self.feat_dim is not None:
             names.append("pending_feats")
         return [getattr(self, n) for n in names]
@@ -174,5 +183,6 @@ class BatchState:
     def sampling(self, rows: int, flags: dict | None = None) -> RowSampling:
         """The first ``rows`` rows' parameters (free rows beyond the active ones: greedy), with
         ``flags`` (a step plan's, which may turn on more paths than the rows use) or the rows' own."""
+        f = self._flags if flags is None else flags
         return RowSampling(self.temperature[:rows], self.top_k[:rows], self.top_p[:rows], self.greedy[:rows],
-                           **(self._flags if flags is None else flags))
+                           coupled=self.coupling[:rows] if f.get("any_coupled") else None, **f)

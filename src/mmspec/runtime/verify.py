@@ -74,6 +74,13 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     logits: [..., V] -> probs [..., V] (float32 or wider). With ``params.greedy`` the
     temperature is 1 (the distribution is only used to pick / mix, never sampled).
     """
+    return torch.softmax(filtered_logits(logits, params), dim=-1)
+
+
+def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """:func:`logits_to_probs` before its softmax: the tempered logits [..., V] with the tokens
+    top-k and top-p drop at -inf (float32 or wider). ``argmax(filtered + g)`` with Gumbel noise g
+    is an exact draw from ``logits_to_probs`` (the Gumbel-max trick: seeded sampling)."""
     x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     if not params.greedy:
         x = _tempered(x, params.temperature)
@@ -90,7 +97,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
-    return torch.softmax(x, dim=-1)
+    return x
 
 
 def _tempered(x: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -349,7 +356,9 @@ class RowSampling:
     of greedy and sampling rows.
 
     ``temperature`` is 1 on greedy rows (their distributions are only mixed and argmax-ed, as
-    :func:`logits_to_probs` does); ``top_k`` 0 and ``top_p`` 1 mean no filter."""
+    :func:`logits_to_probs` does); ``top_k`` 0 and ``top_p`` 1 mean no filter. ``coupled``: the
+    sampling rows whose draws are the Gumbel-max coupling of their seed's per-position noise
+    (:func:`verify_steps`; None: no row is)."""
 
     temperature: torch.Tensor  # [B] float64
     top_k: torch.Tensor  # [B] long
@@ -360,20 +369,32 @@ class RowSampling:
     any_top_k: bool = False
     any_top_p: bool = False
     any_tiny: bool = False  # a temperature below float32's smallest normal number (done in float64)
+    coupled: torch.Tensor | None = None  # [B] bool: a coupled sampling row (None: none is)
+    any_coupled: bool = False
+    all_coupled: bool = False  # every sampling row is coupled (no rejection sampling to run)
+
+    def __post_init__(self) -> None:
+        if self.coupled is None:  # no coupled rows without their mask, whatever the flags say
+            self.any_coupled = self.all_coupled = False
 
     def rows(self, index: torch.Tensor | slice) -> RowSampling:
         """These parameters at other rows (e.g. each request's repeated for its draft views)."""
         return RowSampling(self.temperature[index], self.top_k[index], self.top_p[index], self.greedy[index],
-                           self.any_sampling, self.all_sampling, self.any_top_k, self.any_top_p, self.any_tiny)
+                           self.any_sampling, self.all_sampling, self.any_top_k, self.any_top_p, self.any_tiny,
+                           None if self.coupled is None else self.coupled[index], self.any_coupled, self.all_coupled)
 
 
-def flags(params: list[SamplingParams]) -> dict:
-    """What the host knows of a step's rows' parameters (:class:`RowSampling`'s flags)."""
+def flags(params: list[SamplingParams], coupled: list[bool] | None = None) -> dict:
+    """What the host knows of a step's rows' parameters (:class:`RowSampling`'s flags);
+    ``coupled``: per row, whether it samples by the coupling (None: no row does)."""
     tiny = torch.finfo(torch.float32).tiny
+    coupled = coupled or [False] * len(params)
+    drawn = [c for p, c in zip(params, coupled) if not p.greedy]
     return dict(any_sampling=any(not p.greedy for p in params), all_sampling=all(not p.greedy for p in params),
                 any_top_k=any(p.top_k for p in params),
                 any_top_p=any(p.top_p is not None and 0.0 < p.top_p < 1.0 for p in params),
-                any_tiny=any(not p.greedy and p.temperature < tiny for p in params))
+                any_tiny=any(not p.greedy and p.temperature < tiny for p in params),
+                any_coupled=any(drawn), all_coupled=all(drawn))
 
 
 def _per_row(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -385,6 +406,12 @@ def logits_to_probs_rows(logits: torch.Tensor, rs: RowSampling) -> torch.Tensor:
     """:func:`logits_to_probs` with row b's parameters on row b: logits [B, ..., V] -> probs. Each
     row gets exactly the bits :func:`logits_to_probs` gives it alone (the same element-wise
     operations; a filter no row uses is skipped, one some rows use leaves the others unchanged)."""
+    return torch.softmax(filtered_logits_rows(logits, rs), dim=-1)
+
+
+def filtered_logits_rows(logits: torch.Tensor, rs: RowSampling) -> torch.Tensor:
+    """:func:`filtered_logits` with row b's parameters on row b: logits [B, ..., V] -> [B, ..., V]
+    (:func:`logits_to_probs_rows` before its softmax)."""
     x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     if rs.any_sampling:
         shifted = x - x.amax(dim=-1, keepdim=True)
@@ -410,30 +437,50 @@ def logits_to_probs_rows(logits: torch.Tensor, rs: RowSampling) -> torch.Tensor:
             drop_sorted = drop_sorted & (torch.arange(V, device=x.device) > 0)  # the likeliest token stays
             drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
             x = x.masked_fill(drop, float("-inf"))
-    return torch.softmax(x, dim=-1)
+    return x
+
+
+def perturbed(filtered: torch.Tensor, noise: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """The Gumbel-perturbed target at every node: ``filtered + g`` where g is the noise of the
+    output position a node's child takes. filtered [B, N, V] (:func:`filtered_logits_rows`);
+    noise [B, D + 1, V] (row b's noise for the positions of depths 1 .. D + 1, indexed by the
+    parent's depth); depth [B, N] -> [B, N, V]. Its argmax at a node is an exact draw from the
+    target's filtered distribution there (the Gumbel-max trick), and the same noise at the same
+    output position gives the same draw whatever the tree around it."""
+    V = filtered.shape[-1]
+    g = noise.gather(1, depth.clamp(0, noise.shape[1] - 1)[..., None].expand(-1, -1, V))  # [B, N, V]
+    return filtered + g.to(filtered.dtype)
 
 
 def verify_steps(t, logits: torch.Tensor, rs: RowSampling, u: torch.Tensor | None,
-                 relaxed: torch.Tensor | None = None) -> TreeOutcome:
+                 relaxed: torch.Tensor | None = None, noise: torch.Tensor | None = None) -> TreeOutcome:
     """ONE verification of a step's rows, greedy and sampling together: t, a
     :class:`~mmspec.drafting.tree.TreeBatch` [B, N] (its ``q`` / ``sampled`` where a row drew nodes);
     logits [B, N, V]; rs: each row's parameters; u [B, N + 1]: each row's uniforms (None when
-    no row samples); relaxed: [B] LOSSY thresholds of greedy rows (inf: exact) or None. A greedy
-    row gets :func:`verify_trees_greedy`'s outcome, a sampling row :func:`verify_trees_sampling`'s,
-    selected per row on the device (both run when the step mixes them: a fixed op count)."""
+    no row samples by rejection); relaxed: [B] LOSSY thresholds of greedy rows (inf: exact) or
+    None; noise [B, D + 1, V]: each coupled row's Gumbel noise (:func:`perturbed`; None when no
+    row is coupled). A greedy row gets :func:`verify_trees_greedy`'s outcome, a coupled row the
+    same greedy verification against its perturbed target (a node is accepted when it is the
+    target's own seeded draw at its parent, so the answer is the target's seeded sample whatever
+    was drafted), any other sampling row :func:`verify_trees_sampling`'s (rejection sampling);
+    selected per row on the device (each kind the step holds runs: a fixed op count)."""
     greedy = sampling = None
-    if not rs.all_sampling:
-        greedy = verify_trees_greedy(t.tokens, t.parents, t.depth, t.anc, t.valid, logits, t.max_depth,
+    x = filtered_logits_rows(logits, rs) if rs.any_sampling else None  # [B, N, V]
+    if not rs.all_sampling or rs.any_coupled:
+        v = logits
+        if rs.any_coupled:
+            v = torch.where(_per_row(rs.coupled, logits), perturbed(x, noise, t.depth), logits)
+        greedy = verify_trees_greedy(t.tokens, t.parents, t.depth, t.anc, t.valid, v, t.max_depth,
                                      relaxed=relaxed)
-    if rs.any_sampling:
-        p = logits_to_probs_rows(logits, rs)  # [B, N, V]
+    if rs.any_sampling and not rs.all_coupled:
+        p = torch.softmax(x, dim=-1)  # [B, N, V]
         q = None if t.q is None else t.q.to(p.dtype)
         sampling = verify_trees_sampling(t.tokens, t.parents, t.depth, t.anc, t.valid, p, q, t.sampled, u, t.max_depth)
     if greedy is None:
         return sampling
     if sampling is None:
         return greedy
-    g = rs.greedy
+    g = rs.greedy if not rs.any_coupled else rs.greedy | rs.coupled
     return TreeOutcome(path=torch.where(g[:, None], greedy.path, sampling.path),
                        n_accepted=torch.where(g, greedy.n_accepted, sampling.n_accepted),
                        next_token=torch.where(g, greedy.next_token, sampling.next_token))
