@@ -64,7 +64,7 @@ def test_drafted_trees_match_constrained_target(ctarget, cdraft, ctok, name, sha
     c = CONSTRAINTS[name]
     tree = {"chain": None, "static": "[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]", "dynamic": "dynamic"}[shape]
     kw = {} if tree is None else {"tree": tree}
-    dec = SpecDecoder(ctarget, cdraft, ctok, views="MT", gamma=4, **kw)
+    dec = SpecDecoder(ctarget, cdraft, ctok, views="MT", **({"gamma": 4} if tree is None else kw))
     ids, pv = make_prompt(1, 16, seed=3)
     ref = constrained_reference(ctarget, ids, pv, 40, compiled(dec, c))
     res = dec.generate(ids, pv, max_new_tokens=40, constraint=c)
@@ -196,7 +196,7 @@ def test_drafts_are_masked_by_the_grammar(ctarget, cdraft, ctok, tree, monkeypat
     from mmspec.constrain.state import DraftMask
 
     c = CONSTRAINTS["schema"]
-    dec = SpecDecoder(ctarget, cdraft, ctok, views="M", gamma=4, **({"tree": tree} if tree else {}))
+    dec = SpecDecoder(ctarget, cdraft, ctok, views="M", **({"tree": tree} if tree else {"gamma": 4}))
     ids, pv = make_prompt(1, 16, seed=3)
     masked = dec.generate(ids, pv, max_new_tokens=40, constraint=c)
     monkeypatch.setattr(DraftMask, "mask", lambda self, q, tokens, parents, frontier: q)

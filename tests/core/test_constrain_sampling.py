@@ -36,7 +36,7 @@ def sampled(dec, ids, pv, n):
 @pytest.mark.parametrize("tree", [None, "dynamic"])
 def test_constrained_sampling_matches_masked_target(setup, tree):
     target, draft, tok, ids, pv = setup
-    dec = SpecDecoder(target, draft, tok, views="MT", gamma=2, **({"tree": "2x2x4"} if tree else {}))
+    dec = SpecDecoder(target, draft, tok, views="MT", **({"tree": "2x2x4"} if tree else {"gamma": 2}))
     exact = constrained_sequence_probs(target, ids, pv, dec.grammar_compiler.compile(REGEX), n_new=N_NEW)
     assert abs(sum(exact.values()) - 1) < 1e-9
     assert exact[(7,)] == 0 and exact[(5, 5, 5)] == 0  # the grammar rules these out

@@ -36,9 +36,10 @@ def serve(
     shape: ShapeFlags,
     runtime: RuntimeFlags,
     max_batch: int = typer.Option(16, help="Requests decoded together; more wait for a free row."),
-    speculate: str = typer.Option("always", help="always: draft every block; never: batched target steps "
-                                  "only; auto: per batch size, draft only while it measures faster (all lossless; "
-                                  "seeded sampling repeats solo generate's answer with always only)."),
+    speculate: str = typer.Option("auto", help="auto: each step's draft depth (plain steps included) for the most "
+                                  "tokens per second at the batch (the one policy: shared step costs, each row's "
+                                  "acceptance); always: draft every block; never: batched target steps only. All "
+                                  "lossless; a seed gives one answer under each."),
     prefix_cache_mb: float | None = typer.Option(None, help="Memory (MiB) for prefix caching: a "
                                                     "conversation's next turn prefills only its new part (default: "
                                                     "SpecDecoder's, 1024; 0: off)."),

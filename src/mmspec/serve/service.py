@@ -39,7 +39,7 @@ class ServeConfig:
 
     model_name: str = "mmspec"
     max_batch: int = 16  # requests decoded together
-    speculate: str = "always"  # BatchScheduler's policy, one of mmspec.options.SPECULATE (auto: drafting off where it loses)
+    speculate: str = "auto"  # BatchScheduler's policy, one of mmspec.options.SPECULATE (auto: drafting off where it loses)
     max_tokens: int = 512  # a request's max_tokens when it gives none (capped by the room in the context)
     max_images: int | None = None  # images per request; None: as many as the target's context holds
     allowed_media: list[Path] = field(default_factory=list)  # directories local image files may come from
