@@ -4,9 +4,6 @@ server over tiny models and the real scheduler)."""
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -15,6 +12,7 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
+from helpers.servers import ThreadServer  # noqa: E402
 from helpers.tiny import make_llava, make_processor, make_tokenizer, noisy_copy  # noqa: E402
 
 
@@ -27,16 +25,8 @@ def test_a_seed_fixes_the_answer_under_tree_auto_and_speculate_auto():
     target = make_llava(0)
     dec = SpecDecoder(target, noisy_copy(target, 1), tok, tree="auto", prefix_cache_mb=0)
     service = Service(dec, make_processor(tok), ServeConfig(model_name="m", speculate="auto", metrics=False))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not server.started:
-        time.sleep(0.05)
+    served = ThreadServer(create_app(service))  # on a free loopback port, started
+    url = served.url + "/v1/chat/completions"
 
     def ask(seed: int, content: str = "w5 w6 w7 w8") -> str:
         body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 16,
@@ -52,5 +42,4 @@ def test_a_seed_fixes_the_answer_under_tree_auto_and_speculate_auto():
         assert len(set(alone)) == 1, alone
         assert batched[1] == batched[3] == batched[5] == alone[0], (alone, batched)
     finally:
-        server.should_exit = True
-        thread.join(30)
+        served.stop()

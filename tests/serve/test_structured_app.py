@@ -8,9 +8,6 @@ and the 400s before any decoding."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 from dataclasses import dataclass
 
 import pytest
@@ -20,6 +17,7 @@ uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
+from helpers.servers import ThreadServer  # noqa: E402
 from helpers.tiny import make_llava, make_processor, make_tokenizer, noisy_copy  # noqa: E402
 from mmspec import MMSpecError  # noqa: E402
 
@@ -112,26 +110,13 @@ def server(decoder):
     service_module.prepare_request, service_module.build_prompt = prepare, build
     sched = ScriptedScheduler(eos=sorted(dec.eos_ids)[0])
     service = Service(dec, proc, ServeConfig(model_name="m", tool_call_parser="hermes"), scheduler=sched)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            httpx.get(url + "/health", timeout=5)
-            break
-        except httpx.HTTPError:
-            time.sleep(0.05)
+    served = ThreadServer(create_app(service))  # on a free loopback port, started
+    url = served.url
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     try:
         yield client, sched, handed, dec.tokenizer
     finally:
-        srv.should_exit = True
-        thread.join(30)
+        served.stop()
         service_module.prepare_request, service_module.build_prompt = real, real_build
 
 

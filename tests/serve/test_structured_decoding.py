@@ -8,9 +8,6 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import json
-import socket
-import threading
-import time
 
 import pytest
 import torch
@@ -19,6 +16,7 @@ pytest.importorskip("xgrammar")
 if importlib.util.find_spec("mmspec.constrain.compile") is None:
     pytest.skip("needs mmspec.constrain.compile (the constrained-decoding core)", allow_module_level=True)
 
+from helpers.servers import ThreadServer  # noqa: E402
 from helpers.tiny import make_llava, make_processor, make_tokenizer, noisy_copy  # noqa: E402
 from mmspec.audit.constrained import constrained_kwargs  # noqa: E402
 from mmspec.constrain import Constraint  # noqa: E402
@@ -55,7 +53,6 @@ def test_the_constrained_reference_masks_what_the_grammar_forbids(models):
 @pytest.mark.skipif(not engine_takes_constraints(), reason="the engine does not take constraints yet (core)")
 def test_served_constrained_answers_are_the_targets_own_constrained_decoding(models):
     import httpx
-    import uvicorn
 
     from mmspec import SpecDecoder
     from mmspec.inputs import processor_inputs
@@ -68,20 +65,8 @@ def test_served_constrained_answers_are_the_targets_own_constrained_decoding(mod
     proc = make_processor(tok)
     dec = SpecDecoder(target, noisy_copy(target, 1), tok)
     service = Service(dec, proc, ServeConfig(model_name="m"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
-            break
-        except httpx.HTTPError:
-            time.sleep(0.05)
+    served = ThreadServer(create_app(service))  # on a free loopback port, started
+    url = served.url + "/v1/chat/completions"
     try:
         msgs = [{"role": "user", "content": "w5 w6 w7"}]
         choices = ["w9", "w12", "w40"]
@@ -100,5 +85,4 @@ def test_served_constrained_answers_are_the_targets_own_constrained_decoding(mod
                                   "structured_outputs": so}, timeout=120).json()
         assert all(c["message"]["content"] in choices for c in r["choices"]), json.dumps(r)[:500]
     finally:
-        srv.should_exit = True
-        thread.join(30)
+        served.stop()

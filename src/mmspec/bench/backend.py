@@ -37,14 +37,8 @@ class Backend(Protocol):
     def baseline(self, sample: BenchSample) -> Generation: ...
     def spec(self, sample: BenchSample, method: str) -> Generation: ...
     def begin_pass(self, batch_size: int) -> None:
-        """The batched pass of ``batch_size`` begins: a conversation's turns decode on that pass's own
-        decoders, whose prefix caches hold only that pass's earlier turns (a turn 1 never finds itself
-        in the cache of another pass, a turn 2 finds its turn 1 of this pass). The previous pass's
-        decoders are dropped with their caches (a 7B target's KV per pass would add up)."""
-        if self._pass is not None and self._pass != batch_size:
-            for key in [k for k in self._decoders if k.endswith(f"\0b{self._pass}")]:
-                del self._decoders[key]
-        self._pass = batch_size
+        """The batched pass of ``batch_size`` begins (its decoders and prefix caches its own)."""
+        ...
 
     def latency(self, sample: BenchSample) -> dict | None: ...
     def describe(self) -> dict: ...
