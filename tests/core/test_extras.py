@@ -108,7 +108,10 @@ def test_extras_in_pyproject():
     assert {"torch", "transformers", "safetensors", "tokenizers", "pillow", "numpy", "typer", "rich", "tqdm"} <= core
     assert names(extras["bench"]) == {"matplotlib", "pyarrow", "datasets"}
     assert names(extras["qwen"]) == {"torchvision"}
-    assert names(extras["test"]) == {"mmspec", "pytest", "pytest-xdist", "ruff", "accelerate", "openai", "httpx"}
+    assert names(extras["test"]) == {"mmspec", "pytest", "pytest-xdist", "ruff", "accelerate", "openai", "httpx",
+                                     "jsonschema"}
+    assert names(extras["structured"]) == {"xgrammar", "apache-tvm-ffi"}  # structured outputs (docs/structured.md)
+    assert "mmspec[structured]" in extras["test"] and not core & {"xgrammar", "apache-tvm-ffi"}
     assert "mmspec[bench]" in extras["test"]  # the suite renders reports and reads parquet
     assert names(extras["serve"]) == {"fastapi", "uvicorn", "prometheus-client"}  # prometheus: GET /metrics
     assert not core & {"fastapi", "uvicorn", "prometheus-client"}

@@ -72,7 +72,9 @@ def start_server(tmp: Path, *args: str) -> Server:
     media.mkdir(exist_ok=True)
     log = tmp / f"serve-{port}.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "mmspec", "serve", "--port", str(port), "--threads", "1",
+    # --speculate always: these tests check each answer's blocks against a solo generate (the
+    # default, auto, decides the blocks by measured time; its answers: tests/serve/test_serve_seed.py)
+    cmd = [sys.executable, "-m", "mmspec", "serve", "--port", str(port), "--threads", "1", "--speculate", "always",
            "--allowed-local-media-path", str(media), *args]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp)
