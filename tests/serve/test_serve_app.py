@@ -17,7 +17,7 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from helpers.tiny import make_llava, make_processor, make_tokenizer, noisy_copy  # noqa: E402
+from helpers.tiny import make_tokenizer  # noqa: E402
 from mmspec.results import TokenLogprob  # noqa: E402
 from mmspec.serve.protocol import parse_request  # noqa: E402
 from mmspec.serve.responses import Answer  # noqa: E402
@@ -181,15 +181,6 @@ class EndlessScheduler:
 
     def has_work(self):
         return bool(self.active)
-
-
-@pytest.fixture(scope="module")
-def decoder():
-    from mmspec import SpecDecoder
-
-    tok = make_tokenizer()
-    target = make_llava(0)
-    return SpecDecoder(target, noisy_copy(target, 1), tok), make_processor(tok)
 
 
 @pytest.fixture

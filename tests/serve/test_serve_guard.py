@@ -20,7 +20,6 @@ pytest.importorskip("prometheus_client")
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from helpers.tiny import make_llava, make_processor, make_tokenizer, noisy_copy  # noqa: E402
 
 
 @dataclass
@@ -63,15 +62,6 @@ class CountingScheduler:
 
     def has_work(self):
         return bool(self.active)
-
-
-@pytest.fixture(scope="module")
-def decoder():
-    from mmspec import SpecDecoder
-
-    tok = make_tokenizer()
-    target = make_llava(0)
-    return SpecDecoder(target, noisy_copy(target, 1), tok), make_processor(tok)
 
 
 @contextmanager

@@ -18,7 +18,6 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 from helpers.servers import ThreadServer  # noqa: E402
-from helpers.tiny import make_llava, make_processor, make_tokenizer, noisy_copy  # noqa: E402
 from mmspec import MMSpecError  # noqa: E402
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
@@ -72,15 +71,6 @@ class ScriptedScheduler:
 
     def has_work(self):
         return bool(self.active)
-
-
-@pytest.fixture(scope="module")
-def decoder():
-    from mmspec import SpecDecoder
-
-    tok = make_tokenizer()
-    target = make_llava(0)
-    return SpecDecoder(target, noisy_copy(target, 1), tok), make_processor(tok)
 
 
 @pytest.fixture(scope="module")
