@@ -78,11 +78,13 @@ def stops_paying(metrics: list[dict]) -> int | None:
     return next((b for b in sorted(best) if best[b] < 1.0), None)
 
 
-def _f(v: float | None, nd: int = 2) -> str:
+def fmt(v: float | None, nd: int = 2) -> str:
+    """A figure for a report's table ("–" where there is none)."""
     return "–" if v is None else f"{v:.{nd}f}"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table's lines."""
     return (["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
             + ["| " + " | ".join(r) + " |" for r in rows])
 
@@ -99,10 +101,10 @@ def batch_section(rows: list[dict]) -> list[str]:
              "streaming client of the scheduler waits; the batch wall for the target); ×target = throughput ÷ the "
              "target's at the same B. "
              "identical = outputs equal to the target's **solo** greedy output."), ""]
-    lines += _table(["B", "decoder", "requests", "tokens/s", "×target", "p50 latency s", "p90 latency s",
+    lines += md_table(["B", "decoder", "requests", "tokens/s", "×target", "p50 latency s", "p90 latency s",
                      "p50 finish s", "τ", "identical to solo"],
-                    [[str(m["batch_size"]), m["method"], str(m["n_requests"]), _f(m["tokens_per_s"], 1),
-                      _f(m["vs_target"]), _f(m["p50_s"], 3), _f(m["p90_s"], 3), _f(m["p50_finish_s"], 3), _f(m["tau"]),
+                    [[str(m["batch_size"]), m["method"], str(m["n_requests"]), fmt(m["tokens_per_s"], 1),
+                      fmt(m["vs_target"]), fmt(m["p50_s"], 3), fmt(m["p90_s"], 3), fmt(m["p50_finish_s"], 3), fmt(m["tau"]),
                       f"{m['identical_to_solo']}/{m['checked']}"] for m in ms])
     stop = stops_paying(ms)
     lines += ["", (f"Drafting stops paying (best method below the target's throughput) at: "
@@ -114,9 +116,9 @@ def batch_section(rows: list[dict]) -> list[str]:
         t1 = {"p50_s": percentile(walls, 0.5)} if walls else None
     for m in (x for x in ms if x["batch_size"] == 8 and x["method"] != TARGET):
         p50_ok = None if t1 is None or m["p50_s"] is None else m["p50_s"] <= t1["p50_s"]
-        lines.append(f"- goal at B = 8, {m['method']}: throughput ×target {_f(m['vs_target'])} (goal ≥ 1.50: "
-                     f"{'met' if (m['vs_target'] or 0) >= 1.5 else 'NOT met'}); p50 {_f(m['p50_s'], 3)} s vs the "
-                     f"target's p50 at B = 1 {_f(t1 and t1['p50_s'], 3)} s (goal ≤: "
+        lines.append(f"- goal at B = 8, {m['method']}: throughput ×target {fmt(m['vs_target'])} (goal ≥ 1.50: "
+                     f"{'met' if (m['vs_target'] or 0) >= 1.5 else 'NOT met'}); p50 {fmt(m['p50_s'], 3)} s vs the "
+                     f"target's p50 at B = 1 {fmt(t1 and t1['p50_s'], 3)} s (goal ≤: "
                      f"{'–' if p50_ok is None else 'met' if p50_ok else 'NOT met'})")
     differ = [m for m in ms if m["method"] == TARGET and m["identical_to_solo"] < m["checked"]]
     if differ:
@@ -161,10 +163,10 @@ def conversation_section(rows: list[dict]) -> list[str]:
         reused = mean(t2, lambda r: int(r["stats"].get("prompt_tokens_reused", 0) or 0))
         same = sum(r["token_ids"] == base[(r["dataset"], r["uid"])]["token_ids"] for r in t2
                    if (r["dataset"], r["uid"]) in base)
-        table.append([dataset, method, _f(tau(t1)), _f(tau(t2)), _f(mean(t2, lambda r: int(r.get("input_len") or 0)), 0),
-                      _f(reused, 1), _f(pre1, 4), _f(pre2, 4), _f(fresh, 4),
-                      _f(pre2 / fresh if pre2 is not None and fresh else None), f"{same}/{len(t2)}"])
-    lines += _table(["dataset", "method", "τ turn 1", "τ turn 2", "turn-2 prompt tokens", "reused", "prefill t1 s",
+        table.append([dataset, method, fmt(tau(t1)), fmt(tau(t2)), fmt(mean(t2, lambda r: int(r.get("input_len") or 0)), 0),
+                      fmt(reused, 1), fmt(pre1, 4), fmt(pre2, 4), fmt(fresh, 4),
+                      fmt(pre2 / fresh if pre2 is not None and fresh else None), f"{same}/{len(t2)}"])
+    lines += md_table(["dataset", "method", "τ turn 1", "τ turn 2", "turn-2 prompt tokens", "reused", "prefill t1 s",
                      "prefill t2 s", "fresh t2 s (est.)", "t2 ÷ fresh", "turn 2 identical"], table)
     return lines + [""]
 
@@ -186,9 +188,9 @@ def audit_section(rows: list[dict]) -> list[str]:
         if not cells:
             continue
         lines += [f"{title}:", ""]
-        lines += _table(["dataset", "decoder", "differ", "near-ties", "bugs", "unaudited", "margins (position: margin)"],
+        lines += md_table(["dataset", "decoder", "differ", "near-ties", "bugs", "unaudited", "margins (position: margin)"],
                         [[d, m, str(v["differ"]), str(v["near_tie"]), str(v["bug"]), str(v["unaudited"]),
-                          "; ".join(f"{e['uid']}@{e['position']}: {_f(e['margin'], 5)}" for e in v["entries"][:6])]
+                          "; ".join(f"{e['uid']}@{e['position']}: {fmt(e['margin'], 5)}" for e in v["entries"][:6])]
                          for (d, m), v in sorted(cells.items())])
         lines.append("")
     return lines

@@ -19,7 +19,7 @@ rows only (MMSpec's rows are those of datasets ``mmspec/{category}``, :mod:`mmsp
 
 from __future__ import annotations
 
-from mmspec.bench.batch_report import TARGET, batch_metrics
+from mmspec.bench.batch_report import TARGET, batch_metrics, fmt, md_table
 
 PREFIX = "mmspec/"
 CATEGORY_ORDER = ("general_vqa", "text_vqa", "image_captioning", "chart_vqa", "complex_reasoning", "multi_turn")
@@ -69,15 +69,6 @@ def mmspec_metrics(rows: list[dict]) -> dict:
     return {"categories": cats, "methods": methods, "cells": cells, "batches": batches}
 
 
-def _f(v: float | None, nd: int = 2) -> str:
-    return "–" if v is None else f"{v:.{nd}f}"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return (["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-            + ["| " + " | ".join(r) + " |" for r in rows])
-
-
 def mmspec_section(rows: list[dict]) -> list[str]:
     """The "MMSpec" section (empty without MMSpec rows)."""
     m = mmspec_metrics(rows)
@@ -90,13 +81,13 @@ def mmspec_section(rows: list[dict]) -> list[str]:
               "turn asked after the target's own earlier answers; the target re-prefills the conversation every turn, "
               "mmspec reuses its prefix cache). Cells: MAT / speed-up. docs/bench.md: how to put this row beside the "
               "paper's."), ""]
-    lines += _table(["Method"] + cats + ["Overall"],
-                    [[meth] + [(f"{_f(c['mat'])} / {_f(c['speedup'])}x" if c else "–")
+    lines += md_table(["Method"] + cats + ["Overall"],
+                    [[meth] + [(f"{fmt(c['mat'])} / {fmt(c['speedup'])}x" if c else "–")
                                for c in (cells[meth][k] for k in (*cats, "overall"))] for meth in m["methods"]])
     lines += ["", ("Every turn against the target's own greedy output, and the prefix cache on turns 2+: reused = "
                    "prompt tokens taken from the cache of the conversation's earlier turns / all their prompt tokens."),
               ""]
-    lines += _table(["Method", "samples", "turns", "identical to the target", "turns 2+", "their prompt tokens",
+    lines += md_table(["Method", "samples", "turns", "identical to the target", "turns 2+", "their prompt tokens",
                      "reused", "reused share"],
                     [[meth, str(c["samples"]), str(c["turns"]), f"{c['identical']}/{c['checked']}", str(c["later_turns"]),
                       str(c["later_prompt_tokens"]), str(c["reused_tokens"]),
@@ -123,9 +114,9 @@ def _batch_table(batches: list[dict], solo: dict[str, dict | None]) -> list[str]
     rows = []
     for meth in methods:
         c1 = solo.get(meth)
-        first = [] if 1 in sizes else [f"{_f(c1['speedup'])}x (τ {_f(c1['mat'])}; {c1['identical']}/{c1['checked']})"
+        first = [] if 1 in sizes else [f"{fmt(c1['speedup'])}x (τ {fmt(c1['mat'])}; {c1['identical']}/{c1['checked']})"
                                        if c1 else "–"]
         rows.append([meth] + first + [
-            (f"{_f(c['vs_target'])}x (τ {_f(c['tau'])}; {c['identical_to_solo']}/{c['checked']})" if c else "–")
+            (f"{fmt(c['vs_target'])}x (τ {fmt(c['tau'])}; {c['identical_to_solo']}/{c['checked']})" if c else "–")
             for c in (by.get((s, meth)) for s in sizes)])
-    return lines + _table(["Method"] + head, rows)
+    return lines + md_table(["Method"] + head, rows)
