@@ -217,7 +217,8 @@ class Engine:
         self.pool = pool
         self._step_runners: dict = {}
         self._graphs_generation = None
-        self.rows: list[RowHost] = []
+        self.rows: list[RowHost] = []  # joined by add_row, left by remove
+        self._constrained = 0  # rows decoding under a grammar (kept by add_row / remove: no scan a step)
         self._inflight: deque[InFlight] = deque()  # launched, not read yet (oldest first)
         self.outcomes = PinnedRing(2)  # where a GPU step's packed outcomes land: one launched, one being read
         self.draft_later = True  # False: rows never draft again (plain decoding only): nothing to catch up
@@ -275,9 +276,15 @@ class Engine:
             cache.store.kv = None
             cache.store.want = (0, 0)
 
+    def add_row(self, row: RowHost) -> None:
+        """A row admitted (its device state already written by ``state.admit``): its host record."""
+        self.rows.append(row)
+        self._constrained += row.grammar is not None
+
     def remove(self, b: int) -> int | None:
         """Row b leaves (finished or cancelled): the last row moves into its place. -> the index
         that moved (None: b was the last)."""
+        self._constrained -= self.rows[b].grammar is not None
         last = self.state.active - 1
         moved = self.state.remove(b)
         self.cache.copy_row(b, last)
@@ -392,7 +399,7 @@ class Engine:
     @property
     def constrained(self) -> bool:
         """Some active row decodes under a constraint (its grammar masks its trees)."""
-        return any(r.grammar is not None for r in self.rows)
+        return self._constrained > 0
 
     @property
     def in_flight(self) -> int:
