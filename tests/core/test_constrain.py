@@ -254,3 +254,45 @@ def test_logprobs_under_a_constraint_are_the_raw_targets(ctarget, cdraft, ctok):
     lp = target_logprobs(ctarget, {"input_ids": ids, "pixel_values": pv}, res.token_ids)
     for j, t in enumerate(res.token_ids):
         assert res.logprobs[j].logprob == pytest.approx(float(lp[j, t]), abs=1e-9)
+
+
+class _Reads(torch.overrides.TorchFunctionMode):
+    """Host reads of tensors inside a step (what a GPU would wait for)."""
+
+    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+             torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.cpu}
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.n += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_constrained_steps_host_reads_do_not_grow_with_the_free_rows_beside_it(ctarget, cdraft, ctok):
+    """A step with a constrained row reads the host more than once (its drafts' masks at each depth,
+    its tree before verification: docs/structured.md), a fixed number whatever the batch: one
+    constrained row beside 1 or 15 free rows costs the same reads (each read takes every row's
+    tensors at once); a batch of free rows, one."""
+    from mmspec.batch import BatchScheduler
+
+    def reads(n_free: int, constrained: bool) -> int:
+        dec = SpecDecoder(ctarget, cdraft, ctok, views="M", gamma=3)
+        sched = BatchScheduler(dec, max_batch=n_free + 1, stream_text=False)
+        for i in range(n_free + 1):
+            ids, pv = make_prompt(1, 16, seed=300 + i)
+            c = CONSTRAINTS["object"] if constrained and i == 0 else None
+            sched.submit(dict(input_ids=ids, pixel_values=pv, max_new_tokens=60, constraint=c))
+        sched.step()  # admission and a first step
+        mode = _Reads()
+        with torch.inference_mode(), mode:
+            sched.engine.step(None, None)
+        return mode.n
+
+    assert reads(1, False) == reads(15, False) == 1  # the step's one packed read
+    few, many = reads(1, True), reads(15, True)
+    # gamma 3: one read per draft depth (its frontier's paths), one of the tree before verification,
+    # the outcomes, and one .tolist() of a host tensor (no device wait): 6, whatever the batch
+    assert few == many == 6, (few, many)

@@ -173,7 +173,11 @@ class DraftMask:
         trees drafted so far: tokens, parents [R, M]) -> q masked and renormalised on constrained rows."""
         R, F, V = q.shape
         B = min(len(self.grammars), R)
-        tok, par, fr = tokens[:B].tolist(), parents[:B].tolist(), frontier[:B].tolist()
+        M = tokens.shape[1]
+        host_rows = torch.cat([tokens[:B], parents[:B], frontier[:B]], 1).tolist()  # ONE read a depth
+        tok = [r[:M] for r in host_rows]
+        par = [r[M:2 * M] for r in host_rows]
+        fr = [r[2 * M:] for r in host_rows]
         host = torch.full((R, F, words(V)), -1, dtype=torch.int32)
         for b in range(B):
             g = self.grammars[b]
@@ -200,8 +204,8 @@ def verify_mask(grammars: list[RowGrammar | None], tree, logits: torch.Tensor) -
     bucket's padding)."""
     R, N, V = logits.shape
     B = min(len(grammars), R)
-    tokens = tree.tokens[:B].tolist()  # the drafted trees on the host: this step's one extra read
-    parents = tree.parents[:B].tolist()
+    both = torch.cat([tree.tokens[:B], tree.parents[:B]], 1).tolist()  # the drafted trees on the host: ONE read
+    tokens, parents = [r[:N] for r in both], [r[N:] for r in both]
     host = torch.full((R, N, words(V)), -1, dtype=torch.int32)
     for b in range(B):
         g = grammars[b]
