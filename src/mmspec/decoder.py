@@ -656,7 +656,7 @@ class SpecDecoder:
         try:
             capacity = max_context + self.room(0)  # as admission sizes a request's rows
             return warm_up(engine, max_batch, step_shapes(policy, self.tree), capacity,
-                           capacity + engine.width + 1 + inblock_slots(self.tree), policy.mode != "never")
+                           capacity + engine.lag + 1 + inblock_slots(self.tree), policy.mode != "never")
         finally:
             self._static_pool.give_back(holder)
 
