@@ -33,7 +33,6 @@ from mmspec.errors import MMSpecError
 from mmspec.heads.directory import is_head_dir, load_head
 from mmspec.heads.model import FeatureHead, check_head_fits
 from mmspec.models.base import adapter_for, same_vision
-from mmspec.models.cache import supports_trees
 from mmspec.models.captioner import HFCaptioner
 from mmspec.models.loading import (
     check_same_vocabulary,
@@ -339,8 +338,7 @@ class SpecDecoder:
 
     def _engine_mode(self, cuda_graphs, static_cache, compile) -> EngineMode:
         """Decide eager / static / CUDA-graph decoding, compiled or not, and check the tree fits the models."""
-        probes = [self.target.new_cache(8)] + [m.new_cache(8) for m in (self.head, self.draft) if m is not None]
-        full_attention = all(supports_trees(c) for c in probes)
+        full_attention = all(m.full_attention for m in (self.target, self.head, self.draft) if m is not None)
         if not self.tree.is_chain and not full_attention:
             raise MMSpecError("token trees need models whose layers are all full attention (their caches are "
                               "compacted after each block); this target or draft has sliding-window or other "
