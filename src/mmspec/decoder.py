@@ -54,7 +54,7 @@ from mmspec.prefix_cache import (
     prompt_keys,
     segment_digests,
 )
-from mmspec.request import check_context, prepare
+from mmspec.request import MAX_NEW_TOKENS, check_context, prepare
 from mmspec.results import GenerationResult
 from mmspec.runtime.graphs import StaticPool, graph_mode
 from mmspec.stats import GenerationStats
@@ -365,7 +365,7 @@ class SpecDecoder:
 
     # ------------------------------------------------------------------ generate
     @torch.inference_mode()
-    def generate(self, input_ids, pixel_values=None, attention_mask=None, *, max_new_tokens: int = 128,
+    def generate(self, input_ids, pixel_values=None, attention_mask=None, *, max_new_tokens: int = MAX_NEW_TOKENS,
                  temperature: float = 0.0, seed: int | None = None, top_k: int | None = None,
                  top_p: float | None = None, images: Sequence | None = None,
                  captions: Sequence[str] | None = None, videos: Sequence | None = None,

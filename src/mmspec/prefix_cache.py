@@ -33,8 +33,6 @@ from mmspec.errors import MMSpecError
 from mmspec.models.rows import KV
 
 _MASK62 = (1 << 62) - 1
-PREFIX_CACHE_MB = 1024.0  # SpecDecoder's default budget (docs/perf.md, "Prefix caching"): ~2,000 tokens of a
-# 7B LLaVA's fp16 KV (512 KiB a token); the embedded pack's conversations take well under 1 MiB each
 
 
 def check_budget(mb) -> float:

@@ -19,8 +19,12 @@ from mmspec.cli import common, options
 from mmspec.cli.common import fail
 from mmspec.cli.generate import WORLD_WORDING
 from mmspec.cli.options import ModelFlags, RuntimeFlags, ShapeFlags, ViewFlags, takes
+from mmspec.config import SPECULATE
 from mmspec.errors import MMSpecError
+from mmspec.serve.config import ServeConfig
 from mmspec.serve.guard import check_origins, default_hosts
+
+SERVE = ServeConfig()  # the defaults of serve's flags: ServeConfig's (mmspec.serve.config)
 
 EMBEDDED_NAME = "mmspec-embedded"
 
@@ -35,29 +39,30 @@ def serve(
     views: ViewFlags,
     shape: ShapeFlags,
     runtime: RuntimeFlags,
-    max_batch: int = typer.Option(16, help="Requests decoded together; more wait for a free row."),
-    speculate: str = typer.Option("auto", help="auto: each step's draft depth (plain steps included) for the most "
+    max_batch: int = typer.Option(SERVE.max_batch, help="Requests decoded together; more wait for a free row."),
+    speculate: str = typer.Option(SERVE.speculate, help="auto: each step's draft depth (plain steps included) for the most "
                                   "tokens per second at the batch (the one policy: shared step costs, each row's "
                                   "acceptance); always: draft every block; never: batched target steps only. All "
                                   "lossless; a seed gives one answer under each."),
     prefix_cache_mb: float | None = typer.Option(None, help="Memory (MiB) for prefix caching: a "
                                                     "conversation's next turn prefills only its new part (default: "
                                                     "SpecDecoder's, 1024; 0: off)."),
-    max_tokens: int = typer.Option(512, help="A request's max_tokens when it gives none (capped by the room "
+    max_tokens: int = typer.Option(SERVE.max_tokens, help="A request's max_tokens when it gives none (capped by the room "
                                    "left in the target's context)."),
-    max_images: int | None = typer.Option(None, help="Images per request (default: as many as the target's "
+    max_images: int | None = typer.Option(SERVE.max_images, help="Images per request (default: as many as the target's "
                                              "context holds)."),
     allowed_local_media_path: list[Path] = typer.Option(
         [], help="A directory whose image files requests may name by path or file:// URL (repeatable; "
         "default: none, images come as data URLs)."),
     served_model_name: str | None = typer.Option(None, help="The model id of /v1/models and the responses "
                                                     f"(default: {EMBEDDED_NAME}, or --target as given)."),
-    shutdown_timeout: float = typer.Option(30.0, help="After SIGTERM: seconds the running requests get to finish."),
-    max_request_mb: float = typer.Option(32.0, help="Request bodies past this many MiB are refused (413) as they "
+    shutdown_timeout: float = typer.Option(SERVE.shutdown_timeout_s, help="After SIGTERM: seconds the running "
+                                           "requests get to finish."),
+    max_request_mb: float = typer.Option(SERVE.max_request_mb, help="Request bodies past this many MiB are refused (413) as they "
                                          "arrive."),
-    max_image_pixels: int = typer.Option(4096 * 4096, help="Pixels per image, read from its header before "
+    max_image_pixels: int = typer.Option(SERVE.max_image_pixels, help="Pixels per image, read from its header before "
                                          "decoding (larger: 400)."),
-    max_request_pixels: int = typer.Option(4 * 4096 * 4096, help="Pixels of all of a request's images together."),
+    max_request_pixels: int = typer.Option(SERVE.max_request_pixels, help="Pixels of all of a request's images together."),
     api_key: str | None = typer.Option(None, envvar="MMSPEC_API_KEY", show_default=False,
                                        help="Requests to /v1/ must send 'Authorization: Bearer KEY' (401 "
                                        "otherwise); also read from MMSPEC_API_KEY."),
@@ -66,12 +71,12 @@ def serve(
                                             "'*': any)."),
     cors_origins: list[str] = typer.Option([], help="Origins browsers may call the server from (repeatable; "
                                            "default: none, CORS off)."),
-    metrics: bool = typer.Option(True, help="GET /metrics in Prometheus' text format."),
+    metrics: bool = typer.Option(SERVE.metrics, help="GET /metrics in Prometheus' text format."),
     warm_up_context: int = typer.Option(2048, help="With CUDA graphs: before serving, capture every step's graph "
                                         "for up to --max-batch requests of up to this many positions (prompt and "
                                         "answer, images expanded), printing the graphs and seconds; longer "
                                         "requests capture on first use. 0: no warm-up."),
-    tool_call_parser: str | None = typer.Option(None, help="How the model's own tool calls are read, for "
+    tool_call_parser: str | None = typer.Option(SERVE.tool_call_parser, help="How the model's own tool calls are read, for "
                                                 "tool_choice 'auto' (the default with tools): 'hermes' for "
                                                 "checkpoints that write <tool_call>{...}</tool_call> (Qwen2.5-VL). "
                                                 "Without it 'auto' is refused; 'required' and a named function "
@@ -89,8 +94,6 @@ def serve(
         opts = check_decoder(GenerateOptions(check_head=check_head, **models.fields(), **views.fields(),
                                              **shape.fields(), **runtime.fields()))
         at_least("--max-batch", max_batch)
-        from mmspec.options import SPECULATE
-
         if speculate not in SPECULATE:
             raise MMSpecError(f"--speculate must be one of {', '.join(SPECULATE)}, got {speculate!r}")
         at_least("--max-tokens", max_tokens)
@@ -177,7 +180,7 @@ def _run(o, sock: socket.socket, host: str, port: int, *, max_batch: int, specul
 
     from mmspec.cli.generate import EMBEDDED_NOTE, build_decoder, check_loaded_head, load_models
     from mmspec.serve.app import create_app
-    from mmspec.serve.service import ServeConfig, Service
+    from mmspec.serve.service import Service
 
     common.set_threads(o.threads)
     t, d, tok, proc, cap, embedded = load_models(o.target, o.draft, o.captioner, o.captioner_prompt, o.dtype,

@@ -32,11 +32,12 @@ from dataclasses import dataclass
 
 import torch
 
+from mmspec import config
 from mmspec.errors import MMSpecError
 
 MODES = ("eager", "cuda", "emulate")
 MIN_CAPACITY = 512  # the smallest static cache, in positions
-MAX_LOGPROBS = 20  # the most log-probability alternatives per token an engine serves by default (OpenAI's bound)
+MAX_LOGPROBS = config.MAX_LOGPROBS  # the most log-probability alternatives an engine serves by default (the config's)
 
 
 def canonical_flags(flags: dict) -> dict:
