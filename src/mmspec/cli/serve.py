@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import signal
 import socket
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -19,7 +20,6 @@ from mmspec.cli import common, options
 from mmspec.cli.common import fail
 from mmspec.cli.generate import WORLD_WORDING
 from mmspec.cli.options import ModelFlags, RuntimeFlags, ShapeFlags, ViewFlags, takes
-from mmspec.config import SPECULATE
 from mmspec.errors import MMSpecError
 from mmspec.serve.config import ServeConfig
 from mmspec.serve.guard import check_origins, default_hosts
@@ -94,8 +94,6 @@ def serve(
         opts = check_decoder(GenerateOptions(check_head=check_head, **models.fields(), **views.fields(),
                                              **shape.fields(), **runtime.fields()))
         at_least("--max-batch", max_batch)
-        if speculate not in SPECULATE:
-            raise MMSpecError(f"--speculate must be one of {', '.join(SPECULATE)}, got {speculate!r}")
         at_least("--max-tokens", max_tokens)
         if warm_up_context < 0 or warm_up_context == 1:
             raise MMSpecError(f"--warm-up-context must be 0 (no warm-up) or a number of positions >= 2, got "
@@ -114,21 +112,17 @@ def serve(
             raise MMSpecError("--api-key (or MMSPEC_API_KEY) is empty; give a key, or leave it unset for no key")
         hosts = None if "*" in allowed_hosts else (list(allowed_hosts) or default_hosts(host))
         check_origins(cors_origins)
-        from mmspec.serve.structured import TOOL_CALL_PARSERS
-
-        if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
-            raise MMSpecError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)} (checkpoints that "
-                              f"write <tool_call>{{...}}</tool_call> tags), got {tool_call_parser!r}")
+        config = ServeConfig(  # the flags onto the server's settings (speculate and the parser checked there)
+            model_name=served_model_name or "", max_batch=max_batch, speculate=speculate, max_tokens=max_tokens,
+            max_images=max_images, allowed_media=media, shutdown_timeout_s=shutdown_timeout,
+            max_request_mb=max_request_mb, max_image_pixels=max_image_pixels, max_request_pixels=max_request_pixels,
+            api_key=api_key, allowed_hosts=hosts, cors_origins=list(cors_origins), metrics=metrics,
+            tool_call_parser=tool_call_parser)
         _check_extra(metrics)
         sock = _bind(host, port)  # the port is ours before minutes of loading, or refused now
     except MMSpecError as e:
         fail(e)
-    _run(opts, sock, host, port, max_batch=max_batch, speculate=speculate, prefix_cache_mb=prefix_cache_mb,
-         max_tokens=max_tokens, max_images=max_images, media=media,
-         name=served_model_name, shutdown_timeout=shutdown_timeout, warm_up_context=warm_up_context,
-         guard=dict(max_request_mb=max_request_mb, max_image_pixels=max_image_pixels,
-                    max_request_pixels=max_request_pixels, api_key=api_key, allowed_hosts=hosts,
-                    cors_origins=list(cors_origins), metrics=metrics, tool_call_parser=tool_call_parser))
+    _run(opts, sock, host, port, config, prefix_cache_mb=prefix_cache_mb, warm_up_context=warm_up_context)
 
 
 def _media_dir(path: Path) -> Path:
@@ -172,9 +166,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _run(o, sock: socket.socket, host: str, port: int, *, max_batch: int, speculate: str,
-         prefix_cache_mb: float | None, max_tokens: int,
-         max_images: int | None, media: list, name: str | None, shutdown_timeout: float, guard: dict,
+def _run(o, sock: socket.socket, host: str, port: int, config: ServeConfig, *, prefix_cache_mb: float | None,
          warm_up_context: int = 0) -> None:
     import uvicorn
 
@@ -191,13 +183,11 @@ def _run(o, sock: socket.socket, host: str, port: int, *, max_batch: int, specul
                         **({} if prefix_cache_mb is None else {"prefix_cache_mb": prefix_cache_mb}))
     check_loaded_head(o, dec)
     if warm_up_context and dec.graph_mode != "eager":  # every graph before the first request (docs/serve.md)
-        w = dec.warm_up(max_batch=max_batch, speculate=speculate, max_context=warm_up_context)
+        w = dec.warm_up(max_batch=config.max_batch, speculate=config.speculate, max_context=warm_up_context)
         common.console.print(f"mmspec serve: {w.line()}", highlight=False, soft_wrap=True)
-    config = ServeConfig(model_name=name or (EMBEDDED_NAME if embedded else o.target), max_batch=max_batch,
-                         speculate=speculate, max_tokens=max_tokens, max_images=max_images, allowed_media=media,
-                         shutdown_timeout_s=shutdown_timeout, **guard)
+    config = replace(config, model_name=config.model_name or (EMBEDDED_NAME if embedded else o.target))
     service = Service(dec, proc, config)
-    server = _server(uvicorn.Config(create_app(service), timeout_graceful_shutdown=shutdown_timeout + 1,
+    server = _server(uvicorn.Config(create_app(service), timeout_graceful_shutdown=config.shutdown_timeout_s + 1,
                                     log_level="info"), service)
     common.console.print(f"mmspec serve: {config.model_name!r} ({dec.method}, {dec.tree_label}) on "
                          f"http://{host}:{port}/v1 (POST /v1/chat/completions, POST /v1/completions, GET /v1/models, "

@@ -1,6 +1,7 @@
 """``mmspec serve``'s settings, :class:`ServeConfig`: each default written once, here (the
-command line's flags take theirs from this class: :mod:`mmspec.cli.serve`), each value checked
-once, in ``__post_init__``. Imports nothing heavy (the CLI reads it before any model loads).
+command line's flags take theirs from this class and are mapped onto it: :mod:`mmspec.cli.serve`);
+the policy and the tool-call parser are checked here only (named by their flags, the words most
+users see). Imports nothing heavy (the CLI reads it before any model loads).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         if self.speculate not in SPECULATE:
-            raise MMSpecError(f"speculate must be one of {', '.join(SPECULATE)}, got {self.speculate!r}")
+            raise MMSpecError(f"--speculate must be one of {', '.join(SPECULATE)}, got {self.speculate!r}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise MMSpecError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
-                              f"{self.tool_call_parser!r}")
+            raise MMSpecError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)} (checkpoints that "
+                              f"write <tool_call>{{...}}</tool_call> tags), got {self.tool_call_parser!r}")
