@@ -212,7 +212,7 @@ class _Probe:
             # each row writes from the slot of its first position (a run's or a tree's root), over the mask's span
             cache.begin(0, pos[:, 0], mask.shape[-1])
             return adapter.forward(cache=cache, attention_mask=mask, position_ids=pos, input_ids=ids)
-        self.runner = StepRunner(fn, None, mode=_graph_mode(dev) if mode == "graph" else "eager")
+        self.runner = StepRunner(fn, mode=_graph_mode(dev) if mode == "graph" else "eager")
 
     def step_fn(self, n: int, parents: torch.Tensor | None = None, depth: torch.Tensor | None = None) -> Callable:
         """A step over n new tokens (a causal run, or a tree given parents/depth) at slots

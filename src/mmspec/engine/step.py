@@ -496,7 +496,7 @@ class Engine:
             self._graphs_generation = self.generation
         runner = self._step_runners.get(plan)
         if runner is None:
-            runner = StepRunner(lambda **props: self._device(plan, None, **props), None, mode=self.graphs,
+            runner = StepRunner(lambda **props: self._device(plan, None, **props), mode=self.graphs,
                                 name="step", pool=self.pool, keep=self._keep)
             runner.on_failure = self._graphs_gave_up
             self._step_runners[plan] = runner

@@ -127,16 +127,13 @@ class StepRunner:
     where ``fn(**inputs)`` is the eager forward (it writes the cache at the device slots its
     inputs name) and returns a tensor or a tuple of tensors, e.g. ``ids=[B, n], pos=[B, n], mask=[B, 1, n,
     capacity]`` -> logits [B, n, V]. The outputs of a replay live in the graph's memory: read
-    them before the next call. ``cache``: must be None (a forward on the engine's
-    :class:`~mmspec.models.rows.RowCache` leaves no host state: its rows' lengths are the
-    engine's to set); the argument stays only until ``engine/step.py``'s call drops it."""
+    them before the next call. A forward on the engine's :class:`~mmspec.models.rows.RowCache`
+    leaves no host state (its rows' lengths are the engine's to set), so the runner keeps none."""
 
-    def __init__(self, fn: Callable[..., object], cache, mode: str = "eager", name: str = "model",
+    def __init__(self, fn: Callable[..., object], mode: str = "eager", name: str = "model",
                  warmup: int = 2, pool=None, keep: Callable[[], Callable[[], None]] | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if cache is not None:
-            raise ValueError("StepRunner keeps no cache bookkeeping: pass cache=None (a RowCache forward)")
         self.fn, self.mode, self.name = fn, mode, name
         self.warmup = warmup
         self.pool = pool if pool is not None else GraphPool(mode)
