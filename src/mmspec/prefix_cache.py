@@ -119,6 +119,23 @@ def content_key(ids: torch.Tensor, placeholder_mask: torch.Tensor, counts: list[
     return key
 
 
+BLOCK = 16  # positions a block of the entries' index covers: a prompt reuses a prefix that shares >= one block
+CANDIDATES = 8  # the most recent entries sharing a prompt's deepest indexed block that are compared exactly
+
+
+def block_hashes(key: torch.Tensor) -> list[int]:
+    """Chained hashes of a content key's whole blocks (``BLOCK`` positions): entry b is the hash
+    of ``key[:BLOCK * (b + 1)]``, so two keys share block b's hash when (hash collisions aside)
+    they share that whole prefix. A collision costs nothing but a compare: a candidate's prefix
+    is always measured exactly (:func:`common_prefix`)."""
+    a = key.detach().cpu().numpy()
+    out, h = [], 0
+    for b in range(a.shape[0] // BLOCK):
+        h = hash((h, a[b * BLOCK:(b + 1) * BLOCK].tobytes()))
+        out.append(h)
+    return out
+
+
 def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
     """Length of the common prefix of two 1-D keys."""
     m = min(a.shape[0], b.shape[0])
@@ -185,6 +202,11 @@ class PrefixCache:
         self.sizes: dict[int, int] = {}  # entry id -> its bytes, counted once when stored (entries never change)
         self._bytes = 0  # their sum: storing is O(1) in the entries held, not a walk over all of them
         self._next = 0
+        # what makes a lookup independent of the entries held: each whole block's chained hash -> the
+        # entries whose target key has that prefix (oldest stored first), and images' digests -> entry
+        self._index: dict[int, dict[int, None]] = {}
+        self._hashes: dict[int, list[int]] = {}  # entry id -> its blocks' hashes (to unindex it)
+        self._by_digests: dict[tuple, int] = {}
 
     @property
     def enabled(self) -> bool:
@@ -199,14 +221,18 @@ class PrefixCache:
         self.entries.clear()
         self.sizes.clear()
         self._bytes = 0
+        self._index.clear()
+        self._hashes.clear()
+        self._by_digests.clear()
 
     def encoded_for(self, digests: tuple):
-        """A stored prompt's encoded images when they are exactly these (None: encode them)."""
-        for eid, e in reversed(self.entries.items()):
-            if e.encoded is not None and e.digests == digests:
-                self.entries.move_to_end(eid)
-                return e.encoded
-        return None
+        """A stored prompt's encoded images when they are exactly these (None: encode them): one
+        dictionary lookup, whatever the entries held."""
+        eid = self._by_digests.get(digests)
+        if eid is None:
+            return None
+        self.entries.move_to_end(eid)
+        return self.entries[eid].encoded
 
     def match(self, target_key: torch.Tensor, row_keys: list[torch.Tensor] | None = None,
               head: bool = False) -> PrefixMatch | None:
@@ -218,9 +244,17 @@ class PrefixCache:
         that the head gets the feature it needs; at least one position is always prefilled)."""
         if not self.enabled or not self.entries:
             return None
+        deepest = None  # the entries sharing the prompt's deepest whole block: the longest prefixes
+        for h in block_hashes(target_key):
+            found = self._index.get(h)
+            if found is None:
+                break
+            deepest = found
+        if deepest is None:  # no entry shares a whole block (vLLM's prefix cache reuses whole blocks too)
+            return None
         best, best_n = None, 0
-        for eid, e in self.entries.items():
-            n = common_prefix(e.target.key, target_key)
+        for eid in list(deepest)[-CANDIDATES:]:
+            n = common_prefix(self.entries[eid].target.key, target_key)
             if n > best_n:
                 best, best_n = eid, n
         if best is None:
@@ -246,11 +280,24 @@ class PrefixCache:
         if not self.enabled or size > self.budget:
             return
         while self.entries and self._bytes + size > self.budget:
-            eid, _ = self.entries.popitem(last=False)
+            eid, old = self.entries.popitem(last=False)
             self._bytes -= self.sizes.pop(eid)
-        self.entries[self._next] = entry
-        self.sizes[self._next] = size
+            for h in self._hashes.pop(eid):
+                held = self._index[h]
+                held.pop(eid, None)
+                if not held:
+                    del self._index[h]
+            if self._by_digests.get(old.digests) == eid:
+                del self._by_digests[old.digests]
+        eid = self._next
+        self.entries[eid] = entry
+        self.sizes[eid] = size
         self._bytes += size
+        self._hashes[eid] = hashes = block_hashes(entry.target.key)
+        for h in hashes:
+            self._index.setdefault(h, {})[eid] = None
+        if entry.encoded is not None:
+            self._by_digests[entry.digests] = eid  # the newest entry with these images
         self._next += 1
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers.tiny import IMAGE, IMG, VEND, VIDEO, VSTART, make_prompt, make_qwen, noisy_copy, qwen_inputs
-from mmspec import MMSpecError, SpecDecoder
+from mmspec import MMSpecError, SpecDecoder, prefix_cache
 from mmspec.batch import BatchScheduler
 from mmspec.heads import build_head
 from mmspec.prefix_cache import PrefixCache, PrefixEntry, RowPrefix, common_prefix, content_key, segment_digests
@@ -112,11 +112,18 @@ def test_edited_history_reuses_nothing_stale(target, draft_shared, tok):
     r1 = dec.generate(ids1, pv, max_new_tokens=10)
     ids2 = next_turn(ids1, r1.token_ids)
     # a changed earlier token: only what comes before it is reused
+    at = ids1.shape[1]  # the first answer token, past the first whole block
+    edited = ids2.clone()
+    edited[0, at] = 50 if int(edited[0, at]) != 50 else 51
+    r = dec.generate(edited, pv, max_new_tokens=12)
+    assert r.token_ids == reference(target, edited, 12, pixel_values=pv)
+    assert at > prefix_cache.BLOCK and r.stats.prompt_tokens_reused == at
+    # an edit within the first block: nothing (a prefix is reused once it shares a whole block, as vLLM's)
     edited = ids2.clone()
     edited[0, 3] = 50 if int(edited[0, 3]) != 50 else 51
     r = dec.generate(edited, pv, max_new_tokens=12)
     assert r.token_ids == reference(target, edited, 12, pixel_values=pv)
-    assert r.stats.prompt_tokens_reused == 3
+    assert r.stats.prompt_tokens_reused == 0
     # the same tokens with another second image: nothing from that image on
     dec.prefix_cache.clear()
     dec.generate(ids1, pv, max_new_tokens=10)
@@ -291,7 +298,7 @@ def test_generate_batch_reuses_stored_prompts(target, draft_shared, tok):
     shared = 0  # the other prompt shares only its leading text tokens (BOS) with the stored one
     while other[0, shared] == ids1[0, shared] and other[0, shared] != IMG:
         shared += 1
-    assert ro.stats.prompt_tokens_reused == shared < 3
+    assert ro.stats.prompt_tokens_reused == 0 and shared < prefix_cache.BLOCK  # less than a whole block: nothing
 
 
 @pytest.mark.parametrize("how", ["M", "MT+tree", "head"])
@@ -346,3 +353,35 @@ def test_the_byte_count_is_kept_as_entries_come_and_go():
     assert pc.nbytes == 64 * 85 and len(pc.entries) == 3
     pc.clear()
     assert pc.nbytes == 0 and not pc.entries
+
+
+def test_a_lookup_compares_a_bounded_number_of_entries_whatever_the_cache_holds(monkeypatch):
+    """Matching a prompt used to compare it with every stored entry (a 1,200-request run spent
+    most of its host time there): the entries are indexed by their whole blocks' hashes, so a
+    lookup compares at most CANDIDATES of them exactly, finds the longest shared prefix among
+    the entries sharing its deepest block, unindexes what is evicted, and reuses nothing short
+    of a whole block."""
+    def entry(key):
+        kv = [(torch.zeros(1, 1, len(key), 1), torch.zeros(1, 1, len(key), 1))]
+        return PrefixEntry(target=RowPrefix(key=torch.tensor(key), kv=kv), digests=(len(key),), encoded=object())
+
+    B = prefix_cache.BLOCK
+    pc = PrefixCache(budget_mb=1)
+    shared = list(range(1000, 1000 + 2 * B))  # two whole blocks every entry shares
+    for i in range(600):
+        pc.store(entry(shared + [i, i + 1, i + 2] + [7] * B))
+    calls = []
+    real = prefix_cache.common_prefix
+    monkeypatch.setattr(prefix_cache, "common_prefix", lambda a, b: calls.append(1) or real(a, b))
+    m = pc.match(torch.tensor(shared + [599, 600, 601] + [7] * B + [9]))
+    assert m is not None and m.target == 2 * B + 3 + B and m.entry is pc.entries[599]
+    m = pc.match(torch.tensor(shared + [5, 6, 99, 99]))  # shares the two blocks: an entry of the deepest ones
+    assert m is not None and m.target == 2 * B
+    assert len(calls) <= 2 * prefix_cache.CANDIDATES
+    assert pc.match(torch.tensor(shared[:B - 1] + [0] * 40)) is None  # less than a whole block shared
+    assert pc.encoded_for((len(shared) + 3 + B,)) is not None and pc.encoded_for((1,)) is None
+    small = PrefixCache(budget_mb=(4 * 60 * 2 * 4) / 2**20)  # room for four of these 60-position entries
+    for i in range(6):
+        small.store(entry([i] * 60))
+    assert small.match(torch.tensor([0] * 60)) is None and small.match(torch.tensor([5] * 60)).target == 60
+    assert set(small._hashes) == set(small.entries)  # the evicted entries' blocks left the index
