@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from helpers.reference import captions, exact_sequence_probs, pvalues, reference, rejection_generate
+from helpers.reference import captions, exact_sequence_probs, pvalues, reference, sample_seeds
 from helpers.tiny import BOS, IMG, make_llava, make_prompt, make_tokenizer
 from mmspec import MMSpecError, SpecDecoder
 from mmspec.bench.config import parse_method
@@ -174,8 +174,8 @@ def sampled(dec, ids, pv, n: int = N_SAMPLES):
     """n sequences by rejection sampling, seeds 0 .. n - 1: what reads the adapted q a token was
     drawn from (the Gumbel-max coupling every sampling request uses does not depend on the
     drafting at all: test_seed_promise.py)."""
-    return [tuple(rejection_generate(dec, input_ids=ids, pixel_values=pv, max_new_tokens=SAMPLING_NEW,
-                                     temperature=SAMPLING_TEMP, seed=s)) for s in range(n)]
+    return sample_seeds(dec, n, False, input_ids=ids, pixel_values=pv, max_new_tokens=SAMPLING_NEW,
+                        temperature=SAMPLING_TEMP)
 
 
 def test_adaptive_sampling_matches_target_distribution(sampling_setup):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers.constrain import constrained_sequence_probs
-from helpers.reference import pvalues
+from helpers.reference import pvalues, sample_seeds
 from helpers.tiny import BOS, IMG, make_llava, make_tokenizer
 from mmspec import SpecDecoder
 from mmspec.constrain import Constraint
@@ -29,8 +29,7 @@ def setup():
 
 
 def sampled(dec, ids, pv, n):
-    return [tuple(dec.generate(ids, pv, max_new_tokens=N_NEW, temperature=1.0, seed=s, constraint=REGEX).token_ids)
-            for s in range(n)]
+    return sample_seeds(dec, n, input_ids=ids, pixel_values=pv, max_new_tokens=N_NEW, temperature=1.0, constraint=REGEX)
 
 
 @pytest.mark.parametrize("tree", [None, "dynamic"])

@@ -6,7 +6,7 @@ refused before anything loads."""
 import pytest
 import torch
 
-from helpers.reference import exact_sequence_probs, pvalues, reference, rejection_generate
+from helpers.reference import exact_sequence_probs, pvalues, reference, sample_seeds
 from helpers.tiny import BOS, IMG, make_llava, make_prompt, make_tokenizer
 from mmspec import MMSpecError, SpecDecoder
 from mmspec.drafting.lookup import NODE_BYTES, SEP, LookupConfig, PromptLookup, SuffixStore, SuffixTrie, pick
@@ -195,11 +195,7 @@ def setup():
 def sampled(dec, ids, pv, n: int = N_SAMPLES, coupled: bool = False):
     """n sequences, seeds 0 .. n - 1: by rejection sampling (what tests the proposals' q), or by
     the Gumbel-max coupling every sampling request uses (``coupled``)."""
-    if coupled:
-        return [tuple(dec.generate(ids, pv, max_new_tokens=N_NEW, temperature=TEMP, seed=s).token_ids)
-                for s in range(n)]
-    return [tuple(rejection_generate(dec, input_ids=ids, pixel_values=pv, max_new_tokens=N_NEW, temperature=TEMP,
-                                     seed=s)) for s in range(n)]
+    return sample_seeds(dec, n, coupled, input_ids=ids, pixel_values=pv, max_new_tokens=N_NEW, temperature=TEMP)
 
 
 ONE_GRAM = {"ngram_min": 1, "ngram_max": 1}

@@ -10,7 +10,7 @@ the Gumbel-max coupling every sampling request uses by default is tested the sam
 import pytest
 import torch
 
-from helpers.reference import exact_sequence_probs, pvalues, rejection_generate
+from helpers.reference import exact_sequence_probs, pvalues, sample_seeds
 from helpers.tiny import BOS, IMG, make_llava, make_tokenizer
 from mmspec import SpecDecoder
 from mmspec.models.captioner import FixedCaptioner
@@ -34,8 +34,7 @@ def setup():
 
 def sampled(dec, ids, pv, n: int = N_SAMPLES):
     """n sequences by rejection sampling, seeds 0 .. n - 1."""
-    return [tuple(rejection_generate(dec, input_ids=ids, pixel_values=pv, max_new_tokens=N_NEW, temperature=TEMP,
-                                     seed=s)) for s in range(n)]
+    return sample_seeds(dec, n, False, input_ids=ids, pixel_values=pv, max_new_tokens=N_NEW, temperature=TEMP)
 
 
 def test_sampling_matches_target_distribution(setup):
@@ -92,7 +91,7 @@ def test_siblings_tested_against_p_instead_of_the_residual_are_caught(setup, mon
     siblings), and a final token from p, bias the output; the same test must reject it."""
     target, draft, tok, ids, pv = setup
     exact = exact_sequence_probs(target, ids, pv)
-    monkeypatch.setattr(verify, "remaining_mass", lambda p_elder: torch.ones(p_elder.shape[0], dtype=p_elder.dtype))
+    monkeypatch.setattr(verify, "remaining_mass", lambda p_elder: torch.ones(p_elder.shape[:-1], dtype=p_elder.dtype))
     monkeypatch.setattr(verify, "remove_tokens", lambda p, removed: p)
     dec = SpecDecoder(target, draft, tok, views="MT", **TREE)
     assert min(pvalues(sampled(dec, ids, pv, N_CONTROL), exact)) < 1e-5

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.reference import exact_sequence_probs, pvalues, seeded_reference
+from helpers.reference import exact_sequence_probs, pvalues, sample_seeds, seeded_reference
 from helpers.tiny import BOS, EOS, IMG, make_llava, make_prompt, make_tokenizer
 from mmspec import SpecDecoder
 from mmspec.heads import build_head
@@ -125,7 +125,7 @@ def small():
 
 
 def sampled(dec, ids, pv, n: int) -> list[tuple]:
-    return [tuple(dec.generate(ids, pv, max_new_tokens=N_NEW, temperature=1.0, seed=s).token_ids) for s in range(n)]
+    return sample_seeds(dec, n, input_ids=ids, pixel_values=pv, max_new_tokens=N_NEW, temperature=1.0)
 
 
 @pytest.mark.parametrize("shape", [dict(views="MT", gamma=2), TREE], ids=["chain", "tree"])

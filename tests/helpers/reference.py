@@ -51,6 +51,17 @@ def rejection_generate(dec, **kwargs) -> list[int]:
     return rejection_batch(dec, [kwargs], max_batch=1)[0].token_ids
 
 
+def sample_seeds(dec, n: int, coupled: bool = True, max_batch: int = 128, **request) -> list[tuple[int, ...]]:
+    """The answers of one request (``request``: a ``generate_batch`` request dict's keys) with
+    seeds 0 .. n - 1, decoded ``max_batch`` at a time: a seeded request decodes the same alone
+    or in any batch (``tests/core/test_batch.py``), so the samples an exact-distribution test
+    draws are the lone decodes' at a fraction of their cost. ``coupled``: by the Gumbel-max
+    coupling every sampling request uses, else by rejection sampling (:func:`rejection_batch`)."""
+    reqs = [dict(request, seed=s) for s in range(n)]
+    res = dec.generate_batch(reqs, max_batch=max_batch) if coupled else rejection_batch(dec, reqs, max_batch)
+    return [tuple(r.token_ids) for r in res]
+
+
 def rejection_batch(dec, requests: list[dict], max_batch: int) -> list:
     """``dec.generate_batch(requests, max_batch=...)``'s results with every request sampled by
     rejection sampling (:func:`rejection_generate`)."""
