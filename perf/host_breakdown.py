@@ -17,11 +17,16 @@ after; per-step calls, so the wrappers add a few microseconds a step, not a row)
   ``events``: the rest of :meth:`BatchScheduler._collect` (text deltas with ``--stream``, events);
 * ``other``: the rest of the step (launch bookkeeping, the host read's copy).
 
+``--handoff``: instead, what handing a step's B updates to an asyncio event loop costs the
+worker thread (``mmspec serve``'s sinks): one ``call_soon_threadsafe`` per update against
+:class:`~mmspec.serve.worker.LoopMailbox` (one wake-up a step), CPU microseconds a step, median.
+
 Times are CPU seconds of the stepping thread (``time.thread_time``): on a loaded machine less noisy
 than wall time. Prints one JSON line per B (medians over the steady steps, ms) and one with each
 component's fit ``a + b * B`` (least squares over the B given: ``fixed_ms``, ``per_row_ms``).
 
     PYTHONPATH=src taskset -c 1 python perf/host_breakdown.py --batch 1 8 32 --new 48 --stream
+    PYTHONPATH=src taskset -c 1 python perf/host_breakdown.py --batch 1 8 32 --handoff
 """
 
 from __future__ import annotations
@@ -119,13 +124,54 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--new", type=int, default=48)
     ap.add_argument("--stream", action="store_true", help="each event carries its text delta (a server's stream)")
+    ap.add_argument("--handoff", action="store_true", help="instead: the worker's cost of handing updates to a loop")
+    ap.add_argument("--steps", type=int, default=300, help="--handoff: steps timed per way and B")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None, help="also append each line to this JSON-lines file")
     return ap.parse_args(argv)
 
 
+def handoff(batches: Sequence[int], steps: int, out: str | None) -> None:
+    """Worker-thread CPU a step to hand B updates to a running event loop (module docstring)."""
+    import asyncio
+    import threading
+
+    from mmspec.serve.worker import LoopMailbox
+
+    loop = asyncio.new_event_loop()
+    inbox: asyncio.Queue = asyncio.Queue()
+
+    async def drain():
+        while True:
+            if await inbox.get() is None:
+                return
+
+    thread = threading.Thread(target=lambda: loop.run_until_complete(drain()), daemon=True)
+    thread.start()
+    box = LoopMailbox(loop)
+    ways = {"per_update": lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item),
+            "mailbox": lambda item: box.put(inbox, item)}
+    for B in batches:
+        row = {}
+        for name, put in ways.items():
+            times = []
+            for _ in range(steps):
+                t = CLOCK()
+                for i in range(B):
+                    put((i, "update"))
+                times.append(CLOCK() - t)
+                time.sleep(0.002)  # the next step's compute: the loop drains meanwhile
+            row[name] = round(1e6 * statistics.median(times), 1)
+        emit({"B": B, "handoff_us_per_step": row}, out)
+    loop.call_soon_threadsafe(inbox.put_nowait, None)
+    thread.join(timeout=5)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.handoff:
+        handoff(args.batch, args.steps, args.out)
+        return 0
     torch.set_num_threads(args.threads)
     em = mmspec.load_embedded()
     em.target.generation_config.eos_token_id = None

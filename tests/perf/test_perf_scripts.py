@@ -283,6 +283,9 @@ def test_host_breakdown(tmp_path):
     assert [r["B"] for r in per_b] == [1, 3] and all(r["steady_steps"] > 0 and r["host_ms"] > 0 for r in per_b)
     assert set(fit) == {"host", "step_maths", "model_glue", "draft", "verify", "plan", "policy", "emit", "events",
                         "other"}
+    res = run_script("host_breakdown", "--handoff", "--batch", "2", "--steps", "3")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert set(json.loads(res.stdout.splitlines()[-1])["handoff_us_per_step"]) == {"per_update", "mailbox"}
 
 
 def test_graph_warmup(tmp_path):
