@@ -2,7 +2,7 @@
 
 Owns: building randomly initialised LLaVA models with REAL shapes from configs (decode latency
 does not depend on weight values), and timing on them, through mmspec's own decode path
-(:class:`~mmspec.models.cache.DecodeCache` + :class:`~mmspec.runtime.graphs.StepRunner`):
+(:class:`~mmspec.models.rows.RowCache` + :class:`~mmspec.runtime.graphs.StepRunner`):
 
 - T_p (target one-token decode) against the memory-bandwidth floor: bytes the decode must read
   (LM weights + lm_head, plus the KV cache) / measured device-to-device copy bandwidth;
@@ -11,9 +11,9 @@ does not depend on weight values), and timing on them, through mmspec's own deco
 - draft step latency for batch 1..8 (IbED Fig. 9: a batch of views costs the draft almost
   nothing extra because decode is memory-bound);
 
-each in mode ``eager`` (the engine's eager path: a preallocated cache, attention over the
-filled prefix) and ``graph`` (the engine's GPU path: a static cache captured as a CUDA graph
-per shape). ``--compile`` also times T_p side by side without and with ``torch.compile``, each
+each in mode ``eager`` (the engine's eager path: its rows, attention over the filled slots) and
+``graph`` (the engine's GPU path: attention over the whole buffer under the mask, captured as a
+CUDA graph per shape). ``--compile`` also times T_p side by side without and with ``torch.compile``, each
 compile mode with its compile time (``--compile-modes``): ``engine``, what ``SpecDecoder(compile=True)``
 does (the forward compiled in mode "default", inductor's kernels captured by mmspec's own graph),
 per-layer compilation, and ``reduce-overhead`` (torch's own CUDA graphs); and adds a
@@ -185,49 +185,51 @@ class _Probe:
 
     def __init__(self, model, batch: int, context: int, room: int, mode: str, capacity: int = 0):
         from mmspec.models.base import adapter_for
+        from mmspec.models.rows import RowCache
         from mmspec.runtime.graphs import StepRunner
 
         self.model, self.batch, self.context, self.mode = model, batch, context, mode
         self.adapter = adapter_for(model)
         dev = self.adapter.device
-        self.static = mode != "eager"
-        self.cache = self.adapter.new_cache(max(context + room, capacity), static=self.static)
+        self.static = mode != "eager"  # attention over the whole buffer (fixed shapes), else the filled slots
+        self.capacity = max(context + room, capacity)
+        self.cache = RowCache(model.config.text_config.num_hidden_layers)
+        self.cache.ensure(batch, self.capacity)
         hi = min(model.config.text_config.vocab_size, model.config.image_token_index)
         g = torch.Generator().manual_seed(0)
         self.prompt = torch.randint(5, hi, (batch, context), generator=g).to(dev)
         self.tokens = torch.randint(5, hi, (batch, room), generator=g).to(dev)
         pos = torch.arange(context, device=dev)[None].expand(batch, -1)
-        if self.static:
-            cap = self.cache.max_len
-            mask = torch.ones(context, cap, dtype=torch.bool, device=dev).tril()[None, None].expand(batch, 1, -1, -1)
-        else:
-            mask = torch.ones(batch, context, dtype=torch.long, device=dev)
+        span = self.capacity if self.static else context
+        mask = torch.ones(context, span, dtype=torch.bool, device=dev).tril()[None, None].expand(batch, 1, -1, -1)
         with torch.inference_mode():
+            self.cache.begin(0, torch.zeros(batch, dtype=torch.long, device=dev), span)
             self.adapter.forward(cache=self.cache, attention_mask=mask, position_ids=pos, input_ids=self.prompt,
                                  logits_to_keep=1)
         adapter, cache = self.adapter, self.cache
 
         def fn(ids, pos, mask):
+            # each row writes from the slot of its first position (a run's or a tree's root), over the mask's span
+            cache.begin(0, pos[:, 0], mask.shape[-1])
             return adapter.forward(cache=cache, attention_mask=mask, position_ids=pos, input_ids=ids)
-        self.runner = StepRunner(fn, self.cache, mode=_graph_mode(dev) if mode == "graph" else "eager")
+        self.runner = StepRunner(fn, mode=_graph_mode(dev) if mode == "graph" else "eager")
 
     def step_fn(self, n: int, parents: torch.Tensor | None = None, depth: torch.Tensor | None = None) -> Callable:
-        """A step over n new tokens (a causal run, or a tree given parents/depth), rewound after."""
+        """A step over n new tokens (a causal run, or a tree given parents/depth) at slots
+        context .. context + n - 1, every repeat (the rows keep no length to rewind)."""
         from mmspec.drafting.tree import ancestors
 
         dev, B, C = self.adapter.device, self.batch, self.context
         if parents is None:
             parents, depth = torch.arange(n) - 1, torch.arange(n)
         anc = ancestors(parents.to(dev), int(depth.max()))
-        span = self.cache.max_len if self.static else C + n
+        span = self.capacity if self.static else C + n
         mask = tree_attention_mask(anc, C, span).expand(B, -1, -1, -1).contiguous()
         pos = (C + depth.to(dev))[None].expand(B, -1).contiguous()
         ids = self.tokens[:, :n].contiguous()
 
         def step():
-            out = self.runner(ids=ids, pos=pos, mask=mask)
-            self.cache.set_length(C)
-            return out
+            return self.runner(ids=ids, pos=pos, mask=mask)
         return step
 
 
@@ -373,7 +375,7 @@ def target_alone(target, prompt: torch.Tensor, n_new: int, mode: str) -> float:
     graph), decode only (after the prefill); tokens stay on the device (no sync per token)."""
     probe = _Probe(target, 1, prompt.shape[1], n_new + 2, mode)
     dev = probe.adapter.device
-    C, cap = probe.context, probe.cache.max_len
+    C, cap = probe.context, probe.capacity
     nxt = probe.tokens[:, :1].clone()
     mask_full = torch.zeros(1, 1, 1, cap, dtype=torch.bool, device=dev)
     sync(dev)
@@ -385,7 +387,7 @@ def target_alone(target, prompt: torch.Tensor, n_new: int, mode: str) -> float:
             mask_full[..., :C] = True
             mask = mask_full
         else:
-            mask = torch.ones(1, C + i + 1, dtype=torch.long, device=dev)
+            mask = torch.ones(1, 1, 1, C + i + 1, dtype=torch.bool, device=dev)
         nxt = probe.runner(ids=nxt, pos=pos, mask=mask)[:, -1:].argmax(-1)
     sync(dev)
     return (time.perf_counter() - t0) / n_new
@@ -472,7 +474,7 @@ def mode_probes(cfg: ShapesConfig, target, draft, mode: str, floor_s: float, log
 def capacity_time(cfg: ShapesConfig, target, mode: str, capacity: int) -> dict:
     """{cache slots: T_p} at ``cfg.context`` in a cache of at least ``capacity`` slots."""
     probe = _Probe(target, 1, cfg.context, 4, mode, capacity=capacity)
-    return {str(probe.cache.max_len): step_time(probe, 1, cfg.repeats, cfg.warmup)}
+    return {str(probe.capacity): step_time(probe, 1, cfg.repeats, cfg.warmup)}
 
 
 def compile_row(cfg: ShapesConfig, target, name: str, result: dict, log) -> None:

@@ -76,12 +76,14 @@ def mmspec_phase(work: Path, venv: Path) -> dict:
     subprocess.run(cli + [str(work / "mine-eagle"), "--format", "eagle", "--out", str(work / "eagle"),
                           "--target", str(work / "target")], check=True, env=env)
 
+    from transformers import DynamicCache
+
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(3, V, (1, 24), generator=g)  # [1, n]
     pos = torch.arange(ids.shape[1])[None]
     with torch.no_grad():
-        _, feats = adapter.forward(cache=adapter.new_cache(64), attention_mask=torch.ones_like(ids), position_ids=pos,
-                                   input_ids=ids, hidden=FEATURE_LAYERS + (-1,))  # [1, n, 4H]
+        _, feats = adapter.forward(cache=DynamicCache(config=target.config), attention_mask=torch.ones_like(ids),
+                                   position_ids=pos, input_ids=ids, hidden=FEATURE_LAYERS + (-1,))  # [1, n, 4H]
         low_mid_high, final = feats[..., :3 * H], feats[..., 3 * H:]
         nxt = torch.randint(3, V, (1, ids.shape[1]), generator=g)  # the token after each slot
         emb = target.get_input_embeddings()(nxt)

@@ -17,7 +17,7 @@ import torch
 from mmspec.drafting.adaptive import check_initial
 from mmspec.drafting.tree import DEFAULT_GAMMA, TreeSpec, reads_gamma
 from mmspec.drafting.views import View, parse_views
-from mmspec.errors import MMSpecError
+from mmspec.errors import ArgumentError, MMSpecError
 from mmspec.models.base import ModelAdapter, video_families
 from mmspec.models.pooling import valid_pool_sizes
 
@@ -350,13 +350,15 @@ def check_ids_in_vocab(ids: torch.Tensor, vocab: int) -> None:
                           "(0..{}); build the prompt with the target's own tokenizer or processor".format(vocab - 1))
 
 
-def check_max_new_tokens(max_new_tokens) -> int:
+def check_max_new_tokens(max_new_tokens, name: str = "max_new_tokens") -> int:
+    """A request's token limit: a whole number >= 1 (``name``: the argument as its caller spells it)."""
     try:
         n = operator.index(max_new_tokens)  # ints, numpy ints; not 12.5, "12" or True
     except TypeError:
         n = None
     if n is None or isinstance(max_new_tokens, bool) or n < 1:
-        raise MMSpecError(f"max_new_tokens must be >= 1 (a whole number), got {max_new_tokens!r}")
+        raise ArgumentError(f"{name} must be >= 1 (a whole number), got {max_new_tokens!r}; ask for at least one "
+                            "token, or leave it out for the default", name)
     return n
 
 
@@ -400,11 +402,12 @@ def check_seed(seed) -> int | None:
 
 def check_temperature(temperature) -> float:
     if isinstance(temperature, (bool, str, bytes)):
-        raise MMSpecError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
+        raise ArgumentError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}", "temperature")
     try:
         return float(temperature)
     except (TypeError, ValueError):
-        raise MMSpecError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}") from None
+        raise ArgumentError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}",
+                            "temperature") from None
 
 
 def check_images_and_captions(images, captions) -> None:

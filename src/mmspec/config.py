@@ -13,9 +13,13 @@ docs, the CLI and earlier releases use); each keyword belongs to exactly one gro
 * :class:`AcceptanceOptions`: exact (lossless) or relaxed (LOSSY) acceptance (``acceptance``,
   ``relaxed_thresholds``, ``relaxed_window``).
 
-This module only groups and names (and refuses a group that is not of its class, like
+This module owns the defaults (the fields' values here, and the constants below that other
+modules and the CLI's flags read: ``mmspec.cli.options`` maps flags onto these fields); it only
+groups and names (and refuses a group that is not of its class, like
 ``DecoderConfig(tree="dynamic")``); the values are checked where they are used (the decoder's
-constructor, :mod:`mmspec.checks`), so an error names the keyword the user wrote.
+constructor, :mod:`mmspec.checks`; the engine's settings made from them, :mod:`mmspec.options`),
+so an error names the keyword the user wrote. It imports nothing heavy (no torch): the command
+line reads it before any model loads.
 """
 
 from __future__ import annotations
@@ -25,8 +29,13 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from mmspec.errors import MMSpecError
-from mmspec.options import DEFAULT_THRESHOLDS, DEFAULT_WINDOW
-from mmspec.prefix_cache import PREFIX_CACHE_MB
+
+PREFIX_CACHE_MB = 1024.0  # SpecDecoder's default budget (docs/perf.md, "Prefix caching"): ~2,000 tokens of a
+# 7B LLaVA's fp16 KV (512 KiB a token); the embedded pack's conversations take well under 1 MiB each
+MAX_LOGPROBS = 20  # the most log-probability alternatives per token an engine serves by default (OpenAI's bound)
+DEFAULT_THRESHOLDS = (0.6, 0.4)  # MSD's relaxed acceptance (vision, text)
+DEFAULT_WINDOW = 64  # positions after the prompt's last image token that count as vision context
+SPECULATE = ("always", "never", "auto")  # a batch's speculation policies (mmspec.batch.SpeculationPolicy)
 
 
 @dataclass(frozen=True)
@@ -66,7 +75,7 @@ class RuntimeConfig:
     static_cache: bool | None = None
     compile: bool = False  # the step's forwards through torch.compile (inside the step's graph)
     prefix_cache_mb: float = PREFIX_CACHE_MB
-    max_logprobs: int = 20  # the most log-probability alternatives a request may ask (graphs compute this many)
+    max_logprobs: int = MAX_LOGPROBS  # the most log-probability alternatives a request may ask (graphs compute this many)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,6 @@ from mmspec.errors import MMSpecError
 from mmspec.heads.directory import is_head_dir, load_head
 from mmspec.heads.model import FeatureHead, check_head_fits
 from mmspec.models.base import adapter_for, same_vision
-from mmspec.models.cache import supports_trees
 from mmspec.models.captioner import HFCaptioner
 from mmspec.models.loading import (
     check_same_vocabulary,
@@ -55,7 +54,7 @@ from mmspec.prefix_cache import (
     prompt_keys,
     segment_digests,
 )
-from mmspec.request import check_context, prepare
+from mmspec.request import MAX_NEW_TOKENS, check_context, prepare
 from mmspec.results import GenerationResult
 from mmspec.runtime.graphs import StaticPool, graph_mode
 from mmspec.stats import GenerationStats
@@ -339,8 +338,7 @@ class SpecDecoder:
 
     def _engine_mode(self, cuda_graphs, static_cache, compile) -> EngineMode:
         """Decide eager / static / CUDA-graph decoding, compiled or not, and check the tree fits the models."""
-        probes = [self.target.new_cache(8)] + [m.new_cache(8) for m in (self.head, self.draft) if m is not None]
-        full_attention = all(supports_trees(c) for c in probes)
+        full_attention = all(m.full_attention for m in (self.target, self.head, self.draft) if m is not None)
         if not self.tree.is_chain and not full_attention:
             raise MMSpecError("token trees need models whose layers are all full attention (their caches are "
                               "compacted after each block); this target or draft has sliding-window or other "
@@ -367,7 +365,7 @@ class SpecDecoder:
 
     # ------------------------------------------------------------------ generate
     @torch.inference_mode()
-    def generate(self, input_ids, pixel_values=None, attention_mask=None, *, max_new_tokens: int = 128,
+    def generate(self, input_ids, pixel_values=None, attention_mask=None, *, max_new_tokens: int = MAX_NEW_TOKENS,
                  temperature: float = 0.0, seed: int | None = None, top_k: int | None = None,
                  top_p: float | None = None, images: Sequence | None = None,
                  captions: Sequence[str] | None = None, videos: Sequence | None = None,
@@ -656,7 +654,7 @@ class SpecDecoder:
         try:
             capacity = max_context + self.room(0)  # as admission sizes a request's rows
             return warm_up(engine, max_batch, step_shapes(policy, self.tree), capacity,
-                           capacity + engine.width + 1 + inblock_slots(self.tree), policy.mode != "never")
+                           capacity + engine.lag + 1 + inblock_slots(self.tree), policy.mode != "never")
         finally:
             self._static_pool.give_back(holder)
 

@@ -6,9 +6,10 @@ keywords and hands to the engine (:mod:`mmspec.engine`), so the engine never see
 * :class:`EngineOptions`: the block's tree, the EOS ids and the acceptance of a decoder.
 * :class:`EngineMode`: eager, static (fixed shapes) or CUDA-graph decoding, compiled or not.
 * :data:`SPECULATE`: the speculation policies a batch of requests runs (``generate_batch``,
-  ``BatchScheduler``, ``mmspec serve --speculate``), named once.
+  ``BatchScheduler``, ``mmspec serve --speculate``), named once (in :mod:`mmspec.config`).
 
-This module checks values and says what they mean; it runs no model.
+This module checks values and says what they mean; it runs no model. The defaults are
+:mod:`mmspec.config`'s (the user's options); this module turns them into the engine's settings.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from mmspec.config import DEFAULT_THRESHOLDS, DEFAULT_WINDOW, SPECULATE
 from mmspec.drafting.tree import TreeSpec
 from mmspec.errors import MMSpecError
 
+__all__ = ["ACCEPTANCES", "DEFAULT_THRESHOLDS", "DEFAULT_WINDOW", "SPECULATE", "AcceptanceConfig", "EngineMode",
+           "EngineOptions", "RelaxedAcceptance"]
 ACCEPTANCES = ("exact", "relaxed")
-SPECULATE = ("always", "never", "auto")  # a batch's speculation policies (mmspec.batch.SpeculationPolicy)
-DEFAULT_THRESHOLDS = (0.6, 0.4)  # MSD's (vision, text)
-DEFAULT_WINDOW = 64
 
 
 @dataclass(frozen=True)
@@ -32,9 +33,9 @@ class RelaxedAcceptance:
     vision context (their root within ``window`` positions of the prompt's last image token),
     ``text`` otherwise (the engine applies it per row: ``Engine._thresholds``). Greedy decoding only."""
 
-    vision: float = 0.6
-    text: float = 0.4
-    window: int = 64
+    vision: float = DEFAULT_THRESHOLDS[0]
+    text: float = DEFAULT_THRESHOLDS[1]
+    window: int = DEFAULT_WINDOW
 
 
 @dataclass(frozen=True)

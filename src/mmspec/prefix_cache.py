@@ -5,13 +5,15 @@ Owns: the content key of a prompt (token ids, each image / video placeholder rep
 derived from the segment's pixel content, so an edited history or another picture never matches),
 the stored entries (per layer keys/values of the target, of every draft view's row and of a
 head, each with its own key, since a text-view row holds other tokens than the multimodal row),
-their LRU eviction by bytes, and the copy of a stored prefix into a new decode's preallocated
-cache. A stored entry is never written after it is made: a decode copies it into its own cache,
-so its writes and roll-backs cannot reach it.
+their LRU eviction by bytes. A stored entry is never written after it is made: admission copies
+it into the request's row of the engine's :class:`~mmspec.models.rows.RowCache`
+(``RowCache.write_prefix``) and a finished row is copied out (``RowCache.snapshot``), so a
+decode's writes and roll-backs cannot reach it.
 
 Knows nothing of drafting, acceptance or the loop: :class:`mmspec.SpecDecoder` calls
-:meth:`PrefixCache.match` before its prefills and :meth:`PrefixCache.store` after a decode;
-the batch path does the same per request (the same functions, one request at a time).
+:meth:`PrefixCache.match` when it prepares a prompt (``engine/admission.py`` then writes the
+matched prefix into the row) and the scheduler (``engine/scheduler.py``) makes an entry of a
+finished row (:func:`make_entry`) and calls :meth:`PrefixCache.store`.
 
 Exactness: a reused prefix is the target's own keys/values of the same tokens (computed by a
 prefill or by the verify forwards of the decode that produced them), so greedy output still
@@ -28,12 +30,9 @@ from dataclasses import dataclass, field
 import torch
 
 from mmspec.errors import MMSpecError
-from mmspec.models.cache import DecodeCache, set_cache_length
+from mmspec.models.rows import KV
 
-KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [1, H_kv, n, D]
 _MASK62 = (1 << 62) - 1
-PREFIX_CACHE_MB = 1024.0  # SpecDecoder's default budget (docs/perf.md, "Prefix caching"): ~2,000 tokens of a
-# 7B LLaVA's fp16 KV (512 KiB a token); the embedded pack's conversations take well under 1 MiB each
 
 
 def check_budget(mb) -> float:
@@ -255,53 +254,7 @@ class PrefixCache:
         self._next += 1
 
 
-# ----------------------------------------------------------------------------------- copying KV
-def snapshot(cache, row: int, start: int, n: int, copy: bool = True) -> KV | None:
-    """Slots ``start .. start + n - 1`` of row ``row`` of a decode cache, per layer [1, H, n, D]:
-    copies, or (``copy=False``, for a cache no decode will write again: the caller's promise)
-    views of its buffer, which the entry then keeps alive. None for a cache other than a
-    :class:`DecodeCache` (not stored)."""
-    if not isinstance(cache, DecodeCache) or n <= 0 or not all(layer.is_initialized for layer in cache.layers):
-        return None
-    out = [(layer.keys[row:row + 1, :, start:start + n], layer.values[row:row + 1, :, start:start + n])
-           for layer in cache.layers]
-    return [(k.clone(), v.clone()) for k, v in out] if copy else out
-
-
-def write_kv(cache: DecodeCache, kv: KV, row: int = 0, start: int = 0, n_rows: int = 1) -> None:
-    """Copy a stored prefix (per layer [1, H, n, D]) into slots ``start .. start + n - 1`` of row
-    ``row`` of a preallocated cache of ``n_rows`` rows (allocated here if it is new). The cache's
-    length is the caller's to set (``set_cache_length``) once every row is written."""
-    for layer, (k, v) in zip(cache.layers, kv):
-        if not layer.is_initialized:
-            layer.lazy_initialization(k.new_zeros(n_rows, k.shape[1], 1, k.shape[3]),
-                                      v.new_zeros(n_rows, v.shape[1], 1, v.shape[3]))
-        n = k.shape[-2]
-        layer.keys[row, :, start:start + n] = k[0]
-        layer.values[row, :, start:start + n] = v[0]
-
-
-def restore_rows(cache: DecodeCache, kvs: list[KV | None], pads: list[int]) -> int:
-    """Fill a left-padded multi-row cache (row b's prompt starts at slot ``pads[b]``) with each
-    row's reused prefix, all rows up to the same slot (one forward then prefills every row from
-    there): -> that slot, the cache's new length. A row with nothing reused sets it to its pad."""
-    lens = [0 if kv is None else kv[0][0].shape[-2] for kv in kvs]
-    start = min(p + n for p, n in zip(pads, lens))
-    if start <= 0:
-        return 0
-    for b, (kv, p) in enumerate(zip(kvs, pads)):
-        if kv is not None and start > p:
-            write_kv(cache, [(k[..., :start - p, :], v[..., :start - p, :]) for k, v in kv], row=b, start=p,
-                     n_rows=len(kvs))
-    for b, p in enumerate(pads):  # padding slots below `start`: zeros (a view-mode buffer starts uninitialised,
-        for layer in cache.layers:  # and a masked slot still enters attention as 0 * value)
-            if layer.is_initialized and p > 0:
-                layer.keys[b, :, :min(p, start)] = 0
-                layer.values[b, :, :min(p, start)] = 0
-    set_cache_length(cache, start)
-    return start
-
-
+# ----------------------------------------------------------------------------------- sizes
 def _storage_bytes(tensors) -> int:
     seen = {}
     for t in tensors:
@@ -371,29 +324,6 @@ def prompt_keys(ids: torch.Tensor, placeholders: dict, enc, rows: list, views: l
         counts = feature_counts((enc.draft_feats or {}).get(view), kinds)
         row_keys.append(content_key(row.token_ids, fmask, counts, seg))
     return PromptKeys(target=target, rows=row_keys, digests=digests)
-
-
-def entry_after_decode(keys: PromptKeys, enc, target_cache, drafter, tokens: list[int],
-                       head: bool, copy: bool = True) -> PrefixEntry | None:
-    """What a finished decode leaves to reuse: the target's cache (prompt and the committed new
-    tokens it holds), each draft row's (its prompt row and the tokens the draft has seen; rows
-    are left-padded to the longest) or the head's slots (None: a cache not kept). ``copy``:
-    copy them (caches that later decodes reuse: a static pool's, a batch's rows) or take the
-    buffers over (caches made for this decode alone: nothing is copied)."""
-    seq_len = keys.target.shape[0] + len(tokens)
-    target = snapshot(target_cache, 0, 0, min(getattr(target_cache, "length", 0), seq_len), copy)
-    if target is None:
-        return None
-    if head:
-        return make_entry(keys, enc, tokens, target, head=snapshot(drafter.cache, 0, 0, drafter.committed, copy))
-    if not keys.rows:  # no draft cache (a model-free drafter): the target's alone
-        return make_entry(keys, enc, tokens, target)
-    width = max(k.shape[0] - 1 for k in keys.rows)  # the drafter's prompt slots (rows less their pending token)
-    rows = []
-    for b, rk in enumerate(keys.rows):
-        pad = width - (rk.shape[0] - 1)
-        rows.append(snapshot(drafter.cache, b, pad, drafter.committed - pad, copy))
-    return make_entry(keys, enc, tokens, target, rows=None if any(r is None for r in rows) else rows)
 
 
 def make_entry(keys: PromptKeys, enc, tokens: list[int], target: KV, rows: list[KV] | None = None,

@@ -2,12 +2,16 @@
 used by :meth:`~mmspec.decoder.SpecDecoder.generate`, :meth:`~mmspec.decoder.SpecDecoder.generate_batch`
 and ``mmspec serve`` (through :class:`~mmspec.batch.BatchScheduler`) alike.
 
-:func:`prepare` turns generate()'s keywords (or one request dict of generate_batch) into a
-:class:`Request`: token ids on the CPU, the family's multimodal inputs, the prompt's layout,
-the limit, the sampling settings and the seed (greedy: None; sampling without one: drawn from
-the OS, and reported in the result so the decode can be repeated): the ONE place a request's seed
-is chosen (every random draw of the request then comes from its own stream keyed by it:
-:mod:`mmspec.runtime.rng`). :func:`context_room` and :func:`check_context` are the context rule, the one place it
+:func:`decoding` checks the limits every request has (``max_new_tokens``, temperature, top_k,
+top_p, the seed) into a typed :class:`Decoding`: the ONE place they are enforced, for
+``generate`` and for ``mmspec serve``, whose pydantic model calls it as the body is validated
+(naming a bad value as the client spelled it). :func:`make_request` makes the :class:`Request`
+from the processor's output and a ``Decoding``: token ids on the CPU, the family's multimodal
+inputs, the prompt's layout, the decoder's checks and the seed (greedy: None; sampling without
+one: drawn from the OS, and reported in the result so the decode can be repeated): the ONE place a
+request's seed is chosen (every random draw of the request then comes from its own stream keyed by it:
+:mod:`mmspec.runtime.rng`). :func:`prepare` maps generate()'s keywords (or one request dict of
+generate_batch) onto both. :func:`context_room` and :func:`check_context` are the context rule, the one place it
 is written: a prompt, its new tokens and one block's draft positions must fit the context (the
 target's, and each draft row's; ``mmspec serve`` sizes its default ``max_tokens`` with it and
 rewords a :class:`ContextError` for its client). Knows nothing of caches or the loop; the
@@ -17,6 +21,7 @@ checks' texts are :mod:`mmspec.checks`'.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +32,7 @@ from mmspec.errors import MMSpecError
 from mmspec.runtime.verify import SamplingParams
 
 EXTRA_KEYS = ("images", "captions", "videos", "substitutes")
+MAX_NEW_TOKENS = 128  # a request's limit when it gives none (generate(), generate_batch's dicts)
 
 
 @dataclass
@@ -47,48 +53,82 @@ class Request:
     grammar: object | None = None  # its xgrammar CompiledGrammar for the decoder's tokenizer
 
 
-def prepare(dec, kwargs: dict, defaults: dict | None = None) -> Request:
-    """The checks of ``generate`` on its keywords (``kwargs``; ``defaults`` below them) against
-    the decoder ``dec``; raises MMSpecError naming the argument and the fix."""
-    kw = {**(defaults or {}), **kwargs}
+@dataclass(frozen=True)
+class Decoding:
+    """What a request asks of its decoding, its limits checked (made by :func:`decoding`, the ONE
+    place they are enforced): a new-token limit, the sampling settings, a seed, log-probabilities."""
+
+    max_new_tokens: int | None  # None: the caller sizes it (mmspec serve: its default, capped by the context's room)
+    params: SamplingParams
+    seed: int | None  # as asked (None: greedy, or a fresh one drawn when the request is made)
+    logprobs: int | None  # alternatives per token (None: not asked); checked against the decoder by make_request
+
+
+def decoding(*, max_new_tokens=MAX_NEW_TOKENS, temperature=0.0, top_k=None, top_p=None, seed=None, logprobs=None,
+             names: dict[str, str] | None = None, sized_later: bool = False) -> Decoding:
+    """The decoder-independent limits of a request, checked: ``max_new_tokens`` >= 1 (None with
+    ``sized_later``: the caller's to size), temperature, top_k, top_p (:class:`SamplingParams`),
+    the seed a whole number. An :class:`~mmspec.errors.ArgumentError` names the argument as the
+    caller spells it (``names``: e.g. ``{"max_new_tokens": "max_tokens"}``). ``logprobs`` is
+    checked against the decoder (:func:`make_request`)."""
+    names = names or {}
+    if max_new_tokens is not None or not sized_later:
+        max_new_tokens = checks.check_max_new_tokens(max_new_tokens, names.get("max_new_tokens", "max_new_tokens"))
+    params = SamplingParams(temperature=checks.check_temperature(temperature), top_k=top_k, top_p=top_p)
+    return Decoding(max_new_tokens=max_new_tokens, params=params, seed=checks.check_seed(seed), logprobs=logprobs)
+
+
+def make_request(dec, inputs: Mapping[str, object], asked: Decoding, *, images=None, captions=None, videos=None,
+                 substitutes=None, initial_weights=None, constraint: Constraint | None = None) -> Request:
+    """A :class:`Request` from the processor's output ``inputs`` (``input_ids``, its
+    ``attention_mask``, ``pixel_values`` and the family's other inputs; any other key refused)
+    and what ``asked`` (checked already): the decoder-dependent checks (the vocabulary, the
+    media, ``logprobs`` against the decoder's ``max_logprobs``, the context rule, the constraint
+    compiled) and the seed; raises MMSpecError naming the argument and the fix."""
+    if asked.max_new_tokens is None:
+        raise MMSpecError("the request has no max_new_tokens; size it before making the request")
+    kw = dict(inputs)
     if kw.get("input_ids") is None:
         raise MMSpecError("the request has no input_ids; pass the processor's output (input_ids, pixel_values, ...)")
     input_ids, attention_mask, pixel_values = kw.pop("input_ids"), kw.pop("attention_mask", None), kw.pop("pixel_values", None)
-    max_new_tokens = kw.pop("max_new_tokens", 128)
-    temperature, seed = kw.pop("temperature", 0.0), kw.pop("seed", None)
-    top_k, top_p = kw.pop("top_k", None), kw.pop("top_p", None)
-    initial_weights = kw.pop("initial_weights", None)
-    constraint = kw.pop("constraint", None)
-    logprobs = checks.check_logprobs(kw.pop("logprobs", None), dec.target.vocab_size, dec.max_logprobs)
-    extra = {k: kw.pop(k, None) for k in EXTRA_KEYS}
+    logprobs = checks.check_logprobs(asked.logprobs, dec.target.vocab_size, dec.max_logprobs)
     mm = dec.mm_inputs(pixel_values, kw)  # the rest: the family's processor outputs, unknown ones refused
     ids = checks.check_ids(input_ids, attention_mask)  # [L] on CPU
     checks.check_ids_in_vocab(ids, dec.target.vocab_size)
-    max_new_tokens = checks.check_max_new_tokens(max_new_tokens)
-    params = SamplingParams(temperature=checks.check_temperature(temperature), top_k=top_k, top_p=top_p)
+    params = asked.params
     if dec.acceptance is not None and not params.greedy:
         raise MMSpecError("acceptance='relaxed' is defined for greedy decoding only; use temperature=0 "
                           "or the exact (lossless) acceptance for sampling")
-    checks.check_video_inputs(dec.target, mm, extra["videos"], extra["substitutes"])
-    checks.check_images_and_captions(extra["images"], extra["captions"])
-    seed = checks.check_seed(seed)
+    checks.check_video_inputs(dec.target, mm, videos, substitutes)
+    checks.check_images_and_captions(images, captions)
     initial = checks.check_initial_weights(initial_weights, dec.adaptive, len(dec.views))
-    if params.greedy:
-        seed = None  # greedy decoding draws nothing
-    elif seed is None:
-        seed = new_seed()
+    seed = None if params.greedy else new_seed() if asked.seed is None else asked.seed  # greedy draws nothing
     layout = dec.mm.layout(ids, mm)
-    dec.check_context(ids.shape[0], max_new_tokens)
+    dec.check_context(ids.shape[0], asked.max_new_tokens)
     grammar = None
     if constraint is not None:  # compiled (or found in the decoder's cache) before any decoding
         if not isinstance(constraint, Constraint):
             raise MMSpecError(f"constraint must be a mmspec.constrain.Constraint (or None), got {type(constraint).__name__}")
         grammar = dec.grammar_compiler.compile(constraint)
     if any(v.needs_substitute for v in dec.views):
-        dec.mm.check_substitutes(layout, extra["videos"], extra["substitutes"])
-    return Request(ids=ids, mm=mm, layout=layout, max_new_tokens=max_new_tokens, params=params, seed=seed,
+        dec.mm.check_substitutes(layout, videos, substitutes)
+    extra = {"images": images, "captions": captions, "videos": videos, "substitutes": substitutes}
+    return Request(ids=ids, mm=mm, layout=layout, max_new_tokens=asked.max_new_tokens, params=params, seed=seed,
                    extra=extra, initial=initial, logprobs=logprobs, constraint=constraint, grammar=grammar,
                    coupled=coupled(params))
+
+
+ASKED = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "logprobs")  # generate()'s keywords: decoding()'s
+MADE = ("initial_weights", "constraint", *EXTRA_KEYS)  # make_request's
+
+
+def prepare(dec, kwargs: dict, defaults: dict | None = None) -> Request:
+    """generate()'s keywords (``kwargs``; ``defaults`` below them): :func:`decoding` then
+    :func:`make_request` on the rest (the processor's output)."""
+    kw = {**(defaults or {}), **kwargs}
+    asked = decoding(**{k: kw.pop(k) for k in ASKED if k in kw})
+    made = {k: kw.pop(k) for k in MADE if k in kw}
+    return make_request(dec, kw, asked, **made)
 
 
 def coupled(params: SamplingParams) -> bool:

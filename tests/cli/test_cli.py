@@ -294,3 +294,33 @@ def test_options_are_declared_once_across_the_commands():
         assert check[name].help == generate[name].help == demo[name].help == audit[name].help
     assert demo["methods"].help.split(". Default:")[0] == bench["method"].help.split(". Default:")[0]
     assert demo["head"].help.split("(e.g.")[0] == bench["head"].help.split("(e.g.")[0]
+
+
+def test_flag_defaults_are_the_configs():
+    """One story for the options: a flag that sets a SpecDecoder option defaults to mmspec.config's
+    value (the deliberate differences: --views' letter M, --check-head on), GenerateOptions to the
+    flag groups', serve's flags to ServeConfig's."""
+    import inspect
+    from dataclasses import fields
+
+    from mmspec.cli.checks import GenerateOptions
+    from mmspec.cli.options import ModelFlags, RuntimeFlags, ShapeFlags, ViewFlags
+    from mmspec.cli.serve import serve
+    from mmspec.config import KEYWORDS, DecoderConfig
+    from mmspec.serve.config import ServeConfig
+
+    config = DecoderConfig().keywords()
+    shared = {f.name: f.default for g in (ModelFlags, ViewFlags, ShapeFlags, RuntimeFlags) for f in fields(g)}
+    mapped = {n: d for n, d in shared.items() if n in KEYWORDS and n != "views"}
+    assert {"tree_children", "gamma", "stop_below", "cuda_graphs", "compile", "dtype"} <= set(mapped)
+    assert mapped == {n: config[n] for n in mapped}
+    assert shared["views"] == "M" and config["views"] == ("multimodal",)
+    generate = {f.name: f.default for f in fields(GenerateOptions)}
+    assert {n: generate[n] for n in shared} == shared
+    serve_defaults = {p.name: p.default.default for p in inspect.signature(serve).parameters.values()
+                      if hasattr(p.default, "default")}
+    cfg = ServeConfig()
+    for flag, field_name in (("max_batch", "max_batch"), ("speculate", "speculate"), ("max_tokens", "max_tokens"),
+                             ("shutdown_timeout", "shutdown_timeout_s"), ("max_request_mb", "max_request_mb"),
+                             ("max_image_pixels", "max_image_pixels"), ("metrics", "metrics")):
+        assert serve_defaults[flag] == getattr(cfg, field_name), flag

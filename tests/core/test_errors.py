@@ -714,6 +714,29 @@ def test_max_new_tokens_not_a_whole_number(target, draft_shared, tok, n):
         SpecDecoder(target, draft_shared, tok).generate(*make_prompt(1, 16), max_new_tokens=n)
 
 
+@pytest.mark.parametrize("kw, argument", [
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=None), "max_new_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0, temperature=1), "top_p"),
+    (dict(top_k=-2, temperature=1), "top_k"),
+])
+def test_a_requests_limits_are_checked_in_one_place_naming_the_argument(kw, argument):
+    """mmspec.request.decoding: the one check of a request's limits (generate's and the server's);
+    the error names the argument, in the caller's words where it gives them."""
+    from mmspec.errors import ArgumentError
+    from mmspec.request import decoding
+
+    with pytest.raises(ArgumentError) as e:
+        decoding(**kw)
+    assert e.value.argument == argument and str(e.value).startswith(argument)
+    if argument == "max_new_tokens":
+        with pytest.raises(ArgumentError, match="^max_tokens must be >= 1") as e:
+            decoding(**kw, names={"max_new_tokens": "max_tokens"})
+        assert e.value.argument == "max_tokens"
+    assert decoding(max_new_tokens=None, sized_later=True).max_new_tokens is None
+
+
 @pytest.mark.parametrize("kw, msg", [(dict(seed=1.5, temperature=1.0), "seed must be a whole number"),
                                      (dict(seed="7", temperature=1.0), "seed must be a whole number"),
                                      (dict(temperature="hot"), "temperature must be a number >= 0"),

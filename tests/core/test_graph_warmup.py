@@ -68,8 +68,9 @@ def test_auto_mixed_workload_after_warm_up_captures_nothing(target, draft_shared
     dec = SpecDecoder(target, draft_shared, tok, views="M", gamma=2, cuda_graphs="emulate")
     w = dec.warm_up(max_batch=4, speculate="auto", max_context=200)
     engine = engine_of(dec)
-    # row buckets 1, 2, 4 x (plain feeding, plain keeping, depth 1, depth 2) x 2 flag sets x 2 widths, one span
-    assert w.captured == w.graphs == w.plans == 3 * 4 * 2 * 2 and w.seconds > 0
+    # row buckets 1, 2, 4 x (plain feeding, plain keeping, depth 1 and 2 each feeding the engine's width
+    # or its whole lag after plain steps) x 2 flag sets x 2 widths, one span
+    assert w.captured == w.graphs == w.plans == 3 * 6 * 2 * 2 and w.seconds > 0
     graphs, tried = graph_count(engine), captures(engine)
     reqs = [request(0, 9, logprobs=20), request(1, 14, temperature=0.8, seed=5, logprobs=1),
             request(2, 3, logprobs=3), request(3, 12, temperature=1.1, top_k=5, seed=6),

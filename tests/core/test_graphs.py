@@ -70,7 +70,7 @@ def test_a_pool_whose_graphs_are_all_gone_is_never_captured_into_again():
     the next capture into it made the CUDA allocator assert (``use_count > 0``); the emulated pool
     asserts the same way, and a GraphPool opens a fresh pool once its last graph is gone."""
     pool = GraphPool("emulate")
-    runner = StepRunner(lambda x: x * 2, None, mode="emulate", pool=pool)
+    runner = StepRunner(lambda x: x * 2, mode="emulate", pool=pool)
     runner(x=torch.ones(2, 1))
     held = pool.handle
     runner.reset()  # the buffers were reallocated: every graph dropped
@@ -101,7 +101,7 @@ def test_capture_failing_part_way_falls_back_to_the_right_logits(target, mode, f
     cache.ensure(1, 64)
     eager = RowForward(lambda mask, ids, pos: adapter.forward(cache=cache, attention_mask=mask, position_ids=pos,
                                                               input_ids=ids), cache, "target")
-    runner = StepRunner(eager, None, mode=mode, name="step")
+    runner = StepRunner(eager, mode=mode, name="step")
     ids = torch.randint(5, VOCAB, (1, 14), generator=torch.Generator().manual_seed(4)).to(dev)
     L = 8
 

@@ -12,6 +12,7 @@ import torch
 from helpers.tiny import make_prompt
 from mmspec import SpecDecoder
 from mmspec.batch import BatchScheduler
+from mmspec.engine.policy import Action, SpeculationPolicy
 from mmspec.heads import build_head
 from mmspec.models.captioner import FixedCaptioner
 
@@ -206,3 +207,60 @@ def test_a_bad_overlap_is_refused_before_the_engine_is_leased(target, draft_shar
     with pytest.raises(MMSpecError, match=r"overlap must be True, False or None"):
         dec.generate_batch(requests(1), overlap=1)
     assert BatchScheduler(dec).overlap is False  # the CPU's default; the engine was not held by the refusals
+
+
+class Scripted(SpeculationPolicy):
+    """A policy that decodes plainly for long runs between drafted steps (as "auto" does while a
+    draft does not pay): the drafter lags up to the engine's whole pending buffer, is caught up
+    by one wide forward, and a drafted step after such a run feeds the whole buffer."""
+
+    def __init__(self, pattern):
+        super().__init__("auto")
+        self.pattern, self.n = pattern, 0
+
+    def decide(self, B, spec, rows=()):
+        self.n += 1
+        return Action(0, self.pattern[(self.n - 1) % len(self.pattern)], 1)
+
+
+LAG_PATTERN = [0] * 19 + [2, 0, 0, 3, 1] + [0] * 5 + [3]  # runs past the lag (a catch-up), then short ones
+
+
+@pytest.mark.parametrize("name", ["M", "MTC-adaptive", "static-tree", "head"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_drafter_lagging_behind_plain_steps_catches_up_exactly(target, draft_shared, tok, refs, name, overlap,
+                                                                 monkeypatch):
+    from mmspec.engine.step import Engine
+    if name == "head":
+        dec = SpecDecoder(target, build_head(target, "eagle3", seed=1), tok, tree="dynamic", tree_depth=3,
+                          tree_topk=2, tree_budget=6, prefix_cache_mb=0)
+    else:
+        dec = decoder(target, draft_shared, tok, name)
+    plans = []
+    plan_of = Engine._plan
+
+    def recording(self, *a, **kw):
+        out = plan_of(self, *a, **kw)
+        plans.append((out[0], self.width, self.lag))
+        return out
+
+    monkeypatch.setattr(Engine, "_plan", recording)
+    reqs = requests(7)
+    for r in reqs:
+        r["max_new_tokens"] = r["max_new_tokens"] + 30  # long enough for runs past the lag
+    want = [reference(target, r) for r in reqs]
+    got = run(dec, reqs, overlap=overlap, speculate=Scripted(LAG_PATTERN))
+    assert [r.token_ids for r in got] == want
+    width, lag = plans[0][1], plans[0][2]
+    assert lag > width
+    assert any(p.catch_up for p, _, _ in plans)  # the lag filled: one wide catch-up forward
+    assert any(p.spec is not None and p.feed == lag for p, _, _ in plans)  # a drafted step after a run
+    assert any(p.spec is not None and p.feed == width for p, _, _ in plans)  # and one right after a drafted one
+    catch_ups = sum(p.catch_up for p, _, _ in plans)
+    plain = sum(p.spec is None for p, _, _ in plans)
+    assert catch_ups * (lag - width) <= plain  # the drafter is fed once a lag's worth of plain steps, not every other
+    seeded = requests(5, seed=40)
+    for r in seeded:
+        r["max_new_tokens"] += 25
+    assert [r.token_ids for r in run(dec, seeded, overlap=overlap, speculate=Scripted(LAG_PATTERN))] == \
+        [r.token_ids for r in run(dec, seeded, overlap=overlap, speculate="always")]

@@ -13,7 +13,6 @@ from helpers.tiny import IMAGE, IMG, VEND, VIDEO, VSTART, make_prompt, make_qwen
 from mmspec import MMSpecError, SpecDecoder
 from mmspec.batch import BatchScheduler
 from mmspec.heads import build_head
-from mmspec.models.cache import DecodeCache
 from mmspec.prefix_cache import PrefixCache, PrefixEntry, RowPrefix, common_prefix, content_key, segment_digests
 
 
@@ -215,13 +214,27 @@ def test_keys_tell_images_apart():
     assert segment_digests({"pixel_values": pix, "image_grid_thw": grid}, ["image", "image"])[0] == q[0]
 
 
-def test_decode_cache_is_what_is_stored(target, draft_shared, tok):
+def test_what_is_stored_is_the_targets_own_kv(target, draft_shared, tok):
+    """A finished decode's entry (copied out of its row of the engine's RowCache) holds the
+    target's own keys and values of the prompt and the new tokens: those of one whole forward."""
+    from transformers import DynamicCache
+
+    from mmspec.models.base import cache_argument
+
     dec = SpecDecoder(target, draft_shared, tok, views="M")
-    ids1, pv = make_prompt(1, 16, seed=14)
-    dec.generate(ids1, pv, max_new_tokens=4)
+    ids1, pv = make_prompt(1, 16, seed=18)
+    r = dec.generate(ids1, pv, max_new_tokens=4)
+    assert IMG not in r.token_ids  # (the reference forward would read a generated placeholder as an image's)
     entry = next(iter(dec.prefix_cache.entries.values()))
-    assert isinstance(dec.target.new_cache(8), DecodeCache)
-    assert entry.target.kv[0][0].shape[-2] == entry.target.key.shape[0]
+    n = entry.target.kv[0][0].shape[-2]
+    assert n == entry.target.key.shape[0] and n >= ids1.shape[1]
+    seq = torch.cat([ids1[0], torch.tensor(r.token_ids)])[:n][None]
+    whole = DynamicCache(config=target.config)
+    with torch.no_grad():
+        target(input_ids=seq, pixel_values=pv, use_cache=True, **{cache_argument(target): whole})
+    for (k, v), layer in zip(entry.target.kv, whole.layers):
+        torch.testing.assert_close(k, layer.keys, rtol=0, atol=1e-9)
+        torch.testing.assert_close(v, layer.values, rtol=0, atol=1e-9)
 
 
 def test_seeded_sampling_turn_two_equals_a_fresh_decode(target, draft_shared, tok):

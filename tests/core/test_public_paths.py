@@ -18,7 +18,7 @@ PUBLIC = {
     "mmspec.errors": ["MMSpecError"],
     "mmspec.models": ["ModelAdapter", "adapter_for", "load_model", "load_tokenizer"],
     "mmspec.models.captioner": ["HFCaptioner", "FixedCaptioner"],
-    "mmspec.models.cache": ["DecodeCache"],
+    "mmspec.models.rows": ["RowCache", "full_attention"],
     "mmspec.batch": ["BatchScheduler", "StepEvent", "SpeculationPolicy"],
     "mmspec.heads.formats": ["load_external_head", "export_head", "detect_format"],
     "mmspec.train.loop": ["fit", "FitConfig"],

@@ -65,6 +65,29 @@ def test_parse_request_refuses_with_the_fix(fields, phrase):
     assert phrase in str(e.value) and e.value.status == 400
 
 
+def test_the_limits_are_checked_once_into_the_typed_request():
+    """The body's limits come out of validation as the typed Decoding make_request takes (no dict
+    in between), checked where generate()'s are (mmspec.request.decoding), each named as sent."""
+    from mmspec.request import Decoding
+
+    r = parse_request(body(max_completion_tokens=7, temperature=0.5, top_p=0.9, top_k=-1, seed=3, logprobs=True,
+                           top_logprobs=2), "m")
+    d = r.decoding
+    assert isinstance(d, Decoding)
+    assert (d.max_new_tokens, d.params.temperature, d.params.top_p, d.params.top_k, d.seed, d.logprobs) == \
+        (7, 0.5, 0.9, None, 3, 2)
+    assert parse_request(body(), "m").decoding.max_new_tokens is None  # the server's default, sized later
+    completion = json.dumps({"model": "m", "prompt": "hi"}).encode()
+    assert parse_request(completion, "m", completion=True).decoding.max_new_tokens == 16  # OpenAI's default there
+    for fields, param, phrase in (({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens "
+                                   "must be >= 1"), ({"top_k": -5}, "top_k", "top_k must be"),
+                                  ({"temperature": -1}, "temperature", "temperature must be a finite number >= 0"),
+                                  ({"temperature": 0, "top_p": 2}, "top_p", "top_p must be in (0, 1]")):
+        with pytest.raises(RequestError) as e:
+            parse_request(body(**fields), "m")
+        assert (e.value.param, e.value.status) == (param, 400) and phrase in str(e.value)
+
+
 def test_response_models_serialise_as_openai_clients_expect():
     from mmspec.serve import protocol as P
 

@@ -83,21 +83,20 @@ def server(decoder):
     dec, proc = decoder
     handed: list = []
     prompts: list = []
-    real, real_build = service_module.prepare_request, service_module.build_prompt
+    real, real_build = service_module.make_request, service_module.build_prompt
 
-    def prepare(d, kw, defaults=None):  # what the server hands the engine, recorded; the core's own checks after
-        c = kw.pop("constraint", None)
-        handed.append((c, prompts[-1]))
-        if c is not None and c.pattern == "(":  # as the core's compilation refuses it (mmspec.request.prepare)
+    def make(d, inputs, asked, *, constraint=None, **kw):  # what the server hands the engine, recorded; the core's
+        handed.append((constraint, prompts[-1]))  # own checks after
+        if constraint is not None and constraint.pattern == "(":  # as the core's compilation refuses it
             raise MMSpecError("the regex constraint cannot be compiled: Regex parsing error at position 2: The "
                               "parenthesis is not closed.; fix it")
-        return real(d, kw, defaults)
+        return real(d, inputs, asked, **kw)
 
     def build(*a, **kw):  # the prompt text (the tiny word-level tokenizer reads only its own words)
         prompts.append(real_build(*a, **kw))
         return prompts[-1]
 
-    service_module.prepare_request, service_module.build_prompt = prepare, build
+    service_module.make_request, service_module.build_prompt = make, build
     sched = ScriptedScheduler(eos=sorted(dec.eos_ids)[0])
     service = Service(dec, proc, ServeConfig(model_name="m", tool_call_parser="hermes"), scheduler=sched)
     served = ThreadServer(create_app(service))  # on a free loopback port, started
@@ -107,7 +106,7 @@ def server(decoder):
         yield client, sched, handed, dec.tokenizer
     finally:
         served.stop()
-        service_module.prepare_request, service_module.build_prompt = real, real_build
+        service_module.make_request, service_module.build_prompt = real, real_build
 
 
 def chat(client, **kw):

@@ -1,14 +1,15 @@
 """Latency of the pieces of IbED eq. 1-2: T_p, T_q(batch), T_V(gamma), plus vision / prefill.
 
-Owns the timing protocol: prefill a real KV cache (``transformers.DynamicCache``) once, then time
-single forwards on top of it, cropping the new positions off after every repeat so each
-repeat sees the same context. Reports medians. On CUDA every timed region is bracketed by
+Owns the timing protocol: prefill a real KV cache once, then time single forwards on top of it,
+each repeat over the same context (a ``DynamicCache`` crops the new positions off again; the
+engine's :class:`~mmspec.models.rows.RowCache` keeps no length: every repeat writes the same slots). Reports medians. On CUDA every timed region is bracketed by
 ``torch.cuda.synchronize``. It knows nothing about speculative decoding itself.
 
 - ``target_decode_s`` (T_p): one-token decode of the target, on the ``DynamicCache`` that
   ``target.generate`` (the baseline) uses.
 - ``target_verify_s`` (T_V(gamma)): one target forward over gamma + 1 tokens, on the engine's
-  preallocated cache (:mod:`mmspec.models.cache`), as are the draft's T_q.
+  rows (:class:`~mmspec.models.rows.RowCache`: the forward writes at device slots and attends over
+  the prompt's slots under a 4-D mask, as the engine's), as are the draft's T_q.
 - ``draft_decode_s[b]`` (T_q at batch b): one-token decode of the draft for b rows (an ensemble
   of b views runs as b rows of one batch). The draft is timed on the prompt with its image
   placeholders replaced by a text token, which keeps the context length.
@@ -19,6 +20,7 @@ repeat sees the same context. Reports medians. On CUDA every timed region is bra
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
 
 from mmspec.timing import median_time
 
@@ -36,16 +38,43 @@ def _image_token_id(model: torch.nn.Module) -> int | None:
     return None
 
 
+class _Rows:
+    """The engine's cache for a timing: every row prefilled to ``L`` slots of a :class:`RowCache`
+    with room for ``room`` more; :meth:`args` the keywords of a forward over new slots."""
+
+    def __init__(self, model: torch.nn.Module, rows: int, length: int, room: int):
+        from mmspec.models.rows import RowCache
+
+        self.cache = RowCache(model.config.get_text_config(decoder=True).num_hidden_layers)
+        self.cache.ensure(rows, length + room)
+        self.rows, self.length = rows, length
+
+    def args(self, start: int, n: int, device: torch.device) -> dict:
+        """Each row's slots ``start .. start + n - 1`` written, attending over every slot before."""
+        from mmspec.runtime.masks import causal, rows_mask
+
+        write = torch.full((self.rows,), start, dtype=torch.long, device=device)
+        span = start + n
+        self.cache.begin(0, write, span)
+        return {"attention_mask": rows_mask(write, span, causal(n, device)),
+                "position_ids": (write[:, None] + torch.arange(n, device=device)).contiguous()}
+
+
 @torch.inference_mode()
 def _prefill(model: torch.nn.Module, room: int | None = None, **inputs: torch.Tensor):
-    """room: None -> a DynamicCache (what ``generate`` uses); an int -> the engine's
-    preallocated cache with that many free positions after the prompt."""
+    """room: None -> a DynamicCache (what ``generate`` uses); an int -> the engine's rows
+    (:class:`_Rows`) with that many free slots after the prompt."""
     from mmspec.models.base import cache_argument
-    from mmspec.models.cache import new_decode_cache
 
-    max_len = None if room is None else inputs["input_ids"].shape[1] + room
-    cache = new_decode_cache(model.config, max_len)
-    out = model(**inputs, use_cache=True, **{cache_argument(model): cache})
+    ids = inputs["input_ids"]
+    if room is None:
+        cache = DynamicCache(config=model.config)
+        out = model(**inputs, use_cache=True, **{cache_argument(model): cache})
+    else:
+        cache = _Rows(model, ids.shape[0], ids.shape[1], room)
+        args = cache.args(0, ids.shape[1], ids.device)
+        inputs = {k: v for k, v in inputs.items() if k != "attention_mask"}
+        out = model(**inputs, **args, use_cache=True, **{cache_argument(model): cache.cache})
     return cache, out.logits[:, -1:].argmax(-1)  # cache, next token [B, 1]
 
 
@@ -55,28 +84,33 @@ def decode_time(model: torch.nn.Module, input_ids: torch.Tensor, n_new: int, rep
     """Median time of one forward over ``n_new`` new tokens on top of a prefilled cache.
 
     input_ids: [B, L] prompt; extra: e.g. pixel_values for the prefill only.
-    engine_cache: time on the cache mmspec's engine decodes with (preallocated) instead of the
-    ``DynamicCache`` that ``generate`` uses.
+    engine_cache: time on the cache mmspec's engine decodes with (its rows, :class:`_Rows`)
+    instead of the ``DynamicCache`` that ``generate`` uses.
     """
+    from mmspec.models.base import cache_argument
+
     dev = _device(model)
     input_ids = input_ids.to(dev)
     cache, nxt = _prefill(model, room=n_new if engine_cache else None, input_ids=input_ids,
                           **{k: v.to(dev) for k, v in extra.items()})
-    prefix = cache.get_seq_length()
+    prefix = input_ids.shape[1]
     new = nxt.repeat(1, n_new)  # [B, n_new]
-    pos = torch.arange(prefix, prefix + n_new, device=dev).unsqueeze(0).expand(new.shape[0], -1)
-    mask = torch.ones(new.shape[0], prefix + n_new, dtype=torch.long, device=dev)
+    if engine_cache:  # the same slots every repeat: the rows keep no length to roll back
+        kw = {**cache.args(prefix, n_new, dev), cache_argument(model): cache.cache}
 
-    from mmspec.models.base import cache_argument
+        def step() -> None:
+            model(input_ids=new, use_cache=True, **kw)
+    else:
+        pos = torch.arange(prefix, prefix + n_new, device=dev).unsqueeze(0).expand(new.shape[0], -1)
+        mask = torch.ones(new.shape[0], prefix + n_new, dtype=torch.long, device=dev)
+        kw = {cache_argument(model): cache}
 
-    kw = {cache_argument(model): cache}
-
-    def step() -> None:
-        model(input_ids=new, use_cache=True, position_ids=pos, attention_mask=mask, **kw)
-        cache.crop(-n_new)  # transformers 5: a negative count removes that many positions
+        def step() -> None:
+            model(input_ids=new, use_cache=True, position_ids=pos, attention_mask=mask, **kw)
+            cache.crop(-n_new)  # transformers 5: a negative count removes that many positions
 
     step()  # warm-up
-    if cache.get_seq_length() != prefix:
+    if not engine_cache and cache.get_seq_length() != prefix:
         raise RuntimeError(f"KV cache crop left {cache.get_seq_length()} positions, expected {prefix}")
     return median_time(step, dev, repeats)
 

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mmspec.cli.options import ModelFlags, RuntimeFlags, ShapeFlags, ViewFlags
 from mmspec.errors import MMSpecError
 
 # the model_type of every family that reads videos (models/*.py)
@@ -106,33 +107,35 @@ class GenerateOptions:
     image: list = field(default_factory=list)
     video: list = field(default_factory=list)
     frames: int = 8
-    target: str | None = None
-    draft: str | None = None
-    head: str | None = None
-    captioner: str | None = None
-    captioner_prompt: str | None = None
-    views: str = "M"
-    weights: str | None = None
-    gamma: int | None = None
-    tree: str | None = None
-    tree_depth: int | None = None
-    tree_topk: int | None = None
-    tree_budget: int | None = None
-    tree_children: str = "mixture"
-    stop_below: float | None = None
-    cuda_graphs: str = "auto"
-    compile: bool = False
+    # the flags of the groups generate and serve share: their defaults are the groups' (mmspec.cli.options,
+    # which take the decoder's from mmspec.config)
+    target: str | None = ModelFlags.target
+    draft: str | None = ModelFlags.draft
+    head: str | None = ModelFlags.head
+    captioner: str | None = ModelFlags.captioner
+    captioner_prompt: str | None = ModelFlags.captioner_prompt
+    views: str = ViewFlags.views
+    weights: str | None = ViewFlags.weights
+    gamma: int | None = ShapeFlags.gamma
+    tree: str | None = ShapeFlags.tree
+    tree_depth: int | None = ShapeFlags.tree_depth
+    tree_topk: int | None = ShapeFlags.tree_topk
+    tree_budget: int | None = ShapeFlags.tree_budget
+    tree_children: str = ViewFlags.tree_children
+    stop_below: float | None = ShapeFlags.stop_below
+    cuda_graphs: str = RuntimeFlags.cuda_graphs
+    compile: bool = RuntimeFlags.compile
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
-    dtype: str = "auto"
-    device: str = "cpu"
-    threads: int | None = None
-    model_free: str | None = None  # --model-free lookup|suffix beside the draft
-    lookup_options: str | None = None  # --lookup-options KEY=VALUE,...
-    check_head: bool = True  # a head runs a short calibration on load (mmspec.heads.check)
+    dtype: str = RuntimeFlags.dtype
+    device: str = RuntimeFlags.device
+    threads: int | None = RuntimeFlags.threads
+    model_free: str | None = ModelFlags.model_free  # --model-free lookup|suffix beside the draft
+    lookup_options: str | None = ModelFlags.lookup_options  # --lookup-options KEY=VALUE,...
+    check_head: bool = True  # a head runs a short calibration on load (mmspec.heads.check; the CLI's default: on)
     json_schema: Path | None = None  # --json-schema FILE
     regex: str | None = None  # --regex R
     choice: str | None = None  # --choice A,B,C

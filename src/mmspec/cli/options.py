@@ -9,6 +9,12 @@ the same model, drafting and runtime options from one declaration, ``check head`
 shape as they do, and each help text is written once. Options of one command alone stay with it.
 The checks of what the flags say are :mod:`mmspec.cli.checks`' (they read
 :class:`~mmspec.cli.checks.GenerateOptions`, which :meth:`Flags.fields` fills).
+
+A flag that sets one of :class:`~mmspec.SpecDecoder`'s options takes its default from
+:mod:`mmspec.config` (``DRAFT``, ``TREE``, ``RUNTIME`` below: the typed configs' defaults), never a
+literal of its own; where the command line means something else on purpose it says so beside the
+flag (``--views M``: the letter of the config's ``("multimodal",)``; ``--check-head``: on, where
+the Python default is off).
 """
 
 from __future__ import annotations
@@ -21,7 +27,10 @@ from typing import Any
 
 import typer
 
+from mmspec.config import DraftConfig, RuntimeConfig, TreeConfig
+
 MODELS, DRAFTING, RUNTIME = "Models", "Drafting", "Runtime"  # --help panels
+DRAFT, TREE, RUNTIME_CONFIG = DraftConfig(), TreeConfig(), RuntimeConfig()  # the defaults the flags map onto
 
 
 def option(default: Any, *decls: str, help: str, panel: str | None = None, **kw) -> Any:
@@ -95,13 +104,13 @@ class ModelFlags(Flags):
     head: str | None = option(None, "--head", help="A feature-level draft head directory (mmspec train head's, or an "
                               "EAGLE-1/2, EAGLE-3 or speculators one): it drafts from the target's own hidden states, "
                               "so --views and --captioner do not apply. `--draft HEAD_DIR` works too.", panel=MODELS)
-    model_free: str | None = option(None, "--model-free", help="lookup or suffix beside the draft model or head: "
+    model_free: str | None = option(DRAFT.model_free, "--model-free", help="lookup or suffix beside the draft model or head: "
                                     "their proposals join each block's tree as other branches (docs/lookup.md).",
                                     panel=MODELS)
-    lookup_options: str | None = option(None, "--lookup-options", help="Settings of lookup / suffix, KEY=VALUE "
+    lookup_options: str | None = option(DRAFT.lookup_options, "--lookup-options", help="Settings of lookup / suffix, KEY=VALUE "
                                         "comma-separated: ngram_min, ngram_max, candidates, suffix_depth, suffix_mb, "
                                         "suffix_factor, suffix_min_prob (docs/lookup.md, \"Bounds\").", panel=MODELS)
-    captioner: str | None = option(None, help="Captioner (HF image-to-text) for the caption view (C).", panel=MODELS)
+    captioner: str | None = option(DRAFT.captioner, help="Captioner (HF image-to-text) for the caption view (C).", panel=MODELS)
     captioner_prompt: str | None = option(None, help="Task prompt for the captioner, e.g. `<CAPTION>` for Florence-2 "
                                           "(default: the one an `mmspec train` captioner records).", panel=MODELS)
 
@@ -110,13 +119,14 @@ class ModelFlags(Flags):
 class ViewFlags(Flags):
     """How a draft model sees the prompt (``generate``, ``serve``)."""
 
+    # "M": the letter of DraftConfig's ("multimodal",)
     views: str = option("M", help="Drafting views: letters M,T,C,P or names, comma-separated (pooled:36); several = "
                         "the in-batch ensemble (e.g. MT, MTC). M is the fastest measured with the embedded pair "
                         "(docs/perf.md).", panel=DRAFTING)
-    weights: str | None = option(None, help="Ensemble weights: one number per view, comma-separated (default equal), "
+    weights: str | None = option(DRAFT.weights, help="Ensemble weights: one number per view, comma-separated (default equal), "
                                  "or adaptive (adaptive:loglik, adaptive:tabed:0.2: per block, TABED).",
                                  panel=DRAFTING)
-    tree_children: str = option("mixture", help="Tree children from the views' mixture, or 'views': each view's own "
+    tree_children: str = option(TREE.tree_children, help="Tree children from the views' mixture, or 'views': each view's own "
                                 "top tokens (trees only).", panel=DRAFTING)
 
 
@@ -124,18 +134,18 @@ class ViewFlags(Flags):
 class ShapeFlags(Flags):
     """A block's shape: a chain or a token tree (``generate``, ``serve``, ``check head``)."""
 
-    gamma: int | None = option(None, help="Draft tokens per block of a chain (default 5); a tree's shape is --tree's.",
+    gamma: int | None = option(TREE.gamma, help="Draft tokens per block of a chain (default 5); a tree's shape is --tree's.",
                                panel=DRAFTING)
-    tree: str | None = option(None, help="Block shape (README, \"Token trees\"): chain (default), dynamic (EAGLE-2 "
+    tree: str | None = option(TREE.tree, help="Block shape (README, \"Token trees\"): chain (default), dynamic (EAGLE-2 "
                               "with the device's measured defaults), DEPTHxTOPKxBUDGET such as 6x4x16, a static "
                               "tree as JSON child-rank paths, e.g. '[[0],[1],[0,0]]', or auto (per step the chain or "
                               "the dynamic tree at one of two budgets, by measured tokens/s).", panel=DRAFTING)
-    tree_depth: int | None = option(None, help="With --tree dynamic (or auto): expansion steps.", panel=DRAFTING)
-    tree_topk: int | None = option(None, help="With --tree dynamic (or auto): children per node and nodes expanded "
+    tree_depth: int | None = option(TREE.tree_depth, help="With --tree dynamic (or auto): expansion steps.", panel=DRAFTING)
+    tree_topk: int | None = option(TREE.tree_topk, help="With --tree dynamic (or auto): children per node and nodes expanded "
                                    "per depth.", panel=DRAFTING)
-    tree_budget: int | None = option(None, help="With --tree dynamic (or auto: the larger tree's): nodes verified per "
+    tree_budget: int | None = option(TREE.tree_budget, help="With --tree dynamic (or auto: the larger tree's): nodes verified per "
                                      "block (root excluded).", panel=DRAFTING)
-    stop_below: float | None = option(None, help="Chains only: stop drafting a block when the draft's probability of "
+    stop_below: float | None = option(TREE.stop_below, help="Chains only: stop drafting a block when the draft's probability of "
                                       "its proposal falls below this (lossless).", panel=DRAFTING)
 
 
@@ -143,11 +153,11 @@ class ShapeFlags(Flags):
 class RuntimeFlags(Flags):
     """Where and how the models run (``generate``, ``serve``)."""
 
-    cuda_graphs: str = option("auto", help="auto (on for a CUDA device), on, off.", panel=RUNTIME)
-    compile: bool = option(False, "--compile/--no-compile", help="The step's forwards through torch.compile "
+    cuda_graphs: str = option(RUNTIME_CONFIG.cuda_graphs, help="auto (on for a CUDA device), on, off.", panel=RUNTIME)
+    compile: bool = option(RUNTIME_CONFIG.compile, "--compile/--no-compile", help="The step's forwards through torch.compile "
                            "(inductor kernels, captured by the step's CUDA graph; compiling takes a while per "
                            "shape; uncompiled if it fails). docs/perf.md, §7.", panel=RUNTIME)
-    dtype: str = option("auto", help="auto, float32, bfloat16, float16, float64 (auto: float32 on the CPU, where "
+    dtype: str = option(RUNTIME_CONFIG.dtype, help="auto, float32, bfloat16, float16, float64 (auto: float32 on the CPU, where "
                         "half precision is several times slower; the checkpoint's own on a GPU; float64: exact "
                         "checks, slow).", panel=RUNTIME)
     device: str = option("cpu", help=DEVICE_HELP, panel=RUNTIME)

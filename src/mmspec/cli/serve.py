@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import signal
 import socket
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -20,7 +21,10 @@ from mmspec.cli.common import fail
 from mmspec.cli.generate import WORLD_WORDING
 from mmspec.cli.options import ModelFlags, RuntimeFlags, ShapeFlags, ViewFlags, takes
 from mmspec.errors import MMSpecError
+from mmspec.serve.config import ServeConfig
 from mmspec.serve.guard import check_origins, default_hosts
+
+SERVE = ServeConfig()  # the defaults of serve's flags: ServeConfig's (mmspec.serve.config)
 
 EMBEDDED_NAME = "mmspec-embedded"
 
@@ -35,29 +39,30 @@ def serve(
     views: ViewFlags,
     shape: ShapeFlags,
     runtime: RuntimeFlags,
-    max_batch: int = typer.Option(16, help="Requests decoded together; more wait for a free row."),
-    speculate: str = typer.Option("auto", help="auto: each step's draft depth (plain steps included) for the most "
+    max_batch: int = typer.Option(SERVE.max_batch, help="Requests decoded together; more wait for a free row."),
+    speculate: str = typer.Option(SERVE.speculate, help="auto: each step's draft depth (plain steps included) for the most "
                                   "tokens per second at the batch (the one policy: shared step costs, each row's "
                                   "acceptance); always: draft every block; never: batched target steps only. All "
                                   "lossless; a seed gives one answer under each."),
     prefix_cache_mb: float | None = typer.Option(None, help="Memory (MiB) for prefix caching: a "
                                                     "conversation's next turn prefills only its new part (default: "
                                                     "SpecDecoder's, 1024; 0: off)."),
-    max_tokens: int = typer.Option(512, help="A request's max_tokens when it gives none (capped by the room "
+    max_tokens: int = typer.Option(SERVE.max_tokens, help="A request's max_tokens when it gives none (capped by the room "
                                    "left in the target's context)."),
-    max_images: int | None = typer.Option(None, help="Images per request (default: as many as the target's "
+    max_images: int | None = typer.Option(SERVE.max_images, help="Images per request (default: as many as the target's "
                                              "context holds)."),
     allowed_local_media_path: list[Path] = typer.Option(
         [], help="A directory whose image files requests may name by path or file:// URL (repeatable; "
         "default: none, images come as data URLs)."),
     served_model_name: str | None = typer.Option(None, help="The model id of /v1/models and the responses "
                                                     f"(default: {EMBEDDED_NAME}, or --target as given)."),
-    shutdown_timeout: float = typer.Option(30.0, help="After SIGTERM: seconds the running requests get to finish."),
-    max_request_mb: float = typer.Option(32.0, help="Request bodies past this many MiB are refused (413) as they "
+    shutdown_timeout: float = typer.Option(SERVE.shutdown_timeout_s, help="After SIGTERM: seconds the running "
+                                           "requests get to finish."),
+    max_request_mb: float = typer.Option(SERVE.max_request_mb, help="Request bodies past this many MiB are refused (413) as they "
                                          "arrive."),
-    max_image_pixels: int = typer.Option(4096 * 4096, help="Pixels per image, read from its header before "
+    max_image_pixels: int = typer.Option(SERVE.max_image_pixels, help="Pixels per image, read from its header before "
                                          "decoding (larger: 400)."),
-    max_request_pixels: int = typer.Option(4 * 4096 * 4096, help="Pixels of all of a request's images together."),
+    max_request_pixels: int = typer.Option(SERVE.max_request_pixels, help="Pixels of all of a request's images together."),
     api_key: str | None = typer.Option(None, envvar="MMSPEC_API_KEY", show_default=False,
                                        help="Requests to /v1/ must send 'Authorization: Bearer KEY' (401 "
                                        "otherwise); also read from MMSPEC_API_KEY."),
@@ -66,12 +71,12 @@ def serve(
                                             "'*': any)."),
     cors_origins: list[str] = typer.Option([], help="Origins browsers may call the server from (repeatable; "
                                            "default: none, CORS off)."),
-    metrics: bool = typer.Option(True, help="GET /metrics in Prometheus' text format."),
+    metrics: bool = typer.Option(SERVE.metrics, help="GET /metrics in Prometheus' text format."),
     warm_up_context: int = typer.Option(2048, help="With CUDA graphs: before serving, capture every step's graph "
                                         "for up to --max-batch requests of up to this many positions (prompt and "
                                         "answer, images expanded), printing the graphs and seconds; longer "
                                         "requests capture on first use. 0: no warm-up."),
-    tool_call_parser: str | None = typer.Option(None, help="How the model's own tool calls are read, for "
+    tool_call_parser: str | None = typer.Option(SERVE.tool_call_parser, help="How the model's own tool calls are read, for "
                                                 "tool_choice 'auto' (the default with tools): 'hermes' for "
                                                 "checkpoints that write <tool_call>{...}</tool_call> (Qwen2.5-VL). "
                                                 "Without it 'auto' is refused; 'required' and a named function "
@@ -89,10 +94,6 @@ def serve(
         opts = check_decoder(GenerateOptions(check_head=check_head, **models.fields(), **views.fields(),
                                              **shape.fields(), **runtime.fields()))
         at_least("--max-batch", max_batch)
-        from mmspec.options import SPECULATE
-
-        if speculate not in SPECULATE:
-            raise MMSpecError(f"--speculate must be one of {', '.join(SPECULATE)}, got {speculate!r}")
         at_least("--max-tokens", max_tokens)
         if warm_up_context < 0 or warm_up_context == 1:
             raise MMSpecError(f"--warm-up-context must be 0 (no warm-up) or a number of positions >= 2, got "
@@ -111,21 +112,17 @@ def serve(
             raise MMSpecError("--api-key (or MMSPEC_API_KEY) is empty; give a key, or leave it unset for no key")
         hosts = None if "*" in allowed_hosts else (list(allowed_hosts) or default_hosts(host))
         check_origins(cors_origins)
-        from mmspec.serve.structured import TOOL_CALL_PARSERS
-
-        if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
-            raise MMSpecError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)} (checkpoints that "
-                              f"write <tool_call>{{...}}</tool_call> tags), got {tool_call_parser!r}")
+        config = ServeConfig(  # the flags onto the server's settings (speculate and the parser checked there)
+            model_name=served_model_name or "", max_batch=max_batch, speculate=speculate, max_tokens=max_tokens,
+            max_images=max_images, allowed_media=media, shutdown_timeout_s=shutdown_timeout,
+            max_request_mb=max_request_mb, max_image_pixels=max_image_pixels, max_request_pixels=max_request_pixels,
+            api_key=api_key, allowed_hosts=hosts, cors_origins=list(cors_origins), metrics=metrics,
+            tool_call_parser=tool_call_parser)
         _check_extra(metrics)
         sock = _bind(host, port)  # the port is ours before minutes of loading, or refused now
     except MMSpecError as e:
         fail(e)
-    _run(opts, sock, host, port, max_batch=max_batch, speculate=speculate, prefix_cache_mb=prefix_cache_mb,
-         max_tokens=max_tokens, max_images=max_images, media=media,
-         name=served_model_name, shutdown_timeout=shutdown_timeout, warm_up_context=warm_up_context,
-         guard=dict(max_request_mb=max_request_mb, max_image_pixels=max_image_pixels,
-                    max_request_pixels=max_request_pixels, api_key=api_key, allowed_hosts=hosts,
-                    cors_origins=list(cors_origins), metrics=metrics, tool_call_parser=tool_call_parser))
+    _run(opts, sock, host, port, config, prefix_cache_mb=prefix_cache_mb, warm_up_context=warm_up_context)
 
 
 def _media_dir(path: Path) -> Path:
@@ -169,15 +166,13 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _run(o, sock: socket.socket, host: str, port: int, *, max_batch: int, speculate: str,
-         prefix_cache_mb: float | None, max_tokens: int,
-         max_images: int | None, media: list, name: str | None, shutdown_timeout: float, guard: dict,
+def _run(o, sock: socket.socket, host: str, port: int, config: ServeConfig, *, prefix_cache_mb: float | None,
          warm_up_context: int = 0) -> None:
     import uvicorn
 
     from mmspec.cli.generate import EMBEDDED_NOTE, build_decoder, check_loaded_head, load_models
     from mmspec.serve.app import create_app
-    from mmspec.serve.service import ServeConfig, Service
+    from mmspec.serve.service import Service
 
     common.set_threads(o.threads)
     t, d, tok, proc, cap, embedded = load_models(o.target, o.draft, o.captioner, o.captioner_prompt, o.dtype,
@@ -188,13 +183,11 @@ def _run(o, sock: socket.socket, host: str, port: int, *, max_batch: int, specul
                         **({} if prefix_cache_mb is None else {"prefix_cache_mb": prefix_cache_mb}))
     check_loaded_head(o, dec)
     if warm_up_context and dec.graph_mode != "eager":  # every graph before the first request (docs/serve.md)
-        w = dec.warm_up(max_batch=max_batch, speculate=speculate, max_context=warm_up_context)
+        w = dec.warm_up(max_batch=config.max_batch, speculate=config.speculate, max_context=warm_up_context)
         common.console.print(f"mmspec serve: {w.line()}", highlight=False, soft_wrap=True)
-    config = ServeConfig(model_name=name or (EMBEDDED_NAME if embedded else o.target), max_batch=max_batch,
-                         speculate=speculate, max_tokens=max_tokens, max_images=max_images, allowed_media=media,
-                         shutdown_timeout_s=shutdown_timeout, **guard)
+    config = replace(config, model_name=config.model_name or (EMBEDDED_NAME if embedded else o.target))
     service = Service(dec, proc, config)
-    server = _server(uvicorn.Config(create_app(service), timeout_graceful_shutdown=shutdown_timeout + 1,
+    server = _server(uvicorn.Config(create_app(service), timeout_graceful_shutdown=config.shutdown_timeout_s + 1,
                                     log_level="info"), service)
     common.console.print(f"mmspec serve: {config.model_name!r} ({dec.method}, {dec.tree_label}) on "
                          f"http://{host}:{port}/v1 (POST /v1/chat/completions, POST /v1/completions, GET /v1/models, "

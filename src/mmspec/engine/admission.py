@@ -78,7 +78,7 @@ def admit(dec, engine: Engine, reqs: list, max_rows: int | None = None) -> list[
         if drafting is not None:
             longest = max(max((len(r.token_ids) for r in prompts[i].rows), default=reqs[i].ids.shape[0]) for i in group)
             # the decode's slots; a dynamic tree feeds (depth - 1) x topk nodes, more than its budget when that is small
-            room = max(dec.room(reqs[i].max_new_tokens) for i in group) + engine.width + 1 + inblock_slots(dec.tree)
+            room = max(dec.room(reqs[i].max_new_tokens) for i in group) + engine.lag + 1 + inblock_slots(dec.tree)
             drafting.ensure(engine.rows_for(first + k), longest + room)
             drafting.admit(first, [prompts[i] for i in group], [reqs[i] for i in group], feats)
         clock.mark()

@@ -69,6 +69,12 @@ from mmspec.runtime.verify import verify_steps
 from mmspec.stats import BlockRecord, GenerationStats
 from mmspec.timing import BlockClock
 
+# How far plain steps let the drafter fall behind (pending tokens) before a catch-up forward feeds
+# it: one wide draft forward every 15 plain steps rather than a narrow one every other step, so a
+# policy that decodes plainly while a draft does not pay runs close to plain decoding's speed
+# (docs/perf.md §16); the drafted step after such a run feeds the whole buffer once.
+PENDING_LAG = 16
+
 
 @dataclass
 class RowHost:
@@ -125,6 +131,8 @@ class StepPlan:
     span_draft: int  # draft slots attended
     flags: tuple  # the sampling paths the step runs: sorted (name, on) pairs of RowSampling's flags
     logprobs: int = 0  # top alternatives per emitted token: the most any row asks, at least 1 (0: no row asks)
+    feed: int = 0  # pending columns the step's inputs hold: a drafted step's feed (the engine's width, or
+    # its whole lag after plain steps), a plain step's whole buffer (0: the whole buffer)
     constrained: bool = False  # some row has a grammar: its trees are masked before verification (eager, no overlap)
 
 
@@ -199,8 +207,12 @@ class Engine:
         # for one plain step's token before the drafter must catch up
         # (model-free branches beside a draft are never fed: every accepted node of one is pending)
         short = drafting is None or (drafting.keeps_path and not proposals_beside)
-        self.width = (2 if short else spec.max_depth + 1) + 1
-        self.state = BatchState(self.device, self.width, feat_dim, feat_dtype=feat_dtype)
+        self.width = (2 if short else spec.max_depth + 1) + 1  # pending tokens a drafted step feeds
+        # the pending buffer (P): plain steps let the drafter lag this far behind before a
+        # catch-up forward feeds it (one wide forward every ``lag - 1`` plain steps, not a narrow
+        # one every other step); a drafted step after such a run feeds the whole buffer once
+        self.lag = max(self.width, PENDING_LAG) if drafting is not None else self.width
+        self.state = BatchState(self.device, self.lag, feat_dim, feat_dtype=feat_dtype)
         self.cache = RowCache(n_layers)
         cache = self.cache
         self.forward = RowForward(lambda mask, ids, pos: target.forward(
@@ -295,8 +307,9 @@ class Engine:
         return moved
 
     # ------------------------------------------------------------------ the step
-    def _input(self, R: int, depth: int, span: int = 0, flags: dict | None = None) -> StepInput:
+    def _input(self, R: int, depth: int, span: int = 0, flags: dict | None = None, feed: int = 0) -> StepInput:
         st = self.state
+        P = feed or st.width  # the pending columns fed (a drafted step's width, or the whole buffer)
         rs = st.sampling(R, flags)
         drawn = rs.any_sampling and not rs.all_coupled  # a row samples by rejection: the step's uniforms
         u = rng.uniforms(st.seed[:R], st.step[:R], rng.DRAFT, max(depth, 1)) if drawn else None
@@ -304,8 +317,8 @@ class Engine:
         if rs.any_coupled:  # the coupled rows' noise at the output positions of depths 1 .. depth + 1
             position = (st.length[:R] - st.origin[:R])[:, None] + torch.arange(depth + 1, device=self.device)
             noise = rng.gumbel(st.seed[:R], position, self.target.vocab_size)  # [R, depth + 1, V]
-        return StepInput(rows=R, pending=st.pending[:R], pending_len=st.pending_len[:R], remaining=st.remaining[:R],
-                         sampling=rs, u=u, feats=None if st.feat_dim is None else st.pending_feats[:R], span=span,
+        return StepInput(rows=R, pending=st.pending[:R, :P], pending_len=st.pending_len[:R], remaining=st.remaining[:R],
+                         sampling=rs, u=u, feats=None if st.feat_dim is None else st.pending_feats[:R, :P], span=span,
                          noise=noise)
 
     def step(self, depth: int | TreeSpec | None = None, proposers: list | None = None) -> list[list[int] | BaseException]:
@@ -424,8 +437,9 @@ class Engine:
             for r in self.rows:
                 r.unseen = []
         ahead = self._inflight[-1].plan if self._inflight else None  # launched, not read yet: bounded
-        catch_up = (spec is None and self.drafting is not None and self.draft_later
-                    and self._pending_bound(ahead) + 1 > self.width)
+        bound = self._pending_bound(ahead)
+        catch_up = spec is None and self.drafting is not None and self.draft_later and bound + 1 > self.lag
+        feed = (self.width if bound <= self.width else self.lag) if spec is not None else 0
         n_nodes = 1  # the root, then the drafted nodes and a model-free proposal's
         if spec is not None:
             n_nodes += (spec.n_nodes - 1 if self.drafting is not None else 0) + (spec.n_nodes - 1 if props else 0)
@@ -435,7 +449,8 @@ class Engine:
         span_d = 0
         if self.drafting is not None and (spec is not None or catch_up):
             fed = ahead is not None and (ahead.catch_up or (ahead.spec is not None))
-            span_d = self.drafting.span_for(spec, self.width, self.width + self.spec.max_depth if fed else 0)
+            ahead_fed = (ahead.feed or self.lag) + self.spec.max_depth if fed else 0
+            span_d = self.drafting.span_for(spec, feed or self.lag, ahead_fed)
             self.drafting.begin(R, 1 + (spec.n_generated if spec is not None else 0))
         drafting_adapts = spec is not None and getattr(self.drafting, "adaptive", None) is not None
         if drafting_adapts:  # the weights this step drafts with, kept for the request's stats
@@ -446,7 +461,7 @@ class Engine:
             flags, k = canonical_flags(flags), max(k, self.logprobs_width) if asked else 0
         keep = spec is None and self.drafting is not None and self.draft_later and not catch_up
         plan = StepPlan(rows=R, spec=spec, catch_up=catch_up, keep_pending=keep, proposals=props is not None, span=span,
-                        span_draft=span_d, flags=tuple(sorted(flags.items())), logprobs=k,
+                        span_draft=span_d, flags=tuple(sorted(flags.items())), logprobs=k, feed=feed,
                         constrained=self.constrained)
         return plan, props, failed
 
@@ -481,7 +496,7 @@ class Engine:
             self._graphs_generation = self.generation
         runner = self._step_runners.get(plan)
         if runner is None:
-            runner = StepRunner(lambda **props: self._device(plan, None, **props), None, mode=self.graphs,
+            runner = StepRunner(lambda **props: self._device(plan, None, **props), mode=self.graphs,
                                 name="step", pool=self.pool, keep=self._keep)
             runner.on_failure = self._graphs_gave_up
             self._step_runners[plan] = runner
@@ -512,7 +527,7 @@ class Engine:
         """Steps 1-4 on the device, every row at once, and the packed outcomes [R, W] (what the
         host reads). Reads no host value but ``plan``'s: a CUDA graph can capture it."""
         st, R, spec = self.state, plan.rows, plan.spec
-        x = self._input(R, self.spec.max_depth, plan.span_draft, dict(plan.flags))
+        x = self._input(R, self.spec.max_depth, plan.span_draft, dict(plan.flags), plan.feed)
         if plan.constrained:  # constrained rows draft only what their grammars allow
             x.grammar = DraftMask([r.grammar for r in self.rows], R, self.device)
         drafted: Drafted | None = None
@@ -599,7 +614,7 @@ class Engine:
     def _next_pending(self, x: StepInput, tok_path, path, n, m, next_token, hidden, plain_keep: bool) -> None:
         """Each row's pending tokens for the next step: the accepted nodes the drafter did not
         keep, then the target's token (a plain step that fed nothing: the old pending + it)."""
-        st, R, P = self.state, x.rows, self.width
+        st, R, P = self.state, x.rows, self.lag
         j = torch.arange(P, device=self.device)[None]  # [1, P]
         if plain_keep:  # nothing was fed to the draft: the target's token joins the pending ones
             at = x.pending_len[:, None]  # [R, 1]

@@ -75,22 +75,24 @@ def plan_set(engine: Engine, max_rows: int, shapes: list[TreeSpec | None], draft
     spans_d = _spans(drafting.rows.cache.capacity) if drafting is not None else [0]
     widths = (0, engine.logprobs_width)
     out = []
+    # a drafted step feeds the engine's width, or its whole lag after plain steps (policy "auto")
+    feeds = [engine.width] + ([engine.lag] if draft_later and engine.lag > engine.width and None in shapes else [])
     for R in sorted({bucket(r) for r in range(1, max_rows + 1)}):
         for spec in shapes:
             if spec is not None:
-                kinds = [(False, False, spans_d)]
+                kinds = [(False, False, spans_d, f) for f in feeds]
             elif drafting is None or not draft_later:
-                kinds = [(False, False, [0])]
+                kinds = [(False, False, [0], 0)]
             else:  # a plain step either feeds the drafter its pending tokens or keeps the target's
-                kinds = [(True, False, spans_d), (False, True, [0])]
-            for catch_up, keep, span_ds in kinds:
+                kinds = [(True, False, spans_d, 0), (False, True, [0], 0)]
+            for catch_up, keep, span_ds, feed in kinds:
                 for span in spans:
                     for span_d in span_ds:
                         for fl in (GREEDY_FLAGS, GENERAL_FLAGS):
                             for k in widths:
                                 out.append(StepPlan(rows=R, spec=spec, catch_up=catch_up, keep_pending=keep,
                                                     proposals=False, span=span, span_draft=span_d, flags=fl,
-                                                    logprobs=k))
+                                                    logprobs=k, feed=feed))
     return out
 
 

@@ -42,6 +42,7 @@ from torch import nn
 
 from mmspec.errors import MMSpecError, article
 from mmspec.heads.positions import MRoPE, mrope_section
+from mmspec.models.rows import full_attention
 
 VARIANTS = ("eagle", "eagle3", "msd")
 LAYERS = ("eagle", "eagle3", "llama")  # the decoder's first layer (HeadConfig.layer)
@@ -283,10 +284,10 @@ class FeatureHead(nn.Module):
         full = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))
         return full.index_copy(-1, self.d2t, small)
 
-    def new_cache(self, max_len: int, static: bool = False):
-        from mmspec.models.cache import new_decode_cache
-
-        return new_decode_cache(self.decoder.config, max_len, static=static)
+    @property
+    def full_attention(self) -> bool:
+        """The head's layers all attend over their whole past (what token trees need)."""
+        return full_attention(self.decoder.config)
 
     # ------------------------------------------------------------------ save / load
     def save(self, path: str | Path) -> Path:

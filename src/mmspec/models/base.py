@@ -10,7 +10,7 @@ from torch import nn
 
 from mmspec.drafting.views import placeholder_runs
 from mmspec.errors import MMSpecError
-from mmspec.models.cache import new_decode_cache
+from mmspec.models.rows import full_attention
 
 
 class ModelAdapter:
@@ -105,11 +105,11 @@ class ModelAdapter:
     def num_layers(self) -> int:
         return len(self.model.get_decoder().layers)
 
-    def new_cache(self, max_len: int | None = None, static: bool = False):
-        """A KV cache supporting ``crop(-n)``: preallocated for ``max_len`` positions when given
-        (O(1) roll-back, O(path) tree compaction, no per-step copy; ``static``: fixed-shape for
-        CUDA graphs; :mod:`mmspec.models.cache`), else a ``DynamicCache``."""
-        return new_decode_cache(self.model.config, max_len, static=static)
+    @property
+    def full_attention(self) -> bool:
+        """Every layer attends over all its past (no sliding window): what token trees, static
+        shapes and graphs need of the engine's :class:`~mmspec.models.rows.RowCache`."""
+        return full_attention(self.model.config)
 
     # -- multimodal prompts: what differs per family -----------------------------------
     def placeholders(self) -> dict[int, str]:

@@ -21,9 +21,18 @@ from __future__ import annotations
 
 import torch
 from transformers import Cache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values) [1, H, n, D]
+
+
+def full_attention(config) -> bool:
+    """Whether every decoder layer of a model with this config attends over all its past slots,
+    which a :class:`RowCache` assumes (slots are moved, rows cut back by the engine's lengths):
+    False for sliding windows, linear attention or shared KV layers. Token trees, static shapes
+    and graphs need it."""
+    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return all(t == "full_attention" for t in layer_types)
 
 
 class _Store:

@@ -32,11 +32,12 @@ from dataclasses import dataclass
 
 import torch
 
+from mmspec import config
 from mmspec.errors import MMSpecError
 
 MODES = ("eager", "cuda", "emulate")
 MIN_CAPACITY = 512  # the smallest static cache, in positions
-MAX_LOGPROBS = 20  # the most log-probability alternatives per token an engine serves by default (OpenAI's bound)
+MAX_LOGPROBS = config.MAX_LOGPROBS  # the most log-probability alternatives an engine serves by default (the config's)
 
 
 def canonical_flags(flags: dict) -> dict:
@@ -122,19 +123,18 @@ class _Graph:
 
 
 class StepRunner:
-    """Runs one model's decode forwards on one static cache: ``runner(**inputs) -> outputs``,
-    where ``fn(**inputs)`` is the eager forward (it writes the cache at its device cursor) and
-    returns a tensor or a tuple of tensors, e.g. ``ids=[B, n], pos=[B, n], mask=[B, 1, n,
+    """Runs one model's decode forwards on fixed buffers: ``runner(**inputs) -> outputs``,
+    where ``fn(**inputs)`` is the eager forward (it writes the cache at the device slots its
+    inputs name) and returns a tensor or a tuple of tensors, e.g. ``ids=[B, n], pos=[B, n], mask=[B, 1, n,
     capacity]`` -> logits [B, n, V]. The outputs of a replay live in the graph's memory: read
-    them before the next call. ``cache``: a :class:`~mmspec.models.cache.DecodeCache` whose
-    host-side length each call advances; None for a forward that leaves no host state (a
-    :class:`~mmspec.models.ragged.RaggedCache`'s: its rows' lengths are the engine's to set)."""
+    them before the next call. A forward on the engine's :class:`~mmspec.models.rows.RowCache`
+    leaves no host state (its rows' lengths are the engine's to set), so the runner keeps none."""
 
-    def __init__(self, fn: Callable[..., object], cache, mode: str = "eager", name: str = "model",
+    def __init__(self, fn: Callable[..., object], mode: str = "eager", name: str = "model",
                  warmup: int = 2, pool=None, keep: Callable[[], Callable[[], None]] | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.fn, self.cache, self.mode, self.name = fn, cache, mode, name
+        self.fn, self.mode, self.name = fn, mode, name
         self.warmup = warmup
         self.pool = pool if pool is not None else GraphPool(mode)
         self.keep = keep  # snapshots the state fn writes (a whole step); -> the function that restores it
@@ -156,9 +156,6 @@ class StepRunner:
             g.graph.replay()  # writes K/V at the device cursor and advances it
         else:
             self._replay_emulated(g)
-        if self.cache is not None:
-            n = next(iter(inputs.values())).shape[1]  # new positions: every input is [B, n, ...]
-            self.cache.set_host_length(self.cache.length + n)
         return g.outputs
 
     def prepare(self, **inputs: torch.Tensor) -> bool:
@@ -199,22 +196,16 @@ class StepRunner:
     def _replay_emulated(self, g: _Graph) -> None:
         """Run the forward on the graph's buffers and write its results INTO the outputs of the
         capture, as a replay does (so a caller that kept an output past the next call reads it
-        overwritten here too); then undo the host-side length change, as a replay would leave it
-        (a replay moves only the device cursor)."""
-        before = None if self.cache is None else self.cache.length
+        overwritten here too)."""
         out = self.fn(**g.inputs)
-        if self.cache is not None:
-            self.cache.set_host_length(before)
         for mine, new in zip(_tensors(g.outputs), _tensors(out)):
             mine.copy_(new)
 
     def _capture(self, inputs: dict[str, torch.Tensor]) -> _Graph:
-        """Warm up and capture ``fn`` on fresh input buffers. Whatever happens, the cache is left
-        as it was found: a capture executes nothing, and an attempt that fails part-way has still
-        run the Python side of some layers (each advanced its host-side length; the last one, had
-        it run, the device cursor), which the eager fallback must not inherit."""
+        """Warm up and capture ``fn`` on fresh input buffers. Whatever happens, the state ``keep``
+        names is left as it was found: a capture executes nothing, and an attempt that fails
+        part-way has still run some of it, which the eager fallback must not inherit."""
         g = _Graph(inputs={k: v.clone() for k, v in inputs.items()})
-        start = None if self.cache is None else self.cache.length
         restore = self.keep() if self.keep is not None else None
         try:
             if self.mode == "emulate":  # the CPU stand-in: the capture's one run of the Python side
@@ -226,15 +217,13 @@ class StepRunner:
                     raise
                 g.graph = "emulated"
             else:
-                g.graph, g.outputs = self._capture_cuda(g.inputs, start)
+                g.graph, g.outputs = self._capture_cuda(g.inputs)
         finally:
-            if self.cache is not None:
-                self.cache.set_length(start)  # every layer's host length and the device cursor
             if restore is not None:  # the capture's runs wrote state the replay writes again
                 restore()
         return g
 
-    def _capture_cuda(self, buffers: dict[str, torch.Tensor], start: int) -> tuple[object, object]:
+    def _capture_cuda(self, buffers: dict[str, torch.Tensor]) -> tuple[object, object]:
         dev = next(iter(buffers.values())).device
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -243,8 +232,6 @@ class StepRunner:
                 for _ in range(self.warmup):  # kernels choose their algorithms outside the capture
                     restore = self.keep() if self.keep is not None else None
                     self.fn(**buffers)
-                    if self.cache is not None:
-                        self.cache.set_length(start)
                     if restore is not None:
                         restore()
         finally:  # the eager fallback must not race a warm-up that is still running on the side stream

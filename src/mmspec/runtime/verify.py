@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmspec.errors import MMSpecError
+from mmspec.errors import ArgumentError
 
 
 @dataclass(frozen=True)
@@ -55,13 +55,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # refused rather than reinterpreted: transformers raises for these, or treats them otherwise
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
-            raise MMSpecError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+            raise ArgumentError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}",
+                                "temperature")
         if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
                                        or self.top_k < 0):
-            raise MMSpecError(f"top_k must be a whole number >= 0 (0 or None: no top-k), got {self.top_k!r}")
+            raise ArgumentError(f"top_k must be a whole number >= 0 (0 or None: no top-k), got {self.top_k!r}", "top_k")
         if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
-            raise MMSpecError(f"top_p must be in (0, 1] (1 or None: no nucleus filter), got {self.top_p!r}; "
-                              "for the single likeliest token use temperature=0")
+            raise ArgumentError(f"top_p must be in (0, 1] (1 or None: no nucleus filter), got {self.top_p!r}; "
+                                "for the single likeliest token use temperature=0", "top_p")
 
     @property
     def greedy(self) -> bool:

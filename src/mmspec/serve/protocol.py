@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -38,7 +39,10 @@ from pydantic import (
     model_validator,
 )
 
+from mmspec.errors import ArgumentError
 from mmspec.prompt import IMAGE_MARKER
+from mmspec.request import Decoding, decoding
+from mmspec.runtime.verify import SamplingParams
 from mmspec.serve.schema import (
     COMPLETION_MAX_TOKENS,
     IGNORED,
@@ -65,9 +69,9 @@ def _whole(value, info: ValidationInfo):
 
 
 def _number(value, info: ValidationInfo):
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                              or not math.isfinite(value) or value < 0):
-        raise RequestError(f"{info.field_name} must be a finite number >= 0, got {value!r}", param=info.field_name)
+    """A JSON number (its range is the limit's own: :func:`mmspec.request.decoding`)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+        raise RequestError(f"{info.field_name} must be a finite number, got {value!r}", param=info.field_name)
     return value
 
 
@@ -194,6 +198,7 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
     OFF: ClassVar[dict[str, tuple]] = {}  # field -> the values that mean "off" (the only ones accepted)
     completion: ClassVar[bool] = False  # /v1/completions (a raw prompt, not chat-framed)
+    DEFAULT_MAX_TOKENS: ClassVar[int | None] = None  # max_tokens left out (None: the server's, capped by the context)
 
     model: Any = None
     max_tokens: Whole = None
@@ -222,6 +227,7 @@ class _Request(BaseModel):
     response_format: Any = None
     structured_outputs: Any = None
     _plan: Plan = PrivateAttr(default=TEXT)
+    _decoding: Decoding | None = PrivateAttr(default=None)
 
     @classmethod
     def supported(cls) -> list[str]:
@@ -272,10 +278,6 @@ class _Request(BaseModel):
 
     @model_validator(mode="after")
     def _ranges(self):
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
-        if self.top_k is not None and self.top_k not in (0, -1) and self.top_k < 1:
-            raise RequestError(f"top_k must be >= 1 (or -1 for none), got {self.top_k}", param="top_k")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise RequestError(f"seed must be in [0, 2**63 - 1], got {self.seed}", param="seed")
         if not 1 <= self.n <= MAX_N:
@@ -284,14 +286,37 @@ class _Request(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream=true; drop it or set stream=true",
                                param="stream_options")
+        # the limits every request has (max_tokens, temperature, top_k, top_p, seed) are checked where
+        # generate()'s are, in mmspec.request.decoding: the one place; here they are named as the client sent them
+        name, limit = self._max_tokens()
+        temperature = 1.0 if self.temperature is None else float(self.temperature)  # OpenAI's and vLLM's default
+        top_k = None if self.top_k in (None, 0, -1) else self.top_k  # vLLM: 0 and -1 mean no top-k
+        try:
+            asked = decoding(max_new_tokens=limit, temperature=temperature, top_k=top_k, top_p=self.top_p,
+                             seed=self.seed, names={"max_new_tokens": name}, sized_later=True)
+        except ArgumentError as e:
+            raise RequestError(str(e), param=e.argument) from None
         # checked: now the sampling fields as decoding reads them (greedy ignores the filters and the seed, as OpenAI)
-        self.temperature = 1.0 if self.temperature is None else float(self.temperature)  # OpenAI's and vLLM's default
+        self.temperature = temperature
         greedy = self.temperature == 0
-        self.top_k = None if self.top_k in (None, 0, -1) or greedy else self.top_k  # vLLM: 0 and -1 mean no top-k
+        self.top_k = None if greedy else top_k
         self.top_p = None if self.top_p in (None, 1.0) or greedy else float(self.top_p)
         self.seed = None if greedy else self.seed
+        self.max_tokens = limit if limit is not None else self.DEFAULT_MAX_TOKENS
         self.stream, self.stop = bool(self.stream), self.stop or []
+        self._decoding = replace(asked, max_new_tokens=self.max_tokens, seed=self.seed,
+                                 params=SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p))
         return self
+
+    def _max_tokens(self) -> tuple[str, int | None]:
+        """(the field that sets the answer's token limit, its value as sent)."""
+        return "max_tokens", self.max_tokens
+
+    @property
+    def decoding(self) -> Decoding:
+        """What the request asks of its decoding, checked (:func:`mmspec.request.decoding`):
+        ``max_new_tokens`` None where the server's default applies (sized against the context)."""
+        return replace(self._decoding, logprobs=self.logprobs_top)
 
     @property
     def greedy(self) -> bool:
@@ -367,19 +392,19 @@ class ChatCompletionRequest(_Request):
             raise RequestError(f"the last message is the {self.messages[-1].role}'s; end messages with the user's "
                                "turn (or a tool's result): the server answers it",
                                param=f"messages[{len(self.messages) - 1}]")
-        a, b = self.max_tokens, self.max_completion_tokens
-        if a is not None and b is not None and a != b:
-            raise RequestError(f"max_tokens={a} and max_completion_tokens={b} disagree; pass one of them",
-                               param="max_tokens")
-        name = "max_tokens" if a is not None else "max_completion_tokens"
-        _at_least_one(name, a if a is not None else b)
         top = self.top_logprobs
         if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
             raise RequestError(f"top_logprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {top}", param="top_logprobs")
         if top and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs=true; set it, or drop top_logprobs", param="top_logprobs")
-        self.max_tokens = a if a is not None else b  # None: the server's default, capped by the context's room
         return self
+
+    def _max_tokens(self) -> tuple[str, int | None]:
+        a, b = self.max_tokens, self.max_completion_tokens
+        if a is not None and b is not None and a != b:
+            raise RequestError(f"max_tokens={a} and max_completion_tokens={b} disagree; pass one of them",
+                               param="max_tokens")
+        return ("max_tokens", a) if a is not None else ("max_completion_tokens", b)
 
     @property
     def chat_messages(self) -> list[ChatMessage]:
@@ -396,6 +421,7 @@ class CompletionRequest(_Request):
     OFF: ClassVar[dict[str, tuple]] = {**_OFF_CHAT, "echo": (False, None), "suffix": (None, ""), "best_of": (1, None),
                                        "tools": ([], None), "tool_choice": ("none", None)}
     completion: ClassVar[bool] = True
+    DEFAULT_MAX_TOKENS: ClassVar[int | None] = COMPLETION_MAX_TOKENS  # OpenAI's
     prompt: Any = None
     logprobs: Whole = None  # here: the number of alternatives per token
     echo: Any = None
@@ -431,11 +457,9 @@ class CompletionRequest(_Request):
     def _completion(self):
         if self.prompt is None:
             self._prompt(None)
-        _at_least_one("max_tokens", self.max_tokens)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise RequestError(f"logprobs must be from 0 to {MAX_TOP_LOGPROBS} (the alternatives per token), got "
                                f"{self.logprobs}", param="logprobs")
-        self.max_tokens = self.max_tokens or COMPLETION_MAX_TOKENS
         parts = [{"type": "text", "text": self.prompt}] if isinstance(self.prompt, str) else self.prompt
         self._turn = ChatMessage.model_validate({"role": "user", "content": parts})
         return self
@@ -453,12 +477,6 @@ class CompletionRequest(_Request):
     @property
     def logprobs_top(self) -> int | None:
         return self.logprobs
-
-
-def _at_least_one(name: str, value: int | None) -> None:
-    if value is not None and value < 1:
-        raise RequestError(f"{name} must be >= 1, got {value}; ask for at least one token, or leave it out "
-                           "for the server's default", param=name)
 
 
 # ----------------------------------------------------------------------- responses

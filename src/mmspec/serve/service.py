@@ -1,13 +1,13 @@
 """The served decoder and what a request becomes before it reaches the worker.
 
-Owns :class:`ServeConfig` (the server's settings), :class:`Service` (the decoder, its processor,
+Owns :class:`Service` (the decoder, its processor,
 the :class:`~mmspec.serve.worker.Worker`) and :meth:`Service.prepare`: a validated request (the
-pydantic model of :mod:`.protocol`, typed from the wire) -> a :class:`Prepared` holding the ONE
-request type the scheduler runs, :class:`mmspec.request.Request`, made by
-:func:`mmspec.request.prepare` (every check of ``generate``, the seed chosen there, the context
-rule there) from the processor's whole output, the PIL images (for a captioner or a draft with
-its own processor), the sampling settings and the ``logprobs`` asked for (the engine reads them
-from its verify forwards: :mod:`mmspec.engine.step`). Whatever would fail later is refused here with a
+pydantic model of :mod:`.protocol`, typed from the wire, its limits already checked into a
+:class:`mmspec.request.Decoding` as it was parsed) -> a :class:`Prepared` holding the ONE request
+type the scheduler runs, :class:`mmspec.request.Request`, made by :func:`mmspec.request.make_request`
+(the decoder's checks, the seed chosen there, the context rule there) from the processor's whole
+output, the PIL images (for a captioner or a draft with its own processor) and that
+``Decoding``: no dict of arguments in between. Whatever would fail later is refused here with a
 :class:`~mmspec.serve.schema.RequestError`: more images than the server takes, an unreadable
 image, a prompt or ``max_tokens`` past the context (:func:`mmspec.request.context_room` sizes the
 default ``max_tokens``; a :class:`~mmspec.request.ContextError` is reworded for the client). It
@@ -18,47 +18,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from mmspec.errors import MMSpecError
-from mmspec.options import SPECULATE
-from mmspec.request import ContextError, Request, context_room
-from mmspec.request import prepare as prepare_request
+from mmspec.request import ContextError, Request, context_room, make_request
+from mmspec.serve.config import ServeConfig
 from mmspec.serve.messages import PixelBudget, build_prompt, image_refs, load_image, texts
 from mmspec.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from mmspec.serve.schema import MAX_SEED, RequestError
-from mmspec.serve.structured import TOOL_CALL_PARSERS
 from mmspec.serve.worker import LoopMailbox, Worker, make_scheduler
 
+__all__ = ["Body", "Prepared", "ServeConfig", "Service"]  # ServeConfig: mmspec.serve.config's, also read from here
 TEXT_MARGIN = 4  # a normalizer may shorten text (NFKC: a 3-byte full-width letter -> 1 byte)
-
-
-@dataclass
-class ServeConfig:
-    """``mmspec serve``'s settings (the CLI maps its flags onto these)."""
-
-    model_name: str = "mmspec"
-    max_batch: int = 16  # requests decoded together
-    speculate: str = "auto"  # BatchScheduler's policy, one of mmspec.options.SPECULATE (auto: drafting off where it loses)
-    max_tokens: int = 512  # a request's max_tokens when it gives none (capped by the room in the context)
-    max_images: int | None = None  # images per request; None: as many as the target's context holds
-    allowed_media: list[Path] = field(default_factory=list)  # directories local image files may come from
-    shutdown_timeout_s: float = 30.0  # after SIGTERM, how long running requests get to finish
-    max_request_mb: float = 32.0  # request bodies past this are refused (413) while they arrive
-    max_image_pixels: int | None = 4096 * 4096  # per image, read from its header before decoding
-    max_request_pixels: int | None = 4 * 4096 * 4096  # all of a request's images together
-    api_key: str | None = None  # /v1/ routes need "Authorization: Bearer <api_key>"
-    allowed_hosts: list[str] | None = None  # Host header names answered (None: any)
-    cors_origins: list[str] = field(default_factory=list)  # origins browsers may call from (none: CORS off)
-    metrics: bool = True  # GET /metrics (prometheus-client)
-    tool_call_parser: str | None = None  # "hermes": tool_choice "auto" parses <tool_call> tags (None: "auto" refused)
-
-    def __post_init__(self) -> None:
-        if self.speculate not in SPECULATE:
-            raise MMSpecError(f"speculate must be one of {', '.join(SPECULATE)}, got {self.speculate!r}")
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise MMSpecError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
-                              f"{self.tool_call_parser!r}")
 
 
 Body = ChatCompletionRequest | CompletionRequest  # a validated request (mmspec.serve.protocol)
@@ -161,14 +131,13 @@ class Service:
         inputs = to_target(inputs, self.decoder.target.device, self.decoder.target_model.dtype)
         timings = {"images": t1 - t0, "processor": time.perf_counter() - t1}
         n_prompt = int(inputs["input_ids"].shape[-1])
-        room = context_room(self.context, n_prompt, self.depth)
-        max_tokens = req.max_tokens or (self.config.max_tokens if room is None else max(1, min(self.config.max_tokens,
-                                                                                                 room)))
-        constrained = {"constraint": plan.constraint} if plan.constraint is not None else {}  # (unconstrained: as before)
+        asked = req.decoding  # checked as the request was parsed
+        if asked.max_new_tokens is None:  # the server's default, capped by the room in the context
+            room = context_room(self.context, n_prompt, self.depth)
+            asked = replace(asked, max_new_tokens=self.config.max_tokens if room is None else
+                            max(1, min(self.config.max_tokens, room)))
         try:
-            request = prepare_request(self.decoder, {
-                **inputs, "images": images or None, "max_new_tokens": max_tokens, "temperature": req.temperature,
-                "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed, "logprobs": req.logprobs_top, **constrained})
+            request = make_request(self.decoder, inputs, asked, images=images or None, constraint=plan.constraint)
         except ContextError as e:
             raise _past_the_context(e, req.max_tokens is not None) from None
         except MMSpecError as e:
