@@ -54,7 +54,7 @@ class TextDelta:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, ids) -> str:
-        self.tokens.extend(int(t) for t in ids)
+        self.tokens.extend(ids if type(ids) is list else [int(t) for t in ids])  # the engine's: a list of ints already
         before = self._decode(self.tokens[self.prefix:self.read])
         text = self._decode(self.tokens[self.prefix:])
         if len(text) <= len(before) or text.endswith("\ufffd") or not text.startswith(before):

@@ -37,7 +37,7 @@ ELSEWHERE = {
 TESTED_HERE = ["batch_speed", "prefix_speed", "tree_sweep", "cpu_shapes", "serve_load", "head_formats_check",
                "serve_overhead", "lookup_speed", "serve_speed", "logprobs_cost", "mmspec_split",
                "threads", "policy_speed", "graph_warmup", "constrained_speed",
-               "seed_coupling"]
+               "seed_coupling", "host_breakdown"]
 
 
 def run_script(name: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -271,6 +271,21 @@ def test_policy_speed(tmp_path):
     assert {(r["workload"], r["mode"]) for r in runs} == {(w, m) for w in (2, "ragged") for m in ("always", "never", "auto")}
     sums = [r for r in rows if r.get("summary")]
     assert len(sums) == 2 and all(r["same_as_never"] for r in sums) and all(r["auto_vs_best"] > 0 for r in sums)
+
+
+def test_host_breakdown(tmp_path):
+    """Two batch sizes, streamed text: a line per B with every component, then the fit."""
+    out = tmp_path / "h.jsonl"
+    res = run_script("host_breakdown", "--batch", "1", "3", "--new", "16", "--stream", "--out", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    per_b, fit = rows[:-1], rows[-1]["fit"]
+    assert [r["B"] for r in per_b] == [1, 3] and all(r["steady_steps"] > 0 and r["host_ms"] > 0 for r in per_b)
+    assert set(fit) == {"host", "step_maths", "model_glue", "draft", "verify", "plan", "policy", "emit", "events",
+                        "other"}
+    res = run_script("host_breakdown", "--handoff", "--batch", "2", "--steps", "3")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert set(json.loads(res.stdout.splitlines()[-1])["handoff_us_per_step"]) == {"per_update", "mailbox"}
 
 
 def test_graph_warmup(tmp_path):

@@ -500,3 +500,33 @@ def test_the_worker_outlives_a_broken_scheduler_call(monkeypatch):
         assert wait_until(lambda: second and second[-1].kind == "event" and second[-1].event.finished)
     finally:
         w.stop()
+
+
+def test_a_steps_updates_reach_the_loop_in_order_with_one_wake_up():
+    """The worker hands a step's updates to the event loop through LoopMailbox: every one arrives,
+    in order, in its own queue, and a step's worth wakes the loop once (not once per row)."""
+    import asyncio
+
+    from mmspec.serve.worker import LoopMailbox
+
+    loop = asyncio.new_event_loop()
+    wakes = []
+    real = loop.call_soon_threadsafe
+    loop.call_soon_threadsafe = lambda *a: (wakes.append(a), real(*a))  # counts the wake-ups
+
+    async def main():
+        box = LoopMailbox(loop)
+        queues = [asyncio.Queue(), asyncio.Queue()]
+        worker = threading.Thread(target=lambda: [box.put(queues[i % 2], i) for i in range(32)])
+        worker.start()
+        worker.join()
+        got = [[await q.get() for _ in range(16)] for q in queues]
+        return got, box
+
+    try:
+        got, box = loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert got == [list(range(0, 32, 2)), list(range(1, 32, 2))]
+    assert len(wakes) == 1
+    box.put(asyncio.Queue(), "late")  # a closed loop: nobody waits, nothing raised

@@ -92,9 +92,13 @@ class DraftRows:
 
     def advance(self, delta: list[int]) -> None:
         """Host mirrors after a step's read: request b's rows committed ``delta[b]`` more slots."""
+        p = self.per
+        if p == 1:  # one draft row per request (one view): one pass, no index arithmetic per row
+            self.lengths[:len(delta)] = [n + d for n, d in zip(self.lengths, delta)]
+            return
         for b, d in enumerate(delta):
-            for v in range(self.per):
-                self.lengths[b * self.per + v] += d
+            for v in range(p):
+                self.lengths[b * p + v] += d
 
     def snapshot(self, b: int) -> list[KV | None]:
         """Request b's rows as the prefix cache keeps them (their committed slots)."""

@@ -297,10 +297,20 @@ class SpeculationPolicy:
         w = self.smoothing
         acc_sum = rej_sum = 0.0
         predicted = emitted = 0.0
+        prior, pb = None, self.prior_blocks
         for row, acc, depth, rejected, n_out in blocks:  # plain floats: no array per row
             if depth <= 0:
                 continue
-            al = min(self.row_alpha(row), 1.0 - 1e-9)
+            if prior is None:
+                prior = self.pooled_alpha()
+            avg = row.accept_avg  # row_alpha(row), inline: a row's work a step is a few float operations
+            if avg is None:
+                al = prior
+            else:
+                own = avg[0] / (avg[0] + avg[1]) if avg[0] + avg[1] > 0 else prior
+                own_w = avg[2] / (avg[2] + pb)
+                al = own_w * own + (1 - own_w) * prior
+            al = min(al, 1.0 - 1e-9)
             predicted += (1.0 - al ** (min(depth, a.depth) + 1)) / (1.0 - al)
             emitted += n_out
             if row.accept_avg is None:

@@ -193,11 +193,12 @@ class BatchScheduler:
         actives, shape = launched.actives, launched.shape
         outcomes = self.engine.finish(launched.step)
         where = {id(a): b for b, a in enumerate(self._active)}
+        rows, stream = self.engine.rows, self.stream_text
         events: list[StepEvent] = []
         blocks = []  # per row: what the policy learns its acceptance from
         finished: list[int] = []
-        count_shapes = self.policy.shapes is not None and shape is not None
-        for a, kept in zip(actives, outcomes):
+        label = shape.label if self.policy.shapes is not None and shape is not None else None
+        for a, kept in zip(actives, outcomes):  # per row: its tokens, text and event (nothing else)
             if kept is None:  # left (cancelled, failed or finished) while the step was in flight
                 continue
             b = where[id(a)]
@@ -205,22 +206,22 @@ class BatchScheduler:
                 events.append(StepEvent(a.rid, [], "", True, None, error=_message(kept), exception=kept))
                 finished.append(b)
                 continue
-            row = self.engine.rows[b]
-            if count_shapes:
-                row.stats.shapes[shape.label] = row.stats.shapes.get(shape.label, 0) + 1
-            rec = row.stats.blocks[-1]
+            row = rows[b]
+            st = row.stats
+            if label is not None:
+                st.shapes[label] = st.shapes.get(label, 0) + 1
+            rec = st.blocks[-1]
             if rec.n_drafted > 0:
-                stopped = rec.n_accepted < rec.drafted_depth and len(kept) == rec.n_accepted + 1
-                blocks.append((row, rec.n_accepted, rec.drafted_depth, int(stopped), len(kept)))
-            text = a.delta.push(kept) if self.stream_text else ""
+                depth, acc = rec.drafted_depth, rec.n_accepted
+                blocks.append((row, acc, depth, int(acc < depth and len(kept) == acc + 1), len(kept)))
+            text = a.delta.push(kept) if stream and kept else ""
             result = None
             if row.done:
-                text += a.delta.finish() if self.stream_text else ""
+                text += a.delta.finish() if stream else ""
                 result = self._finish(b, a)
+                finished.append(b)
             lps = None if row.logprobs_top is None else row.logprobs[len(row.logprobs) - len(kept):]
             events.append(StepEvent(a.rid, kept, text, row.done, result, logprobs=lps))
-            if row.done:
-                finished.append(b)
         timed = self.engine.capture_s + self.engine.compile_s == launched.setup  # a step that captured is not timed
         plan = launched.step.plan  # nor a drafted step that fed the drafter a run of plain steps' tokens (not its own cost)
         timed = timed and not (plan.spec is not None and plan.feed > self.engine.width)

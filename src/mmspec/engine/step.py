@@ -375,37 +375,37 @@ class Engine:
             host = step.packed.tolist()
         else:
             host = step.packed
-        st, plan = self.state, step.plan
-        index = {id(r): b for b, r in enumerate(self.rows)}  # rows may have moved or left since the launch
+        plan, rows = step.plan, self.rows
+        index = {id(r): b for b, r in enumerate(rows)}  # rows may have moved or left since the launch
         drafted = plan.spec is not None and self.drafting is not None
+        fed = drafted or plan.catch_up  # the drafter took the rows' pending tokens: its mirrors advance
         k = plan.logprobs
         d1 = (len(host[0]) - 4) // (2 + 2 * k if k else 1) if host else 0  # path positions: a token column each (+ 1 + 2k)
+        depth = 0 if plan.spec is None else plan.spec.max_depth
+        lengths, failed, clock = self.state.lengths, step.failed, step.clock
         emitted: list = []
-        advance = [0] * len(self.rows)
-        for i, (row, h) in enumerate(zip(step.rows, host)):
+        advance = [0] * len(rows) if fed else None
+        for i, (row, h) in enumerate(zip(step.rows, host)):  # per row: only what cannot be done for all at once
             b = index.get(id(row))
             if b is None or row.done:  # its tokens past its end are dropped
                 emitted.append(None)
                 continue
-            n_acc, nxt, kept_m, nv, toks = h[0], h[1], h[2], h[3], h[4:4 + d1]
-            advance[b] = (row.pending_len + kept_m) if (drafted or plan.catch_up) else 0
-            if drafted:
-                row.pending_len = n_acc - kept_m + 1
-            elif plan.keep_pending:
-                row.pending_len += 1
-            else:
-                row.pending_len = 1
-            st.lengths[b] += n_acc + 1
+            n_acc, nxt, kept_m, nv = h[0], h[1], h[2], h[3]
+            if fed:
+                advance[b] = row.pending_len + kept_m
+            row.pending_len = n_acc - kept_m + 1 if drafted else row.pending_len + 1 if plan.keep_pending else 1
+            lengths[b] += n_acc + 1
             if drafted:
                 row.drafted.append(nv > 1)
-            tokens = toks[1:n_acc + 1] + [nxt]
+            tokens = h[5:5 + n_acc]  # the accepted drafts (path positions 1 .. n_acc), then the target's token
+            tokens.append(nxt)
             scored = None if row.logprobs_top is None else unpack_logprobs(h[4 + d1:], tokens, k, row.logprobs_top)
-            kept = self._emit(row, tokens, n_acc, nv, plan.spec, step.clock, scored)
+            kept = self._emit(row, tokens, n_acc, nv, depth, clock, scored)
             if row.grammar is not None:  # the matcher advances by what the row emitted
                 row.grammar.accept(kept)
                 row.stats.forced_tokens, row.stats.grammar_s = row.grammar.forced, row.grammar.host_s
-            emitted.append(step.failed.get(i, kept))
-        if self.drafting is not None and any(advance):
+            emitted.append(failed.get(i, kept) if failed else kept)
+        if advance is not None and any(advance):
             self.drafting.advance(advance)
         return emitted
 
@@ -589,23 +589,25 @@ class Engine:
             packed.append(path_logprobs(raw, path, emitted, plan.logprobs))
         return torch.cat(packed, 1)
 
-    def _emit(self, row: RowHost, tokens: list[int], n_acc: int, n_valid: int, spec, clock,
+    @staticmethod
+    def _emit(row: RowHost, tokens: list[int], n_acc: int, n_valid: int, depth: int, clock,
               scored: list[TokenLogprob] | None) -> list[int]:
-        kept = tokens[:row.remaining]
-        for i, t in enumerate(kept):
-            if t in row.eos_ids:
-                kept = kept[:i + 1]
-                break
+        """Row ``row``'s tokens of a step, cut at its limit and at its first EOS, into its record
+        (``depth``: the step's deepest draft position; 0: a plain step)."""
+        room = row.max_new_tokens - len(row.tokens)
+        kept = tokens if len(tokens) <= room else tokens[:room]
+        eos = row.eos_ids
+        if eos and not eos.isdisjoint(kept):
+            kept = kept[:next(i for i, t in enumerate(kept) if t in eos) + 1]
+        n = len(kept)
         row.steps += 1
         row.unseen.extend(kept)
-        depth = 0 if spec is None else min(spec.max_depth, row.remaining - 1)
         row.tokens.extend(kept)
         if scored is not None:
-            row.logprobs.extend(scored[:len(kept)])
-        row.stats.blocks.append(BlockRecord(n_drafted=n_valid - 1, n_accepted=min(n_acc, len(kept)),
-                                            n_emitted=len(kept), depth=depth))
+            row.logprobs.extend(scored[:n])
+        row.stats.blocks.append(BlockRecord(n_valid - 1, min(n_acc, n), n, depth=min(depth, room - 1) if depth else 0))
         row.clocks.append(clock)
-        if kept and (kept[-1] in row.eos_ids or len(row.tokens) >= row.max_new_tokens):
+        if n and (n >= room or kept[-1] in eos):
             row.done = True
         return kept
 

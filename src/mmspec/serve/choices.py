@@ -38,14 +38,11 @@ class Run:
         self.name = service.config.model_name
         self.cid = R.new_id("cmpl-" if self.completion else "chatcmpl-")
         self.queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
+        mailbox = service.mailbox(asyncio.get_running_loop())
 
         def sink(i):
-            def put(update: Update) -> None:  # worker thread
-                try:
-                    loop.call_soon_threadsafe(self.queue.put_nowait, (i, update))
-                except RuntimeError:  # the loop has closed: nobody is waiting any more
-                    pass
+            def put(update: Update) -> None:  # worker thread: one wake-up of the loop per step, not per update
+                mailbox.put(self.queue, (i, update))
             return put
 
         eos = frozenset(service.decoder.eos_ids)

@@ -25,7 +25,7 @@ from mmspec.serve.config import ServeConfig
 from mmspec.serve.messages import PixelBudget, build_prompt, image_refs, load_image, texts
 from mmspec.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from mmspec.serve.schema import MAX_SEED, RequestError
-from mmspec.serve.worker import Worker, make_scheduler
+from mmspec.serve.worker import LoopMailbox, Worker, make_scheduler
 
 __all__ = ["Body", "Prepared", "ServeConfig", "Service"]  # ServeConfig: mmspec.serve.config's, also read from here
 TEXT_MARGIN = 4  # a normalizer may shorten text (NFKC: a 3-byte full-width letter -> 1 byte)
@@ -69,6 +69,13 @@ class Service:
             renew = lambda old: self._renewed(old, decoder, config)  # noqa: E731
         self.worker = Worker(self._metered(scheduler), renew=renew)
         self.started = time.time()
+        self._mailbox: LoopMailbox | None = None
+
+    def mailbox(self, loop) -> LoopMailbox:
+        """Where the worker hands updates to the event loop ``loop`` (the server's: one)."""
+        if self._mailbox is None or self._mailbox.loop is not loop:
+            self._mailbox = LoopMailbox(loop)
+        return self._mailbox
 
     def _renewed(self, old, decoder, config: ServeConfig):
         """A fresh scheduler for the next burst: the old one's policy carried over, its static

@@ -43,6 +43,39 @@ def make_scheduler(decoder, max_batch: int, speculate="always"):
     return BatchScheduler(decoder, max_batch=max_batch, speculate=speculate)
 
 
+class LoopMailbox:
+    """Updates from the worker thread to the queues of one asyncio event loop, with ONE wake-up
+    of the loop for what a step hands over (the loop's ``call_soon_threadsafe`` writes to its
+    wake-up pipe: 3-25 us of the worker's time each, measured; once per row and step it grew with
+    the batch). :meth:`put` (worker thread) appends and schedules a flush unless one is pending;
+    the flush (loop thread) puts everything in order into its queues."""
+
+    def __init__(self, loop):
+        self.loop = loop
+        self._items: list = []
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def put(self, inbox, item) -> None:
+        with self._lock:
+            self._items.append((inbox, item))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._flush)
+        except RuntimeError:  # the loop has closed: nobody is waiting any more
+            with self._lock:
+                self._items.clear()
+                self._scheduled = False
+
+    def _flush(self) -> None:
+        with self._lock:
+            items, self._items, self._scheduled = self._items, [], False
+        for inbox, item in items:
+            inbox.put_nowait(item)
+
+
 @dataclass
 class Update:
     """What the worker tells a job. ``kind``: "admitted" (submit accepted it), "rejected" (bad
