@@ -89,7 +89,7 @@ def grammar_timer():
         saved.append((owner, name, fn))
         setattr(owner, name, wrapper)
 
-    timed(step, "verify_mask")
+    timed(step, "constrained_tree")
     timed(state.DraftMask, "mask")
     timed(state.RowGrammar, "accept")
     timed(proposals.ConstrainedProposer, "propose")

@@ -182,7 +182,7 @@ def test_forced_tokens_ride_free(ctarget, ctok, monkeypatch):
     ids, pv = make_prompt(1, 16, seed=3)
     ref = constrained_reference(ctarget, ids, pv, 60, compiled(dec, c))
     fast = dec.generate(ids, pv, max_new_tokens=60, constraint=c)
-    monkeypatch.setattr(RowGrammar, "forced_chain", lambda self, depth: [])
+    monkeypatch.setattr(RowGrammar, "forced_run", lambda self, path, budget: [])
     slow = dec.generate(ids, pv, max_new_tokens=60, constraint=c)
     assert fast.token_ids == slow.token_ids == ref
     assert fast.stats.forced_tokens == slow.stats.forced_tokens > 10

@@ -5,22 +5,22 @@
 step's one read), and counts the tokens the grammar forced (the only legal token where they were
 emitted: ``GenerationStats.forced_tokens``).
 
-:func:`verify_mask` is the hook in :meth:`mmspec.engine.step.Engine._device` between the draft and
-the verification: it reads the step's drafted trees (tokens, parents) to the host (a step with a
-constrained row reads them once more: xgrammar runs on the host), fills every node's bitmask with
-the grammar state along that node's path (``GrammarMatcher.traverse_draft_tree``: the matcher walks
-the tree with rollback and comes back to the root), packs all rows' masks into one
-``[R, N, words]`` int32 tensor (free rows, nodes below an illegal token and nodes past the end of
-the grammar: all ones), copies it to the device once, and masks the verify logits of every row
-with one ``masked_fill``. The constrained target is then exactly "p with illegal tokens masked",
-so greedy and sampling verification (:func:`mmspec.runtime.verify.verify_steps`) stay exact for it. A
-step without a constrained row never calls it.
+:meth:`RowGrammar.fill_tree` fills every node of a drafted tree with the grammar state along that
+node's path (``GrammarMatcher.traverse_draft_tree``: the matcher walks the tree with rollback and
+comes back to the root); :func:`mmspec.constrain.tails.constrained_tree` packs all rows' masks into
+one tensor and the engine masks the verify logits of every row with one ``masked_fill``. The
+constrained target is then exactly "p with illegal tokens masked", so greedy and sampling
+verification (:func:`mmspec.runtime.verify.verify_steps`) stay exact for it.
+:meth:`RowGrammar.forced_run` gives the tokens the grammar forces after a path (forced tails,
+model-free proposals). :class:`DraftMask` masks a step's drafts at each depth. A step without a
+constrained row never calls any of it.
 """
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from mmspec.constrain.compile import xgrammar
@@ -36,10 +36,13 @@ class RowGrammar:
     """One constrained request's grammar state (module docstring). ``compiled``: its
     CompiledGrammar (:class:`~mmspec.constrain.compile.GrammarCompiler`)."""
 
-    def __init__(self, compiled, vocab: int):
+    def __init__(self, compiled, vocab: int, encode=None):
         self.xgr = xgrammar()
         self.matcher = self.xgr.GrammarMatcher(compiled)
         self.vocab = vocab
+        self.encode = encode  # str -> token ids (the tokenizer's, no special tokens): jump-forward strings; None: off
+        self._bm = torch.zeros(1, words(vocab), dtype=torch.int32)  # a scratch bitmask, read through numpy
+        self._bm_np = self._bm.numpy().view(np.uint32)
         self.forced = 0  # emitted tokens that were the only legal one where they were emitted
         self.host_s = 0.0  # seconds of grammar work on the host (masks, advancing)
         self._tree: tuple[list[int], list[int], list[bool]] | None = None  # the last step's (tokens, parents, forced)
@@ -91,24 +94,51 @@ class RowGrammar:
             node = nxt
         return n
 
-    def forced_chain(self, depth: int) -> list[int]:
-        """The tokens the grammar forces from the current state, up to ``depth`` of them (each the
-        only legal token after the ones before it); the matcher comes back to where it was."""
+    def forced_run(self, path: list[int], budget: int) -> list[int]:
+        """The tokens the grammar forces after ``path`` (tokens from the current state), up to
+        ``budget``: xgrammar's jump-forward string (the characters every legal continuation starts
+        with, ``GrammarMatcher.find_jump_forward_string``) tokenized by ``encode`` and kept as far as
+        the grammar accepts it, then again from there; where the string is empty, a token that is
+        the only legal one (an EOS the finished grammar asks for). A path the grammar refuses
+        forces nothing; the matcher comes back to where it was. A jump-forward string may have other
+        tokenizations than the one proposed: verification accepts a token only where the
+        constrained target would have chosen it, so the proposal costs nothing but nodes."""
         t0 = time.perf_counter()
-        bm = torch.empty(1, words(self.vocab), dtype=torch.int32)
-        out: list[int] = []
-        while len(out) < depth and not self.matcher.is_terminated():
-            self.matcher.fill_next_token_bitmask(bm)
-            if int(popcount(bm)[0]) != 1:
+        m, n, out = self.matcher, 0, []
+        for t in path:
+            if m.is_terminated() or not m.accept_token(t):
                 break
-            tok = int(bit_index(bm[0]))
-            if not self.matcher.accept_token(tok):
+            n += 1
+        while n == len(path) and len(out) < budget and not m.is_terminated():
+            jump = m.find_jump_forward_string() if self.encode is not None else ""
+            got = 0
+            for t in (self.encode(jump) if jump else [])[:budget - len(out)]:
+                if not m.accept_token(t):
+                    break
+                out.append(t)
+                got += 1
+            if got:
+                continue
+            tok = self._only_legal()
+            if tok is None or not m.accept_token(tok):
                 break
             out.append(tok)
-        if out:
-            self.matcher.rollback(len(out))
+        if n + len(out):
+            m.rollback(n + len(out))
         self.host_s += time.perf_counter() - t0
         return out
+
+    def _only_legal(self) -> int | None:
+        """The one token the grammar allows from the matcher's state, or None (several, or none)."""
+        self.matcher.fill_next_token_bitmask(self._bm)
+        bits = self._bm_np[0]
+        nz = np.flatnonzero(bits)
+        if len(nz) != 1:
+            return None
+        word = int(bits[nz[0]])
+        if word & (word - 1):
+            return None
+        return int(nz[0]) * WORD + word.bit_length() - 1
 
     def fill_path(self, path: list[int], out: torch.Tensor) -> None:
         """The next-token bitmask after ``path`` (tokens from the current state) into ``out``
@@ -195,21 +225,3 @@ class DraftMask:
         uniform = allowed / allowed.sum(-1, keepdim=True)  # a q with no mass on any legal token: uniform over them
         masked = torch.where(total > 0, kept / total.clamp_min(torch.finfo(q.dtype).tiny), uniform)
         return torch.where(self.rows[:, None, None], masked, q)
-
-
-def verify_mask(grammars: list[RowGrammar | None], tree, logits: torch.Tensor) -> torch.Tensor:
-    """Every constrained row's tree masked by its grammar (module docstring): logits [R, N, V]
-    (the verify forward's) -> the constrained logits [R, N, V] (illegal tokens -inf; free rows as
-    they were). ``grammars[b]``: row b's state (None: free; rows past ``len(grammars)`` are a
-    bucket's padding)."""
-    R, N, V = logits.shape
-    B = min(len(grammars), R)
-    both = torch.cat([tree.tokens[:B], tree.parents[:B]], 1).tolist()  # the drafted trees on the host: ONE read
-    tokens, parents = [r[:N] for r in both], [r[N:] for r in both]
-    host = torch.full((R, N, words(V)), -1, dtype=torch.int32)
-    for b in range(B):
-        g = grammars[b]
-        if g is not None:
-            g.fill_tree(tokens[b], parents[b], host[b])
-    allowed = unpack(host.to(logits.device, non_blocking=False), V)  # ONE copy, [R, N, V]
-    return logits.masked_fill(~allowed, float("-inf"))

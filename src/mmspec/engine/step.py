@@ -38,8 +38,9 @@ a host list, no host value written into a device tensor (``tests/core/test_host_
 counts them).
 
 But under a constraint (:mod:`mmspec.constrain`): a step with a constrained row (``StepPlan.constrained``)
-masks its rows' drafts at each depth (:class:`~mmspec.constrain.state.DraftMask`) and every node
-of their trees before step 3 (:func:`~mmspec.constrain.state.verify_mask`, one ``masked_fill`` on the
+masks its rows' drafts at each depth (:class:`~mmspec.constrain.state.DraftMask`), adds below its
+trees' leaves the tokens the grammar forces there (forced tails, never drafted) and masks every
+node before step 2 (:func:`~mmspec.constrain.tails.constrained_tree`; one ``masked_fill`` on the
 verify logits), each with a read of the drafted tokens and one copy of the masks (xgrammar runs
 on the host); it runs eagerly and is never overlapped. A step without one never calls them.
 """
@@ -52,7 +53,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mmspec.constrain.state import DraftMask, RowGrammar, verify_mask
+from mmspec.constrain.state import DraftMask, RowGrammar
+from mmspec.constrain.tails import FORCED_TAIL, constrained_tree
 from mmspec.drafting import proposals as mf
 from mmspec.drafting.tree import TreeBatch, TreeSpec
 from mmspec.drafting.trees import Drafted, StepInput
@@ -200,7 +202,11 @@ class Engine:
         # (model-free branches beside a draft are never fed: every accepted node of one is pending)
         short = drafting is None or (drafting.keeps_path and not proposals_beside)
         self.width = (2 if short else spec.max_depth + 1) + 1
-        self.state = BatchState(self.device, self.width, feat_dim, feat_dtype=feat_dtype)
+        # a constrained step's forced tails (never fed to a drafter) may come back pending: room for
+        # them, fed only in constrained steps (a free step feeds the first ``width`` columns)
+        self.tail = FORCED_TAIL
+        self.state = BatchState(self.device, self.width + (self.tail if drafting is not None else 0), feat_dim,
+                                feat_dtype=feat_dtype)
         self.cache = RowCache(n_layers)
         cache = self.cache
         self.forward = RowForward(lambda mask, ids, pos: target.forward(
@@ -295,16 +301,24 @@ class Engine:
         return moved
 
     # ------------------------------------------------------------------ the step
-    def _input(self, R: int, depth: int, span: int = 0, flags: dict | None = None) -> StepInput:
+    def pending_cols(self, constrained: bool) -> int:
+        """Pending columns a step feeds: the engine's width, and a constrained step's forced tails."""
+        return self.state.width if constrained else self.width
+
+    def _input(self, R: int, depth: int, span: int = 0, flags: dict | None = None, constrained: bool = False,
+               tail: int = 0) -> StepInput:
+        """The step's view of the batch; ``tail``: nodes a constrained step may add below the
+        deepest drafted one (its coupled rows' noise reaches them)."""
         st = self.state
         rs = st.sampling(R, flags)
         drawn = rs.any_sampling and not rs.all_coupled  # a row samples by rejection: the step's uniforms
         u = rng.uniforms(st.seed[:R], st.step[:R], rng.DRAFT, max(depth, 1)) if drawn else None
         noise = None
         if rs.any_coupled:  # the coupled rows' noise at the output positions of depths 1 .. depth + 1
-            position = (st.length[:R] - st.origin[:R])[:, None] + torch.arange(depth + 1, device=self.device)
+            position = (st.length[:R] - st.origin[:R])[:, None] + torch.arange(depth + 1 + tail, device=self.device)
             noise = rng.gumbel(st.seed[:R], position, self.target.vocab_size)  # [R, depth + 1, V]
-        return StepInput(rows=R, pending=st.pending[:R], pending_len=st.pending_len[:R], remaining=st.remaining[:R],
+        return StepInput(rows=R, pending=st.pending[:R, :self.pending_cols(constrained)], pending_len=st.pending_len[:R],
+                         remaining=st.remaining[:R],
                          sampling=rs, u=u, feats=None if st.feat_dim is None else st.pending_feats[:R], span=span,
                          noise=noise)
 
@@ -424,18 +438,20 @@ class Engine:
             for r in self.rows:
                 r.unseen = []
         ahead = self._inflight[-1].plan if self._inflight else None  # launched, not read yet: bounded
+        P = self.pending_cols(self.constrained)
         catch_up = (spec is None and self.drafting is not None and self.draft_later
-                    and self._pending_bound(ahead) + 1 > self.width)
-        n_nodes = 1  # the root, then the drafted nodes and a model-free proposal's
+                    and self._pending_bound(ahead) + 1 > P)
+        n_nodes = 1  # the root, then the drafted nodes and a model-free proposal's (and a constrained step's forced tails)
         if spec is not None:
             n_nodes += (spec.n_nodes - 1 if self.drafting is not None else 0) + (spec.n_nodes - 1 if props else 0)
+            n_nodes += self.tail if self.constrained else 0
         grown = 0 if ahead is None else 1 + (ahead.spec.max_depth if ahead.spec is not None else 0)
         need = max(st.lengths, default=0) + grown + n_nodes
         span = min(capacity_bucket(need) if self.static else need, self.cache.capacity)  # a bound may overshoot
         span_d = 0
         if self.drafting is not None and (spec is not None or catch_up):
             fed = ahead is not None and (ahead.catch_up or (ahead.spec is not None))
-            span_d = self.drafting.span_for(spec, self.width, self.width + self.spec.max_depth if fed else 0)
+            span_d = self.drafting.span_for(spec, P, self.width + self.spec.max_depth if fed else 0)
             self.drafting.begin(R, 1 + (spec.n_generated if spec is not None else 0))
         drafting_adapts = spec is not None and getattr(self.drafting, "adaptive", None) is not None
         if drafting_adapts:  # the weights this step drafts with, kept for the request's stats
@@ -512,7 +528,8 @@ class Engine:
         """Steps 1-4 on the device, every row at once, and the packed outcomes [R, W] (what the
         host reads). Reads no host value but ``plan``'s: a CUDA graph can capture it."""
         st, R, spec = self.state, plan.rows, plan.spec
-        x = self._input(R, self.spec.max_depth, plan.span_draft, dict(plan.flags))
+        tail = self.tail if plan.constrained and spec is not None else 0  # forced tails' room
+        x = self._input(R, self.spec.max_depth, plan.span_draft, dict(plan.flags), plan.constrained, tail)
         if plan.constrained:  # constrained rows draft only what their grammars allow
             x.grammar = DraftMask([r.grammar for r in self.rows], R, self.device)
         drafted: Drafted | None = None
@@ -529,6 +546,11 @@ class Engine:
             tree, is_chain = root_only(x), True
             if plan.catch_up:
                 self.drafting.catch_up(x, st.live[:R])
+        allowed = None
+        if plan.constrained:  # forced tails below the leaves, every node's grammar mask: ONE read of the trees
+            tree, allowed = constrained_tree([r.grammar for r in self.rows], tree, tail, is_chain)
+            if drafted is not None:
+                drafted.tree, drafted.fed = tree, tree.fed
         if spec is not None:  # a row never drafts past its token limit (nodes marked, not left out)
             limit = tree.depth < x.remaining.clamp_min(1)[:, None]  # a root stays valid
             tree.valid = limit if tree.valid is None else tree.valid & limit
@@ -537,8 +559,8 @@ class Engine:
 
         logits, hidden = self._verify_forward(tree, R, plan.span)  # 2. ONE target forward, [R, N, V]
         raw = logits  # log-probabilities are reported from the raw logits
-        if plan.constrained:  # every constrained row's nodes masked by its grammar along their paths: ONE op
-            logits = verify_mask([r.grammar for r in self.rows], tree, logits)
+        if allowed is not None:  # every constrained row's nodes masked by its grammar along their paths: ONE op
+            logits = logits.masked_fill(~allowed, float("-inf"))
         rs = x.sampling
         N = tree.tokens.shape[1]
         drawn = rs.any_sampling and not rs.all_coupled
@@ -597,7 +619,7 @@ class Engine:
     def _next_pending(self, x: StepInput, tok_path, path, n, m, next_token, hidden, plain_keep: bool) -> None:
         """Each row's pending tokens for the next step: the accepted nodes the drafter did not
         keep, then the target's token (a plain step that fed nothing: the old pending + it)."""
-        st, R, P = self.state, x.rows, self.width
+        st, R, P = self.state, x.rows, self.state.width
         j = torch.arange(P, device=self.device)[None]  # [1, P]
         if plain_keep:  # nothing was fed to the draft: the target's token joins the pending ones
             at = x.pending_len[:, None]  # [R, 1]
