@@ -552,7 +552,7 @@ class SpecDecoder:
     def room(self, max_new_tokens: int) -> int:
         """Positions a decode can append after the prompt: committed tokens + one block's tree."""
         extra = self.tree.n_nodes if self.model_free and not self.model_free_alone else 0  # branches added beside a draft
-        extra += 2 * FORCED_TAIL  # a constrained step's forced tails: verified, then pending for the drafter
+        extra += 2 * FORCED_TAIL + self.tree.max_depth  # a constrained step's forced tails: verified, then pending
         return max_new_tokens + self.tree.n_nodes + extra + 1
 
     def _proposer(self, ids: torch.Tensor, enc: EncodedPrompt, captions, sampled: bool = False):

@@ -150,3 +150,23 @@ def test_tail_nodes_are_not_drafted(ctarget, cdraft, ctok):
     assert res.token_ids == constrained_reference(ctarget, ids, pv, 60, dec.grammar_compiler.compile(C))
     assert max(b.n_emitted for b in res.stats.blocks) > 2
     assert torch.tensor([b.n_emitted for b in res.stats.blocks]).float().mean() > 2
+
+
+def test_a_chain_stops_drafting_where_the_grammar_forces_the_rest(ctarget, cdraft, ctok, monkeypatch):
+    """A step whose rows are all constrained drafts no further once every row's grammar forces the
+    rest of the chain (those tokens come as its tail): the same answer and blocks, fewer draft
+    forwards than drafting them one by one."""
+    dec = SpecDecoder(ctarget, cdraft, ctok, views="M", gamma=4)
+    ids, pv = make_prompt(1, 16, seed=3)
+    drafting = type(dec.engine_for(object()).drafting)
+    feeds = []
+    feed = drafting.feed
+    monkeypatch.setattr(drafting, "feed", lambda self, *a: feeds.append(1) or feed(self, *a))
+    fast = dec.generate(ids, pv, max_new_tokens=60, constraint=C)
+    n_fast = len(feeds)
+    monkeypatch.setattr(RowGrammar, "forced_count", lambda self, path, need: 0)  # never stops
+    slow = dec.generate(ids, pv, max_new_tokens=60, constraint=C)
+    assert fast.token_ids == slow.token_ids == constrained_reference(ctarget, ids, pv, 60,
+                                                                      dec.grammar_compiler.compile(C))
+    assert [b.n_emitted for b in fast.stats.blocks] == [b.n_emitted for b in slow.stats.blocks]
+    assert n_fast < len(feeds) - n_fast

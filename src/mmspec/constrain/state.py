@@ -128,6 +128,25 @@ class RowGrammar:
         self.host_s += time.perf_counter() - t0
         return out
 
+    def forced_count(self, path: list[int], need: int) -> int:
+        """How many tokens in a row the grammar forces (each the only legal one) after ``path``,
+        counted up to ``need``; the matcher comes back to where it was."""
+        t0 = time.perf_counter()
+        m, n, k = self.matcher, 0, 0
+        for t in path:
+            if m.is_terminated() or not m.accept_token(t):
+                break
+            n += 1
+        while n == len(path) and k < need and not m.is_terminated():
+            tok = self._only_legal()
+            if tok is None or not m.accept_token(tok):
+                break
+            k += 1
+        if n + k:
+            m.rollback(n + k)
+        self.host_s += time.perf_counter() - t0
+        return k
+
     def _only_legal(self) -> int | None:
         """The one token the grammar allows from the matcher's state, or None (several, or none)."""
         self.matcher.fill_next_token_bitmask(self._bm)
@@ -197,10 +216,15 @@ class DraftMask:
         self.grammars = grammars
         on = [g is not None for g in grammars[:rows]] + [False] * max(0, rows - len(grammars))
         self.rows = torch.tensor(on, dtype=torch.bool).to(device)  # [R] (made on the host: a constrained step)
+        self.all_constrained = all(g is not None for g in grammars[:rows])
+        self.stop = False  # the last mask found every row's next ``need`` tokens forced (a chain stops drafting)
 
-    def mask(self, q: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, frontier: torch.Tensor) -> torch.Tensor:
+    def mask(self, q: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, frontier: torch.Tensor,
+             need: int = 0) -> torch.Tensor:
         """q [R, F, V] (the children distributions of the frontier nodes ``frontier`` [R, F] of
-        trees drafted so far: tokens, parents [R, M]) -> q masked and renormalised on constrained rows."""
+        trees drafted so far: tokens, parents [R, M]) -> q masked and renormalised on constrained rows.
+        ``need`` > 0 (a chain, F = 1): :attr:`stop` says whether every row is constrained and its
+        grammar forces the next ``need`` tokens (the rest of the chain, which drafting would only copy)."""
         R, F, V = q.shape
         B = min(len(self.grammars), R)
         M = tokens.shape[1]
@@ -209,6 +233,7 @@ class DraftMask:
         par = [r[M:2 * M] for r in host_rows]
         fr = [r[2 * M:] for r in host_rows]
         host = torch.full((R, F, words(V)), -1, dtype=torch.int32)
+        stop = need > 0 and self.all_constrained
         for b in range(B):
             g = self.grammars[b]
             if g is None:
@@ -219,6 +244,8 @@ class DraftMask:
                     path.append(tok[b][node])
                     node = par[b][node]
                 g.fill_path(path[::-1], host[b, j])
+                stop = stop and g.forced_count(path[::-1], need) >= need
+        self.stop = stop
         allowed = unpack(host.to(q.device), V).to(q.dtype)  # [R, F, V]
         kept = q * allowed
         total = kept.sum(-1, keepdim=True)

@@ -85,6 +85,8 @@ def constrained_tree(grammars: list[RowGrammar | None], tree: TreeBatch, tail: i
     host = torch.cat([tree.tokens[:B], tree.parents[:B], valid[:B].long()], 1).tolist()  # ONE read of the trees
     rows = [(h[:N], h[N:2 * N], h[2 * N:]) for h in host]
     tails: list[list[tuple[int, int, int]]] = [[] for _ in range(R)]
+    if tail > 0 and chain:  # a chain that stopped drafting early (forced the rest): its tail takes the rest too
+        tail += tree.max_depth - (N - 1)
     if tail > 0:
         for b in range(B):
             if grammars[b] is not None:
@@ -124,12 +126,14 @@ def extend(tree: TreeBatch, tails: list[list[tuple[int, int, int]]], T: int, cha
     if chain:
         idx = torch.arange(N + T, device=dev)
         anc = (idx[None, :] <= idx[:, None]).expand(R, N + T, N + T)
+        max_depth = max(tree.max_depth, N - 1 + T)
     else:
-        anc = ancestors_rows(parents, tree.max_depth + T)
+        max_depth = tree.max_depth + T
+        anc = ancestors_rows(parents, max_depth)
     q = sampled = None
     if tree.q is not None:  # tail nodes are point masses
         q = torch.cat([tree.q, tree.q.new_zeros(R, T, tree.q.shape[-1])], 1)
         sampled = torch.cat([tree.sampled, torch.zeros(R, T, dtype=torch.bool, device=dev)], 1)
     return TreeBatch(tokens=torch.cat([tree.tokens, new[..., 0]], 1), parents=parents, depth=depth, anc=anc,
                      fed=torch.cat([tree.fed, torch.full((R, T), -1, dtype=torch.long, device=dev)], 1),
-                     valid=torch.cat([valid, new[..., 3] > 0], 1), max_depth=tree.max_depth + T, q=q, sampled=sampled)
+                     valid=torch.cat([valid, new[..., 3] > 0], 1), max_depth=max_depth, q=q, sampled=sampled)

@@ -205,8 +205,9 @@ class Engine:
         # a constrained step's forced tails (never fed to a drafter) may come back pending: room for
         # them, fed only in constrained steps (a free step feeds the first ``width`` columns)
         self.tail = FORCED_TAIL
-        self.state = BatchState(self.device, self.width + (self.tail if drafting is not None else 0), feat_dim,
-                                feat_dtype=feat_dtype)
+        # (and a chain that stopped drafting where the grammar forces the rest: its depth more)
+        self.state = BatchState(self.device, self.width + (self.tail + spec.max_depth if drafting is not None else 0),
+                                feat_dim, feat_dtype=feat_dtype)
         self.cache = RowCache(n_layers)
         cache = self.cache
         self.forward = RowForward(lambda mask, ids, pos: target.forward(
@@ -319,7 +320,8 @@ class Engine:
             noise = rng.gumbel(st.seed[:R], position, self.target.vocab_size)  # [R, depth + 1, V]
         return StepInput(rows=R, pending=st.pending[:R, :self.pending_cols(constrained)], pending_len=st.pending_len[:R],
                          remaining=st.remaining[:R],
-                         sampling=rs, u=u, feats=None if st.feat_dim is None else st.pending_feats[:R], span=span,
+                         sampling=rs, u=u, span=span,
+                         feats=None if st.feat_dim is None else st.pending_feats[:R, :self.pending_cols(constrained)],
                          noise=noise)
 
     def step(self, depth: int | TreeSpec | None = None, proposers: list | None = None) -> list[list[int] | BaseException]:
