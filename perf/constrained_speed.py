@@ -190,12 +190,13 @@ def main(argv=None) -> int:
             row[name] = {"s": statistics.median(times[name]), "c_s": statistics.median(times[name + "+c"]),
                          "cpu_s": statistics.median(cpu[name]), "c_cpu_s": statistics.median(cpu[name + "+c"]),
                          "tau": r.stats.tau, "tau_c": rc.stats.tau, "forced_share": rc.stats.forced_share,
+                         "tail_share": rc.stats.tail_share,
                          "speedup": row["target_s"] / statistics.median(times[name]),
                          "speedup_c": row["target_c_s"] / statistics.median(times[name + "+c"])}
         rows.append(row)
         print(f"{family}-{index}: valid={valid} " + " ".join(
             f"{n}: x{row[n]['speedup']:.2f} free, x{row[n]['speedup_c']:.2f} constrained, forced "
-            f"{row[n]['forced_share']:.0%}" for n in decs), flush=True)
+            f"{row[n]['forced_share']:.0%}, in tails {row[n]['tail_share']:.0%}" for n in decs), flush=True)
 
     summary = {}
     for name in decs:
@@ -206,7 +207,8 @@ def main(argv=None) -> int:
             "cpu_speedup_constrained": sum(r["target_c_cpu_s"] for r in rows) / sum(r[name]["c_cpu_s"] for r in rows),
             "tau_free": statistics.mean(r[name]["tau"] for r in rows),
             "tau_constrained": statistics.mean(r[name]["tau_c"] for r in rows),
-            "forced_share_mean": statistics.mean(r[name]["forced_share"] for r in rows)}
+            "forced_share_mean": statistics.mean(r[name]["forced_share"] for r in rows),
+            "tail_share_mean": statistics.mean(r[name]["tail_share"] for r in rows)}
         summary[name]["ratio"] = summary[name]["speedup_constrained"] / summary[name]["speedup_free"]
         summary[name]["cpu_ratio"] = summary[name]["cpu_speedup_constrained"] / summary[name]["cpu_speedup_free"]
     batch = None
@@ -235,7 +237,7 @@ def main(argv=None) -> int:
     for name, sm in summary.items():
         print(f"{name}: free x{sm['speedup_free']:.2f} (tau {sm['tau_free']:.2f}), constrained "
               f"x{sm['speedup_constrained']:.2f} (tau {sm['tau_constrained']:.2f}, forced "
-              f"{sm['forced_share_mean']:.0%}): ratio {sm['ratio']:.2f} (CPU seconds: free x{sm['cpu_speedup_free']:.2f}, "
+              f"{sm['forced_share_mean']:.0%}, in tails {sm['tail_share_mean']:.0%}): ratio {sm['ratio']:.2f} (CPU seconds: free x{sm['cpu_speedup_free']:.2f}, "
               f"constrained x{sm['cpu_speedup_constrained']:.2f}, ratio {sm['cpu_ratio']:.2f})")
     for b in bad:
         print("FAIL", b)

@@ -54,6 +54,7 @@ class GenerationStats:
     total_s: float = 0.0
     constraint: str | None = None  # the request's constraint kind (json_schema, regex, ...); None: free text
     forced_tokens: int = 0  # constrained: emitted tokens that were the grammar's only legal token there
+    tail_tokens: int = 0  # constrained: emitted tokens verified as a forced tail (after a leaf, never drafted)
     grammar_s: float = 0.0  # constrained: host seconds of grammar work (tree masks, advancing the matcher)
 
     @property
@@ -61,6 +62,12 @@ class GenerationStats:
         """The share of the emitted tokens the grammar forced (0 for free text)."""
         n = sum(b.n_emitted for b in self.blocks)
         return self.forced_tokens / n if n else 0.0
+
+    @property
+    def tail_share(self) -> float:
+        """The share of the emitted tokens that rode as forced tails, without a draft position."""
+        n = sum(b.n_emitted for b in self.blocks)
+        return self.tail_tokens / n if n else 0.0
 
     @property
     def n_blocks(self) -> int:

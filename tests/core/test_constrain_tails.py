@@ -72,6 +72,7 @@ def test_tails_ride_free_and_stay_lossless(ctarget, cdraft, ctok, shape, monkeyp
         slow = dec.generate(ids, pv, max_new_tokens=60, constraint=C)
         assert fast.token_ids == slow.token_ids == ref
         assert fast.stats.forced_tokens == slow.stats.forced_tokens > 10
+        assert fast.stats.tail_tokens > 0 == slow.stats.tail_tokens
     slow_blocks = sum(dec.generate(ids, pv, max_new_tokens=60, constraint=C).stats.n_blocks for ids, pv, _, _ in runs)
     assert sum(r[3].stats.n_blocks for r in runs) <= slow_blocks
     # a tail's tokens accepted below the deepest drafted node: more accepted than the tree is deep

@@ -44,13 +44,15 @@ class RowGrammar:
         self._bm = torch.zeros(1, words(vocab), dtype=torch.int32)  # a scratch bitmask, read through numpy
         self._bm_np = self._bm.numpy().view(np.uint32)
         self.forced = 0  # emitted tokens that were the only legal one where they were emitted
+        self.tail = 0  # emitted tokens accepted as forced-tail nodes (mmspec.constrain.tails: never drafted)
         self.host_s = 0.0  # seconds of grammar work on the host (masks, advancing)
-        self._tree: tuple[list[int], list[int], list[bool]] | None = None  # the last step's (tokens, parents, forced)
+        self._tree: tuple[list[int], list[int], list[bool], int] | None = None  # the last step's (tokens, parents, forced, drafted)
 
-    def fill_tree(self, tokens: list[int], parents: list[int], out: torch.Tensor) -> None:
+    def fill_tree(self, tokens: list[int], parents: list[int], out: torch.Tensor, drafted: int | None = None) -> None:
         """Each node's next-token bitmask into ``out`` [N, words] (int32, CPU): node 0 the root
         (the matcher's state), node i the state after the tokens on its path. ``out`` comes in
-        all ones; nodes the walk does not reach (under an illegal token) keep it."""
+        all ones; nodes the walk does not reach (under an illegal token) keep it. ``drafted``:
+        the nodes before the forced tails (None: all)."""
         t0 = time.perf_counter()
         N = len(tokens)
         child, sib = [-1] * N, [-1] * N
@@ -65,7 +67,7 @@ class RowGrammar:
         empty = (out == 0).all(-1)  # rejected nodes (an illegal token) and past the grammar's end
         out[empty] = -1
         forced = popcount(out) == 1  # [N]
-        self._tree = (tokens, parents, forced.tolist())
+        self._tree = (tokens, parents, forced.tolist(), N if drafted is None else drafted)
         self.host_s += time.perf_counter() - t0
 
     def accept(self, tokens: list[int]) -> None:
@@ -73,7 +75,9 @@ class RowGrammar:
         the forced ones are counted (from the masks :meth:`fill_tree` made for this step)."""
         t0 = time.perf_counter()
         if self._tree is not None:
-            self.forced += self._count_forced(tokens)
+            forced, tail = self._count_forced(tokens)
+            self.forced += forced
+            self.tail += tail
             self._tree = None
         for t in tokens:
             if self.matcher.is_terminated():
@@ -82,17 +86,19 @@ class RowGrammar:
                 raise RuntimeError(f"the grammar refused token {t} that the masked verification emitted")
         self.host_s += time.perf_counter() - t0
 
-    def _count_forced(self, emitted: list[int]) -> int:
-        """Emitted token j was chosen at the node its predecessors lead to along the tree."""
-        tokens, parents, forced = self._tree
-        node, n = 0, 0
+    def _count_forced(self, emitted: list[int]) -> tuple[int, int]:
+        """Emitted token j was chosen at the node its predecessors lead to along the tree: ->
+        (the forced ones, the ones accepted as tail nodes)."""
+        tokens, parents, forced, drafted = self._tree
+        node, n, tail = 0, 0, 0
         for t in emitted:
             n += forced[node]
             nxt = next((i for i in range(1, len(tokens)) if parents[i] == node and tokens[i] == t), None)
             if nxt is None:
                 break  # the recovered or bonus token: the last one of the step
             node = nxt
-        return n
+            tail += node >= drafted
+        return n, tail
 
     def forced_run(self, path: list[int], budget: int) -> list[int]:
         """The tokens the grammar forces after ``path`` (tokens from the current state), up to

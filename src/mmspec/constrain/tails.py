@@ -101,7 +101,7 @@ def constrained_tree(grammars: list[RowGrammar | None], tree: TreeBatch, tail: i
             toks, pars, _ = rows[b]
             pad = T - len(tails[b])
             g.fill_tree(toks + [t for t, _, _ in tails[b]] + [0] * pad,
-                        pars + [p for _, p, _ in tails[b]] + [-1] * pad, bitmask[b])
+                        pars + [p for _, p, _ in tails[b]] + [-1] * pad, bitmask[b], drafted=N)
     allowed = unpack(bitmask.to(dev), V)  # ONE copy of the masks, [R, M, V]
     if T == 0:
         return tree, allowed

@@ -407,6 +407,7 @@ class Engine:
             if row.grammar is not None:  # the matcher advances by what the row emitted
                 row.grammar.accept(kept)
                 row.stats.forced_tokens, row.stats.grammar_s = row.grammar.forced, row.grammar.host_s
+                row.stats.tail_tokens = row.grammar.tail
             emitted.append(step.failed.get(i, kept))
         if self.drafting is not None and any(advance):
             self.drafting.advance(advance)
