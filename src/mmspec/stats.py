@@ -3,7 +3,8 @@
 Conventions (DEVELOPERS.md): a *block* is one draft-then-verify round. It yields the accepted draft
 tokens plus one token from the target: the *recovered* token after a rejection, or the *bonus*
 token when all gamma drafts are accepted. Block efficiency ``tau`` counts that target token
-(``1 <= tau <= gamma + 1``); ``mean_accepted_length = tau - 1`` does not. When the output is cut
+(``1 <= tau <= gamma + 1``, but for a constrained request, whose forced tails ride below the
+drafted nodes: docs/structured.md); ``mean_accepted_length = tau - 1`` does not. When the output is cut
 by EOS or ``max_new_tokens`` inside a block, the block counts only the tokens actually emitted.
 """
 
