@@ -15,7 +15,9 @@ Every prompt runs every system back to back (round-robin, the order rotated per 
 Checks, per constrained answer: equal to ``target+c`` token for token, parses as JSON, validates
 (``jsonschema``) and ends with EOS (finish "stop"); exit 1 if any fails. Reports per method the
 constrained speed-up (mmspec+c ÷ target+c, time) beside the unconstrained one (mmspec ÷ target),
-tau, the share of forced tokens per request (``stats.forced_share``), and, at batch size
+tau, the share of forced tokens per request (``stats.forced_share``) and of those that rode as
+forced tails (``stats.tail_share``; ``--ablate-tails``: each constrained request also run with the
+tails and the chain stop off, the before of a before/after in one run), and, at batch size
 ``--batch`` (8), the host's grammar work (tree masks, draft masks, advancing the matchers, forced
 tokens) as a share of the batch's wall time.
 
@@ -89,7 +91,7 @@ def grammar_timer():
         saved.append((owner, name, fn))
         setattr(owner, name, wrapper)
 
-    timed(step, "verify_mask")
+    timed(step, "constrained_tree")
     timed(state.DraftMask, "mask")
     timed(state.RowGrammar, "accept")
     timed(proposals.ConstrainedProposer, "propose")
@@ -98,6 +100,21 @@ def grammar_timer():
     finally:
         for owner, name, fn in saved:
             setattr(owner, name, fn)
+
+
+@contextmanager
+def tails_off():
+    """Constrained steps as before the forced tails (``--ablate-tails``): no tail nodes, no chain
+    that stops drafting where the grammar forces the rest."""
+    from mmspec.constrain.state import RowGrammar
+    from mmspec.engine import step
+
+    saved = step.FORCED_TAIL, RowGrammar.forced_count
+    step.FORCED_TAIL, RowGrammar.forced_count = 0, lambda self, path, need: 0
+    try:
+        yield
+    finally:
+        step.FORCED_TAIL, RowGrammar.forced_count = saved
 
 
 def main(argv=None) -> int:
@@ -109,6 +126,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="batch size of the grammar-work probe (0: skip)")
     ap.add_argument("--schemas", type=int, default=len(SCHEMAS), help="how many of the schemas to run")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--ablate-tails", action="store_true",
+                    help="also run each constrained request with the forced tails and the chain stop off (before/after)")
     ap.add_argument("--out", default="constrained_speed.json")
     args = ap.parse_args(argv)
     if args.threads:
@@ -161,6 +180,13 @@ def main(argv=None) -> int:
                     r = dec.generate(**inp, max_new_tokens=N, constraint=c if constrained else None)
                     return time.perf_counter() - t0, r
                 systems.append((name + ("+c" if constrained else ""), run))
+            if args.ablate_tails:  # the same constrained request with the forced tails and the chain stop off
+                def run_off(dec=dec, inp=inp, c=c):
+                    with tails_off():
+                        t0 = time.perf_counter()
+                        r = dec.generate(**inp, max_new_tokens=N, constraint=c)
+                        return time.perf_counter() - t0, r
+                systems.append((name + "+c-notails", run_off))
         for rep in range(0 if i else -args.warmup, args.repeats):  # the first case starts with untimed warm-up passes
             k = (i + rep) % len(systems)
             for name, fn in systems[k:] + systems[:k]:
@@ -185,17 +211,24 @@ def main(argv=None) -> int:
             bad.append(f"{family}-{index}: not a valid finished answer: {text!r}")
         for name in decs:
             r, rc = out[name], out[name + "+c"]
+            if args.ablate_tails and out[name + "+c-notails"].token_ids != ref_c:
+                bad.append(f"{family}-{index} {name} without tails: output differs from the target's own")
             if r.token_ids != ref or rc.token_ids != ref_c:
                 bad.append(f"{family}-{index} {name}: output differs from the target's own")
             row[name] = {"s": statistics.median(times[name]), "c_s": statistics.median(times[name + "+c"]),
                          "cpu_s": statistics.median(cpu[name]), "c_cpu_s": statistics.median(cpu[name + "+c"]),
                          "tau": r.stats.tau, "tau_c": rc.stats.tau, "forced_share": rc.stats.forced_share,
+                         "tail_share": rc.stats.tail_share,
                          "speedup": row["target_s"] / statistics.median(times[name]),
                          "speedup_c": row["target_c_s"] / statistics.median(times[name + "+c"])}
+            if args.ablate_tails:
+                off = out[name + "+c-notails"]
+                row[name].update(c_notails_s=statistics.median(times[name + "+c-notails"]), tau_c_notails=off.stats.tau,
+                                 speedup_c_notails=row["target_c_s"] / statistics.median(times[name + "+c-notails"]))
         rows.append(row)
         print(f"{family}-{index}: valid={valid} " + " ".join(
             f"{n}: x{row[n]['speedup']:.2f} free, x{row[n]['speedup_c']:.2f} constrained, forced "
-            f"{row[n]['forced_share']:.0%}" for n in decs), flush=True)
+            f"{row[n]['forced_share']:.0%}, in tails {row[n]['tail_share']:.0%}" for n in decs), flush=True)
 
     summary = {}
     for name in decs:
@@ -206,8 +239,13 @@ def main(argv=None) -> int:
             "cpu_speedup_constrained": sum(r["target_c_cpu_s"] for r in rows) / sum(r[name]["c_cpu_s"] for r in rows),
             "tau_free": statistics.mean(r[name]["tau"] for r in rows),
             "tau_constrained": statistics.mean(r[name]["tau_c"] for r in rows),
-            "forced_share_mean": statistics.mean(r[name]["forced_share"] for r in rows)}
+            "forced_share_mean": statistics.mean(r[name]["forced_share"] for r in rows),
+            "tail_share_mean": statistics.mean(r[name]["tail_share"] for r in rows)}
         summary[name]["ratio"] = summary[name]["speedup_constrained"] / summary[name]["speedup_free"]
+        if args.ablate_tails:
+            off = sum(r["target_c_s"] for r in rows) / sum(r[name]["c_notails_s"] for r in rows)
+            summary[name].update(speedup_constrained_notails=off, ratio_notails=off / summary[name]["speedup_free"],
+                                 tau_constrained_notails=statistics.mean(r[name]["tau_c_notails"] for r in rows))
         summary[name]["cpu_ratio"] = summary[name]["cpu_speedup_constrained"] / summary[name]["cpu_speedup_free"]
     batch = None
     if args.batch:
@@ -235,8 +273,11 @@ def main(argv=None) -> int:
     for name, sm in summary.items():
         print(f"{name}: free x{sm['speedup_free']:.2f} (tau {sm['tau_free']:.2f}), constrained "
               f"x{sm['speedup_constrained']:.2f} (tau {sm['tau_constrained']:.2f}, forced "
-              f"{sm['forced_share_mean']:.0%}): ratio {sm['ratio']:.2f} (CPU seconds: free x{sm['cpu_speedup_free']:.2f}, "
+              f"{sm['forced_share_mean']:.0%}, in tails {sm['tail_share_mean']:.0%}): ratio {sm['ratio']:.2f} (CPU seconds: free x{sm['cpu_speedup_free']:.2f}, "
               f"constrained x{sm['cpu_speedup_constrained']:.2f}, ratio {sm['cpu_ratio']:.2f})")
+        if args.ablate_tails:
+            print(f"{name} without tails: constrained x{sm['speedup_constrained_notails']:.2f} "
+                  f"(tau {sm['tau_constrained_notails']:.2f}): ratio {sm['ratio_notails']:.2f}")
     for b in bad:
         print("FAIL", b)
     return 1 if bad else 0

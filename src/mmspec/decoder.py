@@ -24,6 +24,7 @@ import torch
 
 from mmspec import checks
 from mmspec.config import DecoderConfig
+from mmspec.constrain.tails import FORCED_TAIL
 from mmspec.drafting.adaptive import AdaptiveWeights
 from mmspec.drafting.lookup import SuffixStore, history, proposer_for
 from mmspec.drafting.tree import TreeSpec, parse_shapes
@@ -438,6 +439,11 @@ class SpecDecoder:
 
         return generate_batch(self, requests, max_batch=max_batch, speculate=speculate, overlap=overlap, **defaults)
 
+    def encode_text(self, text: str) -> list[int]:
+        """``text``'s token ids under this decoder's tokenizer, without special tokens (a
+        constraint's jump-forward strings: :meth:`mmspec.constrain.state.RowGrammar.forced_run`)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     @property
     def grammar_compiler(self):
         """The constraints' compiler for this decoder's tokenizer and the target's vocabulary, with its
@@ -544,6 +550,7 @@ class SpecDecoder:
     def room(self, max_new_tokens: int) -> int:
         """Positions a decode can append after the prompt: committed tokens + one block's tree."""
         extra = self.tree.n_nodes if self.model_free and not self.model_free_alone else 0  # branches added beside a draft
+        extra += 2 * FORCED_TAIL + self.tree.max_depth  # a constrained step's forced tails: verified, then pending
         return max_new_tokens + self.tree.n_nodes + extra + 1
 
     def _proposer(self, ids: torch.Tensor, enc: EncodedPrompt, captions, sampled: bool = False):

@@ -3,7 +3,8 @@
 Conventions (DEVELOPERS.md): a *block* is one draft-then-verify round. It yields the accepted draft
 tokens plus one token from the target: the *recovered* token after a rejection, or the *bonus*
 token when all gamma drafts are accepted. Block efficiency ``tau`` counts that target token
-(``1 <= tau <= gamma + 1``); ``mean_accepted_length = tau - 1`` does not. When the output is cut
+(``1 <= tau <= gamma + 1``, but for a constrained request, whose forced tails ride below the
+drafted nodes: docs/structured.md); ``mean_accepted_length = tau - 1`` does not. When the output is cut
 by EOS or ``max_new_tokens`` inside a block, the block counts only the tokens actually emitted.
 """
 
@@ -54,6 +55,7 @@ class GenerationStats:
     total_s: float = 0.0
     constraint: str | None = None  # the request's constraint kind (json_schema, regex, ...); None: free text
     forced_tokens: int = 0  # constrained: emitted tokens that were the grammar's only legal token there
+    tail_tokens: int = 0  # constrained: emitted tokens verified as a forced tail (after a leaf, never drafted)
     grammar_s: float = 0.0  # constrained: host seconds of grammar work (tree masks, advancing the matcher)
 
     @property
@@ -61,6 +63,12 @@ class GenerationStats:
         """The share of the emitted tokens the grammar forced (0 for free text)."""
         n = sum(b.n_emitted for b in self.blocks)
         return self.forced_tokens / n if n else 0.0
+
+    @property
+    def tail_share(self) -> float:
+        """The share of the emitted tokens that rode as forced tails, without a draft position."""
+        n = sum(b.n_emitted for b in self.blocks)
+        return self.tail_tokens / n if n else 0.0
 
     @property
     def n_blocks(self) -> int:

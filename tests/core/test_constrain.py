@@ -182,7 +182,7 @@ def test_forced_tokens_ride_free(ctarget, ctok, monkeypatch):
     ids, pv = make_prompt(1, 16, seed=3)
     ref = constrained_reference(ctarget, ids, pv, 60, compiled(dec, c))
     fast = dec.generate(ids, pv, max_new_tokens=60, constraint=c)
-    monkeypatch.setattr(RowGrammar, "forced_chain", lambda self, depth: [])
+    monkeypatch.setattr(RowGrammar, "forced_run", lambda self, path, budget: [])
     slow = dec.generate(ids, pv, max_new_tokens=60, constraint=c)
     assert fast.token_ids == slow.token_ids == ref
     assert fast.stats.forced_tokens == slow.stats.forced_tokens > 10
@@ -199,7 +199,7 @@ def test_drafts_are_masked_by_the_grammar(ctarget, cdraft, ctok, tree, monkeypat
     dec = SpecDecoder(ctarget, cdraft, ctok, views="M", **({"tree": tree} if tree else {"gamma": 4}))
     ids, pv = make_prompt(1, 16, seed=3)
     masked = dec.generate(ids, pv, max_new_tokens=40, constraint=c)
-    monkeypatch.setattr(DraftMask, "mask", lambda self, q, tokens, parents, frontier: q)
+    monkeypatch.setattr(DraftMask, "mask", lambda self, q, tokens, parents, frontier, need=0: q)
     free = dec.generate(ids, pv, max_new_tokens=40, constraint=c)
     assert masked.token_ids == free.token_ids == constrained_reference(ctarget, ids, pv, 40, compiled(dec, c))
     assert masked.stats.tau > free.stats.tau

@@ -46,7 +46,8 @@ def test_unmasked_verification_is_caught(setup, monkeypatch):
     """Negative control: verifying against the unmasked p (the grammar only advanced, never
     applied) fails the same test."""
     target, draft, tok, ids, pv = setup
-    monkeypatch.setattr(engine_step, "verify_mask", lambda grammars, tree, logits: logits)
+    monkeypatch.setattr(engine_step, "constrained_tree",  # nothing masked, no forced tails
+                        lambda grammars, tree, tail, chain: (tree, torch.ones(*tree.tokens.shape, V, dtype=torch.bool)))
     monkeypatch.setattr(grammar_state.RowGrammar, "accept", lambda self, tokens: None)
     dec = SpecDecoder(target, draft, tok, views="MT", gamma=2)
     exact = constrained_sequence_probs(target, ids, pv, dec.grammar_compiler.compile(REGEX), n_new=N_NEW)

@@ -3,8 +3,8 @@ or suffix decoding proposes, cut at the first illegal token.
 
 :class:`ConstrainedProposer` wraps a row's proposer (:mod:`mmspec.drafting.lookup`) for a request with a
 constraint: its trie keeps only the paths the grammar accepts (walked with the row's matcher, with
-rollback), and the tokens the grammar forces from the row's state (each the only legal token:
-``{"``, a key, ``":``, closing brackets) are added as a path of probability 1, so they ride in the
+rollback), and the tokens the grammar forces from the row's state (the only legal token, or
+xgrammar's jump-forward string tokenized: ``{"``, a key, ``":``, closing brackets) are added as a path, so they ride in the
 block at no draft cost and the constrained target always accepts them. The engine verifies the
 proposal as it verifies any (:mod:`mmspec.drafting.proposals`), masked by the grammar again.
 """
@@ -45,7 +45,7 @@ class ConstrainedProposer:
 
     def propose(self, depth: int) -> tuple[Node | None, float]:
         root, min_prob = (None, 0.0) if self.inner is None else self.inner.propose(depth)
-        forced = self.grammar.forced_chain(depth)
+        forced = self.grammar.forced_run([], depth)
         t0 = time.perf_counter()
         out = ProposalRoot()
         out.limit = max(getattr(root, "limit", depth), len(forced)) if root is not None else depth

@@ -5,22 +5,22 @@
 step's one read), and counts the tokens the grammar forced (the only legal token where they were
 emitted: ``GenerationStats.forced_tokens``).
 
-:func:`verify_mask` is the hook in :meth:`mmspec.engine.step.Engine._device` between the draft and
-the verification: it reads the step's drafted trees (tokens, parents) to the host (a step with a
-constrained row reads them once more: xgrammar runs on the host), fills every node's bitmask with
-the grammar state along that node's path (``GrammarMatcher.traverse_draft_tree``: the matcher walks
-the tree with rollback and comes back to the root), packs all rows' masks into one
-``[R, N, words]`` int32 tensor (free rows, nodes below an illegal token and nodes past the end of
-the grammar: all ones), copies it to the device once, and masks the verify logits of every row
-with one ``masked_fill``. The constrained target is then exactly "p with illegal tokens masked",
-so greedy and sampling verification (:func:`mmspec.runtime.verify.verify_steps`) stay exact for it. A
-step without a constrained row never calls it.
+:meth:`RowGrammar.fill_tree` fills every node of a drafted tree with the grammar state along that
+node's path (``GrammarMatcher.traverse_draft_tree``: the matcher walks the tree with rollback and
+comes back to the root); :func:`mmspec.constrain.tails.constrained_tree` packs all rows' masks into
+one tensor and the engine masks the verify logits of every row with one ``masked_fill``. The
+constrained target is then exactly "p with illegal tokens masked", so greedy and sampling
+verification (:func:`mmspec.runtime.verify.verify_steps`) stay exact for it.
+:meth:`RowGrammar.forced_run` gives the tokens the grammar forces after a path (forced tails,
+model-free proposals). :class:`DraftMask` masks a step's drafts at each depth. A step without a
+constrained row never calls any of it.
 """
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from mmspec.constrain.compile import xgrammar
@@ -36,18 +36,23 @@ class RowGrammar:
     """One constrained request's grammar state (module docstring). ``compiled``: its
     CompiledGrammar (:class:`~mmspec.constrain.compile.GrammarCompiler`)."""
 
-    def __init__(self, compiled, vocab: int):
+    def __init__(self, compiled, vocab: int, encode=None):
         self.xgr = xgrammar()
         self.matcher = self.xgr.GrammarMatcher(compiled)
         self.vocab = vocab
+        self.encode = encode  # str -> token ids (the tokenizer's, no special tokens): jump-forward strings; None: off
+        self._bm = torch.zeros(1, words(vocab), dtype=torch.int32)  # a scratch bitmask, read through numpy
+        self._bm_np = self._bm.numpy().view(np.uint32)
         self.forced = 0  # emitted tokens that were the only legal one where they were emitted
+        self.tail = 0  # emitted tokens accepted as forced-tail nodes (mmspec.constrain.tails: never drafted)
         self.host_s = 0.0  # seconds of grammar work on the host (masks, advancing)
-        self._tree: tuple[list[int], list[int], list[bool]] | None = None  # the last step's (tokens, parents, forced)
+        self._tree: tuple[list[int], list[int], list[bool], int] | None = None  # the last step's (tokens, parents, forced, drafted)
 
-    def fill_tree(self, tokens: list[int], parents: list[int], out: torch.Tensor) -> None:
+    def fill_tree(self, tokens: list[int], parents: list[int], out: torch.Tensor, drafted: int | None = None) -> None:
         """Each node's next-token bitmask into ``out`` [N, words] (int32, CPU): node 0 the root
         (the matcher's state), node i the state after the tokens on its path. ``out`` comes in
-        all ones; nodes the walk does not reach (under an illegal token) keep it."""
+        all ones; nodes the walk does not reach (under an illegal token) keep it. ``drafted``:
+        the nodes before the forced tails (None: all)."""
         t0 = time.perf_counter()
         N = len(tokens)
         child, sib = [-1] * N, [-1] * N
@@ -62,7 +67,7 @@ class RowGrammar:
         empty = (out == 0).all(-1)  # rejected nodes (an illegal token) and past the grammar's end
         out[empty] = -1
         forced = popcount(out) == 1  # [N]
-        self._tree = (tokens, parents, forced.tolist())
+        self._tree = (tokens, parents, forced.tolist(), N if drafted is None else drafted)
         self.host_s += time.perf_counter() - t0
 
     def accept(self, tokens: list[int]) -> None:
@@ -70,7 +75,9 @@ class RowGrammar:
         the forced ones are counted (from the masks :meth:`fill_tree` made for this step)."""
         t0 = time.perf_counter()
         if self._tree is not None:
-            self.forced += self._count_forced(tokens)
+            forced, tail = self._count_forced(tokens)
+            self.forced += forced
+            self.tail += tail
             self._tree = None
         for t in tokens:
             if self.matcher.is_terminated():
@@ -79,36 +86,84 @@ class RowGrammar:
                 raise RuntimeError(f"the grammar refused token {t} that the masked verification emitted")
         self.host_s += time.perf_counter() - t0
 
-    def _count_forced(self, emitted: list[int]) -> int:
-        """Emitted token j was chosen at the node its predecessors lead to along the tree."""
-        tokens, parents, forced = self._tree
-        node, n = 0, 0
+    def _count_forced(self, emitted: list[int]) -> tuple[int, int]:
+        """Emitted token j was chosen at the node its predecessors lead to along the tree: ->
+        (the forced ones, the ones accepted as tail nodes)."""
+        tokens, parents, forced, drafted = self._tree
+        node, n, tail = 0, 0, 0
         for t in emitted:
             n += forced[node]
             nxt = next((i for i in range(1, len(tokens)) if parents[i] == node and tokens[i] == t), None)
             if nxt is None:
                 break  # the recovered or bonus token: the last one of the step
             node = nxt
-        return n
+            tail += node >= drafted
+        return n, tail
 
-    def forced_chain(self, depth: int) -> list[int]:
-        """The tokens the grammar forces from the current state, up to ``depth`` of them (each the
-        only legal token after the ones before it); the matcher comes back to where it was."""
+    def forced_run(self, path: list[int], budget: int) -> list[int]:
+        """The tokens the grammar forces after ``path`` (tokens from the current state), up to
+        ``budget``: xgrammar's jump-forward string (the characters every legal continuation starts
+        with, ``GrammarMatcher.find_jump_forward_string``) tokenized by ``encode`` and kept as far as
+        the grammar accepts it, then again from there; where the string is empty, a token that is
+        the only legal one (an EOS the finished grammar asks for). A path the grammar refuses
+        forces nothing; the matcher comes back to where it was. A jump-forward string may have other
+        tokenizations than the one proposed: verification accepts a token only where the
+        constrained target would have chosen it, so the proposal costs nothing but nodes."""
         t0 = time.perf_counter()
-        bm = torch.empty(1, words(self.vocab), dtype=torch.int32)
-        out: list[int] = []
-        while len(out) < depth and not self.matcher.is_terminated():
-            self.matcher.fill_next_token_bitmask(bm)
-            if int(popcount(bm)[0]) != 1:
+        m, n, out = self.matcher, 0, []
+        for t in path:
+            if m.is_terminated() or not m.accept_token(t):
                 break
-            tok = int(bit_index(bm[0]))
-            if not self.matcher.accept_token(tok):
+            n += 1
+        while n == len(path) and len(out) < budget and not m.is_terminated():
+            jump = m.find_jump_forward_string() if self.encode is not None else ""
+            got = 0
+            for t in (self.encode(jump) if jump else [])[:budget - len(out)]:
+                if not m.accept_token(t):
+                    break
+                out.append(t)
+                got += 1
+            if got:
+                continue
+            tok = self._only_legal()
+            if tok is None or not m.accept_token(tok):
                 break
             out.append(tok)
-        if out:
-            self.matcher.rollback(len(out))
+        if n + len(out):
+            m.rollback(n + len(out))
         self.host_s += time.perf_counter() - t0
         return out
+
+    def forced_count(self, path: list[int], need: int) -> int:
+        """How many tokens in a row the grammar forces (each the only legal one) after ``path``,
+        counted up to ``need``; the matcher comes back to where it was."""
+        t0 = time.perf_counter()
+        m, n, k = self.matcher, 0, 0
+        for t in path:
+            if m.is_terminated() or not m.accept_token(t):
+                break
+            n += 1
+        while n == len(path) and k < need and not m.is_terminated():
+            tok = self._only_legal()
+            if tok is None or not m.accept_token(tok):
+                break
+            k += 1
+        if n + k:
+            m.rollback(n + k)
+        self.host_s += time.perf_counter() - t0
+        return k
+
+    def _only_legal(self) -> int | None:
+        """The one token the grammar allows from the matcher's state, or None (several, or none)."""
+        self.matcher.fill_next_token_bitmask(self._bm)
+        bits = self._bm_np[0]
+        nz = np.flatnonzero(bits)
+        if len(nz) != 1:
+            return None
+        word = int(bits[nz[0]])
+        if word & (word - 1):
+            return None
+        return int(nz[0]) * WORD + word.bit_length() - 1
 
     def fill_path(self, path: list[int], out: torch.Tensor) -> None:
         """The next-token bitmask after ``path`` (tokens from the current state) into ``out``
@@ -167,10 +222,15 @@ class DraftMask:
         self.grammars = grammars
         on = [g is not None for g in grammars[:rows]] + [False] * max(0, rows - len(grammars))
         self.rows = torch.tensor(on, dtype=torch.bool).to(device)  # [R] (made on the host: a constrained step)
+        self.all_constrained = all(g is not None for g in grammars[:rows])
+        self.stop = False  # the last mask found every row's next ``need`` tokens forced (a chain stops drafting)
 
-    def mask(self, q: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, frontier: torch.Tensor) -> torch.Tensor:
+    def mask(self, q: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, frontier: torch.Tensor,
+             need: int = 0) -> torch.Tensor:
         """q [R, F, V] (the children distributions of the frontier nodes ``frontier`` [R, F] of
-        trees drafted so far: tokens, parents [R, M]) -> q masked and renormalised on constrained rows."""
+        trees drafted so far: tokens, parents [R, M]) -> q masked and renormalised on constrained rows.
+        ``need`` > 0 (a chain, F = 1): :attr:`stop` says whether every row is constrained and its
+        grammar forces the next ``need`` tokens (the rest of the chain, which drafting would only copy)."""
         R, F, V = q.shape
         B = min(len(self.grammars), R)
         M = tokens.shape[1]
@@ -179,6 +239,7 @@ class DraftMask:
         par = [r[M:2 * M] for r in host_rows]
         fr = [r[2 * M:] for r in host_rows]
         host = torch.full((R, F, words(V)), -1, dtype=torch.int32)
+        stop = need > 0 and self.all_constrained
         for b in range(B):
             g = self.grammars[b]
             if g is None:
@@ -189,27 +250,11 @@ class DraftMask:
                     path.append(tok[b][node])
                     node = par[b][node]
                 g.fill_path(path[::-1], host[b, j])
+                stop = stop and g.forced_count(path[::-1], need) >= need
+        self.stop = stop
         allowed = unpack(host.to(q.device), V).to(q.dtype)  # [R, F, V]
         kept = q * allowed
         total = kept.sum(-1, keepdim=True)
         uniform = allowed / allowed.sum(-1, keepdim=True)  # a q with no mass on any legal token: uniform over them
         masked = torch.where(total > 0, kept / total.clamp_min(torch.finfo(q.dtype).tiny), uniform)
         return torch.where(self.rows[:, None, None], masked, q)
-
-
-def verify_mask(grammars: list[RowGrammar | None], tree, logits: torch.Tensor) -> torch.Tensor:
-    """Every constrained row's tree masked by its grammar (module docstring): logits [R, N, V]
-    (the verify forward's) -> the constrained logits [R, N, V] (illegal tokens -inf; free rows as
-    they were). ``grammars[b]``: row b's state (None: free; rows past ``len(grammars)`` are a
-    bucket's padding)."""
-    R, N, V = logits.shape
-    B = min(len(grammars), R)
-    both = torch.cat([tree.tokens[:B], tree.parents[:B]], 1).tolist()  # the drafted trees on the host: ONE read
-    tokens, parents = [r[:N] for r in both], [r[N:] for r in both]
-    host = torch.full((R, N, words(V)), -1, dtype=torch.int32)
-    for b in range(B):
-        g = grammars[b]
-        if g is not None:
-            g.fill_tree(tokens[b], parents[b], host[b])
-    allowed = unpack(host.to(logits.device, non_blocking=False), V)  # ONE copy, [R, N, V]
-    return logits.masked_fill(~allowed, float("-inf"))

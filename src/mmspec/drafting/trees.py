@@ -180,15 +180,23 @@ class Drafting:
                stop_below: float | None) -> Drafted:
         """A chain of ``depth`` drafts per row: greedy rows take q's argmax, sampling rows draw from
         q (the row's own uniforms; a coupled row: q's Gumbel-max draw with its seed's noise at the
-        node's position); node d is fed at in-block slot d - 1, the deepest never."""
+        node's position); node d is fed at in-block slot d - 1, the deepest never. A step whose rows
+        are all constrained stops drafting where every row's grammar forces the rest of the chain
+        (the masked q is one-hot there: drafting would copy the forced tokens at a forward each);
+        its last node is then fed, and the forced tokens come as the chain's tail
+        (:mod:`mmspec.constrain.tails`); ``max_depth`` stays ``depth``."""
         R, dev = x.rows, root.device
         rs = x.sampling
         toks, qs, probs = [root[:, 0]], [], []
+        n_fed = depth - 1
         for d in range(1, depth + 1):
             if rs.any_sampling or stop_below is not None or x.grammar is not None:
                 q = self.distributions(logits, rs)[:, 0]  # [R, V]
                 if x.grammar is not None:  # constrained rows: q over the tokens their grammar allows here
-                    q = self.constrained(x, q[:, None], torch.stack(toks, 1), d - 1)[:, 0]
+                    q = self.constrained(x, q[:, None], torch.stack(toks, 1), d - 1, depth - d + 1)[:, 0]
+                    if x.grammar.stop:  # every row's grammar forces nodes d .. depth: not drafted
+                        n_fed = d - 1
+                        break
                 tok = q.argmax(-1)
                 if rs.any_sampling:
                     drawn = tok if x.u is None else sample(q, x.u[:, d - 1])
@@ -206,16 +214,16 @@ class Drafting:
                 node = torch.full((R, 1), d, dtype=torch.long, device=dev)
                 inblock = torch.ones(1, 1, d, dtype=torch.bool, device=dev).expand(R, 1, d)
                 logits = self.feed(x, node, tok[:, None], node - 1, d, d - 1, inblock)
-        n = depth + 1
+        n = len(toks)
         idx = torch.arange(n, device=dev)
         tokens = torch.stack(toks, 1)  # [R, n]
-        fed = torch.where((idx > 0) & (idx < depth), idx - 1, -1).expand(R, n)
+        fed = torch.where((idx > 0) & (idx <= n_fed), idx - 1, -1).expand(R, n)
         q = sampled = None
         if qs:
             q = torch.cat([torch.zeros_like(qs[0])[:, None], torch.stack(qs, 1)], 1).to(torch.float64)  # [R, n, V]
             sampled = (idx > 0)[None] & ~rs.greedy[:, None]
         valid = None
-        if stop_below is not None:  # dynamic draft length: nothing after the first unsure draft
+        if stop_below is not None and probs:  # dynamic draft length: nothing after the first unsure draft
             sure = torch.stack(probs, 1) >= stop_below  # [R, depth]
             ok = torch.cat([torch.ones(R, 2, dtype=torch.bool, device=dev), sure[:, :-1].cumprod(1).bool()], 1)
             valid = ok[:, :n]
@@ -327,12 +335,13 @@ class Drafting:
         logq = q.clamp_min(1e-30).log().masked_fill(q <= 0, NEG)
         return coupled_top(logq, noise, x.sampling, k, t, s.clamp_min(1e-30).log())
 
-    def constrained(self, x: StepInput, q: torch.Tensor, tokens: torch.Tensor, node: int) -> torch.Tensor:
+    def constrained(self, x: StepInput, q: torch.Tensor, tokens: torch.Tensor, node: int, rest: int) -> torch.Tensor:
         """A chain's q [R, 1, V] at its node ``node`` (tokens [R, node + 1] drafted so far) masked by
-        the constrained rows' grammars."""
+        the constrained rows' grammars; ``rest``: the chain's nodes left to draft (whether the
+        grammars force them all: ``x.grammar.stop``)."""
         R, n = tokens.shape
         idx = torch.arange(n, device=tokens.device)
-        return x.grammar.mask(q, tokens, (idx - 1).expand(R, n), torch.full((R, 1), node, device=tokens.device))
+        return x.grammar.mask(q, tokens, (idx - 1).expand(R, n), torch.full((R, 1), node, device=tokens.device), rest)
 
     # ------------------------------------------------------------------ after verification
     def kept(self, d: Drafted, path: torch.Tensor, n_accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -106,7 +106,8 @@ def admit(dec, engine: Engine, reqs: list, max_rows: int | None = None) -> list[
         engine.add_row(RowHost(max_new_tokens=req.max_new_tokens, eos_ids=dec.eos_ids, stats=a.stats,
                                seed=0 if req.seed is None else req.seed, unseen=[int(req.ids[-1])],
                                prefill=clock, logprobs_top=req.logprobs,
-                               grammar=None if req.grammar is None else RowGrammar(req.grammar, dec.target.vocab_size)))
+                               grammar=None if req.grammar is None else RowGrammar(req.grammar, dec.target.vocab_size,
+                                                                                   encode=dec.encode_text)))
         if req.constraint is not None:
             a.stats.constraint = req.constraint.kind
     return out

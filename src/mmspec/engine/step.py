@@ -38,8 +38,9 @@ a host list, no host value written into a device tensor (``tests/core/test_host_
 counts them).
 
 But under a constraint (:mod:`mmspec.constrain`): a step with a constrained row (``StepPlan.constrained``)
-masks its rows' drafts at each depth (:class:`~mmspec.constrain.state.DraftMask`) and every node
-of their trees before step 3 (:func:`~mmspec.constrain.state.verify_mask`, one ``masked_fill`` on the
+masks its rows' drafts at each depth (:class:`~mmspec.constrain.state.DraftMask`), adds below its
+trees' leaves the tokens the grammar forces there (forced tails, never drafted) and masks every
+node before step 2 (:func:`~mmspec.constrain.tails.constrained_tree`; one ``masked_fill`` on the
 verify logits), each with a read of the drafted tokens and one copy of the masks (xgrammar runs
 on the host); it runs eagerly and is never overlapped. A step without one never calls them.
 """
@@ -52,7 +53,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mmspec.constrain.state import DraftMask, RowGrammar, verify_mask
+from mmspec.constrain.state import DraftMask, RowGrammar
+from mmspec.constrain.tails import FORCED_TAIL, constrained_tree
 from mmspec.drafting import proposals as mf
 from mmspec.drafting.tree import TreeBatch, TreeSpec
 from mmspec.drafting.trees import Drafted, StepInput
@@ -208,10 +210,13 @@ class Engine:
         # (model-free branches beside a draft are never fed: every accepted node of one is pending)
         short = drafting is None or (drafting.keeps_path and not proposals_beside)
         self.width = (2 if short else spec.max_depth + 1) + 1  # pending tokens a drafted step feeds
-        # the pending buffer (P): plain steps let the drafter lag this far behind before a
+        # the pending buffer (P, ``lag``): plain steps let the drafter lag this far behind before a
         # catch-up forward feeds it (one wide forward every ``lag - 1`` plain steps, not a narrow
-        # one every other step); a drafted step after such a run feeds the whole buffer once
-        self.lag = max(self.width, PENDING_LAG) if drafting is not None else self.width
+        # one every other step), and a constrained step's forced tails (never fed to a drafter;
+        # with a chain that stopped where the grammar forces the rest, its depth more) come back
+        # pending; a drafted step after such a run, or a constrained one, feeds the whole buffer
+        self.tail = FORCED_TAIL
+        self.lag = max(self.width + self.tail + spec.max_depth, PENDING_LAG) if drafting is not None else self.width
         self.state = BatchState(self.device, self.lag, feat_dim, feat_dtype=feat_dtype)
         self.cache = RowCache(n_layers)
         cache = self.cache
@@ -307,7 +312,11 @@ class Engine:
         return moved
 
     # ------------------------------------------------------------------ the step
-    def _input(self, R: int, depth: int, span: int = 0, flags: dict | None = None, feed: int = 0) -> StepInput:
+    def _input(self, R: int, depth: int, span: int = 0, flags: dict | None = None, feed: int = 0,
+               tail: int = 0) -> StepInput:
+        """The step's view of the batch: ``feed`` pending columns (0: the whole buffer); ``tail``:
+        nodes a constrained step may add below the deepest drafted one (its coupled rows' noise
+        reaches them)."""
         st = self.state
         P = feed or st.width  # the pending columns fed (a drafted step's width, or the whole buffer)
         rs = st.sampling(R, flags)
@@ -315,7 +324,7 @@ class Engine:
         u = rng.uniforms(st.seed[:R], st.step[:R], rng.DRAFT, max(depth, 1)) if drawn else None
         noise = None
         if rs.any_coupled:  # the coupled rows' noise at the output positions of depths 1 .. depth + 1
-            position = (st.length[:R] - st.origin[:R])[:, None] + torch.arange(depth + 1, device=self.device)
+            position = (st.length[:R] - st.origin[:R])[:, None] + torch.arange(depth + 1 + tail, device=self.device)
             noise = rng.gumbel(st.seed[:R], position, self.target.vocab_size)  # [R, depth + 1, V]
         return StepInput(rows=R, pending=st.pending[:R, :P], pending_len=st.pending_len[:R], remaining=st.remaining[:R],
                          sampling=rs, u=u, feats=None if st.feat_dim is None else st.pending_feats[:R, :P], span=span,
@@ -404,6 +413,7 @@ class Engine:
             if row.grammar is not None:  # the matcher advances by what the row emitted
                 row.grammar.accept(kept)
                 row.stats.forced_tokens, row.stats.grammar_s = row.grammar.forced, row.grammar.host_s
+                row.stats.tail_tokens = row.grammar.tail
             emitted.append(failed.get(i, kept) if failed else kept)
         if advance is not None and any(advance):
             self.drafting.advance(advance)
@@ -439,10 +449,13 @@ class Engine:
         ahead = self._inflight[-1].plan if self._inflight else None  # launched, not read yet: bounded
         bound = self._pending_bound(ahead)
         catch_up = spec is None and self.drafting is not None and self.draft_later and bound + 1 > self.lag
-        feed = (self.width if bound <= self.width else self.lag) if spec is not None else 0
-        n_nodes = 1  # the root, then the drafted nodes and a model-free proposal's
+        feed = 0  # a drafted step feeds the engine's width, or the whole buffer after plain steps or under a grammar
+        if spec is not None:
+            feed = self.lag if (self.constrained or bound > self.width) else self.width
+        n_nodes = 1  # the root, then the drafted nodes and a model-free proposal's (and a constrained step's forced tails)
         if spec is not None:
             n_nodes += (spec.n_nodes - 1 if self.drafting is not None else 0) + (spec.n_nodes - 1 if props else 0)
+            n_nodes += self.tail if self.constrained else 0
         grown = 0 if ahead is None else 1 + (ahead.spec.max_depth if ahead.spec is not None else 0)
         need = max(st.lengths, default=0) + grown + n_nodes
         span = min(capacity_bucket(need) if self.static else need, self.cache.capacity)  # a bound may overshoot
@@ -527,7 +540,8 @@ class Engine:
         """Steps 1-4 on the device, every row at once, and the packed outcomes [R, W] (what the
         host reads). Reads no host value but ``plan``'s: a CUDA graph can capture it."""
         st, R, spec = self.state, plan.rows, plan.spec
-        x = self._input(R, self.spec.max_depth, plan.span_draft, dict(plan.flags), plan.feed)
+        tail = self.tail if plan.constrained and spec is not None else 0  # forced tails' room
+        x = self._input(R, self.spec.max_depth, plan.span_draft, dict(plan.flags), plan.feed, tail)
         if plan.constrained:  # constrained rows draft only what their grammars allow
             x.grammar = DraftMask([r.grammar for r in self.rows], R, self.device)
         drafted: Drafted | None = None
@@ -544,6 +558,11 @@ class Engine:
             tree, is_chain = root_only(x), True
             if plan.catch_up:
                 self.drafting.catch_up(x, st.live[:R])
+        allowed = None
+        if plan.constrained:  # forced tails below the leaves, every node's grammar mask: ONE read of the trees
+            tree, allowed = constrained_tree([r.grammar for r in self.rows], tree, tail, is_chain)
+            if drafted is not None:
+                drafted.tree, drafted.fed = tree, tree.fed
         if spec is not None:  # a row never drafts past its token limit (nodes marked, not left out)
             limit = tree.depth < x.remaining.clamp_min(1)[:, None]  # a root stays valid
             tree.valid = limit if tree.valid is None else tree.valid & limit
@@ -552,8 +571,8 @@ class Engine:
 
         logits, hidden = self._verify_forward(tree, R, plan.span)  # 2. ONE target forward, [R, N, V]
         raw = logits  # log-probabilities are reported from the raw logits
-        if plan.constrained:  # every constrained row's nodes masked by its grammar along their paths: ONE op
-            logits = verify_mask([r.grammar for r in self.rows], tree, logits)
+        if allowed is not None:  # every constrained row's nodes masked by its grammar along their paths: ONE op
+            logits = logits.masked_fill(~allowed, float("-inf"))
         rs = x.sampling
         N = tree.tokens.shape[1]
         drawn = rs.any_sampling and not rs.all_coupled
