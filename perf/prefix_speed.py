@@ -6,6 +6,7 @@ Turn 1 is a world sample (its images and question); turn 2 is turn 1's prompt, i
 second question about the same images (`` USER: ... ASSISTANT:``). Each repeat clears the cache,
 decodes turn 1, then decodes turn 2 with reuse (cache on) and without (a decoder with
 ``prefix_cache_mb=0``), the order alternating; outputs are checked equal. Medians over repeats.
+``--lookup 10 1000 10000``: only what finding a stored prefix costs with that many entries held.
 Run ``python perf/prefix_speed.py --help``.
 """
 
@@ -115,6 +116,41 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def lookup_cost(sizes: list[int], prompt: int = 600, shared: int = 64, repeats: int = 200) -> list[dict]:
+    """What finding a prompt's stored prefix costs with N entries held (``--lookup N ...``):
+    synthetic entries of ``prompt`` positions sharing a ``shared``-position system prompt, then a
+    new prompt extending one of them; the median seconds of ``PrefixCache.match`` and
+    ``encoded_for`` (run it with another ``PYTHONPATH`` to time the code before a change)."""
+    import time
+
+    from mmspec.prefix_cache import PrefixCache, PrefixEntry, RowPrefix
+
+    g = torch.Generator().manual_seed(0)
+    system = torch.randint(0, 30000, (shared,), generator=g)
+    rows = []
+    for n in sizes:
+        pc = PrefixCache(budget_mb=1 << 20)
+        kv = [(torch.zeros(1, 1, prompt, 1), torch.zeros(1, 1, prompt, 1))]
+        for i in range(n):
+            key = torch.cat([system, torch.randint(0, 30000, (prompt - shared,), generator=g)])
+            pc.store(PrefixEntry(target=RowPrefix(key=key, kv=kv), digests=(i,), encoded=object()))
+        last = list(pc.entries.values())[-1].target.key
+        query = torch.cat([last, torch.tensor([7, 8, 9])])
+        times, enc = [], []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            m = pc.match(query)
+            times.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            pc.encoded_for((n - 1,))
+            enc.append(time.perf_counter() - t)
+        assert m is not None and m.target == prompt
+        rows.append({"entries": n, "match_us": statistics.median(times) * 1e6,
+                     "encoded_for_us": statistics.median(enc) * 1e6})
+        print(json.dumps(rows[-1]))
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--families", default="chartqa,spot_the_diff,pororosv,vist")
@@ -124,7 +160,15 @@ def main() -> None:
     p.add_argument("--turn1-tokens", type=int, default=32)
     p.add_argument("--turn2-tokens", type=int, default=8)
     p.add_argument("--out", default="runs/prefix-speed")
+    p.add_argument("--lookup", type=int, nargs="*", default=None, metavar="N",
+                   help="only time a prefix lookup with N synthetic entries held (each N given), then exit")
     args = p.parse_args()
+    if args.lookup:
+        torch.set_num_threads(args.threads)
+        out = Path(args.out).with_suffix(".lookup.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(lookup_cost(args.lookup), indent=1))
+        return
     res = run(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -112,6 +112,10 @@ def test_prefix_speed(tmp_path):
     res = json.loads((tmp_path / "prefix_speed.json").read_text())
     assert res["all_identical"]
     assert "chartqa" in (tmp_path / "prefix_speed.md").read_text()
+    out = run_script("prefix_speed", "--lookup", "3", "40", "--out", str(tmp_path / "prefix_speed"))
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    rows = json.loads((tmp_path / "prefix_speed.lookup.json").read_text())
+    assert [r["entries"] for r in rows] == [3, 40] and all(r["match_us"] > 0 for r in rows)
 
 
 def test_tree_sweep(tmp_path):
