@@ -9,9 +9,9 @@ import jsonschema
 import pytest
 import torch
 
-from helpers.constrain import CHAR_VOCAB, constrained_reference, make_char_tokenizer
+from helpers.constrain import CHAR_VOCAB, constrained_reference
 from helpers.reference import reference
-from helpers.tiny import EOS, make_llava, make_prompt, noisy_copy
+from helpers.tiny import EOS, make_prompt
 from mmspec import SpecDecoder
 from mmspec.constrain import Constraint
 
@@ -25,21 +25,6 @@ CONSTRAINTS = {
     "regex": Constraint("regex", pattern=r"[a-c]{2,5}-[0-9]{1,3}"),
     "choice": Constraint("choice", choices=("yes", "no", "maybe not")),
 }
-
-
-@pytest.fixture(scope="module")
-def ctok():
-    return make_char_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def ctarget():
-    return make_llava(0, vocab=CHAR_VOCAB)
-
-
-@pytest.fixture(scope="module")
-def cdraft(ctarget):
-    return noisy_copy(ctarget, 1)
 
 
 def compiled(dec, c):

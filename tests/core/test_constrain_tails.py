@@ -6,9 +6,9 @@ in fewer blocks than with the tails off; free rows beside them are untouched."""
 import pytest
 import torch
 
-from helpers.constrain import CHAR_VOCAB, constrained_reference, make_char_tokenizer
+from helpers.constrain import constrained_reference
 from helpers.reference import reference
-from helpers.tiny import EOS, make_llava, make_prompt, noisy_copy
+from helpers.tiny import EOS, make_prompt
 from mmspec import SpecDecoder
 from mmspec import request as request_module
 from mmspec.constrain import Constraint
@@ -22,21 +22,6 @@ SCHEMA = {"type": "object", "properties": {"label": {"type": "string", "maxLengt
 C = Constraint("json_schema", schema=SCHEMA)
 SHAPES = {"chain": {"gamma": 4}, "static": {"tree": "[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]"},
           "dynamic": {"tree": "dynamic"}}
-
-
-@pytest.fixture(scope="module")
-def ctok():
-    return make_char_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def ctarget():
-    return make_llava(0, vocab=CHAR_VOCAB)
-
-
-@pytest.fixture(scope="module")
-def cdraft(ctarget):
-    return noisy_copy(ctarget, 1)
 
 
 def test_forced_run_jumps_forward_and_ends(ctarget, cdraft, ctok):

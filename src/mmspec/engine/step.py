@@ -74,7 +74,7 @@ from mmspec.timing import BlockClock
 # How far plain steps let the drafter fall behind (pending tokens) before a catch-up forward feeds
 # it: one wide draft forward every 15 plain steps rather than a narrow one every other step, so a
 # policy that decodes plainly while a draft does not pay runs close to plain decoding's speed
-# (docs/perf.md §16); the drafted step after such a run feeds the whole buffer once.
+# (docs/perf.md §17); the drafted step after such a run feeds the whole buffer once.
 PENDING_LAG = 16
 
 
