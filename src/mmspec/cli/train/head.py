@@ -47,7 +47,7 @@ def head(
     draft_vocab: int | None = typer.Option(None, help="eagle3: the draft vocabulary's size, the tokens the "
                                            "training answers use most (default: the target's whole vocabulary)."),
     answers: Path | None = typer.Option(None, help="The target's own greedy answers (mmspec train answers) "
-                                           "to the world's training prompts."),
+                                           "to the world's training prompts (a Video-LLaVA target's: to its clips)."),
     families: str | None = typer.Option(None, help="World families to train on (default: the eight image "
                                         "families; motion,order, the video ones, for a Video-LLaVA target)."),
     samples: int | None = typer.Option(None, help="Training samples per world family (default 200), or the first "
