@@ -1,6 +1,7 @@
 """Target answers for draft distillation: what the target itself says, as token ids.
 
-Owns: generating ``target.generate(do_sample=False)`` answers for world samples, batched over
+Owns: generating ``target.generate(do_sample=False)`` answers for world samples (images, or the
+video clips on a Video-LLaVA target), batched over
 prompts of the same token length (no padding, so every row is computed at the positions a
 one-row call uses), one JSONL row per sample, appended and fsynced after each batch in the
 resumable format of :mod:`mmspec.bench.store`, so an interrupted run resumes where it stopped; reading such a file back, refusing rows made for another target,
@@ -18,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -145,31 +146,68 @@ def generate_answers(target, processor, samples: Sequence, path: str | Path, sou
     time; rows that stop early are cut at their first eos, so a row equals the lone-row
     ``target.generate`` output (up to the kernels' batch-size-dependent rounding).
     """
+    def key(s) -> tuple[int, int]:
+        # one key per expanded prompt length, found without preprocessing any image (the processor
+        # expands each <image> to the same token count)
+        return len(processor.tokenizer(s.prompt)["input_ids"]), len(s.images)
+
+    def encode(batch: Sequence) -> dict:
+        images = [img for s in batch for img in s.images]
+        return processor(text=[s.prompt for s in batch], images=images or None, return_tensors="pt")
+
+    return _answer(target, processor.tokenizer, samples, path, source, key, encode, batch_size, device, progress)
+
+
+@torch.inference_mode()
+def generate_clip_answers(target, processor, clips: Sequence, path: str | Path, source: AnswerSource,
+                          batch_size: int = 8, device: str | torch.device = "cpu",
+                          progress: bool = True) -> dict[str, int]:
+    """:func:`generate_answers` for the world's video clips (:func:`mmspec.world.make_video_sample`)
+    on a Video-LLaVA target such as ``mmspec train video``'s: each clip encoded as the pair trains
+    and decodes it (:func:`mmspec.world.processor.clip_inputs`, the frame count read off the
+    target's ``video_seq_length``), the same resumable rows."""
+    from mmspec.world.processor import clip_inputs, clip_layout
+
+    vid, n_frames, per_frame = clip_layout(target)
+    tok, ip = processor.tokenizer, processor.image_processor
+
+    def key(s) -> int:  # every clip's one <video> expands to the same slots
+        return len(tok(s.prompt)["input_ids"])
+
+    def encode(batch: Sequence) -> dict:
+        xs = [clip_inputs(s, tok, ip, vid, n_frames, per_frame) for s in batch]
+        ids = torch.stack([x["input_ids"] for x in xs])  # [B, L]: one length per group
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                "pixel_values_videos": torch.cat([x["pixel_values_videos"] for x in xs])}  # [B, T, 3, H, W]
+
+    return _answer(target, tok, clips, path, source, key, encode, batch_size, device, progress)
+
+
+def _answer(target, tokenizer, samples: Sequence, path: str | Path, source: AnswerSource,
+            key: Callable, encode: Callable, batch_size: int, device, progress: bool) -> dict[str, int]:
+    """The loop of :func:`generate_answers`: samples grouped by ``key`` (one prompt length a group,
+    no padding), ``encode(batch)`` -> the target's inputs, rows appended after each batch."""
     if batch_size < 1:
         raise MMSpecError(f"batch size must be at least 1; got {batch_size}")
     from mmspec.bench.store import RowWriter
 
     path = Path(path)
     gen = target.generation_config
-    pad = gen.pad_token_id if gen.pad_token_id is not None else processor.tokenizer.pad_token_id
+    pad = gen.pad_token_id if gen.pad_token_id is not None else tokenizer.pad_token_id
     dtype = next(target.parameters()).dtype
     # opening cuts a torn last line (a run killed mid-write), so that sample is generated again
     with RowWriter(path, key=lambda row: row["uid"]) as out:
         _checked(out.rows, path, source, {s.uid: s.prompt for s in samples}, {})
         todo = [s for s in samples if s.uid not in out]
-        # (prompt tokens, images) -> samples: one key per expanded prompt length, found without
-        # preprocessing any image (the processor expands each <image> to the same token count)
-        groups: dict[tuple[int, int], list] = defaultdict(list)
+        groups: dict[object, list] = defaultdict(list)
         for s in todo:
-            groups[len(processor.tokenizer(s.prompt)["input_ids"]), len(s.images)].append(s)
+            groups[key(s)].append(s)
         batches = [g[i:i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
         with tqdm(total=len(todo), desc="target answers", unit="sample", disable=not progress,
                   mininterval=2.0) as bar:
             for batch in batches:
-                images = [img for s in batch for img in s.images]
-                enc = processor(text=[s.prompt for s in batch], images=images or None, return_tensors="pt")
                 inputs = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device))
-                          for k, v in enc.items() if isinstance(v, torch.Tensor)}
+                          for k, v in encode(batch).items() if isinstance(v, torch.Tensor)}
                 n_in = inputs["input_ids"].shape[1]
                 new = target.generate(**inputs, do_sample=False, max_new_tokens=source.max_new_tokens,
                                       pad_token_id=pad)[:, n_in:]  # [B, n_new]

@@ -540,16 +540,7 @@ def world_sequences(processor, families: list[str], n: int, seed: int, answers: 
     if unknown:
         raise MMSpecError(f"unknown world family {unknown[0]!r}; use some of {', '.join(FAMILIES)}")
     samples = [make_sample(f, "train", i, seed) for i in range(n) for f in families]
-    answer_ids = {}
-    if answers is not None:
-        from mmspec.train.distill import read_answers
-
-        answer_ids = read_answers(answers, seed=seed, prompts={s.uid: s.prompt for s in samples})
-        missing = [s.uid for s in samples if s.uid not in answer_ids]
-        if missing:
-            raise MMSpecError(f"{answers} lacks {len(missing)} of the {len(samples)} training samples (e.g. "
-                              f"{missing[0]}); make them with `mmspec train answers` for the same families, "
-                              "counts and world seed")
+    answer_ids = _answers_for(answers, samples, seed)
     tok = processor.tokenizer
     out = []
     for s in samples:
@@ -558,12 +549,14 @@ def world_sequences(processor, families: list[str], n: int, seed: int, answers: 
     return out
 
 
-def world_video_sequences(target, processor, families: list[str], n: int, seed: int) -> list[Sequence_]:
+def world_video_sequences(target, processor, families: list[str], n: int, seed: int,
+                          answers: Path | None = None) -> list[Sequence_]:
     """The world's video clips (:data:`mmspec.world.VIDEO_FAMILIES`, train split) for a Video-LLaVA
-    target such as ``mmspec train video``'s: each clip's prompt and reference answer as that pair
-    was trained on (:func:`mmspec.world.processor.clip_inputs`: evenly spaced frames, each keeping its
-    CLS token; no torchvision needed), the frame count read off the target's ``video_seq_length``.
-    The loss covers every token but the video's slots."""
+    target such as ``mmspec train video``'s: each clip's prompt as that pair was trained on
+    (:func:`mmspec.world.processor.clip_inputs`: evenly spaced frames, each keeping its CLS token;
+    no torchvision needed), the frame count read off the target's ``video_seq_length``, answered
+    by the clip's reference answer or, with ``answers``, by the target's own greedy answer
+    (``mmspec train answers --target PAIR/target``). The loss covers every token but the video's slots."""
     from mmspec.world import VIDEO_FAMILIES, make_video_sample
     from mmspec.world.processor import clip_inputs, clip_layout
 
@@ -573,15 +566,37 @@ def world_video_sequences(target, processor, families: list[str], n: int, seed: 
                           f"{', '.join(VIDEO_FAMILIES)}")
     vid, n_frames, per_frame = clip_layout(target)
     tok, ip = processor.tokenizer, processor.image_processor
+    clips = [make_video_sample(f, "train", i, seed) for i in range(n) for f in families]
+    answer_ids = _answers_for(answers, clips, seed)
     out = []
-    for s in (make_video_sample(f, "train", i, seed) for i in range(n) for f in families):
-        x = clip_inputs(s, tok, ip, vid, n_frames, per_frame, answer=s.answer)
-        ids = x["input_ids"]
-        cont = ids[x["labels"] != -100]
+    for s in clips:
+        if answers is None:
+            x = clip_inputs(s, tok, ip, vid, n_frames, per_frame, answer=s.answer)
+            ids = x["input_ids"]
+            cont = ids[x["labels"] != -100]
+        else:
+            x = clip_inputs(s, tok, ip, vid, n_frames, per_frame)
+            cont = torch.tensor(answer_ids[s.uid], dtype=torch.long)
+            ids = torch.cat([x["input_ids"], cont])
         t_ids = tok(s.prompt.replace(VIDEO_MARKER + " ", "").replace(VIDEO_MARKER, ""), return_tensors="pt")["input_ids"][0]
         out.append(Sequence_(ids, None, text_only=Sequence_(torch.cat([t_ids, cont]), None),
                              mm={"pixel_values_videos": x["pixel_values_videos"]}, loss_mask=ids != vid))
     return out
+
+
+def _answers_for(answers: Path | None, samples: list, seed: int) -> dict[str, tuple[int, ...]]:
+    """uid -> the target's answer ids from an answers file, every sample's (none: {})."""
+    if answers is None:
+        return {}
+    from mmspec.train.distill import read_answers
+
+    got = read_answers(answers, seed=seed, prompts={s.uid: s.prompt for s in samples})
+    missing = [s.uid for s in samples if s.uid not in got]
+    if missing:
+        raise MMSpecError(f"{answers} lacks {len(missing)} of the {len(samples)} training samples (e.g. "
+                          f"{missing[0]}); make them with `mmspec train answers` for the same families, "
+                          "counts and world seed")
+    return got
 
 
 def llava_instruct_sequences(processor, path: Path, image_dir: Path, n: int, image_token_id) -> list[Sequence_]:

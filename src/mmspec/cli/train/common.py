@@ -23,20 +23,23 @@ def require_model_dir(path: Path, option: str) -> None:
         raise typer.BadParameter(f"{path} is not an HF LLaVA model directory (no config.json)", param_hint=option)
 
 
-def parse_family_samples(specs: list[str], default: int, purpose: str = "train on") -> dict[str, int]:
-    """``["chartqa=4000", ...]`` -> training samples per family (every family; ``default``, the
-    ``--n-train-per-family`` given, unless named). A negative ``default``, or none left for any
-    family, is refused naming the flags the user gave."""
+def parse_family_samples(specs: list[str], default: int, purpose: str = "train on",
+                         families=None) -> dict[str, int]:
+    """``["chartqa=4000", ...]`` -> training samples per family (every family of ``families``,
+    default the world's image families; ``default``, the ``--n-train-per-family`` given, unless
+    named). A negative ``default``, or none left for any family, is refused naming the flags the
+    user gave."""
     from mmspec.world import FAMILIES
 
+    names = tuple(families) if families is not None else tuple(FAMILIES)
     if isinstance(default, bool) or not isinstance(default, int) or default < 0:
         raise typer.BadParameter(f"must be a whole number of samples per family >= 0, got {default!r} (0: only "
                                  "the families --family-samples FAMILY=N names)", param_hint="--n-train-per-family")
-    counts = {name: default for name in FAMILIES}
+    counts = {name: default for name in names}
     for spec in specs:
         name, sep, n = spec.partition("=")
-        if not sep or name not in FAMILIES or not n.isdigit():
-            raise typer.BadParameter(f"{spec!r} is not FAMILY=N with FAMILY one of {', '.join(FAMILIES)} and N >= 0",
+        if not sep or name not in names or not n.isdigit():
+            raise typer.BadParameter(f"{spec!r} is not FAMILY=N with FAMILY one of {', '.join(names)} and N >= 0",
                                      param_hint="--family-samples")
         counts[name] = int(n)
     if not any(counts.values()):

@@ -47,7 +47,7 @@ def head(
     draft_vocab: int | None = typer.Option(None, help="eagle3: the draft vocabulary's size, the tokens the "
                                            "training answers use most (default: the target's whole vocabulary)."),
     answers: Path | None = typer.Option(None, help="The target's own greedy answers (mmspec train answers) "
-                                           "to the world's training prompts."),
+                                           "to the world's training prompts (a Video-LLaVA target's: to its clips)."),
     families: str | None = typer.Option(None, help="World families to train on (default: the eight image "
                                         "families; motion,order, the video ones, for a Video-LLaVA target)."),
     samples: int | None = typer.Option(None, help="Training samples per world family (default 200), or the first "
@@ -133,15 +133,15 @@ def head(
         img = getattr(model.config, "image_token_id", None)
         head = None
         if data == "world" and is_video_llava(target):
-            seqs = world_video_sequences(model, processor, names(families), samples, world_seed)
+            seqs = world_video_sequences(model, processor, names(families), samples, world_seed, answers)
         elif data == "world":
             seqs = world_sequences(processor, names(families), samples, world_seed, answers, img)
-            if answers is None:
-                typer.echo("note: training on the world's reference answers; the target's own (`mmspec train "
-                           "answers`, then --answers FILE) train a head that drafts deeper (docs/heads.md, \"Train\")",
-                           err=True)
         else:
             seqs = user_sequences(model, processor, data, image_dir, samples, max_length, frames)
+        if data == "world" and answers is None:
+            typer.echo("note: training on the world's reference answers; the target's own (`mmspec train "
+                       "answers`, then --answers FILE) train a head that drafts deeper (docs/heads.md, \"Train\")",
+                       err=True)
         if draft_vocab is not None or feature_layers:
             from mmspec.heads.model import build_head
             from mmspec.train.conversations import draft_vocabulary
@@ -277,9 +277,6 @@ def check_head_options(cfg: HeadTrainConfig, target: Path, data: str, image_dir:
             kind, why = ("video family", " (a Video-LLaVA target reads the world's clips)") if video else ("family", "")
             raise MMSpecError(f"--families {families!r}: unknown world {kind} {unknown[0] if unknown else '(none)'!r}"
                               f"{why}; use some of {', '.join(allowed)}")
-        if video and answers is not None:
-            raise MMSpecError("--answers holds the target's answers to the world's image prompts; a Video-LLaVA "
-                              "target trains on the clips' reference answers: drop --answers")
         if answers is not None and not answers.is_file():
             raise MMSpecError(f"answers file {answers} not found; make it with `mmspec train answers --out {answers}` "
                               "for the same families, counts and world seed, or leave --answers out")

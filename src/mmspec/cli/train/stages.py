@@ -277,9 +277,11 @@ def answers_cmd(
                                     "`mmspec train head --data sharegpt:OUT`"),
     media_dir: Path | None = typer.Option(None, help="the folder the conversations' image / video paths are read from"),
     frames: int = typer.Option(8, help="frames read from each video of the conversations"),
-    n_train_per_family: int = typer.Option(400, help="train-split samples per family"),
+    n_train_per_family: int = typer.Option(400, help="train-split samples per family (on a Video-LLaVA target "
+                                           "such as `mmspec train video`'s: clips per video family)"),
     family_samples: list[str] = typer.Option([], help="FAMILY=N: N samples of this family instead of "
-                                             "--n-train-per-family (repeatable; as `train stage` takes it)"),
+                                             "--n-train-per-family (repeatable; as `train stage` takes it; a "
+                                             "video family on a Video-LLaVA target)"),
     seed: int = typer.Option(0, "--world-seed", "--seed", help="world seed of the samples: the draft stage's "
                              "--world-seed (default: its --seed)"),
     max_new_tokens: int | None = typer.Option(None, help="longest answer (default: the answer length the "
@@ -291,15 +293,25 @@ def answers_cmd(
 ) -> None:
     """The target's own greedy answers to training samples, for draft distillation.
 
-    Train a draft on them with `mmspec train stage --answers FILE`."""
+    Train a draft on them with `mmspec train stage --answers FILE`, a head with `mmspec train head
+    --answers FILE`. On a Video-LLaVA target (`mmspec train video`'s) the samples are the world's
+    video clips."""
     import torch
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    from transformers import AutoProcessor, LlavaForConditionalGeneration, VideoLlavaForConditionalGeneration
 
+    from mmspec.cli.train.head import is_video_llava
     from mmspec.embedded import default_path
     from mmspec.errors import MMSpecError
     from mmspec.train.config import RecipeConfig
-    from mmspec.train.distill import AnswerSource, generate_answers, target_fingerprint, tokenizer_fingerprint
+    from mmspec.train.distill import (
+        AnswerSource,
+        generate_answers,
+        generate_clip_answers,
+        target_fingerprint,
+        tokenizer_fingerprint,
+    )
     from mmspec.train.pack import world_samples
+    from mmspec.world import VIDEO_FAMILIES, make_video_sample
 
     max_new_tokens = RecipeConfig.max_answer_tokens if max_new_tokens is None else max_new_tokens
     if max_new_tokens < 1:
@@ -314,14 +326,22 @@ def answers_cmd(
         set_threads(threads)
         conversation_answers(path, data, media_dir, out, max_new_tokens, frames, device)
         return
-    per_family = parse_family_samples(family_samples, n_train_per_family, "answer")
+    video = is_video_llava(path)
+    per_family = parse_family_samples(family_samples, n_train_per_family, "answer",
+                                      tuple(VIDEO_FAMILIES) if video else None)
     set_threads(threads)
-    llava = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval().to(device)
+    model_class = VideoLlavaForConditionalGeneration if video else LlavaForConditionalGeneration
+    model = model_class.from_pretrained(path, dtype=torch.float32).eval().to(device)
     processor = AutoProcessor.from_pretrained(path)
     source = AnswerSource(target_fingerprint(path), tokenizer_fingerprint(processor.tokenizer), seed, max_new_tokens)
     try:
-        counts = generate_answers(llava, processor, world_samples("train", per_family, seed), out, source,
-                                  batch_size=batch_size, device=device, progress=not quiet)
+        if video:  # the world's clips, as `mmspec train video` made the pair read them
+            clips = [make_video_sample(f, "train", i, seed) for f, n in per_family.items() for i in range(n)]
+            counts = generate_clip_answers(model, processor, clips, out, source, batch_size=batch_size,
+                                           device=device, progress=not quiet)
+        else:
+            counts = generate_answers(model, processor, world_samples("train", per_family, seed), out, source,
+                                      batch_size=batch_size, device=device, progress=not quiet)
     except MMSpecError as exc:
         raise typer.BadParameter(str(exc), param_hint="--out") from exc
     typer.echo(f"{counts['written']} answers written, {counts['already_there']} already there "
