@@ -37,7 +37,7 @@ ELSEWHERE = {
 TESTED_HERE = ["batch_speed", "prefix_speed", "tree_sweep", "cpu_shapes", "serve_load", "head_formats_check",
                "serve_overhead", "lookup_speed", "serve_speed", "logprobs_cost", "mmspec_split",
                "threads", "policy_speed", "graph_warmup", "constrained_speed",
-               "seed_coupling", "host_breakdown"]
+               "seed_coupling", "host_breakdown", "head_cost", "heads_bench_summary"]
 
 
 def run_script(name: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -309,3 +309,28 @@ def test_constrained_speed(tmp_path):
     res = json.loads(out_json.read_text())
     assert res["failures"] == [] and res["rows"][0]["valid"]
     assert 0 < res["rows"][0]["lookup"]["forced_share"] <= 1 and res["batch"]["grammar_s"] > 0
+
+
+def test_head_cost(tmp_path):
+    """Every drafter's block timed by the engine in one run, every output the target's."""
+    out = tmp_path / "head_cost.json"
+    res = run_script("head_cost", "--rounds", "1", "--prompts", "1", "--families", "chartqa", "--gamma", "2",
+                     "--max-new-tokens", "6", "--out", str(out))
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    text = out.read_text()
+    assert '"M"' in text and '"eagle3"' in text
+
+
+def test_heads_bench_summary(tmp_path):
+    """Tokens/s, τ and identical outputs per method of a bench results file (rows in its format)."""
+    rows = [{"kind": "baseline", "method": None, "dataset": "chartqa", "token_ids": [1, 2, 3, 4], "wall_s": 2.0},
+            {"kind": "spec", "method": "M", "dataset": "chartqa", "token_ids": [1, 2, 3, 4], "wall_s": 1.0,
+             "identical": True, "stats": {"blocks": [{"n_emitted": 3, "draft_s": 0.01}, {"n_emitted": 1}]}},
+            {"kind": "note"}]
+    src = tmp_path / "results.rank0.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    res = run_script("heads_bench_summary", str(src), "--out", str(tmp_path / "summary.json"))
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["vs_target"]["M"] == 2.0 and summary["tau"]["M"] == 2.0 and summary["identical"]["M"] == "1/1"
+
