@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from itertools import islice
 
 import torch
 
@@ -253,7 +254,7 @@ class PrefixCache:
         if deepest is None:  # no entry shares a whole block (vLLM's prefix cache reuses whole blocks too)
             return None
         best, best_n = None, 0
-        for eid in list(deepest)[-CANDIDATES:]:
+        for eid in islice(reversed(deepest), CANDIDATES):  # the newest first, without copying the rest
             n = common_prefix(self.entries[eid].target.key, target_key)
             if n > best_n:
                 best, best_n = eid, n

@@ -241,7 +241,7 @@ def test_a_drafter_lagging_behind_plain_steps_catches_up_exactly(target, draft_s
 
     def recording(self, *a, **kw):
         out = plan_of(self, *a, **kw)
-        plans.append((out[0], self.width, self.lag))
+        plans.append((out[0], self.width, self.lag, self.fed_a_lag(out[0])))
         return out
 
     monkeypatch.setattr(Engine, "_plan", recording)
@@ -253,14 +253,37 @@ def test_a_drafter_lagging_behind_plain_steps_catches_up_exactly(target, draft_s
     assert [r.token_ids for r in got] == want
     width, lag = plans[0][1], plans[0][2]
     assert lag > width
-    assert any(p.catch_up for p, _, _ in plans)  # the lag filled: one wide catch-up forward
-    assert any(p.spec is not None and p.feed == lag for p, _, _ in plans)  # a drafted step after a run
-    assert any(p.spec is not None and p.feed == width for p, _, _ in plans)  # and one right after a drafted one
-    catch_ups = sum(p.catch_up for p, _, _ in plans)
-    plain = sum(p.spec is None for p, _, _ in plans)
-    assert catch_ups * (lag - width) <= plain  # the drafter is fed once a lag's worth of plain steps, not every other
+    assert any(p.catch_up for p, _, _, _ in plans)  # the lag filled: one wide catch-up forward
+    assert any(p.spec is not None and p.feed == lag for p, _, _, _ in plans)  # a drafted step after a run
+    assert any(p.spec is not None and p.feed == width for p, _, _, _ in plans)  # and one right after a drafted one
+    catch_ups = sum(p.catch_up for p, _, _, _ in plans)
+    plain = sum(p.spec is None for p, _, _, _ in plans)
+    assert catch_ups * (lag - width) <= plain
+    # a drafted step that fed the lag is not timed as its action's cost; every other step is
+    assert [untimed for _, _, _, untimed in plans] == [p.spec is not None and p.feed == lag for p, _, _, _ in plans]  # the drafter is fed once a lag's worth of plain steps, not every other
     seeded = requests(5, seed=40)
     for r in seeded:
         r["max_new_tokens"] += 25
     assert [r.token_ids for r in run(dec, seeded, overlap=overlap, speculate=Scripted(LAG_PATTERN))] == \
         [r.token_ids for r in run(dec, seeded, overlap=overlap, speculate="always")]
+
+
+def test_only_a_free_step_that_fed_a_lag_goes_untimed():
+    """A constrained step feeds its whole buffer every step (room for forced tails): that is its
+    action's cost, timed like any; a free drafted step that fed a lag is not; plain steps are."""
+    from types import SimpleNamespace
+
+    from mmspec.drafting.tree import TreeSpec
+    from mmspec.engine.step import Engine, StepPlan
+
+    engine = SimpleNamespace(width=3)
+    chain = TreeSpec("chain", depth=2)
+
+    def plan(spec, feed, constrained=False):
+        return StepPlan(rows=1, spec=spec, catch_up=False, keep_pending=False, proposals=False, span=8,
+                        span_draft=8, flags=(), feed=feed, constrained=constrained)
+
+    assert Engine.fed_a_lag(engine, plan(chain, 16))
+    assert not Engine.fed_a_lag(engine, plan(chain, 3))
+    assert not Engine.fed_a_lag(engine, plan(chain, 16, constrained=True))
+    assert not Engine.fed_a_lag(engine, plan(None, 0))

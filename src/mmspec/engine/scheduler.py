@@ -223,8 +223,7 @@ class BatchScheduler:
             lps = None if row.logprobs_top is None else row.logprobs[len(row.logprobs) - len(kept):]
             events.append(StepEvent(a.rid, kept, text, row.done, result, logprobs=lps))
         timed = self.engine.capture_s + self.engine.compile_s == launched.setup  # a step that captured is not timed
-        plan = launched.step.plan  # nor a drafted step that fed the drafter a run of plain steps' tokens (not its own cost)
-        timed = timed and not (plan.spec is not None and plan.feed > self.engine.width)
+        timed = timed and not self.engine.fed_a_lag(launched.step.plan)  # nor one that caught the drafter up
         self.policy.record(len(actives), launched.action, self.clock() - launched.t0 if timed else None, blocks)
         if self.policy.shapes is not None:
             for ev in events:

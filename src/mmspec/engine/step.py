@@ -490,6 +490,12 @@ class Engine:
         reads its first ones on the host."""
         return max(1, min(self.max_logprobs, self.target.vocab_size))
 
+    def fed_a_lag(self, plan: StepPlan) -> bool:
+        """A drafted step that fed the drafter a run of plain steps' tokens (the whole buffer): its
+        time is not its action's cost (the policy does not learn from it). A constrained step feeds
+        the whole buffer for its forced tails every step: that is its action's cost."""
+        return plan.spec is not None and not plan.constrained and plan.feed > self.width
+
     def _pending_bound(self, ahead: StepPlan | None) -> int:
         """The most pending tokens a row may hold once the step in flight (``ahead``) is done
         (rows admitted after its launch hold one)."""
